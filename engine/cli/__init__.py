@@ -1,0 +1,1 @@
+"""The ``sharpi`` command line: one module per subcommand (``cmd_<name>.py``)."""

@@ -1,0 +1,128 @@
+"""Block geometry of every ggml type SharpI reads: quant formats are data.
+
+Each format is a list of named fields; bytes per block is their sum, so the table documents the
+layout it sizes. Layouts follow ggml's ``block_*`` structs (ggml-common.h).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+QType = GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    dtype: str  # numpy dtype string
+    count: int
+
+    @property
+    def nbytes(self) -> int:
+        import numpy as np
+
+        return np.dtype(self.dtype).itemsize * self.count
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    qtype: QType
+    block_size: int  # elements per block
+    fields: tuple[Field, ...]
+
+    @property
+    def type_size(self) -> int:
+        """Bytes per block."""
+        return sum(f.nbytes for f in self.fields)
+
+    @property
+    def name(self) -> str:
+        return self.qtype.name
+
+    def row_bytes(self, n: int) -> int:
+        """Bytes of a row of ``n`` elements (``n`` must be a multiple of ``block_size``)."""
+        return n // self.block_size * self.type_size
+
+    def field_offset(self, name: str) -> int:
+        off = 0
+        for f in self.fields:
+            if f.name == name:
+                return off
+            off += f.nbytes
+        raise KeyError(name)
+
+
+def _fmt(qtype: QType, block: int, *fields: tuple[str, str, int]) -> BlockFormat:
+    return BlockFormat(qtype, block, tuple(Field(*f) for f in fields))
+
+
+FORMATS: dict[QType, BlockFormat] = {
+    f.qtype: f
+    for f in (
+        _fmt(QType.F32, 1, ("v", "<f4", 1)),
+        _fmt(QType.F16, 1, ("v", "<f2", 1)),
+        _fmt(QType.BF16, 1, ("v", "<u2", 1)),
+        # block_q8_0: fp16 scale, 32 signed bytes
+        _fmt(QType.Q8_0, 32, ("d", "<f2", 1), ("qs", "i1", 32)),
+        # block_q4_0: fp16 scale, 32 nibbles (low nibbles = elements 0..15, high = 16..31)
+        _fmt(QType.Q4_0, 32, ("d", "<f2", 1), ("qs", "u1", 16)),
+        # block_q5_0: fp16 scale, 32 high bits, 32 low nibbles
+        _fmt(QType.Q5_0, 32, ("d", "<f2", 1), ("qh", "u1", 4), ("qs", "u1", 16)),
+        # block_q4_K: super-block scale and min, 8 6-bit (scale, min) pairs packed in 12 bytes
+        _fmt(QType.Q4_K, 256, ("d", "<f2", 1), ("dmin", "<f2", 1), ("scales", "u1", 12), ("qs", "u1", 128)),
+        # block_q5_K: as Q4_K plus one high bit per element
+        _fmt(
+            QType.Q5_K,
+            256,
+            ("d", "<f2", 1),
+            ("dmin", "<f2", 1),
+            ("scales", "u1", 12),
+            ("qh", "u1", 32),
+            ("qs", "u1", 128),
+        ),
+        # block_q6_K: low 4 bits, high 2 bits, 16 signed 8-bit sub-block scales, fp16 scale
+        _fmt(QType.Q6_K, 256, ("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2", 1)),
+        # block_q8_K: activations for K-quant dot products (f32 scale, 16 partial sums)
+        _fmt(QType.Q8_K, 256, ("d", "<f4", 1), ("qs", "i1", 256), ("bsums", "<i2", 16)),
+    )
+}
+
+# Weight types we load and compute on (Q8_K is an activation format only).
+WEIGHT_TYPES: tuple[QType, ...] = (
+    QType.F32,
+    QType.F16,
+    QType.BF16,
+    QType.Q8_0,
+    QType.Q4_0,
+    QType.Q5_0,
+    QType.Q4_K,
+    QType.Q5_K,
+    QType.Q6_K,
+)
+
+# The table must agree with the gguf package's sizes: a cheap guard against typos.
+for _q, _f in FORMATS.items():
+    assert GGML_QUANT_SIZES[_q] == (_f.block_size, _f.type_size), _q
+
+
+def block_format(qtype: QType | int) -> BlockFormat:
+    """The format of ``qtype``; ``KeyError`` for a type we do not support."""
+    return FORMATS[QType(qtype)]
+
+
+def is_supported_weight_type(qtype: QType | int) -> bool:
+    try:
+        return QType(qtype) in WEIGHT_TYPES
+    except ValueError:
+        return False
+
+
+def tensor_bytes(qtype: QType | int, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of numpy-order ``shape`` (innermost dimension last)."""
+    f = block_format(qtype)
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n // f.block_size * f.type_size

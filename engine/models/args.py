@@ -1,0 +1,146 @@
+"""Hyperparameters shared by every architecture family, read from GGUF metadata.
+
+Each architecture module subclasses :class:`ModelArgs` (frozen) and builds it with
+``from_gguf(gf)``; quirks are named fields, not flags sprinkled through the math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import MetadataError
+from engine.gguf import keys
+from engine.gguf.reader import GGUFFile
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    arch: str
+    n_layer: int
+    n_embd: int  # D
+    n_head: int  # H (query heads)
+    n_head_kv: int  # Hkv
+    head_dim: int
+    n_vocab: int
+    n_ctx_train: int
+    rms_eps: float
+    rope_base: float
+    rope_dim: int
+    rope_neox: bool  # rotate halves (NEOX) vs adjacent pairs (normal)
+    n_ff: int = 0  # dense FFN width (0 for pure-MoE layers)
+    n_expert: int = 0  # E (0 = dense model)
+    n_expert_used: int = 0  # K
+    n_ff_exp: int = 0  # routed expert FFN width
+    n_ff_shexp: int = 0  # shared expert FFN width (0 = none)
+    norm_topk: bool = False  # renormalise the top-k routing weights
+    rope_scale: float = 1.0  # linear RoPE scaling factor (positions divided by it)
+    tied_output: bool = False  # no output.weight: logits use token_embd
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of one position's K (or V) for one layer: ``n_head_kv * head_dim``."""
+        return self.n_head_kv * self.head_dim
+
+    def describe(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def _int(gf: GGUFFile, key: str, default: int | None = None) -> int:
+    v = gf.get(key, default)
+    if v is None:
+        raise MetadataError(f"missing metadata key {key!r}", gf.path)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise MetadataError(f"metadata {key!r} = {v!r} is not an integer", gf.path)
+    return int(v)
+
+
+def _float(gf: GGUFFile, key: str, default: float) -> float:
+    v = gf.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise MetadataError(f"metadata {key!r} = {v!r} is not a number", gf.path)
+    return float(v)
+
+
+def common_fields(gf: GGUFFile, arch: str) -> dict[str, Any]:
+    """Fields every family reads the same way; checked for consistency."""
+
+    def k(template: str) -> str:
+        return keys.arch_key(template, arch)
+
+    n_embd = _int(gf, k(keys.EMBEDDING_LENGTH))
+    n_head = _int(gf, k(keys.HEAD_COUNT))
+    n_head_kv = _int(gf, k(keys.HEAD_COUNT_KV), n_head)
+    if n_head <= 0 or n_embd <= 0:
+        raise MetadataError(f"head count {n_head} and embedding length {n_embd} must be positive", gf.path)
+    head_dim = _int(gf, k(keys.KEY_LENGTH), n_embd // n_head)
+    value_dim = _int(gf, k(keys.VALUE_LENGTH), head_dim)
+    n_layer = _int(gf, k(keys.BLOCK_COUNT))
+    tokens = gf.get(keys.TOKENIZER_TOKENS)
+    embd = gf.tensors.get("token_embd.weight")
+    n_vocab = _int(gf, k(keys.VOCAB_SIZE), len(tokens) if tokens else (embd.shape[0] if embd else 0))
+    eps = _float(gf, k(keys.LAYERNORM_RMS_EPS), 1e-6)
+    rope_base = _float(gf, k(keys.ROPE_FREQ_BASE), 10000.0)
+    rope_dim = _int(gf, k(keys.ROPE_DIMENSION_COUNT), head_dim)
+    rope_scale = 1.0
+    if gf.get(k(keys.ROPE_SCALING_TYPE)) == "linear":
+        factor = _float(gf, k(keys.ROPE_SCALING_FACTOR), 1.0)
+        rope_scale = factor if factor > 0 else 1.0
+    checks = [
+        (n_layer > 0, f"block count {n_layer} must be positive"),
+        (
+            n_head_kv > 0 and n_head % n_head_kv == 0,
+            f"head count {n_head} is not a multiple of KV heads {n_head_kv}",
+        ),
+        (head_dim > 0 and head_dim % 2 == 0, f"head dim {head_dim} must be positive and even"),
+        (value_dim == head_dim, f"value length {value_dim} differs from key length {head_dim} (unsupported)"),
+        (
+            0 < rope_dim <= head_dim and rope_dim % 2 == 0,
+            f"rope dimension {rope_dim} invalid for head dim {head_dim}",
+        ),
+        (n_vocab > 0, "vocabulary size is unknown or zero"),
+        (0 < eps < 1, f"rms epsilon {eps} out of range"),
+        (rope_base > 0, f"rope base {rope_base} must be positive"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise MetadataError(msg, gf.path)
+    return dict(
+        arch=arch,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        n_vocab=n_vocab,
+        n_ctx_train=_int(gf, k(keys.CONTEXT_LENGTH), 4096),
+        rms_eps=eps,
+        rope_base=rope_base,
+        rope_dim=rope_dim,
+        rope_scale=rope_scale,
+        tied_output="output.weight" not in gf.tensors,
+    )
+
+
+def moe_fields(gf: GGUFFile, arch: str, n_ff_exp_key: str, n_ff_exp_default: int | None = None) -> dict[str, Any]:
+    """Expert count, experts used per token and expert FFN width, checked."""
+    n_expert = _int(gf, keys.arch_key(keys.EXPERT_COUNT, arch), 0)
+    n_used = _int(gf, keys.arch_key(keys.EXPERT_USED_COUNT, arch), 0)
+    n_ff_exp = _int(gf, keys.arch_key(n_ff_exp_key, arch), n_ff_exp_default)
+    if n_expert <= 0:
+        raise MetadataError(f"{arch} needs {keys.arch_key(keys.EXPERT_COUNT, arch)} > 0", gf.path)
+    if not 0 < n_used <= n_expert:
+        raise MetadataError(f"experts used per token ({n_used}) must be in 1..{n_expert}", gf.path)
+    if n_ff_exp <= 0:
+        raise MetadataError(f"expert feed-forward length {n_ff_exp} must be positive", gf.path)
+    return dict(n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp)

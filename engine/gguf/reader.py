@@ -277,5 +277,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         if e.path is None:
             raise type(e)(str(e), path) from None
         raise
-    except (ValueError, KeyError, IndexError, OverflowError, TypeError, UnicodeDecodeError, MemoryError) as e:
+    except UnicodeDecodeError:
+        raise GGUFError("a metadata key or tensor name is not valid UTF-8: the header is corrupted", path) from None
+    except (ValueError, KeyError, IndexError, OverflowError, TypeError, MemoryError) as e:
         raise GGUFError(f"malformed GGUF header: {e}", path) from None

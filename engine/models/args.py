@@ -97,7 +97,9 @@ def common_fields(gf: GGUFFile, arch: str) -> dict[str, Any]:
         factor = _float(gf, k(keys.ROPE_SCALING_FACTOR), 1.0)
         rope_scale = factor if factor > 0 else 1.0
     checks = [
-        (n_layer > 0, f"block count {n_layer} must be positive"),
+        # The tensor table bounds the layer count: a corrupted count must not drive a huge loop.
+        (0 < n_layer <= len(gf.tensors), f"block count {n_layer} is impossible for {len(gf.tensors)} tensors"),
+        (n_embd <= 1 << 18 and n_head <= 1 << 12, f"embedding length {n_embd} / head count {n_head} are implausible"),
         (
             n_head_kv > 0 and n_head % n_head_kv == 0,
             f"head count {n_head} is not a multiple of KV heads {n_head_kv}",
@@ -137,8 +139,8 @@ def moe_fields(gf: GGUFFile, arch: str, n_ff_exp_key: str, n_ff_exp_default: int
     n_expert = _int(gf, keys.arch_key(keys.EXPERT_COUNT, arch), 0)
     n_used = _int(gf, keys.arch_key(keys.EXPERT_USED_COUNT, arch), 0)
     n_ff_exp = _int(gf, keys.arch_key(n_ff_exp_key, arch), n_ff_exp_default)
-    if n_expert <= 0:
-        raise MetadataError(f"{arch} needs {keys.arch_key(keys.EXPERT_COUNT, arch)} > 0", gf.path)
+    if n_expert <= 0 or n_expert > 1 << 16:
+        raise MetadataError(f"{arch} needs {keys.arch_key(keys.EXPERT_COUNT, arch)} in 1..65536, got {n_expert}", gf.path)
     if not 0 < n_used <= n_expert:
         raise MetadataError(f"experts used per token ({n_used}) must be in 1..{n_expert}", gf.path)
     if n_ff_exp <= 0:

@@ -1,0 +1,346 @@
+"""Numpy reference quantizers: float32 rows -> the bytes of every weight format.
+
+Follows ggml's *reference* quantizers (``quantize_row_*_ref`` in ggml-quants.c, used by
+llama.cpp when no importance matrix is given), re-implemented in float32 and vectorised over
+blocks. Q8_0/Q4_0/Q5_0/F16/BF16 equal ``gguf.quants.quantize`` bit for bit. The K-quants follow
+the same search (``make_qkx2_quants`` / ``make_qx_quants``) in the same order of operations;
+ggml's C sums are sequential (and may be FMA-contracted by the compiler) where numpy's are
+pairwise, so a rare near-tie can pick a neighbouring scale — the accuracy is the format's.
+
+Output types: block formats give uint8 [..., row_bytes]; F32 gives float32 [..., n], F16 float16
+[..., n], BF16 the uint16 bit patterns [..., n]. :func:`engine.quant.dequantize` accepts each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from engine.quant.formats import QType, block_format
+
+_F32 = np.float32
+GROUP_MAX_EPS = _F32(1e-15)  # ggml: a group whose |max| is below this is all zero
+_CHUNK_ELEMENTS = 1 << 18  # blocks are quantized in chunks of this many values (cache-sized)
+
+
+# ---------------------------------------------------------------- rounding helpers
+
+
+def nearest_int(v: np.ndarray) -> np.ndarray:
+    """ggml ``nearest_int``: round half to even (float32 in, float32 out; exact integers)."""
+    return np.rint(v)
+
+
+def round_half_away(v: np.ndarray) -> np.ndarray:
+    """C ``roundf``: round half away from zero (float32 in, float32 out)."""
+    a = np.abs(v)
+    r = np.floor(a)
+    r += (a - r) >= _F32(0.5)  # a - r is exact, so the comparison is too
+    return np.copysign(r, v)
+
+
+def _recip_or_zero(d: np.ndarray) -> np.ndarray:
+    """ggml's ``id = d ? 1.0f/d : 0.0f``."""
+    out = np.zeros_like(d)
+    np.divide(_F32(1), d, out=out, where=d != 0)
+    return out
+
+
+def _to_f16(v: np.ndarray) -> np.ndarray:
+    """float32 -> float16 with round to nearest even (ggml ``GGML_FP32_TO_FP16``); inf on overflow."""
+    with np.errstate(over="ignore"):
+        return v.astype(np.float16)
+
+
+def _pack(qtype: QType, nb: int, **fields: np.ndarray) -> np.ndarray:
+    """Assemble uint8 [nb, type_size] blocks from named fields laid out as in the format table."""
+    fmt = block_format(qtype)
+    out = np.empty((nb, fmt.type_size), dtype=np.uint8)
+    for f in fmt.fields:
+        off = fmt.field_offset(f.name)
+        v = np.ascontiguousarray(np.asarray(fields[f.name]).astype(f.dtype, copy=False).reshape(nb, f.count))
+        out[:, off : off + f.nbytes] = v.view(np.uint8)
+    return out
+
+
+# ---------------------------------------------------------------- 32-element block types
+
+
+def _quant_q8_0(x: np.ndarray) -> np.ndarray:
+    # quantize_row_q8_0_ref: d = amax / 127, q = roundf(x / d)
+    d = np.abs(x).max(axis=1) / _F32(127)  # [nb]
+    q = round_half_away(x * _recip_or_zero(d)[:, None])  # [nb, 32]
+    return _pack(QType.Q8_0, len(x), d=_to_f16(d), qs=q.astype(np.int8))
+
+
+def _signed_absmax(x: np.ndarray) -> np.ndarray:
+    """The value of largest magnitude per row, first one on ties. x: [nb, n] -> [nb]."""
+    i = np.abs(x).argmax(axis=1)
+    return x[np.arange(len(x)), i]
+
+
+def _quant_q4_0(x: np.ndarray) -> np.ndarray:
+    # quantize_row_q4_0_ref: d = max / -8 (max = the signed value of largest magnitude, which
+    # maps to -8 exactly), q = min(15, trunc(x / d + 8.5)); element j < 16 in the low nibble
+    d = _signed_absmax(x) / _F32(-8)
+    q = np.minimum(np.trunc(x * _recip_or_zero(d)[:, None] + _F32(8.5)), 15).astype(np.uint8)
+    return _pack(QType.Q4_0, len(x), d=_to_f16(d), qs=q[:, :16] | (q[:, 16:] << 4))
+
+
+def _quant_q5_0(x: np.ndarray) -> np.ndarray:
+    # quantize_row_q5_0_ref: d = max / -16, q = min(31, trunc(x / d + 16.5)); low nibbles as in
+    # Q4_0, the 5th bit of element j goes to bit j of the little-endian uint32 qh
+    d = _signed_absmax(x) / _F32(-16)
+    q = np.minimum(np.trunc(x * _recip_or_zero(d)[:, None] + _F32(16.5)), 31).astype(np.uint8)
+    qs = (q[:, :16] & 0xF) | ((q[:, 16:] & 0xF) << 4)
+    qh = ((q >> 4).astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
+    return _pack(QType.Q5_0, len(x), d=_to_f16(d), qh=qh.astype("<u4").view(np.uint8), qs=qs)
+
+
+# ---------------------------------------------------------------- K-quant searches
+
+
+def make_qkx2_quants(
+    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Weighted (scale, min) search of ggml ``make_qkx2_quants`` (use_mad=false), per group.
+
+    x, w: float32 [G, n] values and weights. Fits x ~ scale * L - the_min with L in 0..nmax:
+    starts from the min/max grid, then tries nstep+1 grids of (nmax + rmin + rdelta*i) steps
+    over [min, max], solving weighted least squares for (scale, min) on each (min kept <= 0),
+    and keeps the fit with the smallest weighted squared error.
+    Returns scale float32 [G], the_min float32 [G] (>= 0), L uint8 [G, n] of the kept fit.
+    """
+    mn = np.minimum(x.min(axis=1), 0)  # [G]; the min is never positive
+    mx = x.max(axis=1)
+    flat = mx == mn  # constant groups: L = 0, scale = 0
+    span = np.where(flat, _F32(1), mx - mn)
+    sum_w = w.sum(axis=1)
+    sum_x = (w * x).sum(axis=1)
+    xm = x - mn[:, None]  # [G, n]
+
+    iscale = _F32(nmax) / span
+    scale = _F32(1) / iscale
+    L = np.clip(nearest_int(iscale[:, None] * xm), 0, nmax)
+    diff = scale[:, None] * L + mn[:, None] - x
+    best = (w * (diff * diff)).sum(axis=1)
+    the_min = mn.copy()
+    for i in range(nstep + 1):
+        iscale = (_F32(rmin) + _F32(rdelta) * _F32(i) + _F32(nmax)) / span
+        laux = np.clip(nearest_int(iscale[:, None] * xm), 0, nmax)
+        wl = w * laux
+        sum_l = wl.sum(axis=1)
+        sum_l2 = (wl * laux).sum(axis=1)
+        sum_xl = (wl * x).sum(axis=1)
+        D = sum_w * sum_l2 - sum_l * sum_l
+        ok = D > 0
+        Ds = np.where(ok, D, _F32(1))
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / Ds
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / Ds
+        pos = this_min > 0  # a positive min is not representable: refit the scale alone
+        if pos.any():
+            this_min = np.where(pos, _F32(0), this_min)
+            this_scale = np.where(pos, sum_xl / np.where(sum_l2 > 0, sum_l2, _F32(1)), this_scale)
+        diff = this_scale[:, None] * laux + this_min[:, None] - x
+        err = (w * (diff * diff)).sum(axis=1)
+        better = ok & (err < best)
+        best = np.where(better, err, best)
+        scale = np.where(better, this_scale, scale)
+        the_min = np.where(better, this_min, the_min)
+        np.copyto(L, laux, where=better[:, None])
+    scale = np.where(flat, _F32(0), scale)
+    the_min = np.where(flat, mn, the_min)
+    L[flat] = 0
+    return scale, -the_min, L.astype(np.uint8)
+
+
+def make_qx_quants_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric scale search of ggml ``make_qx_quants`` with rmse_type=1 (weights x^2), per group.
+
+    x: float32 [G, n]. Fits x ~ scale * l with l in -nmax..nmax-1: starts from the grid that maps
+    the signed max to -nmax, then tries the 18 grids -(nmax + 0.1*i)/max (i = -9..9, i != 0),
+    keeping the least-squares scale with the best weighted fit.
+    Returns scale float32 [G] (0 for all-zero groups), L uint8 [G, n] (= l + nmax) of the kept fit.
+    """
+    mx = _signed_absmax(x)  # [G]
+    zero = np.abs(mx) < GROUP_MAX_EPS
+    mx_safe = np.where(zero, _F32(1), mx)
+    w = x * x
+    wx = w * x
+
+    def fit(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        l = np.clip(nearest_int(iscale[:, None] * x), -nmax, nmax - 1)
+        return l, (wx * l).sum(axis=1), ((w * l) * l).sum(axis=1)
+
+    l, sumlx, suml2 = fit(_F32(-nmax) / mx_safe)
+    scale = np.where(suml2 != 0, sumlx / np.where(suml2 != 0, suml2, _F32(1)), _F32(0))
+    best = scale * sumlx
+    L = l
+    for i in (*range(-9, 0), *range(1, 10)):
+        l, sumlx, suml2 = fit(-(_F32(nmax) + _F32(0.1) * _F32(i)) / mx_safe)
+        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        s = sumlx / np.where(suml2 > 0, suml2, _F32(1))
+        scale = np.where(better, s, scale)
+        best = np.where(better, s * sumlx, best)
+        L = np.where(better[:, None], l, L)
+    scale = np.where(zero, _F32(0), scale)
+    L = (L + nmax).astype(np.uint8)
+    L[zero] = 0
+    return scale, L
+
+
+# ---------------------------------------------------------------- 256-element K-quants
+
+
+def pack_scale_min_k4(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
+    """Pack 8 six-bit scales and mins per block into 12 bytes (inverse of ``get_scale_min_k4``).
+
+    ls, lm: uint8 [nb, 8] in 0..63 -> uint8 [nb, 12].
+    """
+    ls, lm = ls.astype(np.uint8), lm.astype(np.uint8)
+    b0 = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)  # scales 0-3, top bits of scales 4-7
+    b4 = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)  # mins 0-3, top bits of mins 4-7
+    b8 = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)  # low nibbles of scales/mins 4-7
+    return np.concatenate([b0, b4, b8], axis=1)
+
+
+def _quant_qk_asym(x: np.ndarray, nmax: int, rmin: float, nstep: int) -> tuple[np.ndarray, ...]:
+    """Shared body of quantize_row_q4_K_ref / quantize_row_q5_K_ref.
+
+    x: float32 [nb, 256] -> (d f16 [nb], dmin f16 [nb], scales u8 [nb, 12], L u8 [nb, 8, 32]).
+    """
+    nb = len(x)
+    xs = x.reshape(nb, 8, 32)
+    # Per-sub-block weights: rms of the sub-block plus |x| (large values matter more).
+    av_x = np.sqrt((xs * xs).sum(axis=2) / _F32(32))  # [nb, 8]
+    w = av_x[:, :, None] + np.abs(xs)
+    scales, mins, L = make_qkx2_quants(xs.reshape(-1, 32), w.reshape(-1, 32), nmax, rmin, 0.1, nstep)
+    scales, mins, L = scales.reshape(nb, 8), mins.reshape(nb, 8), L.reshape(nb, 8, 32)
+
+    # Sub-block scales and mins become 6-bit multiples of a per-block fp16 d and dmin.
+    max_scale = np.maximum(scales.max(axis=1), 0)
+    max_min = np.maximum(mins.max(axis=1), 0)
+    inv_scale = np.where(max_scale > 0, _F32(63) / np.where(max_scale > 0, max_scale, 1), _F32(0))
+    inv_min = np.where(max_min > 0, _F32(63) / np.where(max_min > 0, max_min, 1), _F32(0))
+    # uint8_t ls = nearest_int(...); MIN(63, ls): a negative value would wrap, then clamp to 63
+    ls = np.minimum(nearest_int(inv_scale[:, None] * scales).astype(np.int32) & 0xFF, 63)
+    lm = np.minimum(nearest_int(inv_min[:, None] * mins).astype(np.int32) & 0xFF, 63)
+    d = _to_f16(max_scale / _F32(63))
+    dmin = _to_f16(max_min / _F32(63))
+
+    # Requantize each sub-block against its stored scale; a zero scale keeps the search's L.
+    d_sub = (d.astype(_F32)[:, None] * ls.astype(_F32))[:, :, None]  # [nb, 8, 1]
+    dm_sub = (dmin.astype(_F32)[:, None] * lm.astype(_F32))[:, :, None]
+    live = d_sub != 0
+    q = np.clip(nearest_int((xs + dm_sub) / np.where(live, d_sub, _F32(1))), 0, nmax)
+    L = np.where(live, q, L).astype(np.uint8)
+    return d, dmin, pack_scale_min_k4(ls, lm), L
+
+
+def _quant_q4_k(x: np.ndarray) -> np.ndarray:
+    # quantize_row_q4_K_ref: make_qkx2_quants(32, 15, ..., rmin=-1, rdelta=0.1, nstep=20)
+    d, dmin, scales, L = _quant_qk_asym(x, 15, -1.0, 20)
+    nb = len(x)
+    pairs = L.reshape(nb, 4, 2, 32)  # chunk c holds sub-blocks 2c (low nibble) and 2c+1 (high)
+    qs = pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)
+    return _pack(QType.Q4_K, nb, d=d, dmin=dmin, scales=scales, qs=qs)
+
+
+def _quant_q5_k(x: np.ndarray) -> np.ndarray:
+    # quantize_row_q5_K_ref: make_qkx2_quants(32, 31, ..., rmin=-0.5, rdelta=0.1, nstep=15)
+    d, dmin, scales, L = _quant_qk_asym(x, 31, -0.5, 15)
+    nb = len(x)
+    pairs = (L & 0xF).reshape(nb, 4, 2, 32)
+    qs = pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)
+    # The 5th bit of element l of sub-block s goes to bit s of qh[l].
+    qh = ((L >> 4) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8)
+    return _pack(QType.Q5_K, nb, d=d, dmin=dmin, scales=scales, qh=qh, qs=qs)
+
+
+def _quant_q6_k(x: np.ndarray) -> np.ndarray:
+    # quantize_row_q6_K_ref: 16 sub-blocks of 16 with make_qx_quants(16, 32, ..., rmse_type=1);
+    # their scales become int8 multiples of a per-block fp16 d (the largest maps to -128)
+    nb = len(x)
+    xs = x.reshape(nb, 16, 16)
+    scales, L = make_qx_quants_rmse1(xs.reshape(-1, 16), 32)
+    scales, L = scales.reshape(nb, 16), L.reshape(nb, 16, 16)
+    max_scale = _signed_absmax(scales)  # [nb]
+    zero = np.abs(max_scale) < GROUP_MAX_EPS  # such a block is stored as all-zero bytes
+    iscale = _F32(-128) / np.where(zero, _F32(1), max_scale)
+    d = np.where(zero, np.float16(0), _to_f16(_F32(1) / iscale))
+    sc = np.minimum(nearest_int(iscale[:, None] * scales), 127).astype(np.int8)  # [nb, 16]
+    sc[zero] = 0
+
+    d_sub = (d.astype(_F32)[:, None] * sc.astype(_F32))[:, :, None]  # [nb, 16, 1]
+    live = d_sub != 0
+    q = np.clip(nearest_int(xs / np.where(live, d_sub, _F32(1))), -32, 31) + 32
+    L = np.where(live, q, L).astype(np.uint8)
+    L[zero] = 0
+
+    # Pack: half h, element 32k + l -> low nibble into ql[l] (k=0), ql[32+l] (k=1), the high
+    # nibbles of the same bytes (k=2, 3); top 2 bits into bits 2k..2k+1 of qh[l].
+    Lh = L.reshape(nb, 2, 4, 32)
+    low = Lh & 0xF
+    ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=2)
+    qh = ((Lh >> 4) << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(axis=2, dtype=np.uint8)
+    return _pack(QType.Q6_K, nb, ql=ql, qh=qh, scales=sc, d=d)
+
+
+QUANTIZE_BLOCKS: dict[QType, Callable[[np.ndarray], np.ndarray]] = {
+    QType.Q8_0: _quant_q8_0,
+    QType.Q4_0: _quant_q4_0,
+    QType.Q5_0: _quant_q5_0,
+    QType.Q4_K: _quant_q4_k,
+    QType.Q5_K: _quant_q5_k,
+    QType.Q6_K: _quant_q6_k,
+}
+
+
+# ---------------------------------------------------------------- float types
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 [...] -> bfloat16 bits uint16 [...]; agrees with ggml ``ggml_compute_fp32_to_bf16``.
+
+    Round to nearest even on the dropped 16 bits; NaNs are kept quiet (bit 6 of the top half set).
+    """
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    is_nan = (u & 0x7FFFFFFF) > 0x7F800000
+    rounded = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
+    return np.where(is_nan, (u >> 16) | 64, rounded).astype(np.uint16)
+
+
+# ---------------------------------------------------------------- public entry point
+
+
+def quantize(x: np.ndarray, qtype: QType | int) -> np.ndarray:
+    """Encode float values in a weight type.
+
+    x: float [..., n] (converted to float32 first). n must be a multiple of 32 for
+    Q8_0/Q4_0/Q5_0 and of 256 for Q4_K/Q5_K/Q6_K (ValueError otherwise).
+    Returns uint8 [..., row_bytes] for block types; float32 [..., n] for F32, float16 [..., n]
+    for F16 and the bfloat16 bit patterns uint16 [..., n] for BF16.
+    """
+    qtype = QType(qtype)
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim == 0:
+        raise ValueError("quantize: expected an array with at least one dimension")
+    if qtype == QType.F32:
+        return x.copy()
+    if qtype == QType.F16:
+        return _to_f16(x)
+    if qtype == QType.BF16:
+        return f32_to_bf16(x)
+    if qtype not in QUANTIZE_BLOCKS:
+        raise ValueError(f"quantize: unsupported type {qtype.name}")
+    fmt = block_format(qtype)
+    n = x.shape[-1]
+    if n % fmt.block_size:
+        raise ValueError(f"{qtype.name} needs rows that are a multiple of {fmt.block_size}, got {n}")
+    blocks = np.ascontiguousarray(x).reshape(-1, fmt.block_size)
+    out = np.empty((len(blocks), fmt.type_size), dtype=np.uint8)
+    step = max(1, _CHUNK_ELEMENTS // fmt.block_size)
+    for i in range(0, len(blocks), step):
+        out[i : i + step] = QUANTIZE_BLOCKS[qtype](blocks[i : i + step])
+    return out.reshape(*x.shape[:-1], fmt.row_bytes(n))

@@ -101,38 +101,47 @@ def _quant_q5_0(x: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------- K-quant searches
 
 
+def _seq_sum(a: np.ndarray) -> np.ndarray:
+    """Sum over axis 0 in index order, like ggml's C loops (numpy's pairwise sums round differently).
+
+    a: [n, ...] -> [...]. Reducing the outer axis of a C-contiguous array adds whole rows in turn.
+    """
+    return np.add.reduce(np.ascontiguousarray(a), axis=0)
+
+
 def make_qkx2_quants(
     x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Weighted (scale, min) search of ggml ``make_qkx2_quants`` (use_mad=false), per group.
 
     x, w: float32 [G, n] values and weights. Fits x ~ scale * L - the_min with L in 0..nmax:
-    starts from the min/max grid, then tries nstep+1 grids of (nmax + rmin + rdelta*i) steps
-    over [min, max], solving weighted least squares for (scale, min) on each (min kept <= 0),
-    and keeps the fit with the smallest weighted squared error.
+    starts from the grid of nmax steps over [min(x, 0), max(x)], then tries nstep+1 grids of
+    (nmax + rmin + rdelta*i) steps, solving weighted least squares for (scale, min) on each (min
+    kept <= 0), and keeps the fit with the smallest weighted squared error. As in ggml, an
+    accepted fit moves ``min``, so later grids start from it.
     Returns scale float32 [G], the_min float32 [G] (>= 0), L uint8 [G, n] of the kept fit.
     """
-    mn = np.minimum(x.min(axis=1), 0)  # [G]; the min is never positive
-    mx = x.max(axis=1)
+    # Element-major [n, G] so that every sum runs in ggml's order (see _seq_sum).
+    x = np.ascontiguousarray(x.T)
+    w = np.ascontiguousarray(w.T)
+    mn = np.minimum(x.min(axis=0), 0)  # [G]; the min is never positive
+    mx = x.max(axis=0)
     flat = mx == mn  # constant groups: L = 0, scale = 0
-    span = np.where(flat, _F32(1), mx - mn)
-    sum_w = w.sum(axis=1)
-    sum_x = (w * x).sum(axis=1)
-    xm = x - mn[:, None]  # [G, n]
+    sum_w = _seq_sum(w)
+    sum_x = _seq_sum(w * x)
 
-    iscale = _F32(nmax) / span
+    iscale = _F32(nmax) / np.where(flat, _F32(1), mx - mn)
     scale = _F32(1) / iscale
-    L = np.clip(nearest_int(iscale[:, None] * xm), 0, nmax)
-    diff = scale[:, None] * L + mn[:, None] - x
-    best = (w * (diff * diff)).sum(axis=1)
-    the_min = mn.copy()
+    L = np.clip(nearest_int(iscale * (x - mn)), 0, nmax)  # [n, G]
+    diff = scale * L + mn - x
+    best = _seq_sum(w * (diff * diff))
     for i in range(nstep + 1):
-        iscale = (_F32(rmin) + _F32(rdelta) * _F32(i) + _F32(nmax)) / span
-        laux = np.clip(nearest_int(iscale[:, None] * xm), 0, nmax)
+        iscale = (_F32(rmin) + _F32(rdelta) * _F32(i) + _F32(nmax)) / np.where(flat, _F32(1), mx - mn)
+        laux = np.clip(nearest_int(iscale * (x - mn)), 0, nmax)
         wl = w * laux
-        sum_l = wl.sum(axis=1)
-        sum_l2 = (wl * laux).sum(axis=1)
-        sum_xl = (wl * x).sum(axis=1)
+        sum_l = _seq_sum(wl)
+        sum_l2 = _seq_sum(wl * laux)
+        sum_xl = _seq_sum(wl * x)
         D = sum_w * sum_l2 - sum_l * sum_l
         ok = D > 0
         Ds = np.where(ok, D, _F32(1))
@@ -142,17 +151,16 @@ def make_qkx2_quants(
         if pos.any():
             this_min = np.where(pos, _F32(0), this_min)
             this_scale = np.where(pos, sum_xl / np.where(sum_l2 > 0, sum_l2, _F32(1)), this_scale)
-        diff = this_scale[:, None] * laux + this_min[:, None] - x
-        err = (w * (diff * diff)).sum(axis=1)
+        diff = this_scale * laux + this_min - x
+        err = _seq_sum(w * (diff * diff))
         better = ok & (err < best)
         best = np.where(better, err, best)
         scale = np.where(better, this_scale, scale)
-        the_min = np.where(better, this_min, the_min)
-        np.copyto(L, laux, where=better[:, None])
+        mn = np.where(better, this_min, mn)
+        np.copyto(L, laux, where=better)
     scale = np.where(flat, _F32(0), scale)
-    the_min = np.where(flat, mn, the_min)
-    L[flat] = 0
-    return scale, -the_min, L.astype(np.uint8)
+    L[:, flat] = 0
+    return scale, -mn, np.ascontiguousarray(L.T.astype(np.uint8))
 
 
 def make_qx_quants_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
@@ -166,12 +174,13 @@ def make_qx_quants_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarr
     mx = _signed_absmax(x)  # [G]
     zero = np.abs(mx) < GROUP_MAX_EPS
     mx_safe = np.where(zero, _F32(1), mx)
+    x = np.ascontiguousarray(x.T)  # [n, G]: sums in ggml's order (see _seq_sum)
     w = x * x
     wx = w * x
 
     def fit(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        l = np.clip(nearest_int(iscale[:, None] * x), -nmax, nmax - 1)
-        return l, (wx * l).sum(axis=1), ((w * l) * l).sum(axis=1)
+        l = np.clip(nearest_int(iscale * x), -nmax, nmax - 1)
+        return l, _seq_sum(wx * l), _seq_sum((w * l) * l)
 
     l, sumlx, suml2 = fit(_F32(-nmax) / mx_safe)
     scale = np.where(suml2 != 0, sumlx / np.where(suml2 != 0, suml2, _F32(1)), _F32(0))
@@ -183,11 +192,11 @@ def make_qx_quants_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarr
         s = sumlx / np.where(suml2 > 0, suml2, _F32(1))
         scale = np.where(better, s, scale)
         best = np.where(better, s * sumlx, best)
-        L = np.where(better[:, None], l, L)
+        L = np.where(better, l, L)
     scale = np.where(zero, _F32(0), scale)
     L = (L + nmax).astype(np.uint8)
-    L[zero] = 0
-    return scale, L
+    L[:, zero] = 0
+    return scale, np.ascontiguousarray(L.T)
 
 
 # ---------------------------------------------------------------- 256-element K-quants
@@ -213,7 +222,7 @@ def _quant_qk_asym(x: np.ndarray, nmax: int, rmin: float, nstep: int) -> tuple[n
     nb = len(x)
     xs = x.reshape(nb, 8, 32)
     # Per-sub-block weights: rms of the sub-block plus |x| (large values matter more).
-    av_x = np.sqrt((xs * xs).sum(axis=2) / _F32(32))  # [nb, 8]
+    av_x = np.sqrt(_seq_sum(np.moveaxis(xs * xs, 2, 0)) / _F32(32))  # [nb, 8]
     w = av_x[:, :, None] + np.abs(xs)
     scales, mins, L = make_qkx2_quants(xs.reshape(-1, 32), w.reshape(-1, 32), nmax, rmin, 0.1, nstep)
     scales, mins, L = scales.reshape(nb, 8), mins.reshape(nb, 8), L.reshape(nb, 8, 32)

@@ -56,3 +56,11 @@ __all__ = [
     "model_tensor_specs",
     "read_args",
 ]
+
+
+def build_model(gf: GGUFFile, *, q8_act: bool = True, experts=None):
+    """Check the file and build its architecture's :class:`~engine.models.base.DecoderModel`."""
+    from engine.models.weights import Weights
+
+    args, _ = check_model_file(gf)
+    return arch_module(args.arch).Model(Weights(gf, q8_act=q8_act), args, experts)

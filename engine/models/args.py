@@ -140,7 +140,9 @@ def moe_fields(gf: GGUFFile, arch: str, n_ff_exp_key: str, n_ff_exp_default: int
     n_used = _int(gf, keys.arch_key(keys.EXPERT_USED_COUNT, arch), 0)
     n_ff_exp = _int(gf, keys.arch_key(n_ff_exp_key, arch), n_ff_exp_default)
     if n_expert <= 0 or n_expert > 1 << 16:
-        raise MetadataError(f"{arch} needs {keys.arch_key(keys.EXPERT_COUNT, arch)} in 1..65536, got {n_expert}", gf.path)
+        raise MetadataError(
+            f"{arch} needs {keys.arch_key(keys.EXPERT_COUNT, arch)} in 1..65536, got {n_expert}", gf.path
+        )
     if not 0 < n_used <= n_expert:
         raise MetadataError(f"experts used per token ({n_used}) must be in 1..{n_expert}", gf.path)
     if n_ff_exp <= 0:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from engine.gguf import keys
 from engine.gguf.reader import GGUFFile
 from engine.models.args import ModelArgs, _int, common_fields, moe_fields
+from engine.models.base import DecoderModel
+from engine.models.blocks import Attention, DecoderLayer, MoE
 from engine.models.tensors import (
     TensorSpec,
     attention_specs,
@@ -35,3 +37,14 @@ def tensor_specs(a: Args) -> list[TensorSpec]:
         if a.n_ff_shexp:
             specs += shared_expert_specs(i, a)
     return specs
+
+
+class Model(DecoderModel):
+    def make_layer(self, i: int) -> DecoderLayer:
+        return DecoderLayer(
+            self.w,
+            i,
+            self.args,
+            Attention(self.w, i, self.args, qkv_bias=True),
+            MoE(self.w, i, self.args, self.experts, shared_expert=self.args.n_ff_shexp > 0),
+        )

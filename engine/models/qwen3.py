@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from engine.gguf import keys
 from engine.gguf.reader import GGUFFile
 from engine.models.args import ModelArgs, _int, common_fields
+from engine.models.base import DecoderModel
+from engine.models.blocks import Attention, DecoderLayer, DenseFFN
 from engine.models.tensors import TensorSpec, attention_specs, dense_ffn_specs, global_specs
 
 ARCH = "qwen3"
@@ -26,3 +28,8 @@ def tensor_specs(a: Args) -> list[TensorSpec]:
     for i in range(a.n_layer):
         specs += attention_specs(i, a, qk_norm="head") + dense_ffn_specs(i, a)
     return specs
+
+
+class Model(DecoderModel):
+    def make_layer(self, i: int) -> DecoderLayer:
+        return DecoderLayer(self.w, i, self.args, Attention(self.w, i, self.args, qk_norm="head"), DenseFFN(self.w, i))

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from engine.gguf import keys
 from engine.gguf.reader import GGUFFile
 from engine.models.args import ModelArgs, common_fields, moe_fields
+from engine.models.base import DecoderModel
+from engine.models.blocks import Attention, DecoderLayer, MoE
 from engine.models.tensors import TensorSpec, attention_specs, global_specs, moe_specs
 
 ARCH = "qwen3moe"
@@ -31,3 +33,14 @@ def tensor_specs(a: Args) -> list[TensorSpec]:
     for i in range(a.n_layer):
         specs += attention_specs(i, a, qk_norm="head") + moe_specs(i, a)
     return specs
+
+
+class Model(DecoderModel):
+    def make_layer(self, i: int) -> DecoderLayer:
+        return DecoderLayer(
+            self.w,
+            i,
+            self.args,
+            Attention(self.w, i, self.args, qk_norm="head"),
+            MoE(self.w, i, self.args, self.experts),
+        )

@@ -1,0 +1,53 @@
+"""Routed-expert backends: the one call models make, ``forward(layer, x, ids, weights) -> y``.
+
+Models never see where experts live. ``CpuExperts`` computes on the CPU from the memory-mapped
+quantized stacks; the hybrid runtime adds device-resident and cached backends behind the same call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.kernels.prepare import PreparedWeight
+
+
+@dataclass
+class ExpertStacks:
+    """One MoE layer's routed experts: gate, up [E, F, D] and down [E, D, F] prepared weights."""
+
+    gate: PreparedWeight
+    up: PreparedWeight
+    down: PreparedWeight
+
+
+class ExpertBackend:
+    """Interface: routed-expert FFN for a batch of tokens."""
+
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x float32 [T, D]; ids int64 [T, K]; weights float32 [T, K] -> float32 [T, D]:
+        Σ_k weights[t,k] · down[e](silu(gate[e]·x_t) ⊙ up[e]·x_t) with e = ids[t,k]."""
+        raise NotImplementedError
+
+
+class CpuExperts(ExpertBackend):
+    """Experts computed by the numba kernels straight from the quantized memory map."""
+
+    def __init__(self, stacks: dict[int, ExpertStacks], q8_act: bool = True):
+        self.stacks = stacks
+        self.q8_act = q8_act
+        self.calls: dict[int, np.ndarray] = {}  # layer -> per-expert call counts (profiler feed)
+
+    def forward(self, layer, x, ids, weights):
+        from engine import ops
+
+        s = self.stacks[layer]
+        X = np.ascontiguousarray(x.detach().numpy(), dtype=np.float32)
+        I = np.ascontiguousarray(ids.numpy(), dtype=np.int64)
+        W = np.ascontiguousarray(weights.detach().numpy(), dtype=np.float32)
+        counts = self.calls.setdefault(layer, np.zeros(s.gate.n_experts, np.int64))
+        np.add.at(counts, I.reshape(-1), 1)
+        Y = ops.moe_ffn(s.gate, s.up, s.down, X, I, W, q8_act=self.q8_act)
+        return torch.from_numpy(Y)

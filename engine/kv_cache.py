@@ -1,0 +1,99 @@
+"""Preallocated KV cache written by position, in f32, bf16 or q8_0.
+
+q8_0 stores int8 codes plus one fp16 scale per 32 values (34 bytes per 32 elements, the size the
+planner prices); values are rounded like ggml's ``quantize_row_q8_0_ref`` (d = amax/127).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.errors import UsageError
+
+KV_TYPES = ("f32", "bf16", "q8_0")
+ENV_KV_DTYPE = "SHARPI_KV_DTYPE"
+
+
+def resolve_kv_type(kv_type: str | None) -> str:
+    """The KV dtype to use: the argument, else $SHARPI_KV_DTYPE, else f32."""
+    t = (kv_type or os.environ.get(ENV_KV_DTYPE) or "f32").lower()
+    t = {"fp32": "f32", "float32": "f32", "q8": "q8_0"}.get(t, t)
+    if t not in KV_TYPES:
+        raise UsageError(f"unknown KV type {t!r} (choose one of {', '.join(KV_TYPES)})")
+    return t
+
+
+def kv_bytes_per_element(kv_type: str) -> float:
+    return {"f32": 4.0, "bf16": 2.0, "q8_0": 34 / 32}[kv_type]
+
+
+class _Store:
+    """One tensor of the cache ([n_ctx, width]) in the chosen dtype."""
+
+    def __init__(self, n_ctx: int, width: int, kv_type: str, device: torch.device):
+        self.kv_type = kv_type
+        if kv_type == "q8_0":
+            self.q = torch.zeros(n_ctx, width, dtype=torch.int8, device=device)
+            self.d = torch.zeros(n_ctx, width // 32, dtype=torch.float16, device=device)
+        else:
+            dt = torch.float32 if kv_type == "f32" else torch.bfloat16
+            self.q = torch.zeros(n_ctx, width, dtype=dt, device=device)
+
+    def write(self, start: int, x: torch.Tensor) -> None:  # x [T, width] f32
+        T = x.shape[0]
+        if self.kv_type != "q8_0":
+            self.q[start : start + T] = x.to(self.q.dtype)
+            return
+        xb = x.reshape(T, -1, 32)
+        amax = xb.abs().amax(dim=-1)  # [T, nb]
+        d = (amax / 127).to(torch.float16)
+        iscale = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+        self.q[start : start + T] = torch.round(xb * iscale[..., None]).clamp(-127, 127).to(torch.int8).reshape(T, -1)
+        self.d[start : start + T] = d
+
+    def read(self, end: int) -> torch.Tensor:  # [end, width] f32
+        if self.kv_type != "q8_0":
+            return self.q[:end].to(torch.float32)
+        q = self.q[:end].to(torch.float32).reshape(end, -1, 32)
+        return (q * self.d[:end].to(torch.float32)[..., None]).reshape(end, -1)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.q.numel() * self.q.element_size()
+        if self.kv_type == "q8_0":
+            n += self.d.numel() * self.d.element_size()
+        return n
+
+
+class KVCache:
+    """K and V for ``layers`` (layer index → device), each [n_ctx, kv_dim]."""
+
+    def __init__(self, layers: dict[int, torch.device], n_ctx: int, kv_dim: int, kv_type: str = "f32"):
+        kv_type = resolve_kv_type(kv_type)
+        if kv_type == "q8_0" and kv_dim % 32:
+            raise UsageError(
+                f"--kv-type q8_0 needs the KV width (kv_heads × head_dim = {kv_dim}) to be a multiple of 32; "
+                "use bf16 or f32 for this model"
+            )
+        self.n_ctx, self.kv_dim, self.kv_type = n_ctx, kv_dim, kv_type
+        self.k = {i: _Store(n_ctx, kv_dim, kv_type, dev) for i, dev in layers.items()}
+        self.v = {i: _Store(n_ctx, kv_dim, kv_type, dev) for i, dev in layers.items()}
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [T, kv_dim] at positions start.. and return all K, V [start+T, kv_dim] (f32)."""
+        end = start + k.shape[0]
+        if end > self.n_ctx:
+            raise UsageError(f"context full: position {end} exceeds the context of {self.n_ctx}")
+        self.k[layer].write(start, k)
+        self.v[layer].write(start, v)
+        return self.k[layer].read(end), self.v[layer].read(end)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.k.values()) + sum(s.nbytes for s in self.v.values())
+
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype really stored (tests use it to prove no silent f32 fallback)."""
+        return next(iter(self.k.values())).q.dtype

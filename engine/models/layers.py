@@ -1,0 +1,91 @@
+"""The math every architecture composes, written once in torch (any device).
+
+Shapes: T tokens in the batch, D model width, H query heads, Hkv KV heads, hd head dim.
+Each function says which llama.cpp graph op it must agree with.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x [..., n] -> x / sqrt(mean(x²) + eps) * w  (ggml_rms_norm then ggml_mul)."""
+    y = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return y * w if w is not None else y
+
+
+def rope_cos_sin(
+    positions: np.ndarray, rope_dim: int, base: float, scale: float = 1.0, freq_factors: np.ndarray | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin float32 [T, rope_dim/2] for integer ``positions`` [T].
+
+    As ggml_rope: theta_i = p · s^i computed by repeated float32 multiplication with
+    s = base^(-2/rope_dim), positions divided by the linear scaling factor, and each theta
+    divided by its frequency factor (Llama-3 ``rope_freqs``) when present.
+    """
+    half = rope_dim // 2
+    s = np.float32(base) ** np.float32(-2.0 / rope_dim)
+    p = np.asarray(positions, dtype=np.float32) * np.float32(1.0 / scale)  # [T]
+    steps = np.concatenate([[np.float32(1)], np.full(half - 1, s, dtype=np.float32)])
+    theta = np.cumprod(np.broadcast_to(steps, (len(p), half)).copy(), axis=1, dtype=np.float32)
+    theta = theta * p[:, None]
+    if freq_factors is not None:
+        theta = theta / np.asarray(freq_factors, dtype=np.float32)[None, :half]
+    return torch.from_numpy(np.cos(theta)), torch.from_numpy(np.sin(theta))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
+    """x [T, heads, hd]; rotate the first rope_dim dims. NEOX pairs (i, i+rd/2); normal pairs (2i, 2i+1)."""
+    rd = cos.shape[-1] * 2
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, rd/2]
+    xr, rest = x[..., :rd], x[..., rd:]
+    if neox:
+        x0, x1 = xr[..., : rd // 2], xr[..., rd // 2 :]
+        out = torch.cat([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1)
+    else:
+        x0, x1 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2)
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal GQA attention of T new queries over all cached positions.
+
+    q [T, H, hd] at positions start..start+T-1; k, v [P, Hkv, hd] for positions 0..P-1
+    (P = start + T). Returns [T, H*hd]. Softmax in float32 with scale 1/sqrt(hd)
+    (llama.cpp's build_attn_mha with kq_scale).
+    """
+    T, H, hd = q.shape
+    P, Hkv = k.shape[0], k.shape[1]
+    g = H // Hkv
+    qh = q.reshape(T, Hkv, g, hd).permute(1, 2, 0, 3)  # [Hkv, g, T, hd]
+    kh = k.permute(1, 2, 0)[:, None]  # [Hkv, 1, hd, P]
+    vh = v.permute(1, 0, 2)[:, None]  # [Hkv, 1, P, hd]
+    scores = torch.matmul(qh, kh) * (1.0 / float(hd) ** 0.5)  # [Hkv, g, T, P]
+    if T > 1 or start + T < P:
+        qpos = torch.arange(start, start + T, device=q.device)[:, None]
+        kpos = torch.arange(P, device=q.device)[None, :]
+        scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, vh)  # [Hkv, g, T, hd]
+    return out.permute(2, 0, 1, 3).reshape(T, H * hd)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: silu(gate) * up (ggml_swiglu_split)."""
+    return torch.nn.functional.silu(gate) * up
+
+
+def route_softmax_topk(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (ids int64 [T, k], weights float32 [T, k]).
+
+    softmax over all experts, top-k by probability, optionally renormalised to sum 1
+    (llama.cpp build_moe_ffn with LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX, norm_w).
+    """
+    probs = torch.softmax(logits, dim=-1)
+    w, ids = torch.topk(probs, k, dim=-1)
+    if renormalise:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return ids, w

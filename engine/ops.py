@@ -1,0 +1,51 @@
+"""The two kernel entry points the model math calls, in one visible place.
+
+``matmul`` and ``moe_ffn`` route to the numba kernels; ``SHARPI_KERNELS=reference`` (or
+``use_reference(True)``) selects the numpy reference models with the same signatures.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from engine.kernels import reference as ref
+from engine.kernels.prepare import PreparedWeight
+
+_use_reference = os.environ.get("SHARPI_KERNELS", "").lower() == "reference"
+
+
+def use_reference(flag: bool) -> None:
+    global _use_reference
+    _use_reference = flag
+
+
+def matmul(w: PreparedWeight, X: np.ndarray, *, q8_act: bool) -> np.ndarray:
+    """Y = X·Wᵀ: X float32 [T, n] -> float32 [T, rows]."""
+    if _use_reference:
+        return ref.matmul_ref(w.qtype, w.raw, X, q8_act=q8_act)
+    from engine.kernels import dispatch
+
+    return dispatch.matmul(w, X, q8_act=q8_act)
+
+
+def moe_ffn(
+    gate: PreparedWeight,
+    up: PreparedWeight,
+    down: PreparedWeight,
+    X: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    *,
+    q8_act: bool,
+) -> np.ndarray:
+    """Routed experts for T tokens: X float32 [T, D], ids int64 [T, K], weights float32 [T, K] -> [T, D]."""
+    if _use_reference:
+        E = gate.n_experts
+        g, u, d = (w.raw.reshape(E, w.rows, -1) for w in (gate, up, down))
+        qts = (gate.qtype, up.qtype, down.qtype)
+        return np.stack([ref.moe_ffn_ref(qts, g, u, d, X[t], ids[t], weights[t], q8_act=q8_act) for t in range(len(X))])
+    from engine.kernels import dispatch
+
+    return dispatch.moe_ffn(gate, up, down, X, ids, weights, q8_act=q8_act)

@@ -1,0 +1,227 @@
+"""What a synthetic model looks like: its geometry and the tensors llama.cpp expects for it.
+
+The layout is written from llama.cpp's ``llama_model::load_tensors`` (``src/llama-model.cpp``) and
+the tensor-name table of ``src/llama-arch.cpp`` (mirrored by gguf-py's ``MODEL_TENSORS``), on
+purpose *independently* of ``engine.models``: synthetic files check the engine's loader, so they
+must not be generated from its own tables.
+
+Shapes are numpy order (innermost last): a linear layer is ``(out, in)``, stacked experts
+``(E, out, in)``, the router ``(E, D)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
+
+from engine.errors import UsageError
+
+ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "olmoe", "llama", "qwen3")
+
+# Tensor kinds: how a tensor is initialised and which type it gets.
+EMBEDDING = "embedding"  # token_embd [V, D]
+OUTPUT = "output"  # output [V, D]
+MATRIX = "matrix"  # linear layer [out, in]
+EXPERTS = "experts"  # stacked routed experts [E, out, in]
+NORM = "norm"  # RMSNorm weight [n] (F32)
+BIAS = "bias"  # projection bias [n] (F32)
+ROUTER = "router"  # ffn_gate_inp [E, D] (F32, as llama.cpp's quantizer keeps it)
+SHEXP_GATE = "shexp_gate"  # qwen2moe ffn_gate_inp_shexp [D] (F32)
+ROPE_FREQS = "rope_freqs"  # llama rope_freqs [head_dim / 2] (F32)
+
+QUANTIZABLE_KINDS = frozenset({EMBEDDING, OUTPUT, MATRIX, EXPERTS})
+
+
+@dataclass(frozen=True)
+class SynthSpec:
+    """Geometry of a synthetic model. Names follow the ``sharpi synth`` flags.
+
+    ``experts == 0`` means a dense FFN of width ``ff`` (``llama``, ``qwen3``). For ``llama`` with
+    experts (Mixtral) and for ``olmoe`` the expert width is also written as ``feed_forward_length``,
+    which is where llama.cpp reads it for those families.
+    """
+
+    arch: str
+    layers: int = 2
+    hidden: int = 256  # D
+    heads: int = 4  # query heads
+    kv_heads: int = 2
+    head_dim: int = 64
+    experts: int = 0  # E (0 = dense)
+    experts_used: int = 0  # K
+    expert_ff: int = 0  # routed expert FFN width
+    ff: int = 0  # dense FFN width / feed_forward_length
+    shared_ff: int = 0  # qwen2moe shared expert width
+    vocab: int = 1024
+    ctx: int = 4096
+    rope_base: float = 10000.0
+    rms_eps: float = 1e-6
+    tied_output: bool = False  # omit output.weight (llama.cpp then uses token_embd)
+    qkv_bias: bool = False  # qwen2moe q/k/v biases
+    rope_freqs: bool = False  # llama: write a rope_freqs.weight factor table
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+# Tiny defaults per architecture: hidden and FFN widths of 256 so every K-quant applies.
+_DEFAULTS: dict[str, dict] = {
+    "qwen3moe": dict(experts=8, experts_used=2, expert_ff=256, ff=512, rope_base=1e6),
+    "qwen2moe": dict(experts=8, experts_used=2, expert_ff=256, shared_ff=512, ff=512, qkv_bias=True, rope_base=1e6),
+    "olmoe": dict(kv_heads=4, experts=8, experts_used=2, expert_ff=256, rms_eps=1e-5),
+    "llama": dict(ff=512, rms_eps=1e-5),
+    "qwen3": dict(ff=512, rope_base=1e6),
+}
+
+
+def make_spec(arch: str, **geometry) -> SynthSpec:
+    """A validated :class:`SynthSpec` from per-architecture defaults overridden by ``geometry``.
+
+    ``None`` values are ignored (so CLI flags left unset keep the defaults). Raises
+    :class:`UsageError` for an unknown architecture, an unknown field, or a geometry llama.cpp
+    would reject.
+    """
+    if arch not in _DEFAULTS:
+        raise UsageError(f"architecture {arch!r} is not supported by the synthesizer (supported: {', '.join(ARCHS)})")
+    fields = {f.name for f in dataclasses.fields(SynthSpec)} - {"arch"}
+    given = {k: v for k, v in geometry.items() if v is not None}
+    unknown = set(given) - fields
+    if unknown:
+        raise UsageError(f"unknown geometry field(s) {sorted(unknown)} (known: {sorted(fields)})")
+    values = dict(_DEFAULTS[arch])
+    values.update(given)
+    hidden, heads = values.get("hidden", 256), values.get("heads", 4)
+    if arch in ("qwen2moe", "olmoe", "llama") and "head_dim" not in given:
+        values["head_dim"] = hidden // heads
+    if arch == "olmoe" and "kv_heads" not in given:
+        values["kv_heads"] = heads
+    if arch == "olmoe" or (arch == "llama" and values.get("experts")):
+        # These families read the expert width from feed_forward_length.
+        if "expert_ff" not in given and "ff" in given:
+            values["expert_ff"] = given["ff"]
+        values.setdefault("expert_ff", values.get("ff", 512))
+        values["ff"] = values["expert_ff"]
+    if arch == "llama" and values.get("experts"):
+        values.setdefault("experts_used", 2)
+    spec = SynthSpec(arch=arch, **values)
+    _validate(spec)
+    return spec
+
+
+def _validate(s: SynthSpec) -> None:
+    checks = [
+        (s.layers > 0 and s.hidden > 0 and s.heads > 0 and s.vocab > 0, "sizes must be positive"),
+        (s.kv_heads > 0 and s.heads % s.kv_heads == 0, f"heads {s.heads} not a multiple of kv_heads {s.kv_heads}"),
+        (s.head_dim > 0 and s.head_dim % 2 == 0, f"head_dim {s.head_dim} must be even"),
+        (s.experts >= 0 and 0 <= s.experts_used <= s.experts, "need 0 <= experts_used <= experts"),
+        (not s.is_moe or (s.experts_used > 0 and s.expert_ff > 0), "an MoE needs experts_used > 0 and expert_ff > 0"),
+        (s.is_moe or s.arch in ("llama", "qwen3"), f"{s.arch} is an MoE architecture: experts must be > 0"),
+        (s.is_moe or s.ff > 0, "a dense model needs ff > 0"),
+        (not (s.is_moe and s.arch == "qwen3"), "qwen3 is dense; use qwen3moe for experts"),
+        (not s.qkv_bias or s.arch == "qwen2moe", "qkv_bias is a qwen2moe feature"),
+        (not s.rope_freqs or s.arch == "llama", "rope_freqs is a llama feature"),
+        (not s.shared_ff or s.arch == "qwen2moe", "a shared expert is a qwen2moe feature"),
+        (not s.tied_output or s.arch not in ("qwen2moe", "olmoe"), f"llama.cpp requires output.weight for {s.arch}"),
+    ]
+    if s.arch in ("qwen2moe", "olmoe"):
+        # llama.cpp builds attn_q/attn_output as [D, D] for these families.
+        checks.append((s.q_dim == s.hidden, f"{s.arch} needs heads * head_dim == hidden ({s.q_dim} != {s.hidden})"))
+    if s.arch == "olmoe":
+        # llama.cpp sizes OLMoE's k-norm with the embedding length: fewer KV heads are rejected there.
+        checks.append((s.kv_heads == s.heads, "olmoe needs kv_heads == heads (llama.cpp's k-norm is [D])"))
+    for ok, msg in checks:
+        if not ok:
+            raise UsageError(f"invalid {s.arch} geometry: {msg}")
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    """One tensor of the layout: GGUF name, numpy-order shape, kind (see module constants)."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+    layer: int | None = None
+
+    @property
+    def row(self) -> int:
+        """Length of the innermost dimension (what block quantization runs along)."""
+        return self.shape[-1]
+
+
+def tensor_name(t: MODEL_TENSOR, suffix: str = "weight", layer: int | None = None) -> str:
+    """GGUF name of a tensor from gguf-py's name table, e.g. ``blk.3.attn_q.weight``."""
+    base = TENSOR_NAMES[t].format(bid=layer) if layer is not None else TENSOR_NAMES[t]
+    return f"{base}.{suffix}"
+
+
+def tensor_layout(s: SynthSpec) -> list[TensorDecl]:
+    """Every tensor llama.cpp loads for ``s``, in file order (embeddings, blocks, output)."""
+    T = MODEL_TENSOR
+    D, V = s.hidden, s.vocab
+    out = [TensorDecl(tensor_name(T.TOKEN_EMBD), (V, D), EMBEDDING)]
+    if s.rope_freqs:
+        out.append(TensorDecl(tensor_name(T.ROPE_FREQS), (s.head_dim // 2,), ROPE_FREQS))
+    for i in range(s.layers):
+
+        def add(t: MODEL_TENSOR, shape: tuple[int, ...], kind: str, suffix: str = "weight", i: int = i) -> None:
+            out.append(TensorDecl(tensor_name(t, suffix, i), shape, kind, i))
+
+        add(T.ATTN_NORM, (D,), NORM)
+        add(T.ATTN_Q, (s.q_dim, D), MATRIX)
+        add(T.ATTN_K, (s.kv_dim, D), MATRIX)
+        add(T.ATTN_V, (s.kv_dim, D), MATRIX)
+        if s.qkv_bias:
+            add(T.ATTN_Q, (s.q_dim,), BIAS, "bias")
+            add(T.ATTN_K, (s.kv_dim,), BIAS, "bias")
+            add(T.ATTN_V, (s.kv_dim,), BIAS, "bias")
+        if s.arch in ("qwen3", "qwen3moe"):  # per-head q/k RMSNorm
+            add(T.ATTN_Q_NORM, (s.head_dim,), NORM)
+            add(T.ATTN_K_NORM, (s.head_dim,), NORM)
+        elif s.arch == "olmoe":  # q/k RMSNorm over the whole projection
+            add(T.ATTN_Q_NORM, (s.q_dim,), NORM)
+            add(T.ATTN_K_NORM, (s.kv_dim,), NORM)
+        add(T.ATTN_OUT, (D, s.q_dim), MATRIX)
+        add(T.FFN_NORM, (D,), NORM)
+        if s.is_moe:
+            E, F = s.experts, s.expert_ff
+            add(T.FFN_GATE_INP, (E, D), ROUTER)
+            add(T.FFN_GATE_EXP, (E, F, D), EXPERTS)
+            add(T.FFN_UP_EXP, (E, F, D), EXPERTS)
+            add(T.FFN_DOWN_EXP, (E, D, F), EXPERTS)
+            if s.shared_ff:
+                add(T.FFN_GATE_INP_SHEXP, (D,), SHEXP_GATE)
+                add(T.FFN_GATE_SHEXP, (s.shared_ff, D), MATRIX)
+                add(T.FFN_UP_SHEXP, (s.shared_ff, D), MATRIX)
+                add(T.FFN_DOWN_SHEXP, (D, s.shared_ff), MATRIX)
+        else:
+            add(T.FFN_GATE, (s.ff, D), MATRIX)
+            add(T.FFN_UP, (s.ff, D), MATRIX)
+            add(T.FFN_DOWN, (D, s.ff), MATRIX)
+    out.append(TensorDecl(tensor_name(T.OUTPUT_NORM), (D,), NORM))
+    if not s.tied_output:
+        out.append(TensorDecl(tensor_name(T.OUTPUT), (V, D), OUTPUT))
+    _check_names(s.arch, out)
+    return out
+
+
+def _check_names(arch: str, decls: list[TensorDecl]) -> None:
+    """Guard: every name belongs to the architecture's tensor table in gguf-py."""
+    arch_enum = next(a for a, n in MODEL_ARCH_NAMES.items() if n == arch)
+    allowed = {TENSOR_NAMES[t] for t in MODEL_TENSORS[MODEL_ARCH(arch_enum)]}
+    for d in decls:
+        base = d.name.rsplit(".", 1)[0]
+        if d.layer is not None:
+            base = base.replace(f"blk.{d.layer}.", "blk.{bid}.", 1)
+        assert base in allowed, f"{d.name} is not a {arch} tensor"

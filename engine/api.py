@@ -1,0 +1,132 @@
+"""The engine's one narrow API: what the CLI, the tests and the desktop app call.
+
+Only plain data crosses it (dataclasses, numpy arrays, strings). A :class:`Session` is used from
+one worker thread at a time; :meth:`Session.cancel` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.errors import UsageError
+from engine.generate import CacheState, GenerationEvent, SamplingParams, generate
+from engine.gguf import open_gguf
+from engine.kv_cache import resolve_kv_type
+from engine.modelinfo import ModelInfo, describe
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int, str], None]  # (done, total, what)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    n_ctx: int = 4096  # context size in tokens
+    kv_type: str | None = None  # f32 | bf16 | q8_0; None = $SHARPI_KV_DTYPE or f32
+    q8_act: bool = True  # quantize activations like llama.cpp before quantized dot products
+
+
+class Session:
+    """A loaded model with its tokenizer, chat template and KV cache."""
+
+    def __init__(self, path: str, options: LoadOptions, progress: Progress | None = None):
+        from engine.models import build_model
+        from engine.tokenizer import load_tokenizer
+        from engine.tokenizer.chat import ChatTemplate
+
+        if options.n_ctx < 8:
+            raise UsageError(f"context size {options.n_ctx} is too small (at least 8)")
+        self.options = options
+        report = progress or (lambda d, t, w: None)
+        report(0, 4, "reading header")
+        self.gf = open_gguf(path)
+        try:
+            self.info: ModelInfo = describe(self.gf)
+            report(1, 4, "building model")
+            self.model = build_model(self.gf, q8_act=options.q8_act)
+            self.args = self.model.args
+            report(2, 4, "loading tokenizer")
+            self.tokenizer = load_tokenizer(self.gf)
+            self.chat_template = ChatTemplate.from_gguf(self.gf, self.tokenizer)
+            report(3, 4, "allocating KV cache")
+            self.kv_type = resolve_kv_type(options.kv_type)
+            self.n_ctx = options.n_ctx
+            self.cache = self.model.new_cache(self.n_ctx, self.kv_type)
+        except BaseException:
+            self.gf.close()
+            raise
+        self.state = CacheState()
+        self._cancel = threading.Event()
+        report(4, 4, "ready")
+
+    @classmethod
+    def load(cls, path: str, options: LoadOptions | None = None, progress: Progress | None = None) -> Session:
+        return cls(path, options or LoadOptions(), progress)
+
+    # -- text ---------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_bos=add_bos, parse_special=special)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    # -- generation ---------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+        params: SamplingParams | None = None,
+        prompt_ids: list[int] | None = None,
+    ) -> Iterator[GenerationEvent]:
+        """Stream a completion of ``prompt`` (raw text), ``messages`` (chat) or ``prompt_ids``."""
+        if sum(x is not None for x in (prompt, messages, prompt_ids)) != 1:
+            raise UsageError("give exactly one of prompt, messages or prompt_ids")
+        if messages is not None:
+            text = self.render_chat(messages)
+            ids = self.tokenizer.encode(text, add_bos=None, parse_special=True)
+        elif prompt is not None:
+            ids = self.tokenizer.encode(prompt, add_bos=None, parse_special=True)
+        else:
+            ids = list(prompt_ids)
+        self._cancel.clear()
+        return generate(
+            self.model, self.tokenizer, self.cache, self.state, ids, params or SamplingParams(), self._cancel
+        )
+
+    def cancel(self) -> None:
+        """Stop the generation in progress after the current token (any thread)."""
+        self._cancel.set()
+
+    def reset(self) -> None:
+        """Forget the cached conversation (the next generation recomputes its whole prompt)."""
+        self.state = CacheState()
+
+    # -- tests and tools ----------------------------------------------------------------------
+    def logits(self, token_ids: list[int], batch: bool = True) -> np.ndarray:
+        """float32 [T, V] logits for every position, from an empty cache (prefill or token by token)."""
+        if len(token_ids) > self.n_ctx:
+            raise UsageError(f"{len(token_ids)} tokens do not fit the context of {self.n_ctx}")
+        self.reset()
+        if batch:
+            out = self.model.forward(token_ids, 0, self.cache).numpy()
+        else:
+            out = np.concatenate([self.model.forward([t], i, self.cache).numpy() for i, t in enumerate(token_ids)])
+        return out
+
+    def close(self) -> None:
+        self.gf.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,91 @@
+"""``sharpi run -m FILE (-p TEXT | --chat)``: stream a completion or chat in the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from engine.cli.common import add_model_args, add_sampling_args, load_session, sampling_from_args
+from engine.errors import UsageError
+
+log = logging.getLogger("sharpi.run")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="generate text from a prompt, or chat interactively")
+    add_model_args(p)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("-p", "--prompt", help="raw prompt text (no chat template)")
+    g.add_argument("--chat", action="store_true", help="interactive chat using the model's chat template")
+    p.add_argument("--system", default=None, help="system prompt for --chat")
+    add_sampling_args(p)
+    p.set_defaults(func=run)
+
+
+def _stream(session, events) -> object:
+    last = None
+    for ev in events:
+        sys.stdout.write(ev.text)
+        sys.stdout.flush()
+        last = ev
+    return last
+
+
+def _report(ev) -> None:
+    if ev is None:
+        return
+    note = f" ({ev.message})" if ev.message else ""
+    print(
+        f"\n[{ev.finish_reason}{note}] prompt {ev.n_prompt} tok at {ev.prompt_tok_s:.1f} tok/s, "
+        f"decode {ev.n_generated} tok at {ev.decode_tok_s:.1f} tok/s, ttft {ev.ttft_s * 1000:.0f} ms",
+        file=sys.stderr,
+    )
+
+
+def run(a: argparse.Namespace) -> int:
+    session = load_session(a)
+    params = sampling_from_args(a)
+    info = session.info
+    log.info(
+        "%s: %s, %d layers, ctx %d, KV %s, experts on CPU",
+        a.model,
+        info.architecture,
+        session.args.n_layer,
+        session.n_ctx,
+        session.kv_type,
+    )
+    try:
+        if a.prompt is not None:
+            _report(_stream(session, session.generate(a.prompt, params=params)))
+            return 0
+        if not session.chat_template.from_file:
+            print("note: the model has no chat template; using ChatML", file=sys.stderr)
+        messages = [{"role": "system", "content": a.system}] if a.system else []
+        while True:
+            try:
+                line = input("\n> ")
+            except EOFError:
+                return 0
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            parts = []
+            try:
+                last = None
+                for ev in session.generate(messages=messages, params=params):
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+                    parts.append(ev.text)
+                    last = ev
+            except UsageError as e:
+                print(f"\nsharpi: {e}", file=sys.stderr)
+                messages.pop()
+                continue
+            messages.append({"role": "assistant", "content": "".join(parts)})
+            _report(last)
+    except KeyboardInterrupt:
+        session.cancel()
+        return 130
+    finally:
+        session.close()

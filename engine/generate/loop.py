@@ -1,0 +1,182 @@
+"""The decode loop: prefill what the cache lacks, then sample token by token, yielding events.
+
+Plain functions over a model, a KV cache and a tokenizer (gpt-fast style): no hidden state
+beyond the ``CacheState`` that records which token ids the cache holds, so a chat's next turn
+reuses the common prefix instead of recomputing it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.errors import UsageError
+from engine.generate.events import (
+    FINISH_CANCELLED,
+    FINISH_CONTEXT,
+    FINISH_EOS,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationEvent,
+)
+from engine.generate.sampling import Sampler, SamplingParams
+
+PREFILL_CHUNK = 512  # prompt tokens per forward pass (cancel is checked between chunks)
+
+
+@dataclass
+class CacheState:
+    """The token ids whose K/V are in the cache, position by position."""
+
+    tokens: list[int] = field(default_factory=list)
+
+    def common_prefix(self, ids: list[int]) -> int:
+        n = 0
+        for a, b in zip(self.tokens, ids):
+            if a != b:
+                break
+            n += 1
+        # Keep at least one token to feed: the last prompt token's logits are needed.
+        return min(n, len(ids) - 1)
+
+
+class StopMatcher:
+    """Holds back text that could still become a stop string; cuts at the first full match."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(s for s in stops if s)
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """New text -> (text safe to emit, stopped)."""
+        self.pending += text
+        for s in self.stops:
+            i = self.pending.find(s)
+            if i >= 0:
+                out, self.pending = self.pending[:i], ""
+                return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(out) :]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def generate(
+    model,
+    tokenizer,
+    cache,
+    state: CacheState,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    cancel: threading.Event | None = None,
+) -> Iterator[GenerationEvent]:
+    """Stream a completion of ``prompt_ids``. ``cancel`` is checked between tokens and chunks."""
+    cancel = cancel or threading.Event()
+    n_ctx = cache.n_ctx
+    if not prompt_ids:
+        raise UsageError("the prompt is empty: nothing to continue from")
+    if len(prompt_ids) >= n_ctx:
+        raise UsageError(
+            f"the prompt has {len(prompt_ids)} tokens but the context holds {n_ctx}: "
+            "shorten it or raise the context size (-c)"
+        )
+    t0 = time.perf_counter()
+    keep = state.common_prefix(prompt_ids)
+    state.tokens = state.tokens[:keep]
+    todo = prompt_ids[keep:]
+    logits = None
+    pos = keep
+    for c in range(0, len(todo), PREFILL_CHUNK):
+        if cancel.is_set():
+            yield _final(
+                state, n_ctx, len(todo), 0, t0, None, None, FINISH_CANCELLED, "cancelled during prompt processing"
+            )
+            return
+        chunk = todo[c : c + PREFILL_CHUNK]
+        logits = model.forward(chunk, pos, cache, all_logits=False)
+        state.tokens.extend(chunk)
+        pos += len(chunk)
+    t_prompt = time.perf_counter() - t0
+    prompt_tps = len(todo) / t_prompt if t_prompt > 0 else 0.0
+
+    sampler = Sampler(params)
+    stops = StopMatcher(params.stop)
+    detok = tokenizer.detokenizer()
+    history = list(prompt_ids)
+    n_gen, ttft, t_first = 0, 0.0, None
+    while True:
+        tok = sampler(logits[-1].numpy(), history)
+        now = time.perf_counter()
+        if t_first is None:
+            t_first, ttft = now, now - t0
+        n_gen += 1
+        history.append(tok)
+        decode_tps = (n_gen - 1) / (now - t_first) if n_gen > 1 and now > t_first else 0.0
+        if tokenizer.is_eog(tok):
+            tail = stops.flush()
+            yield _event(tail, tok, state, n_ctx, len(todo), n_gen, ttft, prompt_tps, decode_tps, FINISH_EOS)
+            return
+        text, stopped = stops.feed(detok.push(tok))
+        if stopped:
+            yield _event(text, tok, state, n_ctx, len(todo), n_gen, ttft, prompt_tps, decode_tps, FINISH_STOP)
+            return
+        finish, msg = None, ""
+        if n_gen >= params.max_tokens:
+            finish = FINISH_LENGTH
+        elif len(state.tokens) + 1 >= n_ctx:
+            finish, msg = FINISH_CONTEXT, f"the context of {n_ctx} tokens is full"
+        elif cancel.is_set():
+            finish = FINISH_CANCELLED
+        if finish:
+            text += stops.feed(detok.flush())[0] + stops.flush()
+            yield _event(text, tok, state, n_ctx, len(todo), n_gen, ttft, prompt_tps, decode_tps, finish, msg)
+            return
+        yield _event(text, tok, state, n_ctx, len(todo), n_gen, ttft, prompt_tps, decode_tps)
+        logits = model.forward([tok], len(state.tokens), cache, all_logits=False)
+        state.tokens.append(tok)
+
+
+def _event(text, tok, state, n_ctx, n_prompt, n_gen, ttft, ptps, dtps, finish=None, msg=""):
+    return GenerationEvent(
+        text=text,
+        token_id=tok,
+        n_prompt=n_prompt,
+        n_generated=n_gen,
+        n_ctx_used=len(state.tokens) + 1,
+        n_ctx=n_ctx,
+        ttft_s=ttft,
+        prompt_tok_s=ptps,
+        decode_tok_s=dtps,
+        finish_reason=finish,
+        message=msg,
+    )
+
+
+def _final(state, n_ctx, n_prompt, n_gen, t0, ttft, tps, finish, msg):
+    return GenerationEvent("", None, n_prompt, n_gen, len(state.tokens), n_ctx, 0.0, 0.0, 0.0, finish, msg)
+
+
+def greedy_continuation(model, cache, prompt_ids: list[int], n: int) -> list[int]:
+    """The ``n`` greedy tokens after ``prompt_ids`` (no tokenizer, no stopping): for parity tests."""
+    logits = model.forward(prompt_ids, 0, cache, all_logits=False)
+    out = []
+    pos = len(prompt_ids)
+    for _ in range(n):
+        tok = int(np.argmax(logits[-1].numpy()))
+        out.append(tok)
+        logits = model.forward([tok], pos, cache, all_logits=False)
+        pos += 1
+    return out

@@ -2,10 +2,11 @@
 
 Follows ggml's *reference* quantizers (``quantize_row_*_ref`` in ggml-quants.c, used by
 llama.cpp when no importance matrix is given), re-implemented in float32 and vectorised over
-blocks. Q8_0/Q4_0/Q5_0/F16/BF16 equal ``gguf.quants.quantize`` bit for bit. The K-quants follow
-the same search (``make_qkx2_quants`` / ``make_qx_quants``) in the same order of operations;
-ggml's C sums are sequential (and may be FMA-contracted by the compiler) where numpy's are
-pairwise, so a rare near-tie can pick a neighbouring scale — the accuracy is the format's.
+blocks. Q8_0/Q4_0/Q5_0/F16/BF16 equal ``gguf.quants.quantize`` bit for bit. The K-quants run
+the same searches (``make_qkx2_quants`` / ``make_qx_quants``) with the same float32 operations
+in the same order — sums included, see :func:`_seq_sum` — and were measured byte-identical to
+llama.cpp's libggml-base (tests/test_quant_reference.py). A build of ggml that contracts to FMA
+could break a rare near-tie differently; the accuracy would still be the format's.
 
 Output types: block formats give uint8 [..., row_bytes]; F32 gives float32 [..., n], F16 float16
 [..., n], BF16 the uint16 bit patterns [..., n]. :func:`engine.quant.dequantize` accepts each.
@@ -21,7 +22,7 @@ from engine.quant.formats import QType, block_format
 
 _F32 = np.float32
 GROUP_MAX_EPS = _F32(1e-15)  # ggml: a group whose |max| is below this is all zero
-_CHUNK_ELEMENTS = 1 << 18  # blocks are quantized in chunks of this many values (cache-sized)
+_CHUNK_ELEMENTS = 1 << 16  # blocks are quantized in chunks of this many values (cache-sized)
 
 
 # ---------------------------------------------------------------- rounding helpers

@@ -1,0 +1,106 @@
+"""Logits, token ids and greedy continuations equal to llama.cpp on the same synthetic GGUF."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.generate import greedy_continuation
+from engine.gguf import open_gguf
+from engine.models import build_model
+from engine.synth.writer import write_model
+from tests.oracle import llama_greedy, llama_logits, random_tokens
+
+pytestmark = pytest.mark.llama
+pytest.importorskip("llama_cpp")
+
+# (id, arch, geometry) — every architecture, plus the variants llama.cpp treats differently.
+F32_MODELS = [
+    ("qwen3moe", "qwen3moe", {}),
+    ("qwen3moe-tied", "qwen3moe", {"tied_output": True}),
+    ("olmoe", "olmoe", {}),
+    ("qwen2moe", "qwen2moe", {}),
+    ("mixtral", "llama", {"experts": 4, "experts_used": 2}),
+    ("llama-dense", "llama", {"rope_freqs": True}),
+    ("qwen3-dense", "qwen3", {}),
+]
+N_POS = 40
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("parity")
+    return {mid: write_model(d / f"{mid}.gguf", arch, seed=7, **geo).path for mid, arch, geo in F32_MODELS}
+
+
+def _ours(path, tokens, *, batch: bool, q8_act: bool = True) -> np.ndarray:
+    with open_gguf(path) as gf:
+        m = build_model(gf, q8_act=q8_act)
+        cache = m.new_cache(256)
+        if batch:
+            return m.forward(tokens, 0, cache).numpy()
+        return np.concatenate([m.forward([t], i, cache).numpy() for i, t in enumerate(tokens)])
+
+
+@pytest.mark.parametrize("mid", [m[0] for m in F32_MODELS])
+def test_f32_logits_match_llama_cpp(models, mid):
+    path = models[mid]
+    with open_gguf(path) as gf:
+        vocab = gf.tensors["token_embd.weight"].shape[0]
+    tokens = random_tokens(N_POS, vocab, seed=3)
+    ref = llama_logits(path, tokens)
+    prefill = _ours(path, tokens, batch=True)
+    decode = _ours(path, tokens, batch=False)
+    assert prefill.shape == ref.shape == (N_POS, vocab)
+    assert np.abs(prefill - ref).max() <= 1e-4, np.abs(prefill - ref).max()
+    assert np.abs(decode - ref).max() <= 1e-4, np.abs(decode - ref).max()
+
+
+@pytest.mark.parametrize("mid", [m[0] for m in F32_MODELS])
+def test_greedy_continuation_matches_llama_cpp(models, mid):
+    path = models[mid]
+    with open_gguf(path) as gf:
+        m = build_model(gf)
+        prompt = random_tokens(8, m.args.n_vocab, seed=5)
+        ours = greedy_continuation(m, m.new_cache(128), prompt, 64)
+    assert ours == llama_greedy(path, prompt, 64)
+
+
+QUANT_CASES = ["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "mix"]
+
+
+def _stats(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
+    return float(np.abs(ours - ref).mean()), float((ours.argmax(-1) == ref.argmax(-1)).mean())
+
+
+@pytest.fixture(scope="module")
+def quant_models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("quant")
+    out = {}
+    for q in QUANT_CASES:
+        if q == "mix":  # a Q4_K_M-like mix: Q6_K for down projections and the output
+            kw = {"weight_type": "Q4_K", "type_overrides": {"*ffn_down*": "Q6_K", "output.weight": "Q6_K"}}
+        else:
+            kw = {"weight_type": q}
+        out[q] = write_model(d / f"{q}.gguf", "qwen3moe", seed=11, layers=2, vocab=1024, **kw).path
+    return out
+
+
+@pytest.mark.parametrize("q", QUANT_CASES)
+def test_quantized_logits_statistically_equal(quant_models, q):
+    path = quant_models[q]
+    tokens = random_tokens(64, 1024, seed=9)
+    ref = llama_logits(path, tokens)
+    mean_q8, agree_q8 = _stats(_ours(path, tokens, batch=True, q8_act=True), ref)
+    assert mean_q8 < 0.05 and agree_q8 >= 0.95, (q, mean_q8, agree_q8)
+    mean_f, agree_f = _stats(_ours(path, tokens, batch=True, q8_act=False), ref)
+    assert mean_f < 0.1 and agree_f >= 0.90, (q, mean_f, agree_f)
+
+
+@pytest.mark.parametrize("group", ["*attn_q.weight", "*ffn_up_exps*", "output.weight"])
+def test_one_quantized_group_is_close(tmp_path, group):
+    path = write_model(tmp_path / "one.gguf", "qwen3moe", seed=13, type_overrides={group: "Q4_K"}).path
+    tokens = random_tokens(48, 1024, seed=2)
+    ref = llama_logits(path, tokens)
+    mean, _ = _stats(_ours(path, tokens, batch=True), ref)
+    assert mean <= 1e-3, (group, mean)

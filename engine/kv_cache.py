@@ -70,7 +70,7 @@ class _Store:
 class KVCache:
     """K and V for ``layers`` (layer index → device), each [n_ctx, kv_dim]."""
 
-    def __init__(self, layers: dict[int, torch.device], n_ctx: int, kv_dim: int, kv_type: str = "f32"):
+    def __init__(self, layers: dict[int, torch.device], n_ctx: int, kv_dim: int, kv_type: str | None = None):
         kv_type = resolve_kv_type(kv_type)
         if kv_type == "q8_0" and kv_dim % 32:
             raise UsageError(

@@ -38,7 +38,7 @@ class DecoderModel:
             for i in range(self.args.n_layer)
         }
 
-    def new_cache(self, n_ctx: int, kv_type: str = "f32") -> KVCache:
+    def new_cache(self, n_ctx: int, kv_type: str | None = None) -> KVCache:
         dev = torch.device("cpu")
         return KVCache({i: dev for i in range(self.args.n_layer)}, n_ctx, self.args.kv_dim, kv_type)
 

@@ -53,3 +53,7 @@ class TensorShapeError(GGUFError):
 
 class UsageError(SharpIError):
     """A command-line or API argument is malformed or impossible."""
+
+
+class ChatTemplateError(SharpIError):
+    """The model's chat template does not compile, or failed on the given conversation."""

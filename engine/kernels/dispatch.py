@@ -6,7 +6,8 @@ same call with different index arrays::
     out[i, t] = W[rows[i]] · x[xi[i] + t]      rows, xi int64 [M]; out float32 [M, T]
 
 ``q8_act=False`` multiplies by the exactly dequantized weights; ``q8_act=True`` first rounds the
-activations as llama.cpp's CPU backend does (see ``engine.kernels.reference``).
+activations as llama.cpp's CPU backend does (see ``engine.kernels.reference``, which implements
+the same signatures in numpy: ``matvec_ref``, ``matmul_ref``, ``moe_ffn_ref``).
 """
 
 from __future__ import annotations
@@ -14,47 +15,62 @@ from __future__ import annotations
 import numpy as np
 
 from engine.kernels import floats, kquants, legacy
+from engine.kernels.activations import quantize_q8_0, quantize_q8_K
 from engine.kernels.prepare import PreparedWeight
 from engine.kernels.reference import round_to_bf16, round_to_f16
 from engine.quant.formats import QType
 
-
-def _block_sums(X: np.ndarray, size: int) -> np.ndarray:
-    """X float32 [K, n] -> float32 [K, n/size] sums of consecutive blocks."""
-    return X.reshape(X.shape[0], -1, size).sum(axis=-1, dtype=np.float32)
-
-
-def _run_exact(w: PreparedWeight, X: np.ndarray, rows: np.ndarray, xi: np.ndarray, out: np.ndarray):
-    q, raw, s = w.qtype, w.raw, w.scales
-    if q == QType.F32:
-        floats.gemv_f32(raw, rows, xi, X, out)
-    elif q == QType.F16:
-        floats.gemv_f16(raw, rows, xi, X, out)
-    elif q == QType.BF16:
-        floats.gemv_bf16(raw, rows, xi, X, out)
-    elif q == QType.Q8_0:
-        legacy.gemv_q8_0_f(raw, s, rows, xi, X, out)
-    elif q == QType.Q4_0:
-        legacy.gemv_q4_0_f(raw, s, rows, xi, X, out)
-    elif q == QType.Q5_0:
-        legacy.gemv_q5_0_f(raw, s, rows, xi, X, out)
-    elif q == QType.Q4_K:
-        kquants.gemv_q4_k_f(raw, s, rows, xi, X, _block_sums(X, 32), out)
-    elif q == QType.Q5_K:
-        kquants.gemv_q5_k_f(raw, s, rows, xi, X, _block_sums(X, 32), out)
-    elif q == QType.Q6_K:
-        kquants.gemv_q6_k_f(raw, s, rows, xi, X, out)
-    else:  # prepare_weight rejects other types
-        raise AssertionError(q)
+# qtype -> (exact-float kernel, q8-activation kernel); float types have one kernel for both.
+KERNELS = {
+    QType.F32: (floats.gemv_f32, floats.gemv_f32),
+    QType.F16: (floats.gemv_f16, floats.gemv_f16),
+    QType.BF16: (floats.gemv_bf16, floats.gemv_bf16),
+    QType.Q8_0: (legacy.gemv_q8_0_f, legacy.gemv_q8_0_q8),
+    QType.Q4_0: (legacy.gemv_q4_0_f, legacy.gemv_q4_0_q8),
+    QType.Q5_0: (legacy.gemv_q5_0_f, legacy.gemv_q5_0_q8),
+    QType.Q4_K: (kquants.gemv_q4_k_f, kquants.gemv_q4_k_q8),
+    QType.Q5_K: (kquants.gemv_q5_k_f, kquants.gemv_q5_k_q8),
+    QType.Q6_K: (kquants.gemv_q6_k_f, kquants.gemv_q6_k_q8),
+}
+_FLOAT = (QType.F32, QType.F16, QType.BF16)
+_LEGACY = (QType.Q8_0, QType.Q4_0, QType.Q5_0)
+_MINS = (QType.Q4_K, QType.Q5_K)  # exact kernels need per-32 sums of x for the mins
 
 
-def _round_activations(qtype: QType, X: np.ndarray) -> np.ndarray:
-    """The float activation rounding llama.cpp applies for float weights (vec_dot_type)."""
-    if qtype == QType.F16:
-        return round_to_f16(X)
-    if qtype == QType.BF16:
-        return round_to_bf16(X)
-    return X
+def prepare_activations(qtype: QType, X: np.ndarray, *, q8_act: bool) -> tuple[np.ndarray, ...]:
+    """X float32 [K, n] -> the activation arrays the ``qtype`` kernel takes after ``xi``.
+
+    exact: (X,) or (X, Xs [K, n/32]) for Q4_K/Q5_K. q8_act: float types (X rounded to the
+    weight's float type,); Q8_0/Q4_0/Q5_0 (qa, da); K-quants (qa, da, bsums).
+    Compute once and reuse for every weight of the same type that reads the same X.
+    """
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    if qtype in _FLOAT:
+        if q8_act and qtype == QType.F16:
+            return (round_to_f16(X),)
+        if q8_act and qtype == QType.BF16:
+            return (round_to_bf16(X),)
+        return (X,)
+    if not q8_act:
+        if qtype in _MINS:
+            return X, X.reshape(X.shape[0], -1, 32).sum(axis=-1, dtype=np.float32)
+        return (X,)
+    if qtype in _LEGACY:
+        return quantize_q8_0(X)
+    return quantize_q8_K(X)
+
+
+def gemv_acts(
+    w: PreparedWeight, acts: tuple[np.ndarray, ...], rows: np.ndarray, xi: np.ndarray, T: int = 1, *, q8_act: bool
+) -> np.ndarray:
+    """``gemv_rows`` with activations already prepared by ``prepare_activations``."""
+    out = np.empty((rows.shape[0], T), np.float32)
+    kernel = KERNELS[w.qtype][1 if q8_act else 0]
+    if w.qtype in _FLOAT:
+        kernel(w.raw, rows, xi, *acts, out)
+    else:
+        kernel(w.raw, w.scales, rows, xi, *acts, out)
+    return out
 
 
 def gemv_rows(
@@ -62,27 +78,20 @@ def gemv_rows(
 ) -> np.ndarray:
     """The gather form: out[i, t] = W[rows[i]] · X[xi[i] + t].
 
-    X float32 [K, n]; rows int64 [M] (global row ids, expert e's row r is e·out + r);
+    X float32 [K, n]; rows int64 [M] (global row ids: row r of expert e is e·out + r);
     xi int64 [M] (first activation row of output i); T tokens per output row.
     Returns float32 [M, T].
     """
-    X = np.ascontiguousarray(X, dtype=np.float32)
+    if X.ndim != 2 or X.shape[1] != w.n:
+        raise ValueError(f"activations of shape {X.shape} do not fit a weight of {w.n} inputs")
+    acts = prepare_activations(w.qtype, X, q8_act=q8_act)
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     xi = np.ascontiguousarray(xi, dtype=np.int64)
-    out = np.empty((rows.shape[0], T), np.float32)
-    if q8_act and w.qtype in (QType.F16, QType.BF16):
-        X = _round_activations(w.qtype, X)
-    if q8_act and w.qtype not in (QType.F32, QType.F16, QType.BF16):
-        from engine.kernels import q8
-
-        q8.run(w, X, rows, xi, out)
-    else:
-        _run_exact(w, X, rows, xi, out)
-    return out
+    return gemv_acts(w, acts, rows, xi, T, q8_act=q8_act)
 
 
 def matvec(w: PreparedWeight, x: np.ndarray, *, q8_act: bool) -> np.ndarray:
-    """y = W·x. w: one matrix [R, n] (all R rows of a stack); x float32 [n] -> y float32 [R]."""
+    """y = W·x. w: a matrix [R, n] (a stack counts as its R = E·out rows); x float32 [n] -> [R]."""
     R = w.raw.shape[0]
     rows = np.arange(R, dtype=np.int64)
     return gemv_rows(w, x[None, :], rows, np.zeros(R, np.int64), 1, q8_act=q8_act)[:, 0]

@@ -9,159 +9,289 @@ Gather signature shared by all families (see ``engine.kernels.dispatch``)::
 ``s`` holds (d, dmin) interleaved per block for Q4_K/Q5_K and d for Q6_K (``prepare``).
 
 Exact-float kernels (``*_f``) take X float32 [K, n] and, for Q4_K/Q5_K, Xs float32 [K, n/32]
-(sums of x over each 32-block, to apply the mins once per sub-block). Q8-activation kernels
-(``*_q8``) take ggml's Q8_K activations: qa int8 [K, n], da float32 [K, n/256] and, for the mins
-of Q4_K/Q5_K, as float32 [K, n/32] (sums of the codes over each 32-block, i.e. pairs of bsums).
+(sums of x over each 32-element sub-block, for the mins). Q8-activation kernels (``*_q8``) take
+ggml Q8_K activations qa int8 [K, n], da float32 [K, n/256], bsums int16 [K, n/16] and follow
+``ggml_vec_dot_q{4,5,6}_K_q8_K``: per block, exact integer sums Σ_s sc_s·Σ q·q_a (pmaddubsw,
+then pmaddwd by the broadcast sub-block scale) scaled by d·d_a; the mins (Q4_K/Q5_K) and the
+−32 offset of Q6_K are applied through the bsums.
 
 Block layouts (ggml-common.h):
 q4_K = d | dmin | scales[12] (8 packed 6-bit scale/min pairs) | qs[128]: chunk j of 64 elements
 uses qs[32j..32j+32], low nibbles for sub-block 2j, high nibbles for sub-block 2j+1;
 q5_K = as q4_K with qh[32] before qs: bit 2j / 2j+1 of qh[l] is the fifth bit of element l of
-sub-block 2j / 2j+1; q6_K = ql[128] | qh[64] | scales int8[16] | d, values q − 32 in 16-element
-sub-blocks (``dequantize_row_q6_K``).
+sub-block 2j / 2j+1; q6_K = ql[128] | qh[64] | scales int8[16] | d; each 128-element half h uses
+ql[64h..64h+64] and qh[32h..32h+32]; quarter k (32 elements) takes low (k = 0, 1) or high
+(k = 2, 3) nibbles of ql[64h + 32(k mod 2) + l] and bits 2k, 2k+1 of qh[32h + l]; value q − 32,
+sub-blocks of 16 elements (``dequantize_row_q6_K``).
 """
 
 from __future__ import annotations
 
-import numpy as np
 from numba import njit, prange
 
-CHUNK = 8  # rows per parallel work item
+from engine.kernels.simd import (
+    bcast16,
+    bcast16_pair,
+    dup_high16,
+    fma_i32,
+    hsum_f32,
+    i8_to_f32,
+    i16_to_f32,
+    k4_scales,
+    lane16,
+    load_f32x8,
+    load_i8x16_as_i16,
+    load_i8x32,
+    load_i16x16,
+    madd,
+    maddubs,
+    splat8,
+    vadd,
+    vand,
+    vfma,
+    vfma_s,
+    vor,
+    vshl,
+    vshr,
+    vsub,
+    zero_f32,
+    zero_i32,
+)
+
+CHUNK = 16  # rows per parallel work item
 
 
-@njit(cache=True, nogil=True, fastmath=True)
-def _reduce(acc):
-    s = np.float32(0.0)
-    for l in range(acc.shape[0]):
-        s += acc[l]
-    return s
+# --- codes: the unsigned integer values of 32 consecutive elements, as I8x32 ------------------
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q4k_codes(w, o, j):
+    """Sub-blocks 2j and 2j+1 of the q4_K block at byte o: (low, high) nibbles, 0..15."""
+    q = load_i8x32(w, o + 16 + 32 * j)
+    return vand(q, splat8(15)), vshr(q, 4)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q5k_codes(w, o, j):
+    """Sub-blocks 2j and 2j+1 of the q5_K block at byte o, 0..31."""
+    q = load_i8x32(w, o + 48 + 32 * j)
+    qh = load_i8x32(w, o + 16)
+    one = splat8(1)
+    lo = vor(vand(q, splat8(15)), vshl(vand(vshr(qh, 2 * j), one), 4))
+    hi = vor(vshr(q, 4), vshl(vand(vshr(qh, 2 * j + 1), one), 4))
+    return lo, hi
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q6k_codes(w, o, h):
+    """The four 32-element quarters of half h of the q6_K block at byte o, 0..63."""
+    ql0 = load_i8x32(w, o + 64 * h)
+    ql1 = load_i8x32(w, o + 64 * h + 32)
+    qh = load_i8x32(w, o + 128 + 32 * h)
+    m15 = splat8(15)
+    m3 = splat8(3)
+    q1 = vor(vand(ql0, m15), vshl(vand(qh, m3), 4))
+    q2 = vor(vand(ql1, m15), vshl(vand(vshr(qh, 2), m3), 4))
+    q3 = vor(vshr(ql0, 4), vshl(vand(vshr(qh, 4), m3), 4))
+    q4 = vor(vshr(ql1, 4), vshl(vshr(qh, 6), 4))
+    return q1, q2, q3, q4
+
+
+# --- Q8-activation row dots -------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q8_pair(lo, hi, qa, xo, sm, j, iacc):
+    """iacc + sc[2j]·(lo·qa[xo:xo+32]) + sc[2j+1]·(hi·qa[xo+32:xo+64]), lane-wise int32."""
+    iacc = vadd(iacc, madd(maddubs(lo, load_i8x32(qa, xo)), bcast16(sm, 2 * j)))
+    return vadd(iacc, madd(maddubs(hi, load_i8x32(qa, xo + 32)), bcast16(sm, 2 * j + 1)))
 
 
 @njit(cache=True, nogil=True)
-def _scale_min_k4(w, o, j):
-    """6-bit (scale, min) of sub-block j from the 12 bytes at w[o:]; ggml ``get_scale_min_k4``."""
-    if j < 4:
-        return np.int32(w[o + j] & 63), np.int32(w[o + j + 4] & 63)
-    sc = (w[o + j + 4] & 15) | ((w[o + j - 4] >> 6) << 4)
-    m = (w[o + j + 4] >> 4) | ((w[o + j] >> 6) << 4)
-    return np.int32(sc), np.int32(m)
-
-
-# --- exact-float -----------------------------------------------------------------------------
-
-
-@njit(cache=True, nogil=True, fastmath=True)
-def _dot_q4_k_f(w, s, x, xs, acc):
-    acc[:] = 0.0
-    mins = np.float32(0.0)
+def _dot_q4_k_q8(w, s, qa, da, bsums):
+    acc = zero_f32()
     for b in range(s.shape[0] // 2):
-        d = s[2 * b]
-        dmin = s[2 * b + 1]
         o = b * 144
+        sm = k4_scales(w, o + 4)  # [sc0..7, m0..7]
+        iacc = madd(load_i16x16(bsums, 16 * b), dup_high16(sm))  # Σ m·bsum, for the mins
+        acc = fma_i32(iacc, -s[2 * b + 1] * da[b], acc)
+        iacc = zero_i32()
         for j in range(4):
-            sc1, m1 = _scale_min_k4(w, o + 4, 2 * j)
-            sc2, m2 = _scale_min_k4(w, o + 4, 2 * j + 1)
-            d1 = d * np.float32(sc1)
-            d2 = d * np.float32(sc2)
-            mins += dmin * (np.float32(m1) * xs[8 * b + 2 * j] + np.float32(m2) * xs[8 * b + 2 * j + 1])
-            qo = o + 16 + 32 * j
-            xo = 256 * b + 64 * j
-            for l in range(32):
-                v = w[qo + l]
-                acc[l] += (d1 * np.float32(v & 15)) * x[xo + l]
-                acc[32 + l] += (d2 * np.float32(v >> 4)) * x[xo + 32 + l]
-    return _reduce(acc) - mins
+            lo, hi = _q4k_codes(w, o, j)
+            iacc = _q8_pair(lo, hi, qa, 256 * b + 64 * j, sm, j, iacc)
+        acc = fma_i32(iacc, s[2 * b] * da[b], acc)
+    return hsum_f32(acc)
 
 
-@njit(cache=True, nogil=True, fastmath=True)
-def _dot_q5_k_f(w, s, x, xs, acc):
-    acc[:] = 0.0
-    mins = np.float32(0.0)
+@njit(cache=True, nogil=True)
+def _dot_q5_k_q8(w, s, qa, da, bsums):
+    acc = zero_f32()
     for b in range(s.shape[0] // 2):
-        d = s[2 * b]
-        dmin = s[2 * b + 1]
         o = b * 176
+        sm = k4_scales(w, o + 4)
+        iacc = madd(load_i16x16(bsums, 16 * b), dup_high16(sm))
+        acc = fma_i32(iacc, -s[2 * b + 1] * da[b], acc)
+        iacc = zero_i32()
         for j in range(4):
-            sc1, m1 = _scale_min_k4(w, o + 4, 2 * j)
-            sc2, m2 = _scale_min_k4(w, o + 4, 2 * j + 1)
-            d1 = d * np.float32(sc1)
-            d2 = d * np.float32(sc2)
-            mins += dmin * (np.float32(m1) * xs[8 * b + 2 * j] + np.float32(m2) * xs[8 * b + 2 * j + 1])
-            qo = o + 48 + 32 * j
-            ho = o + 16
-            xo = 256 * b + 64 * j
-            for l in range(32):
-                v = w[qo + l]
-                h = w[ho + l] >> (2 * j)
-                lo = (v & 15) | ((h & 1) << 4)
-                hi = (v >> 4) | ((h & 2) << 3)
-                acc[l] += (d1 * np.float32(lo)) * x[xo + l]
-                acc[32 + l] += (d2 * np.float32(hi)) * x[xo + 32 + l]
-    return _reduce(acc) - mins
+            lo, hi = _q5k_codes(w, o, j)
+            iacc = _q8_pair(lo, hi, qa, 256 * b + 64 * j, sm, j, iacc)
+        acc = fma_i32(iacc, s[2 * b] * da[b], acc)
+    return hsum_f32(acc)
 
 
-@njit(cache=True, nogil=True, fastmath=True)
-def _dot_q6_k_f(w, s, x, acc):
-    acc[:] = 0.0
+@njit(cache=True, nogil=True)
+def _dot_q6_k_q8(w, s, qa, da, bsums):
+    acc = zero_f32()
     for b in range(s.shape[0]):
-        d = s[b]
-        for h in range(2):  # two halves of 128 elements
-            o = b * 210
-            qlo = o + 64 * h
-            qho = o + 128 + 32 * h
-            so = o + 192 + 8 * h
+        o = b * 210
+        sc = load_i8x16_as_i16(w, o + 192)  # 16 signed sub-block scales
+        # codes are stored +32: subtract 32·Σ_s sc_s·bsum_s once per block
+        iacc = vsub(zero_i32(), vshl(madd(load_i16x16(bsums, 16 * b), sc), 5))
+        for h in range(2):
+            q1, q2, q3, q4 = _q6k_codes(w, o, h)
             xo = 256 * b + 128 * h
-            for g in range(2):  # 16-element sub-blocks share a scale
-                s0 = d * np.float32(np.int8(w[so + g]))
-                s1 = d * np.float32(np.int8(w[so + g + 2]))
-                s2 = d * np.float32(np.int8(w[so + g + 4]))
-                s3 = d * np.float32(np.int8(w[so + g + 6]))
-                for ll in range(16):
-                    L = 16 * g + ll
-                    a = np.int32(w[qlo + L])
-                    c = np.int32(w[qlo + 32 + L])
-                    hb = np.int32(w[qho + L])
-                    q1 = ((a & 15) | ((hb & 3) << 4)) - 32
-                    q2 = ((c & 15) | (((hb >> 2) & 3) << 4)) - 32
-                    q3 = ((a >> 4) | (((hb >> 4) & 3) << 4)) - 32
-                    q4 = ((c >> 4) | (((hb >> 6) & 3) << 4)) - 32
-                    acc[L] += (s0 * np.float32(q1)) * x[xo + L]
-                    acc[32 + L] += (s1 * np.float32(q2)) * x[xo + 32 + L]
-                    acc[64 + L] += (s2 * np.float32(q3)) * x[xo + 64 + L]
-                    acc[96 + L] += (s3 * np.float32(q4)) * x[xo + 96 + L]
-    return _reduce(acc)
+            iacc = vadd(iacc, madd(maddubs(q1, load_i8x32(qa, xo)), bcast16_pair(sc, 8 * h)))
+            iacc = vadd(iacc, madd(maddubs(q2, load_i8x32(qa, xo + 32)), bcast16_pair(sc, 8 * h + 2)))
+            iacc = vadd(iacc, madd(maddubs(q3, load_i8x32(qa, xo + 64)), bcast16_pair(sc, 8 * h + 4)))
+            iacc = vadd(iacc, madd(maddubs(q4, load_i8x32(qa, xo + 96)), bcast16_pair(sc, 8 * h + 6)))
+        acc = fma_i32(iacc, s[b] * da[b], acc)
+    return hsum_f32(acc)
+
+
+# --- exact-float row dots ---------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _fdot32(q, x, xo):
+    """Σ float(q)·x over 32 elements as F32x8 (q: I8x32, values < 128)."""
+    t = vfma(i8_to_f32(q, 0), load_f32x8(x, xo), zero_f32())
+    t = vfma(i8_to_f32(q, 1), load_f32x8(x, xo + 8), t)
+    t = vfma(i8_to_f32(q, 2), load_f32x8(x, xo + 16), t)
+    return vfma(i8_to_f32(q, 3), load_f32x8(x, xo + 24), t)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _fdot16x2(q, x, xo, sa, sb, acc):
+    """acc + sa·Σ_{l<16} float(q_l)·x_l + sb·Σ_{16≤l<32} float(q_l)·x_l (Q6_K sub-blocks)."""
+    ta = vfma(i8_to_f32(q, 1), load_f32x8(x, xo + 8), vfma(i8_to_f32(q, 0), load_f32x8(x, xo), zero_f32()))
+    tb = vfma(i8_to_f32(q, 3), load_f32x8(x, xo + 24), vfma(i8_to_f32(q, 2), load_f32x8(x, xo + 16), zero_f32()))
+    return vfma_s(tb, sb, vfma_s(ta, sa, acc))
+
+
+@njit(cache=True, nogil=True)
+def _dot_q4_k_f(w, s, x, xs):
+    acc = zero_f32()
+    for b in range(s.shape[0] // 2):
+        o = b * 144
+        d = s[2 * b]
+        sm = k4_scales(w, o + 4)
+        acc = vfma_s(vfma(i16_to_f32(sm, 1), load_f32x8(xs, 8 * b), zero_f32()), -s[2 * b + 1], acc)
+        for j in range(4):
+            lo, hi = _q4k_codes(w, o, j)
+            xo = 256 * b + 64 * j
+            acc = vfma_s(_fdot32(lo, x, xo), d * lane16(sm, 2 * j), acc)
+            acc = vfma_s(_fdot32(hi, x, xo + 32), d * lane16(sm, 2 * j + 1), acc)
+    return hsum_f32(acc)
+
+
+@njit(cache=True, nogil=True)
+def _dot_q5_k_f(w, s, x, xs):
+    acc = zero_f32()
+    for b in range(s.shape[0] // 2):
+        o = b * 176
+        d = s[2 * b]
+        sm = k4_scales(w, o + 4)
+        acc = vfma_s(vfma(i16_to_f32(sm, 1), load_f32x8(xs, 8 * b), zero_f32()), -s[2 * b + 1], acc)
+        for j in range(4):
+            lo, hi = _q5k_codes(w, o, j)
+            xo = 256 * b + 64 * j
+            acc = vfma_s(_fdot32(lo, x, xo), d * lane16(sm, 2 * j), acc)
+            acc = vfma_s(_fdot32(hi, x, xo + 32), d * lane16(sm, 2 * j + 1), acc)
+    return hsum_f32(acc)
+
+
+@njit(cache=True, nogil=True)
+def _dot_q6_k_f(w, s, x):
+    acc = zero_f32()
+    off = splat8(32)
+    for b in range(s.shape[0]):
+        o = b * 210
+        d = s[b]
+        sc = load_i8x16_as_i16(w, o + 192)
+        for h in range(2):
+            q1, q2, q3, q4 = _q6k_codes(w, o, h)
+            xo = 256 * b + 128 * h
+            g = 8 * h
+            acc = _fdot16x2(vsub(q1, off), x, xo, d * lane16(sc, g), d * lane16(sc, g + 1), acc)
+            acc = _fdot16x2(vsub(q2, off), x, xo + 32, d * lane16(sc, g + 2), d * lane16(sc, g + 3), acc)
+            acc = _fdot16x2(vsub(q3, off), x, xo + 64, d * lane16(sc, g + 4), d * lane16(sc, g + 5), acc)
+            acc = _fdot16x2(vsub(q4, off), x, xo + 96, d * lane16(sc, g + 6), d * lane16(sc, g + 7), acc)
+    return hsum_f32(acc)
+
+
+# --- parallel gather drivers -----------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def gemv_q4_k_q8(raw, s, rows, xi, qa, da, bsums, out):
+    M, T = out.shape
+    for c in prange((M + CHUNK - 1) // CHUNK):
+        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            r = rows[i]
+            for t in range(T):
+                k = xi[i] + t
+                out[i, t] = _dot_q4_k_q8(raw[r], s[r], qa[k], da[k], bsums[k])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def gemv_q5_k_q8(raw, s, rows, xi, qa, da, bsums, out):
+    M, T = out.shape
+    for c in prange((M + CHUNK - 1) // CHUNK):
+        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            r = rows[i]
+            for t in range(T):
+                k = xi[i] + t
+                out[i, t] = _dot_q5_k_q8(raw[r], s[r], qa[k], da[k], bsums[k])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def gemv_q6_k_q8(raw, s, rows, xi, qa, da, bsums, out):
+    M, T = out.shape
+    for c in prange((M + CHUNK - 1) // CHUNK):
+        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            r = rows[i]
+            for t in range(T):
+                k = xi[i] + t
+                out[i, t] = _dot_q6_k_q8(raw[r], s[r], qa[k], da[k], bsums[k])
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_q4_k_f(raw, s, rows, xi, X, Xs, out):
     M, T = out.shape
     for c in prange((M + CHUNK - 1) // CHUNK):
-        acc = np.empty(64, np.float32)
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
             r = rows[i]
             for t in range(T):
                 k = xi[i] + t
-                out[i, t] = _dot_q4_k_f(raw[r], s[r], X[k], Xs[k], acc)
+                out[i, t] = _dot_q4_k_f(raw[r], s[r], X[k], Xs[k])
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_q5_k_f(raw, s, rows, xi, X, Xs, out):
     M, T = out.shape
     for c in prange((M + CHUNK - 1) // CHUNK):
-        acc = np.empty(64, np.float32)
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
             r = rows[i]
             for t in range(T):
                 k = xi[i] + t
-                out[i, t] = _dot_q5_k_f(raw[r], s[r], X[k], Xs[k], acc)
+                out[i, t] = _dot_q5_k_f(raw[r], s[r], X[k], Xs[k])
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_q6_k_f(raw, s, rows, xi, X, out):
     M, T = out.shape
     for c in prange((M + CHUNK - 1) // CHUNK):
-        acc = np.empty(128, np.float32)
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
             r = rows[i]
             for t in range(T):
-                out[i, t] = _dot_q6_k_f(raw[r], s[r], X[xi[i] + t], acc)
+                out[i, t] = _dot_q6_k_f(raw[r], s[r], X[xi[i] + t])

@@ -1,0 +1,548 @@
+"""256-bit SIMD vectors for numba kernels, as numba types backed by LLVM vector registers.
+
+numba cannot be relied on to auto-vectorize block-quantized dot products: small integer
+arithmetic is widened to int64, lane arrays live in memory behind alias checks, and per-block
+horizontal sums dominate. These intrinsics let a kernel say exactly what llama.cpp's AVX2 code
+says (ggml-cpu/arch/x86/quants.c) while the values stay in registers across loop iterations:
+
+* ``I8x32``, ``I16x16``, ``I32x8``, ``F32x8``: vectors of 32 bytes.
+* integer dot steps: ``maddubs`` (u8·s8 pairs → i16, x86 ``pmaddubsw``) and ``madd`` (i16 pairs
+  → i32, ``pmaddwd``); on CPUs without AVX2 the same operations are emitted as plain LLVM
+  vector IR (``maddubs_generic``/``madd_generic``), which any backend can lower.
+* loads from 1-D numpy arrays at an element offset (unaligned, no bounds check: callers index
+  within the row they were given), nibble/bit unpacking, broadcasts, float conversion.
+
+Every intrinsic is a pure function of its arguments; vectors are values, never arrays.
+"""
+
+from __future__ import annotations
+
+import llvmlite.binding as llvm_binding
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core.errors import TypingError
+from numba.extending import intrinsic, models, register_model
+
+
+class Vec(types.Type):
+    """A SIMD vector of ``count`` elements of numba scalar type ``elem``."""
+
+    def __init__(self, elem, count):
+        self.elem = elem
+        self.count = count
+        super().__init__(name=f"Vec{count}x{elem}")
+
+
+I8x32 = Vec(types.int8, 32)
+I16x16 = Vec(types.int16, 16)
+I32x8 = Vec(types.int32, 8)
+F32x8 = Vec(types.float32, 8)
+
+_LL = {types.int8: ir.IntType(8), types.int16: ir.IntType(16), types.int32: ir.IntType(32)}
+_LL[types.float32] = ir.FloatType()
+_i32 = ir.IntType(32)
+
+
+def _vt(t: Vec) -> ir.VectorType:
+    return ir.VectorType(_LL[t.elem], t.count)
+
+
+@register_model(Vec)
+class _VecModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _vt(fe_type))
+
+
+HAS_AVX2 = "+avx2" in llvm_binding.get_host_cpu_features().flatten().split(",")
+
+
+# --- helpers used inside codegen ------------------------------------------------------------
+
+
+def _call(builder, name, ret, args):
+    fnty = ir.FunctionType(ret, [a.type for a in args])
+    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), list(args))
+
+
+def _const(vt: ir.VectorType, v):
+    return ir.Constant(vt, [v] * vt.count)
+
+
+def _splat(builder, vt: ir.VectorType, val):
+    v = builder.insert_element(ir.Constant(vt, ir.Undefined), val, ir.Constant(_i32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(_i32, vt.count), None))
+
+
+def _shuffle(builder, a, b, idx):
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_i32, len(idx)), list(idx)))
+
+
+def _int_cast(builder, v, ty):
+    if v.type.width > ty.width:
+        return builder.trunc(v, ty)
+    if v.type.width < ty.width:
+        return builder.sext(v, ty)
+    return v
+
+
+def _data_ptr(context, builder, aryty, ary, off, elem_ll):
+    data = context.make_array(aryty)(context, builder, ary).data
+    ptr = builder.gep(data, [off])
+    return builder.bitcast(ptr, ir.PointerType(elem_ll))
+
+
+def _check_array(arr, dtypes, what):
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype in dtypes):
+        raise TypingError(f"{what}: expected a 1-D array of {dtypes}, got {arr}")
+
+
+# --- loads ----------------------------------------------------------------------------------
+
+
+@intrinsic
+def load_i8x32(typingctx, arr, off):
+    """32 bytes of a uint8/int8 array from element ``off``."""
+    _check_array(arr, (types.uint8, types.int8), "load_i8x32")
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_data_ptr(context, builder, sig.args[0], args[0], args[1], _vt(I8x32)), align=1)
+
+    return I8x32(arr, off), codegen
+
+
+@intrinsic
+def load_i16x16(typingctx, arr, off):
+    """16 int16 values from element ``off``."""
+    _check_array(arr, (types.int16, types.uint16), "load_i16x16")
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_data_ptr(context, builder, sig.args[0], args[0], args[1], _vt(I16x16)), align=2)
+
+    return I16x16(arr, off), codegen
+
+
+@intrinsic
+def load_i8x16_as_i16(typingctx, arr, off):
+    """16 signed bytes from element ``off``, sign-extended to int16 lanes."""
+    _check_array(arr, (types.uint8, types.int8), "load_i8x16_as_i16")
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(
+            _data_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(ir.IntType(8), 16)), align=1
+        )
+        return builder.sext(v, _vt(I16x16))
+
+    return I16x16(arr, off), codegen
+
+
+@intrinsic
+def load_f32x8(typingctx, arr, off):
+    """8 float32 values from element ``off``."""
+    _check_array(arr, (types.float32,), "load_f32x8")
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_data_ptr(context, builder, sig.args[0], args[0], args[1], _vt(F32x8)), align=4)
+
+    return F32x8(arr, off), codegen
+
+
+@intrinsic
+def load_f16x8(typingctx, arr, off):
+    """8 fp16 bit patterns (uint16 array) from element ``off``, converted exactly to float32."""
+    _check_array(arr, (types.uint16, types.int16), "load_f16x8")
+
+    def codegen(context, builder, sig, args):
+        h = builder.load(
+            _data_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(ir.HalfType(), 8)), align=2
+        )
+        return builder.fpext(h, _vt(F32x8))
+
+    return F32x8(arr, off), codegen
+
+
+@intrinsic
+def load_bf16x8(typingctx, arr, off):
+    """8 bf16 bit patterns (uint16 array) from element ``off``, converted exactly to float32."""
+    _check_array(arr, (types.uint16, types.int16), "load_bf16x8")
+
+    def codegen(context, builder, sig, args):
+        h = builder.load(
+            _data_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(ir.IntType(16), 8)), align=2
+        )
+        u = builder.shl(builder.zext(h, _vt(I32x8)), _const(_vt(I32x8), 16))
+        return builder.bitcast(u, _vt(F32x8))
+
+    return F32x8(arr, off), codegen
+
+
+@intrinsic
+def load_nibbles16(typingctx, arr, off):
+    """16 bytes at ``off`` -> 32 bytes: low nibbles then high nibbles (q4_0/q5_0 element order)."""
+    _check_array(arr, (types.uint8, types.int8), "load_nibbles16")
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(ir.IntType(8), 16)
+        v = builder.load(_data_ptr(context, builder, sig.args[0], args[0], args[1], v16), align=1)
+        lo = builder.and_(v, _const(v16, 15))
+        hi = builder.lshr(v, _const(v16, 4))
+        return _shuffle(builder, lo, hi, range(32))
+
+    return I8x32(arr, off), codegen
+
+
+@intrinsic
+def bits_to_bytes(typingctx, word):
+    """uint32 -> I8x32 whose byte i is bit i of ``word`` (0 or 1)."""
+
+    def codegen(context, builder, sig, args):
+        w = _int_cast(builder, args[0], _i32)
+        bits = builder.bitcast(w, ir.VectorType(ir.IntType(1), 32))
+        return builder.zext(bits, _vt(I8x32))
+
+    return I8x32(word), codegen
+
+
+@intrinsic
+def k4_scales(typingctx, arr, off):
+    """The 12 packed bytes of a q4_K/q5_K block at ``off`` -> I16x16 [scale 0..7, min 0..7].
+
+    Bytes 0..3 hold scales 0..3 (low 6 bits) and the top 2 bits of scales 4..7; bytes 4..7 the
+    same for the mins; bytes 8..11 the low 4 bits of scales 4..7 (low nibble) and mins 4..7
+    (high nibble) — ggml ``get_scale_min_k4``, done on 32-bit words.
+    """
+    _check_array(arr, (types.uint8, types.int8), "k4_scales")
+
+    def codegen(context, builder, sig, args):
+        p = _data_ptr(context, builder, sig.args[0], args[0], args[1], _i32)
+        a = builder.load(p, align=1)
+        b = builder.load(builder.gep(p, [ir.Constant(_i32, 1)]), align=1)
+        c = builder.load(builder.gep(p, [ir.Constant(_i32, 2)]), align=1)
+
+        def k(x):
+            return ir.Constant(_i32, x)
+
+        sc_lo = builder.and_(a, k(0x3F3F3F3F))
+        mn_lo = builder.and_(b, k(0x3F3F3F3F))
+        top_a = builder.shl(builder.and_(builder.lshr(a, k(6)), k(0x03030303)), k(4))
+        top_b = builder.shl(builder.and_(builder.lshr(b, k(6)), k(0x03030303)), k(4))
+        sc_hi = builder.or_(builder.and_(c, k(0x0F0F0F0F)), top_a)
+        mn_hi = builder.or_(builder.and_(builder.lshr(c, k(4)), k(0x0F0F0F0F)), top_b)
+        v = ir.Constant(ir.VectorType(_i32, 4), ir.Undefined)
+        for i, part in enumerate((sc_lo, sc_hi, mn_lo, mn_hi)):
+            v = builder.insert_element(v, part, k(i))
+        return builder.zext(builder.bitcast(v, ir.VectorType(ir.IntType(8), 16)), _vt(I16x16))
+
+    return I16x16(arr, off), codegen
+
+
+# --- lane-wise integer ops ------------------------------------------------------------------
+
+
+def _binop(name):
+    def impl(typingctx, a, b):
+        if not (isinstance(a, Vec) and a == b):
+            raise TypingError(f"{name}: expected two vectors of one type, got {a}, {b}")
+
+        op = {"add": "fadd", "sub": "fsub"}.get(name, name) if a.elem == types.float32 else name
+
+        def codegen(context, builder, sig, args):
+            return getattr(builder, op)(*args)
+
+        return a(a, b), codegen
+
+    return intrinsic(impl)
+
+
+vadd = _binop("add")
+vsub = _binop("sub")
+vand = _binop("and_")
+vor = _binop("or_")
+
+
+def _shift(name):
+    def impl(typingctx, a, k):
+        if not isinstance(a, Vec) or a.elem == types.float32:
+            raise TypingError(f"{name}: expected an integer vector, got {a}")
+
+        def codegen(context, builder, sig, args):
+            vt = _vt(sig.args[0])
+            return getattr(builder, name)(args[0], _splat(builder, vt, _int_cast(builder, args[1], vt.element)))
+
+        return a(a, k), codegen
+
+    return intrinsic(impl)
+
+
+vshl = _shift("shl")
+vshr = _shift("lshr")  # logical: bytes are treated as unsigned
+
+
+@intrinsic
+def splat8(typingctx, x):
+    """Scalar -> I8x32 of that byte."""
+
+    def codegen(context, builder, sig, args):
+        return _splat(builder, _vt(I8x32), _int_cast(builder, args[0], ir.IntType(8)))
+
+    return I8x32(x), codegen
+
+
+@intrinsic
+def splat16(typingctx, x):
+    """Scalar -> I16x16."""
+
+    def codegen(context, builder, sig, args):
+        return _splat(builder, _vt(I16x16), _int_cast(builder, args[0], ir.IntType(16)))
+
+    return I16x16(x), codegen
+
+
+@intrinsic
+def bcast16(typingctx, v, k):
+    """I16x16 -> I16x16 with every lane = v[k] (k a constant after unrolling)."""
+
+    def codegen(context, builder, sig, args):
+        return _splat(builder, _vt(I16x16), builder.extract_element(args[0], _int_cast(builder, args[1], _i32)))
+
+    return I16x16(v, k), codegen
+
+
+@intrinsic
+def bcast16_pair(typingctx, v, k):
+    """I16x16 -> lanes 0..7 = v[k], lanes 8..15 = v[k+1] (scales of two 16-element groups)."""
+
+    def codegen(context, builder, sig, args):
+        k0 = _int_cast(builder, args[1], _i32)
+        a = _splat(builder, _vt(I16x16), builder.extract_element(args[0], k0))
+        b = _splat(builder, _vt(I16x16), builder.extract_element(args[0], builder.add(k0, ir.Constant(_i32, 1))))
+        return _shuffle(builder, a, b, [*range(8), *range(24, 32)])
+
+    return I16x16(v, k), codegen
+
+
+@intrinsic
+def dup_high16(typingctx, v):
+    """I16x16 -> [v[8], v[8], v[9], v[9], ..., v[15], v[15]] (each min for its two bsums)."""
+
+    def codegen(context, builder, sig, args):
+        return _shuffle(builder, args[0], args[0], [8 + i // 2 for i in range(16)])
+
+    return I16x16(v), codegen
+
+
+@intrinsic
+def zero_i32(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_vt(I32x8), None)
+
+    return I32x8(), codegen
+
+
+@intrinsic
+def hsum_i32(typingctx, v):
+    """Sum of the 8 lanes of an I32x8, as int64."""
+
+    def codegen(context, builder, sig, args):
+        s = _call(builder, "llvm.vector.reduce.add.v8i32", _i32, [args[0]])
+        return builder.sext(s, ir.IntType(64))
+
+    return types.int64(v), codegen
+
+
+# --- integer dot-product steps --------------------------------------------------------------
+
+
+def _maddubs_ir(builder, a, b):
+    """Generic pmaddubsw: unsigned a × signed b, adjacent pairs summed, saturated to int16."""
+    v32 = ir.VectorType(_i32, 32)
+    p = builder.mul(builder.zext(a, v32), builder.sext(b, v32))
+    s = builder.add(_shuffle(builder, p, p, range(0, 32, 2)), _shuffle(builder, p, p, range(1, 32, 2)))
+    v16 = ir.VectorType(_i32, 16)
+    s = _call(builder, "llvm.smax.v16i32", v16, [s, _const(v16, -32768)])
+    s = _call(builder, "llvm.smin.v16i32", v16, [s, _const(v16, 32767)])
+    return builder.trunc(s, _vt(I16x16))
+
+
+def _madd_ir(builder, a, b):
+    """Generic pmaddwd: int16 × int16, adjacent pairs summed to int32."""
+    v16 = ir.VectorType(_i32, 16)
+    p = builder.mul(builder.sext(a, v16), builder.sext(b, v16))
+    return builder.add(_shuffle(builder, p, p, range(0, 16, 2)), _shuffle(builder, p, p, range(1, 16, 2)))
+
+
+def _typed2(a, b, t_in, t_out, name):
+    if a != t_in or b != t_in:
+        raise TypingError(f"{name}: expected two {t_in}, got {a}, {b}")
+    return t_out(a, b)
+
+
+@intrinsic
+def maddubs_generic(typingctx, a, b):
+    def codegen(context, builder, sig, args):
+        return _maddubs_ir(builder, *args)
+
+    return _typed2(a, b, I8x32, I16x16, "maddubs"), codegen
+
+
+@intrinsic
+def madd_generic(typingctx, a, b):
+    def codegen(context, builder, sig, args):
+        return _madd_ir(builder, *args)
+
+    return _typed2(a, b, I16x16, I32x8, "madd"), codegen
+
+
+@intrinsic
+def maddubs(typingctx, a, b):
+    """I8x32 unsigned a, I8x32 signed b -> I16x16: a[2i]·b[2i] + a[2i+1]·b[2i+1] (saturating)."""
+
+    def codegen(context, builder, sig, args):
+        if HAS_AVX2:
+            return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vt(I16x16), args)
+        return _maddubs_ir(builder, *args)
+
+    return _typed2(a, b, I8x32, I16x16, "maddubs"), codegen
+
+
+@intrinsic
+def madd(typingctx, a, b):
+    """I16x16 a, b -> I32x8: a[2i]·b[2i] + a[2i+1]·b[2i+1]."""
+
+    def codegen(context, builder, sig, args):
+        if HAS_AVX2:
+            return _call(builder, "llvm.x86.avx2.pmadd.wd", _vt(I32x8), args)
+        return _madd_ir(builder, *args)
+
+    return _typed2(a, b, I16x16, I32x8, "madd"), codegen
+
+
+@intrinsic
+def maddss(typingctx, a, b):
+    """Signed × signed bytes, pairs summed to int16: maddubs(|a|, b·sign(a)) (ggml's trick)."""
+
+    def codegen(context, builder, sig, args):
+        a, b = args
+        vt = _vt(I8x32)
+        absa = _call(builder, "llvm.abs.v32i8", vt, [a, ir.Constant(ir.IntType(1), 0)])
+        zero = ir.Constant(vt, None)
+        neg = builder.icmp_signed("<", a, zero)
+        isz = builder.icmp_signed("==", a, zero)
+        sb = builder.select(isz, zero, builder.select(neg, builder.sub(zero, b), b))
+        if HAS_AVX2:
+            return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vt(I16x16), [absa, sb])
+        return _maddubs_ir(builder, absa, sb)
+
+    return _typed2(a, b, I8x32, I16x16, "maddss"), codegen
+
+
+# --- float ----------------------------------------------------------------------------------
+
+
+@intrinsic
+def zero_f32(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_vt(F32x8), None)
+
+    return F32x8(), codegen
+
+
+@intrinsic
+def fma_i32(typingctx, iv, s, acc):
+    """acc + float(iv)·s: I32x8, scalar float32, F32x8 -> F32x8."""
+    if iv != I32x8 or acc != F32x8:
+        raise TypingError(f"fma_i32: expected (I32x8, float, F32x8), got {iv}, {acc}")
+
+    def codegen(context, builder, sig, args):
+        f = builder.sitofp(args[0], _vt(F32x8))
+        s = _splat(builder, _vt(F32x8), context.cast(builder, args[1], sig.args[1], types.float32))
+        return builder.fadd(builder.fmul(f, s), args[2])
+
+    return F32x8(iv, s, acc), codegen
+
+
+@intrinsic
+def vfma(typingctx, a, b, acc):
+    """acc + a·b, all F32x8."""
+
+    def codegen(context, builder, sig, args):
+        return builder.fadd(builder.fmul(args[0], args[1]), args[2])
+
+    return F32x8(a, b, acc), codegen
+
+
+@intrinsic
+def vfma_s(typingctx, a, s, acc):
+    """acc + a·s: F32x8, scalar, F32x8."""
+
+    def codegen(context, builder, sig, args):
+        sv = _splat(builder, _vt(F32x8), context.cast(builder, args[1], sig.args[1], types.float32))
+        return builder.fadd(builder.fmul(args[0], sv), args[2])
+
+    return F32x8(a, s, acc), codegen
+
+
+@intrinsic
+def i8_to_f32(typingctx, v, part):
+    """Bytes 8·part .. 8·part+7 of an I8x32 (signed) -> F32x8 (``part`` constant after unrolling)."""
+
+    def codegen(context, builder, sig, args):
+        p = _int_cast(builder, args[1], _i32)
+        idx = [builder.add(builder.mul(p, ir.Constant(_i32, 8)), ir.Constant(_i32, i)) for i in range(8)]
+        v8 = ir.Constant(ir.VectorType(ir.IntType(8), 8), ir.Undefined)
+        for i, ix in enumerate(idx):
+            v8 = builder.insert_element(v8, builder.extract_element(args[0], ix), ir.Constant(_i32, i))
+        return builder.sitofp(v8, _vt(F32x8))
+
+    return F32x8(v, part), codegen
+
+
+@intrinsic
+def hsum_f32(typingctx, v):
+    """Sum of the 8 lanes of an F32x8 (pairwise tree), as float32."""
+
+    def codegen(context, builder, sig, args):
+        x = args[0]
+        for width in (4, 2, 1):
+            hi = _shuffle(builder, x, x, [width + i for i in range(width)])
+            lo = _shuffle(builder, x, x, range(width))
+            x = builder.fadd(lo, hi)
+        return builder.extract_element(x, ir.Constant(_i32, 0))
+
+    return types.float32(v), codegen
+
+
+@intrinsic
+def load_u32(typingctx, arr, off):
+    """Little-endian uint32 from 4 bytes at element ``off`` of a uint8 array, as int64."""
+    _check_array(arr, (types.uint8, types.int8), "load_u32")
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_data_ptr(context, builder, sig.args[0], args[0], args[1], _i32), align=1)
+        return builder.zext(v, ir.IntType(64))
+
+    return types.int64(arr, off), codegen
+
+
+@intrinsic
+def lane16(typingctx, v, k):
+    """Lane k of an I16x16, as int64."""
+
+    def codegen(context, builder, sig, args):
+        e = builder.extract_element(args[0], _int_cast(builder, args[1], _i32))
+        return builder.sext(e, ir.IntType(64))
+
+    return types.int64(v, k), codegen
+
+
+@intrinsic
+def i16_to_f32(typingctx, v, half):
+    """Lanes 8·half .. 8·half+7 of an I16x16 -> F32x8."""
+
+    def codegen(context, builder, sig, args):
+        lo = _shuffle(builder, args[0], args[0], range(8))
+        hi = _shuffle(builder, args[0], args[0], range(8, 16))
+        h = builder.icmp_signed("!=", _int_cast(builder, args[1], _i32), ir.Constant(_i32, 0))
+        return builder.sitofp(builder.select(h, hi, lo), _vt(F32x8))
+
+    return F32x8(v, half), codegen

@@ -19,7 +19,7 @@ from gguf import GGUFWriter
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
-from engine.errors import MetadataError
+from engine.errors import MetadataError, UsageError
 from engine.gguf import open_gguf
 from engine.synth.tokenizer import Vocab as SynthVocab
 from engine.synth.tokenizer import write_tokenizer
@@ -268,6 +268,8 @@ def test_special_tokens_render_or_hide(load):
     assert tok.decode(ids) == "<|im_start|>a<think>b<|im_end|>"
     assert tok.decode(ids, special=False) == "a<think>b"  # user-defined tokens always render
     assert tok.token_to_piece(tok.token_id("<|im_end|>"), special=False) == b""
+    with pytest.raises(UsageError, match="outside the vocabulary"):
+        tok.decode([tok.n_vocab])
 
 
 # -- SentencePiece fast path vs the reference loop ---------------------------------------------------

@@ -18,16 +18,19 @@ from engine.tokenizer.vocab import Vocab
 log = logging.getLogger(__name__)
 
 
-def build_bpe(v: Vocab) -> Tokenizer:
-    """A ``tokenizers.Tokenizer`` that encodes one raw-text fragment as llama.cpp does."""
-    vocab = {t: i for i, t in enumerate(v.tokens)}
-    # tokenizers rejects merges whose parts or result are not tokens; llama.cpp keeps them, but
-    # such a merge can only produce a symbol that is then spelled out byte by byte. Drop them.
+def build_bpe(v: Vocab, vocab: dict[str, int]) -> Tokenizer:
+    """A ``tokenizers.Tokenizer`` that encodes one raw-text fragment as llama.cpp does.
+
+    ``vocab`` maps token text to id (``v.tokens`` inverted).
+    """
+    assert v.pre_spec is not None
+    # tokenizers panics on merges whose parts or result are not tokens; llama.cpp keeps them, but
+    # such a merge can only build a symbol that is then spelled out byte by byte. Drop them.
     merges = [(a, b) for a, b in v.merges if a in vocab and b in vocab and a + b in vocab]
     if len(merges) != len(v.merges):
         log.warning("dropped %d BPE merges whose parts or result are not tokens", len(v.merges) - len(merges))
-    assert v.pre_spec is not None
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=v.pre_spec.ignore_merges))
+    model = models.BPE(vocab=vocab, merges=merges, ignore_merges=v.pre_spec.ignore_merges)
+    tok = Tokenizer(model)
     tok.pre_tokenizer = build_pre_tokenizer(v.pre_spec)
     tok.decoder = decoders.ByteLevel()
     return tok

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 
+from engine.errors import UsageError
 from engine.tokenizer.bpe import byte_decoder
 from engine.tokenizer.spm import SPACE
 from engine.tokenizer.vocab import BPE, TokenAttr, Vocab
@@ -26,6 +27,8 @@ class Pieces:
         self._cache: dict[int, bytes] = {}
 
     def piece(self, token_id: int, special: bool = True) -> bytes:
+        if not 0 <= token_id < len(self._v.attrs):
+            raise UsageError(f"token id {token_id} is outside the vocabulary (0..{len(self._v.attrs) - 1})")
         attr = self._v.attrs[token_id]
         if attr & _HIDDEN and not special:
             return b""

@@ -36,7 +36,7 @@ class Tokenizer:
         self._pieces = Pieces(vocab)
         self.uses_reference = False
         if vocab.kind == BPE:
-            self.hf: HFTokenizer = build_bpe(vocab)
+            self.hf: HFTokenizer = build_bpe(vocab, self._token_to_id)
         else:
             unk = vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else None
             self.hf = build_spm(vocab.tokens, vocab.scores, vocab.add_space_prefix, unk)

@@ -47,14 +47,14 @@ class TokenAttr(enum.IntFlag):
 
 # gguf token_type (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte) -> attribute.
 _TYPE_ATTR = {
-    1: TokenAttr.NORMAL,
-    2: TokenAttr.UNKNOWN,
-    3: TokenAttr.CONTROL,
-    4: TokenAttr.USER_DEFINED,
-    5: TokenAttr.UNUSED,
-    6: TokenAttr.BYTE,
+    1: int(TokenAttr.NORMAL),
+    2: int(TokenAttr.UNKNOWN),
+    3: int(TokenAttr.CONTROL),
+    4: int(TokenAttr.USER_DEFINED),
+    5: int(TokenAttr.UNUSED),
+    6: int(TokenAttr.BYTE),
 }
-SPECIAL_ATTRS = TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN
+SPECIAL_ATTRS = int(TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN)
 
 # Texts llama.cpp takes for end-of-turn when the file names none (first match in this order).
 EOT_TEXTS = (
@@ -143,7 +143,7 @@ def read_vocab(metadata: dict, path: str | None = None) -> Vocab:
             raise fail(
                 f"{keys.TOKENIZER_TOKEN_TYPE} has {len(types) if isinstance(types, list) else 0} entries for {n} tokens"
             )
-        attrs = [int(_TYPE_ATTR.get(int(t), TokenAttr.UNDEFINED)) for t in types[:n]]
+        attrs = [_TYPE_ATTR.get(t, 0) for t in types[:n]]
 
     scores = np.zeros(n, dtype=np.float32)
     raw_scores = metadata.get(keys.TOKENIZER_SCORES)
@@ -204,7 +204,7 @@ def read_vocab(metadata: dict, path: str | None = None) -> Vocab:
 
     def make_control(i: int | None) -> None:
         if i is not None:
-            attrs[i] |= TokenAttr.CONTROL
+            attrs[i] |= int(TokenAttr.CONTROL)
 
     # Text-based detection; a detected token that is not typed as control becomes one.
     if eot_id is None:
@@ -238,7 +238,7 @@ def read_vocab(metadata: dict, path: str | None = None) -> Vocab:
         pre=pre,
         pre_spec=pre_spec,
         tokens=tuple(tokens),
-        attrs=tuple(int(a) for a in attrs),
+        attrs=tuple(attrs),
         scores=scores,
         merges=merges,
         bos_id=bos_id,
@@ -255,9 +255,11 @@ def read_vocab(metadata: dict, path: str | None = None) -> Vocab:
     )
 
 
-def _split_merge(m: object) -> tuple[str, str]:
+def _split_merge(s: str) -> tuple[str, str]:
     """``"a b"`` -> ``("a", "b")``, split at the first space after the first character (as llama.cpp)."""
-    s = str(m)
+    if s[:1] != " ":
+        a, sep, b = s.partition(" ")
+        return (a, b) if sep else ("", "")
     cut = s.find(" ", 1)
     return (s[:cut], s[cut + 1 :]) if cut >= 0 else ("", "")
 

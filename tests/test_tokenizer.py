@@ -35,6 +35,8 @@ SPM_SPECIALS = [("<|im_start|>", 3), ("<|im_end|>", 3), ("<|endoftext|>", 3), ("
 # Pre-tokenizer names the parity tests cover (each a separate file over the same trained vocabulary).
 BPE_PRES = ("qwen2", "llama-bpe", "olmo", "default", "gpt-2", "qwen35", "starcoder", "falcon", "dbrx")
 SPM_KINDS = ("spm", "spm-ties", "spm-noprefix")
+# The vocabularies engine.synth puts into synthetic model files (trained on pydoc text, [PADn] unused rows).
+SYNTH_KINDS = ("synth-qwen2", "synth-spm")
 
 _WORDS = (  # noqa: SIM905 (a word list reads better as text)
     "the of and to in is that for it with as was on be by this are from at or have not but what all "
@@ -139,12 +141,18 @@ def write_vocab_gguf(path: Path, v: SynthVocab, extra: dict | None = None) -> Pa
 
 
 def vocab_file(directory: Path, name: str) -> Path:
-    """``name``: a BPE pre-tokenizer from BPE_PRES, or one of SPM_KINDS. Written once per directory."""
+    """``name``: a BPE pre-tokenizer from BPE_PRES, or one of SPM_KINDS / SYNTH_KINDS. Written once per directory."""
     path = directory / f"vocab-{name}.gguf"
     if path.exists():
         return path
     if name in BPE_PRES:
         return write_vocab_gguf(path, dataclasses.replace(bpe_vocab(), pre=name))
+    if name in SYNTH_KINDS:
+        from engine.synth import tokenizer as synth
+
+        return write_vocab_gguf(
+            path, synth.bpe_vocab(2048, "qwen2") if name == "synth-qwen2" else synth.spm_vocab(2048)
+        )
     v = spm_vocab()
     if name == "spm-ties":
         # Coarse scores: many merge results tie, so the exact merge loop must be used.

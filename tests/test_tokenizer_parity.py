@@ -3,7 +3,7 @@
 Every tokenizer kind: byte-level BPE under nine ``tokenizer.ggml.pre`` names (qwen2, llama-bpe,
 olmo, default, gpt-2, qwen35, starcoder, falcon, dbrx) over one trained vocabulary, and
 SentencePiece (scores without ties -> the ``tokenizers`` fast path; with ties -> the exact loop;
-``add_space_prefix = false``). The corpus (tests/data/tokenizer_corpus.json, 300+ strings) is
+``add_space_prefix = false``), and the two vocabularies engine.synth writes into model files. The corpus (tests/data/tokenizer_corpus.json, 300+ strings) is
 tokenized with and without special-token parsing, with and without BOS.
 """
 
@@ -13,12 +13,12 @@ import ctypes
 
 import pytest
 
-from tests.test_tokenizer import BPE_PRES, CORPUS, SPM_KINDS, load, vocab_dir  # noqa: F401 (fixtures)
+from tests.test_tokenizer import BPE_PRES, CORPUS, SPM_KINDS, SYNTH_KINDS, load, vocab_dir  # noqa: F401 (fixtures)
 
 llama_cpp = pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.llama
 
-KINDS = BPE_PRES + SPM_KINDS
+KINDS = BPE_PRES + SPM_KINDS + SYNTH_KINDS
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_ids_match_llama_cpp(oracle, name):
     assert not bad, f"{len(bad)} mismatches, first: {bad[0]}"
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama-bpe", "spm", "spm-ties"])
+@pytest.mark.parametrize("name", ["qwen2", "llama-bpe", "spm", "spm-ties", *SYNTH_KINDS])
 def test_pieces_attrs_and_specials_match_llama_cpp(oracle, name):
     tok, llm = oracle(name)
     vocab = llm._model.vocab

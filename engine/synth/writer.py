@@ -3,7 +3,8 @@
 Values are deterministic: each tensor (and each expert of a stacked tensor) draws from its own
 generator seeded by ``(seed, crc32(name), expert)``, so a tensor does not change when others are
 added, reordered or given explicitly. Magnitudes keep activations well scaled through many layers:
-linear weights ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norm weights ~ 1 + N(0, 0.05²), and
+linear weights ~ N(0, 1/fan_in), embeddings ~ N(0, 1) (N(0, 1/D) when the output is tied to
+them, so logits stay ~ N(0, 1)), norm weights ~ 1 + N(0, 0.05²), and
 routers ~ N(0, (ROUTER_GAIN)²/D) so expert logits spread over several units and top-k choices
 are rarely razor-thin.
 
@@ -121,7 +122,7 @@ def write_model(
     _pad(f, w.data_alignment)
     for p in plans:
         written = 0
-        for chunk in _values(p, seed, given.get(p.name)):
+        for chunk in _values(p, seed, given.get(p.name), spec.tied_output):
             data = encode(chunk, p.qtype)
             f.write(data.tobytes())
             written += data.nbytes
@@ -140,7 +141,7 @@ def _rng(seed: int, name: str, part: int = 0) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode()), part])
 
 
-def _values(p: TensorPlan, seed: int, given: np.ndarray | None) -> Iterator[np.ndarray]:
+def _values(p: TensorPlan, seed: int, given: np.ndarray | None, tied: bool) -> Iterator[np.ndarray]:
     """float32 chunks of the tensor's values along its outermost axis (experts one at a time)."""
     d = p.decl
     if given is not None:
@@ -154,10 +155,10 @@ def _values(p: TensorPlan, seed: int, given: np.ndarray | None) -> Iterator[np.n
         for e in range(d.shape[0]):
             yield _random(d, _rng(seed, d.name, e), d.shape[1:])
     else:
-        yield _random(d, _rng(seed, d.name), d.shape)
+        yield _random(d, _rng(seed, d.name), d.shape, tied)
 
 
-def _random(d: S.TensorDecl, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+def _random(d: S.TensorDecl, rng: np.random.Generator, shape: tuple[int, ...], tied: bool = False) -> np.ndarray:
     """Random values for a tensor of ``d``'s kind; see the module docstring for the scales."""
     fan_in = d.shape[-1]
     if d.kind in (S.NORM,):
@@ -167,7 +168,7 @@ def _random(d: S.TensorDecl, rng: np.random.Generator, shape: tuple[int, ...]) -
     if d.kind == S.ROPE_FREQS:
         # Llama-3-style factors: 1 for high frequencies rising to a few for the lowest ones.
         return np.linspace(1.0, 4.0, shape[0], dtype=np.float32)
-    if d.kind == S.EMBEDDING:
+    if d.kind == S.EMBEDDING and not tied:
         return rng.standard_normal(shape, dtype=np.float32)
     gain = ROUTER_GAIN if d.kind == S.ROUTER else 1.0
     std = np.float32(gain / np.sqrt(fan_in))

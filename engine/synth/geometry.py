@@ -1,0 +1,157 @@
+"""Geometry-only GGUFs of real models: a real header and tensor table, the data left as a hole.
+
+The file is written up to the start of the tensor data and then extended with ``truncate`` to
+its full size, so it is sparse: its apparent size is the real model's, it occupies a few MB of
+disk, and reading the data region yields zeros. Planner and loader code can open it like the
+real file. The vocabulary has the real size (trained tokens, then ``[PADn]`` placeholders).
+
+Weight types approximate llama.cpp's Q4_K_M recipe (``llama_tensor_get_type`` in
+``src/llama-quant.cpp``), stated here because it is approximate:
+
+* every matrix Q4_K, ``token_embd`` included; ``output`` Q6_K;
+* ``attn_v`` and every ``ffn_down*`` (dense, routed ``_exps`` and shared ``_shexp``) Q6_K on the
+  layers llama.cpp's ``use_more_bits`` picks (the first and last eighth, and every third layer
+  between: 24 of 48 for Qwen3-30B-A3B);
+* 8-expert models (Mixtral): ``attn_k`` and ``attn_v`` Q8_0;
+* rows not a multiple of 256 fall back as llama.cpp does (Qwen1.5-MoE's 1408-wide
+  ``ffn_down_exps`` become Q5_0/Q8_0); norms, biases and routers F32.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFWriter
+
+from engine.errors import UsageError
+from engine.quant.formats import QType
+from engine.synth.encode import TensorPlan, plan_types
+from engine.synth.metadata import write_hparams
+from engine.synth.specs import SynthSpec, TensorDecl, make_spec, tensor_layout
+from engine.synth.tokenizer import Vocab, build_vocab, write_tokenizer
+
+
+@dataclass(frozen=True)
+class RealModel:
+    """A published model's geometry and tokenizer kind."""
+
+    title: str
+    spec: SynthSpec
+    tokenizer: str  # "bpe" | "spm"
+    pre: str | None
+
+
+GEOMETRIES: dict[str, RealModel] = {
+    "qwen3-30b-a3b": RealModel(
+        "Qwen3-30B-A3B",
+        make_spec(
+            "qwen3moe", layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, experts_used=8,
+            expert_ff=768, ff=6144, vocab=151936, ctx=40960, rope_base=1e6, rms_eps=1e-6,
+        ),
+        "bpe",
+        "qwen2",
+    ),
+    "olmoe-1b-7b": RealModel(
+        "OLMoE-1B-7B",
+        make_spec(
+            "olmoe", layers=16, hidden=2048, heads=16, kv_heads=16, head_dim=128, experts=64, experts_used=8,
+            expert_ff=1024, vocab=50304, ctx=4096, rope_base=10000.0, rms_eps=1e-5,
+        ),
+        "bpe",
+        "olmo",
+    ),
+    "qwen1.5-moe-a2.7b": RealModel(
+        "Qwen1.5-MoE-A2.7B",
+        make_spec(
+            "qwen2moe", layers=24, hidden=2048, heads=16, kv_heads=16, head_dim=128, experts=60, experts_used=4,
+            expert_ff=1408, shared_ff=5632, ff=5632, vocab=151936, ctx=8192, rope_base=1e6, rms_eps=1e-6,
+            qkv_bias=True,
+        ),
+        "bpe",
+        "qwen2",
+    ),
+    "mixtral-8x7b": RealModel(
+        "Mixtral-8x7B",
+        make_spec(
+            "llama", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, experts=8, experts_used=2,
+            expert_ff=14336, vocab=32000, ctx=32768, rope_base=1e6, rms_eps=1e-5,
+        ),
+        "spm",
+        None,
+    ),
+}  # fmt: skip
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's choice of layers that get more bits in ``_M`` mixes (``use_more_bits``)."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def q4_k_m_overrides(spec: SynthSpec, decls: list[TensorDecl]) -> dict[str, QType]:
+    """Per-tensor type overrides on top of Q4_K that approximate a Q4_K_M file (module docstring)."""
+    out: dict[str, QType] = {"output": QType.Q6_K}
+    for d in decls:
+        short = d.name.split(".")[-2] if d.layer is not None else ""
+        if short == "attn_v":
+            more = use_more_bits(d.layer, spec.layers)
+            out[d.name] = QType.Q8_0 if spec.experts == 8 else QType.Q6_K if more else QType.Q4_K
+        elif short == "attn_k" and spec.experts == 8:
+            out[d.name] = QType.Q8_0
+        elif short.startswith("ffn_down") and use_more_bits(d.layer, spec.layers):
+            out[d.name] = QType.Q6_K
+    return out
+
+
+@dataclass(frozen=True)
+class GeometryFile:
+    """A written geometry-only file: its tensors, where the data starts, its apparent size."""
+
+    path: Path
+    model: RealModel
+    tensors: tuple[TensorPlan, ...]
+    vocab: Vocab
+    data_offset: int
+    file_size: int
+
+    @property
+    def spec(self) -> SynthSpec:
+        return self.model.spec
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Sum of the tensors' data sizes (without alignment padding)."""
+        return sum(p.nbytes for p in self.tensors)
+
+
+def write_geometry(path: str | os.PathLike, model_name: str) -> GeometryFile:
+    """Write the geometry-only GGUF of ``model_name`` (a key of :data:`GEOMETRIES`) to ``path``."""
+    key = model_name.lower()
+    if key not in GEOMETRIES:
+        raise UsageError(f"unknown model {model_name!r} (known: {', '.join(GEOMETRIES)})")
+    model = GEOMETRIES[key]
+    spec = model.spec
+    decls = tensor_layout(spec)
+    plans = plan_types(decls, QType.Q4_K, q4_k_m_overrides(spec, decls))
+    vocab = build_vocab(model.tokenizer, spec.vocab, model.pre)
+
+    path = Path(path)
+    w = GGUFWriter(path, spec.arch)
+    write_hparams(w, spec, name=f"{model.title} (geometry only, no weights)", file_type=QType.Q4_K)
+    write_tokenizer(w, vocab)
+    end = 0
+    for p in plans:
+        w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), p.nbytes, raw_dtype=p.qtype)
+        end += GGUFWriter.ggml_pad(p.nbytes, w.data_alignment)
+    w.write_header_to_file(path)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    assert w.fout is not None
+    f = w.fout[0]
+    f.flush()
+    data_offset = GGUFWriter.ggml_pad(f.tell(), w.data_alignment)
+    f.truncate(data_offset + end)  # the hole: no blocks allocated for the data region
+    w.close()
+    return GeometryFile(path, model, tuple(plans), vocab, data_offset, data_offset + end)

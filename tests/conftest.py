@@ -1,0 +1,131 @@
+"""Shared fixtures: small synthetic GGUF models built once per session, and a safe llama.cpp opener.
+
+Use them from any test module::
+
+    def test_something(synth_model):
+        m = synth_model("qwen3moe", "Q4_K", layers=2, experts=4)   # SynthModel, cached
+        path = m.path
+
+    def test_oracle(synth_model, open_llama):
+        llm = open_llama(synth_model("llama", experts=4).path)     # closed after the test
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+def _digest(value) -> str:
+    """A stable description of fixture arguments (arrays by content) for cache keys."""
+    if isinstance(value, np.ndarray):
+        return f"array{value.shape}{value.dtype}:{hashlib.sha1(np.ascontiguousarray(value).tobytes()).hexdigest()}"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k!r}:{_digest(v)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_digest(v) for v in value) + "]"
+    return repr(value)
+
+
+@pytest.fixture(scope="session")
+def synth_dir(tmp_path_factory) -> Path:
+    """Session temp directory holding the synthetic files."""
+    return tmp_path_factory.mktemp("synth")
+
+
+@pytest.fixture(scope="session")
+def synth_model(synth_dir) -> Callable:
+    """Factory ``synth_model(arch, qtype="F32", **kwargs) -> engine.synth.SynthModel``.
+
+    Writes (once per session per distinct argument set) a random-weight GGUF with
+    ``engine.synth.write_model(path, arch, weight_type=qtype, seed=0, **kwargs)``; ``kwargs`` are
+    any of its keywords: geometry (``layers``, ``hidden``, ``experts``, ``vocab``, ...),
+    ``type_overrides``, ``tokenizer``, ``pre``, ``seed``, ``weights``. Returns the cached
+    :class:`~engine.synth.SynthModel` (``.path``, ``.spec``, ``.types()``, ``.hf_tokenizer()``).
+    """
+    from engine.synth import write_model
+
+    cache: dict[str, object] = {}
+
+    def make(arch: str, qtype="F32", **kwargs):
+        kwargs.setdefault("seed", 0)
+        key = f"{arch}|{qtype}|{_digest(kwargs)}"
+        if key not in cache:
+            name = hashlib.sha1(key.encode()).hexdigest()[:12]
+            cache[key] = write_model(synth_dir / f"{arch}-{qtype}-{name}.gguf", arch, weight_type=qtype, **kwargs)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def synth_geometry(synth_dir) -> Callable:
+    """Factory ``synth_geometry(model_name) -> engine.synth.geometry.GeometryFile``, cached.
+
+    Geometry-only (sparse, no weights) files of real models: ``qwen3-30b-a3b``, ``olmoe-1b-7b``,
+    ``qwen1.5-moe-a2.7b``, ``mixtral-8x7b``. Never run them through llama.cpp in CI: it touches
+    every page of the (zero) data region, i.e. the full model size in RAM.
+    """
+    from engine.synth.geometry import write_geometry
+
+    cache: dict[str, object] = {}
+
+    def make(model_name: str):
+        if model_name not in cache:
+            cache[model_name] = write_geometry(synth_dir / f"geometry-{model_name}.gguf", model_name)
+        return cache[model_name]
+
+    return make
+
+
+@contextlib.contextmanager
+def _no_extra_buffer_types() -> Iterator[None]:
+    """Load llama.cpp models with ``use_extra_bufts = False``.
+
+    The llama-cpp-python 0.3.36 build here enables the AMX/repack extra buffer types, and a
+    decode through a quantized 2-D weight in them segfaults on this machine (F32/F16/BF16 and
+    expert tensors are unaffected). Without them results are unchanged (llamacpp-facts.md).
+    """
+    import llama_cpp.llama_cpp as C
+
+    orig = C.llama_model_default_params
+
+    def params():
+        p = orig()
+        p.use_extra_bufts = False
+        return p
+
+    C.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        C.llama_model_default_params = orig
+
+
+@pytest.fixture
+def open_llama() -> Iterator[Callable]:
+    """Factory ``open_llama(path, n_ctx=256, **kw) -> llama_cpp.Llama`` for exact comparisons.
+
+    F32 KV cache, logits for every position, quiet, extra buffer types off (see
+    ``_no_extra_buffer_types``); every model opened is closed when the test ends. Skips the test
+    when llama_cpp is not installed.
+    """
+    llama_cpp = pytest.importorskip("llama_cpp")
+    opened = []
+
+    def make(path, n_ctx: int = 256, **kw):
+        args = dict(n_ctx=n_ctx, type_k=0, type_v=0, logits_all=True, verbose=False)
+        args.update(kw)
+        with _no_extra_buffer_types():
+            llm = llama_cpp.Llama(str(path), **args)
+        opened.append(llm)
+        return llm
+
+    yield make
+    for llm in opened:
+        llm.close()

@@ -272,6 +272,7 @@ def moe_ffn_ref(
     for e, w in zip(ids, weights):
         g = matvec_ref(qtypes[0], gate_raw[e], x, q8_act=q8_act).astype(np.float64)
         u = matvec_ref(qtypes[1], up_raw[e], x, q8_act=q8_act).astype(np.float64)
-        h = (g / (1.0 + np.exp(-g)) * u).astype(np.float32)
+        with np.errstate(over="ignore"):
+            h = (g / (1.0 + np.exp(-g)) * u).astype(np.float32)
         y += float(w) * matvec_ref(qtypes[2], down_raw[e], h, q8_act=q8_act)
     return y.astype(np.float32)

@@ -1,0 +1,169 @@
+"""Kernel benchmark: achieved GB/s of the CPU GEMV kernels against this machine's read bandwidth.
+
+Workloads (numbers follow the synthetic qwen3moe of docs/benchmarks.md):
+
+* ``bandwidth``: a numba parallel sum over a 1 GiB float32 array, best of several runs.
+* ``experts``: one decode step of routed experts — K = 8 experts of gate + up [768, 2048] and
+  down [2048, 768], taken from stacks of 64 experts through ``moe_ffn``. Each repetition uses
+  8 experts the previous 7 did not, cycling through all 64, so the bytes come from DRAM.
+* ``trunk``: one [4096, 2048] GEMV; enough copies of the matrix are cycled that the working set
+  exceeds ``min_working_set`` bytes (so it is not served from cache either).
+
+GB/s counts weight bytes read (the quantized blocks; scale side arrays and activations are
+not counted). Times are medians over repetitions, after a warm-up.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from engine.kernels.dispatch import matvec
+from engine.kernels.moe import moe_ffn
+from engine.kernels.prepare import prepare_weight
+from engine.kernels.simd import hsum_f32, load_f32x8, vadd, zero_f32
+from engine.kernels.testing import random_weight
+from engine.quant.formats import WEIGHT_TYPES, QType, block_format
+
+EXPERTS, EXPERT_FF, HIDDEN, TOP_K = 64, 768, 2048, 8
+TRUNK_ROWS = 4096
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _read_sum(a, nchunks):
+    """Sum of a float32 [n] array (n a multiple of 32·nchunks), read once, lane-wise."""
+    part = np.zeros(nchunks, np.float32)
+    ch = a.shape[0] // nchunks
+    for c in prange(nchunks):
+        a0 = zero_f32()
+        a1 = zero_f32()
+        a2 = zero_f32()
+        a3 = zero_f32()
+        for o in range(c * ch, (c + 1) * ch, 32):
+            a0 = vadd(a0, load_f32x8(a, o))
+            a1 = vadd(a1, load_f32x8(a, o + 8))
+            a2 = vadd(a2, load_f32x8(a, o + 16))
+            a3 = vadd(a3, load_f32x8(a, o + 24))
+        part[c] = hsum_f32(vadd(vadd(a0, a1), vadd(a2, a3)))
+    return part.sum()
+
+
+def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 7) -> dict:
+    """Read bandwidth with the current numba thread count: {'best_gbs', 'median_gbs', 'bytes'}."""
+    nchunks = 64 * numba.get_num_threads()
+    n = nbytes // 4 // (32 * nchunks) * (32 * nchunks)
+    a = np.ones(n, np.float32)
+    _read_sum(a, nchunks)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        _read_sum(a, nchunks)
+        times.append(time.perf_counter() - t)
+    return {"bytes": a.nbytes, "best_gbs": a.nbytes / min(times) / 1e9, "median_gbs": a.nbytes / np.median(times) / 1e9}
+
+
+@dataclass
+class KernelResult:
+    qtype: str
+    variant: str  # "q8" (activations rounded as llama.cpp) or "exact"
+    experts_ms: float  # median time of one decode step's routed experts (8 × gate, up, down)
+    experts_gbs: float
+    trunk_ms: float  # median time of one [4096, 2048] GEMV
+    trunk_gbs: float
+
+
+def _median_time(fn, reps: int, warmup: int = 2) -> float:
+    for i in range(warmup):
+        fn(i)
+    times = []
+    for i in range(reps):
+        t = time.perf_counter()
+        fn(warmup + i)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def bench_type(
+    qtype: QType, *, q8_act: bool, reps: int = 40, min_working_set: int = 512 << 20, seed: int = 0
+) -> KernelResult:
+    """Time one weight type on the expert and trunk workloads."""
+    rng = np.random.default_rng(seed)
+    gate = prepare_weight(qtype, random_weight(qtype, (EXPERTS, EXPERT_FF, HIDDEN), rng))
+    up = prepare_weight(qtype, random_weight(qtype, (EXPERTS, EXPERT_FF, HIDDEN), rng))
+    down = prepare_weight(qtype, random_weight(qtype, (EXPERTS, HIDDEN, EXPERT_FF), rng))
+    x = rng.standard_normal(HIDDEN, dtype=np.float32)
+    order = rng.permutation(EXPERTS)
+    wts = np.full(TOP_K, 1.0 / TOP_K, np.float32)
+    step_bytes = TOP_K * (gate.nbytes + up.nbytes + down.nbytes) // EXPERTS
+
+    def step(i: int) -> None:
+        ids = order[(np.arange(TOP_K) + TOP_K * i) % EXPERTS]
+        moe_ffn(gate, up, down, x, ids, wts, q8_act=q8_act)
+
+    t_exp = _median_time(step, reps)
+    del gate, up, down
+
+    one = block_format(qtype).row_bytes(HIDDEN) * TRUNK_ROWS
+    copies = max(1, -(-min_working_set // one))
+    trunk = prepare_weight(qtype, random_weight(qtype, (copies * TRUNK_ROWS, HIDDEN), rng))
+    mats = [
+        type(trunk)(trunk.qtype, (TRUNK_ROWS, HIDDEN), trunk.raw[c * TRUNK_ROWS : (c + 1) * TRUNK_ROWS],
+                    trunk.scales[c * TRUNK_ROWS : (c + 1) * TRUNK_ROWS])
+        for c in range(copies)
+    ]  # fmt: skip
+    t_trunk = _median_time(lambda i: matvec(mats[i % copies], x, q8_act=q8_act), reps)
+    return KernelResult(
+        qtype.name,
+        "q8" if q8_act else "exact",
+        t_exp * 1e3,
+        step_bytes / t_exp / 1e9,
+        t_trunk * 1e3,
+        one / t_trunk / 1e9,
+    )
+
+
+def machine_info() -> dict:
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {"cpu": model, "cores": os.cpu_count(), "threads": numba.get_num_threads(), "loadavg": load}
+
+
+def run(types: list[QType] | None = None, variants: tuple[bool, ...] = (True, False), reps: int = 40) -> dict:
+    """The whole benchmark as plain data: machine, bandwidth and one KernelResult per (type, variant)."""
+    info = machine_info()
+    bw = measure_bandwidth()
+    results = []
+    for q in types or list(WEIGHT_TYPES):
+        for q8 in variants:
+            results.append(asdict(bench_type(QType(q), q8_act=q8, reps=reps)))
+    return {"machine": info, "bandwidth": bw, "results": results}
+
+
+def format_table(report: dict) -> str:
+    bw = report["bandwidth"]["best_gbs"]
+    m = report["machine"]
+    lines = [
+        f"CPU: {m['cpu']}, {m['cores']} cores, {m['threads']} threads; load {m['loadavg'][0]:.2f}",
+        f"read bandwidth: {bw:.1f} GB/s best, {report['bandwidth']['median_gbs']:.1f} GB/s median",
+        "",
+        f"{'type':<6} {'variant':<7} {'experts ms':>10} {'GB/s':>6} {'of bw':>6}   {'trunk ms':>8} {'GB/s':>6} {'of bw':>6}",
+    ]
+    for r in report["results"]:
+        lines.append(
+            f"{r['qtype']:<6} {r['variant']:<7} {r['experts_ms']:>10.3f} {r['experts_gbs']:>6.1f} "
+            f"{r['experts_gbs'] / bw:>6.0%}   {r['trunk_ms']:>8.3f} {r['trunk_gbs']:>6.1f} {r['trunk_gbs'] / bw:>6.0%}"
+        )
+    return "\n".join(lines)

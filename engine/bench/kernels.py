@@ -25,7 +25,7 @@ from numba import njit, prange
 
 from engine.kernels.dispatch import matvec
 from engine.kernels.moe import moe_ffn
-from engine.kernels.prepare import prepare_weight
+from engine.kernels.prepare import PreparedWeight, prepare_weight
 from engine.kernels.simd import hsum_f32, load_f32x8, vadd, zero_f32
 from engine.kernels.testing import random_weight
 from engine.quant.formats import WEIGHT_TYPES, QType, block_format
@@ -88,42 +88,52 @@ def _median_time(fn, reps: int, warmup: int = 2) -> float:
     return float(np.median(times))
 
 
-def bench_type(
-    qtype: QType, *, q8_act: bool, reps: int = 40, min_working_set: int = 512 << 20, seed: int = 0
-) -> KernelResult:
-    """Time one weight type on the expert and trunk workloads."""
-    rng = np.random.default_rng(seed)
+def _bench_experts(qtype: QType, q8_act: bool, reps: int, rng: np.random.Generator) -> tuple[float, int]:
+    """Median seconds of one decode step's routed experts, and the weight bytes it reads."""
     gate = prepare_weight(qtype, random_weight(qtype, (EXPERTS, EXPERT_FF, HIDDEN), rng))
     up = prepare_weight(qtype, random_weight(qtype, (EXPERTS, EXPERT_FF, HIDDEN), rng))
     down = prepare_weight(qtype, random_weight(qtype, (EXPERTS, HIDDEN, EXPERT_FF), rng))
     x = rng.standard_normal(HIDDEN, dtype=np.float32)
     order = rng.permutation(EXPERTS)
     wts = np.full(TOP_K, 1.0 / TOP_K, np.float32)
-    step_bytes = TOP_K * (gate.nbytes + up.nbytes + down.nbytes) // EXPERTS
 
-    def step(i: int) -> None:
+    def step(i: int) -> None:  # 8 experts the previous 7 steps did not touch
         ids = order[(np.arange(TOP_K) + TOP_K * i) % EXPERTS]
         moe_ffn(gate, up, down, x, ids, wts, q8_act=q8_act)
 
-    t_exp = _median_time(step, reps)
-    del gate, up, down
+    return _median_time(step, reps), TOP_K * (gate.nbytes + up.nbytes + down.nbytes) // EXPERTS
 
+
+def _bench_trunk(
+    qtype: QType, q8_act: bool, reps: int, rng: np.random.Generator, min_working_set: int
+) -> tuple[float, int]:
+    """Median seconds of one [4096, 2048] GEMV over copies cycled past the caches, and its bytes."""
     one = block_format(qtype).row_bytes(HIDDEN) * TRUNK_ROWS
     copies = max(1, -(-min_working_set // one))
-    trunk = prepare_weight(qtype, random_weight(qtype, (copies * TRUNK_ROWS, HIDDEN), rng))
+    w = prepare_weight(qtype, random_weight(qtype, (copies * TRUNK_ROWS, HIDDEN), rng))
     mats = [
-        type(trunk)(trunk.qtype, (TRUNK_ROWS, HIDDEN), trunk.raw[c * TRUNK_ROWS : (c + 1) * TRUNK_ROWS],
-                    trunk.scales[c * TRUNK_ROWS : (c + 1) * TRUNK_ROWS])
+        PreparedWeight(qtype, (TRUNK_ROWS, HIDDEN), w.raw[c * TRUNK_ROWS : (c + 1) * TRUNK_ROWS],
+                       w.scales[c * TRUNK_ROWS : (c + 1) * TRUNK_ROWS])
         for c in range(copies)
     ]  # fmt: skip
-    t_trunk = _median_time(lambda i: matvec(mats[i % copies], x, q8_act=q8_act), reps)
+    x = rng.standard_normal(HIDDEN, dtype=np.float32)
+    return _median_time(lambda i: matvec(mats[i % copies], x, q8_act=q8_act), reps), one
+
+
+def bench_type(
+    qtype: QType, *, q8_act: bool, reps: int = 40, min_working_set: int = 512 << 20, seed: int = 0
+) -> KernelResult:
+    """Time one weight type on the expert and trunk workloads."""
+    rng = np.random.default_rng(seed)
+    t_exp, exp_bytes = _bench_experts(qtype, q8_act, reps, rng)
+    t_trunk, trunk_bytes = _bench_trunk(qtype, q8_act, reps, rng, min_working_set)
     return KernelResult(
         qtype.name,
         "q8" if q8_act else "exact",
         t_exp * 1e3,
-        step_bytes / t_exp / 1e9,
+        exp_bytes / t_exp / 1e9,
         t_trunk * 1e3,
-        one / t_trunk / 1e9,
+        trunk_bytes / t_trunk / 1e9,
     )
 
 

@@ -14,7 +14,7 @@ import sys
 from engine.errors import SharpIError
 
 # Subcommand modules, in the order ``sharpi --help`` lists them.
-COMMANDS = ["inspect", "run", "logits", "tokenize", "synth", "bench"]
+COMMANDS = ["inspect", "run", "logits", "tokenize", "synth", "plan", "bench"]
 
 log = logging.getLogger("sharpi")
 

@@ -1,0 +1,182 @@
+"""Decode cost model: seconds per token = Σ over links (bytes moved ÷ bandwidth) + crossings.
+
+For one decoded token at context position ``p`` (docs/planner.md states it in full):
+
+    t = B_dev / device_gbps + B_cpu / cpu_expert_gbps + B_h2d / h2d_gbps + n_sync · sync_us
+
+    B_dev = trunk of device layers + their K/V rows (2·p·row bytes each) + device output
+            + experts served from the device (resident: K·e per layer; cache: h·K·e)
+    B_cpu = trunk of host layers + their f32 K/V rows + host output + one embedding row
+            + experts computed on the host (host layers, first n_cpu_moe layers, mode cpu: K·e;
+              cache: the misses, (1−h)·K·e)
+    B_h2d = cache misses uploaded into the slot pool, (1−h)·K·e
+    n_sync = 2 (embedding row in, logits/hidden out, when any layer is on the device)
+           + 2 per device layer whose experts run on the host (always, or on a miss:
+             1 − h^K is the chance that at least one of its K experts misses)
+
+``e`` is the layer's one-expert bytes, ``K`` the experts used per token, ``h`` the hit rate of
+:func:`hit_rate` at the pool's capacity fraction. Everything is charged serially (no overlap of
+uploads with host compute), so the prediction is a floor on tok/s for a given set of bandwidths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from engine.plan.profile import DeviceProfile
+from engine.plan.sizing import HOST_KV_TYPE, kv_row_bytes
+from engine.plan.spec import ModelSpec
+
+CPU, CACHE, RESIDENT = "cpu", "cache", "resident"
+MODES: tuple[str, ...] = (CPU, CACHE, RESIDENT)
+
+
+@lru_cache(maxsize=64)
+def _zipf_cumulative(n_expert: int, skew: float) -> tuple[float, ...]:
+    """Cumulative popularity of the hottest j experts, j = 0..E, under Zipf(skew)."""
+    w = [1.0 / (r**skew) for r in range(1, n_expert + 1)]
+    total = sum(w)
+    acc, out = 0.0, [0.0]
+    for x in w:
+        acc += x / total
+        out.append(acc)
+    out[-1] = 1.0
+    return tuple(out)
+
+
+def hit_rate(capacity: float, n_expert: int, skew: float) -> float:
+    """Expected cache hit rate when ``capacity`` (0..1) of a layer's ``n_expert`` experts fit.
+
+    The cache is modelled as holding the hottest ``capacity · E`` experts of a Zipf(``skew``)
+    popularity (``skew = 0``: uniform, hit rate = capacity); a fractional expert counts in
+    proportion. Monotone in capacity and in skew, 0 at capacity 0 and 1 at capacity 1.
+    """
+    if n_expert <= 0 or capacity <= 0:
+        return 0.0
+    if capacity >= 1:
+        return 1.0
+    cum = _zipf_cumulative(n_expert, round(float(skew), 6))
+    x = capacity * n_expert
+    j = int(x)
+    return cum[j] + (x - j) * (cum[j + 1] - cum[j])
+
+
+def fit_skew(capacity: float, observed_hit_rate: float, n_expert: int) -> float:
+    """The skew at which :func:`hit_rate` gives ``observed_hit_rate`` (e.g. from the profiler).
+
+    Returns a value in [0, 4]; a hit rate at or below ``capacity`` (no skew visible) gives 0.
+    """
+    lo, hi = 0.0, 4.0
+    if observed_hit_rate <= hit_rate(capacity, n_expert, lo):
+        return lo
+    if observed_hit_rate >= hit_rate(capacity, n_expert, hi):
+        return hi
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if hit_rate(capacity, n_expert, mid) < observed_hit_rate:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted decode cost of one token in one expert mode.
+
+    bytes_by_link / seconds_by_link: {"device", "cpu", "h2d"} bytes and seconds per token
+    ("sync" seconds too). hit_rate: the cache's predicted hit rate (None outside mode cache).
+    """
+
+    mode: str
+    seconds: float
+    hit_rate: float | None
+    bytes_by_link: dict[str, float] = field(default_factory=dict)
+    seconds_by_link: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tok_s(self) -> float:
+        return 1.0 / self.seconds if self.seconds > 0 else float("inf")
+
+
+def predict(
+    spec: ModelSpec,
+    profile: DeviceProfile,
+    *,
+    mode: str,
+    n_gpu_layers: int,
+    kv_type: str,
+    position: int,
+    expert_slots: int = 0,
+    n_cpu_moe: int = 0,
+) -> Prediction:
+    """Cost of decoding one token at ``position`` for the placement described by the arguments.
+
+    mode: where the routed experts of device layers ``>= n_cpu_moe`` run: ``cpu`` (host),
+    ``cache`` (a pool of ``expert_slots`` device slots, misses computed on the host and uploaded)
+    or ``resident`` (all on the device).
+    """
+    L = spec.n_layer
+    n = max(0, min(n_gpu_layers, L))
+    K = spec.n_expert_used
+    pos = max(0, position)
+
+    b_dev = float(spec.trunk_prefix[n])
+    b_cpu = float(spec.trunk_bytes - spec.trunk_prefix[n])
+    if n:
+        b_dev += n * 2 * pos * kv_row_bytes(kv_type, spec.kv_dim)
+    b_cpu += (L - n) * 2 * pos * kv_row_bytes(HOST_KV_TYPE, spec.kv_dim)
+    out = spec.output_norm_bytes + spec.output_bytes
+    if n == L:
+        b_dev += out
+    else:
+        b_cpu += out
+    b_cpu += spec.token_embd_bytes / max(1, spec.n_vocab)
+    b_h2d = 0.0
+    n_sync = 2.0 if n else 0.0
+
+    # Capacity fraction of the pool over the layers it serves.
+    cached = [lay for lay in spec.layers[n_cpu_moe:n] if lay.is_moe]
+    needed = sum(lay.n_expert for lay in cached)
+    capacity = min(1.0, expert_slots / needed) if needed else 0.0
+    h_mean = None
+    if mode == CACHE:
+        h_by_e: dict[int, float] = {}
+        h_sum = 0.0
+        for lay in cached:
+            if lay.n_expert not in h_by_e:
+                h_by_e[lay.n_expert] = hit_rate(capacity, lay.n_expert, profile.expert_skew)
+            h_sum += h_by_e[lay.n_expert]
+        h_mean = h_sum / len(cached) if cached else 0.0
+
+    for i, lay in enumerate(spec.layers):
+        if not lay.is_moe:
+            continue
+        read = K * lay.expert_bytes  # bytes of the K experts a token uses in this layer
+        if i >= n or i < n_cpu_moe or mode == CPU:
+            b_cpu += read
+            if i < n:
+                n_sync += 2
+        elif mode == RESIDENT:
+            b_dev += read
+        else:
+            h = h_by_e[lay.n_expert]
+            b_dev += h * read
+            b_cpu += (1 - h) * read
+            b_h2d += (1 - h) * read
+            n_sync += 2 * (1 - h**K)
+
+    secs = {
+        "device": b_dev / (profile.device_gbps * 1e9),
+        "cpu": b_cpu / (profile.cpu_expert_gbps * 1e9),
+        "h2d": b_h2d / (profile.h2d_gbps * 1e9),
+        "sync": n_sync * profile.sync_us * 1e-6,
+    }
+    return Prediction(
+        mode=mode,
+        seconds=sum(secs.values()),
+        hit_rate=h_mean,
+        bytes_by_link={"device": b_dev, "cpu": b_cpu, "h2d": b_h2d},
+        seconds_by_link=secs,
+    )

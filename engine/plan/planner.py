@@ -1,0 +1,510 @@
+"""plan(): a pure function from (ModelSpec, DeviceProfile, PlanRequest) to a Placement.
+
+No GPU, no allocation, no environment reads (``resolve_moe`` / ``resolve_kv_type`` turn flags and
+environment into a request first), so a dragging slider can call it on every movement.
+
+Steps: (1) the device layer prefix — the most layers whose trunk + KV + output + reserve + scratch
+fit (``-g -1``), or exactly ``-g N``; (2) the expert-cache budget — what is left, in bytes and in
+fixed-stride slots; (3) the decode cost of each expert mode (``costmodel.predict``); (4) the mode:
+the override if one was given, else the fastest prediction (a cache must beat CPU experts by
+:data:`AUTO_CACHE_MARGIN`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.plan.costmodel import CACHE, CPU, MODES, RESIDENT, Prediction, predict
+from engine.plan.profile import DeviceProfile
+from engine.plan.sizing import (
+    HOST_KV_TYPE,
+    KV_TYPES,
+    DeviceBytes,
+    PlanError,
+    check_kv_geometry,
+    check_kv_type,
+    device_bytes,
+    expert_slot_layout,
+    host_bytes,
+    kv_layer_bytes,
+)
+from engine.plan.spec import ModelSpec
+from engine.plan.units import format_size
+
+AUTO = "auto"
+NONE = "none"  # dense model: no routed experts
+MOE_CHOICES: tuple[str, ...] = (AUTO, *MODES)
+# A cache must be predicted this much faster than CPU experts to be chosen automatically: CPU
+# experts need no warm-up and do not depend on the prompt's routing, the cache does.
+AUTO_CACHE_MARGIN = 1.10
+CTX_STEP = 256  # recommended contexts are multiples of this
+ENV_CPU_MOE = "SHARPI_CPU_MOE"
+ENV_KV_DTYPE = "SHARPI_KV_DTYPE"
+_KV_ALIASES = {"fp32": "f32", "float32": "f32", "q8": "q8_0"}
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the user asked for.
+
+    ctx: context length (tokens) the KV cache holds. kv_type: f32 | bf16 | q8_0.
+    n_gpu_layers: -1 = as many as fit, N = layers 0..N-1 on the device (N > n_layer = all).
+    moe: auto | cpu | cache | resident; moe_source names what set a non-auto value (shown in the
+    reason; an environment override falls back quietly when impossible, a flag is an error).
+    n_cpu_moe: routed experts of layers 0..N-1 stay on the host whatever the mode.
+    position: decode position the tok/s prediction is for (None = ctx // 2).
+    """
+
+    ctx: int = 4096
+    kv_type: str = "f32"
+    n_gpu_layers: int = -1
+    moe: str = AUTO
+    moe_source: str = ""
+    n_cpu_moe: int = 0
+    position: int | None = None
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    """One layer: where its trunk and its routed experts live, and its bytes.
+
+    device: "gpu" | "cpu". experts: "cpu" | "cache" | "resident" | "none" (dense layer).
+    components: trunk bytes by component. kv_bytes: this layer's K+V at kv_type.
+    routed_bytes: all its routed experts (they stay in the host memory map in every mode).
+    """
+
+    index: int
+    device: str
+    experts: str
+    trunk_bytes: int
+    components: dict[str, int]
+    kv_bytes: int
+    kv_type: str
+    routed_bytes: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The plan: layer ranges, device bytes, expert budget, expert mode and why, predictions."""
+
+    model: str
+    arch: str
+    n_layer: int
+    n_gpu_layers: int
+    layer_reason: str
+    ctx: int
+    kv_type: str
+    kv_bytes: int  # device-resident KV
+    host_kv_bytes: int
+    budget_bytes: int
+    device: DeviceBytes
+    host_bytes: int
+    expert_cache_budget_bytes: int  # device bytes left after trunk, KV, output, reserve, scratch
+    expert_slot_bytes: int  # stride of one slot
+    expert_slot_role_bytes: dict[str, int]
+    expert_slots: int  # slots the budget affords (capped at expert_slots_needed)
+    expert_slots_needed: int  # every expert of the device layers past n_cpu_moe
+    expert_slots_allocated: int  # slots of the chosen mode's pool (0 for cpu)
+    routed_expert_bytes: int
+    n_cpu_moe: int
+    moe_mode: str
+    moe_reason: str
+    moe_source: str
+    position: int
+    predictions: dict[str, Prediction | None]
+    recommended_ctx: int | None
+    layers: tuple[LayerPlacement, ...]
+    notes: tuple[str, ...] = ()
+    profile: DeviceProfile = field(default_factory=DeviceProfile)
+
+    @property
+    def gpu_layers(self) -> tuple[int, int]:
+        """[start, stop) of the device-resident layers."""
+        return (0, self.n_gpu_layers)
+
+    @property
+    def cpu_layers(self) -> tuple[int, int]:
+        return (self.n_gpu_layers, self.n_layer)
+
+    @property
+    def expert_capacity(self) -> float:
+        """Affordable slots ÷ needed slots: the sibling's auto-rule ratio."""
+        return self.expert_slots / self.expert_slots_needed if self.expert_slots_needed else 0.0
+
+    @property
+    def predicted_tok_s(self) -> dict[str, float | None]:
+        return {m: (None if p is None else _finite(p.tok_s)) for m, p in self.predictions.items()}
+
+    @property
+    def device_total_bytes(self) -> int:
+        return self.device.total
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (the form ``sharpi plan --json`` prints and the GUI reads)."""
+        chosen = self.predictions.get(self.moe_mode)
+        return {
+            "model": self.model,
+            "arch": self.arch,
+            "n_layer": self.n_layer,
+            "n_gpu_layers": self.n_gpu_layers,
+            "gpu_layers": list(self.gpu_layers),
+            "cpu_layers": list(self.cpu_layers),
+            "layer_reason": self.layer_reason,
+            "ctx": self.ctx,
+            "recommended_ctx": self.recommended_ctx,
+            "kv_type": self.kv_type,
+            "kv_bytes": self.kv_bytes,
+            "host_kv_bytes": self.host_kv_bytes,
+            "host_kv_type": HOST_KV_TYPE,
+            "budget_bytes": self.budget_bytes,
+            "device_bytes": self.device.to_dict(),
+            "device_total_bytes": self.device.total,
+            "free_bytes": self.budget_bytes - self.device.total,
+            "host_bytes": self.host_bytes,
+            "expert_cache_budget_bytes": self.expert_cache_budget_bytes,
+            "expert_slot_bytes": self.expert_slot_bytes,
+            "expert_slot_role_bytes": dict(self.expert_slot_role_bytes),
+            "expert_slots": self.expert_slots,
+            "expert_slots_needed": self.expert_slots_needed,
+            "expert_slots_allocated": self.expert_slots_allocated,
+            "expert_capacity": self.expert_capacity,
+            "routed_expert_bytes": self.routed_expert_bytes,
+            "n_cpu_moe": self.n_cpu_moe,
+            "moe_mode": self.moe_mode,
+            "moe_reason": self.moe_reason,
+            "moe_source": self.moe_source,
+            "predicted_tok_s": self.predicted_tok_s,
+            "predicted_hit_rate": None if chosen is None else chosen.hit_rate,
+            "prediction_position": self.position,
+            "predictions": {
+                m: None
+                if p is None
+                else {
+                    "tok_s": _finite(p.tok_s),
+                    "seconds": p.seconds,
+                    "hit_rate": p.hit_rate,
+                    "bytes_by_link": dict(p.bytes_by_link),
+                    "seconds_by_link": dict(p.seconds_by_link),
+                }
+                for m, p in self.predictions.items()
+            },
+            "profile": self.profile.to_dict(),
+            "notes": list(self.notes),
+            "layers": [
+                {
+                    "index": lay.index,
+                    "device": lay.device,
+                    "experts": lay.experts,
+                    "trunk_bytes": lay.trunk_bytes,
+                    "components": dict(lay.components),
+                    "kv_bytes": lay.kv_bytes,
+                    "kv_type": lay.kv_type,
+                    "routed_bytes": lay.routed_bytes,
+                }
+                for lay in self.layers
+            ],
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        import json
+
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+def _finite(x: float) -> float | None:
+    return x if x == x and x not in (float("inf"), float("-inf")) else None
+
+
+def resolve_moe(moe: str = AUTO, cpu_moe: bool = False, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """(mode, source) from ``--moe``, ``--cpu-moe`` and ``SHARPI_CPU_MOE``.
+
+    Precedence: an explicit ``--moe`` mode or ``--cpu-moe`` (they must agree), then the
+    environment (``1`` → cpu, ``0`` → cache), then auto. Raises :class:`PlanError` for a conflict
+    or an unknown value.
+    """
+    if moe not in MOE_CHOICES:
+        raise PlanError(f"unknown expert mode {moe!r} (choose one of: {', '.join(MOE_CHOICES)})")
+    if cpu_moe:
+        if moe not in (AUTO, CPU):
+            raise PlanError(f"--cpu-moe contradicts --moe {moe}")
+        return CPU, "--cpu-moe"
+    if moe != AUTO:
+        return moe, "--moe"
+    env = (environ or {}).get(ENV_CPU_MOE, "").strip()
+    if env == "":
+        return AUTO, ""
+    if env == "1":
+        return CPU, f"{ENV_CPU_MOE}=1"
+    if env == "0":
+        return CACHE, f"{ENV_CPU_MOE}=0"
+    raise PlanError(f"{ENV_CPU_MOE} must be 0 or 1, got {env!r}")
+
+
+def resolve_kv_type(kv_type: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """``--kv-type`` if given, else ``SHARPI_KV_DTYPE``, else f32; checked."""
+    value = (kv_type or (environ or {}).get(ENV_KV_DTYPE, "").strip() or "f32").lower()
+    value = _KV_ALIASES.get(value, value)  # the same spellings engine.kv_cache accepts
+    check_kv_type(value)
+    return value
+
+
+def _check_request(req: PlanRequest) -> None:
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not is_int(req.ctx) or req.ctx <= 0:
+        raise PlanError(f"context length must be a positive integer, got {req.ctx!r}")
+    if req.kv_type not in KV_TYPES:
+        check_kv_type(req.kv_type)
+    if not is_int(req.n_gpu_layers) or req.n_gpu_layers < -1:
+        raise PlanError(f"n_gpu_layers must be -1 (auto) or a layer count >= 0, got {req.n_gpu_layers!r}")
+    if req.moe not in MOE_CHOICES:
+        raise PlanError(f"unknown expert mode {req.moe!r} (choose one of: {', '.join(MOE_CHOICES)})")
+    if not is_int(req.n_cpu_moe) or req.n_cpu_moe < 0:
+        raise PlanError(f"n_cpu_moe must be a layer count >= 0, got {req.n_cpu_moe!r}")
+    if req.position is not None and (not is_int(req.position) or req.position < 0):
+        raise PlanError(f"prediction position must be >= 0, got {req.position!r}")
+
+
+def _max_prefix(fits, hi: int) -> int:
+    """Largest n in [0, hi] with fits(n), for a monotone predicate with fits(0) true."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Placement:
+    """Place ``spec`` on ``profile`` as ``request`` asks. Pure; raises :class:`PlanError` for an
+    impossible or malformed request (never returns a negative byte count)."""
+    _check_request(request)
+    L, ctx, kv = spec.n_layer, request.ctx, request.kv_type
+    budget = profile.vram_bytes
+    notes: list[str] = []
+    if request.n_gpu_layers != 0:
+        check_kv_geometry(kv, spec.kv_dim)
+    if ctx > spec.n_ctx_train:
+        notes.append(f"context {ctx} exceeds the model's training context {spec.n_ctx_train}")
+
+    def dev(n: int, slots: int = 0, c: int = ctx) -> DeviceBytes:
+        return device_bytes(
+            spec,
+            n_gpu_layers=n,
+            ctx=c,
+            kv_type=kv,
+            expert_slots=slots,
+            reserve=profile.reserve_bytes,
+            scratch=profile.scratch_bytes,
+        )
+
+    # (1) Device layers: a contiguous prefix.
+    def fits(n: int) -> bool:
+        return dev(n).total <= budget
+
+    if request.n_gpu_layers == -1:
+        n = _max_prefix(fits, L)
+        layer_reason = _layer_reason(spec, profile, dev, n)
+    else:
+        n = min(request.n_gpu_layers, L)
+        if not fits(n):
+            max_fit = _max_prefix(fits, n)
+            raise PlanError(
+                f"-g {request.n_gpu_layers} needs {format_size(dev(n).total)} of device memory "
+                f"({n} layers at context {ctx}, KV {kv}) but the budget is {format_size(budget)}; "
+                f"at most {max_fit} layers fit (use -g -1, a smaller context or a narrower KV type)"
+            )
+        layer_reason = f"-g {request.n_gpu_layers} as requested" + (
+            f" ({n} layers)" if n != request.n_gpu_layers else ""
+        )
+
+    # (2) Expert-cache budget: what is left, in bytes and in slots.
+    base = dev(n)
+    left = budget - base.total
+    assert left >= 0, (budget, base)
+    n_cpu_moe = min(request.n_cpu_moe, L)
+    layout = expert_slot_layout(spec)
+    needed = sum(lay.n_expert for lay in spec.layers[n_cpu_moe:n] if lay.is_moe)
+    fit = min(left // layout.stride, needed) if layout.stride and n else 0
+
+    # (3) Predictions, (4) mode.
+    position = ctx // 2 if request.position is None else request.position
+
+    def cost(mode: str, slots: int = 0) -> Prediction:
+        return predict(
+            spec,
+            profile,
+            mode=mode,
+            n_gpu_layers=n,
+            kv_type=kv,
+            position=position,
+            expert_slots=slots,
+            n_cpu_moe=n_cpu_moe,
+        )
+
+    if not spec.is_moe:
+        preds: dict[str, Prediction | None] = {NONE: cost(CPU)}
+        mode, reason, source = NONE, "dense model: no routed experts", ""
+    else:
+        preds = {
+            CPU: cost(CPU),
+            CACHE: cost(CACHE, fit) if fit else None,
+            RESIDENT: cost(RESIDENT, needed) if needed and fit == needed else None,
+        }
+        mode, reason, source = _choose_mode(request, preds, fit, needed, n, n_cpu_moe, left, layout.stride, L)
+    allocated = {CACHE: fit, RESIDENT: needed}.get(mode, 0)
+    final = dev(n, allocated)
+    assert final.total <= budget, (final, budget)
+
+    layers = tuple(_layer_placement(spec, i, n, n_cpu_moe, mode, kv, ctx) for i in range(L))
+    return Placement(
+        model=spec.name,
+        arch=spec.arch,
+        n_layer=L,
+        n_gpu_layers=n,
+        layer_reason=layer_reason,
+        ctx=ctx,
+        kv_type=kv,
+        kv_bytes=final.kv,
+        host_kv_bytes=(L - n) * kv_layer_bytes(HOST_KV_TYPE, spec.kv_dim, ctx),
+        budget_bytes=budget,
+        device=final,
+        host_bytes=host_bytes(spec, n_gpu_layers=n, ctx=ctx),
+        expert_cache_budget_bytes=left if n and needed else 0,
+        expert_slot_bytes=layout.stride,
+        expert_slot_role_bytes=dict(layout.role_bytes),
+        expert_slots=fit,
+        expert_slots_needed=needed,
+        expert_slots_allocated=allocated,
+        routed_expert_bytes=spec.routed_bytes,
+        n_cpu_moe=n_cpu_moe,
+        moe_mode=mode,
+        moe_reason=reason,
+        moe_source=source,
+        position=position,
+        predictions=preds,
+        recommended_ctx=_recommended_ctx(spec, budget, dev, kv),
+        layers=layers,
+        notes=tuple(notes),
+        profile=profile,
+    )
+
+
+def _layer_reason(spec: ModelSpec, profile: DeviceProfile, dev, n: int) -> str:
+    L, budget = spec.n_layer, profile.vram_bytes
+    if n == L:
+        return f"all {L} layers fit"
+    need = dev(n + 1).total
+    if n > 0:
+        return (
+            f"{n} of {L} layers fit: layer {n} would bring the device to {format_size(need)}, "
+            f"over the {format_size(budget)} budget"
+        )
+    one = dev(1)
+    if budget < one.reserve + one.scratch:
+        return (
+            f"CPU only: the budget {format_size(budget)} does not cover the reserve "
+            f"{format_size(one.reserve)} and scratch {format_size(one.scratch)}"
+        )
+    return (
+        f"CPU only: the budget {format_size(budget)} is too small for one layer "
+        f"(needs {format_size(need)}: reserve + scratch + layer 0 trunk and KV" + (" + output" if L == 1 else "") + ")"
+    )
+
+
+def _choose_mode(
+    req: PlanRequest, preds, fit: int, needed: int, n: int, n_cpu_moe: int, left: int, stride: int, L: int
+):
+    """(mode, reason, source) — the override if given and possible, else the fastest prediction."""
+    cpu, cache, res = preds[CPU], preds[CACHE], preds[RESIDENT]
+    capacity = fit / needed if needed else 0.0
+
+    def why_none() -> str:
+        if n == 0:
+            return "no layer is on the device"
+        if needed == 0:
+            return f"the first {n_cpu_moe} layers keep their experts on the CPU (--n-cpu-moe) and no other device layer has experts"
+        return f"the {format_size(left)} left on the device is less than one {format_size(stride)} expert slot"
+
+    def cmp() -> str:
+        parts = [f"CPU experts {cpu.tok_s:.1f}"]
+        if cache is not None:
+            parts.append(
+                f"cache {cache.tok_s:.1f} ({fit} of {needed} experts = {capacity:.0%}, predicted hit rate {cache.hit_rate:.0%})"
+            )
+        if res is not None:
+            parts.append(f"resident {res.tok_s:.1f}")
+        return "predicted tok/s: " + ", ".join(parts)
+
+    if req.moe != AUTO:
+        src = req.moe_source or "--moe"
+        soft = src.startswith(ENV_CPU_MOE)
+        if req.moe == CPU:
+            return CPU, f"CPU experts: set by {src}; {cmp()}", src
+        if req.moe == CACHE:
+            if cache is None:
+                if soft:
+                    return CPU, f"CPU experts: {src} asks for a GPU cache but {why_none()}", src
+                raise PlanError(f"--moe cache is impossible: {why_none()}")
+            return CACHE, f"GPU expert cache: set by {src}; {cmp()}", src
+        if res is None:
+            if cache is None:
+                raise PlanError(f"--moe resident is impossible: {why_none()}")
+            raise PlanError(
+                f"--moe resident needs all {needed} experts of the device layers on the device "
+                f"({format_size(needed * stride)}) but only {format_size(left)} is left ({fit} slots); "
+                "use --moe cache or auto, or a smaller context / narrower KV type"
+            )
+        return RESIDENT, f"all experts resident: set by {src}; {cmp()}", src
+
+    if cache is None:
+        return CPU, f"CPU experts: {why_none()}", ""
+    if res is not None and res.tok_s >= cpu.tok_s:
+        return RESIDENT, f"all {needed} experts of the device layers fit: resident; {cmp()}", ""
+    if cache.tok_s >= AUTO_CACHE_MARGIN * cpu.tok_s:
+        return CACHE, f"GPU expert cache is predicted fastest; {cmp()}", ""
+    gain = cache.tok_s / cpu.tok_s - 1
+    why = "slower" if gain < 0 else f"only {gain:.0%} faster (< {AUTO_CACHE_MARGIN - 1:.0%} margin)"
+    return CPU, f"CPU experts: a {capacity:.0%} GPU cache is predicted {why}; {cmp()}", ""
+
+
+def _layer_placement(spec: ModelSpec, i: int, n: int, n_cpu_moe: int, mode: str, kv: str, ctx: int) -> LayerPlacement:
+    lay = spec.layers[i]
+    on_dev = i < n
+    if not lay.is_moe:
+        experts = NONE
+    elif not on_dev or i < n_cpu_moe:
+        experts = CPU
+    else:
+        experts = mode
+    layer_kv = kv if on_dev else HOST_KV_TYPE
+    return LayerPlacement(
+        index=i,
+        device="gpu" if on_dev else "cpu",
+        experts=experts,
+        trunk_bytes=lay.trunk_bytes,
+        components=dict(lay.trunk),
+        kv_bytes=kv_layer_bytes(layer_kv, spec.kv_dim, ctx),
+        kv_type=layer_kv,
+        routed_bytes=lay.routed_bytes,
+    )
+
+
+def _recommended_ctx(spec: ModelSpec, budget: int, dev, kv_type: str) -> int | None:
+    """Largest context (a multiple of CTX_STEP, at most the training context) at which every layer
+    fits on the device with the requested KV type; None if none does (or the KV type cannot be
+    used on the device)."""
+    try:
+        check_kv_geometry(kv_type, spec.kv_dim)
+    except PlanError:
+        return None
+    top = spec.n_ctx_train
+    if top < CTX_STEP:
+        return top if dev(spec.n_layer, c=top).total <= budget else None
+    k = _max_prefix(lambda k: dev(spec.n_layer, c=k * CTX_STEP).total <= budget, top // CTX_STEP)
+    return k * CTX_STEP if k else None

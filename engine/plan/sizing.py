@@ -1,0 +1,177 @@
+"""The one sizing function: what a placement allocates on the device, byte for byte.
+
+The planner prices placements with :func:`device_bytes`; the runtime allocates through the same
+functions (KV rows, expert-slot stride, scratch estimate), and a test pins the two together, so
+they cannot drift. Accounting rules (see ``docs/planner.md``):
+
+- a device-resident layer holds its trunk tensors (attention q/k/v/o, norms, biases, router,
+  shared expert and its gate, dense FFN) and its K and V caches, ``2 × ctx × kv_row_bytes``;
+  routed experts (``ffn_*_exps``) are never part of a layer: they live in the expert-slot pool;
+- the expert-slot pool is ``slots × stride``; a slot holds one expert's gate, up and down
+  matrices, each role sized for the largest over all layers and aligned to :data:`SLOT_ALIGN`;
+- ``token_embd`` stays on the host (only the looked-up rows are used; one row is uploaded per
+  token); the output norm and output matrix (``token_embd`` when tied) are on the device when the
+  last layer is; ``rope_freqs`` is on the device when any layer is;
+- a device with no layer holds nothing: reserve and scratch are charged only when it is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from engine.errors import UsageError
+from engine.plan.spec import ROLES, ModelSpec
+from engine.quant.formats import QType, block_format, tensor_bytes
+
+KV_TYPES: tuple[str, ...] = ("f32", "bf16", "q8_0")
+_KV_QTYPE = {"f32": QType.F32, "bf16": QType.BF16, "q8_0": QType.Q8_0}
+HOST_KV_TYPE = "f32"  # host-resident layers keep an f32 cache (narrowing KV is a device saving)
+SLOT_ALIGN = 256  # bytes; each role's matrix in a slot starts on this boundary
+DEFAULT_UBATCH = 512  # tokens per prefill micro-batch the scratch estimate covers
+
+
+class PlanError(UsageError):
+    """A placement request that cannot be satisfied (or is malformed)."""
+
+
+def check_kv_type(kv_type: str) -> QType:
+    """The ggml type of a KV cache dtype name; :class:`PlanError` for an unknown one."""
+    try:
+        return _KV_QTYPE[kv_type]
+    except KeyError:
+        raise PlanError(f"unknown KV type {kv_type!r} (choose one of: {', '.join(KV_TYPES)})") from None
+
+
+def check_kv_geometry(kv_type: str, kv_dim: int) -> None:
+    """A q8_0 cache quantizes each K/V row in blocks of 32: the row width must divide."""
+    block = block_format(check_kv_type(kv_type)).block_size
+    if kv_dim % block:
+        raise PlanError(
+            f"--kv-type {kv_type} needs the KV width (kv_heads × head_dim = {kv_dim}) to be a multiple of "
+            f"{block} for device-resident layers; use bf16 or f32, or -g 0"
+        )
+
+
+def kv_row_bytes(kv_type: str, kv_dim: int) -> int:
+    """Bytes of one position's K (or V) row of width ``kv_dim`` (f32 4 B/elem, bf16 2, q8_0 34/32)."""
+    check_kv_geometry(kv_type, kv_dim)
+    return tensor_bytes(check_kv_type(kv_type), (kv_dim,))
+
+
+def kv_layer_bytes(kv_type: str, kv_dim: int, ctx: int) -> int:
+    """One layer's cache: K and V, each ``[ctx, kv_dim]`` of ``kv_type``."""
+    return 2 * ctx * kv_row_bytes(kv_type, kv_dim)
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where each role of an expert sits inside a fixed-stride device slot.
+
+    role_offset / role_bytes: {role: byte offset / capacity}; stride: bytes per slot.
+    """
+
+    role_offset: dict[str, int]
+    role_bytes: dict[str, int]
+    stride: int
+
+
+def _align(n: int, a: int = SLOT_ALIGN) -> int:
+    return -(-n // a) * a
+
+
+def expert_slot_layout(spec: ModelSpec) -> SlotLayout:
+    """Slot geometry: per role the largest one-expert matrix over layers, aligned, in ROLES order."""
+    off, offsets, sizes = 0, {}, {}
+    for r in ROLES:
+        b = spec.expert_role_max.get(r, 0)
+        if not b:
+            continue
+        offsets[r], sizes[r] = off, b
+        off += _align(b)
+    return SlotLayout(offsets, sizes, off)
+
+
+def scratch_estimate(spec: ModelSpec, ctx: int, n_ubatch: int = DEFAULT_UBATCH) -> int:
+    """Device scratch for one layer's forward over a micro-batch of ``n_ubatch`` tokens, f32.
+
+    Per token: residual and normed hidden (2·D), q (Hq·hd), k and v (2·kv_dim), the FFN
+    intermediates of the widest path (2 × max(K·F_exp, F_dense)) and router logits (E); plus
+    attention scores of one head for the micro-batch over the whole context (n_ubatch × ctx) and
+    one row of logits (V). A runtime that needs more must grow this formula, not work around it.
+    """
+    f_act = max(spec.n_expert_used * spec.n_ff_exp, spec.n_ff_dense)
+    per_token = 2 * spec.n_embd + spec.q_dim + 2 * spec.kv_dim + 2 * f_act + spec.n_expert
+    return 4 * (n_ubatch * per_token + n_ubatch * ctx + spec.n_vocab)
+
+
+def global_device_bytes(spec: ModelSpec, n_gpu_layers: int) -> int:
+    """Model-level tensors on the device for a prefix of ``n_gpu_layers`` layers."""
+    if n_gpu_layers <= 0:
+        return 0
+    b = spec.rope_freqs_bytes
+    if n_gpu_layers >= spec.n_layer:
+        b += spec.output_norm_bytes + spec.output_bytes
+    return b
+
+
+@dataclass(frozen=True)
+class DeviceBytes:
+    """Device allocation of a placement, by kind. ``total`` is what must fit the VRAM budget."""
+
+    reserve: int  # driver context, library workspaces, allocator slack (from the profile)
+    scratch: int  # activations (see scratch_estimate)
+    trunk: int  # trunk tensors of the device-resident layers
+    kv: int  # K and V caches of the device-resident layers
+    globals: int  # output norm + output matrix (if the last layer is resident), rope factors
+    experts: int  # expert-slot pool: slots × stride
+
+    @property
+    def total(self) -> int:
+        return self.reserve + self.scratch + self.trunk + self.kv + self.globals + self.experts
+
+    def to_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+def device_bytes(
+    spec: ModelSpec,
+    *,
+    n_gpu_layers: int,
+    ctx: int,
+    kv_type: str,
+    expert_slots: int = 0,
+    reserve: int = 0,
+    scratch: int | None = None,
+) -> DeviceBytes:
+    """Bytes the runtime allocates on the device for this placement.
+
+    n_gpu_layers: layers 0..n-1 on the device (clamped to the model); 0 allocates nothing.
+    scratch: bytes of activation scratch, ``None`` for :func:`scratch_estimate` at ``ctx``.
+    Raises :class:`PlanError` for an unknown KV type or a q8_0 cache of an incompatible width.
+    """
+    n = max(0, min(n_gpu_layers, spec.n_layer))
+    if n == 0:
+        if expert_slots:
+            raise PlanError("an expert cache needs at least one device-resident layer")
+        return DeviceBytes(0, 0, 0, 0, 0, 0)
+    return DeviceBytes(
+        reserve=reserve,
+        scratch=scratch_estimate(spec, ctx) if scratch is None else scratch,
+        trunk=spec.trunk_prefix[n],
+        kv=n * kv_layer_bytes(kv_type, spec.kv_dim, ctx),
+        globals=global_device_bytes(spec, n),
+        experts=expert_slots * expert_slot_layout(spec).stride,
+    )
+
+
+def host_bytes(spec: ModelSpec, *, n_gpu_layers: int, ctx: int) -> int:
+    """Host memory the model needs when warm: embeddings, host layers' trunk and f32 KV, the
+    output if it stays on the host, and every routed expert (read from the memory map)."""
+    n = max(0, min(n_gpu_layers, spec.n_layer))
+    b = spec.token_embd_bytes + spec.trunk_bytes - spec.trunk_prefix[n] + spec.routed_bytes
+    b += (spec.n_layer - n) * kv_layer_bytes(HOST_KV_TYPE, spec.kv_dim, ctx)
+    if n < spec.n_layer:
+        b += spec.output_norm_bytes + (0 if spec.tied_output else spec.output_bytes)
+    if n == 0:
+        b += spec.rope_freqs_bytes
+    return b

@@ -108,3 +108,20 @@ def test_prepare_is_zero_copy_and_rejects_bad_rows():
         prepare_weight(QType.Q4_K, raw[:, :100])
     with pytest.raises(SharpIError):
         prepare_weight(QType.Q4_K, raw, n=256)
+
+
+def test_gather_refuses_out_of_range_indices():
+    """The kernels do not bounds-check, so the public entry points must."""
+    rng = np.random.default_rng(6)
+    w = prepare_weight(QType.Q8_0, random_weight(QType.Q8_0, (4, 64), rng))
+    X = np.ones((2, 64), np.float32)
+    ok = np.array([0, 3])
+    gemv_rows(w, X, ok, np.array([0, 1]), q8_act=True)
+    with pytest.raises(IndexError):
+        gemv_rows(w, X, np.array([0, 4]), np.array([0, 0]), q8_act=True)
+    with pytest.raises(IndexError):
+        gemv_rows(w, X, ok, np.array([0, -1]), q8_act=False)
+    with pytest.raises(IndexError):
+        gemv_rows(w, X, ok, np.array([0, 1]), T=2, q8_act=False)
+    with pytest.raises(ValueError):
+        gemv_rows(w, np.ones((2, 32), np.float32), ok, ok, q8_act=False)

@@ -62,3 +62,13 @@ def test_moe_against_numpy_reference(qtypes):
     r8 = ref.moe_ffn_ref(qtypes, *raws, x, ids, wts, q8_act=True)
     assert np.abs(y8 - r8).mean() <= 1e-4 * scale
     assert np.abs(y8 - r8).max() <= 1e-2 * scale
+
+
+def test_moe_refuses_bad_ids():
+    rng = np.random.default_rng(22)
+    _, (g, u, d) = stacks(CASES[1], rng)
+    x = np.ones(D, np.float32)
+    with pytest.raises(IndexError):
+        moe_ffn(g, u, d, x, np.array([0, E]), np.ones(2, np.float32), q8_act=True)
+    with pytest.raises(ValueError):
+        moe_ffn(g, u, d, np.ones(F, np.float32), np.array([0, 1]), np.ones(2, np.float32), q8_act=True)

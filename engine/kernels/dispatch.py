@@ -63,7 +63,10 @@ def prepare_activations(qtype: QType, X: np.ndarray, *, q8_act: bool) -> tuple[n
 def gemv_acts(
     w: PreparedWeight, acts: tuple[np.ndarray, ...], rows: np.ndarray, xi: np.ndarray, T: int = 1, *, q8_act: bool
 ) -> np.ndarray:
-    """``gemv_rows`` with activations already prepared by ``prepare_activations``."""
+    """``gemv_rows`` with activations already prepared by ``prepare_activations``.
+
+    No index checks (see ``check_indices``): for callers that built rows/xi themselves.
+    """
     out = np.empty((rows.shape[0], T), np.float32)
     kernel = KERNELS[w.qtype][1 if q8_act else 0]
     if w.qtype in _FLOAT:
@@ -84,10 +87,21 @@ def gemv_rows(
     """
     if X.ndim != 2 or X.shape[1] != w.n:
         raise ValueError(f"activations of shape {X.shape} do not fit a weight of {w.n} inputs")
-    acts = prepare_activations(w.qtype, X, q8_act=q8_act)
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     xi = np.ascontiguousarray(xi, dtype=np.int64)
+    check_indices(w, rows, xi, T, X.shape[0])
+    acts = prepare_activations(w.qtype, X, q8_act=q8_act)
     return gemv_acts(w, acts, rows, xi, T, q8_act=q8_act)
+
+
+def check_indices(w: PreparedWeight, rows: np.ndarray, xi: np.ndarray, T: int, K: int) -> None:
+    """The kernels do not bounds-check: refuse indices outside W or X before calling them."""
+    if rows.shape != xi.shape or rows.ndim != 1:
+        raise ValueError(f"rows {rows.shape} and xi {xi.shape} must be 1-D of one length")
+    if rows.size and (rows.min() < 0 or rows.max() >= w.raw.shape[0]):
+        raise IndexError(f"row ids must lie in [0, {w.raw.shape[0]})")
+    if T < 1 or (xi.size and (xi.min() < 0 or xi.max() + T > K)):
+        raise IndexError(f"activation rows xi..xi+{T} must lie in [0, {K})")
 
 
 def matvec(w: PreparedWeight, x: np.ndarray, *, q8_act: bool) -> np.ndarray:

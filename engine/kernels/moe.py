@@ -39,6 +39,10 @@ def moe_ffn(
     D = down.rows
     K = len(ids)
     ids = np.asarray(ids, dtype=np.int64)
+    if ids.ndim != 1 or len(weights) != K or (K and (ids.min() < 0 or ids.max() >= gate.n_experts)):
+        raise IndexError(f"expert ids {ids} must be K = {len(weights)} values in [0, {gate.n_experts})")
+    if up.shape != gate.shape or down.shape != (gate.n_experts, D, F) or x.shape != (D,):
+        raise ValueError(f"stacks {gate.shape}, {up.shape}, {down.shape} and x {x.shape} do not fit")
     rows_gu = (ids[:, None] * F + np.arange(F)).ravel()  # [K·F]
     zeros = np.zeros(K * F, np.int64)
     acts = prepare_activations(gate.qtype, x[None, :], q8_act=q8_act)

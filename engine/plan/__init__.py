@@ -8,11 +8,10 @@ planner prices with. See ``docs/planner.md``.
 """
 
 from engine.plan.costmodel import MODES, Prediction, fit_skew, hit_rate, predict
+from engine.plan.placement import LayerPlacement, Placement
 from engine.plan.planner import (
     AUTO,
     MOE_CHOICES,
-    LayerPlacement,
-    Placement,
     PlanRequest,
     plan,
     resolve_kv_type,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.kernels import floats, kquants, legacy
+from engine.kernels import floats, kquants, kquants_exact, legacy
 from engine.kernels.activations import quantize_q8_0, quantize_q8_K
 from engine.kernels.prepare import PreparedWeight
 from engine.kernels.reference import round_to_bf16, round_to_f16
@@ -28,9 +28,9 @@ KERNELS = {
     QType.Q8_0: (legacy.gemv_q8_0_f, legacy.gemv_q8_0_q8),
     QType.Q4_0: (legacy.gemv_q4_0_f, legacy.gemv_q4_0_q8),
     QType.Q5_0: (legacy.gemv_q5_0_f, legacy.gemv_q5_0_q8),
-    QType.Q4_K: (kquants.gemv_q4_k_f, kquants.gemv_q4_k_q8),
-    QType.Q5_K: (kquants.gemv_q5_k_f, kquants.gemv_q5_k_q8),
-    QType.Q6_K: (kquants.gemv_q6_k_f, kquants.gemv_q6_k_q8),
+    QType.Q4_K: (kquants_exact.gemv_q4_k_f, kquants.gemv_q4_k_q8),
+    QType.Q5_K: (kquants_exact.gemv_q5_k_f, kquants.gemv_q5_k_q8),
+    QType.Q6_K: (kquants_exact.gemv_q6_k_f, kquants.gemv_q6_k_q8),
 }
 _FLOAT = (QType.F32, QType.F16, QType.BF16)
 _LEGACY = (QType.Q8_0, QType.Q4_0, QType.Q5_0)

@@ -8,8 +8,8 @@ Gather signature shared by all families (see ``engine.kernels.dispatch``)::
 
 ``s`` holds (d, dmin) interleaved per block for Q4_K/Q5_K and d for Q6_K (``prepare``).
 
-Exact-float kernels (``*_f``) take X float32 [K, n] and, for Q4_K/Q5_K, Xs float32 [K, n/32]
-(sums of x over each 32-element sub-block, for the mins). Q8-activation kernels (``*_q8``) take
+This module holds the Q8-activation kernels (``*_q8``; the exact-float ones are in
+``kquants_exact``). They take
 ggml Q8_K activations qa int8 [K, n], da float32 [K, n/256], bsums int16 [K, n/16] and follow
 ``ggml_vec_dot_q{4,5,6}_K_q8_K``: per block, exact integer sums Σ_s sc_s·Σ q·q_a (pmaddubsw,
 then pmaddwd by the broadcast sub-block scale) scaled by d·d_a; the mins (Q4_K/Q5_K) and the
@@ -23,6 +23,8 @@ sub-block 2j / 2j+1; q6_K = ql[128] | qh[64] | scales int8[16] | d; each 128-ele
 ql[64h..64h+64] and qh[32h..32h+32]; quarter k (32 elements) takes low (k = 0, 1) or high
 (k = 2, 3) nibbles of ql[64h + 32(k mod 2) + l] and bits 2k, 2k+1 of qh[32h + l]; value q − 32,
 sub-blocks of 16 elements (``dequantize_row_q6_K``).
+
+For prefill (T > 1 tokens per row) four tokens share one decode of the weight codes and scales.
 """
 
 from __future__ import annotations
@@ -35,11 +37,7 @@ from engine.kernels.simd import (
     dup_high16,
     fma_i32,
     hsum_f32,
-    i8_to_f32,
-    i16_to_f32,
     k4_scales,
-    lane16,
-    load_f32x8,
     load_i8x16_as_i16,
     load_i8x32,
     load_i16x16,
@@ -48,8 +46,6 @@ from engine.kernels.simd import (
     splat8,
     vadd,
     vand,
-    vfma,
-    vfma_s,
     vor,
     vshl,
     vshr,
@@ -145,88 +141,129 @@ def _dot_q6_k_q8(w, s, qa, da, bsums):
     for b in range(s.shape[0]):
         o = b * 210
         sc = load_i8x16_as_i16(w, o + 192)  # 16 signed sub-block scales
-        # codes are stored +32: subtract 32·Σ_s sc_s·bsum_s once per block
-        iacc = vsub(zero_i32(), vshl(madd(load_i16x16(bsums, 16 * b), sc), 5))
+        iacc = _q6_offset(bsums, b, sc)
         for h in range(2):
             q1, q2, q3, q4 = _q6k_codes(w, o, h)
-            xo = 256 * b + 128 * h
-            iacc = vadd(iacc, madd(maddubs(q1, load_i8x32(qa, xo)), bcast16_pair(sc, 8 * h)))
-            iacc = vadd(iacc, madd(maddubs(q2, load_i8x32(qa, xo + 32)), bcast16_pair(sc, 8 * h + 2)))
-            iacc = vadd(iacc, madd(maddubs(q3, load_i8x32(qa, xo + 64)), bcast16_pair(sc, 8 * h + 4)))
-            iacc = vadd(iacc, madd(maddubs(q4, load_i8x32(qa, xo + 96)), bcast16_pair(sc, 8 * h + 6)))
+            iacc = _q6_quarters(q1, q2, q3, q4, qa, 256 * b + 128 * h, sc, 8 * h, iacc)
         acc = fma_i32(iacc, s[b] * da[b], acc)
     return hsum_f32(acc)
 
 
-# --- exact-float row dots ---------------------------------------------------------------------
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _fdot32(q, x, xo):
-    """Σ float(q)·x over 32 elements as F32x8 (q: I8x32, values < 128)."""
-    t = vfma(i8_to_f32(q, 0), load_f32x8(x, xo), zero_f32())
-    t = vfma(i8_to_f32(q, 1), load_f32x8(x, xo + 8), t)
-    t = vfma(i8_to_f32(q, 2), load_f32x8(x, xo + 16), t)
-    return vfma(i8_to_f32(q, 3), load_f32x8(x, xo + 24), t)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _fdot16x2(q, x, xo, sa, sb, acc):
-    """acc + sa·Σ_{l<16} float(q_l)·x_l + sb·Σ_{16≤l<32} float(q_l)·x_l (Q6_K sub-blocks)."""
-    ta = vfma(i8_to_f32(q, 1), load_f32x8(x, xo + 8), vfma(i8_to_f32(q, 0), load_f32x8(x, xo), zero_f32()))
-    tb = vfma(i8_to_f32(q, 3), load_f32x8(x, xo + 24), vfma(i8_to_f32(q, 2), load_f32x8(x, xo + 16), zero_f32()))
-    return vfma_s(tb, sb, vfma_s(ta, sa, acc))
+# --- four tokens at once: the weight codes and scales are decoded once for all four ----------
 
 
 @njit(cache=True, nogil=True)
-def _dot_q4_k_f(w, s, x, xs):
-    acc = zero_f32()
+def _dot4_q4_k_q8(w, s, qa, da, bsums, k):
+    """Activation rows k..k+3 against one weight row -> 4 float32 (prefill)."""
+    a0, a1, a2, a3 = qa[k], qa[k + 1], qa[k + 2], qa[k + 3]
+    f0 = zero_f32()
+    f1 = zero_f32()
+    f2 = zero_f32()
+    f3 = zero_f32()
     for b in range(s.shape[0] // 2):
         o = b * 144
-        d = s[2 * b]
         sm = k4_scales(w, o + 4)
-        acc = vfma_s(vfma(i16_to_f32(sm, 1), load_f32x8(xs, 8 * b), zero_f32()), -s[2 * b + 1], acc)
+        md = dup_high16(sm)
+        dmin = -s[2 * b + 1]
+        f0 = fma_i32(madd(load_i16x16(bsums[k], 16 * b), md), dmin * da[k, b], f0)
+        f1 = fma_i32(madd(load_i16x16(bsums[k + 1], 16 * b), md), dmin * da[k + 1, b], f1)
+        f2 = fma_i32(madd(load_i16x16(bsums[k + 2], 16 * b), md), dmin * da[k + 2, b], f2)
+        f3 = fma_i32(madd(load_i16x16(bsums[k + 3], 16 * b), md), dmin * da[k + 3, b], f3)
+        i0 = zero_i32()
+        i1 = zero_i32()
+        i2 = zero_i32()
+        i3 = zero_i32()
         for j in range(4):
             lo, hi = _q4k_codes(w, o, j)
             xo = 256 * b + 64 * j
-            acc = vfma_s(_fdot32(lo, x, xo), d * lane16(sm, 2 * j), acc)
-            acc = vfma_s(_fdot32(hi, x, xo + 32), d * lane16(sm, 2 * j + 1), acc)
-    return hsum_f32(acc)
+            i0 = _q8_pair(lo, hi, a0, xo, sm, j, i0)
+            i1 = _q8_pair(lo, hi, a1, xo, sm, j, i1)
+            i2 = _q8_pair(lo, hi, a2, xo, sm, j, i2)
+            i3 = _q8_pair(lo, hi, a3, xo, sm, j, i3)
+        d = s[2 * b]
+        f0 = fma_i32(i0, d * da[k, b], f0)
+        f1 = fma_i32(i1, d * da[k + 1, b], f1)
+        f2 = fma_i32(i2, d * da[k + 2, b], f2)
+        f3 = fma_i32(i3, d * da[k + 3, b], f3)
+    return hsum_f32(f0), hsum_f32(f1), hsum_f32(f2), hsum_f32(f3)
 
 
 @njit(cache=True, nogil=True)
-def _dot_q5_k_f(w, s, x, xs):
-    acc = zero_f32()
+def _dot4_q5_k_q8(w, s, qa, da, bsums, k):
+    a0, a1, a2, a3 = qa[k], qa[k + 1], qa[k + 2], qa[k + 3]
+    f0 = zero_f32()
+    f1 = zero_f32()
+    f2 = zero_f32()
+    f3 = zero_f32()
     for b in range(s.shape[0] // 2):
         o = b * 176
-        d = s[2 * b]
         sm = k4_scales(w, o + 4)
-        acc = vfma_s(vfma(i16_to_f32(sm, 1), load_f32x8(xs, 8 * b), zero_f32()), -s[2 * b + 1], acc)
+        md = dup_high16(sm)
+        dmin = -s[2 * b + 1]
+        f0 = fma_i32(madd(load_i16x16(bsums[k], 16 * b), md), dmin * da[k, b], f0)
+        f1 = fma_i32(madd(load_i16x16(bsums[k + 1], 16 * b), md), dmin * da[k + 1, b], f1)
+        f2 = fma_i32(madd(load_i16x16(bsums[k + 2], 16 * b), md), dmin * da[k + 2, b], f2)
+        f3 = fma_i32(madd(load_i16x16(bsums[k + 3], 16 * b), md), dmin * da[k + 3, b], f3)
+        i0 = zero_i32()
+        i1 = zero_i32()
+        i2 = zero_i32()
+        i3 = zero_i32()
         for j in range(4):
             lo, hi = _q5k_codes(w, o, j)
             xo = 256 * b + 64 * j
-            acc = vfma_s(_fdot32(lo, x, xo), d * lane16(sm, 2 * j), acc)
-            acc = vfma_s(_fdot32(hi, x, xo + 32), d * lane16(sm, 2 * j + 1), acc)
-    return hsum_f32(acc)
+            i0 = _q8_pair(lo, hi, a0, xo, sm, j, i0)
+            i1 = _q8_pair(lo, hi, a1, xo, sm, j, i1)
+            i2 = _q8_pair(lo, hi, a2, xo, sm, j, i2)
+            i3 = _q8_pair(lo, hi, a3, xo, sm, j, i3)
+        d = s[2 * b]
+        f0 = fma_i32(i0, d * da[k, b], f0)
+        f1 = fma_i32(i1, d * da[k + 1, b], f1)
+        f2 = fma_i32(i2, d * da[k + 2, b], f2)
+        f3 = fma_i32(i3, d * da[k + 3, b], f3)
+    return hsum_f32(f0), hsum_f32(f1), hsum_f32(f2), hsum_f32(f3)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q6_quarters(q1, q2, q3, q4, qa, xo, sc, g, iacc):
+    iacc = vadd(iacc, madd(maddubs(q1, load_i8x32(qa, xo)), bcast16_pair(sc, g)))
+    iacc = vadd(iacc, madd(maddubs(q2, load_i8x32(qa, xo + 32)), bcast16_pair(sc, g + 2)))
+    iacc = vadd(iacc, madd(maddubs(q3, load_i8x32(qa, xo + 64)), bcast16_pair(sc, g + 4)))
+    return vadd(iacc, madd(maddubs(q4, load_i8x32(qa, xo + 96)), bcast16_pair(sc, g + 6)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q6_offset(bsums, b, sc):
+    """−32·Σ_s sc_s·bsum_s as I32x8 lanes: the codes are stored with +32."""
+    return vsub(zero_i32(), vshl(madd(load_i16x16(bsums, 16 * b), sc), 5))
 
 
 @njit(cache=True, nogil=True)
-def _dot_q6_k_f(w, s, x):
-    acc = zero_f32()
-    off = splat8(32)
+def _dot4_q6_k_q8(w, s, qa, da, bsums, k):
+    a0, a1, a2, a3 = qa[k], qa[k + 1], qa[k + 2], qa[k + 3]
+    f0 = zero_f32()
+    f1 = zero_f32()
+    f2 = zero_f32()
+    f3 = zero_f32()
     for b in range(s.shape[0]):
         o = b * 210
-        d = s[b]
         sc = load_i8x16_as_i16(w, o + 192)
+        i0 = _q6_offset(bsums[k], b, sc)
+        i1 = _q6_offset(bsums[k + 1], b, sc)
+        i2 = _q6_offset(bsums[k + 2], b, sc)
+        i3 = _q6_offset(bsums[k + 3], b, sc)
         for h in range(2):
             q1, q2, q3, q4 = _q6k_codes(w, o, h)
             xo = 256 * b + 128 * h
-            g = 8 * h
-            acc = _fdot16x2(vsub(q1, off), x, xo, d * lane16(sc, g), d * lane16(sc, g + 1), acc)
-            acc = _fdot16x2(vsub(q2, off), x, xo + 32, d * lane16(sc, g + 2), d * lane16(sc, g + 3), acc)
-            acc = _fdot16x2(vsub(q3, off), x, xo + 64, d * lane16(sc, g + 4), d * lane16(sc, g + 5), acc)
-            acc = _fdot16x2(vsub(q4, off), x, xo + 96, d * lane16(sc, g + 6), d * lane16(sc, g + 7), acc)
-    return hsum_f32(acc)
+            i0 = _q6_quarters(q1, q2, q3, q4, a0, xo, sc, 8 * h, i0)
+            i1 = _q6_quarters(q1, q2, q3, q4, a1, xo, sc, 8 * h, i1)
+            i2 = _q6_quarters(q1, q2, q3, q4, a2, xo, sc, 8 * h, i2)
+            i3 = _q6_quarters(q1, q2, q3, q4, a3, xo, sc, 8 * h, i3)
+        d = s[b]
+        f0 = fma_i32(i0, d * da[k, b], f0)
+        f1 = fma_i32(i1, d * da[k + 1, b], f1)
+        f2 = fma_i32(i2, d * da[k + 2, b], f2)
+        f3 = fma_i32(i3, d * da[k + 3, b], f3)
+    return hsum_f32(f0), hsum_f32(f1), hsum_f32(f2), hsum_f32(f3)
 
 
 # --- parallel gather drivers -----------------------------------------------------------------
@@ -235,63 +272,46 @@ def _dot_q6_k_f(w, s, x):
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_q4_k_q8(raw, s, rows, xi, qa, da, bsums, out):
     M, T = out.shape
+    T4 = T - T % 4
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
             r = rows[i]
-            for t in range(T):
-                k = xi[i] + t
-                out[i, t] = _dot_q4_k_q8(raw[r], s[r], qa[k], da[k], bsums[k])
+            k = xi[i]
+            for t in range(0, T4, 4):
+                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q4_k_q8(
+                    raw[r], s[r], qa, da, bsums, k + t
+                )
+            for t in range(T4, T):
+                out[i, t] = _dot_q4_k_q8(raw[r], s[r], qa[k + t], da[k + t], bsums[k + t])
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_q5_k_q8(raw, s, rows, xi, qa, da, bsums, out):
     M, T = out.shape
+    T4 = T - T % 4
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
             r = rows[i]
-            for t in range(T):
-                k = xi[i] + t
-                out[i, t] = _dot_q5_k_q8(raw[r], s[r], qa[k], da[k], bsums[k])
+            k = xi[i]
+            for t in range(0, T4, 4):
+                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q5_k_q8(
+                    raw[r], s[r], qa, da, bsums, k + t
+                )
+            for t in range(T4, T):
+                out[i, t] = _dot_q5_k_q8(raw[r], s[r], qa[k + t], da[k + t], bsums[k + t])
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_q6_k_q8(raw, s, rows, xi, qa, da, bsums, out):
     M, T = out.shape
+    T4 = T - T % 4
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
             r = rows[i]
-            for t in range(T):
-                k = xi[i] + t
-                out[i, t] = _dot_q6_k_q8(raw[r], s[r], qa[k], da[k], bsums[k])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q4_k_f(raw, s, rows, xi, X, Xs, out):
-    M, T = out.shape
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            r = rows[i]
-            for t in range(T):
-                k = xi[i] + t
-                out[i, t] = _dot_q4_k_f(raw[r], s[r], X[k], Xs[k])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q5_k_f(raw, s, rows, xi, X, Xs, out):
-    M, T = out.shape
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            r = rows[i]
-            for t in range(T):
-                k = xi[i] + t
-                out[i, t] = _dot_q5_k_f(raw[r], s[r], X[k], Xs[k])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q6_k_f(raw, s, rows, xi, X, out):
-    M, T = out.shape
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            r = rows[i]
-            for t in range(T):
-                out[i, t] = _dot_q6_k_f(raw[r], s[r], X[xi[i] + t])
+            k = xi[i]
+            for t in range(0, T4, 4):
+                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q6_k_q8(
+                    raw[r], s[r], qa, da, bsums, k + t
+                )
+            for t in range(T4, T):
+                out[i, t] = _dot_q6_k_q8(raw[r], s[r], qa[k + t], da[k + t], bsums[k + t])

@@ -1,0 +1,127 @@
+"""Exact-float GEMV kernels for Q4_K, Q5_K and Q6_K: multiply by the exactly dequantized weights.
+
+Gather signature as in ``engine.kernels.kquants``; activations are X float32 [K, n] and, for
+Q4_K/Q5_K, Xs float32 [K, n/32] (sums of x over each 32-element sub-block) so that the mins cost
+one multiply per sub-block: Σ (d·sc·q − dmin·m)·x = Σ_s d·sc_s·Σ q·x − dmin·Σ_s m_s·Xs_s.
+The integer codes are widened to float32 in registers; sub-block sums are lane-wise F32x8.
+"""
+
+from __future__ import annotations
+
+from numba import njit, prange
+
+from engine.kernels.kquants import CHUNK, _q4k_codes, _q5k_codes, _q6k_codes
+from engine.kernels.simd import (
+    hsum_f32,
+    i8_to_f32,
+    i16_to_f32,
+    k4_scales,
+    lane16,
+    load_f32x8,
+    load_i8x16_as_i16,
+    splat8,
+    vfma,
+    vfma_s,
+    vsub,
+    zero_f32,
+)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _fdot32(q, x, xo):
+    """Σ float(q)·x over 32 elements as F32x8 (q: I8x32, values < 128)."""
+    t = vfma(i8_to_f32(q, 0), load_f32x8(x, xo), zero_f32())
+    t = vfma(i8_to_f32(q, 1), load_f32x8(x, xo + 8), t)
+    t = vfma(i8_to_f32(q, 2), load_f32x8(x, xo + 16), t)
+    return vfma(i8_to_f32(q, 3), load_f32x8(x, xo + 24), t)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _fdot16x2(q, x, xo, sa, sb, acc):
+    """acc + sa·Σ_{l<16} float(q_l)·x_l + sb·Σ_{16≤l<32} float(q_l)·x_l (Q6_K sub-blocks)."""
+    ta = vfma(i8_to_f32(q, 1), load_f32x8(x, xo + 8), vfma(i8_to_f32(q, 0), load_f32x8(x, xo), zero_f32()))
+    tb = vfma(i8_to_f32(q, 3), load_f32x8(x, xo + 24), vfma(i8_to_f32(q, 2), load_f32x8(x, xo + 16), zero_f32()))
+    return vfma_s(tb, sb, vfma_s(ta, sa, acc))
+
+
+@njit(cache=True, nogil=True)
+def _dot_q4_k_f(w, s, x, xs):
+    acc = zero_f32()
+    for b in range(s.shape[0] // 2):
+        o = b * 144
+        d = s[2 * b]
+        sm = k4_scales(w, o + 4)
+        acc = vfma_s(vfma(i16_to_f32(sm, 1), load_f32x8(xs, 8 * b), zero_f32()), -s[2 * b + 1], acc)
+        for j in range(4):
+            lo, hi = _q4k_codes(w, o, j)
+            xo = 256 * b + 64 * j
+            acc = vfma_s(_fdot32(lo, x, xo), d * lane16(sm, 2 * j), acc)
+            acc = vfma_s(_fdot32(hi, x, xo + 32), d * lane16(sm, 2 * j + 1), acc)
+    return hsum_f32(acc)
+
+
+@njit(cache=True, nogil=True)
+def _dot_q5_k_f(w, s, x, xs):
+    acc = zero_f32()
+    for b in range(s.shape[0] // 2):
+        o = b * 176
+        d = s[2 * b]
+        sm = k4_scales(w, o + 4)
+        acc = vfma_s(vfma(i16_to_f32(sm, 1), load_f32x8(xs, 8 * b), zero_f32()), -s[2 * b + 1], acc)
+        for j in range(4):
+            lo, hi = _q5k_codes(w, o, j)
+            xo = 256 * b + 64 * j
+            acc = vfma_s(_fdot32(lo, x, xo), d * lane16(sm, 2 * j), acc)
+            acc = vfma_s(_fdot32(hi, x, xo + 32), d * lane16(sm, 2 * j + 1), acc)
+    return hsum_f32(acc)
+
+
+@njit(cache=True, nogil=True)
+def _dot_q6_k_f(w, s, x):
+    acc = zero_f32()
+    off = splat8(32)
+    for b in range(s.shape[0]):
+        o = b * 210
+        d = s[b]
+        sc = load_i8x16_as_i16(w, o + 192)
+        for h in range(2):
+            q1, q2, q3, q4 = _q6k_codes(w, o, h)
+            xo = 256 * b + 128 * h
+            g = 8 * h
+            acc = _fdot16x2(vsub(q1, off), x, xo, d * lane16(sc, g), d * lane16(sc, g + 1), acc)
+            acc = _fdot16x2(vsub(q2, off), x, xo + 32, d * lane16(sc, g + 2), d * lane16(sc, g + 3), acc)
+            acc = _fdot16x2(vsub(q3, off), x, xo + 64, d * lane16(sc, g + 4), d * lane16(sc, g + 5), acc)
+            acc = _fdot16x2(vsub(q4, off), x, xo + 96, d * lane16(sc, g + 6), d * lane16(sc, g + 7), acc)
+    return hsum_f32(acc)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def gemv_q4_k_f(raw, s, rows, xi, X, Xs, out):
+    M, T = out.shape
+    for c in prange((M + CHUNK - 1) // CHUNK):
+        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            r = rows[i]
+            for t in range(T):
+                k = xi[i] + t
+                out[i, t] = _dot_q4_k_f(raw[r], s[r], X[k], Xs[k])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def gemv_q5_k_f(raw, s, rows, xi, X, Xs, out):
+    M, T = out.shape
+    for c in prange((M + CHUNK - 1) // CHUNK):
+        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            r = rows[i]
+            for t in range(T):
+                k = xi[i] + t
+                out[i, t] = _dot_q5_k_f(raw[r], s[r], X[k], Xs[k])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def gemv_q6_k_f(raw, s, rows, xi, X, out):
+    M, T = out.shape
+    for c in prange((M + CHUNK - 1) // CHUNK):
+        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            r = rows[i]
+            for t in range(T):
+                out[i, t] = _dot_q6_k_f(raw[r], s[r], X[xi[i] + t])

@@ -103,7 +103,7 @@ def _q8_pair(lo, hi, qa, xo, sm, j, iacc):
     return vadd(iacc, madd(maddubs(hi, load_i8x32(qa, xo + 32)), bcast16(sm, 2 * j + 1)))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _dot_q4_k_q8(w, s, qa, da, bsums):
     acc = zero_f32()
     for b in range(s.shape[0] // 2):
@@ -119,7 +119,7 @@ def _dot_q4_k_q8(w, s, qa, da, bsums):
     return hsum_f32(acc)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _dot_q5_k_q8(w, s, qa, da, bsums):
     acc = zero_f32()
     for b in range(s.shape[0] // 2):
@@ -135,7 +135,7 @@ def _dot_q5_k_q8(w, s, qa, da, bsums):
     return hsum_f32(acc)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _dot_q6_k_q8(w, s, qa, da, bsums):
     acc = zero_f32()
     for b in range(s.shape[0]):

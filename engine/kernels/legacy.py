@@ -97,7 +97,7 @@ def _dot_q5_0_f(w, d, x):
     return hsum_f32(acc)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _dot_q8_0_q8(w, d, qa, da):
     acc = zero_f32()
     ones = splat16(1)
@@ -107,7 +107,7 @@ def _dot_q8_0_q8(w, d, qa, da):
     return hsum_f32(acc)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _dot_q4_0_q8(w, d, qa, da):
     acc = zero_f32()
     ones = splat16(1)
@@ -117,7 +117,7 @@ def _dot_q4_0_q8(w, d, qa, da):
     return hsum_f32(acc)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _dot_q5_0_q8(w, d, qa, da):
     acc = zero_f32()
     ones = splat16(1)

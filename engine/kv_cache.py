@@ -11,22 +11,15 @@ import os
 import torch
 
 from engine.errors import UsageError
+from engine.plan.planner import resolve_kv_type as planner_resolve_kv_type
+from engine.plan.sizing import check_kv_geometry
 
-KV_TYPES = ("f32", "bf16", "q8_0")
 ENV_KV_DTYPE = "SHARPI_KV_DTYPE"
 
 
 def resolve_kv_type(kv_type: str | None) -> str:
-    """The KV dtype to use: the argument, else $SHARPI_KV_DTYPE, else f32."""
-    t = (kv_type or os.environ.get(ENV_KV_DTYPE) or "f32").lower()
-    t = {"fp32": "f32", "float32": "f32", "q8": "q8_0"}.get(t, t)
-    if t not in KV_TYPES:
-        raise UsageError(f"unknown KV type {t!r} (choose one of {', '.join(KV_TYPES)})")
-    return t
-
-
-def kv_bytes_per_element(kv_type: str) -> float:
-    return {"f32": 4.0, "bf16": 2.0, "q8_0": 34 / 32}[kv_type]
+    """The KV dtype to use: the argument, else $SHARPI_KV_DTYPE, else f32 (the planner's rule)."""
+    return planner_resolve_kv_type(kv_type, os.environ)
 
 
 class _Store:
@@ -72,11 +65,7 @@ class KVCache:
 
     def __init__(self, layers: dict[int, torch.device], n_ctx: int, kv_dim: int, kv_type: str | None = None):
         kv_type = resolve_kv_type(kv_type)
-        if kv_type == "q8_0" and kv_dim % 32:
-            raise UsageError(
-                f"--kv-type q8_0 needs the KV width (kv_heads × head_dim = {kv_dim}) to be a multiple of 32; "
-                "use bf16 or f32 for this model"
-            )
+        check_kv_geometry(kv_type, kv_dim)  # the planner's guard: q8_0 rows split into 32-blocks
         self.n_ctx, self.kv_dim, self.kv_type = n_ctx, kv_dim, kv_type
         self.k = {i: _Store(n_ctx, kv_dim, kv_type, dev) for i, dev in layers.items()}
         self.v = {i: _Store(n_ctx, kv_dim, kv_type, dev) for i, dev in layers.items()}

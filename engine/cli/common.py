@@ -7,7 +7,7 @@ import sys
 
 from engine.api import LoadOptions, Session
 from engine.generate import SamplingParams
-from engine.kv_cache import KV_TYPES
+from engine.plan.sizing import KV_TYPES
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

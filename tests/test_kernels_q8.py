@@ -46,10 +46,11 @@ def test_round_f16_matches_numpy():
 @pytest.mark.parametrize("T,n", [(1, 32), (3, 256), (17, 2816)])
 def test_quantize_q8_0_equals_reference(T, n):
     X = awkward_activations(np.random.default_rng(11), T, n)
-    qa, da = quantize_q8_0(X)
+    qa, da, asum = quantize_q8_0(X)
     rq, rd = ref.quantize_q8_0_ref(X)
     np.testing.assert_array_equal(qa, rq)
     np.testing.assert_array_equal(da, rd)
+    np.testing.assert_array_equal(asum, rq.reshape(T, -1, 32).astype(np.int64).sum(-1))
     assert qa.min() >= -127  # the sign trick in the kernels relies on this
 
 

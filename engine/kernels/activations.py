@@ -37,11 +37,15 @@ def round_f16(v):
 
 @njit(cache=True, nogil=True)
 def quantize_q8_0(X):
-    """X float32 [K, n] (n % 32 == 0) -> (qa int8 [K, n], da float32 [K, n/32])."""
+    """X float32 [K, n] (n % 32 == 0) -> (qa int8 [K, n], da float32 [K, n/32], asum int32 [K, n/32]).
+
+    ``asum`` holds the sums of the codes of each block (for the −8/−16 offsets of Q4_0/Q5_0).
+    """
     K, n = X.shape
     nb = n // 32
     qa = np.empty((K, n), np.int8)
     da = np.empty((K, nb), np.float32)
+    asum = np.empty((K, nb), np.int32)
     c127 = np.float32(127.0)
     for k in range(K):
         for b in range(nb):
@@ -50,10 +54,13 @@ def quantize_q8_0(X):
                 amax = max(amax, abs(X[k, 32 * b + l]))
             da[k, b] = round_f16(amax / c127)
             iscale = c127 / amax if amax != 0 else np.float32(0.0)
+            t = 0
             for l in range(32):
-                v = np.rint(X[k, 32 * b + l] * iscale)
-                qa[k, 32 * b + l] = np.int8(min(127.0, max(-128.0, v)))
-    return qa, da
+                v = np.int8(min(127.0, max(-128.0, np.rint(X[k, 32 * b + l] * iscale))))
+                qa[k, 32 * b + l] = v
+                t += v
+            asum[k, b] = t
+    return qa, da, asum
 
 
 @njit(cache=True, nogil=True)

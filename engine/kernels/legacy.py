@@ -7,8 +7,8 @@ Gather signature shared by all families (see ``engine.kernels.dispatch``)::
     out[i, t] = W[rows[i]] · x[xi[i] + t]
 
 Exact-float kernels (``*_f``) take X float32 [K, n]. Q8-activation kernels (``*_q8``) take the
-activations as ggml Q8_0 blocks, qa int8 [K, n] and da float32 [K, n/32] (the fp16 scales), and
-compute Σ_b d_w·d_a·Σ q_w·q_a like ``ggml_vec_dot_{q8_0,q4_0,q5_0}_q8_0``: exact int32 block
+activations as ggml Q8_0 blocks, qa int8 [K, n], da float32 [K, n/32] (the fp16 scales) and
+asum int32 [K, n/32] (code sums, for the −8/−16 offsets of Q4_0/Q5_0), and compute Σ_b d_w·d_a·Σ q_w·q_a like ``ggml_vec_dot_{q8_0,q4_0,q5_0}_q8_0``: exact int32 block
 sums (pmaddubsw/pmaddwd), scaled and accumulated lane-wise in float32.
 
 Block layouts (ggml-common.h): q8_0 = d fp16 | qs int8[32];
@@ -18,6 +18,7 @@ q5_0 = d | qh u32 (bit j = fifth bit of element j) | qs[16], value q − 16.
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit, prange
 
 from engine.kernels.simd import (
@@ -31,6 +32,7 @@ from engine.kernels.simd import (
     load_u32,
     madd,
     maddss,
+    maddubs,
     splat8,
     splat16,
     vfma,
@@ -50,15 +52,26 @@ def _codes_q8_0(w, b):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _ucodes_q4_0(w, b):
+    """Unsigned codes 0..15 (value + 8)."""
+    return load_nibbles16(w, b * 18 + 2)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _ucodes_q5_0(w, b):
+    """Unsigned codes 0..31 (value + 16)."""
+    o = b * 22
+    return vor(load_nibbles16(w, o + 6), vshl(bits_to_bytes(load_u32(w, o + 2)), 4))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _codes_q4_0(w, b):
-    return vsub(load_nibbles16(w, b * 18 + 2), splat8(8))
+    return vsub(_ucodes_q4_0(w, b), splat8(8))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _codes_q5_0(w, b):
-    o = b * 22
-    high = vshl(bits_to_bytes(load_u32(w, o + 2)), 4)
-    return vsub(vor(load_nibbles16(w, o + 6), high), splat8(16))
+    return vsub(_ucodes_q5_0(w, b), splat8(16))
 
 
 # --- per-row dot products; CODES is the only difference between the types --------------------
@@ -98,7 +111,7 @@ def _dot_q5_0_f(w, d, x):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _dot_q8_0_q8(w, d, qa, da):
+def _dot_q8_0_q8(w, d, qa, da, asum):
     acc = zero_f32()
     ones = splat16(1)
     for b in range(d.shape[0]):
@@ -108,23 +121,28 @@ def _dot_q8_0_q8(w, d, qa, da):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _dot_q4_0_q8(w, d, qa, da):
+def _dot_q4_0_q8(w, d, qa, da, asum):
+    # Σ (u − 8)·a = Σ u·a − 8·Σ a: unsigned codes go straight into pmaddubsw
     acc = zero_f32()
     ones = splat16(1)
+    corr = np.float32(0.0)
     for b in range(d.shape[0]):
-        iv = madd(maddss(_codes_q4_0(w, b), load_i8x32(qa, 32 * b)), ones)
-        acc = fma_i32(iv, d[b] * da[b], acc)
-    return hsum_f32(acc)
+        dd = d[b] * da[b]
+        acc = fma_i32(madd(maddubs(_ucodes_q4_0(w, b), load_i8x32(qa, 32 * b)), ones), dd, acc)
+        corr += dd * np.float32(asum[b])
+    return hsum_f32(acc) - np.float32(8.0) * corr
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _dot_q5_0_q8(w, d, qa, da):
+def _dot_q5_0_q8(w, d, qa, da, asum):
     acc = zero_f32()
     ones = splat16(1)
+    corr = np.float32(0.0)
     for b in range(d.shape[0]):
-        iv = madd(maddss(_codes_q5_0(w, b), load_i8x32(qa, 32 * b)), ones)
-        acc = fma_i32(iv, d[b] * da[b], acc)
-    return hsum_f32(acc)
+        dd = d[b] * da[b]
+        acc = fma_i32(madd(maddubs(_ucodes_q5_0(w, b), load_i8x32(qa, 32 * b)), ones), dd, acc)
+        corr += dd * np.float32(asum[b])
+    return hsum_f32(acc) - np.float32(16.0) * corr
 
 
 # --- parallel gather drivers -----------------------------------------------------------------
@@ -161,33 +179,33 @@ def gemv_q5_0_f(raw, d, rows, xi, X, out):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def gemv_q8_0_q8(raw, d, rows, xi, qa, da, out):
+def gemv_q8_0_q8(raw, d, rows, xi, qa, da, asum, out):
     M, T = out.shape
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
             r = rows[i]
             for t in range(T):
                 k = xi[i] + t
-                out[i, t] = _dot_q8_0_q8(raw[r], d[r], qa[k], da[k])
+                out[i, t] = _dot_q8_0_q8(raw[r], d[r], qa[k], da[k], asum[k])
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def gemv_q4_0_q8(raw, d, rows, xi, qa, da, out):
+def gemv_q4_0_q8(raw, d, rows, xi, qa, da, asum, out):
     M, T = out.shape
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
             r = rows[i]
             for t in range(T):
                 k = xi[i] + t
-                out[i, t] = _dot_q4_0_q8(raw[r], d[r], qa[k], da[k])
+                out[i, t] = _dot_q4_0_q8(raw[r], d[r], qa[k], da[k], asum[k])
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def gemv_q5_0_q8(raw, d, rows, xi, qa, da, out):
+def gemv_q5_0_q8(raw, d, rows, xi, qa, da, asum, out):
     M, T = out.shape
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
             r = rows[i]
             for t in range(T):
                 k = xi[i] + t
-                out[i, t] = _dot_q5_0_q8(raw[r], d[r], qa[k], da[k])
+                out[i, t] = _dot_q5_0_q8(raw[r], d[r], qa[k], da[k], asum[k])

@@ -419,21 +419,30 @@ def madd(typingctx, a, b):
 
 @intrinsic
 def maddss(typingctx, a, b):
-    """Signed × signed bytes, pairs summed to int16: maddubs(|a|, b·sign(a)) (ggml's trick)."""
+    """Signed × signed bytes, pairs summed to int16: maddubs(|a|, b·sign(a)) (ggml's trick).
+
+    ``b`` must not hold −128 (its negation would wrap); q8 activation codes never do.
+    """
 
     def codegen(context, builder, sig, args):
         a, b = args
         vt = _vt(I8x32)
         absa = _call(builder, "llvm.abs.v32i8", vt, [a, ir.Constant(ir.IntType(1), 0)])
+        if HAS_AVX2:
+            sb = _call(builder, "llvm.x86.avx2.psign.b", vt, [b, a])
+            return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vt(I16x16), [absa, sb])
         zero = ir.Constant(vt, None)
         neg = builder.icmp_signed("<", a, zero)
         isz = builder.icmp_signed("==", a, zero)
         sb = builder.select(isz, zero, builder.select(neg, builder.sub(zero, b), b))
-        if HAS_AVX2:
-            return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vt(I16x16), [absa, sb])
         return _maddubs_ir(builder, absa, sb)
 
     return _typed2(a, b, I8x32, I16x16, "maddss"), codegen
+
+
+def _fmadd(builder, a, b, c):
+    """a·b + c, allowed to fuse into one FMA (rounded once) where the CPU has it."""
+    return builder.fadd(builder.fmul(a, b, flags=("contract",)), c, flags=("contract",))
 
 
 # --- float ----------------------------------------------------------------------------------
@@ -456,7 +465,7 @@ def fma_i32(typingctx, iv, s, acc):
     def codegen(context, builder, sig, args):
         f = builder.sitofp(args[0], _vt(F32x8))
         s = _splat(builder, _vt(F32x8), context.cast(builder, args[1], sig.args[1], types.float32))
-        return builder.fadd(builder.fmul(f, s), args[2])
+        return _fmadd(builder, f, s, args[2])
 
     return F32x8(iv, s, acc), codegen
 
@@ -466,7 +475,7 @@ def vfma(typingctx, a, b, acc):
     """acc + a·b, all F32x8."""
 
     def codegen(context, builder, sig, args):
-        return builder.fadd(builder.fmul(args[0], args[1]), args[2])
+        return _fmadd(builder, args[0], args[1], args[2])
 
     return F32x8(a, b, acc), codegen
 
@@ -477,7 +486,7 @@ def vfma_s(typingctx, a, s, acc):
 
     def codegen(context, builder, sig, args):
         sv = _splat(builder, _vt(F32x8), context.cast(builder, args[1], sig.args[1], types.float32))
-        return builder.fadd(builder.fmul(args[0], sv), args[2])
+        return _fmadd(builder, args[0], sv, args[2])
 
     return F32x8(a, s, acc), codegen
 

@@ -19,7 +19,17 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from engine.kernels.simd import hsum_f32, load_bf16x8, load_f16x8, load_f32x8, vadd, vfma, zero_f32
+from engine.kernels.simd import (
+    hsum_f32,
+    load_bf16x8,
+    load_f16x8,
+    load_f32x8,
+    prefetch_array,
+    prefetch_distance,
+    vadd,
+    vfma,
+    zero_f32,
+)
 
 CHUNK = 16  # rows per parallel work item
 
@@ -107,8 +117,12 @@ def _dot_bf16(w, x):
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_f32(W, rows, xi, X, out):
     M, T = out.shape
+    ahead = prefetch_distance(W)
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(W[rows[j]])
             for t in range(T):
                 out[i, t] = _dot_f32(W[rows[i]], X[xi[i] + t])
 
@@ -116,8 +130,12 @@ def gemv_f32(W, rows, xi, X, out):
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_f16(W, rows, xi, X, out):
     M, T = out.shape
+    ahead = prefetch_distance(W)
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(W[rows[j]])
             for t in range(T):
                 out[i, t] = _dot_f16(W[rows[i]], X[xi[i] + t])
 
@@ -125,7 +143,11 @@ def gemv_f16(W, rows, xi, X, out):
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_bf16(W, rows, xi, X, out):
     M, T = out.shape
+    ahead = prefetch_distance(W)
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(W[rows[j]])
             for t in range(T):
                 out[i, t] = _dot_bf16(W[rows[i]], X[xi[i] + t])

@@ -43,6 +43,8 @@ from engine.kernels.simd import (
     load_i16x16,
     madd,
     maddubs,
+    prefetch_array,
+    prefetch_distance,
     splat8,
     vadd,
     vand,
@@ -273,8 +275,13 @@ def _dot4_q6_k_q8(w, s, qa, da, bsums, k):
 def gemv_q4_k_q8(raw, s, rows, xi, qa, da, bsums, out):
     M, T = out.shape
     T4 = T - T % 4
+    ahead = prefetch_distance(raw)
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(s[rows[j]])
             r = rows[i]
             k = xi[i]
             for t in range(0, T4, 4):
@@ -289,8 +296,13 @@ def gemv_q4_k_q8(raw, s, rows, xi, qa, da, bsums, out):
 def gemv_q5_k_q8(raw, s, rows, xi, qa, da, bsums, out):
     M, T = out.shape
     T4 = T - T % 4
+    ahead = prefetch_distance(raw)
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(s[rows[j]])
             r = rows[i]
             k = xi[i]
             for t in range(0, T4, 4):
@@ -305,8 +317,13 @@ def gemv_q5_k_q8(raw, s, rows, xi, qa, da, bsums, out):
 def gemv_q6_k_q8(raw, s, rows, xi, qa, da, bsums, out):
     M, T = out.shape
     T4 = T - T % 4
+    ahead = prefetch_distance(raw)
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(s[rows[j]])
             r = rows[i]
             k = xi[i]
             for t in range(0, T4, 4):

@@ -19,6 +19,8 @@ from engine.kernels.simd import (
     lane16,
     load_f32x8,
     load_i8x16_as_i16,
+    prefetch_array,
+    prefetch_distance,
     splat8,
     vfma,
     vfma_s,
@@ -98,8 +100,13 @@ def _dot_q6_k_f(w, s, x):
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_q4_k_f(raw, s, rows, xi, X, Xs, out):
     M, T = out.shape
+    ahead = prefetch_distance(raw)
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(s[rows[j]])
             r = rows[i]
             for t in range(T):
                 k = xi[i] + t
@@ -109,8 +116,13 @@ def gemv_q4_k_f(raw, s, rows, xi, X, Xs, out):
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_q5_k_f(raw, s, rows, xi, X, Xs, out):
     M, T = out.shape
+    ahead = prefetch_distance(raw)
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(s[rows[j]])
             r = rows[i]
             for t in range(T):
                 k = xi[i] + t
@@ -120,8 +132,13 @@ def gemv_q5_k_f(raw, s, rows, xi, X, Xs, out):
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_q6_k_f(raw, s, rows, xi, X, out):
     M, T = out.shape
+    ahead = prefetch_distance(raw)
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(s[rows[j]])
             r = rows[i]
             for t in range(T):
                 out[i, t] = _dot_q6_k_f(raw[r], s[r], X[xi[i] + t])

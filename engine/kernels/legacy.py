@@ -33,6 +33,8 @@ from engine.kernels.simd import (
     madd,
     maddss,
     maddubs,
+    prefetch_array,
+    prefetch_distance,
     splat8,
     splat16,
     vfma,
@@ -151,8 +153,13 @@ def _dot_q5_0_q8(w, d, qa, da, asum):
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_q8_0_f(raw, d, rows, xi, X, out):
     M, T = out.shape
+    ahead = prefetch_distance(raw)
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(d[rows[j]])
             r = rows[i]
             for t in range(T):
                 out[i, t] = _dot_q8_0_f(raw[r], d[r], X[xi[i] + t])
@@ -161,8 +168,13 @@ def gemv_q8_0_f(raw, d, rows, xi, X, out):
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_q4_0_f(raw, d, rows, xi, X, out):
     M, T = out.shape
+    ahead = prefetch_distance(raw)
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(d[rows[j]])
             r = rows[i]
             for t in range(T):
                 out[i, t] = _dot_q4_0_f(raw[r], d[r], X[xi[i] + t])
@@ -171,8 +183,13 @@ def gemv_q4_0_f(raw, d, rows, xi, X, out):
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_q5_0_f(raw, d, rows, xi, X, out):
     M, T = out.shape
+    ahead = prefetch_distance(raw)
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(d[rows[j]])
             r = rows[i]
             for t in range(T):
                 out[i, t] = _dot_q5_0_f(raw[r], d[r], X[xi[i] + t])
@@ -181,8 +198,13 @@ def gemv_q5_0_f(raw, d, rows, xi, X, out):
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_q8_0_q8(raw, d, rows, xi, qa, da, asum, out):
     M, T = out.shape
+    ahead = prefetch_distance(raw)
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(d[rows[j]])
             r = rows[i]
             for t in range(T):
                 k = xi[i] + t
@@ -192,8 +214,13 @@ def gemv_q8_0_q8(raw, d, rows, xi, qa, da, asum, out):
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_q4_0_q8(raw, d, rows, xi, qa, da, asum, out):
     M, T = out.shape
+    ahead = prefetch_distance(raw)
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(d[rows[j]])
             r = rows[i]
             for t in range(T):
                 k = xi[i] + t
@@ -203,8 +230,13 @@ def gemv_q4_0_q8(raw, d, rows, xi, qa, da, asum, out):
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_q5_0_q8(raw, d, rows, xi, qa, da, asum, out):
     M, T = out.shape
+    ahead = prefetch_distance(raw)
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(d[rows[j]])
             r = rows[i]
             for t in range(T):
                 k = xi[i] + t

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import llvmlite.binding as llvm_binding
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic, models, register_model
@@ -555,3 +555,36 @@ def i16_to_f32(typingctx, v, half):
         return builder.sitofp(builder.select(h, hi, lo), _vt(F32x8))
 
     return F32x8(v, half), codegen
+
+
+@intrinsic
+def prefetch(typingctx, arr, off):
+    """Hint the cache line holding element ``off`` of a 1-D array into L1 (no fault if unmapped)."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1):
+        raise TypingError(f"prefetch: expected a 1-D array, got {arr}")
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.PointerType(ir.IntType(8)))
+        zero, three, one = (ir.Constant(_i32, v) for v in (0, 3, 1))
+        _call(builder, "llvm.prefetch.p0", ir.VoidType(), [ptr, zero, three, one])
+        return context.get_dummy_value()
+
+    return types.none(arr, off), codegen
+
+
+PREFETCH_AHEAD = 8192  # bytes of weight rows to request before they are needed
+
+
+@njit(cache=True, nogil=True, inline="always")
+def prefetch_array(a):
+    """Prefetch every cache line of a contiguous 1-D array."""
+    step = max(1, 64 // a.itemsize)
+    for o in range(0, a.shape[0], step):
+        prefetch(a, o)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def prefetch_distance(raw):
+    """How many rows ahead of the current one to prefetch, for rows of ``raw`` [R, width]."""
+    return max(1, min(16, PREFETCH_AHEAD // max(1, raw.shape[1] * raw.itemsize)))

@@ -18,6 +18,8 @@ from engine.generate import CacheState, GenerationEvent, SamplingParams, generat
 from engine.gguf import open_gguf
 from engine.kv_cache import resolve_kv_type
 from engine.modelinfo import ModelInfo, describe
+from engine.profiler import ProfilerSnapshot
+from engine.profiler import export as export_profile
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,19 @@ class Session:
     def reset(self) -> None:
         """Forget the cached conversation (the next generation recomputes its whole prompt)."""
         self.state = CacheState()
+
+    # -- profiler -----------------------------------------------------------------------------
+    def stats(self) -> ProfilerSnapshot:
+        """A copy of the expert profiler's counters (cheap; any thread)."""
+        return self.model.profiler.snapshot()
+
+    def export_stats(self, prefix: str) -> tuple[str, str]:
+        """Write the profiler snapshot to ``PREFIX.json`` and ``PREFIX.csv``; returns both paths."""
+        j, c = export_profile(self.stats(), prefix)
+        return str(j), str(c)
+
+    def reset_stats(self) -> None:
+        self.model.profiler.reset()
 
     # -- tests and tools ----------------------------------------------------------------------
     def logits(self, token_ids: list[int], batch: bool = True) -> np.ndarray:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from engine.kernels.prepare import PreparedWeight
+from engine.profiler import ExpertProfiler
 
 
 @dataclass
@@ -24,7 +25,9 @@ class ExpertStacks:
 
 
 class ExpertBackend:
-    """Interface: routed-expert FFN for a batch of tokens."""
+    """Interface: routed-expert FFN for a batch of tokens. Every backend feeds ``profiler``."""
+
+    profiler: ExpertProfiler | None = None
 
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x float32 [T, D]; ids int64 [T, K]; weights float32 [T, K] -> float32 [T, D]:
@@ -38,7 +41,6 @@ class CpuExperts(ExpertBackend):
     def __init__(self, stacks: dict[int, ExpertStacks], q8_act: bool = True):
         self.stacks = stacks
         self.q8_act = q8_act
-        self.calls: dict[int, np.ndarray] = {}  # layer -> per-expert call counts (profiler feed)
 
     def forward(self, layer, x, ids, weights):
         from engine import ops
@@ -47,7 +49,7 @@ class CpuExperts(ExpertBackend):
         X = np.ascontiguousarray(x.detach().numpy(), dtype=np.float32)
         I = np.ascontiguousarray(ids.numpy(), dtype=np.int64)
         W = np.ascontiguousarray(weights.detach().numpy(), dtype=np.float32)
-        counts = self.calls.setdefault(layer, np.zeros(s.gate.n_experts, np.int64))
-        np.add.at(counts, I.reshape(-1), 1)
+        if self.profiler is not None:
+            self.profiler.record_route(layer, I)
         Y = ops.moe_ffn(s.gate, s.up, s.down, X, I, W, q8_act=self.q8_act)
         return torch.from_numpy(Y)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -114,3 +116,16 @@ def test_broken_chat_template_is_a_clear_error_and_the_session_survives(session)
     assert again == expected
     chat = list(session.generate(messages=[{"role": "user", "content": "hi"}], params=SamplingParams.greedy(8)))
     assert chat[-1].done
+
+
+def test_profiler_counts_every_routed_expert_in_cpu_mode(session, tmp_path):
+    session.reset_stats()
+    _, events = _greedy_ids(session, "count my experts", 5)
+    s = session.stats()
+    a = session.args
+    n_tokens = events[-1].n_prompt + 4  # the last sampled token is not fed back
+    assert s.tokens_total == n_tokens
+    assert (s.calls.sum(axis=1) == n_tokens * a.n_expert_used).all()
+    j, c = session.export_stats(str(tmp_path / "p"))
+    with open(j) as f:
+        assert json.load(f)["calls"] == s.calls.tolist()

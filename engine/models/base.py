@@ -10,6 +10,7 @@ from engine.kv_cache import KVCache
 from engine.models.args import ModelArgs
 from engine.models.layers import rms_norm, rope_cos_sin
 from engine.models.weights import Embedding, Weights
+from engine.profiler import ExpertProfiler
 
 
 class DecoderModel:
@@ -21,6 +22,9 @@ class DecoderModel:
         if experts is None and a.is_moe:
             experts = CpuExperts(self.expert_stacks(), q8_act=w.q8_act)
         self.experts = experts
+        self.profiler = ExpertProfiler(a.n_layer, a.n_expert)
+        if experts is not None:
+            experts.profiler = self.profiler
         self.embed = Embedding(w.gf.tensor("token_embd.weight"))
         self.layers = [self.make_layer(i) for i in range(a.n_layer)]
         self.out_norm = w.vector("output_norm.weight")
@@ -49,10 +53,13 @@ class DecoderModel:
         a = self.args
         tokens = np.asarray(tokens, dtype=np.int64)
         T = len(tokens)
+        self.profiler.begin_step()
         x = self.embed(tokens)  # [T, D]
         cos, sin = rope_cos_sin(np.arange(start, start + T), a.rope_dim, a.rope_base, a.rope_scale, self.freq_factors)
         for layer in self.layers:
             x = layer(x, start, cache, cos, sin)
         if not all_logits:
             x = x[-1:]
-        return self.output(rms_norm(x, self.out_norm, a.rms_eps))
+        logits = self.output(rms_norm(x, self.out_norm, a.rms_eps))
+        self.profiler.end_step(T)
+        return logits

@@ -43,7 +43,7 @@ def test_moe_equals_per_expert_composition(qtypes, q8_act):
     for e, wk in zip(ids, wts):
         ge = matvec(prepare_weight(qtypes[0], raws[0][e]), x, q8_act=q8_act)
         ue = matvec(prepare_weight(qtypes[1], raws[1][e]), x, q8_act=q8_act)
-        expect += wk * matvec(prepare_weight(qtypes[2], raws[2][e]), silu_mul(ge, ue), q8_act=q8_act)
+        expect += wk * matvec(prepare_weight(qtypes[2], raws[2][e]), silu_mul(ge[:, None], ue[:, None]), q8_act=q8_act)
     np.testing.assert_allclose(y, expect, rtol=1e-5, atol=1e-6)
 
 

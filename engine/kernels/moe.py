@@ -8,15 +8,47 @@ expert e's row r is global row e·out + r, so all K experts of a matrix are one 
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from engine.kernels.dispatch import gemv_acts, prepare_activations
 from engine.kernels.prepare import PreparedWeight
 
 
-def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """SiLU(g)·u in float32 (g, u float32 [...])."""
-    with np.errstate(over="ignore"):  # exp(-g) = inf for very negative g gives SiLU = -0
-        return (g / (np.float32(1.0) + np.exp(-g)) * u).astype(np.float32, copy=False)
+@njit(cache=True, nogil=True)
+def silu_mul(g, u):
+    """SiLU(g)·u: g, u float32 [M, 1] (kernel outputs) -> float32 [M]."""
+    h = np.empty(g.shape[0], np.float32)
+    for i in range(g.shape[0]):
+        v = g[i, 0]
+        h[i] = v / (np.float32(1.0) + np.exp(-v)) * u[i, 0]  # exp overflow -> inf -> SiLU = -0
+    return h
+
+
+@njit(cache=True, nogil=True)
+def expert_rows(ids, rows_per_expert):
+    """Global row ids of experts ``ids`` [K] in a stack of ``rows_per_expert``-row matrices,
+    and the index of each row's expert: (rows int64 [K·rows], k int64 [K·rows])."""
+    K = ids.shape[0]
+    rows = np.empty(K * rows_per_expert, np.int64)
+    ks = np.empty(K * rows_per_expert, np.int64)
+    for k in range(K):
+        for r in range(rows_per_expert):
+            rows[k * rows_per_expert + r] = ids[k] * rows_per_expert + r
+            ks[k * rows_per_expert + r] = k
+    return rows, ks
+
+
+@njit(cache=True, nogil=True)
+def weighted_sum(o, weights):
+    """Σ_k weights[k]·o[k] in k order: o float32 [K·D, 1] -> float32 [D]."""
+    K = weights.shape[0]
+    D = o.shape[0] // K
+    y = np.zeros(D, np.float32)
+    for k in range(K):
+        w = np.float32(weights[k])
+        for i in range(D):
+            y[i] += w * o[k * D + i, 0]
+    return y
 
 
 def moe_ffn(
@@ -43,7 +75,7 @@ def moe_ffn(
         raise IndexError(f"expert ids {ids} must be K = {len(weights)} values in [0, {gate.n_experts})")
     if up.shape != gate.shape or down.shape != (gate.n_experts, D, F) or x.shape != (D,):
         raise ValueError(f"stacks {gate.shape}, {up.shape}, {down.shape} and x {x.shape} do not fit")
-    rows_gu = (ids[:, None] * F + np.arange(F)).ravel()  # [K·F]
+    rows_gu, _ = expert_rows(ids, F)  # [K·F]
     zeros = np.zeros(K * F, np.int64)
     acts = prepare_activations(gate.qtype, x[None, :], q8_act=q8_act)
     g = gemv_acts(gate, acts, rows_gu, zeros, q8_act=q8_act)
@@ -51,10 +83,6 @@ def moe_ffn(
         acts = prepare_activations(up.qtype, x[None, :], q8_act=q8_act)
     u = gemv_acts(up, acts, rows_gu, zeros, q8_act=q8_act)
     h = silu_mul(g, u).reshape(K, F)  # [K, F]
-    rows_d = (ids[:, None] * D + np.arange(D)).ravel()  # [K·D]
-    xi = np.repeat(np.arange(K, dtype=np.int64), D)
+    rows_d, xi = expert_rows(ids, D)  # [K·D]; row i reads h[xi[i]]
     o = gemv_acts(down, prepare_activations(down.qtype, h, q8_act=q8_act), rows_d, xi, q8_act=q8_act)
-    y = np.zeros(D, np.float32)
-    for k in range(K):  # top-k order
-        y += np.float32(weights[k]) * o[k * D : (k + 1) * D, 0]
-    return y
+    return weighted_sum(o, np.asarray(weights, dtype=np.float32))  # top-k order

@@ -559,15 +559,15 @@ def i16_to_f32(typingctx, v, half):
 
 @intrinsic
 def prefetch(typingctx, arr, off):
-    """Hint the cache line holding element ``off`` of a 1-D array into L1 (no fault if unmapped)."""
+    """Hint the cache line holding element ``off`` of a 1-D array into L2 (prefetcht1; never faults)."""
     if not (isinstance(arr, types.Array) and arr.ndim == 1):
         raise TypingError(f"prefetch: expected a 1-D array, got {arr}")
 
     def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
         ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.PointerType(ir.IntType(8)))
-        zero, three, one = (ir.Constant(_i32, v) for v in (0, 3, 1))
-        _call(builder, "llvm.prefetch.p0", ir.VoidType(), [ptr, zero, three, one])
+        zero, locality, one = (ir.Constant(_i32, v) for v in (0, 2, 1))
+        _call(builder, "llvm.prefetch.p0", ir.VoidType(), [ptr, zero, locality, one])
         return context.get_dummy_value()
 
     return types.none(arr, off), codegen

@@ -9,17 +9,20 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
+import torch
 
-from engine.errors import UsageError
+from engine.errors import DeviceMemoryError, UsageError
 from engine.generate import CacheState, GenerationEvent, SamplingParams, generate
 from engine.gguf import open_gguf
 from engine.kv_cache import resolve_kv_type
 from engine.modelinfo import ModelInfo, describe
+from engine.plan import DeviceProfile, ModelSpec, Placement, PlanRequest, plan
 from engine.profiler import ProfilerSnapshot
 from engine.profiler import export as export_profile
+from engine.runtime.apply import Applied, apply_placement
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,9 @@ class LoadOptions:
     n_ctx: int = 4096  # context size in tokens
     kv_type: str | None = None  # f32 | bf16 | q8_0; None = $SHARPI_KV_DTYPE or f32
     q8_act: bool = True  # quantize activations like llama.cpp before quantized dot products
+    device: str | None = None  # "cuda" | "cpu" (the simulated device); None = cuda if available
+    placement: PlanRequest | None = None  # None = everything on the CPU
+    vram_budget: int | None = None  # device bytes the planner may use; None = the detected VRAM
 
 
 class Session:
@@ -55,10 +61,16 @@ class Session:
             report(2, 4, "loading tokenizer")
             self.tokenizer = load_tokenizer(self.gf)
             self.chat_template = ChatTemplate.from_gguf(self.gf, self.tokenizer)
-            report(3, 4, "allocating KV cache")
+            report(3, 4, "placing the model")
             self.kv_type = resolve_kv_type(options.kv_type)
             self.n_ctx = options.n_ctx
+            self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            self._spec: ModelSpec | None = None
+            self.applied: Applied | None = None
             self.cache = self.model.new_cache(self.n_ctx, self.kv_type)
+            if options.placement is not None:
+                req = replace(options.placement, ctx=self.n_ctx, kv_type=self.kv_type)
+                self.apply(self.plan(req, self.device_profile(options.vram_budget)))
         except BaseException:
             self.gf.close()
             raise
@@ -110,6 +122,61 @@ class Session:
 
     def reset(self) -> None:
         """Forget the cached conversation (the next generation recomputes its whole prompt)."""
+        self.state = CacheState()
+
+    # -- placement ------------------------------------------------------------------------------
+    @property
+    def spec(self) -> ModelSpec:
+        if self._spec is None:
+            self._spec = ModelSpec.from_gguf(self.gf)
+        return self._spec
+
+    @property
+    def placement(self) -> Placement | None:
+        """The placement in force (None: everything on the CPU, as loaded)."""
+        return self.applied.placement if self.applied else None
+
+    def device_profile(self, vram_budget: int | None = None) -> DeviceProfile:
+        """The device to plan for: the GPU's memory when CUDA is used, else a simulated device
+        (the budget only; 12 GiB when none is given)."""
+        if vram_budget is None and self.device.type == "cuda":
+            vram_budget = torch.cuda.mem_get_info(self.device)[1]
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "simulated device (CPU)"
+        base = DeviceProfile()
+        return replace(base, vram_bytes=vram_budget if vram_budget is not None else base.vram_bytes, name=name)
+
+    def plan(self, request: PlanRequest, profile: DeviceProfile | None = None) -> Placement:
+        """The planner's placement for this model (pure and fast: no allocation)."""
+        return plan(self.spec, profile or self.device_profile(), request)
+
+    def apply(self, placement: Placement) -> None:
+        """Re-place the loaded model (the file is not re-read) and start a fresh KV cache.
+
+        If the device runs out of memory, the previous placement is restored and the error says so.
+        """
+        previous = self.applied
+        try:
+            self.applied = apply_placement(self.model, self.spec, placement, self.device)
+        except DeviceMemoryError as e:
+            self._restore(previous)
+            raise DeviceMemoryError(f"{e}; the previous placement stays in force") from None
+        self.cache = self.applied.cache
+        self.n_ctx = placement.ctx
+        self.kv_type = placement.kv_type
+        self.state = CacheState()
+
+    def _restore(self, previous: Applied | None) -> None:
+        self.applied = None
+        if previous is not None:
+            self.applied = apply_placement(self.model, self.spec, previous.placement, self.device)
+            self.cache = self.applied.cache
+        else:
+            cpu_only = plan(
+                self.spec, replace(DeviceProfile(), vram_bytes=0), PlanRequest(ctx=self.n_ctx, kv_type=self.kv_type)
+            )
+            self.applied = None
+            apply_placement(self.model, self.spec, cpu_only, self.device)
+            self.cache = self.model.new_cache(self.n_ctx, self.kv_type)
         self.state = CacheState()
 
     # -- profiler -----------------------------------------------------------------------------

@@ -57,3 +57,7 @@ class UsageError(SharpIError):
 
 class ChatTemplateError(SharpIError):
     """The model's chat template does not compile, or failed on the given conversation."""
+
+
+class DeviceMemoryError(SharpIError):
+    """A placement does not fit the device's memory (its budget, or a real out-of-memory)."""

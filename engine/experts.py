@@ -34,6 +34,9 @@ class ExpertBackend:
         Σ_k weights[t,k] · down[e](silu(gate[e]·x_t) ⊙ up[e]·x_t) with e = ids[t,k]."""
         raise NotImplementedError
 
+    def end_step(self) -> None:
+        """Called once per forward pass after the last layer (uploads, prefetch)."""
+
 
 class CpuExperts(ExpertBackend):
     """Experts computed by the numba kernels straight from the quantized memory map."""
@@ -46,10 +49,11 @@ class CpuExperts(ExpertBackend):
         from engine import ops
 
         s = self.stacks[layer]
-        X = np.ascontiguousarray(x.detach().numpy(), dtype=np.float32)
-        I = np.ascontiguousarray(ids.numpy(), dtype=np.int64)
-        W = np.ascontiguousarray(weights.detach().numpy(), dtype=np.float32)
+        # A device layer's experts on the host: hidden state and routing cross here, explicitly.
+        X = np.ascontiguousarray(x.detach().cpu().numpy(), dtype=np.float32)
+        I = np.ascontiguousarray(ids.cpu().numpy(), dtype=np.int64)
+        W = np.ascontiguousarray(weights.detach().cpu().numpy(), dtype=np.float32)
         if self.profiler is not None:
             self.profiler.record_route(layer, I)
         Y = ops.moe_ffn(s.gate, s.up, s.down, X, I, W, q8_act=self.q8_act)
-        return torch.from_numpy(Y)
+        return torch.from_numpy(Y).to(x.device)

@@ -12,7 +12,7 @@ import torch
 
 from engine.errors import UsageError
 from engine.plan.planner import resolve_kv_type as planner_resolve_kv_type
-from engine.plan.sizing import check_kv_geometry
+from engine.plan.sizing import check_kv_geometry, kv_layer_bytes
 
 ENV_KV_DTYPE = "SHARPI_KV_DTYPE"
 
@@ -63,12 +63,28 @@ class _Store:
 class KVCache:
     """K and V for ``layers`` (layer index → device), each [n_ctx, kv_dim]."""
 
-    def __init__(self, layers: dict[int, torch.device], n_ctx: int, kv_dim: int, kv_type: str | None = None):
-        kv_type = resolve_kv_type(kv_type)
-        check_kv_geometry(kv_type, kv_dim)  # the planner's guard: q8_0 rows split into 32-blocks
-        self.n_ctx, self.kv_dim, self.kv_type = n_ctx, kv_dim, kv_type
-        self.k = {i: _Store(n_ctx, kv_dim, kv_type, dev) for i, dev in layers.items()}
-        self.v = {i: _Store(n_ctx, kv_dim, kv_type, dev) for i, dev in layers.items()}
+    def __init__(
+        self,
+        layers: dict[int, torch.device],
+        n_ctx: int,
+        kv_dim: int,
+        kv_type: str | dict[int, str] | None = None,
+        charge=None,
+    ):
+        """kv_type: one dtype for every layer, or per layer; charge(layer, nbytes) is called before
+        each layer's K and V are allocated (the runtime's device arena)."""
+        types = kv_type if isinstance(kv_type, dict) else dict.fromkeys(layers, resolve_kv_type(kv_type))
+        for t in set(types.values()):
+            check_kv_geometry(t, kv_dim)  # the planner's guard: q8_0 rows split into 32-blocks
+        self.n_ctx, self.kv_dim = n_ctx, kv_dim
+        self.kv_types = types
+        self.kv_type = types[min(types)] if types else "f32"  # the first layer's (device) dtype
+        self.k, self.v = {}, {}
+        for i, dev in layers.items():
+            if charge is not None:
+                charge(i, kv_layer_bytes(types[i], kv_dim, n_ctx))
+            self.k[i] = _Store(n_ctx, kv_dim, types[i], dev)
+            self.v[i] = _Store(n_ctx, kv_dim, types[i], dev)
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [T, kv_dim] at positions start.. and return all K, V [start+T, kv_dim] (f32)."""

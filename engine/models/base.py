@@ -1,4 +1,9 @@
-"""The decoder model skeleton shared by every architecture: embed → layers → norm → logits."""
+"""The decoder model skeleton shared by every architecture: embed → layers → norm → logits.
+
+Where each layer runs is configuration, not a different model: :meth:`DecoderModel.configure`
+gives every layer its weights source (host memory map or a device) and its expert backend, then
+rebuilds the layers from the same architecture code. The runtime calls it to apply a placement.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,11 @@ import torch
 from engine.experts import CpuExperts, ExpertBackend, ExpertStacks
 from engine.kv_cache import KVCache
 from engine.models.args import ModelArgs
-from engine.models.layers import rms_norm, rope_cos_sin
+from engine.models.layers import rms_norm, rope_theta
 from engine.models.weights import Embedding, Weights
 from engine.profiler import ExpertProfiler
+
+HOST = torch.device("cpu")
 
 
 class DecoderModel:
@@ -18,22 +25,41 @@ class DecoderModel:
 
     def __init__(self, w: Weights, args: ModelArgs, experts: ExpertBackend | None = None):
         self.w, self.args = w, args
-        a = args
-        if experts is None and a.is_moe:
-            experts = CpuExperts(self.expert_stacks(), q8_act=w.q8_act)
-        self.experts = experts
-        self.profiler = ExpertProfiler(a.n_layer, a.n_expert)
-        if experts is not None:
-            experts.profiler = self.profiler
+        self.profiler = ExpertProfiler(args.n_layer, args.n_expert)
         self.embed = Embedding(w.gf.tensor("token_embd.weight"))
-        self.layers = [self.make_layer(i) for i in range(a.n_layer)]
-        self.out_norm = w.vector("output_norm.weight")
-        self.output = w.linear("output.weight" if w.has("output.weight") else "token_embd.weight")
-        rf = w.optional_vector("rope_freqs.weight")
-        self.freq_factors = rf.numpy() if rf is not None else None
+        host_experts = experts or (CpuExperts(self.expert_stacks(), q8_act=w.q8_act) if args.is_moe else None)
+        L = args.n_layer
+        self.configure([w] * L, [HOST] * L, {i: host_experts for i in range(L)} if host_experts else {}, w)
 
     def make_layer(self, i: int):
         raise NotImplementedError
+
+    # -- placement ------------------------------------------------------------------------------
+    def lw(self, i: int):
+        """The weights source of layer ``i`` (host ``Weights`` or a device's ``DeviceWeights``)."""
+        return self._layer_w[i]
+
+    def experts_of(self, i: int) -> ExpertBackend:
+        return self._backends[i]
+
+    def configure(
+        self, layer_weights: list, devices: list[torch.device], backends: dict, out_weights, rope_weights=None
+    ) -> None:
+        """(Re)build every layer from its weights source, device and expert backend.
+
+        out_weights: where the output norm and matrix live; rope_weights: the device weights
+        source for ``rope_freqs`` when any layer is on a device."""
+        self._layer_w, self.devices, self._backends = list(layer_weights), list(devices), dict(backends)
+        for b in {id(b): b for b in self._backends.values()}.values():
+            b.profiler = self.profiler
+        self.layers = [self.make_layer(i) for i in range(self.args.n_layer)]
+        self.out_device = self.devices[-1]
+        self.out_norm = out_weights.vector("output_norm.weight")
+        self.output = out_weights.linear("output.weight" if self.w.has("output.weight") else "token_embd.weight")
+        self._freq_factors = {HOST: self.w.optional_vector("rope_freqs.weight")}
+        dev = next((d for d in self.devices if d != HOST), None)
+        if dev is not None and rope_weights is not None:
+            self._freq_factors[dev] = rope_weights.optional_vector("rope_freqs.weight")
 
     def expert_stacks(self) -> dict[int, ExpertStacks]:
         w = self.w
@@ -43,23 +69,37 @@ class DecoderModel:
         }
 
     def new_cache(self, n_ctx: int, kv_type: str | None = None) -> KVCache:
-        dev = torch.device("cpu")
-        return KVCache({i: dev for i in range(self.args.n_layer)}, n_ctx, self.args.kv_dim, kv_type)
+        """A KV cache for the current placement (host layers use ``kv_type`` when nothing is on a device)."""
+        return KVCache({i: HOST for i in range(self.args.n_layer)}, n_ctx, self.args.kv_dim, kv_type)
+
+    def _rope(self, positions: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.args
+        theta = torch.from_numpy(rope_theta(positions, a.rope_dim, a.rope_base, a.rope_scale)).to(device)
+        ff = self._freq_factors.get(device, self._freq_factors[HOST])
+        if ff is not None:
+            theta = theta / ff.to(device)[None, : theta.shape[1]]
+        return torch.cos(theta), torch.sin(theta)
 
     @torch.inference_mode()
     def forward(self, tokens, start: int, cache: KVCache, all_logits: bool = True) -> torch.Tensor:
-        """tokens int [T] at positions start..start+T-1 -> logits float32 [T, V] (or [1, V] for the
-        last position when ``all_logits`` is False). Writes K/V of these positions into ``cache``."""
+        """tokens int [T] at positions start..start+T-1 -> logits float32 [T, V] on the host (or
+        [1, V] for the last position when ``all_logits`` is False). Writes K/V into ``cache``."""
         a = self.args
         tokens = np.asarray(tokens, dtype=np.int64)
         T = len(tokens)
         self.profiler.begin_step()
-        x = self.embed(tokens)  # [T, D]
-        cos, sin = rope_cos_sin(np.arange(start, start + T), a.rope_dim, a.rope_base, a.rope_scale, self.freq_factors)
-        for layer in self.layers:
-            x = layer(x, start, cache, cos, sin)
+        x = self.embed(tokens)  # [T, D] host
+        positions = np.arange(start, start + T)
+        ropes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer, dev in zip(self.layers, self.devices):
+            if dev not in ropes:
+                ropes[dev] = self._rope(positions, dev)
+            x = layer(x.to(dev), start, cache, *ropes[dev])
+        for b in {id(b): b for b in self._backends.values()}.values():
+            b.end_step()
+        x = x.to(self.out_device)
         if not all_logits:
             x = x[-1:]
-        logits = self.output(rms_norm(x, self.out_norm, a.rms_eps))
+        logits = self.output(rms_norm(x, self.out_norm, a.rms_eps)).to(HOST)
         self.profiler.end_step(T)
         return logits

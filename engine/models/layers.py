@@ -16,24 +16,19 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tenso
     return y * w if w is not None else y
 
 
-def rope_cos_sin(
-    positions: np.ndarray, rope_dim: int, base: float, scale: float = 1.0, freq_factors: np.ndarray | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin float32 [T, rope_dim/2] for integer ``positions`` [T].
+def rope_theta(positions: np.ndarray, rope_dim: int, base: float, scale: float = 1.0) -> np.ndarray:
+    """Rotation angles float32 [T, rope_dim/2] for integer ``positions`` [T].
 
     As ggml_rope: theta_i = p · s^i computed by repeated float32 multiplication with
-    s = base^(-2/rope_dim), positions divided by the linear scaling factor, and each theta
-    divided by its frequency factor (Llama-3 ``rope_freqs``) when present.
+    s = base^(-2/rope_dim), positions divided by the linear scaling factor. Llama-3 frequency
+    factors (``rope_freqs``) divide theta afterwards (see DecoderModel._rope).
     """
     half = rope_dim // 2
     s = np.float32(base) ** np.float32(-2.0 / rope_dim)
     p = np.asarray(positions, dtype=np.float32) * np.float32(1.0 / scale)  # [T]
     steps = np.concatenate([[np.float32(1)], np.full(half - 1, s, dtype=np.float32)])
     theta = np.cumprod(np.broadcast_to(steps, (len(p), half)).copy(), axis=1, dtype=np.float32)
-    theta = theta * p[:, None]
-    if freq_factors is not None:
-        theta = theta / np.asarray(freq_factors, dtype=np.float32)[None, :half]
-    return torch.from_numpy(np.cos(theta)), torch.from_numpy(np.sin(theta))
+    return theta * p[:, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:

@@ -41,10 +41,11 @@ def tensor_specs(a: Args) -> list[TensorSpec]:
 
 class Model(DecoderModel):
     def make_layer(self, i: int) -> DecoderLayer:
+        w = self.lw(i)
         return DecoderLayer(
-            self.w,
+            w,
             i,
             self.args,
-            Attention(self.w, i, self.args, qkv_bias=True),
-            MoE(self.w, i, self.args, self.experts, shared_expert=self.args.n_ff_shexp > 0),
+            Attention(w, i, self.args, qkv_bias=True),
+            MoE(w, i, self.args, self.experts_of(i), shared_expert=self.args.n_ff_shexp > 0),
         )

@@ -32,4 +32,5 @@ def tensor_specs(a: Args) -> list[TensorSpec]:
 
 class Model(DecoderModel):
     def make_layer(self, i: int) -> DecoderLayer:
-        return DecoderLayer(self.w, i, self.args, Attention(self.w, i, self.args, qk_norm="head"), DenseFFN(self.w, i))
+        w = self.lw(i)
+        return DecoderLayer(w, i, self.args, Attention(w, i, self.args, qk_norm="head"), DenseFFN(w, i))

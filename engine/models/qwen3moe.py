@@ -37,10 +37,11 @@ def tensor_specs(a: Args) -> list[TensorSpec]:
 
 class Model(DecoderModel):
     def make_layer(self, i: int) -> DecoderLayer:
+        w = self.lw(i)
         return DecoderLayer(
-            self.w,
+            w,
             i,
             self.args,
-            Attention(self.w, i, self.args, qk_norm="head"),
-            MoE(self.w, i, self.args, self.experts),
+            Attention(w, i, self.args, qk_norm="head"),
+            MoE(w, i, self.args, self.experts_of(i)),
         )

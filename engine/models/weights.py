@@ -18,9 +18,9 @@ from engine.quant import dequantize
 class Linear:
     """y = x·Wᵀ (+ b): x float32 [T, in] -> float32 [T, out]; W raw [out, in] in the map."""
 
-    def __init__(self, ref: TensorRef, bias: torch.Tensor | None = None, q8_act: bool = True):
-        self.name = ref.name
-        self.w = prepare_weight(ref.qtype, ref.data, ref.shape[-1])
+    def __init__(self, w: PreparedWeight, bias: torch.Tensor | None = None, q8_act: bool = True, name: str = ""):
+        self.name = name
+        self.w = w
         self.bias = bias
         self.q8_act = q8_act
 
@@ -56,13 +56,14 @@ class Weights:
     def __init__(self, gf: GGUFFile, q8_act: bool = True):
         self.gf = gf
         self.q8_act = q8_act
+        self._prepared: dict[str, PreparedWeight] = {}  # re-placing reuses the decoded scales
 
     def has(self, name: str) -> bool:
         return name in self.gf.tensors
 
     def linear(self, name: str, bias: str | None = None) -> Linear:
         b = vector(self.gf.tensor(bias)) if bias and self.has(bias) else None
-        return Linear(self.gf.tensor(name), b, self.q8_act)
+        return Linear(self.prepared(name), b, self.q8_act, name)
 
     def vector(self, name: str) -> torch.Tensor:
         return vector(self.gf.tensor(name))
@@ -71,5 +72,8 @@ class Weights:
         return self.vector(name) if self.has(name) else None
 
     def prepared(self, name: str) -> PreparedWeight:
-        t = self.gf.tensor(name)
-        return prepare_weight(t.qtype, t.data, t.shape[-1])
+        w = self._prepared.get(name)
+        if w is None:
+            t = self.gf.tensor(name)
+            w = self._prepared[name] = prepare_weight(t.qtype, t.data, t.shape[-1])
+        return w

@@ -1,0 +1,89 @@
+"""Apply a planner ``Placement`` to a loaded model: one runtime for every combination.
+
+Layers [0, G) get their trunk on the device (raw bytes as priced), layers [G, L) stay on the host
+path; routed experts of device layers run per the mode — ``cpu`` (host kernels over the memory
+map), ``cache`` (device slot pool + SLRU + CPU on a miss) or ``resident`` (the pool filled and
+pinned) — except layers below ``n_cpu_moe``, whose experts stay on the host. Every device byte
+goes through a :class:`DeviceArena` charged by the planner's kinds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.experts import CpuExperts
+from engine.kv_cache import KVCache
+from engine.models.base import HOST, DecoderModel
+from engine.plan.placement import Placement
+from engine.plan.sizing import HOST_KV_TYPE, expert_slot_layout
+from engine.plan.spec import ModelSpec
+from engine.runtime.device import DeviceArena, DeviceWeights
+from engine.runtime.expert_cache import CachedExperts
+
+
+@dataclass
+class Applied:
+    """What applying a placement built: the arena, the KV cache and the expert cache (if any)."""
+
+    placement: Placement
+    device: torch.device
+    arena: DeviceArena | None
+    cache: KVCache
+    experts: CachedExperts | None
+
+    def describe(self) -> str:
+        p = self.placement
+        where = f"{p.n_gpu_layers}/{p.n_layer} layers on {self.device}" if p.n_gpu_layers else "all layers on the CPU"
+        return f"{where}, KV {p.kv_type}, experts {p.moe_mode} ({p.moe_reason})"
+
+
+def apply_placement(
+    model: DecoderModel, spec: ModelSpec, placement: Placement, device: torch.device | str, upload: str = "async"
+) -> Applied:
+    """Reconfigure ``model`` for ``placement`` on ``device`` and return a fresh KV cache.
+
+    Raises :class:`~engine.errors.DeviceMemoryError` when the device cannot hold it; the model is
+    then left in an unspecified state and the caller re-applies the previous placement.
+    """
+    device = torch.device(device)
+    a, p = model.args, placement
+    L, G = a.n_layer, p.n_gpu_layers
+    w = model.w
+    host_experts = CpuExperts(model.expert_stacks(), q8_act=w.q8_act) if a.is_moe else None
+    if G == 0:
+        model.configure([w] * L, [HOST] * L, {i: host_experts for i in range(L)} if host_experts else {}, w)
+        cache = KVCache({i: HOST for i in range(L)}, p.ctx, a.kv_dim, p.kv_type)
+        model.profiler.clear_resident()
+        return Applied(p, device, None, cache, None)
+
+    arena = DeviceArena(device, p.budget_bytes)
+    arena.charge("reserve", p.device.reserve)  # driver/context slack and activations: priced, not
+    arena.charge("scratch", p.device.scratch)  # allocated as tensors (torch's allocator holds them)
+    trunk = DeviceWeights(w, arena, "trunk")
+    layer_w = [trunk if i < G else w for i in range(L)]
+    devices = [device if i < G else HOST for i in range(L)]
+    backends = {i: host_experts for i in range(L)} if host_experts else {}
+    cached = None
+    cache_layers = {i for i in range(min(G, L)) if a.is_moe and i >= p.n_cpu_moe}
+    if p.moe_mode in ("cache", "resident") and cache_layers and p.expert_slots_allocated:
+        cached = CachedExperts(
+            model.expert_stacks(),
+            cache_layers,
+            arena,
+            expert_slot_layout(spec),
+            p.expert_slots_allocated,
+            q8_act=w.q8_act,
+            upload=upload,
+        )
+        backends.update({i: cached for i in cache_layers})
+    kv_layers = {i: (device if i < G else HOST) for i in range(L)}
+    kv_types = {i: (p.kv_type if i < G else HOST_KV_TYPE) for i in range(L)}
+    cache = KVCache(kv_layers, p.ctx, a.kv_dim, kv_types, charge=lambda i, n: arena.charge("kv", n) if i < G else None)
+    model.profiler.clear_resident()
+    globals_w = DeviceWeights(w, arena, "globals")
+    model.configure(layer_w, devices, backends, globals_w if G >= L else w, rope_weights=globals_w)
+    if cached is not None and p.moe_mode == "resident":
+        cached.preload(pin=True)
+    return Applied(p, device, arena, cache, cached)

@@ -1,0 +1,110 @@
+"""Device memory and device-resident weights.
+
+:class:`DeviceArena` charges every allocation on the device to a kind — ``reserve``, ``scratch``,
+``trunk``, ``kv``, ``globals``, ``experts``, the planner's ``DeviceBytes`` fields — against the
+placement's byte budget, so a test can pin what the runtime allocates to what the planner priced.
+``device="cpu"`` is the simulated device: the same code, tensors in RAM, the budget enforced.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from engine.errors import DeviceMemoryError
+from engine.kernels.prepare import PreparedWeight
+from engine.models.weights import Weights
+from engine.runtime.tdequant import dequantize
+
+KINDS = ("reserve", "scratch", "trunk", "kv", "globals", "experts")
+
+
+class DeviceArena:
+    """Byte-budgeted allocations on one torch device."""
+
+    def __init__(self, device: torch.device, budget: int | None):
+        self.device = torch.device(device)
+        self.budget = budget
+        self.by_kind: dict[str, int] = defaultdict(int)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())
+
+    def charge(self, kind: str, nbytes: int) -> None:
+        if kind not in KINDS:
+            raise ValueError(kind)
+        if self.budget is not None and self.total + nbytes > self.budget:
+            raise DeviceMemoryError(
+                f"device memory budget exceeded: {kind} needs {nbytes / 2**20:.1f} MiB more, "
+                f"{self.total / 2**20:.1f} of {self.budget / 2**20:.1f} MiB already in use"
+            )
+        self.by_kind[kind] += int(nbytes)
+
+    def _guard(self, fn):
+        try:
+            return fn()
+        except torch.OutOfMemoryError as e:
+            raise DeviceMemoryError(f"the device ran out of memory: {str(e).splitlines()[0]}") from None
+
+    def upload(self, kind: str, array: np.ndarray) -> torch.Tensor:
+        """Copy a host array to the device, charged to ``kind``."""
+        a = np.ascontiguousarray(array)
+        self.charge(kind, a.nbytes)
+        host = torch.from_numpy(a.copy() if not a.flags.writeable else a)
+        return self._guard(lambda: host.to(self.device, copy=True))
+
+    def empty(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        self.charge(kind, nbytes)
+        return self._guard(lambda: torch.zeros(shape, dtype=dtype, device=self.device))
+
+
+def raw_bytes(w: PreparedWeight) -> np.ndarray:
+    """The weight's file bytes as uint8 [R, row_bytes] (F32/F16/BF16 rows viewed as bytes)."""
+    return np.ascontiguousarray(w.raw).view(np.uint8).reshape(w.raw.shape[0], -1)
+
+
+class DeviceLinear:
+    """y = x·Wᵀ (+ b) with W's raw quantized bytes on the device (torch reference kernel)."""
+
+    def __init__(self, w: PreparedWeight, arena: DeviceArena, kind: str, bias: torch.Tensor | None = None):
+        self.qtype, self.rows, self.n = w.qtype, w.rows, w.n
+        self.raw = arena.upload(kind, raw_bytes(w))  # uint8 [rows, row_bytes]
+        self.bias = bias
+
+    @property
+    def out_features(self) -> int:
+        return self.rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        W = dequantize(self.raw, self.qtype, self.n)  # [rows, n] f32
+        y = x.to(self.raw.device) @ W.T
+        return y + self.bias if self.bias is not None else y
+
+
+class DeviceWeights:
+    """The ``Weights`` interface for tensors that live on a device, allocated through an arena."""
+
+    def __init__(self, host: Weights, arena: DeviceArena, kind: str = "trunk"):
+        self.host, self.arena, self.kind = host, arena, kind
+        self.q8_act = host.q8_act
+        self.gf = host.gf
+
+    def has(self, name: str) -> bool:
+        return self.host.has(name)
+
+    def vector(self, name: str) -> torch.Tensor:
+        return self.arena.upload(self.kind, self.host.vector(name).numpy())
+
+    def optional_vector(self, name: str) -> torch.Tensor | None:
+        return self.vector(name) if self.has(name) else None
+
+    def linear(self, name: str, bias: str | None = None) -> DeviceLinear:
+        b = self.vector(bias) if bias and self.has(bias) else None
+        return DeviceLinear(self.host.prepared(name), self.arena, self.kind, b)
+
+    def prepared(self, name: str) -> PreparedWeight:
+        return self.host.prepared(name)

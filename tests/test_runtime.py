@@ -1,0 +1,139 @@
+"""Hybrid runtime on the simulated device: every placement gives the CPU engine's logits.
+
+``device="cpu"`` stands in for a GPU with a byte budget, so the slot pool, the SLRU, misses,
+uploads, the profiler and the arena's accounting all run here; CUDA changes only the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from engine.api import LoadOptions, Session
+from engine.errors import DeviceMemoryError
+from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
+from engine.synth.writer import write_model
+from tests.oracle import random_tokens
+
+ARCHS = [
+    ("qwen3moe", {}),
+    ("olmoe", {}),
+    ("qwen2moe", {}),
+    ("mixtral", {"experts": 4, "experts_used": 2}),
+    ("qwen3", {}),
+]
+CTX = 64
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    d = tmp_path_factory.mktemp("runtime")
+    out = {}
+    for name, geo in ARCHS:
+        arch = "llama" if name == "mixtral" else name
+        out[name] = write_model(d / f"{name}.gguf", arch, seed=3, layers=3, **geo).path
+    return out
+
+
+def _session(path):
+    return Session.load(str(path), LoadOptions(n_ctx=CTX, device="cpu"))
+
+
+def _run(session, tokens):
+    """Prefill logits of all positions, then token-by-token decode logits, from empty caches."""
+    return session.logits(tokens, batch=True), session.logits(tokens, batch=False)
+
+
+def _profile_for(session, *, n_gpu_layers: int, slots: int) -> DeviceProfile:
+    """A budget that affords exactly ``n_gpu_layers`` layers and ``slots`` expert slots."""
+    spec = session.spec
+    need = device_bytes(spec, n_gpu_layers=n_gpu_layers, ctx=CTX, kv_type="f32", reserve=0).total
+    stride = expert_slot_layout(spec).stride if spec.n_expert else 0
+    return DeviceProfile(vram_bytes=need + slots * stride, reserve_bytes=0)
+
+
+def _cases(session):
+    L = session.args.n_layer
+    needed = L * session.args.n_expert
+    cases = [("cpu", dict(n_gpu_layers=L, moe="cpu"), L, 0)]
+    if session.args.is_moe:
+        for frac in (0.1, 0.5, 1.0):
+            cases.append((f"cache{int(frac * 100)}", dict(n_gpu_layers=L, moe="cache"), L, max(1, int(needed * frac))))
+        cases.append(("resident", dict(n_gpu_layers=L, moe="resident"), L, needed))
+        cases.append(("n_cpu_moe", dict(n_gpu_layers=L, moe="cache", n_cpu_moe=1), L, needed))
+    cases += [(f"split{g}", dict(n_gpu_layers=g, moe="cpu"), g, 0) for g in (1, L - 1)]
+    return cases
+
+
+@pytest.mark.parametrize("name", [a[0] for a in ARCHS])
+def test_every_placement_matches_the_cpu_engine(paths, name):
+    tokens = random_tokens(20, 1024, seed=1)
+    with _session(paths[name]) as s:
+        ref_prefill, ref_decode = _run(s, tokens)
+        for label, req, g, slots in _cases(s):
+            placement = s.plan(PlanRequest(ctx=CTX, kv_type="f32", **req), _profile_for(s, n_gpu_layers=g, slots=slots))
+            assert placement.n_gpu_layers == g, (label, placement.layer_reason)
+            if req["moe"] != "cpu" and s.args.is_moe:
+                assert placement.moe_mode == req["moe"], (label, placement.moe_reason)
+            s.apply(placement)
+            prefill, decode = _run(s, tokens)
+            assert np.abs(prefill - ref_prefill).max() <= 1e-5, (label, np.abs(prefill - ref_prefill).max())
+            assert np.abs(decode - ref_decode).max() <= 1e-5, (label, np.abs(decode - ref_decode).max())
+            # What the runtime allocated is what the planner priced, kind by kind.
+            priced = placement.device.to_dict()
+            priced.pop("total")
+            assert dict(s.applied.arena.by_kind) == {
+                k: v for k, v in priced.items() if v or k in s.applied.arena.by_kind
+            }
+
+
+def test_cache_counts_hits_misses_uploads_and_residency(paths):
+    with _session(paths["qwen3moe"]) as s:
+        L, E = s.args.n_layer, s.args.n_expert
+        s.apply(s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe="cache"), _profile_for(s, n_gpu_layers=L, slots=L * E)))
+        s.reset_stats()
+        tokens = random_tokens(12, 1024, seed=2)
+        s.logits(tokens, batch=False)
+        st = s.stats()
+        calls = int(st.calls.sum())
+        assert calls == 12 * L * s.args.n_expert_used
+        assert int(st.hits.sum()) + int(st.misses.sum()) == calls
+        assert st.hits.sum() > 0 and st.misses.sum() > 0
+        # every miss was uploaded once (the pool holds every expert), and is resident now
+        missed = st.misses > 0
+        stride_bytes = s.applied.experts._expert_bytes
+        per_expert = sum(stride_bytes[(0, r)].shape[1] for r in ("gate", "up", "down"))
+        assert (st.uploaded_bytes[missed] == per_expert).all() and (st.uploaded_bytes[~missed] == 0).all()
+        assert (st.resident == missed).all()
+        assert 0 < st.hit_rate < 1
+
+
+def test_small_cache_evicts_and_stays_correct(paths):
+    tokens = random_tokens(16, 1024, seed=5)
+    with _session(paths["qwen3moe"]) as s:
+        ref = s.logits(tokens, batch=False)
+        L = s.args.n_layer
+        s.apply(s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe="cache"), _profile_for(s, n_gpu_layers=L, slots=3)))
+        assert np.abs(s.logits(tokens, batch=False) - ref).max() <= 1e-5
+        assert s.applied.experts.slru.evictions > 0
+        assert int(s.stats().resident.sum()) == 3
+
+
+def test_apply_out_of_memory_keeps_the_previous_placement(paths):
+    tokens = random_tokens(10, 1024, seed=7)
+    with _session(paths["qwen3moe"]) as s:
+        L = s.args.n_layer
+        good = s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe="cpu"), _profile_for(s, n_gpu_layers=L, slots=0))
+        s.apply(good)
+        ref = s.logits(tokens)
+        bad = replace(good, budget_bytes=good.device.total // 2)  # a device smaller than the plan
+        with pytest.raises(DeviceMemoryError, match="previous placement stays"):
+            s.apply(bad)
+        assert s.placement is good
+        assert np.abs(s.logits(tokens) - ref).max() == 0
+        events = list(
+            s.generate(prompt_ids=tokens, params=__import__("engine.generate", fromlist=["x"]).SamplingParams.greedy(3))
+        )
+        assert events[-1].done

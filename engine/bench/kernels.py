@@ -75,9 +75,11 @@ class KernelResult:
     experts_gbs: float
     trunk_ms: float  # median time of one [4096, 2048] GEMV
     trunk_gbs: float
+    disturbed: bool  # median > 1.5 × fastest: other work shared the cores, rerun when quiet
 
 
-def _median_time(fn, reps: int, warmup: int = 2) -> float:
+def _times(fn, reps: int, warmup: int = 2) -> tuple[float, float]:
+    """(median, fastest) seconds of ``fn(i)`` over ``reps`` calls after ``warmup``."""
     for i in range(warmup):
         fn(i)
     times = []
@@ -85,48 +87,57 @@ def _median_time(fn, reps: int, warmup: int = 2) -> float:
         t = time.perf_counter()
         fn(warmup + i)
         times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return float(np.median(times)), float(np.min(times))
 
 
-def _bench_experts(qtype: QType, q8_act: bool, reps: int, rng: np.random.Generator) -> tuple[float, int]:
-    """Median seconds of one decode step's routed experts, and the weight bytes it reads."""
-    gate = prepare_weight(qtype, random_weight(qtype, (EXPERTS, EXPERT_FF, HIDDEN), rng))
-    up = prepare_weight(qtype, random_weight(qtype, (EXPERTS, EXPERT_FF, HIDDEN), rng))
-    down = prepare_weight(qtype, random_weight(qtype, (EXPERTS, HIDDEN, EXPERT_FF), rng))
-    x = rng.standard_normal(HIDDEN, dtype=np.float32)
-    order = rng.permutation(EXPERTS)
-    wts = np.full(TOP_K, 1.0 / TOP_K, np.float32)
+def _bench_experts(
+    qtype: QType, q8_act: bool, reps: int, rng: np.random.Generator, shape: tuple[int, int, int, int]
+) -> tuple[tuple, int]:
+    """(median, fastest) seconds of one decode step's routed experts, and the weight bytes it reads."""
+    E, F, D, K = shape
+    gate = prepare_weight(qtype, random_weight(qtype, (E, F, D), rng))
+    up = prepare_weight(qtype, random_weight(qtype, (E, F, D), rng))
+    down = prepare_weight(qtype, random_weight(qtype, (E, D, F), rng))
+    x = rng.standard_normal(D, dtype=np.float32)
+    order = rng.permutation(E)
+    wts = np.full(K, 1.0 / K, np.float32)
 
-    def step(i: int) -> None:  # 8 experts the previous 7 steps did not touch
-        ids = order[(np.arange(TOP_K) + TOP_K * i) % EXPERTS]
+    def step(i: int) -> None:  # K experts the previous steps did not touch, cycling through all E
+        ids = order[(np.arange(K) + K * i) % E]
         moe_ffn(gate, up, down, x, ids, wts, q8_act=q8_act)
 
-    return _median_time(step, reps), TOP_K * (gate.nbytes + up.nbytes + down.nbytes) // EXPERTS
+    return _times(step, reps), K * (gate.nbytes + up.nbytes + down.nbytes) // E
 
 
 def _bench_trunk(
-    qtype: QType, q8_act: bool, reps: int, rng: np.random.Generator, min_working_set: int
-) -> tuple[float, int]:
-    """Median seconds of one [4096, 2048] GEMV over copies cycled past the caches, and its bytes."""
-    one = block_format(qtype).row_bytes(HIDDEN) * TRUNK_ROWS
+    qtype: QType, q8_act: bool, reps: int, rng: np.random.Generator, min_working_set: int, rows: int, n: int
+) -> tuple[tuple, int]:
+    """(median, fastest) seconds of one [rows, n] GEMV over copies cycled past the caches; bytes."""
+    one = block_format(qtype).row_bytes(n) * rows
     copies = max(1, -(-min_working_set // one))
-    w = prepare_weight(qtype, random_weight(qtype, (copies * TRUNK_ROWS, HIDDEN), rng))
+    w = prepare_weight(qtype, random_weight(qtype, (copies * rows, n), rng))
     mats = [
-        PreparedWeight(qtype, (TRUNK_ROWS, HIDDEN), w.raw[c * TRUNK_ROWS : (c + 1) * TRUNK_ROWS],
-                       w.scales[c * TRUNK_ROWS : (c + 1) * TRUNK_ROWS])
+        PreparedWeight(qtype, (rows, n), w.raw[c * rows : (c + 1) * rows], w.scales[c * rows : (c + 1) * rows])
         for c in range(copies)
-    ]  # fmt: skip
-    x = rng.standard_normal(HIDDEN, dtype=np.float32)
-    return _median_time(lambda i: matvec(mats[i % copies], x, q8_act=q8_act), reps), one
+    ]
+    x = rng.standard_normal(n, dtype=np.float32)
+    return _times(lambda i: matvec(mats[i % copies], x, q8_act=q8_act), reps), one
 
 
 def bench_type(
-    qtype: QType, *, q8_act: bool, reps: int = 40, min_working_set: int = 512 << 20, seed: int = 0
+    qtype: QType,
+    *,
+    q8_act: bool,
+    reps: int = 40,
+    min_working_set: int = 512 << 20,
+    seed: int = 0,
+    experts: tuple[int, int, int, int] = (EXPERTS, EXPERT_FF, HIDDEN, TOP_K),
+    trunk: tuple[int, int] = (TRUNK_ROWS, HIDDEN),
 ) -> KernelResult:
-    """Time one weight type on the expert and trunk workloads."""
+    """Time one weight type on the expert (E, F, D, K) and trunk (rows, n) workloads."""
     rng = np.random.default_rng(seed)
-    t_exp, exp_bytes = _bench_experts(qtype, q8_act, reps, rng)
-    t_trunk, trunk_bytes = _bench_trunk(qtype, q8_act, reps, rng, min_working_set)
+    (t_exp, f_exp), exp_bytes = _bench_experts(qtype, q8_act, reps, rng, experts)
+    (t_trunk, f_trunk), trunk_bytes = _bench_trunk(qtype, q8_act, reps, rng, min_working_set, *trunk)
     return KernelResult(
         qtype.name,
         "q8" if q8_act else "exact",
@@ -134,6 +145,7 @@ def bench_type(
         exp_bytes / t_exp / 1e9,
         t_trunk * 1e3,
         trunk_bytes / t_trunk / 1e9,
+        t_exp > 1.5 * f_exp or t_trunk > 1.5 * f_trunk,
     )
 
 
@@ -175,5 +187,8 @@ def format_table(report: dict) -> str:
         lines.append(
             f"{r['qtype']:<6} {r['variant']:<7} {r['experts_ms']:>10.3f} {r['experts_gbs']:>6.1f} "
             f"{r['experts_gbs'] / bw:>6.0%}   {r['trunk_ms']:>8.3f} {r['trunk_gbs']:>6.1f} {r['trunk_gbs'] / bw:>6.0%}"
+            + ("   (disturbed)" if r["disturbed"] else "")
         )
+    if any(r["disturbed"] for r in report["results"]):
+        lines.append("(disturbed: median > 1.5 × fastest run; other work shared the cores, rerun when quiet)")
     return "\n".join(lines)

@@ -6,7 +6,7 @@ import argparse
 
 import numpy as np
 
-from engine.cli.common import add_model_args, load_session
+from engine.cli.common import add_model_args, add_placement_args, export_expert_stats, load_session
 from engine.errors import UsageError
 
 
@@ -16,6 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", required=True, help="comma-separated token ids")
     p.add_argument("--out", required=True, help="output .npy file")
     p.add_argument("--decode", action="store_true", help="feed tokens one at a time instead of one batch")
+    add_placement_args(p)
     p.set_defaults(func=run)
 
 
@@ -31,6 +32,7 @@ def run(a: argparse.Namespace) -> int:
         if bad:
             raise UsageError(f"token ids out of range 0..{s.args.n_vocab - 1}: {bad[:5]}")
         out = s.logits(ids, batch=not a.decode)
+        export_expert_stats(a, s)
     np.save(a.out, out.astype(np.float32))
     print(f"wrote {a.out}: float32 {list(out.shape)}")
     return 0

@@ -6,7 +6,14 @@ import argparse
 import logging
 import sys
 
-from engine.cli.common import add_model_args, add_sampling_args, load_session, sampling_from_args
+from engine.cli.common import (
+    add_model_args,
+    add_placement_args,
+    add_sampling_args,
+    export_expert_stats,
+    load_session,
+    sampling_from_args,
+)
 from engine.errors import UsageError
 
 log = logging.getLogger("sharpi.run")
@@ -20,6 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--chat", action="store_true", help="interactive chat using the model's chat template")
     p.add_argument("--system", default=None, help="system prompt for --chat")
     add_sampling_args(p)
+    add_placement_args(p)
     p.set_defaults(func=run)
 
 
@@ -46,15 +54,6 @@ def _report(ev) -> None:
 def run(a: argparse.Namespace) -> int:
     session = load_session(a)
     params = sampling_from_args(a)
-    info = session.info
-    log.info(
-        "%s: %s, %d layers, ctx %d, KV %s, experts on CPU",
-        a.model,
-        info.architecture,
-        session.args.n_layer,
-        session.n_ctx,
-        session.kv_type,
-    )
     try:
         if a.prompt is not None:
             _report(_stream(session, session.generate(a.prompt, params=params)))
@@ -88,4 +87,5 @@ def run(a: argparse.Namespace) -> int:
         session.cancel()
         return 130
     finally:
+        export_expert_stats(a, session)
         session.close()

@@ -21,6 +21,57 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_placement_args(p: argparse.ArgumentParser) -> None:
+    from engine.plan import MOE_CHOICES
+
+    g = p.add_argument_group("placement (a GPU, or with --device cpu the simulated device)")
+    g.add_argument(
+        "-g",
+        "-ngl",
+        "--n-gpu-layers",
+        dest="n_gpu_layers",
+        type=int,
+        default=None,
+        help="trunk layers on the device: -1 = as many as fit (default with CUDA), 0 = CPU only (default without)",
+    )
+    g.add_argument("--vram", type=_size, default=None, help="device memory budget, e.g. 12GiB (default: the GPU's)")
+    g.add_argument("--moe", choices=MOE_CHOICES, default="auto", help="where routed experts of device layers run")
+    g.add_argument("--cpu-moe", action="store_true", help="routed experts on the CPU (as SHARPI_CPU_MOE=1)")
+    g.add_argument("--n-cpu-moe", type=int, default=0, help="keep the experts of the first N layers on the CPU")
+    g.add_argument("--device", choices=("cuda", "cpu"), default=None, help="cuda, or cpu = the simulated device")
+    g.add_argument(
+        "--expert-stats", metavar="FILE", default=None, help="write expert profiler stats (FILE.json, FILE.csv)"
+    )
+
+
+def _size(text: str) -> int:
+    from engine.errors import UsageError
+    from engine.plan import parse_size
+
+    try:
+        return parse_size(text)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def placement_request(a: argparse.Namespace):
+    """The PlanRequest the flags ask for, or None for the plain CPU engine."""
+    import os
+
+    import torch
+
+    from engine.plan import PlanRequest, resolve_moe
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    g = a.n_gpu_layers
+    if g is None:
+        g = -1 if device == "cuda" or a.vram is not None else 0
+    if g == 0:
+        return None
+    mode, source = resolve_moe(a.moe, a.cpu_moe, os.environ)
+    return PlanRequest(ctx=a.ctx_size, n_gpu_layers=g, moe=mode, moe_source=source, n_cpu_moe=a.n_cpu_moe)
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     d = SamplingParams()
     p.add_argument("-n", "--n-predict", type=int, default=d.max_tokens, help="tokens to generate")
@@ -56,5 +107,26 @@ def load_session(a: argparse.Namespace) -> Session:
             end = "\n" if done == total else ""
             print(f"\rloading {a.model}: [{'#' * done}{'.' * (total - done)}] {what:<24}", end=end, file=sys.stderr)
 
-    opts = LoadOptions(n_ctx=a.ctx_size, kv_type=a.kv_type, q8_act=not a.exact_float)
-    return Session.load(a.model, opts, progress)
+    req = placement_request(a) if hasattr(a, "n_gpu_layers") else None
+    opts = LoadOptions(
+        n_ctx=a.ctx_size,
+        kv_type=a.kv_type,
+        q8_act=not a.exact_float,
+        device=getattr(a, "device", None),
+        placement=req,
+        vram_budget=getattr(a, "vram", None),
+    )
+    session = Session.load(a.model, opts, progress)
+    if not getattr(a, "quiet", False):
+        where = session.applied.describe() if session.applied else f"all layers on the CPU, KV {session.kv_type}"
+        print(
+            f"sharpi: {session.info.architecture}, {session.args.n_layer} layers, ctx {session.n_ctx}: {where}",
+            file=sys.stderr,
+        )
+    return session
+
+
+def export_expert_stats(a: argparse.Namespace, session) -> None:
+    if getattr(a, "expert_stats", None):
+        j, c = session.export_stats(a.expert_stats)
+        print(f"expert stats: {j}, {c}", file=sys.stderr)

@@ -35,7 +35,8 @@ class Applied:
 
     def describe(self) -> str:
         p = self.placement
-        where = f"{p.n_gpu_layers}/{p.n_layer} layers on {self.device}" if p.n_gpu_layers else "all layers on the CPU"
+        dev = "the simulated device (CPU)" if self.device.type == "cpu" else str(self.device)
+        where = f"{p.n_gpu_layers}/{p.n_layer} layers on {dev}" if p.n_gpu_layers else "all layers on the CPU"
         return f"{where}, KV {p.kv_type}, experts {p.moe_mode} ({p.moe_reason})"
 
 

@@ -147,6 +147,79 @@ def _dot_q5_0_q8(w, d, qa, da, asum):
     return hsum_f32(acc) - np.float32(16.0) * corr
 
 
+# --- four tokens at once (prefill): each weight block is decoded once for all four -----------
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q8_step(q, a, b, scale, acc):
+    """acc + scale·Σ q·a over block b (q signed codes; a activation row)."""
+    return fma_i32(madd(maddss(q, load_i8x32(a, 32 * b)), splat16(1)), scale, acc)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _u_step(u, a, b, scale, acc):
+    """acc + scale·Σ u·a over block b (u unsigned codes)."""
+    return fma_i32(madd(maddubs(u, load_i8x32(a, 32 * b)), splat16(1)), scale, acc)
+
+
+@njit(cache=True, nogil=True)
+def _dot4_q8_0_q8(w, d, qa, da, asum, k):
+    a0, a1, a2, a3 = qa[k], qa[k + 1], qa[k + 2], qa[k + 3]
+    f0 = zero_f32()
+    f1 = zero_f32()
+    f2 = zero_f32()
+    f3 = zero_f32()
+    for b in range(d.shape[0]):
+        q = _codes_q8_0(w, b)
+        db = d[b]
+        f0 = _q8_step(q, a0, b, db * da[k, b], f0)
+        f1 = _q8_step(q, a1, b, db * da[k + 1, b], f1)
+        f2 = _q8_step(q, a2, b, db * da[k + 2, b], f2)
+        f3 = _q8_step(q, a3, b, db * da[k + 3, b], f3)
+    return hsum_f32(f0), hsum_f32(f1), hsum_f32(f2), hsum_f32(f3)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot4_unsigned(w, d, qa, da, asum, k, q5, offset):
+    """Q4_0 (q5 False, offset 8) or Q5_0 (q5 True, offset 16) against four activation rows."""
+    a0, a1, a2, a3 = qa[k], qa[k + 1], qa[k + 2], qa[k + 3]
+    f0 = zero_f32()
+    f1 = zero_f32()
+    f2 = zero_f32()
+    f3 = zero_f32()
+    c0 = np.float32(0.0)
+    c1 = np.float32(0.0)
+    c2 = np.float32(0.0)
+    c3 = np.float32(0.0)
+    for b in range(d.shape[0]):
+        u = _ucodes_q5_0(w, b) if q5 else _ucodes_q4_0(w, b)
+        db = d[b]
+        s0 = db * da[k, b]
+        s1 = db * da[k + 1, b]
+        s2 = db * da[k + 2, b]
+        s3 = db * da[k + 3, b]
+        f0 = _u_step(u, a0, b, s0, f0)
+        f1 = _u_step(u, a1, b, s1, f1)
+        f2 = _u_step(u, a2, b, s2, f2)
+        f3 = _u_step(u, a3, b, s3, f3)
+        c0 += s0 * np.float32(asum[k, b])
+        c1 += s1 * np.float32(asum[k + 1, b])
+        c2 += s2 * np.float32(asum[k + 2, b])
+        c3 += s3 * np.float32(asum[k + 3, b])
+    o = np.float32(offset)
+    return hsum_f32(f0) - o * c0, hsum_f32(f1) - o * c1, hsum_f32(f2) - o * c2, hsum_f32(f3) - o * c3
+
+
+@njit(cache=True, nogil=True)
+def _dot4_q4_0_q8(w, d, qa, da, asum, k):
+    return _dot4_unsigned(w, d, qa, da, asum, k, False, 8)
+
+
+@njit(cache=True, nogil=True)
+def _dot4_q5_0_q8(w, d, qa, da, asum, k):
+    return _dot4_unsigned(w, d, qa, da, asum, k, True, 16)
+
+
 # --- parallel gather drivers -----------------------------------------------------------------
 
 
@@ -198,6 +271,7 @@ def gemv_q5_0_f(raw, d, rows, xi, X, out):
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_q8_0_q8(raw, d, rows, xi, qa, da, asum, out):
     M, T = out.shape
+    T4 = T - T % 4
     ahead = prefetch_distance(raw)
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
@@ -206,14 +280,19 @@ def gemv_q8_0_q8(raw, d, rows, xi, qa, da, asum, out):
                 prefetch_array(raw[rows[j]])
                 prefetch_array(d[rows[j]])
             r = rows[i]
-            for t in range(T):
-                k = xi[i] + t
-                out[i, t] = _dot_q8_0_q8(raw[r], d[r], qa[k], da[k], asum[k])
+            k = xi[i]
+            for t in range(0, T4, 4):
+                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q8_0_q8(
+                    raw[r], d[r], qa, da, asum, k + t
+                )
+            for t in range(T4, T):
+                out[i, t] = _dot_q8_0_q8(raw[r], d[r], qa[k + t], da[k + t], asum[k + t])
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_q4_0_q8(raw, d, rows, xi, qa, da, asum, out):
     M, T = out.shape
+    T4 = T - T % 4
     ahead = prefetch_distance(raw)
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
@@ -222,14 +301,19 @@ def gemv_q4_0_q8(raw, d, rows, xi, qa, da, asum, out):
                 prefetch_array(raw[rows[j]])
                 prefetch_array(d[rows[j]])
             r = rows[i]
-            for t in range(T):
-                k = xi[i] + t
-                out[i, t] = _dot_q4_0_q8(raw[r], d[r], qa[k], da[k], asum[k])
+            k = xi[i]
+            for t in range(0, T4, 4):
+                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q4_0_q8(
+                    raw[r], d[r], qa, da, asum, k + t
+                )
+            for t in range(T4, T):
+                out[i, t] = _dot_q4_0_q8(raw[r], d[r], qa[k + t], da[k + t], asum[k + t])
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def gemv_q5_0_q8(raw, d, rows, xi, qa, da, asum, out):
     M, T = out.shape
+    T4 = T - T % 4
     ahead = prefetch_distance(raw)
     for c in prange((M + CHUNK - 1) // CHUNK):
         for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
@@ -238,6 +322,10 @@ def gemv_q5_0_q8(raw, d, rows, xi, qa, da, asum, out):
                 prefetch_array(raw[rows[j]])
                 prefetch_array(d[rows[j]])
             r = rows[i]
-            for t in range(T):
-                k = xi[i] + t
-                out[i, t] = _dot_q5_0_q8(raw[r], d[r], qa[k], da[k], asum[k])
+            k = xi[i]
+            for t in range(0, T4, 4):
+                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q5_0_q8(
+                    raw[r], d[r], qa, da, asum, k + t
+                )
+            for t in range(T4, T):
+                out[i, t] = _dot_q5_0_q8(raw[r], d[r], qa[k + t], da[k + t], asum[k + t])

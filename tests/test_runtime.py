@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from engine.api import LoadOptions, Session
 from engine.errors import DeviceMemoryError
@@ -25,6 +26,11 @@ ARCHS = [
     ("qwen3", {}),
 ]
 CTX = 64
+# The simulated device everywhere; the real GPU where there is one (CI has none).
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]),
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +43,8 @@ def paths(tmp_path_factory):
     return out
 
 
-def _session(path):
-    return Session.load(str(path), LoadOptions(n_ctx=CTX, device="cpu"))
+def _session(path, device="cpu"):
+    return Session.load(str(path), LoadOptions(n_ctx=CTX, device=device))
 
 
 def _run(session, tokens):
@@ -67,10 +73,11 @@ def _cases(session):
     return cases
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", [a[0] for a in ARCHS])
-def test_every_placement_matches_the_cpu_engine(paths, name):
+def test_every_placement_matches_the_cpu_engine(paths, name, device):
     tokens = random_tokens(20, 1024, seed=1)
-    with _session(paths[name]) as s:
+    with _session(paths[name], device) as s:
         ref_prefill, ref_decode = _run(s, tokens)
         for label, req, g, slots in _cases(s):
             placement = s.plan(PlanRequest(ctx=CTX, kv_type="f32", **req), _profile_for(s, n_gpu_layers=g, slots=slots))
@@ -89,8 +96,9 @@ def test_every_placement_matches_the_cpu_engine(paths, name):
             }
 
 
-def test_cache_counts_hits_misses_uploads_and_residency(paths):
-    with _session(paths["qwen3moe"]) as s:
+@pytest.mark.parametrize("device", DEVICES)
+def test_cache_counts_hits_misses_uploads_and_residency(paths, device):
+    with _session(paths["qwen3moe"], device) as s:
         L, E = s.args.n_layer, s.args.n_expert
         s.apply(s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe="cache"), _profile_for(s, n_gpu_layers=L, slots=L * E)))
         s.reset_stats()
@@ -110,9 +118,10 @@ def test_cache_counts_hits_misses_uploads_and_residency(paths):
         assert 0 < st.hit_rate < 1
 
 
-def test_small_cache_evicts_and_stays_correct(paths):
+@pytest.mark.parametrize("device", DEVICES)
+def test_small_cache_evicts_and_stays_correct(paths, device):
     tokens = random_tokens(16, 1024, seed=5)
-    with _session(paths["qwen3moe"]) as s:
+    with _session(paths["qwen3moe"], device) as s:
         ref = s.logits(tokens, batch=False)
         L = s.args.n_layer
         s.apply(s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe="cache"), _profile_for(s, n_gpu_layers=L, slots=3)))

@@ -259,3 +259,19 @@ def test_cli_writes_model_and_geometry(tmp_path, capsys):
     assert cli_main(["synth", "--geometry", "olmoe-1b-7b", "-o", str(tmp_path / "g.gguf")]) == 0
     assert "OLMoE-1B-7B" in capsys.readouterr().out
     assert cli_main(["synth", "-o", str(out), "--arch", "olmoe", "--kv-heads", "2"]) == 2
+
+
+def test_fill_random_blocks_gives_well_scaled_weights(tmp_path):
+    """Random block fill of a real-shaped (but small) file: every type decodes to std ≈ 1/sqrt(fan_in)."""
+    from engine.gguf import open_gguf
+    from engine.quant import dequantize
+    from engine.synth.fill import fill_random_blocks
+
+    for q in ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q5_0"):
+        path = write_model(tmp_path / f"{q}.gguf", "qwen3moe", seed=1, weight_type=q).path
+        assert fill_random_blocks(path, seed=2) > 0
+        with open_gguf(path) as gf:
+            t = gf.tensor("blk.0.ffn_up_exps.weight")
+            x = dequantize(t.data[0], t.qtype)
+            assert abs(float(x.mean())) < 0.2 / np.sqrt(t.shape[-1]), q
+            assert 0.8 < float(x.std()) * np.sqrt(t.shape[-1]) < 1.2, (q, float(x.std()))

@@ -14,9 +14,26 @@ from engine.errors import UsageError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks (kernels: CPU GEMV GB/s against memory bandwidth)")
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks: -m FILE (model tok/s), kernels (CPU GEMV GB/s against memory bandwidth)",
+        description="sharpi bench -m FILE [...]: prompt and decode tok/s of a model; "
+        "sharpi bench kernels: CPU GEMV throughput.",
+    )
+    from engine.cli.common import add_placement_args
+
+    p.add_argument("-m", "--model", help="GGUF model to benchmark")
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
+    p.add_argument("--gen", type=int, default=32, help="generated tokens (default 32)")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs; medians are reported (default 3)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    p.add_argument("--kv-type", choices=("f32", "bf16", "q8_0"), default=None)
+    p.add_argument("--exact-float", action="store_true", help="exact dequantized weights, no activation rounding")
+    p.add_argument("--vs-llama-cpp", action="store_true", help="also run llama.cpp (CPU) on the file and print ratios")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    add_placement_args(p)
+    p.set_defaults(func=run_model)
     what = p.add_subparsers(dest="bench_what", metavar="WHAT")
-    what.required = True
     k = what.add_parser("kernels", help="GEMV GB/s per weight type on routed-expert and trunk workloads")
     k.add_argument("--json", action="store_true", help="print machine-readable JSON")
     k.add_argument("--threads", type=int, default=0, help="numba threads (default: all cores)")
@@ -47,4 +64,50 @@ def run_kernels(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, default=float))
     else:
         print(bench.format_table(report))
+    return 0
+
+
+def run_model(args: argparse.Namespace) -> int:
+    import numba
+    import torch
+
+    from engine.bench.model import bench_llama_cpp, bench_session
+    from engine.cli.common import load_session
+
+    if not args.model:
+        raise UsageError("sharpi bench needs -m FILE, or a benchmark name such as 'kernels'")
+    if args.prompt < 1 or args.gen < 2 or args.repeat < 1:
+        raise UsageError("--prompt >= 1, --gen >= 2 and --repeat >= 1 are required")
+    threads = args.threads or os.cpu_count() or 1
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    torch.set_num_threads(threads)
+    args.ctx_size = args.prompt + args.gen + 16
+    with load_session(args) as s:
+        report = bench_session(s, args.prompt, args.gen, args.repeat)
+    if args.vs_llama_cpp:
+        ref = bench_llama_cpp(args.model, args.prompt, args.gen, args.repeat, threads)
+        report["llama_cpp"] = ref
+        if ref:
+            report["ratio_prompt"] = report["prompt_tok_s"] / ref["prompt_tok_s"]
+            report["ratio_decode"] = report["decode_tok_s"] / ref["decode_tok_s"]
+    if args.json:
+        print(json.dumps(report, indent=2, default=float))
+        return 0
+    print(f"model      {report['model']}")
+    print(f"placement  {report['placement']}")
+    print(f"prompt     {report['prompt_tok_s']:.1f} tok/s ({args.prompt} tokens, median of {args.repeat})")
+    print(
+        f"decode     {report['decode_tok_s']:.2f} tok/s ({args.gen} tokens): "
+        f"{report['bytes_per_token'] / 1e6:.0f} MB of weights per token = {report['decode_gb_s']:.1f} GB/s"
+    )
+    if report["hit_rate"] is not None:
+        print(f"cache      hit rate {report['hit_rate']:.1%}, uploads {report['upload_gb_s']:.2f} GB/s")
+    ref = report.get("llama_cpp")
+    if ref:
+        print(
+            f"llama.cpp  prompt {ref['prompt_tok_s']:.1f} tok/s, decode {ref['decode_tok_s']:.2f} tok/s  →  "
+            f"ratio prompt {report['ratio_prompt']:.2f}x, decode {report['ratio_decode']:.2f}x"
+        )
+    elif args.vs_llama_cpp:
+        print("llama.cpp  not installed (pip install llama-cpp-python)")
     return 0

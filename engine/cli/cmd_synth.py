@@ -59,6 +59,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", choices=["bpe", "spm"], help="vocabulary kind (default: spm for llama, else bpe)")
     p.add_argument("--pre", choices=sorted(PRE_REGEXES), help="BPE pre-tokenizer (default qwen2)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
+    p.add_argument(
+        "--fill-random",
+        action="store_true",
+        help="with --geometry: fill the data with random, well-scaled quantized blocks (a real-sized file for speed work)",
+    )
     p.set_defaults(func=run)
 
 
@@ -88,6 +93,11 @@ def run(args: argparse.Namespace) -> int:
         from engine.synth.geometry import write_geometry
 
         g = write_geometry(args.output, args.geometry)
+        if args.fill_random:
+            from engine.synth.fill import fill_random_blocks
+
+            n = fill_random_blocks(g.path, seed=args.seed)
+            print(f"filled {n / 1e9:.2f} GB of tensor data with random blocks")
         print(
             f"wrote {g.path}: {g.model.title} geometry, {len(g.tensors)} tensors, {g.file_size / 1e9:.2f} GB (sparse)"
         )

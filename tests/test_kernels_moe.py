@@ -16,7 +16,9 @@ E, F, D, K = 6, 256, 512, 3
 CASES = [
     (QType.Q4_K, QType.Q4_K, QType.Q6_K),  # a Q4_K_M file's mix
     (QType.Q8_0, QType.Q8_0, QType.Q8_0),
-    (QType.Q5_0, QType.Q5_K, QType.F16),
+    (QType.Q5_0, QType.Q5_K, QType.F16),  # mixed: the 3-call path
+    (QType.Q4_0, QType.Q4_0, QType.Q5_K),
+    (QType.Q5_K, QType.Q5_K, QType.Q5_0),
 ]
 
 
@@ -62,6 +64,18 @@ def test_moe_against_numpy_reference(qtypes):
     r8 = ref.moe_ffn_ref(qtypes, *raws, x, ids, wts, q8_act=True)
     assert np.abs(y8 - r8).mean() <= 1e-4 * scale
     assert np.abs(y8 - r8).max() <= 1e-2 * scale
+
+
+@pytest.mark.parametrize("qtypes", CASES, ids=lambda c: "-".join(q.name for q in c))
+def test_fused_path_equals_three_call_path(qtypes):
+    rng = np.random.default_rng(23)
+    _, (g, u, d) = stacks(qtypes, rng)
+    x = rng.standard_normal(D, dtype=np.float32)
+    ids = np.array([2, 5, 0])
+    wts = np.array([0.5, 0.3, 0.2], np.float32)
+    fused = moe_ffn(g, u, d, x, ids, wts, q8_act=True)
+    plain = moe_ffn(g, u, d, x, ids, wts, q8_act=True, fused=False)
+    np.testing.assert_allclose(fused, plain, rtol=1e-6, atol=1e-6 * np.abs(plain).max())
 
 
 def test_moe_refuses_bad_ids():

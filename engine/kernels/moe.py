@@ -2,7 +2,9 @@
 
 The stacked tensors stay as they are in the GGUF (``[E, out, in]``, one ``PreparedWeight`` each);
 expert e's row r is global row e·out + r, so all K experts of a matrix are one gather-GEMV call
-(``engine.kernels.dispatch.gemv_acts``) — three kernel calls per layer instead of 3·K.
+(``engine.kernels.dispatch.gemv_acts``) — three kernel calls per layer instead of 3·K. With
+activations rounded as llama.cpp does and quantized experts, two fused calls do the whole layer
+(``engine.kernels.moe_fused``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import numpy as np
 from numba import njit
 
 from engine.kernels.dispatch import gemv_acts, prepare_activations
+from engine.kernels.moe_fused import FUSED_TYPES, moe_down_q8, moe_gate_up_q8, quantize_for
 from engine.kernels.prepare import PreparedWeight
 
 
@@ -60,21 +63,27 @@ def moe_ffn(
     weights: np.ndarray,
     *,
     q8_act: bool,
+    fused: bool = True,
 ) -> np.ndarray:
     """y = Σ_k weights[k] · down[ids[k]] · (SiLU(gate[ids[k]]·x) ⊙ up[ids[k]]·x).
 
     gate, up: stacks [E, F, D]; down: stack [E, D, F]; x float32 [D]; ids int [K];
     weights float32 [K] (routing is the caller's business). Returns float32 [D].
-    The sum runs over k in the given order.
+    The sum runs over k in the given order. ``fused=False`` forces the 3-call path (tests).
     """
     F = gate.rows
     D = down.rows
     K = len(ids)
-    ids = np.asarray(ids, dtype=np.int64)
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
     if ids.ndim != 1 or len(weights) != K or (K and (ids.min() < 0 or ids.max() >= gate.n_experts)):
         raise IndexError(f"expert ids {ids} must be K = {len(weights)} values in [0, {gate.n_experts})")
     if up.shape != gate.shape or down.shape != (gate.n_experts, D, F) or x.shape != (D,):
         raise ValueError(f"stacks {gate.shape}, {up.shape}, {down.shape} and x {x.shape} do not fit")
+    if fused and q8_act and gate.qtype == up.qtype and gate.qtype in FUSED_TYPES and down.qtype in FUSED_TYPES:
+        qx = quantize_for(int(gate.qtype), x[None, :].astype(np.float32, copy=False))
+        _, *qh = moe_gate_up_q8(int(gate.qtype), gate.raw, gate.scales, up.raw, up.scales, ids, *qx, F, int(down.qtype))
+        w = np.ascontiguousarray(weights, dtype=np.float32)
+        return moe_down_q8(int(down.qtype), down.raw, down.scales, ids, w, *qh, D)
     rows_gu, _ = expert_rows(ids, F)  # [K·F]
     zeros = np.zeros(K * F, np.int64)
     acts = prepare_activations(gate.qtype, x[None, :], q8_act=q8_act)

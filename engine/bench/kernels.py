@@ -9,6 +9,9 @@ Workloads (numbers follow the synthetic qwen3moe of docs/benchmarks.md):
 * ``trunk``: one [4096, 2048] GEMV; enough copies of the matrix are cycled that the working set
   exceeds ``min_working_set`` bytes (so it is not served from cache either).
 
+* ``1-core compute``: one thread on an L2-resident [256, 2048] matrix, in thread CPU time:
+  the rate the kernel's arithmetic allows, i.e. its headroom over the memory system.
+
 GB/s counts weight bytes read (the quantized blocks; scale side arrays and activations are
 not counted). Times are medians over repetitions, after a warm-up.
 """
@@ -23,7 +26,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from engine.kernels.dispatch import matvec
+from engine.kernels.dispatch import gemv_acts, matvec, prepare_activations
 from engine.kernels.moe import moe_ffn
 from engine.kernels.prepare import PreparedWeight, prepare_weight
 from engine.kernels.simd import hsum_f32, load_f32x8, vadd, zero_f32
@@ -76,6 +79,7 @@ class KernelResult:
     trunk_ms: float  # median time of one [4096, 2048] GEMV
     trunk_gbs: float
     disturbed: bool  # median > 1.5 × fastest: other work shared the cores, rerun when quiet
+    core_gbs: float = 0.0  # one core, weights in L2, CPU time: the rate compute alone allows
 
 
 def _times(fn, reps: int, warmup: int = 2) -> tuple[float, float]:
@@ -124,6 +128,30 @@ def _bench_trunk(
     return _times(lambda i: matvec(mats[i % copies], x, q8_act=q8_act), reps), one
 
 
+def compute_rate(qtype: QType, *, q8_act: bool, rows: int = 256, n: int = HIDDEN, reps: int = 50) -> float:
+    """GB/s of weights one thread's GEMV consumes when memory is not the limit (L2-resident
+    [rows, n] matrix, thread CPU time, best of 5): the compute ceiling per core."""
+    rng = np.random.default_rng(1)
+    w = prepare_weight(qtype, random_weight(qtype, (rows, n), rng))
+    x = rng.standard_normal(n, dtype=np.float32)
+    acts = prepare_activations(qtype, x[None], q8_act=q8_act)
+    idx = np.arange(rows, dtype=np.int64)
+    zeros = np.zeros(rows, np.int64)
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        gemv_acts(w, acts, idx, zeros, q8_act=q8_act)
+        best = float("inf")
+        for _ in range(5):
+            t = time.thread_time()
+            for _ in range(reps):
+                gemv_acts(w, acts, idx, zeros, q8_act=q8_act)
+            best = min(best, (time.thread_time() - t) / reps)
+    finally:
+        numba.set_num_threads(threads)
+    return w.nbytes / best / 1e9
+
+
 def bench_type(
     qtype: QType,
     *,
@@ -146,6 +174,7 @@ def bench_type(
         t_trunk * 1e3,
         trunk_bytes / t_trunk / 1e9,
         t_exp > 1.5 * f_exp or t_trunk > 1.5 * f_trunk,
+        compute_rate(qtype, q8_act=q8_act),
     )
 
 
@@ -181,13 +210,14 @@ def format_table(report: dict) -> str:
         f"CPU: {m['cpu']}, {m['cores']} cores, {m['threads']} threads; load {m['loadavg'][0]:.2f}",
         f"read bandwidth: {bw:.1f} GB/s best, {report['bandwidth']['median_gbs']:.1f} GB/s median",
         "",
-        f"{'type':<6} {'variant':<7} {'experts ms':>10} {'GB/s':>6} {'of bw':>6}   {'trunk ms':>8} {'GB/s':>6} {'of bw':>6}",
+        f"{'type':<6} {'variant':<7} {'experts ms':>10} {'GB/s':>6} {'of bw':>6}   {'trunk ms':>8} {'GB/s':>6} "
+        f"{'of bw':>6}   {'1-core compute GB/s':>19}",
     ]
     for r in report["results"]:
         lines.append(
             f"{r['qtype']:<6} {r['variant']:<7} {r['experts_ms']:>10.3f} {r['experts_gbs']:>6.1f} "
             f"{r['experts_gbs'] / bw:>6.0%}   {r['trunk_ms']:>8.3f} {r['trunk_gbs']:>6.1f} {r['trunk_gbs'] / bw:>6.0%}"
-            + ("   (disturbed)" if r["disturbed"] else "")
+            f"   {r.get('core_gbs', 0.0):>19.1f}" + ("   (disturbed)" if r["disturbed"] else "")
         )
     if any(r["disturbed"] for r in report["results"]):
         lines.append("(disturbed: median > 1.5 × fastest run; other work shared the cores, rerun when quiet)")

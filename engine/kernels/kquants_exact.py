@@ -8,6 +8,7 @@ The integer codes are widened to float32 in registers; sub-block sums are lane-w
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit, prange
 
 from engine.kernels.kquants import CHUNK, _q4k_codes, _q5k_codes, _q6k_codes
@@ -57,8 +58,8 @@ def _dot_q4_k_f(w, s, x, xs):
         for j in range(4):
             lo, hi = _q4k_codes(w, o, j)
             xo = 256 * b + 64 * j
-            acc = vfma_s(_fdot32(lo, x, xo), d * lane16(sm, 2 * j), acc)
-            acc = vfma_s(_fdot32(hi, x, xo + 32), d * lane16(sm, 2 * j + 1), acc)
+            acc = vfma_s(_fdot32(lo, x, xo), d * np.float32(lane16(sm, 2 * j)), acc)
+            acc = vfma_s(_fdot32(hi, x, xo + 32), d * np.float32(lane16(sm, 2 * j + 1)), acc)
     return hsum_f32(acc)
 
 
@@ -73,8 +74,8 @@ def _dot_q5_k_f(w, s, x, xs):
         for j in range(4):
             lo, hi = _q5k_codes(w, o, j)
             xo = 256 * b + 64 * j
-            acc = vfma_s(_fdot32(lo, x, xo), d * lane16(sm, 2 * j), acc)
-            acc = vfma_s(_fdot32(hi, x, xo + 32), d * lane16(sm, 2 * j + 1), acc)
+            acc = vfma_s(_fdot32(lo, x, xo), d * np.float32(lane16(sm, 2 * j)), acc)
+            acc = vfma_s(_fdot32(hi, x, xo + 32), d * np.float32(lane16(sm, 2 * j + 1)), acc)
     return hsum_f32(acc)
 
 
@@ -90,10 +91,16 @@ def _dot_q6_k_f(w, s, x):
             q1, q2, q3, q4 = _q6k_codes(w, o, h)
             xo = 256 * b + 128 * h
             g = 8 * h
-            acc = _fdot16x2(vsub(q1, off), x, xo, d * lane16(sc, g), d * lane16(sc, g + 1), acc)
-            acc = _fdot16x2(vsub(q2, off), x, xo + 32, d * lane16(sc, g + 2), d * lane16(sc, g + 3), acc)
-            acc = _fdot16x2(vsub(q3, off), x, xo + 64, d * lane16(sc, g + 4), d * lane16(sc, g + 5), acc)
-            acc = _fdot16x2(vsub(q4, off), x, xo + 96, d * lane16(sc, g + 6), d * lane16(sc, g + 7), acc)
+            acc = _fdot16x2(vsub(q1, off), x, xo, d * np.float32(lane16(sc, g)), d * np.float32(lane16(sc, g + 1)), acc)
+            acc = _fdot16x2(
+                vsub(q2, off), x, xo + 32, d * np.float32(lane16(sc, g + 2)), d * np.float32(lane16(sc, g + 3)), acc
+            )
+            acc = _fdot16x2(
+                vsub(q3, off), x, xo + 64, d * np.float32(lane16(sc, g + 4)), d * np.float32(lane16(sc, g + 5)), acc
+            )
+            acc = _fdot16x2(
+                vsub(q4, off), x, xo + 96, d * np.float32(lane16(sc, g + 6)), d * np.float32(lane16(sc, g + 7)), acc
+            )
     return hsum_f32(acc)
 
 

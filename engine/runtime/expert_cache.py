@@ -52,6 +52,9 @@ class CachedExperts(ExpertBackend):
         }
         self.uploaded_bytes = 0
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._staging: torch.Tensor | None = None  # pinned [max_uploads, stride] on CUDA
+        self._staged = 0  # staging rows in use since the last drain
+        self._copies_done: torch.cuda.Event | None = None
 
     # -- slots ----------------------------------------------------------------------------------
     def _upload(self, layer: int, e: int, working: set) -> bool:
@@ -62,20 +65,38 @@ class CachedExperts(ExpertBackend):
         if evicted is not None and self.profiler is not None:
             self.profiler.set_resident(evicted[0], [evicted[1]], False)
         n = 0
+        stage = self._stage_row()
         for r in ROLES:
-            src = torch.from_numpy(np.array(self._expert_bytes[(layer, r)][e]))  # staging copy of the mapped bytes
+            src = self._expert_bytes[(layer, r)][e]  # uint8 view of the memory map
             off = self.layout.role_offset[r]
-            if self._copy_stream is not None:
-                with torch.cuda.stream(self._copy_stream):
-                    self.pool[slot, off : off + src.numel()].copy_(src.pin_memory(), non_blocking=True)
+            if stage is None:
+                self.pool[slot, off : off + src.size].copy_(torch.from_numpy(np.array(src)))
             else:
-                self.pool[slot, off : off + src.numel()].copy_(src)
-            n += src.numel()
+                stage[off : off + src.size].numpy()[:] = src  # one host copy into pinned memory
+            n += src.size
+        if stage is not None:
+            with torch.cuda.stream(self._copy_stream):
+                self.pool[slot].copy_(stage, non_blocking=True)
         self.uploaded_bytes += n
         if self.profiler is not None:
             self.profiler.record_cache(layer, [], [], {e: n})
             self.profiler.set_resident(layer, [e], True)
         return True
+
+    def _stage_row(self) -> torch.Tensor | None:
+        """A pinned staging row for one upload (CUDA only); waits for the previous batch first."""
+        if self._copy_stream is None:
+            return None
+        if self._staging is None:
+            self._staging = torch.empty((self.max_uploads, self.layout.stride), dtype=torch.uint8, pin_memory=True)
+        if self._staged == self.max_uploads:  # all rows in flight: let them land, then reuse
+            self._copy_stream.synchronize()
+            self._staged = 0
+        if self._staged == 0 and self._copies_done is not None:
+            self._copies_done.synchronize()
+        row = self._staging[self._staged]
+        self._staged += 1
+        return row
 
     def preload(self, pin: bool) -> None:
         """Fill the pool with every expert of every layer (resident mode), optionally pinned."""
@@ -88,21 +109,12 @@ class CachedExperts(ExpertBackend):
         self.sync()
 
     def sync(self) -> None:
+        """Order later device work after the queued uploads (does not block the host)."""
         if self._copy_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
-
-    def _expert_on_device(self, layer: int, e: int, slot: int, X: torch.Tensor) -> torch.Tensor:
-        """X [n, D] on the device -> [n, D]: down(silu(gate·x) ⊙ up·x) from the slot's bytes."""
-        s = self.stacks[layer]
-        mats = []
-        for r in ROLES:
-            w = getattr(s, r)
-            nb = self._expert_bytes[(layer, r)].shape[1]
-            off = self.layout.role_offset[r]
-            raw = self.pool[slot, off : off + nb].view(w.rows, -1)
-            mats.append(dequantize(raw, w.qtype, w.n))
-        g, u, d = mats
-        return silu_mul(X @ g.T, X @ u.T) @ d.T
+            self._copies_done = torch.cuda.Event()
+            self._copies_done.record(self._copy_stream)
+            self._staged = 0
 
     # -- the backend call -------------------------------------------------------------------------
     def forward(self, layer, x, ids, weights):
@@ -128,33 +140,63 @@ class CachedExperts(ExpertBackend):
                 [e for e in ids_h.reshape(-1) if e not in set(hit)],
                 {},
             )
-        out = torch.zeros(T, K, x.shape[1], dtype=torch.float32, device=x.device)  # per (token, slot)
-        for e in hit_set:
-            t, k = np.nonzero(ids_h == e)
-            ti, ki = torch.from_numpy(t).to(x.device), torch.from_numpy(k).to(x.device)
-            out[ti, ki] = self._expert_on_device(layer, e, self.slru.slot((layer, e)), x[ti])
+        y = self._device_outputs(layer, x, ids_h, weights, hit_set)
         if miss:
-            out[...] += self._host_outputs(layer, x, ids_h, set(miss)).to(x.device)
+            y = y + self._host_outputs(layer, x, ids_h, weights, set(miss)).to(x.device)
             self.queue.extend((layer, e) for e in miss)
-        y = torch.zeros_like(x)
-        w = weights.to(x.device)
-        for k in range(K):  # reduce in top-k order, as the host path does
-            y = y + w[:, k : k + 1] * out[:, k]
         return y
 
-    def _host_outputs(self, layer: int, x: torch.Tensor, ids_h: np.ndarray, miss: set) -> torch.Tensor:
-        """[T, K, D] with the missed (token, slot) outputs computed by the CPU kernels, 0 elsewhere."""
+    def _device_outputs(self, layer, x, ids_h, weights, hit_set: set) -> torch.Tensor:
+        """Σ over the (token, slot) pairs served from the pool of weight · expert output: [T, D]."""
+        T, K = ids_h.shape
+        y = torch.zeros_like(x)
+        if not hit_set:
+            return y
+        w = weights.to(x.device)
+        t_idx, k_idx = np.nonzero(np.isin(ids_h, list(hit_set)))  # pairs, token-major
+        if len(t_idx) <= 64:
+            # Decode: gather the pairs' slots and run them as one batched matmul per role.
+            slots = torch.tensor([self.slru.slot((layer, int(ids_h[t, k]))) for t, k in zip(t_idx, k_idx)])
+            g, u, d = self._slot_matrices(layer, slots.to(self.device))  # [P, F, D], [P, F, D], [P, D, F]
+            xp = x[torch.from_numpy(t_idx).to(x.device)][:, :, None]  # [P, D, 1]
+            h = silu_mul(torch.bmm(g, xp), torch.bmm(u, xp))  # [P, F, 1]
+            out = torch.bmm(d, h)[:, :, 0]  # [P, D]
+            wp = w[torch.from_numpy(t_idx).to(x.device), torch.from_numpy(k_idx).to(x.device)]
+            return y.index_add_(0, torch.from_numpy(t_idx).to(x.device), out * wp[:, None])
+        for e in sorted(hit_set):  # prefill: each expert once over all its tokens
+            t, k = np.nonzero(ids_h == e)
+            ti, ki = torch.from_numpy(t).to(x.device), torch.from_numpy(k).to(x.device)
+            g, u, d = self._slot_matrices(layer, torch.tensor([self.slru.slot((layer, e))], device=self.device))
+            out = silu_mul(x[ti] @ g[0].T, x[ti] @ u[0].T) @ d[0].T
+            y.index_add_(0, ti, out * w[ti, ki][:, None])
+        return y
+
+    def _slot_matrices(self, layer: int, slots: torch.Tensor) -> list[torch.Tensor]:
+        """Dequantized gate, up [P, F, D] and down [P, D, F] of the experts in ``slots``."""
+        s = self.stacks[layer]
+        raw = self.pool.index_select(0, slots)  # [P, stride]
+        mats = []
+        for r in ROLES:
+            w = getattr(s, r)
+            nb = self._expert_bytes[(layer, r)].shape[1]
+            off = self.layout.role_offset[r]
+            m = dequantize(raw[:, off : off + nb].reshape(len(slots) * w.rows, -1), w.qtype, w.n)
+            mats.append(m.reshape(len(slots), w.rows, w.n))
+        return mats
+
+    def _host_outputs(self, layer: int, x: torch.Tensor, ids_h: np.ndarray, weights, miss: set) -> torch.Tensor:
+        """[T, D]: each token's missed experts, weighted, computed by the CPU kernels from the map."""
         s = self.stacks[layer]
         X = np.ascontiguousarray(x.detach().cpu().numpy(), dtype=np.float32)
-        T, K = ids_h.shape
-        out = np.zeros((T, K, X.shape[1]), np.float32)
-        for t in range(T):
-            for k in range(K):
-                if ids_h[t, k] in miss:
-                    one = np.array([[ids_h[t, k]]], np.int64)
-                    out[t, k] = ops.moe_ffn(
-                        s.gate, s.up, s.down, X[t : t + 1], one, np.ones((1, 1), np.float32), q8_act=self.q8_act
-                    )[0]
+        W = weights.detach().cpu().numpy().astype(np.float32)
+        out = np.zeros_like(X)
+        for t in range(ids_h.shape[0]):
+            ks = [k for k in range(ids_h.shape[1]) if ids_h[t, k] in miss]
+            if ks:
+                ids = np.ascontiguousarray(ids_h[t, ks][None], dtype=np.int64)
+                out[t] = ops.moe_ffn(
+                    s.gate, s.up, s.down, X[t : t + 1], ids, np.ascontiguousarray(W[t, ks][None]), q8_act=self.q8_act
+                )[0]
         return torch.from_numpy(out)
 
     def end_step(self) -> None:

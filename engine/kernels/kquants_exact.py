@@ -23,6 +23,7 @@ from engine.kernels.simd import (
     prefetch_array,
     prefetch_distance,
     splat8,
+    vadd,
     vfma,
     vfma_s,
     vsub,
@@ -47,41 +48,56 @@ def _fdot16x2(q, x, xo, sa, sb, acc):
     return vfma_s(tb, sb, vfma_s(ta, sa, acc))
 
 
+# Several accumulators: one FMA chain per block would bound the loop by FMA latency.
+
+
 @njit(cache=True, nogil=True)
 def _dot_q4_k_f(w, s, x, xs):
-    acc = zero_f32()
+    acc_lo = zero_f32()
+    acc_hi = zero_f32()
+    acc_m = zero_f32()
     for b in range(s.shape[0] // 2):
         o = b * 144
         d = s[2 * b]
         sm = k4_scales(w, o + 4)
-        acc = vfma_s(vfma(i16_to_f32(sm, 1), load_f32x8(xs, 8 * b), zero_f32()), -s[2 * b + 1], acc)
+        acc_m = vfma_s(vfma(i16_to_f32(sm, 1), load_f32x8(xs, 8 * b), zero_f32()), -s[2 * b + 1], acc_m)
         for j in range(4):
             lo, hi = _q4k_codes(w, o, j)
             xo = 256 * b + 64 * j
-            acc = vfma_s(_fdot32(lo, x, xo), d * np.float32(lane16(sm, 2 * j)), acc)
-            acc = vfma_s(_fdot32(hi, x, xo + 32), d * np.float32(lane16(sm, 2 * j + 1)), acc)
-    return hsum_f32(acc)
+            acc_lo = vfma_s(_fdot32(lo, x, xo), d * np.float32(lane16(sm, 2 * j)), acc_lo)
+            acc_hi = vfma_s(_fdot32(hi, x, xo + 32), d * np.float32(lane16(sm, 2 * j + 1)), acc_hi)
+    return hsum_f32(vadd(vadd(acc_lo, acc_hi), acc_m))
 
 
 @njit(cache=True, nogil=True)
 def _dot_q5_k_f(w, s, x, xs):
-    acc = zero_f32()
+    acc_lo = zero_f32()
+    acc_hi = zero_f32()
+    acc_m = zero_f32()
     for b in range(s.shape[0] // 2):
         o = b * 176
         d = s[2 * b]
         sm = k4_scales(w, o + 4)
-        acc = vfma_s(vfma(i16_to_f32(sm, 1), load_f32x8(xs, 8 * b), zero_f32()), -s[2 * b + 1], acc)
+        acc_m = vfma_s(vfma(i16_to_f32(sm, 1), load_f32x8(xs, 8 * b), zero_f32()), -s[2 * b + 1], acc_m)
         for j in range(4):
             lo, hi = _q5k_codes(w, o, j)
             xo = 256 * b + 64 * j
-            acc = vfma_s(_fdot32(lo, x, xo), d * np.float32(lane16(sm, 2 * j)), acc)
-            acc = vfma_s(_fdot32(hi, x, xo + 32), d * np.float32(lane16(sm, 2 * j + 1)), acc)
-    return hsum_f32(acc)
+            acc_lo = vfma_s(_fdot32(lo, x, xo), d * np.float32(lane16(sm, 2 * j)), acc_lo)
+            acc_hi = vfma_s(_fdot32(hi, x, xo + 32), d * np.float32(lane16(sm, 2 * j + 1)), acc_hi)
+    return hsum_f32(vadd(vadd(acc_lo, acc_hi), acc_m))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q6_quarter_f(q, x, xo, d, sc, g, acc):
+    return _fdot16x2(q, x, xo, d * np.float32(lane16(sc, g)), d * np.float32(lane16(sc, g + 1)), acc)
 
 
 @njit(cache=True, nogil=True)
 def _dot_q6_k_f(w, s, x):
-    acc = zero_f32()
+    a1 = zero_f32()
+    a2 = zero_f32()
+    a3 = zero_f32()
+    a4 = zero_f32()
     off = splat8(32)
     for b in range(s.shape[0]):
         o = b * 210
@@ -91,17 +107,11 @@ def _dot_q6_k_f(w, s, x):
             q1, q2, q3, q4 = _q6k_codes(w, o, h)
             xo = 256 * b + 128 * h
             g = 8 * h
-            acc = _fdot16x2(vsub(q1, off), x, xo, d * np.float32(lane16(sc, g)), d * np.float32(lane16(sc, g + 1)), acc)
-            acc = _fdot16x2(
-                vsub(q2, off), x, xo + 32, d * np.float32(lane16(sc, g + 2)), d * np.float32(lane16(sc, g + 3)), acc
-            )
-            acc = _fdot16x2(
-                vsub(q3, off), x, xo + 64, d * np.float32(lane16(sc, g + 4)), d * np.float32(lane16(sc, g + 5)), acc
-            )
-            acc = _fdot16x2(
-                vsub(q4, off), x, xo + 96, d * np.float32(lane16(sc, g + 6)), d * np.float32(lane16(sc, g + 7)), acc
-            )
-    return hsum_f32(acc)
+            a1 = _q6_quarter_f(vsub(q1, off), x, xo, d, sc, g, a1)
+            a2 = _q6_quarter_f(vsub(q2, off), x, xo + 32, d, sc, g + 2, a2)
+            a3 = _q6_quarter_f(vsub(q3, off), x, xo + 64, d, sc, g + 4, a3)
+            a4 = _q6_quarter_f(vsub(q4, off), x, xo + 96, d, sc, g + 6, a4)
+    return hsum_f32(vadd(vadd(a1, a2), vadd(a3, a4)))
 
 
 @njit(cache=True, nogil=True, parallel=True)

@@ -41,7 +41,7 @@ def prepare_activations(qtype: QType, X: np.ndarray, *, q8_act: bool) -> tuple[n
     """X float32 [K, n] -> the activation arrays the ``qtype`` kernel takes after ``xi``.
 
     exact: (X,) or (X, Xs [K, n/32]) for Q4_K/Q5_K. q8_act: float types (X rounded to the
-    weight's float type,); Q8_0/Q4_0/Q5_0 (qa, da); K-quants (qa, da, bsums).
+    weight's float type,); Q8_0/Q4_0/Q5_0 (qa, da, asum); K-quants (qa, da, bsums).
     Compute once and reuse for every weight of the same type that reads the same X.
     """
     X = np.ascontiguousarray(X, dtype=np.float32)

@@ -12,6 +12,8 @@ the same signatures in numpy: ``matvec_ref``, ``matmul_ref``, ``moe_ffn_ref``).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from engine.kernels import floats, kquants, kquants_exact, legacy
@@ -104,16 +106,26 @@ def check_indices(w: PreparedWeight, rows: np.ndarray, xi: np.ndarray, T: int, K
         raise IndexError(f"activation rows xi..xi+{T} must lie in [0, {K})")
 
 
+@functools.lru_cache(maxsize=64)
+def _all_rows(R: int) -> tuple[np.ndarray, np.ndarray]:
+    """(arange(R), zeros(R)) int64, built once per R (internal: never written to; left writable so
+    the kernels see one array type and compile once)."""
+    return np.arange(R, dtype=np.int64), np.zeros(R, np.int64)
+
+
 def matvec(w: PreparedWeight, x: np.ndarray, *, q8_act: bool) -> np.ndarray:
     """y = W·x. w: a matrix [R, n] (a stack counts as its R = E·out rows); x float32 [n] -> [R]."""
-    R = w.raw.shape[0]
-    rows = np.arange(R, dtype=np.int64)
-    return gemv_rows(w, x[None, :], rows, np.zeros(R, np.int64), 1, q8_act=q8_act)[:, 0]
+    if x.shape != (w.n,):
+        raise ValueError(f"x of shape {x.shape} does not fit a weight of {w.n} inputs")
+    rows, zeros = _all_rows(w.raw.shape[0])
+    acts = prepare_activations(w.qtype, x[None, :], q8_act=q8_act)
+    return gemv_acts(w, acts, rows, zeros, 1, q8_act=q8_act)[:, 0]
 
 
 def matmul(w: PreparedWeight, X: np.ndarray, *, q8_act: bool) -> np.ndarray:
-    """Y = X·Wᵀ. X float32 [T, n] -> Y float32 [T, R]."""
-    R = w.raw.shape[0]
-    T = X.shape[0]
-    rows = np.arange(R, dtype=np.int64)
-    return np.ascontiguousarray(gemv_rows(w, X, rows, np.zeros(R, np.int64), T, q8_act=q8_act).T)
+    """Y = X·Wᵀ. X float32 [T, n] (T ≥ 1) -> Y float32 [T, R]."""
+    if X.ndim != 2 or X.shape[1] != w.n or X.shape[0] < 1:
+        raise ValueError(f"X of shape {X.shape} does not fit a weight of {w.n} inputs")
+    rows, zeros = _all_rows(w.raw.shape[0])
+    acts = prepare_activations(w.qtype, X, q8_act=q8_act)
+    return np.ascontiguousarray(gemv_acts(w, acts, rows, zeros, X.shape[0], q8_act=q8_act).T)

@@ -1,0 +1,57 @@
+"""``sharpi-gui [MODEL.gguf]``: the desktop app.
+
+With no argument it opens the last model, else the bundled demo model, else an empty window that
+says how to open one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from PySide6.QtCore import QSettings
+from PySide6.QtWidgets import QApplication
+
+from sharpi_gui.bridge import EngineBridge
+from sharpi_gui.context import AppContext
+from sharpi_gui.settings import APPLICATION, ORGANIZATION, Settings
+from sharpi_gui.store import ConversationStore
+from sharpi_gui.theme import ThemeManager
+from sharpi_gui.views.main_window import MainWindow
+
+
+def create_window(
+    data_dir: str | None = None,
+    qsettings: QSettings | None = None,
+    themes: ThemeManager | None = None,
+) -> MainWindow:
+    """A main window over a fresh bridge; ``data_dir`` / ``qsettings`` default to the user's."""
+    ctx = AppContext.build(EngineBridge(), ConversationStore(data_dir), Settings(qsettings), themes)
+    return MainWindow(ctx)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sharpi-gui", description="SharpI desktop app")
+    p.add_argument("model", nargs="?", help="GGUF model to open (default: the last one, else the demo model)")
+    p.add_argument("--data-dir", help="where conversations are stored (default: the user data directory)")
+    p.add_argument("--dark", action=argparse.BooleanOptionalAction, default=None, help="force the dark/light theme")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setOrganizationName(ORGANIZATION)
+    app.setApplicationName(APPLICATION)
+    app.setApplicationDisplayName("SharpI")
+    themes = ThemeManager(app, dark=args.dark)
+    window = create_window(args.data_dir, None, themes)
+    window.show()
+    window.open_initial(args.model)
+    return app.exec()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

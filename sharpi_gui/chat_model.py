@@ -1,0 +1,219 @@
+"""The chat's state: conversations, the open transcript, the message being streamed.
+
+Talks to the store (every finished or stopped message is written at once) and to the bridge
+(generation); the chat view renders what this holds and calls its methods. Needs no engine import:
+the bridge is handed in.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QObject, Signal
+
+from sharpi_gui import data as D
+from sharpi_gui.settings import Settings
+from sharpi_gui.store import UNTITLED, ConversationStore
+
+TITLE_CHARS = 48
+
+
+def _title_from(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
+
+
+class ChatModel(QObject):
+    conversationsChanged = Signal()  # the list (titles, order) changed
+    currentChanged = Signal()  # another conversation is open, or its messages were reloaded
+    messageAdded = Signal(object)  # Message (user or assistant) appended to the open transcript
+    streamStarted = Signal()
+    streamText = Signal(str)  # the whole text streamed so far
+    streamEnded = Signal(object)  # the saved assistant Message, or None if nothing was produced
+    statsChanged = Signal(object)  # GenStats of the latest event
+    notice = Signal(object)  # Failure to show inline in the transcript
+    busyChanged = Signal(bool)
+
+    def __init__(self, store: ConversationStore, bridge, settings: Settings, parent: QObject | None = None):
+        super().__init__(parent)
+        self.store, self.bridge, self.settings = store, bridge, settings
+        self.conversations: list[D.Conversation] = store.conversations()
+        self.current: D.Conversation | None = None
+        self.messages: list[D.Message] = []
+        self.stream = ""
+        self.stats = D.GenStats()
+        self.tokens_at_stop: int | None = None
+        self._rid = 0
+        self._stream_cid = 0
+        bridge.token.connect(self._on_token)
+        bridge.finished.connect(self._on_finished)
+        bridge.failed.connect(self._on_failed)
+        last = settings.last_conversation
+        if any(c.id == last for c in self.conversations):
+            self.select(last)
+        elif self.conversations:
+            self.select(self.conversations[0].id)
+
+    @property
+    def busy(self) -> bool:
+        return self._rid != 0
+
+    @property
+    def streaming_here(self) -> bool:
+        """A reply is streaming into the open conversation."""
+        return self.busy and self.current is not None and self.current.id == self._stream_cid
+
+    # -- conversations ------------------------------------------------------------------------------
+    def _reload_list(self) -> None:
+        self.conversations = self.store.conversations()
+        self.conversationsChanged.emit()
+
+    def new_conversation(self) -> D.Conversation:
+        conv = self.store.create(UNTITLED, self.settings.default_system_prompt)
+        self._reload_list()
+        self.select(conv.id)
+        return conv
+
+    def select(self, cid: int) -> None:
+        if self.busy and cid != (self.current.id if self.current else 0):
+            self.stop()
+        conv = self.store.conversation(cid)
+        if conv is None:
+            return
+        self.current = conv
+        self.messages = self.store.messages(cid)
+        self.settings.last_conversation = cid
+        self.currentChanged.emit()
+
+    def rename(self, cid: int, title: str) -> None:
+        title = " ".join(title.split())
+        if not title:
+            return
+        self.store.rename(cid, title)
+        if self.current and self.current.id == cid:
+            self.current = self.store.conversation(cid)
+        self._reload_list()
+
+    def delete(self, cid: int) -> None:
+        if self.current and self.current.id == cid:
+            if self.busy:
+                self.stop()
+            self.current, self.messages = None, []
+        self.store.delete(cid)
+        self._reload_list()
+        if self.current is None:
+            if self.conversations:
+                self.select(self.conversations[0].id)
+            else:
+                self.currentChanged.emit()
+
+    def set_system_prompt(self, text: str) -> None:
+        if self.current is None:
+            self.new_conversation()
+        self.store.set_system_prompt(self.current.id, text)
+        self.current = self.store.conversation(self.current.id)
+        self.settings.default_system_prompt = text
+
+    # -- generation ---------------------------------------------------------------------------------
+    def send(self, text: str) -> bool:
+        """Save ``text`` as the user's message and start the reply. False if nothing was sent."""
+        text = text.strip()
+        if not text or self.busy:
+            return False
+        if not self.bridge.has_model:
+            self.notice.emit(D.Failure(D.ERR_NO_MODEL, "No model", "Open a model first (File → Open, Ctrl+O)."))
+            return False
+        if self.current is None:
+            self.new_conversation()
+        if self.current.title == UNTITLED and not self.messages:
+            self.rename(self.current.id, _title_from(text))
+        msg = self.store.add_message(self.current.id, "user", text)
+        self.messages.append(msg)
+        self.messageAdded.emit(msg)
+        self._reload_list()
+        return self._start()
+
+    def regenerate(self) -> bool:
+        """Drop the last reply (if any) and generate it again."""
+        if self.busy or self.current is None or not self.messages:
+            return False
+        if self.messages[-1].role == "assistant":
+            self.store.delete_message(self.messages.pop().id)
+            self.currentChanged.emit()
+        if not self.messages or self.messages[-1].role != "user":
+            return False
+        return self._start()
+
+    def stop(self) -> None:
+        if self.busy:
+            self.tokens_at_stop = self.bridge.stop()
+
+    def chat_messages(self) -> list[dict]:
+        """The open conversation as the engine's chat messages (system prompt first)."""
+        out = []
+        if self.current and self.current.system_prompt.strip():
+            out.append({"role": "system", "content": self.current.system_prompt})
+        out.extend({"role": m.role, "content": m.content} for m in self.messages)
+        return out
+
+    def _start(self) -> bool:
+        rid = self.bridge.generate(self.chat_messages(), self.settings.sampling)
+        if not rid:
+            self.notice.emit(D.Failure(D.ERR_ENGINE, "Busy", "The engine is busy (loading or applying); try again."))
+            return False
+        self._rid, self._stream_cid, self.stream, self.tokens_at_stop = rid, self.current.id, "", None
+        self.streamStarted.emit()
+        self.busyChanged.emit(True)
+        return True
+
+    def _on_token(self, rid: int, text: str, stats: D.GenStats) -> None:
+        if rid != self._rid:
+            return
+        self.stream += text
+        self.stats = stats
+        self.streamText.emit(self.stream)
+        self.statsChanged.emit(stats)
+
+    def _save_reply(self, stats: D.GenStats) -> D.Message | None:
+        if not self.stream:
+            return None
+        meta = {
+            "finish_reason": stats.finish_reason,
+            "n_prompt": stats.n_prompt,
+            "n_generated": stats.n_generated,
+            "ttft_s": round(stats.ttft_s, 4),
+            "prompt_tok_s": round(stats.prompt_tok_s, 2),
+            "decode_tok_s": round(stats.decode_tok_s, 2),
+        }
+        msg = self.store.add_message(self._stream_cid, "assistant", self.stream, meta)
+        if self.current and self.current.id == self._stream_cid:
+            self.messages.append(msg)
+        return msg
+
+    def _end(self, msg: D.Message | None) -> None:
+        self._rid = 0
+        self.streamEnded.emit(msg)
+        self.busyChanged.emit(False)
+        self._reload_list()
+
+    def _on_finished(self, rid: int, stats: D.GenStats) -> None:
+        if rid != self._rid:
+            return
+        self.stats = stats
+        self.statsChanged.emit(stats)
+        msg = self._save_reply(stats)
+        self._end(msg)
+        if stats.finish_reason == "context":
+            self.notice.emit(
+                D.Failure(
+                    D.ERR_CONTEXT,
+                    "Context full",
+                    f"{stats.message or 'The context is full'}. Start a new conversation, or raise the "
+                    "context size in the placement dock and apply it.",
+                )
+            )
+
+    def _on_failed(self, rid: int, failure: D.Failure) -> None:
+        if rid != self._rid:
+            return
+        msg = self._save_reply(self.stats)
+        self._end(msg)
+        self.notice.emit(failure)

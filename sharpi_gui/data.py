@@ -1,0 +1,224 @@
+"""Plain data that crosses from the bridge to the views: frozen records and numpy arrays only.
+
+Nothing here imports Qt or the engine, so views can depend on it freely and tests can build
+records by hand. The bridge (:mod:`sharpi_gui.bridge`) is the only place that turns engine
+objects into these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Expert modes and KV types as the planner spells them (design.md's placement vocabulary).
+MOE_AUTO = "auto"
+MOE_MODES = ("cpu", "cache", "resident")
+MOE_CHOICES = (MOE_AUTO, *MOE_MODES)
+KV_TYPES = ("f32", "bf16", "q8_0")
+
+# Kinds of failure a view may show differently (dialog titles, inline notes).
+ERR_BAD_FILE = "bad-file"  # not a usable GGUF
+ERR_UNSUPPORTED = "unsupported"  # a GGUF of an architecture or type we do not run
+ERR_CONTEXT = "context"  # the prompt or the conversation does not fit the context
+ERR_OUT_OF_MEMORY = "out-of-memory"  # the device could not hold the placement
+ERR_NO_MODEL = "no-model"  # nothing loaded yet
+ERR_ENGINE = "engine"  # any other SharpIError
+ERR_INTERNAL = "internal"  # a bug: an exception the engine did not mean to raise
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An error to show: ``kind`` is one of the ERR_* values, ``message`` says what and what to do."""
+
+    kind: str
+    title: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What the model card shows about a loaded model."""
+
+    path: str
+    name: str
+    architecture: str
+    n_parameters: int
+    n_layer: int
+    n_expert: int  # routed experts per MoE layer (0 for a dense model)
+    n_expert_used: int  # experts per token
+    file_size: int
+    quant_mix: tuple[tuple[str, int], ...]  # (ggml type, bytes), largest first
+    trunk_bytes: int
+    expert_bytes: int
+    has_chat_template: bool
+    vocab_size: int
+    n_ctx_train: int
+    n_ctx: int  # context the session was loaded with
+    kv_type: str
+    tokenizer: str
+
+
+@dataclass(frozen=True)
+class GenStats:
+    """Speed and context figures of one generation event (see engine.generate.events)."""
+
+    n_prompt: int = 0
+    n_generated: int = 0
+    n_ctx_used: int = 0
+    n_ctx: int = 0
+    ttft_s: float = 0.0
+    prompt_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    finish_reason: str | None = None
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What the placement dock asks for: the two sliders and the selectors."""
+
+    vram_bytes: int
+    ctx: int
+    kv_type: str = "f32"
+    moe: str = MOE_AUTO
+    n_gpu_layers: int = -1
+
+
+@dataclass(frozen=True)
+class PlacementLimits:
+    """Ranges of the placement controls for the loaded model and detected device."""
+
+    device_name: str
+    device_vram_bytes: int  # what the device (or the simulated profile) offers
+    vram_max_bytes: int  # slider maximum (the device, or less when the whole model needs less)
+    vram_step_bytes: int
+    ctx_values: tuple[int, ...]  # allowed context sizes, ascending
+    n_layer: int
+    is_moe: bool
+    current: PlanSettings  # the settings the loaded model runs with
+    in_force: str = ""  # one line on where the model runs now (the status bar shows it)
+
+
+@dataclass(frozen=True)
+class LayerCell:
+    """One layer of a plan: where its trunk and its routed experts live."""
+
+    index: int
+    device: str  # "gpu" | "cpu"
+    experts: str  # "cpu" | "cache" | "resident" | "none"
+    trunk_bytes: int
+    kv_bytes: int
+
+
+# Device-memory segments in drawing order: (key, legend label).
+SEGMENTS = (
+    ("reserve", "reserve"),
+    ("scratch", "scratch"),
+    ("trunk", "trunk layers"),
+    ("kv", "KV cache"),
+    ("globals", "output"),
+    ("experts", "expert cache"),
+)
+
+
+@dataclass(frozen=True)
+class PlanPreview:
+    """A placement as the layout view draws it, or the reason there is none (``error``)."""
+
+    settings: PlanSettings
+    error: str = ""
+    budget_bytes: int = 0
+    segments: tuple[tuple[str, int], ...] = ()  # (SEGMENTS key, bytes) of the device allocation
+    expert_cache_budget_bytes: int = 0  # left for experts after everything else
+    free_bytes: int = 0  # budget - allocated
+    layers: tuple[LayerCell, ...] = ()
+    n_layer: int = 0
+    n_gpu_layers: int = 0
+    layer_reason: str = ""
+    moe_mode: str = ""
+    moe_reason: str = ""
+    predicted_tok_s: tuple[tuple[str, float | None], ...] = ()  # (mode, tok/s or None = impossible)
+    predicted_hit_rate: float | None = None
+    expert_slots: int = 0
+    expert_slots_needed: int = 0
+    kv_bytes: int = 0
+    host_kv_bytes: int = 0
+    recommended_ctx: int | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(b for _, b in self.segments)
+
+
+@dataclass(frozen=True, eq=False)
+class StatsFrame:
+    """One profiler snapshot, ready to draw. Arrays [L, E] are indexed by layer, then expert.
+
+    heat: float64 [L, E] decayed access heat. residency: float64 [L, E] 1.0 where the expert is
+    on the device. hit_ratio: float64 [L, E] hits / (hits + misses), 0 where never looked up.
+    calls: int64 [L, E]. Series float64 [N] over the last N forward passes: tok_s (1 ÷ latency of
+    one-token decode passes, nan for prompt chunks), hit_rate (nan where no cache was consulted),
+    upload_mb_s.
+    """
+
+    n_layer: int
+    n_expert: int
+    heat: np.ndarray
+    residency: np.ndarray
+    hit_ratio: np.ndarray
+    calls: np.ndarray
+    tok_s: np.ndarray
+    hit_rate: np.ndarray
+    upload_mb_s: np.ndarray
+    tokens_total: int
+    has_cache: bool  # any hit or miss recorded (False in CPU-only mode)
+
+    @classmethod
+    def empty(cls, n_layer: int = 1, n_expert: int = 1) -> StatsFrame:
+        z = np.zeros((n_layer, n_expert))
+        e = np.zeros(0)
+        return cls(n_layer, n_expert, z, z, z, z.astype(np.int64), e, e, e, 0, False)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat message as stored."""
+
+    id: int
+    conversation_id: int
+    role: str  # "user" | "assistant"
+    content: str
+    created: float  # seconds since the epoch
+    meta: dict = field(default_factory=dict)  # speed figures, finish reason
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: int
+    title: str
+    system_prompt: str
+    created: float
+    updated: float
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB' (powers of 1024, as the planner prints them)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def human_count(n: int) -> str:
+    """4068864 -> '4.07 M' (parameters)."""
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return str(n)

@@ -1,0 +1,112 @@
+"""The placement dock's state: the requested settings, the latest preview, and Apply.
+
+Control changes are throttled into re-plans: the first change plans at once, further changes within
+:data:`REPLAN_MS` coalesce into one trailing re-plan of the latest settings (latest request wins),
+so a dragging slider re-plans at most every ~150 ms and the view is never more than that behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from PySide6.QtCore import QObject, QTimer, Signal
+
+from sharpi_gui import data as D
+
+REPLAN_MS = 150
+
+
+class PlacementModel(QObject):
+    limitsChanged = Signal(object)  # PlacementLimits (a model was loaded or a placement applied)
+    settingsChanged = Signal(object)  # PlanSettings (the controls' values)
+    previewChanged = Signal(object)  # PlanPreview
+    applyFailed = Signal(object)  # Failure
+    appliedChanged = Signal(object)  # PlanSettings now in force
+
+    def __init__(self, bridge, parent: QObject | None = None):
+        super().__init__(parent)
+        self.bridge = bridge
+        self.limits: D.PlacementLimits | None = None
+        self.settings: D.PlanSettings | None = None
+        self.applied: D.PlanSettings | None = None
+        self.preview: D.PlanPreview | None = None
+        self.replans = 0  # how many plans were computed (tests check the throttle with it)
+        self._pending = False
+        self._timer = QTimer(self)
+        self._timer.setSingleShot(True)
+        self._timer.setInterval(REPLAN_MS)
+        self._timer.timeout.connect(self._on_timer)
+        bridge.loaded.connect(self._on_loaded)
+        bridge.applied.connect(self._on_applied)
+        bridge.applyFailed.connect(self.applyFailed)
+
+    @property
+    def dirty(self) -> bool:
+        """The controls differ from the placement in force."""
+        return self.settings is not None and self.settings != self.applied
+
+    # -- control changes ----------------------------------------------------------------------------
+    def set_vram(self, vram_bytes: int) -> None:
+        self._change(vram_bytes=int(vram_bytes))
+
+    def set_ctx(self, ctx: int) -> None:
+        self._change(ctx=int(ctx))
+
+    def set_kv_type(self, kv_type: str) -> None:
+        self._change(kv_type=kv_type)
+
+    def set_moe(self, moe: str) -> None:
+        self._change(moe=moe)
+
+    def set_gpu_layers(self, n: int) -> None:
+        self._change(n_gpu_layers=int(n))
+
+    def reset(self) -> None:
+        """Back to the placement in force."""
+        if self.applied is not None:
+            self._set(self.applied)
+
+    def apply(self) -> bool:
+        return self.settings is not None and self.bridge.apply(self.settings)
+
+    # -- plumbing -----------------------------------------------------------------------------------
+    def _change(self, **kw) -> None:
+        if self.settings is None:
+            return
+        new = replace(self.settings, **kw)
+        if new != self.settings:
+            self._set(new)
+
+    def _set(self, settings: D.PlanSettings) -> None:
+        self.settings = settings
+        self.settingsChanged.emit(settings)
+        if self._timer.isActive():
+            self._pending = True  # the trailing re-plan will take the latest settings
+        else:
+            self._replan()
+            self._timer.start()
+
+    def _on_timer(self) -> None:
+        if self._pending:
+            self._pending = False
+            self._replan()
+            self._timer.start()
+
+    def _replan(self) -> None:
+        self.replans += 1
+        self.preview = self.bridge.preview(self.settings)
+        self.previewChanged.emit(self.preview)
+
+    def _on_loaded(self, _card, limits: D.PlacementLimits) -> None:
+        self.limits = limits
+        self.applied = limits.current
+        self.limitsChanged.emit(limits)
+        self._timer.stop()
+        self._pending = False
+        self.settings = limits.current
+        self.settingsChanged.emit(self.settings)
+        self.appliedChanged.emit(self.applied)
+        QTimer.singleShot(0, self._replan)  # its own event-loop pass: each pass stays short
+
+    def _on_applied(self, card, limits: D.PlacementLimits) -> None:
+        self._on_loaded(card, limits)

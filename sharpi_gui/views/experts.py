@@ -1,0 +1,209 @@
+"""The experts dock: a layers × experts heatmap (heat, residency or hit ratio) with a colour bar,
+live plots of decode tok/s, cache hit rate and upload MB/s, and export (JSON + CSV + PNG).
+Renders an ExpertsModel's frames; the plots write into preallocated numpy buffers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QComboBox,
+    QDockWidget,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QSizePolicy,
+    QVBoxLayout,
+    QWidget,
+)
+
+from sharpi_gui import data as D
+from sharpi_gui.experts_model import MODE_LABELS, MODES
+from sharpi_gui.theme import LIGHT, Theme
+
+HISTORY = 512  # plotted forward passes (the profiler keeps as many)
+_MIN_X = 32  # the plots' x axis spans at least this many passes
+_COLORMAPS = {"heat": "inferno", "residency": "viridis", "hit": "viridis"}
+_SERIES = (("tok_s", "decode tok/s"), ("hit_rate", "hit rate"), ("upload_mb_s", "upload MB/s"))
+
+
+def _nice_ceiling(x: float) -> float:
+    """The smallest 1, 2 or 5 x 10^k that is >= x (and >= 1)."""
+    if x <= 1.0:
+        return 1.0
+    k = 10.0 ** np.floor(np.log10(x))
+    for m in (1.0, 2.0, 5.0, 10.0):
+        if m * k >= x:
+            return m * k
+    return 10.0 * k
+
+
+def _ticks(n: int, most: int = 12) -> list[tuple[int, str]]:
+    """Integer tick positions 0..n-1, at most ~``most`` of them."""
+    step = max(1, -(-n // most))
+    return [(i, str(i)) for i in range(0, n, step)]
+
+
+class ExpertsPanel(QWidget):
+    exportRequested = Signal()
+
+    def __init__(self, model, theme: Theme = LIGHT, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.model = model
+        self.theme = theme
+        self.renders = 0
+        self.mode_box = QComboBox()
+        for m in MODES:
+            self.mode_box.addItem(MODE_LABELS[m], m)
+        self.mode_box.setCurrentIndex(MODES.index(model.mode))
+        self.export_button = QPushButton("Export…")
+        self.export_button.setToolTip("Save the profiler snapshot as JSON + CSV, and this heatmap as PNG (Ctrl+E)")
+        self.export_button.setEnabled(False)
+        self.info = QLabel("No model loaded.")
+        # Its text changes with every frame: it must never resize the plots (a full repaint).
+        self.info.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
+        self.info.setWordWrap(False)
+        top = QHBoxLayout()
+        top.addWidget(QLabel("Show"))
+        top.addWidget(self.mode_box)
+        top.addStretch(1)
+        top.addWidget(self.export_button)
+
+        # Heatmap: rows = layers (0 at the top), columns = experts.
+        self.heatmap = pg.GraphicsLayoutWidget()
+        self.heatmap.setMinimumHeight(180)
+        self.plot = self.heatmap.addPlot(row=0, col=0)
+        self.plot.setLabel("left", "layer")
+        self.plot.setLabel("bottom", "expert")
+        self.plot.invertY(True)
+        self.plot.setMouseEnabled(x=False, y=False)
+        self.plot.hideButtons()
+        self.plot.setMenuEnabled(False)
+        self.image = pg.ImageItem(axisOrder="row-major")
+        self.plot.addItem(self.image)
+        self.colorbar = pg.ColorBarItem(
+            values=(0.0, 1.0), colorMap=pg.colormap.get(_COLORMAPS[model.mode]), interactive=False, width=14
+        )
+        self.colorbar.setImageItem(self.image, insert_in=self.plot)
+
+        # Live plots over the last HISTORY forward passes, side by side.
+        self.live = pg.GraphicsLayoutWidget()
+        self.live.setMinimumHeight(150)
+        self._x = np.arange(HISTORY, dtype=np.float64)
+        self._xbuf = np.zeros((len(_SERIES), HISTORY))
+        self._ybuf = np.zeros((len(_SERIES), HISTORY))
+        self.curves = []
+        self.series_plots = []
+        self._ranges: list[tuple[float, float] | None] = [None] * len(_SERIES)
+        self._shape: tuple[int, int] | None = None
+        for i, (_key, label) in enumerate(_SERIES):
+            p = self.live.addPlot(row=0, col=i)
+            p.setTitle(label, size="9pt")
+            p.getAxis("left").setWidth(34)
+            p.getAxis("left").enableAutoSIPrefix(False)
+            p.setLabel("bottom", "forward pass")
+            p.setMouseEnabled(x=False, y=False)
+            p.hideButtons()
+            p.setMenuEnabled(False)
+            p.showGrid(x=True, y=True, alpha=0.2)
+            self.series_plots.append(p)
+            self.curves.append(p.plot(pen=pg.mkPen(theme.plot_pens[i], width=1.5)))
+        self.plot.getAxis("left").setWidth(34)
+
+        lay = QVBoxLayout(self)
+        lay.addLayout(top)
+        lay.addWidget(self.heatmap, 3)
+        lay.addWidget(self.info)
+        lay.addWidget(self.live, 2)
+        lay.setContentsMargins(8, 6, 8, 6)
+
+        self.mode_box.currentIndexChanged.connect(lambda _i: model.set_mode(self.mode_box.currentData()))
+        self.export_button.clicked.connect(self.exportRequested)
+        model.frameChanged.connect(self.render)
+        model.modeChanged.connect(self._on_mode)
+        self.set_theme(theme)
+
+    # -- rendering ------------------------------------------------------------------------------------
+    def render(self, frame: D.StatsFrame | None = None) -> None:
+        frame = frame if frame is not None else self.model.frame
+        if frame is None:
+            return
+        self.renders += 1
+        img = self.model.image()
+        # Heat has no fixed top: the scale steps through 1-2-5 values, so it (and its axis) stays put.
+        top = _nice_ceiling(float(img.max()) if img.size else 0.0) if self.model.mode == "heat" else 1.0
+        levels = (0.0, top)
+        self.image.setImage(img, autoLevels=False, levels=levels)
+        if self.colorbar.levels() != levels:
+            self.colorbar.setLevels(levels)
+        shape = (frame.n_layer, frame.n_expert)
+        if shape != self._shape:  # axes are redrawn only when the model changes
+            self._shape = shape
+            self.image.setRect(-0.5, -0.5, frame.n_expert, frame.n_layer)
+            self.plot.getAxis("bottom").setTicks([_ticks(frame.n_expert)])
+            self.plot.getAxis("left").setTicks([_ticks(frame.n_layer)])
+            self.plot.setXRange(-0.5, frame.n_expert - 0.5, padding=0)
+            self.plot.setYRange(-0.5, frame.n_layer - 0.5, padding=0)
+        for i, (key, _label) in enumerate(_SERIES):
+            y = getattr(frame, key)[-HISTORY:]  # oldest first; x counts passes from the oldest shown
+            valid = np.isfinite(y)
+            m = int(valid.sum())
+            self._xbuf[i, :m] = self._x[: len(y)][valid]
+            self._ybuf[i, :m] = y[valid]
+            self.curves[i].setData(self._xbuf[i, :m], self._ybuf[i, :m])
+            # Ranges move in coarse steps, so the axes (the costly part of a repaint) rarely change.
+            top = 1.0 if i == 1 else _nice_ceiling(float(self._ybuf[i, :m].max()) if m else 0.0)
+            xr = _nice_ceiling(max(len(y), _MIN_X))
+            if self._ranges[i] != (xr, top):
+                self._ranges[i] = (xr, top)
+                self.series_plots[i].setRange(xRange=(0, xr), yRange=(0, top), padding=0.02)
+        note = f"{frame.tokens_total:,} tokens profiled · {frame.n_layer} layers × {frame.n_expert} experts"
+        if not frame.has_cache:
+            note += " · CPU experts: no cache lookups yet (residency and hit ratio stay empty)"
+        self.info.setText(note)
+        self.export_button.setEnabled(True)
+
+    def _on_mode(self, mode: str) -> None:
+        self.mode_box.blockSignals(True)
+        self.mode_box.setCurrentIndex(MODES.index(mode))
+        self.mode_box.blockSignals(False)
+        self.colorbar.setColorMap(pg.colormap.get(_COLORMAPS[mode]))
+        self.colorbar.setLabel("right", MODE_LABELS[mode])
+        self.render()
+
+    def set_theme(self, theme: Theme) -> None:
+        self.theme = theme
+        for w in (self.heatmap, self.live):
+            w.setBackground(theme.background)
+        for p in [self.plot, *self.series_plots]:
+            for side in ("left", "bottom"):
+                ax = p.getAxis(side)
+                ax.setPen(pg.mkPen(theme.muted))
+                ax.setTextPen(pg.mkPen(theme.foreground))
+        cb_axis = self.colorbar.getAxis("right")
+        cb_axis.setPen(pg.mkPen(theme.muted))
+        cb_axis.setTextPen(pg.mkPen(theme.foreground))
+        self.colorbar.setLabel("right", MODE_LABELS[self.model.mode])
+        for i, c in enumerate(self.curves):
+            c.setPen(pg.mkPen(theme.plot_pens[i], width=1.5))
+
+    # -- export ---------------------------------------------------------------------------------------
+    def export_to(self, prefix: str) -> tuple[str, str, str]:
+        """Write PREFIX.json + PREFIX.csv (one snapshot) and PREFIX.png (this heatmap showing it)."""
+        j, c = self.model.export(prefix)  # the same snapshot arrives as a frame and is drawn first
+        png = str(Path(prefix).with_suffix(".png"))
+        if not self.heatmap.grab().save(png):
+            raise OSError(f"could not write {png}")
+        return j, c, png
+
+
+class ExpertsDock(QDockWidget):
+    def __init__(self, model, theme: Theme = LIGHT, parent: QWidget | None = None):
+        super().__init__("Experts", parent)
+        self.setObjectName("experts-dock")
+        self.panel = ExpertsPanel(model, theme)
+        self.setWidget(self.panel)
+        self.setAllowedAreas(Qt.DockWidgetArea.AllDockWidgetAreas)

@@ -1,0 +1,268 @@
+"""The main window: chat in the middle, placement and experts docks, menus, shortcuts, status bar.
+
+It receives everything it shows through an :class:`~sharpi_gui.context.AppContext` (the bridge is
+handed in, never imported), renders, and routes the user's intents to the models.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
+from PySide6.QtWidgets import QDialog, QFileDialog, QLabel, QMainWindow, QMenu, QProgressBar, QWidget
+
+from sharpi_gui import data as D
+from sharpi_gui.views import dialogs
+from sharpi_gui.views.chat import ChatView
+from sharpi_gui.views.experts import ExpertsDock
+from sharpi_gui.views.model_card import ModelCardDialog
+from sharpi_gui.views.placement import PlacementDock
+
+APP_NAME = "SharpI"
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, ctx, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.ctx = ctx
+        self.bridge, self.settings = ctx.bridge, ctx.settings
+        theme = ctx.theme
+        self.setObjectName("main-window")
+        self.setWindowTitle(APP_NAME)
+        self.resize(1500, 1000)
+        self.card: D.ModelCard | None = None
+        self.limits: D.PlacementLimits | None = None
+
+        self.chat = ChatView(ctx.chat, theme)
+        self.setCentralWidget(self.chat)
+        self.placement_dock = PlacementDock(ctx.placement, theme, self)
+        self.experts_dock = ExpertsDock(ctx.experts, theme, self)
+        self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.placement_dock)
+        self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.experts_dock)
+        self.resizeDocks([self.placement_dock], [560], Qt.Orientation.Horizontal)
+        self.resizeDocks([self.placement_dock, self.experts_dock], [560, 420], Qt.Orientation.Vertical)
+
+        # status bar
+        sb = self.statusBar()
+        self.progress = QProgressBar()
+        self.progress.setMaximumWidth(220)
+        self.progress.setVisible(False)
+        self.status = {
+            k: QLabel() for k in ("prompt", "decode", "ttft", "ctx", "placement")
+        }  # permanent fields, left to right
+        sb.addPermanentWidget(self.progress)
+        for label in self.status.values():
+            label.setContentsMargins(6, 0, 6, 0)
+            sb.addPermanentWidget(label)
+        self._render_stats(D.GenStats())
+
+        self._build_menus()
+        self._wire()
+        geometry, state = self.settings.window_state()
+        if geometry is not None:
+            self.restoreGeometry(geometry)
+        if state is not None:
+            self.restoreState(state)
+        self.chat.set_has_model(False)
+        if ctx.themes is not None:
+            ctx.themes.changed.connect(self.restyle)
+
+    # -- menus and shortcuts ----------------------------------------------------------------------------
+    def _action(self, menu: QMenu, text: str, slot, shortcut=None, name: str = "") -> QAction:
+        act = QAction(text, self)
+        if shortcut is not None:
+            act.setShortcut(QKeySequence(shortcut))
+        act.triggered.connect(slot)
+        menu.addAction(act)
+        self.actions_by_name[name or text] = act
+        return act
+
+    def _build_menus(self) -> None:
+        self.actions_by_name: dict[str, QAction] = {}
+        mb = self.menuBar()
+        m = mb.addMenu("&File")
+        self._action(m, "&Open model…", self.open_dialog, QKeySequence.StandardKey.Open, "open")
+        self.recent_menu = m.addMenu("Recent &models")
+        self.recent_menu.aboutToShow.connect(self._fill_recent)
+        m.addSeparator()
+        self._action(m, "&Export profiler stats…", self.export_dialog, "Ctrl+E", "export")
+        m.addSeparator()
+        self._action(m, "&Quit", self.close, QKeySequence.StandardKey.Quit, "quit")
+
+        m = mb.addMenu("&Chat")
+        chat = self.ctx.chat
+        self._action(m, "&New conversation", chat.new_conversation, QKeySequence.StandardKey.New, "new")
+        self._action(m, "&Rename conversation…", self.chat.rename_current, "F2", "rename")
+        self._action(m, "&Delete conversation", self.chat.delete_current, None, "delete")
+        m.addSeparator()
+        self._action(m, "&Stop", chat.stop, "Esc", "stop")
+        self._action(m, "Re&generate", chat.regenerate, "Ctrl+R", "regenerate")
+        self._action(m, "Focus the message box", self.chat.focus_input, "Ctrl+L", "focus")
+        m.addSeparator()
+        self._action(m, "System &prompt", self.chat.show_system_prompt, None, "system")
+        self._action(m, "Sa&mpling settings…", self.sampling_dialog, "Ctrl+Shift+S", "sampling")
+
+        m = mb.addMenu("&Model")
+        self._action(m, "Model &card…", self.model_card_dialog, "Ctrl+I", "card")
+        self.actions_by_name["card"].setEnabled(False)
+        m.addSeparator()
+        for dock, key in ((self.placement_dock, "Ctrl+1"), (self.experts_dock, "Ctrl+2")):
+            act = dock.toggleViewAction()
+            act.setShortcut(QKeySequence(key))
+            m.addAction(act)
+
+        m = mb.addMenu("&Help")
+        self._action(m, "&Keyboard shortcuts", self.shortcuts_dialog, None, "shortcuts")
+        self._action(m, "&About SharpI", lambda: dialogs.about_box(self).exec(), None, "about")
+
+    def _fill_recent(self) -> None:
+        self.recent_menu.clear()
+        recent = self.settings.recent_models
+        for path in recent:
+            act = self.recent_menu.addAction(Path(path).name)
+            act.setToolTip(path)
+            act.setStatusTip(path)
+            act.triggered.connect(lambda _c=False, p=path: self.open_model(p))
+        if not recent:
+            self.recent_menu.addAction("(none)").setEnabled(False)
+
+    # -- wiring -----------------------------------------------------------------------------------------
+    def _wire(self) -> None:
+        b = self.bridge
+        b.loadStarted.connect(self._on_load_started)
+        b.loadProgress.connect(self._on_load_progress)
+        b.loaded.connect(self._on_loaded)
+        b.loadFailed.connect(self._on_load_failed)
+        b.applied.connect(self._on_applied)
+        b.warning.connect(lambda text: self.statusBar().showMessage(text, 10000))
+        b.busyChanged.connect(self._on_busy)
+        self.ctx.placement.applyFailed.connect(lambda f: dialogs.show_error(self, f))
+        self.ctx.chat.statsChanged.connect(self._render_stats)
+        self.experts_dock.panel.exportRequested.connect(self.export_dialog)
+
+    def _on_load_started(self, path: str) -> None:
+        self.progress.setRange(0, 0)
+        self.progress.setVisible(True)
+        self.statusBar().showMessage(f"Loading {Path(path).name}…")
+
+    def _on_load_progress(self, done: int, total: int, what: str) -> None:
+        self.progress.setRange(0, max(total, 1))
+        self.progress.setValue(done)
+        self.progress.setFormat(f"{what} (%p%)")
+
+    def _on_loaded(self, card: D.ModelCard, limits: D.PlacementLimits) -> None:
+        self.card, self.limits = card, limits
+        self.progress.setVisible(False)
+        self.setWindowTitle(f"{APP_NAME} — {card.name}")
+        self.statusBar().showMessage(f"Loaded {Path(card.path).name}", 5000)
+        self.settings.add_recent_model(card.path)
+        self.actions_by_name["card"].setEnabled(True)
+        self.chat.set_has_model(True)
+        self._render_stats(D.GenStats(n_ctx=card.n_ctx))
+
+    def _on_applied(self, card: D.ModelCard, limits: D.PlacementLimits) -> None:
+        self.card, self.limits = card, limits
+        self.settings.placement = limits.current
+        self.statusBar().showMessage("Placement applied", 5000)
+        self._render_stats(D.GenStats(n_ctx=card.n_ctx))
+
+    def _on_load_failed(self, failure: D.Failure) -> None:
+        self.progress.setVisible(False)
+        self.statusBar().clearMessage()
+        dialogs.show_error(self, failure)
+
+    def _on_busy(self, state: str) -> None:
+        self.placement_dock.panel.set_busy(state != "idle")
+        self.actions_by_name["open"].setEnabled(state in ("idle", "generating"))
+
+    def _render_stats(self, s: D.GenStats) -> None:
+        st = self.status
+        st["prompt"].setText(f"prompt {s.prompt_tok_s:.1f} tok/s" if s.n_prompt else "prompt — tok/s")
+        st["decode"].setText(f"decode {s.decode_tok_s:.1f} tok/s" if s.decode_tok_s else "decode — tok/s")
+        st["ttft"].setText(f"TTFT {s.ttft_s * 1000:.0f} ms" if s.ttft_s else "TTFT —")
+        n_ctx = s.n_ctx or (self.card.n_ctx if self.card else 0)
+        st["ctx"].setText(f"context {s.n_ctx_used:,} / {n_ctx:,}" if n_ctx else "context —")
+        st["placement"].setText(f"placement: {self.limits.in_force}" if self.limits else "no model")
+
+    def restyle(self, theme) -> None:
+        self.chat.restyle(theme)
+        self.placement_dock.panel.set_theme(theme)
+        self.experts_dock.panel.set_theme(theme)
+
+    # -- actions ----------------------------------------------------------------------------------------
+    def open_model(self, path: str) -> bool:
+        if not self.bridge.load(path, self.settings.n_ctx, self.settings.kv_type, self.settings.placement):
+            if self.bridge.state == "generating":
+                self.ctx.chat.stop()
+                self.statusBar().showMessage("Stopping generation; open the model again when it has stopped", 5000)
+            return False
+        return True
+
+    def open_initial(self, path: str | None = None) -> str | None:
+        """Open ``path``, else the last model, else the bundled demo model; None if there is none."""
+        candidates = [path] if path else [self.settings.last_model, self.bridge.demo_model_path()]
+        for p in candidates:
+            if p and (path or Path(p).is_file()):
+                self.open_model(p)
+                return p
+        return None
+
+    def file_dialog(self, title: str, save: bool, name_filter: str, directory: str = "") -> QFileDialog:
+        dlg = QFileDialog(self, title, directory, name_filter)
+        dlg.setAcceptMode(QFileDialog.AcceptMode.AcceptSave if save else QFileDialog.AcceptMode.AcceptOpen)
+        dlg.setFileMode(QFileDialog.FileMode.AnyFile if save else QFileDialog.FileMode.ExistingFile)
+        return dlg
+
+    def open_dialog(self) -> None:
+        last = self.settings.last_model
+        dlg = self.file_dialog(
+            "Open a GGUF model", False, "GGUF models (*.gguf);;All files (*)", str(Path(last).parent) if last else ""
+        )
+        if dlg.exec() == QDialog.DialogCode.Accepted and dlg.selectedFiles():
+            self.open_model(dlg.selectedFiles()[0])
+
+    def export_dialog(self) -> None:
+        if not self.bridge.has_model:
+            dialogs.show_error(self, D.Failure(D.ERR_NO_MODEL, "Nothing to export", "Open a model first."))
+            return
+        directory = self.settings.export_dir or str(Path.home())
+        dlg = self.file_dialog(
+            "Export profiler stats (JSON + CSV + PNG)",
+            True,
+            "Profiler stats (*.json)",
+            str(Path(directory) / "sharpi-experts"),
+        )
+        if dlg.exec() != QDialog.DialogCode.Accepted or not dlg.selectedFiles():
+            return
+        self.export_stats(dlg.selectedFiles()[0])
+
+    def export_stats(self, prefix: str) -> tuple[str, str, str] | None:
+        prefix = str(Path(prefix).with_suffix("")) if prefix.endswith(".json") else prefix
+        try:
+            paths = self.experts_dock.panel.export_to(prefix)
+        except OSError as e:
+            dialogs.show_error(self, D.Failure(D.ERR_ENGINE, "Export failed", str(e)))
+            return None
+        self.settings.export_dir = str(Path(prefix).parent)
+        self.statusBar().showMessage("Exported " + ", ".join(Path(p).name for p in paths), 8000)
+        return paths
+
+    def sampling_dialog(self) -> None:
+        dlg = dialogs.SamplingDialog(self.settings.sampling, self.bridge.default_sampling, self)
+        if dlg.exec() == QDialog.DialogCode.Accepted:
+            self.settings.sampling = dlg.values()
+
+    def model_card_dialog(self) -> None:
+        if self.card is not None:
+            ModelCardDialog(self.card, self).exec()
+
+    def shortcuts_dialog(self) -> None:
+        dialogs.ShortcutsDialog(self).exec()
+
+    # -- closing ----------------------------------------------------------------------------------------
+    def closeEvent(self, e: QCloseEvent) -> None:
+        self.settings.save_window_state(self.saveGeometry(), self.saveState())
+        self.settings.sync()
+        self.ctx.close()
+        super().closeEvent(e)

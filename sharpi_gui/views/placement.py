@@ -1,0 +1,237 @@
+"""The placement dock: VRAM and context sliders, KV-type and expert-mode selectors, the live layout
+preview with the planner's summary, and Apply. Renders a PlacementModel; every control change goes
+to the model, which re-plans (throttled) and hands back a preview to draw."""
+
+from __future__ import annotations
+
+import html
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (
+    QComboBox,
+    QDockWidget,
+    QGridLayout,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QScrollArea,
+    QSlider,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from sharpi_gui import data as D
+from sharpi_gui.theme import LIGHT, Theme
+from sharpi_gui.views.layout_view import LayoutView
+
+MODE_NAMES = {"cpu": "CPU experts", "cache": "GPU expert cache", "resident": "all experts resident", "none": "dense"}
+MOE_ITEMS = {"auto": "auto", "cpu": "CPU", "cache": "GPU cache", "resident": "resident"}
+KV_TIPS = {"f32": "4 bytes per value", "bf16": "2 bytes per value", "q8_0": "≈1.06 bytes per value (8-bit blocks)"}
+
+
+def _slider() -> QSlider:
+    s = QSlider(Qt.Orientation.Horizontal)
+    s.setTracking(True)
+    s.setEnabled(False)
+    return s
+
+
+class PlacementPanel(QWidget):
+    """The dock's contents (usable on its own, e.g. for screenshots and tests)."""
+
+    def __init__(self, model, theme: Theme = LIGHT, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.model = model
+        self.theme = theme
+        self.vram = _slider()
+        self.vram_label = QLabel("—")
+        self.ctx = _slider()
+        self.ctx_label = QLabel("—")
+        self.kv = QComboBox()
+        for k in D.KV_TYPES:
+            self.kv.addItem(k, k)
+            self.kv.setItemData(self.kv.count() - 1, KV_TIPS[k], Qt.ItemDataRole.ToolTipRole)
+        self.moe = QComboBox()
+        self.moe.setToolTip("where routed experts of GPU layers run (auto = the fastest predicted)")
+        for m in D.MOE_CHOICES:
+            self.moe.addItem(MOE_ITEMS[m], m)
+        self.gpu_layers = QSpinBox()
+        self.gpu_layers.setRange(-1, 0)
+        self.gpu_layers.setSpecialValueText("auto")
+        self.gpu_layers.setToolTip("trunk layers on the device, a prefix (auto = as many as fit)")
+        self.layout_view = LayoutView(None, theme)
+        self.summary = QLabel()
+        self.summary.setWordWrap(True)
+        self.summary.setTextFormat(Qt.TextFormat.RichText)
+        self.summary.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+        self.summary.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.apply_button = QPushButton("Apply")
+        self.apply_button.setToolTip("Re-place the loaded model as previewed (the file is not read again)")
+        self.reset_button = QPushButton("Reset")
+        self.reset_button.setToolTip("Back to the placement in force")
+        self.state_label = QLabel()
+
+        grid = QGridLayout()
+        grid.setVerticalSpacing(2)
+        grid.addWidget(QLabel("VRAM budget"), 0, 0)
+        grid.addWidget(self.vram, 0, 1, 1, 5)
+        grid.addWidget(self.vram_label, 1, 1, 1, 5)
+        grid.addWidget(QLabel("Context"), 2, 0)
+        grid.addWidget(self.ctx, 2, 1, 1, 5)
+        grid.addWidget(self.ctx_label, 3, 1, 1, 5)
+        grid.setRowMinimumHeight(4, 6)
+        grid.addWidget(QLabel("KV"), 5, 0)
+        grid.addWidget(self.kv, 5, 1)
+        grid.addWidget(QLabel("Experts"), 5, 2, Qt.AlignmentFlag.AlignRight)
+        grid.addWidget(self.moe, 5, 3)
+        grid.addWidget(QLabel("GPU layers"), 5, 4, Qt.AlignmentFlag.AlignRight)
+        grid.addWidget(self.gpu_layers, 5, 5)
+        grid.setColumnStretch(3, 1)
+        for label in (self.vram_label, self.ctx_label):
+            label.setStyleSheet("font-size: 11px;")
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.state_label, 1)
+        buttons.addWidget(self.reset_button)
+        buttons.addWidget(self.apply_button)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(8, 6, 8, 6)
+        lay.addLayout(grid)
+        lay.addWidget(self.layout_view)
+        lay.addWidget(self.summary)
+        lay.addLayout(buttons)
+        lay.addStretch(1)
+        for w in (self.kv, self.moe, self.gpu_layers, self.apply_button, self.reset_button):
+            w.setEnabled(False)
+
+        # intents -> model
+        self.vram.valueChanged.connect(self._on_vram)
+        self.ctx.valueChanged.connect(self._on_ctx)
+        self.kv.currentIndexChanged.connect(lambda _i: model.set_kv_type(self.kv.currentData()))
+        self.moe.currentIndexChanged.connect(lambda _i: model.set_moe(self.moe.currentData()))
+        self.gpu_layers.valueChanged.connect(model.set_gpu_layers)
+        self.apply_button.clicked.connect(model.apply)
+        self.reset_button.clicked.connect(model.reset)
+        # model -> rendering
+        model.limitsChanged.connect(self._render_limits)
+        model.settingsChanged.connect(self._render_settings)
+        model.previewChanged.connect(self._render_preview)
+        model.appliedChanged.connect(lambda _s: self._render_buttons())
+        self._busy = False
+
+    # -- rendering ------------------------------------------------------------------------------------
+    def set_busy(self, busy: bool) -> None:
+        self._busy = busy
+        self._render_buttons()
+
+    def set_theme(self, theme: Theme) -> None:
+        self.theme = theme
+        self.layout_view.set_theme(theme)
+        if self.model.preview is not None:
+            self._render_preview(self.model.preview)
+
+    def _render_limits(self, limits: D.PlacementLimits) -> None:
+        self.vram.blockSignals(True)
+        self.vram.setRange(0, limits.vram_max_bytes // limits.vram_step_bytes)
+        self.vram.setPageStep(max(1, self.vram.maximum() // 16))
+        self.vram.blockSignals(False)
+        self.ctx.blockSignals(True)
+        self.ctx.setRange(0, len(limits.ctx_values) - 1)
+        self.ctx.setPageStep(1)
+        self.ctx.blockSignals(False)
+        self.gpu_layers.blockSignals(True)
+        self.gpu_layers.setRange(-1, limits.n_layer)
+        self.gpu_layers.blockSignals(False)
+        self.moe.setEnabled(limits.is_moe)
+        for w in (self.vram, self.ctx, self.kv, self.gpu_layers):
+            w.setEnabled(True)
+        self.vram.setToolTip(f"{limits.device_name}: {D.human_bytes(limits.device_vram_bytes)}")
+
+    def _render_settings(self, s: D.PlanSettings) -> None:
+        limits = self.model.limits
+        if limits is None:
+            return
+        for w in (self.vram, self.ctx, self.kv, self.moe, self.gpu_layers):
+            w.blockSignals(True)
+        self.vram.setValue(round(s.vram_bytes / limits.vram_step_bytes))
+        ctx_index = min(range(len(limits.ctx_values)), key=lambda i: abs(limits.ctx_values[i] - s.ctx))
+        self.ctx.setValue(ctx_index)
+        self.kv.setCurrentIndex(max(0, self.kv.findData(s.kv_type)))
+        self.moe.setCurrentIndex(max(0, self.moe.findData(s.moe)))
+        self.gpu_layers.setValue(s.n_gpu_layers)
+        for w in (self.vram, self.ctx, self.kv, self.moe, self.gpu_layers):
+            w.blockSignals(False)
+        device = D.human_bytes(limits.device_vram_bytes)
+        self.vram_label.setText(f"{D.human_bytes(s.vram_bytes)}  ·  device {device} ({limits.device_name})")
+        self.ctx_label.setText(f"{s.ctx:,} tokens")
+        self._render_buttons()
+
+    def _render_buttons(self) -> None:
+        m = self.model
+        loaded = m.limits is not None
+        self.apply_button.setEnabled(loaded and m.dirty and not self._busy and bool(m.preview and m.preview.ok))
+        self.reset_button.setEnabled(loaded and m.dirty)
+        if not loaded:
+            self.state_label.setText("")
+        elif m.dirty:
+            self.state_label.setText("preview (not applied)")
+        else:
+            self.state_label.setText("in force")
+
+    def _render_preview(self, pv: D.PlanPreview) -> None:
+        self.layout_view.set_preview(pv)
+        t = self.theme
+        if not pv.ok:
+            self.summary.setText(f"<span style='color:{t.error}'>{html.escape(pv.error)}</span>")
+            self._render_buttons()
+            return
+        rows = []
+        for mode, tok_s in pv.predicted_tok_s:
+            name = MODE_NAMES.get(mode, mode)
+            value = "does not fit" if tok_s is None else f"{tok_s:,.1f} tok/s"
+            mark, b0, b1 = ("▶", "<b>", "</b>") if mode == pv.moe_mode else ("", "", "")
+            rows.append(
+                f"<tr><td width=14>{mark}</td><td width=170>{b0}{name}{b1}</td>"
+                f"<td align=right width=110>{b0}{value}{b1}</td></tr>"
+            )
+        small = f"<span style='color:{t.muted}; font-size:11px'>"
+        parts = [
+            "<b>Predicted decode speed</b><table cellspacing=0 cellpadding=1>" + "".join(rows) + "</table>",
+            f"{small}{html.escape(pv.moe_reason)}</span>",
+            f"{small}{html.escape(pv.layer_reason)}</span>",
+        ]
+        facts = []
+        if pv.expert_slots_needed:
+            hit = "" if pv.predicted_hit_rate is None else f", hit rate ≈ {pv.predicted_hit_rate:.0%}"
+            facts.append(f"expert slots {pv.expert_slots}/{pv.expert_slots_needed}{hit}")
+        kv = f"KV {D.human_bytes(pv.kv_bytes)} on device"
+        if pv.host_kv_bytes:
+            kv += f" + {D.human_bytes(pv.host_kv_bytes)} on host"
+        facts.append(kv)
+        if pv.recommended_ctx:
+            facts.append(f"all layers fit up to {pv.recommended_ctx:,} tokens")
+        parts.append(small + html.escape(" · ".join(facts)) + "</span>")
+        parts += [f"{small}<i>{html.escape(n)}</i></span>" for n in pv.notes]
+        self.summary.setText("<br>".join(parts))
+        self._render_buttons()
+
+    # -- intents --------------------------------------------------------------------------------------
+    def _on_vram(self, value: int) -> None:
+        if self.model.limits is not None:
+            self.model.set_vram(value * self.model.limits.vram_step_bytes)
+
+    def _on_ctx(self, index: int) -> None:
+        if self.model.limits is not None:
+            self.model.set_ctx(self.model.limits.ctx_values[index])
+
+
+class PlacementDock(QDockWidget):
+    def __init__(self, model, theme: Theme = LIGHT, parent: QWidget | None = None):
+        super().__init__("Placement", parent)
+        self.setObjectName("placement-dock")
+        self.panel = PlacementPanel(model, theme)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setWidget(self.panel)
+        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setWidget(scroll)

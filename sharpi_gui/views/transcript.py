@@ -1,0 +1,201 @@
+"""The transcript: one markdown bubble per message, the streaming reply re-rendered at most ~30 Hz."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QTextOption
+from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
+
+from sharpi_gui import data as D
+from sharpi_gui.theme import LIGHT, Theme
+
+STREAM_RENDER_MS = 33
+ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System", "notice": "SharpI"}
+
+
+class _MarkdownText(QTextBrowser):
+    """A read-only markdown view as tall as its text (the transcript scrolls, not each bubble)."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setOpenExternalLinks(True)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setWordWrapMode(QTextOption.WrapMode.WrapAtWordBoundaryOrAnywhere)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.viewport().setAutoFillBackground(False)
+        self.document().documentLayout().documentSizeChanged.connect(self._fit)
+        self.setFixedHeight(24)
+
+    def _fit(self, *_):
+        h = int(self.document().size().height()) + 4
+        if h != self.height():
+            self.setFixedHeight(h)
+
+    def resizeEvent(self, e):
+        super().resizeEvent(e)
+        self._fit()
+
+
+class MessageWidget(QFrame):
+    """One message: its role, its markdown text, and (for replies) the speed figures."""
+
+    def __init__(self, role: str, text: str, meta: dict | None, theme: Theme, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.role = role
+        self.setObjectName("bubble")
+        self.text = text
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(12, 8, 12, 8)
+        lay.setSpacing(2)
+        self.header = QLabel(ROLE_NAMES.get(role, role))
+        self.header.setObjectName("role")
+        self.body = _MarkdownText(self)
+        self.footer = QLabel()
+        self.footer.setObjectName("meta")
+        lay.addWidget(self.header)
+        lay.addWidget(self.body)
+        lay.addWidget(self.footer)
+        self.set_text(text)
+        self.set_meta(meta or {})
+        self.restyle(theme)
+
+    def set_text(self, text: str) -> None:
+        self.text = text
+        if self.role == "user":
+            self.body.setPlainText(text)  # what the user typed, exactly
+        else:
+            self.body.setMarkdown(text)
+
+    def set_meta(self, meta: dict) -> None:
+        parts = []
+        if meta.get("n_generated"):
+            parts.append(f"{meta['n_generated']} tokens")
+        if meta.get("decode_tok_s"):
+            parts.append(f"{meta['decode_tok_s']:.1f} tok/s")
+        if meta.get("ttft_s"):
+            parts.append(f"TTFT {meta['ttft_s'] * 1000:.0f} ms")
+        reason = meta.get("finish_reason")
+        if reason and reason not in ("eos", "stop"):
+            parts.append(
+                {"cancelled": "stopped", "length": "max tokens", "context": "context full"}.get(reason, reason)
+            )
+        self.footer.setText(" · ".join(parts))
+        self.footer.setVisible(bool(parts))
+
+    def restyle(self, theme: Theme) -> None:
+        bg = theme.user_bubble if self.role == "user" else theme.panel
+        fg = theme.error if self.role == "notice" else theme.foreground
+        self.setStyleSheet(
+            f"QFrame#bubble {{ background: {bg}; border-radius: 10px; }}"
+            f"QLabel#role {{ color: {theme.muted}; font-weight: 600; }}"
+            f"QLabel#meta {{ color: {theme.muted}; font-size: 11px; }}"
+            f"QTextBrowser {{ background: transparent; color: {fg}; }}"
+        )
+
+
+class TranscriptView(QScrollArea):
+    """The open conversation's messages; follows the bottom while the user has not scrolled up."""
+
+    def __init__(self, theme: Theme = LIGHT, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.theme = theme
+        self.setWidgetResizable(True)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self._box = QWidget()
+        self._lay = QVBoxLayout(self._box)
+        self._lay.setContentsMargins(16, 12, 16, 12)
+        self._lay.setSpacing(10)
+        self._lay.addStretch(1)
+        self.setWidget(self._box)
+        self.bubbles: list[MessageWidget] = []
+        self.streaming: MessageWidget | None = None
+        self._pending: str | None = None
+        self._render_timer = QTimer(self)
+        self._render_timer.setSingleShot(True)
+        self._render_timer.setInterval(STREAM_RENDER_MS)
+        self._render_timer.timeout.connect(self._render_stream)
+        self._follow = True
+        bar = self.verticalScrollBar()
+        bar.rangeChanged.connect(self._on_range)
+        bar.valueChanged.connect(self._on_scroll)
+        self.placeholder = QLabel()
+        self.placeholder.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.placeholder.setWordWrap(True)
+        self._lay.insertWidget(0, self.placeholder)
+
+    def set_placeholder(self, text: str) -> None:
+        self.placeholder.setText(text)
+        self.placeholder.setVisible(bool(text) and not self.bubbles)
+
+    # -- content ------------------------------------------------------------------------------------
+    def clear(self) -> None:
+        for b in self.bubbles:
+            b.setParent(None)
+            b.deleteLater()
+        self.bubbles, self.streaming, self._pending = [], None, None
+        self._follow = True
+        self.placeholder.setVisible(bool(self.placeholder.text()))
+
+    def set_messages(self, messages: list[D.Message]) -> None:
+        self.clear()
+        for m in messages:
+            self.add_message(m.role, m.content, m.meta)
+
+    def add_message(self, role: str, text: str, meta: dict | None = None) -> MessageWidget:
+        w = MessageWidget(role, text, meta, self.theme, self._box)
+        self._lay.insertWidget(self._lay.count() - 1, w)
+        self.bubbles.append(w)
+        self.placeholder.setVisible(False)
+        return w
+
+    def add_notice(self, text: str) -> MessageWidget:
+        return self.add_message("notice", text)
+
+    def begin_stream(self) -> None:
+        self.streaming = self.add_message("assistant", "")
+        self.streaming.footer.setText("…")
+        self.streaming.footer.setVisible(True)
+
+    def update_stream(self, text: str) -> None:
+        """Show ``text`` (the whole reply so far) in the streaming bubble, coalescing fast updates."""
+        if self.streaming is None:
+            return
+        self._pending = text
+        if not self._render_timer.isActive():
+            self._render_stream()
+            self._render_timer.start()
+
+    def _render_stream(self) -> None:
+        if self.streaming is not None and self._pending is not None:
+            self.streaming.set_text(self._pending)
+            self._pending = None
+
+    def end_stream(self, message: D.Message | None) -> None:
+        self._render_timer.stop()
+        if self.streaming is None:
+            return
+        if message is None:
+            self.bubbles.remove(self.streaming)
+            self.streaming.setParent(None)
+            self.streaming.deleteLater()
+        else:
+            self.streaming.set_text(message.content)
+            self.streaming.set_meta(message.meta)
+        self.streaming, self._pending = None, None
+
+    def restyle(self, theme: Theme) -> None:
+        self.theme = theme
+        self.placeholder.setStyleSheet(f"color: {theme.muted}; font-size: 15px;")
+        for b in self.bubbles:
+            b.restyle(theme)
+
+    # -- following the bottom -----------------------------------------------------------------------
+    def _on_scroll(self, value: int) -> None:
+        self._follow = value >= self.verticalScrollBar().maximum() - 4
+
+    def _on_range(self, _lo: int, hi: int) -> None:
+        if self._follow:
+            self.verticalScrollBar().setValue(hi)

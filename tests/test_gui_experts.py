@@ -1,0 +1,142 @@
+"""The experts dock (pytest-qt, offscreen): the heatmap shows exactly the profiler snapshot in each
+mode, refreshes at >= 4 Hz while tokens stream, and export (button and menu) writes JSON + CSV
+equal to the engine's snapshot plus a PNG of the heatmap."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pytestqt")
+
+from PySide6.QtCore import Qt  # noqa: E402
+from PySide6.QtGui import QImage  # noqa: E402
+
+from engine.plan import PlanRequest  # noqa: E402
+from sharpi_gui.data import PlanSettings  # noqa: E402
+from sharpi_gui.experts_model import POLL_MS  # noqa: E402
+from sharpi_gui.testing import GEN_TIMEOUT_MS, load, make_window, patch_dialogs, session_of  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_path(synth_model):
+    return synth_model("qwen3moe", "Q8_0", vocab=1024).path
+
+
+@pytest.fixture
+def cached(qtbot, tmp_path, model_path):
+    """A window whose model runs its experts through a small device cache, after one reply."""
+    w = make_window(qtbot, tmp_path)
+    w.settings.n_ctx = 2048
+    load(qtbot, w, model_path)
+    sess = session_of(w)
+    probe = sess.plan(PlanRequest(ctx=2048, moe="cpu"), sess.device_profile())
+    budget = probe.device.total + 5 * probe.expert_slot_bytes
+    with qtbot.waitSignal(w.bridge.applied, timeout=GEN_TIMEOUT_MS):
+        w.bridge.apply(PlanSettings(vram_bytes=budget, ctx=2048, moe="cache"))
+    w.settings.sampling = {"max_tokens": 8, "seed": 5}
+    with qtbot.waitSignal(w.bridge.finished, timeout=GEN_TIMEOUT_MS):
+        w.ctx.chat.send("Name three rivers")
+    return w
+
+
+def test_heatmap_is_the_snapshot_in_every_mode(qtbot, cached):
+    w = cached
+    panel, model = w.experts_dock.panel, w.ctx.experts
+    qtbot.waitUntil(lambda: model.frame is not None and model.frame.tokens_total > 0, timeout=1000)
+    snap = session_of(w).stats()  # idle engine: nothing changes any more
+    assert model.frame.tokens_total == snap.tokens_total
+    assert snap.resident.any() and (snap.hits.sum() > 0) and (snap.misses.sum() > 0)
+    lookups = snap.hits + snap.misses
+    expected = {
+        "heat": snap.heat,
+        "residency": snap.resident.astype(np.float64),
+        "hit": np.where(lookups > 0, snap.hits / np.maximum(lookups, 1), 0.0),
+    }
+    for mode, arr in expected.items():
+        panel.mode_box.setCurrentIndex(panel.mode_box.findData(mode))
+        assert model.mode == mode
+        shown = panel.image.image
+        assert shown.shape == (snap.n_layer, snap.n_expert)
+        np.testing.assert_array_equal(shown, arr)
+    assert "access heat" in panel.mode_box.itemText(0)
+    # Labelled axes and a colour bar.
+    assert panel.plot.getAxis("left").labelText == "layer"
+    assert panel.plot.getAxis("bottom").labelText == "expert"
+    assert panel.colorbar.levels()[1] == 1.0  # hit ratio: 0..1
+
+
+def test_live_refresh_at_4hz_while_streaming(qtbot, cached):
+    w = cached
+    model = w.ctx.experts
+    stamps = []
+    panel = w.experts_dock.panel
+    model.frameChanged.connect(lambda _f: stamps.append((time.perf_counter(), panel.renders)))
+    w.settings.sampling = {"temperature": 0.0, "max_tokens": 1800}
+    assert w.ctx.chat.send("Go on for a while")
+    assert model.live  # polling starts with the generation
+    qtbot.waitUntil(lambda: len(stamps) >= 6, timeout=GEN_TIMEOUT_MS)
+    with qtbot.waitSignal(w.bridge.finished, timeout=GEN_TIMEOUT_MS):
+        w.ctx.chat.stop()
+    assert not model.live
+    t = [s[0] for s in stamps[:6]]
+    assert 5 / (t[5] - t[0]) >= 4.0, np.diff(t)  # >= 4 redraws per second
+    assert stamps[5][1] - stamps[0][1] == 5  # each frame was drawn
+    assert POLL_MS <= 250
+
+
+def _check_export(prefix, session, panel):
+    snap = session.stats()
+    data = json.loads(Path(f"{prefix}.json").read_text())
+    assert data == json.loads(json.dumps(snap.to_dict()))
+    with open(f"{prefix}.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0][:3] == ["layer", "expert", "calls"]
+    body = [
+        [int(r[0]), int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), float(r[6]), int(r[7])] for r in rows[1:]
+    ]
+    want = [
+        [
+            lay,
+            e,
+            snap.calls[lay, e],
+            snap.hits[lay, e],
+            snap.misses[lay, e],
+            snap.uploaded_bytes[lay, e],
+            None,
+            int(snap.resident[lay, e]),
+        ]
+        for lay in range(snap.n_layer)
+        for e in range(snap.n_expert)
+    ]
+    assert [r[:6] + r[7:] for r in body] == [r[:6] + r[7:] for r in want]
+    np.testing.assert_allclose([r[6] for r in body], snap.heat.reshape(-1), rtol=1e-5)
+    png = QImage(f"{prefix}.png")
+    assert not png.isNull() and png.width() == panel.heatmap.width()
+
+
+def test_export_from_the_button_and_the_menu(qtbot, cached, tmp_path, monkeypatch):
+    rec = patch_dialogs(monkeypatch)
+    w = cached
+    panel = w.experts_dock.panel
+    sess = session_of(w)
+    assert panel.export_button.isEnabled()
+    rec.files.append(str(tmp_path / "button.json"))
+    qtbot.mouseClick(panel.export_button, Qt.MouseButton.LeftButton)
+    _check_export(tmp_path / "button", sess, panel)
+    rec.files.append(str(tmp_path / "menu"))
+    w.actions_by_name["export"].trigger()
+    _check_export(tmp_path / "menu", sess, panel)
+    assert w.settings.export_dir == str(tmp_path)
+    assert "menu.png" in w.statusBar().currentMessage()
+    # Cancelling the dialog writes nothing.
+    w.actions_by_name["export"].trigger()
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["button.json", "menu.json"]

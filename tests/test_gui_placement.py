@@ -1,0 +1,185 @@
+"""The placement dock (pytest-qt, offscreen): sliders re-plan within 200 ms (throttled, latest wins),
+the preview is the engine planner's placement, Apply re-places without reloading, and errors
+(an impossible request, out of memory on Apply) are shown without harm."""
+
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import pytest
+
+pytest.importorskip("pytestqt")
+
+from PySide6.QtCore import Qt  # noqa: E402
+
+from engine.errors import DeviceMemoryError  # noqa: E402
+from engine.plan import PlanRequest  # noqa: E402
+from sharpi_gui import data as D  # noqa: E402
+from sharpi_gui.placement_model import REPLAN_MS  # noqa: E402
+from sharpi_gui.testing import GEN_TIMEOUT_MS, load, make_window, patch_dialogs, session_of  # noqa: E402
+from sharpi_gui.views.layout_view import bar_spans  # noqa: E402
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def model_path(synth_model):
+    return synth_model("qwen3moe", "Q8_0", vocab=1024).path
+
+
+@pytest.fixture
+def loaded(qtbot, tmp_path, model_path):
+    w = make_window(qtbot, tmp_path)
+    w.settings.n_ctx = 1024
+    load(qtbot, w, model_path)
+    return w
+
+
+def _engine_plan(window, s: D.PlanSettings):
+    sess = session_of(window)
+    source = "" if s.moe == "auto" else "the expert-mode selector"  # named in the planner's reason
+    req = PlanRequest(ctx=s.ctx, kv_type=s.kv_type, n_gpu_layers=s.n_gpu_layers, moe=s.moe, moe_source=source)
+    return sess.plan(req, sess.device_profile().with_budget(s.vram_bytes))
+
+
+def test_slider_updates_the_layout_within_200ms_and_latest_wins(qtbot, loaded):
+    w = loaded
+    panel, model = w.placement_dock.panel, w.ctx.placement
+    view = panel.layout_view
+    limits = model.limits
+    assert panel.vram.maximum() == limits.vram_max_bytes // limits.vram_step_bytes
+    qtbot.waitUntil(lambda: view.renders > 0, timeout=1000)
+    renders = view.renders
+    target = panel.vram.maximum() // 2
+    t0 = time.perf_counter()
+    panel.vram.setValue(target)  # what a slider drag emits
+    qtbot.waitUntil(
+        lambda: view.preview.settings.vram_bytes == target * limits.vram_step_bytes and view.renders > renders,
+        timeout=200,
+    )
+    assert time.perf_counter() - t0 < 0.2
+
+    # A fast drag: many values within one throttle window make one immediate and one trailing plan.
+    replans = model.replans
+    t0 = time.perf_counter()
+    for v in range(target, target - 40, -1):
+        panel.vram.setValue(v)
+    last = (target - 39) * limits.vram_step_bytes
+    assert model.replans - replans <= 1  # the rest waits for the trailing re-plan
+    qtbot.waitUntil(lambda: view.preview.settings.vram_bytes == last, timeout=REPLAN_MS + 200)
+    assert time.perf_counter() - t0 < (REPLAN_MS + 200) / 1000
+    assert model.replans - replans <= 2
+    assert panel.vram_label.text().startswith(D.human_bytes(last))
+
+
+def test_preview_is_the_engine_plan(qtbot, loaded):
+    w = loaded
+    panel, model = w.placement_dock.panel, w.ctx.placement
+    limits = model.limits
+    # Context, KV type and expert mode each re-plan too.
+    panel.ctx.setValue(limits.ctx_values.index(512))
+    panel.kv.setCurrentIndex(panel.kv.findData("bf16"))
+    panel.vram.setValue(panel.vram.maximum())
+    qtbot.waitUntil(lambda: model.preview.settings == model.settings, timeout=REPLAN_MS + 200)
+    s = model.settings
+    assert (s.ctx, s.kv_type, s.vram_bytes) == (512, "bf16", limits.vram_max_bytes)
+    for moe in ("auto", "cpu", "cache", "resident"):
+        panel.moe.setCurrentIndex(panel.moe.findData(moe))
+        qtbot.waitUntil(lambda m=moe: model.preview.settings.moe == m, timeout=REPLAN_MS + 200)
+        pv = model.preview
+        p = _engine_plan(w, pv.settings)
+        assert pv.ok, pv.error
+        assert dict(pv.segments) == {k: getattr(p.device, k) for k, _ in D.SEGMENTS}
+        assert pv.free_bytes == p.budget_bytes - p.device.total
+        assert [(c.device, c.experts, c.trunk_bytes, c.kv_bytes) for c in pv.layers] == [
+            (x.device, x.experts, x.trunk_bytes, x.kv_bytes) for x in p.layers
+        ]
+        assert pv.moe_mode == p.moe_mode and pv.moe_reason == p.moe_reason
+        assert dict(pv.predicted_tok_s) == p.predicted_tok_s
+        # The summary names the chosen mode's speed; the layout view draws this preview.
+        assert panel.layout_view.preview is pv
+        chosen = dict(pv.predicted_tok_s)[pv.moe_mode]
+        assert f"{chosen:,.1f} tok/s" in panel.summary.text()
+
+
+def test_bar_is_linear_unless_the_overhead_dominates():
+    segs = (("reserve", 100), ("scratch", 0), ("trunk", 300), ("kv", 100), ("globals", 0), ("experts", 500))
+    spans, cut = bar_spans(segs, 2000, 1000.0)
+    assert cut is None and [(k, round(a), round(b)) for k, a, b in spans] == [
+        ("reserve", 0, 50),
+        ("trunk", 50, 200),
+        ("kv", 200, 250),
+        ("experts", 250, 500),
+    ]
+    spans, cut = bar_spans((("reserve", 900), ("trunk", 50)), 1000, 1000.0)
+    assert cut == pytest.approx(180.0)  # overhead squeezed to 18 % behind a break
+    assert spans[1][2] - spans[1][1] == pytest.approx(50 / 100 * 820)
+
+
+def test_impossible_request_is_inline_and_cannot_be_applied(qtbot, loaded):
+    w = loaded
+    panel, model = w.placement_dock.panel, w.ctx.placement
+    panel.moe.setCurrentIndex(panel.moe.findData("resident"))
+    panel.vram.setValue(panel.vram.minimum())
+    qtbot.waitUntil(lambda: model.preview.settings == model.settings, timeout=REPLAN_MS + 200)
+    assert not model.preview.ok and "resident" in model.preview.error
+    assert "resident" in panel.summary.text()
+    assert not panel.apply_button.isEnabled()
+
+
+def test_apply_replaces_the_model_without_reloading(qtbot, loaded):
+    w = loaded
+    panel, model = w.placement_dock.panel, w.ctx.placement
+    before = session_of(w)
+    assert before.placement is None and w.status["placement"].text() == "placement: CPU only"
+    step = model.limits.vram_step_bytes
+    # A budget that fits the trunk and a few expert slots; the cache mode.
+    probe = _engine_plan(w, D.PlanSettings(vram_bytes=model.limits.vram_max_bytes, ctx=1024, moe="cpu"))
+    budget = probe.device.total + 3 * probe.expert_slot_bytes
+    panel.vram.setValue(-(-budget // step))
+    panel.moe.setCurrentIndex(panel.moe.findData("cache"))
+    qtbot.waitUntil(lambda: model.preview.settings == model.settings and panel.apply_button.isEnabled(), timeout=1000)
+    assert panel.state_label.text() == "preview (not applied)"
+    with qtbot.waitSignal(w.bridge.applied, timeout=GEN_TIMEOUT_MS):
+        qtbot.mouseClick(panel.apply_button, Qt.MouseButton.LeftButton)
+    after = session_of(w)
+    assert after is before  # re-placed, not reloaded
+    assert after.placement.moe_mode == "cache" and after.placement.budget_bytes == model.settings.vram_bytes
+    assert "experts: cache" in w.status["placement"].text()
+    assert panel.state_label.text() == "in force" and not panel.apply_button.isEnabled()
+    assert w.settings.placement.moe == "cache"
+    # It still answers, now through the expert cache.
+    w.settings.sampling = {"max_tokens": 8, "seed": 3}
+    with qtbot.waitSignal(w.bridge.finished, timeout=GEN_TIMEOUT_MS):
+        w.ctx.chat.send("hello")
+    snap = after.stats()
+    assert snap.hits.sum() + snap.misses.sum() > 0 and snap.resident.any()
+
+
+def test_out_of_memory_on_apply_shows_a_dialog_and_keeps_the_placement(qtbot, loaded, monkeypatch):
+    rec = patch_dialogs(monkeypatch)
+    w = loaded
+    panel, model = w.placement_dock.panel, w.ctx.placement
+    sess = session_of(w)
+
+    def oom(placement):
+        raise DeviceMemoryError(
+            "CUDA out of memory (tried to allocate 2.00 GiB); the previous placement stays in force"
+        )
+
+    monkeypatch.setattr(sess, "apply", oom)
+    panel.moe.setCurrentIndex(panel.moe.findData("cpu"))
+    qtbot.waitUntil(lambda: panel.apply_button.isEnabled(), timeout=1000)
+    with qtbot.waitSignal(w.bridge.applyFailed, timeout=GEN_TIMEOUT_MS) as failed:
+        panel.apply_button.click()
+    assert failed.args[0].kind == D.ERR_OUT_OF_MEMORY
+    box = rec.errors()[-1]
+    assert box.objectName() == "error-out-of-memory" and "out of memory" in box.informativeText()
+    assert sess.placement is None and w.bridge.state == "idle"
+    assert model.dirty and panel.state_label.text() == "preview (not applied)"
+    w.settings.sampling = {"max_tokens": 2}
+    with qtbot.waitSignal(w.bridge.finished, timeout=GEN_TIMEOUT_MS):
+        assert w.ctx.chat.send("still here?")

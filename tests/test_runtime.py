@@ -146,3 +146,19 @@ def test_apply_out_of_memory_keeps_the_previous_placement(paths):
             s.generate(prompt_ids=tokens, params=__import__("engine.generate", fromlist=["x"]).SamplingParams.greedy(3))
         )
         assert events[-1].done
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantized_model_on_the_device_matches_exact_float_cpu(tmp_path, device):
+    """Q4_K/Q6_K trunk and experts computed from raw bytes on the device (fused Triton GEMV on a
+    GPU, the torch reference here) agree with the CPU engine's exact-float kernels."""
+    path = write_model(tmp_path / "q.gguf", "qwen3moe", seed=4, layers=2, weight_type="Q4_K",
+                       type_overrides={"*ffn_down*": "Q6_K"}).path  # fmt: skip
+    tokens = random_tokens(12, 1024, seed=8)
+    with Session.load(str(path), LoadOptions(n_ctx=CTX, device=device, q8_act=False)) as s:
+        ref = s.logits(tokens, batch=False)
+        L, E = s.args.n_layer, s.args.n_expert
+        for moe in ("cache", "resident"):
+            s.apply(s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe=moe), _profile_for(s, n_gpu_layers=L, slots=L * E)))
+            got = s.logits(tokens, batch=False)
+            assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max(), (moe, np.abs(got - ref).max())

@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--variant", choices=("q8", "exact", "both"), default="both", help="activation handling to time")
     k.add_argument("--reps", type=int, default=40, help="timed repetitions per workload (median reported)")
     k.set_defaults(func=run_kernels)
+    dk = what.add_parser("device-kernels", help="fused Triton GEMV GB/s on the GPU vs its bandwidth and the torch path")
+    dk.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    dk.set_defaults(func=run_device_kernels)
 
 
 def run_kernels(args: argparse.Namespace) -> int:
@@ -110,4 +113,27 @@ def run_model(args: argparse.Namespace) -> int:
         )
     elif args.vs_llama_cpp:
         print("llama.cpp  not installed (pip install llama-cpp-python)")
+    return 0
+
+
+def run_device_kernels(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.runtime import triton_gemv
+
+    if not torch.cuda.is_available() or not triton_gemv.available():
+        raise UsageError("sharpi bench device-kernels needs a CUDA GPU and Triton")
+    from engine.bench import device_kernels
+
+    rep = device_kernels.run()
+    if args.json:
+        print(json.dumps(rep, indent=2))
+        return 0
+    print(f"{rep['device']}: measured copy bandwidth {rep['bandwidth_gb_s']:.0f} GB/s")
+    for t, r in rep["types"].items():
+        for w, v in r.items():
+            print(
+                f"{t:<5} {w:<8} fused {v['fused_s'] * 1e6:8.1f} us  {v['gb_s']:7.1f} GB/s ({v['fraction']:.0%})  "
+                f"torch reference {v['reference_s'] * 1e6:9.1f} us  speedup {v['speedup']:.1f}x"
+            )
     return 0

@@ -8,6 +8,7 @@ placement's byte budget, so a test can pin what the runtime allocates to what th
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 import numpy as np
@@ -16,7 +17,21 @@ import torch
 from engine.errors import DeviceMemoryError
 from engine.kernels.prepare import PreparedWeight
 from engine.models.weights import Weights
+from engine.quant.formats import QType
+from engine.runtime import triton_gemv
 from engine.runtime.tdequant import dequantize
+
+TRITON_MAX_T = 8  # rows of X up to which the fused GEMV beats dequantize + matmul
+
+
+def fused_kernels(device: torch.device, qtype: QType) -> bool:
+    """Whether the Triton GEMV serves ``qtype`` on ``device`` (``SHARPI_DEVICE_KERNELS=reference``
+    forces the torch reference; ``TRITON_INTERPRET=1`` runs Triton on the CPU, for tests)."""
+    if os.environ.get("SHARPI_DEVICE_KERNELS", "").lower() == "reference" or not triton_gemv.available():
+        return False
+    on = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return on and QType(qtype) in triton_gemv.SUPPORTED
+
 
 KINDS = ("reserve", "scratch", "trunk", "kv", "globals", "experts")
 
@@ -80,8 +95,12 @@ class DeviceLinear:
         return self.rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        W = dequantize(self.raw, self.qtype, self.n)  # [rows, n] f32
-        y = x.to(self.raw.device) @ W.T
+        x = x.to(self.raw.device)
+        if x.shape[0] <= TRITON_MAX_T and fused_kernels(self.raw.device, self.qtype):
+            zeros = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+            y = triton_gemv.gemv(self.raw.reshape(-1), zeros, x.contiguous(), self.qtype, self.rows, self.n)
+        else:
+            y = x @ dequantize(self.raw, self.qtype, self.n).T  # reference: [rows, n] f32, then matmul
         return y + self.bias if self.bias is not None else y
 
 

@@ -17,7 +17,8 @@ from engine import ops
 from engine.experts import ExpertBackend, ExpertStacks
 from engine.models.layers import silu_mul
 from engine.plan.sizing import SlotLayout
-from engine.runtime.device import DeviceArena, raw_bytes
+from engine.runtime import triton_gemv
+from engine.runtime.device import TRITON_MAX_T, DeviceArena, fused_kernels, raw_bytes
 from engine.runtime.slru import SegmentedLRU
 from engine.runtime.tdequant import dequantize
 
@@ -55,6 +56,10 @@ class CachedExperts(ExpertBackend):
         self._staging: torch.Tensor | None = None  # pinned [max_uploads, stride] on CUDA
         self._staged = 0  # staging rows in use since the last drain
         self._copies_done: torch.cuda.Event | None = None
+        # Layers whose three roles the fused Triton GEMV can read in place.
+        self._fused = {
+            i: all(fused_kernels(self.device, getattr(s, r).qtype) for r in ROLES) for i, s in stacks.items()
+        }
 
     # -- slots ----------------------------------------------------------------------------------
     def _upload(self, layer: int, e: int, working: set) -> bool:
@@ -154,8 +159,18 @@ class CachedExperts(ExpertBackend):
             return y
         w = weights.to(x.device)
         t_idx, k_idx = np.nonzero(np.isin(ids_h, list(hit_set)))  # pairs, token-major
+        if len(t_idx) <= TRITON_MAX_T * 8 and self._fused[layer]:
+            # Decode, fused: one Triton launch per role reads each pair's slot bytes in place.
+            slots = torch.tensor(
+                [self.slru.slot((layer, int(ids_h[t, k]))) for t, k in zip(t_idx, k_idx)], dtype=torch.int64
+            ).to(self.device)
+            xp = x[torch.from_numpy(t_idx).to(x.device)]  # [P, D]
+            h = silu_mul(self._role_gemv(layer, "gate", slots, xp), self._role_gemv(layer, "up", slots, xp))
+            out = self._role_gemv(layer, "down", slots, h)  # [P, D]
+            wp = w[torch.from_numpy(t_idx).to(x.device), torch.from_numpy(k_idx).to(x.device)]
+            return y.index_add_(0, torch.from_numpy(t_idx).to(x.device), out * wp[:, None])
         if len(t_idx) <= 64:
-            # Decode: gather the pairs' slots and run them as one batched matmul per role.
+            # Decode, reference: gather the pairs' slots and run one batched matmul per role.
             slots = torch.tensor([self.slru.slot((layer, int(ids_h[t, k]))) for t, k in zip(t_idx, k_idx)])
             g, u, d = self._slot_matrices(layer, slots.to(self.device))  # [P, F, D], [P, F, D], [P, D, F]
             xp = x[torch.from_numpy(t_idx).to(x.device)][:, :, None]  # [P, D, 1]
@@ -170,6 +185,12 @@ class CachedExperts(ExpertBackend):
             out = silu_mul(x[ti] @ g[0].T, x[ti] @ u[0].T) @ d[0].T
             y.index_add_(0, ti, out * w[ti, ki][:, None])
         return y
+
+    def _role_gemv(self, layer: int, role: str, slots: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+        """[P, rows]: the role's matrix of each pair's slot times that pair's row of X (fused kernel)."""
+        w = getattr(self.stacks[layer], role)
+        offsets = slots * self.layout.stride + self.layout.role_offset[role]
+        return triton_gemv.gemv(self.pool, offsets, X, w.qtype, w.rows, w.n)
 
     def _slot_matrices(self, layer: int, slots: torch.Tensor) -> list[torch.Tensor]:
         """Dequantized gate, up [P, F, D] and down [P, D, F] of the experts in ``slots``."""

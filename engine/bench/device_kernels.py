@@ -46,26 +46,31 @@ def _random_blocks(qtype: QType, rows: int, n: int) -> torch.Tensor:
     return torch.from_numpy(blocks.reshape(-1)).cuda()
 
 
+def _workload(qtype: QType, rows: int, n: int, E: int, P: int, reps: int) -> dict:
+    """P matrices [rows, n] of a stack of E, read in place through byte offsets."""
+    pool = _random_blocks(qtype, E * rows, n)
+    row_bytes = block_format(qtype).row_bytes(n)
+    ids = torch.arange(P, dtype=torch.int64, device="cuda") * (E // P)
+    offs = ids * rows * row_bytes
+    X = torch.randn(P, n, device="cuda")
+    W = pool.view(E * rows, row_bytes)
+    fused = _timed(lambda: triton_gemv.gemv(pool, offs, X, qtype, rows, n), reps)
+
+    def reference():
+        for p in range(P):
+            e = int(ids[p])
+            dequantize(W[e * rows : (e + 1) * rows], qtype, n) @ X[p]
+
+    ref = _timed(reference, max(5, reps // 5))
+    nbytes = P * rows * row_bytes
+    return {"fused_s": fused, "reference_s": ref, "gb_s": nbytes / fused / 1e9, "speedup": ref / fused}
+
+
 def bench_type(qtype: QType, reps: int = 50) -> dict:
-    out = {}
-    for label, rows, n, E, P in (("trunk", 4096, 2048, 1, 1), ("experts", 768, 2048, 64, 8)):
-        pool = _random_blocks(qtype, E * rows, n)
-        row_bytes = block_format(qtype).row_bytes(n)
-        ids = torch.arange(P, dtype=torch.int64, device="cuda") * (E // P)
-        offs = ids * rows * row_bytes
-        X = torch.randn(P, n, device="cuda")
-        fused = _timed(lambda: triton_gemv.gemv(pool, offs, X, qtype, rows, n), reps)
-        W = pool.view(E * rows, row_bytes)
-
-        def reference():
-            for p in range(P):
-                e = int(ids[p])
-                dequantize(W[e * rows : (e + 1) * rows], qtype, n) @ X[p]
-
-        ref = _timed(reference, max(5, reps // 5))
-        nbytes = P * rows * row_bytes
-        out[label] = {"fused_s": fused, "reference_s": ref, "gb_s": nbytes / fused / 1e9, "speedup": ref / fused}
-    return out
+    return {
+        "trunk": _workload(qtype, 4096, 2048, 1, 1, reps),
+        "experts": _workload(qtype, 768, 2048, 64, 8, reps),
+    }
 
 
 def run(types=triton_gemv.SUPPORTED) -> dict:

@@ -93,6 +93,8 @@ MiB = 1 << 20
 _CTX_LADDER = tuple(sorted({2**k for k in range(8, 21)} | {3 * 2**k for k in range(7, 20)}))
 # The VRAM slider ends this far above what the whole model needs (when the device has more).
 _VRAM_HEADROOM = 1.25
+AUTO_CTX_MAX = 8192  # an automatic context: the training context, at most this (KV memory)
+AUTO_CTX_PROBE = 256  # the context an automatic-context load starts with, before re-placing
 SAMPLING_KEYS = (
     "temperature",
     "top_k",
@@ -252,14 +254,14 @@ def _limits(session: Session, spec: ModelSpec, profile: DeviceProfile) -> D.Plac
     step = max(MiB, 1 << max(0, (max(vram_max, 1) // 1024).bit_length() - 1))
     vram_max = max(step, vram_max // step * step)
     placement = getattr(session, "placement", None)
-    if placement is not None:
+    if placement is not None and placement.n_gpu_layers > 0:
         current = D.PlanSettings(
             vram_bytes=min(placement.budget_bytes, vram_max),
             ctx=placement.ctx,
             kv_type=placement.kv_type,
         )
         in_force = f"{placement.n_gpu_layers}/{placement.n_layer} layers on the device · experts: {placement.moe_mode}"
-    else:
+    else:  # nothing on the device (the budget slider starts at the top: what it could have)
         current = D.PlanSettings(vram_bytes=vram_max, ctx=session.n_ctx, kv_type=session.kv_type)
         in_force = "CPU only"
     return D.PlacementLimits(
@@ -308,13 +310,15 @@ class _Worker(QObject):
 
     @Slot(str, int, str, object)
     def load(self, path: str, n_ctx: int, kv_type: str, placement: D.PlanSettings | None) -> None:
-        """Open ``path``; place it as ``placement`` asks (vram_bytes, moe, n_gpu_layers), else on
-        the GPU when there is one (as ``sharpi run``), else everything on the CPU."""
+        """Open ``path`` with ``n_ctx`` tokens of context (0 = the model's training context, at most
+        AUTO_CTX_MAX); place it as ``placement`` asks (vram_bytes, moe, n_gpu_layers), else on the
+        GPU when there is one (as ``sharpi run``), else everything on the CPU."""
         title = f"Could not open {Path(path).name}"
         try:
             session = Session.load(
                 path,
-                LoadOptions(n_ctx=n_ctx, kv_type=kv_type or None),
+                # An automatic context is known only once the header is read: start small, re-place.
+                LoadOptions(n_ctx=n_ctx if n_ctx > 0 else AUTO_CTX_PROBE, kv_type=kv_type or None),
                 progress=lambda done, total, what: self.progress.emit(done, total, what),
             )
         except BaseException as e:  # noqa: BLE001 - every failure becomes a dialog, never a crash
@@ -324,7 +328,8 @@ class _Worker(QObject):
         try:
             spec = session.spec
             profile = _device_profile(session)
-            self._initial_placement(session, profile, placement)
+            ctx = n_ctx if n_ctx > 0 else min(spec.n_ctx_train, AUTO_CTX_MAX)
+            self._initial_placement(session, profile, placement, ctx)
             loaded = _Loaded(session, spec, profile, _card(session, spec), _limits(session, spec, profile))
         except BaseException as e:  # noqa: BLE001
             session.close()
@@ -336,16 +341,24 @@ class _Worker(QObject):
             old.session.close()
         self.loaded.emit(loaded)
 
-    def _initial_placement(self, session: Session, profile: DeviceProfile, saved: D.PlanSettings | None) -> None:
-        if saved is None and session.device.type != "cuda":
+    def _initial_placement(
+        self, session: Session, profile: DeviceProfile, saved: D.PlanSettings | None, ctx: int
+    ) -> None:
+        cpu_only = D.PlanSettings(vram_bytes=0, ctx=ctx, kv_type=session.kv_type, n_gpu_layers=0)
+        if saved is not None:
+            wanted = replace(saved, ctx=ctx, kv_type=session.kv_type)
+        elif session.device.type == "cuda":
+            wanted = D.PlanSettings(vram_bytes=profile.vram_bytes, ctx=ctx, kv_type=session.kv_type)
+        elif ctx != session.n_ctx:
+            wanted = cpu_only  # only the context changes
+        else:
             return
-        if saved is None:
-            saved = D.PlanSettings(vram_bytes=profile.vram_bytes, ctx=session.n_ctx, kv_type=session.kv_type)
-        settings = replace(saved, ctx=session.n_ctx, kv_type=session.kv_type)
         try:
-            session.apply(session.plan(_request(settings), profile.with_budget(settings.vram_bytes)))
+            session.apply(session.plan(_request(wanted), profile.with_budget(wanted.vram_bytes)))
         except SharpIError as e:
             self.warning.emit(f"The saved placement could not be applied ({e}); the model runs on the CPU.")
+            if ctx != session.n_ctx:
+                session.apply(session.plan(_request(cpu_only), profile.with_budget(0)))
 
     @Slot(int, object, object)
     def generate(self, rid: int, messages: list, sampling: dict) -> None:
@@ -482,7 +495,7 @@ class EngineBridge(QObject):
             self.busyChanged.emit(state)
 
     # -- requests -------------------------------------------------------------------------------
-    def load(self, path: str, n_ctx: int = 4096, kv_type: str = "", placement: D.PlanSettings | None = None) -> bool:
+    def load(self, path: str, n_ctx: int = 0, kv_type: str = "", placement: D.PlanSettings | None = None) -> bool:
         """Start loading ``path`` on the worker; False if the engine is busy. ``placement``: the
         budget, expert mode and GPU layers to place it with (None: the GPU if any, else the CPU)."""
         if self._state != IDLE:
@@ -572,6 +585,7 @@ class EngineBridge(QObject):
         self._doClose.emit()
         self._thread.quit()
         self._thread.wait()
+        gc.unfreeze()  # let the interpreter's exit free what preload_engine froze (else nanobind reports leaks)
 
     # -- worker results -------------------------------------------------------------------------
     def _on_loaded(self, loaded: _Loaded) -> None:

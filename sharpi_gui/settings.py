@@ -15,7 +15,7 @@ from sharpi_gui.data import MOE_CHOICES, PlanSettings
 ORGANIZATION = "SharpI"
 APPLICATION = "SharpI"
 MAX_RECENT = 8
-DEFAULT_CTX = 4096
+AUTO_CTX = 0  # the model's training context (capped by the bridge)
 
 
 class Settings:
@@ -63,7 +63,9 @@ class Settings:
 
     @property
     def n_ctx(self) -> int:
-        return max(8, self._get("models/n_ctx", DEFAULT_CTX, int))
+        """Context to load models with; 0 = automatic (the model's own)."""
+        v = self._get("models/n_ctx", AUTO_CTX, int)
+        return v if v >= 8 else AUTO_CTX
 
     @n_ctx.setter
     def n_ctx(self, value: int) -> None:

@@ -30,12 +30,16 @@ _COLORMAPS = {"heat": "inferno", "residency": "viridis", "hit": "viridis"}
 _SERIES = (("tok_s", "decode tok/s"), ("hit_rate", "hit rate"), ("upload_mb_s", "upload MB/s"))
 
 
+_NICE = (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.5, 10.0)
+
+
 def _nice_ceiling(x: float) -> float:
-    """The smallest 1, 2 or 5 x 10^k that is >= x (and >= 1)."""
+    """The smallest 1, 1.5, 2, 3, 4, 5 or 7.5 x 10^k that is >= x (and >= 1): a scale that moves
+    rarely yet never leaves the data in less than ~2/3 of it."""
     if x <= 1.0:
         return 1.0
     k = 10.0 ** np.floor(np.log10(x))
-    for m in (1.0, 2.0, 5.0, 10.0):
+    for m in _NICE:
         if m * k >= x:
             return m * k
     return 10.0 * k

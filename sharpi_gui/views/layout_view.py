@@ -13,7 +13,7 @@ from sharpi_gui.theme import DEVICE_COLORS, EXPERT_COLORS, LIGHT, SEGMENT_COLORS
 
 _PAD = 6
 _BAR_H = 22
-_CELL_H = 12
+_CELL_H = 15
 _LEGEND_ROW = 17
 _LEGEND_COLS = 3
 OVERHEAD = ("reserve", "scratch")  # fixed costs of using the device at all

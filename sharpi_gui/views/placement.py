@@ -145,6 +145,7 @@ class PlacementPanel(QWidget):
         self.moe.setEnabled(limits.is_moe)
         for w in (self.vram, self.ctx, self.kv, self.gpu_layers):
             w.setEnabled(True)
+        self.ctx.setEnabled(len(limits.ctx_values) > 1)
         self.vram.setToolTip(f"{limits.device_name}: {D.human_bytes(limits.device_vram_bytes)}")
 
     def _render_settings(self, s: D.PlanSettings) -> None:
@@ -173,6 +174,8 @@ class PlacementPanel(QWidget):
         self.reset_button.setEnabled(loaded and m.dirty)
         if not loaded:
             self.state_label.setText("")
+        elif m.dirty and self._busy:
+            self.state_label.setText("preview (apply when the engine is idle)")
         elif m.dirty:
             self.state_label.setText("preview (not applied)")
         else:

@@ -46,9 +46,10 @@ def moe_ffn(
         g, u, d = (w.raw.reshape(E, w.rows, -1) for w in (gate, up, down))
         qts = (gate.qtype, up.qtype, down.qtype)
         return np.stack([ref.moe_ffn_ref(qts, g, u, d, X[t], ids[t], weights[t], q8_act=q8_act) for t in range(len(X))])
-    from engine.kernels.moe import moe_ffn as moe_ffn_token
+    if X.shape[0] == 1:  # decode: the fused per-token kernel
+        from engine.kernels.moe import moe_ffn as moe_ffn_token
 
-    Y = np.empty((X.shape[0], down.rows), np.float32)
-    for t in range(X.shape[0]):  # the kernels take one token; grouped prefill is a later step
-        Y[t] = moe_ffn_token(gate, up, down, X[t], ids[t], weights[t], q8_act=q8_act)
-    return Y
+        return moe_ffn_token(gate, up, down, X[0], ids[0], weights[0], q8_act=q8_act)[None, :]
+    from engine.kernels.grouped import grouped_moe_ffn  # prefill: each selected expert once
+
+    return grouped_moe_ffn(gate, up, down, X, ids, weights, q8_act=q8_act)

@@ -16,6 +16,62 @@ import numpy as np
 
 from engine.generate import SamplingParams
 
+# The benchmark files of docs/benchmarks.md: all matrices Q4_K, norms and routers F32.
+BENCH_GEOMETRIES: dict[str, tuple[str, dict]] = {
+    # ≈2.97 GB, ≈556 MB of weights read per decoded token
+    "qwen3moe-q4k": (
+        "qwen3moe",
+        dict(layers=16, hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=64, experts_used=8,
+             expert_ff=768, vocab=32768, rope_base=1e6),
+    ),
+    # OLMoE-1B-7B geometry (no top-k renormalisation)
+    "olmoe-q4k": (
+        "olmoe",
+        dict(layers=16, hidden=2048, heads=16, kv_heads=16, head_dim=128, experts=64, experts_used=8,
+             expert_ff=1024, vocab=50304, rms_eps=1e-5),
+    ),
+}  # fmt: skip
+
+
+def write_bench_model(path, name: str, weight_type: str = "Q4_K", seed: int = 0):
+    """Write benchmark file ``name`` (a key of :data:`BENCH_GEOMETRIES`) to ``path`` in minutes.
+
+    The header and tensor table are the synthesizer's; the data are random well-scaled blocks
+    (``engine.synth.fill``) instead of quantized random floats (~10 min for 3 GB): right for
+    speed and memory work, useless for accuracy work. Returns the path.
+    """
+    from pathlib import Path
+
+    from gguf import GGUFWriter
+
+    from engine.synth.encode import parse_qtype, plan_types
+    from engine.synth.fill import fill_random_blocks
+    from engine.synth.metadata import write_hparams
+    from engine.synth.specs import make_spec, tensor_layout
+    from engine.synth.tokenizer import build_vocab, write_tokenizer
+
+    arch, geometry = BENCH_GEOMETRIES[name]
+    spec = make_spec(arch, **geometry)
+    plans = plan_types(tensor_layout(spec), weight_type)
+    path = Path(path)
+    w = GGUFWriter(path, arch)
+    write_hparams(w, spec, name=f"benchmark {name}", file_type=parse_qtype(weight_type))
+    write_tokenizer(w, build_vocab("bpe", spec.vocab, None))
+    end = 0
+    for p in plans:
+        w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), p.nbytes, raw_dtype=p.qtype)
+        end += GGUFWriter.ggml_pad(p.nbytes, w.data_alignment)
+    w.write_header_to_file(path)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    assert w.fout is not None
+    f = w.fout[0]
+    f.flush()
+    f.truncate(GGUFWriter.ggml_pad(f.tell(), w.data_alignment) + end)
+    w.close()
+    fill_random_blocks(path, seed=seed)
+    return path
+
 
 def bytes_per_token(session) -> int:
     """Weight bytes one decode token reads: trunk, K of E experts per MoE layer, the output."""

@@ -1,0 +1,304 @@
+"""Routed experts for a batch of tokens, grouped by expert (prefill, speculative verification).
+
+Per token, the K chosen experts' gate/up/down rows are read once per token; for a batch of T
+tokens that re-reads each selected expert up to T times. Here the (token, slot) pairs of the batch
+are bucketed by expert (CSR: ``offsets`` [E+1], ``pairs`` [T·K] sorted by expert, token-major
+within an expert), and every selected expert runs once over all its tokens: each weight row is
+decoded once per four tokens (the ``_dot4_*`` row kernels of ``kquants``/``legacy``).
+
+The result is bit-identical to :func:`engine.kernels.moe.moe_ffn` called token by token: the same
+row dot products (one-token and four-token kernels agree bit for bit), the same SiLU expression,
+h quantized row by row exactly as there, and the weighted sum taken per token in top-k order.
+
+Public entry points::
+
+    bucket_by_expert(ids int64 [T, K], n_experts) -> (offsets int64 [E+1], pairs int64 [T·K])
+    grouped_moe_ffn(gate, up, down, X [T, D], ids [T, K], weights [T, K], *, q8_act) -> [T, D]
+
+with numpy references ``bucket_by_expert_ref`` and ``grouped_moe_ffn_ref`` beside them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from engine.kernels.kquants import _dot4_q4_k_q8, _dot4_q5_k_q8, _dot4_q6_k_q8
+from engine.kernels.legacy import _dot4_q4_0_q8, _dot4_q5_0_q8, _dot4_q8_0_q8
+from engine.kernels.moe_fused import FUSED_TYPES, _row_q8, quantize_for
+from engine.kernels.prepare import PreparedWeight
+
+ROW_CHUNK = 16  # weight rows per parallel work item
+
+
+# --- CSR bucketing ----------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def bucket_by_expert(ids, n_experts):
+    """(token, slot) pairs grouped by expert.
+
+    ids int64 [T, K] -> (offsets int64 [E+1], pairs int64 [T·K]): the pairs p = t·K + k routed to
+    expert e are ``pairs[offsets[e]:offsets[e+1]]``, in increasing p (token-major).
+    """
+    T, K = ids.shape
+    offsets = np.zeros(n_experts + 1, np.int64)
+    for t in range(T):
+        for k in range(K):
+            offsets[ids[t, k] + 1] += 1
+    for e in range(n_experts):
+        offsets[e + 1] += offsets[e]
+    fill = offsets[:-1].copy()
+    pairs = np.empty(T * K, np.int64)
+    for t in range(T):
+        for k in range(K):
+            e = ids[t, k]
+            pairs[fill[e]] = t * K + k
+            fill[e] += 1
+    return offsets, pairs
+
+
+def bucket_by_expert_ref(ids: np.ndarray, n_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """numpy reference of :func:`bucket_by_expert` (a stable sort of the flattened ids)."""
+    flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+    pairs = np.argsort(flat, kind="stable").astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=n_experts))]).astype(np.int64)
+    return offsets, pairs
+
+
+# --- fused q8 kernels over expert groups ------------------------------------------------------
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _row4_q8(qt, w, s, qa, da, asum, bsums, k):
+    """One weight row of ggml type ``qt`` against activation rows k..k+3 -> 4 float32."""
+    if qt == 12:
+        return _dot4_q4_k_q8(w, s, qa, da, bsums, k)
+    if qt == 13:
+        return _dot4_q5_k_q8(w, s, qa, da, bsums, k)
+    if qt == 14:
+        return _dot4_q6_k_q8(w, s, qa, da, bsums, k)
+    if qt == 8:
+        return _dot4_q8_0_q8(w, s, qa, da, asum, k)
+    if qt == 2:
+        return _dot4_q4_0_q8(w, s, qa, da, asum, k)
+    if qt == 6:
+        return _dot4_q5_0_q8(w, s, qa, da, asum, k)
+    nan = np.float32(np.nan)
+    return nan, nan, nan, nan
+
+
+@njit(cache=True, nogil=True)
+def _gather_rows(a, src):
+    """a [N, m] -> a[src] [len(src), m] (also for m = 0)."""
+    out = np.empty((src.shape[0], a.shape[1]), a.dtype)
+    for i in range(src.shape[0]):
+        out[i] = a[src[i]]
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _work_items(offsets, rows):
+    """(active experts int64 [A], number of row chunks per expert) for a matrix of ``rows`` rows."""
+    E = offsets.shape[0] - 1
+    n = 0
+    for e in range(E):
+        if offsets[e + 1] > offsets[e]:
+            n += 1
+    active = np.empty(n, np.int64)
+    n = 0
+    for e in range(E):
+        if offsets[e + 1] > offsets[e]:
+            active[n] = e
+            n += 1
+    return active, (rows + ROW_CHUNK - 1) // ROW_CHUNK
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def grouped_gate_up_q8(qt, graw, gs, uraw, us, offsets, pairs, K, qa, da, asum, bsums, F, qt_down):
+    """h[p] = SiLU(gate[e]·x_t) ⊙ (up[e]·x_t) for every pair p = t·K + k routed to expert e.
+
+    graw/uraw uint8 [E·F, row_bytes] (one type ``qt``), gs/us their scales; (offsets, pairs) from
+    :func:`bucket_by_expert`; (qa, da, asum, bsums) the T tokens' quantized activations.
+    Returns h's four activation arrays for type ``qt_down``, rows in ``pairs`` order [T·K, F].
+    """
+    P = pairs.shape[0]
+    src = np.empty(P, np.int64)
+    for i in range(P):
+        src[i] = pairs[i] // K
+    sqa = _gather_rows(qa, src)  # [P, D]: expert groups are contiguous rows
+    sda = _gather_rows(da, src)
+    sas = _gather_rows(asum, src)
+    sbs = _gather_rows(bsums, src)
+    h = np.empty((P, F), np.float32)
+    active, nch = _work_items(offsets, F)
+    A = active.shape[0]
+    for item in prange(A * nch):
+        e = active[item % A]  # consecutive items visit different experts: balanced thread ranges
+        c = item // A
+        p0 = offsets[e]
+        n = offsets[e + 1] - p0
+        n4 = n - n % 4
+        for r in range(c * ROW_CHUNK, min(F, (c + 1) * ROW_CHUNK)):
+            gr = e * F + r
+            for j in range(0, n4, 4):
+                g0, g1, g2, g3 = _row4_q8(qt, graw[gr], gs[gr], sqa, sda, sas, sbs, p0 + j)
+                u0, u1, u2, u3 = _row4_q8(qt, uraw[gr], us[gr], sqa, sda, sas, sbs, p0 + j)
+                h[p0 + j, r] = g0 / (np.float32(1.0) + np.exp(-g0)) * u0
+                h[p0 + j + 1, r] = g1 / (np.float32(1.0) + np.exp(-g1)) * u1
+                h[p0 + j + 2, r] = g2 / (np.float32(1.0) + np.exp(-g2)) * u2
+                h[p0 + j + 3, r] = g3 / (np.float32(1.0) + np.exp(-g3)) * u3
+            for j in range(n4, n):
+                p = p0 + j
+                g = _row_q8(qt, graw[gr], gs[gr], sqa[p], sda[p], sas[p], sbs[p])
+                u = _row_q8(qt, uraw[gr], us[gr], sqa[p], sda[p], sas[p], sbs[p])
+                h[p, r] = g / (np.float32(1.0) + np.exp(-g)) * u
+    return quantize_for(qt_down, h)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def grouped_down_q8(qt, draw, ds, offsets, pairs, weights, qa, da, asum, bsums, D):
+    """Y[t] = Σ_k weights[t, k]·down[ids[t, k]]·h[t·K + k] (k in order).
+
+    draw uint8 [E·D, row_bytes]; weights float32 [T, K]; (qa, da, asum, bsums) the quantized h in
+    ``pairs`` order [T·K, F] (from :func:`grouped_gate_up_q8`). Returns float32 [T, D].
+    """
+    T, K = weights.shape
+    o = np.empty((T * K, D), np.float32)  # o[t·K + k]: expert output of pair (t, k)
+    active, nch = _work_items(offsets, D)
+    A = active.shape[0]
+    for item in prange(A * nch):
+        e = active[item % A]
+        c = item // A
+        p0 = offsets[e]
+        n = offsets[e + 1] - p0
+        n4 = n - n % 4
+        for d in range(c * ROW_CHUNK, min(D, (c + 1) * ROW_CHUNK)):
+            gr = e * D + d
+            for j in range(0, n4, 4):
+                v0, v1, v2, v3 = _row4_q8(qt, draw[gr], ds[gr], qa, da, asum, bsums, p0 + j)
+                o[pairs[p0 + j], d] = v0
+                o[pairs[p0 + j + 1], d] = v1
+                o[pairs[p0 + j + 2], d] = v2
+                o[pairs[p0 + j + 3], d] = v3
+            for j in range(n4, n):
+                p = p0 + j
+                o[pairs[p], d] = _row_q8(qt, draw[gr], ds[gr], qa[p], da[p], asum[p], bsums[p])
+    y = np.empty((T, D), np.float32)
+    for t in prange(T):
+        for d in range(D):
+            y[t, d] = 0.0
+        for k in range(K):  # as moe_down_q8: y += w·o in top-k order
+            w = np.float32(weights[t, k])
+            for d in range(D):
+                y[t, d] += w * o[t * K + k, d]
+    return y
+
+
+# --- public entry point -----------------------------------------------------------------------
+
+
+def _check(gate: PreparedWeight, up: PreparedWeight, down: PreparedWeight, X, ids, weights) -> None:
+    E, F, D = gate.n_experts, gate.rows, down.rows
+    if up.shape != gate.shape or down.shape != (E, D, F) or X.ndim != 2 or X.shape[1] != D:
+        raise ValueError(f"stacks {gate.shape}, {up.shape}, {down.shape} and X {X.shape} do not fit")
+    if ids.ndim != 2 or ids.shape[0] != X.shape[0] or weights.shape != ids.shape:
+        raise ValueError(f"ids {ids.shape} and weights {weights.shape} must both be [T, K] with T = {X.shape[0]}")
+    if ids.size and (ids.min() < 0 or ids.max() >= E):
+        raise IndexError(f"expert ids must lie in [0, {E})")
+
+
+def fused_grouped(gate: PreparedWeight, up: PreparedWeight, down: PreparedWeight, q8_act: bool) -> bool:
+    """Whether the fused grouped kernels serve these stacks (else the per-expert gather path)."""
+    return q8_act and gate.qtype == up.qtype and gate.qtype in FUSED_TYPES and down.qtype in FUSED_TYPES
+
+
+def grouped_moe_ffn(
+    gate: PreparedWeight,
+    up: PreparedWeight,
+    down: PreparedWeight,
+    X: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    *,
+    q8_act: bool,
+) -> np.ndarray:
+    """Y[t] = Σ_k weights[t, k] · down[ids[t, k]] · (SiLU(gate[·]·X[t]) ⊙ up[·]·X[t]), grouped.
+
+    gate, up: stacks [E, F, D]; down: [E, D, F]; X float32 [T, D]; ids int [T, K];
+    weights float32 [T, K]. Returns float32 [T, D], bit-identical to ``moe.moe_ffn`` per token
+    for the fused types (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K with ``q8_act``). Other types run
+    each selected expert once over its tokens through ``dispatch.gemv_acts``.
+    """
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    weights = np.ascontiguousarray(weights, dtype=np.float32)
+    _check(gate, up, down, X, ids, weights)
+    T, K = ids.shape
+    offsets, pairs = bucket_by_expert(ids, gate.n_experts)
+    if fused_grouped(gate, up, down, q8_act):
+        qx = quantize_for(int(gate.qtype), X)
+        qh = grouped_gate_up_q8(
+            int(gate.qtype),
+            gate.raw,
+            gate.scales,
+            up.raw,
+            up.scales,
+            offsets,
+            pairs,
+            K,
+            *qx,
+            gate.rows,
+            int(down.qtype),
+        )
+        return grouped_down_q8(int(down.qtype), down.raw, down.scales, offsets, pairs, weights, *qh, down.rows)
+    return _grouped_gather(gate, up, down, X, offsets, pairs, weights, q8_act)
+
+
+def _grouped_gather(gate, up, down, X, offsets, pairs, weights, q8_act) -> np.ndarray:
+    """Any weight type: per selected expert, three gather GEMVs over its contiguous token rows."""
+    from engine.kernels.dispatch import gemv_acts, prepare_activations
+
+    T, K = weights.shape
+    F, D = gate.rows, down.rows
+    Xs = X[pairs // K]  # [P, D] activations in pairs order
+    ag = prepare_activations(gate.qtype, Xs, q8_act=q8_act)
+    au = ag if up.qtype == gate.qtype else prepare_activations(up.qtype, Xs, q8_act=q8_act)
+    h = np.empty((len(pairs), F), np.float32)
+    groups = [(e, int(offsets[e]), int(offsets[e + 1] - offsets[e])) for e in np.flatnonzero(np.diff(offsets))]
+    for e, p0, n in groups:
+        rows = np.arange(e * F, (e + 1) * F, dtype=np.int64)
+        xi = np.full(F, p0, np.int64)
+        g = gemv_acts(gate, ag, rows, xi, n, q8_act=q8_act)  # [F, n]
+        u = gemv_acts(up, au, rows, xi, n, q8_act=q8_act)
+        with np.errstate(over="ignore"):
+            h[p0 : p0 + n] = (g / (np.float32(1.0) + np.exp(-g)) * u).T
+    ad = prepare_activations(down.qtype, h, q8_act=q8_act)
+    o = np.empty((T * K, D), np.float32)
+    for e, p0, n in groups:
+        rows = np.arange(e * D, (e + 1) * D, dtype=np.int64)
+        o[pairs[p0 : p0 + n]] = gemv_acts(down, ad, rows, np.full(D, p0, np.int64), n, q8_act=q8_act).T
+    o = o.reshape(T, K, D)
+    y = np.zeros((T, D), np.float32)
+    for k in range(K):  # top-k order
+        y += weights[:, k : k + 1] * o[:, k]
+    return y
+
+
+def grouped_moe_ffn_ref(
+    gate: PreparedWeight,
+    up: PreparedWeight,
+    down: PreparedWeight,
+    X: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    *,
+    q8_act: bool,
+) -> np.ndarray:
+    """numpy reference of :func:`grouped_moe_ffn`: ``reference.moe_ffn_ref`` token by token."""
+    from engine.kernels.reference import moe_ffn_ref
+
+    E = gate.n_experts
+    g, u, d = (w.raw.reshape(E, w.rows, -1) for w in (gate, up, down))
+    qts = (gate.qtype, up.qtype, down.qtype)
+    return np.stack([moe_ffn_ref(qts, g, u, d, X[t], ids[t], weights[t], q8_act=q8_act) for t in range(len(X))])

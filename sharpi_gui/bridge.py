@@ -242,7 +242,11 @@ def _ctx_values(n_ctx_train: int, current: int) -> tuple[int, ...]:
     return tuple(sorted({v for v in _CTX_LADDER if v <= top} | {n_ctx_train, current}))
 
 
-def _limits(session: Session, spec: ModelSpec, profile: DeviceProfile) -> D.PlacementLimits:
+def _limits(
+    session: Session, spec: ModelSpec, profile: DeviceProfile, requested: D.PlanSettings | None
+) -> D.PlacementLimits:
+    """Ranges of the placement controls; ``requested``: the settings that made the placement in
+    force (None when the model runs on the CPU: the controls then propose the automatic plan)."""
     ctx_values = _ctx_values(spec.n_ctx_train, session.n_ctx)
     # The most the model can use: every layer and expert on the device at the widest settings.
     widest = PlanRequest(ctx=ctx_values[-1], kv_type="f32", moe="resident" if spec.is_moe else "auto")
@@ -253,15 +257,18 @@ def _limits(session: Session, spec: ModelSpec, profile: DeviceProfile) -> D.Plac
     vram_max = min(profile.vram_bytes, int(need * _VRAM_HEADROOM))
     step = max(MiB, 1 << max(0, (max(vram_max, 1) // 1024).bit_length() - 1))
     vram_max = max(step, vram_max // step * step)
-    placement = getattr(session, "placement", None)
+    placement = session.placement
     if placement is not None and placement.n_gpu_layers > 0:
-        current = D.PlanSettings(
+        applied = replace(
+            requested or D.PlanSettings(vram_bytes=placement.budget_bytes, ctx=0),
             vram_bytes=min(placement.budget_bytes, vram_max),
             ctx=placement.ctx,
             kv_type=placement.kv_type,
         )
+        current = applied
         in_force = f"{placement.n_gpu_layers}/{placement.n_layer} layers on the device · experts: {placement.moe_mode}"
-    else:  # nothing on the device (the budget slider starts at the top: what it could have)
+    else:
+        applied = None
         current = D.PlanSettings(vram_bytes=vram_max, ctx=session.n_ctx, kv_type=session.kv_type)
         in_force = "CPU only"
     return D.PlacementLimits(
@@ -273,6 +280,7 @@ def _limits(session: Session, spec: ModelSpec, profile: DeviceProfile) -> D.Plac
         n_layer=spec.n_layer,
         is_moe=spec.is_moe,
         current=current,
+        applied=applied,
         in_force=in_force,
     )
 
@@ -321,7 +329,7 @@ class _Worker(QObject):
                 LoadOptions(n_ctx=n_ctx if n_ctx > 0 else AUTO_CTX_PROBE, kv_type=kv_type or None),
                 progress=lambda done, total, what: self.progress.emit(done, total, what),
             )
-        except BaseException as e:  # noqa: BLE001 - every failure becomes a dialog, never a crash
+        except Exception as e:  # every failure becomes a dialog, never a crash
             self._log(e)
             self.loadFailed.emit(_failure(e, title))
             return
@@ -329,9 +337,10 @@ class _Worker(QObject):
             spec = session.spec
             profile = _device_profile(session)
             ctx = n_ctx if n_ctx > 0 else min(spec.n_ctx_train, AUTO_CTX_MAX)
-            self._initial_placement(session, profile, placement, ctx)
-            loaded = _Loaded(session, spec, profile, _card(session, spec), _limits(session, spec, profile))
-        except BaseException as e:  # noqa: BLE001
+            requested = self._initial_placement(session, profile, placement, ctx)
+            limits = _limits(session, spec, profile, requested)
+            loaded = _Loaded(session, spec, profile, _card(session, spec), limits)
+        except Exception as e:
             session.close()
             self._log(e)
             self.loadFailed.emit(_failure(e, title))
@@ -343,7 +352,8 @@ class _Worker(QObject):
 
     def _initial_placement(
         self, session: Session, profile: DeviceProfile, saved: D.PlanSettings | None, ctx: int
-    ) -> None:
+    ) -> D.PlanSettings | None:
+        """Place a freshly loaded session; returns the settings in force (None: the CPU)."""
         cpu_only = D.PlanSettings(vram_bytes=0, ctx=ctx, kv_type=session.kv_type, n_gpu_layers=0)
         if saved is not None:
             wanted = replace(saved, ctx=ctx, kv_type=session.kv_type)
@@ -352,13 +362,15 @@ class _Worker(QObject):
         elif ctx != session.n_ctx:
             wanted = cpu_only  # only the context changes
         else:
-            return
+            return None
         try:
             session.apply(session.plan(_request(wanted), profile.with_budget(wanted.vram_bytes)))
+            return None if wanted is cpu_only else wanted
         except SharpIError as e:
             self.warning.emit(f"The saved placement could not be applied ({e}); the model runs on the CPU.")
             if ctx != session.n_ctx:
                 session.apply(session.plan(_request(cpu_only), profile.with_budget(0)))
+            return None
 
     @Slot(int, object, object)
     def generate(self, rid: int, messages: list, sampling: dict) -> None:
@@ -375,7 +387,7 @@ class _Worker(QObject):
                 self.n_generated = ev.n_generated
                 if ev.text or not ev.done:
                     self.token.emit(rid, ev.text, final)
-        except BaseException as e:  # noqa: BLE001
+        except Exception as e:
             self._log(e)
             self.failed.emit(rid, _failure(e, "Generation failed"))
             return
@@ -392,9 +404,9 @@ class _Worker(QObject):
             placement = _plan(cur, settings)
             cur.session.apply(placement)
             card = _card(cur.session, cur.spec)
-            limits = replace(_limits(cur.session, cur.spec, cur.profile), current=settings)
+            limits = _limits(cur.session, cur.spec, cur.profile, settings if placement.n_gpu_layers else None)
             loaded = replace(cur, card=card, limits=limits)
-        except BaseException as e:  # noqa: BLE001 - the previous placement stays
+        except Exception as e:  # the previous placement stays
             self._log(e)
             self.applyFailed.emit(_failure(e, title))
             return

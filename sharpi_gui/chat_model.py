@@ -146,6 +146,13 @@ class ChatModel(QObject):
         if self.busy:
             self.tokens_at_stop = self.bridge.stop()
 
+    def abort(self) -> None:
+        """The app is closing: save the reply streamed so far as a stopped message, ignore the rest."""
+        if self.busy:
+            self.bridge.stop()
+            self._save_reply(D.GenStats(finish_reason="cancelled", n_generated=self.stats.n_generated))
+            self._rid = 0
+
     def chat_messages(self) -> list[dict]:
         """The open conversation as the engine's chat messages (system prompt first)."""
         out = []
@@ -173,7 +180,7 @@ class ChatModel(QObject):
         self.statsChanged.emit(stats)
 
     def _save_reply(self, stats: D.GenStats) -> D.Message | None:
-        if not self.stream:
+        if not self.stream or self.store.conversation(self._stream_cid) is None:  # nothing, or deleted meanwhile
             return None
         meta = {
             "finish_reason": stats.finish_reason,

@@ -47,5 +47,6 @@ class AppContext:
             return
         self.closed = True
         self.settings.heatmap_mode = self.experts.mode
+        self.chat.abort()  # a reply in flight is kept as stopped
         self.bridge.shutdown()
         self.store.close()

@@ -96,7 +96,8 @@ class PlacementLimits:
     ctx_values: tuple[int, ...]  # allowed context sizes, ascending
     n_layer: int
     is_moe: bool
-    current: PlanSettings  # the settings the loaded model runs with
+    current: PlanSettings  # where the controls start: the settings in force, or a proposal
+    applied: PlanSettings | None = None  # the settings in force (None = everything on the CPU)
     in_force: str = ""  # one line on where the model runs now (the status bar shows it)
 
 

@@ -21,7 +21,7 @@ class PlacementModel(QObject):
     settingsChanged = Signal(object)  # PlanSettings (the controls' values)
     previewChanged = Signal(object)  # PlanPreview
     applyFailed = Signal(object)  # Failure
-    appliedChanged = Signal(object)  # PlanSettings now in force
+    appliedChanged = Signal(object)  # PlanSettings now in force (None: the CPU)
 
     def __init__(self, bridge, parent: QObject | None = None):
         super().__init__(parent)
@@ -62,9 +62,9 @@ class PlacementModel(QObject):
         self._change(n_gpu_layers=int(n))
 
     def reset(self) -> None:
-        """Back to the placement in force."""
-        if self.applied is not None:
-            self._set(self.applied)
+        """Back to the placement in force (or, on the CPU, to the proposal the controls began with)."""
+        if self.limits is not None:
+            self._set(self.applied or self.limits.current)
 
     def apply(self) -> bool:
         return self.settings is not None and self.bridge.apply(self.settings)
@@ -99,7 +99,7 @@ class PlacementModel(QObject):
 
     def _on_loaded(self, _card, limits: D.PlacementLimits) -> None:
         self.limits = limits
-        self.applied = limits.current
+        self.applied = limits.applied  # None: the model runs on the CPU; the controls propose a plan
         self.limitsChanged.emit(limits)
         self._timer.stop()
         self._pending = False

@@ -196,3 +196,46 @@ def test_full_context_is_an_inline_message(qtbot, tmp_path, model_path):
     assert failed.args[1].kind == D.ERR_CONTEXT
     assert "context" in w.chat.transcript.bubbles[-1].text
     assert w.bridge.state == "idle" and session_of(w) is not None
+
+
+def test_closing_mid_reply_keeps_it_and_deleting_a_streaming_chat_is_safe(qtbot, tmp_path, model_path):
+    w = make_window(qtbot, tmp_path)
+    w.settings.n_ctx = 4096
+    load(qtbot, w, model_path)
+    w.settings.sampling = {"temperature": 0.0, "max_tokens": 4000}
+    seen = _tokens(w)
+    assert w.ctx.chat.send("A long reply, please")
+    cid = w.ctx.chat.current.id
+    qtbot.waitUntil(lambda: len(seen) >= 2, timeout=GEN_TIMEOUT_MS)
+    w.close()  # mid-reply
+    w2 = make_window(qtbot, tmp_path)
+    msgs = w2.ctx.store.messages(cid)
+    assert [m.role for m in msgs] == ["user", "assistant"] and msgs[1].meta["finish_reason"] == "cancelled"
+    assert msgs[1].content and "".join(t for t, _ in seen).startswith(msgs[1].content)
+
+    # Deleting the conversation a reply streams into stops it; nothing is saved, nothing breaks.
+    load(qtbot, w2, model_path)
+    w2.settings.sampling = {"temperature": 0.0, "max_tokens": 4000}
+    seen2 = _tokens(w2)
+    assert w2.ctx.chat.send("Another long one")
+    doomed = w2.ctx.chat.current.id
+    qtbot.waitUntil(lambda: len(seen2) >= 2, timeout=GEN_TIMEOUT_MS)
+    with qtbot.waitSignal(w2.bridge.finished, timeout=GEN_TIMEOUT_MS):
+        w2.ctx.chat.delete(doomed)
+    assert w2.ctx.store.conversation(doomed) is None and w2.ctx.store.messages(doomed) == []
+    assert not w2.ctx.chat.busy and w2.bridge.state == "idle"
+
+
+def test_opening_a_model_while_a_reply_streams_stops_it_then_loads(qtbot, tmp_path, model_path, synth_model):
+    other = synth_model("qwen3moe", "F32", vocab=1024).path
+    w = make_window(qtbot, tmp_path)
+    load(qtbot, w, model_path)
+    w.settings.sampling = {"temperature": 0.0, "max_tokens": 4000}
+    seen = _tokens(w)
+    assert w.ctx.chat.send("Keep going")
+    qtbot.waitUntil(lambda: len(seen) >= 2, timeout=GEN_TIMEOUT_MS)
+    with qtbot.waitSignal(w.bridge.loaded, timeout=GEN_TIMEOUT_MS) as loaded:
+        assert not w.open_model(str(other))  # deferred: the reply is stopped first
+    assert loaded.args[0].path == str(other)
+    last = w.ctx.store.messages(w.ctx.chat.current.id)[-1]
+    assert last.role == "assistant" and last.meta["finish_reason"] == "cancelled"

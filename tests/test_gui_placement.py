@@ -135,6 +135,11 @@ def test_apply_replaces_the_model_without_reloading(qtbot, loaded):
     panel, model = w.placement_dock.panel, w.ctx.placement
     before = session_of(w)
     assert before.placement is None and w.status["placement"].text() == "placement: CPU only"
+    # On the CPU the dock proposes the automatic plan, ready to apply.
+    qtbot.waitUntil(lambda: model.preview is not None, timeout=1000)
+    assert model.applied is None and model.settings == model.limits.current
+    assert "runs on the CPU" in panel.state_label.text() and panel.apply_button.isEnabled()
+    assert model.preview.n_gpu_layers == model.preview.n_layer  # the whole model fits the proposal
     step = model.limits.vram_step_bytes
     # A budget that fits the trunk and a few expert slots; the cache mode.
     probe = _engine_plan(w, D.PlanSettings(vram_bytes=model.limits.vram_max_bytes, ctx=1024, moe="cpu"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import QDialog, QFileDialog, QLabel, QMainWindow, QMenu, QProgressBar, QWidget
 
@@ -33,6 +33,7 @@ class MainWindow(QMainWindow):
         self.resize(1500, 1000)
         self.card: D.ModelCard | None = None
         self.limits: D.PlacementLimits | None = None
+        self._pending_open: str | None = None  # a model to open once the engine is free
 
         self.chat = ChatView(ctx.chat, theme)
         self.setCentralWidget(self.chat)
@@ -163,7 +164,8 @@ class MainWindow(QMainWindow):
 
     def _on_applied(self, card: D.ModelCard, limits: D.PlacementLimits) -> None:
         self.card, self.limits = card, limits
-        self.settings.placement = limits.current
+        self.settings.placement = limits.applied  # the next load places the model the same way
+        self.settings.n_ctx, self.settings.kv_type = limits.current.ctx, limits.current.kv_type
         self.statusBar().showMessage("Placement applied", 5000)
         self._render_stats(D.GenStats(n_ctx=card.n_ctx))
 
@@ -175,6 +177,8 @@ class MainWindow(QMainWindow):
     def _on_busy(self, state: str) -> None:
         self.placement_dock.panel.set_busy(state != "idle")
         self.actions_by_name["open"].setEnabled(state in ("idle", "generating"))
+        if state == "idle" and self._pending_open:
+            QTimer.singleShot(0, lambda: self._pending_open and self.open_model(self._pending_open))
 
     def _render_stats(self, s: D.GenStats) -> None:
         st = self.status
@@ -192,12 +196,15 @@ class MainWindow(QMainWindow):
 
     # -- actions ----------------------------------------------------------------------------------------
     def open_model(self, path: str) -> bool:
-        if not self.bridge.load(path, self.settings.n_ctx, self.settings.kv_type, self.settings.placement):
-            if self.bridge.state == "generating":
-                self.ctx.chat.stop()
-                self.statusBar().showMessage("Stopping generation; open the model again when it has stopped", 5000)
-            return False
-        return True
+        """Load ``path`` now, or, while a reply streams, stop it and load when the engine is free."""
+        if self.bridge.load(path, self.settings.n_ctx, self.settings.kv_type, self.settings.placement):
+            self._pending_open = None
+            return True
+        self._pending_open = path
+        if self.bridge.state == "generating":
+            self.ctx.chat.stop()
+        self.statusBar().showMessage(f"Opening {Path(path).name} when the engine is free…", 5000)
+        return False
 
     def open_initial(self, path: str | None = None) -> str | None:
         """Open ``path``, else the last model, else the bundled demo model; None if there is none."""

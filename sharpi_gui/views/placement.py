@@ -171,15 +171,18 @@ class PlacementPanel(QWidget):
         m = self.model
         loaded = m.limits is not None
         self.apply_button.setEnabled(loaded and m.dirty and not self._busy and bool(m.preview and m.preview.ok))
-        self.reset_button.setEnabled(loaded and m.dirty)
+        self.reset_button.setEnabled(loaded and m.settings != (m.applied or m.limits.current))
         if not loaded:
-            self.state_label.setText("")
+            text = ""
         elif m.dirty and self._busy:
-            self.state_label.setText("preview (apply when the engine is idle)")
+            text = "preview (apply when the engine is idle)"
+        elif m.applied is None and m.settings == m.limits.current:
+            text = "the model runs on the CPU: Apply places it as shown"
         elif m.dirty:
-            self.state_label.setText("preview (not applied)")
+            text = "preview (not applied)"
         else:
-            self.state_label.setText("in force")
+            text = "in force"
+        self.state_label.setText(text)
 
     def _render_preview(self, pv: D.PlanPreview) -> None:
         self.layout_view.set_preview(pv)

@@ -1,11 +1,12 @@
-"""The two kernel entry points the model math calls, in one visible place.
+"""The kernel entry points the model math calls, in one visible place.
 
-``matmul`` and ``moe_ffn`` route to the numba kernels; ``SHARPI_KERNELS=reference`` (or
+``matmul``, ``matvecs`` and ``moe_ffn`` route to the numba kernels; ``SHARPI_KERNELS=reference`` (or
 ``use_reference(True)``) selects the numpy reference models with the same signatures.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -28,6 +29,34 @@ def matmul(w: PreparedWeight, X: np.ndarray, *, q8_act: bool) -> np.ndarray:
     from engine.kernels import dispatch
 
     return dispatch.matmul(w, X, q8_act=q8_act)
+
+
+@functools.lru_cache(maxsize=256)
+def _gather_all(R: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows arange(R), xi zeros(R)) int64, read-only, built once per R: every row, token 0."""
+    rows, xi = np.arange(R, dtype=np.int64), np.zeros(R, np.int64)
+    rows.setflags(write=False)
+    xi.setflags(write=False)
+    return rows, xi
+
+
+def matvecs(ws: tuple[PreparedWeight, ...], x: np.ndarray, *, q8_act: bool) -> list[np.ndarray]:
+    """[W·x for W in ws]: x float32 [n] -> float32 [R_i] each (decode). The activations are
+    rounded once per weight type and shared, so q, k and v cost one quantization."""
+    if _use_reference:
+        return [ref.matmul_ref(w.qtype, w.raw, x[None, :], q8_act=q8_act)[0] for w in ws]
+    from engine.kernels.dispatch import gemv_acts, prepare_activations
+
+    X = x.reshape(1, -1)
+    acts: dict = {}
+    out = []
+    for w in ws:
+        a = acts.get(w.qtype)
+        if a is None:
+            a = acts[w.qtype] = prepare_activations(w.qtype, X, q8_act=q8_act)
+        rows, xi = _gather_all(w.raw.shape[0])
+        out.append(gemv_acts(w, a, rows, xi, 1, q8_act=q8_act).reshape(-1))
+    return out
 
 
 def moe_ffn(

@@ -6,13 +6,38 @@ architecture module; the math itself lives in :mod:`engine.models.layers`.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from engine import ops
 from engine.experts import ExpertBackend
 from engine.kv_cache import KVCache
 from engine.models.args import ModelArgs
-from engine.models.layers import apply_rope, attention, rms_norm, route_softmax_topk, silu_mul
-from engine.models.weights import Weights
+from engine.models.layers import (
+    apply_rope,
+    attention,
+    attention_host,
+    qk_norm_rope_host,
+    rms_norm,
+    rms_norm_host,
+    route_host,
+    route_softmax_topk,
+    silu_mul,
+)
+from engine.models.weights import Linear, Weights
+
+_QK_NORM = {None: 0, "head": 1, "proj": 2}
+_EMPTY = np.zeros(0, np.float32)
+
+
+def _np(t: torch.Tensor | None) -> np.ndarray:
+    """A host float32 vector as numpy (no weight: an empty array)."""
+    return _EMPTY if t is None else np.ascontiguousarray(t.detach().numpy(), dtype=np.float32)
+
+
+def _on_host(*linears) -> bool:
+    """Whether every matrix is a host ``Linear`` (the numba decode path applies)."""
+    return all(isinstance(w, Linear) for w in linears)
 
 
 class Attention:
@@ -27,6 +52,11 @@ class Attention:
         self.wo = w.linear(p + "attn_output.weight")
         self.q_norm = w.vector(p + "attn_q_norm.weight") if qk_norm else None
         self.k_norm = w.vector(p + "attn_k_norm.weight") if qk_norm else None
+        self.host = _on_host(self.wq, self.wk, self.wv, self.wo)
+        if self.host:
+            self._qkv = (self.wq.w, self.wk.w, self.wv.w)
+            self._norms = (_np(self.q_norm), _np(self.k_norm))
+            self._bias = tuple(_np(b.bias) if b.bias is not None else None for b in (self.wq, self.wk, self.wv))
 
     def __call__(self, x: torch.Tensor, start: int, cache: KVCache, cos, sin) -> torch.Tensor:
         a, T = self.a, x.shape[0]
@@ -42,6 +72,30 @@ class Attention:
         o = attention(q, K.reshape(-1, a.n_head_kv, a.head_dim), V.reshape(-1, a.n_head_kv, a.head_dim), start)
         return self.wo(o)
 
+    def decode_host(self, h: np.ndarray, start: int, cache: KVCache, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """The same for one token on the host: h float32 [D] (normed) -> float32 [D]; cos, sin [rope_dim/2]."""
+        a = self.a
+        q, k, v = ops.matvecs(self._qkv, h, q8_act=self.wq.q8_act)  # [H*hd], [Hkv*hd] x2
+        for y, b in zip((q, k, v), self._bias):
+            if b is not None:
+                y += b
+        qk_norm_rope_host(
+            q,
+            k,
+            *self._norms,
+            _QK_NORM[self.qk_norm],
+            a.rms_eps,
+            cos,
+            sin,
+            a.rope_neox,
+            a.n_head,
+            a.n_head_kv,
+            a.head_dim,
+        )
+        K, V = cache.update(self.i, start, torch.from_numpy(k)[None], torch.from_numpy(v)[None])  # [P, Hkv*hd]
+        o = attention_host(q, K.numpy(), V.numpy(), start + 1, a.n_head, a.n_head_kv, a.head_dim)
+        return ops.matvecs((self.wo.w,), o, q8_act=self.wo.q8_act)[0]
+
 
 class DenseFFN:
     """SwiGLU feed-forward: down(silu(gate·x) ⊙ up·x)."""
@@ -52,8 +106,17 @@ class DenseFFN:
         self.up = w.linear(f"{p}ffn_up{suffix}.weight")
         self.down = w.linear(f"{p}ffn_down{suffix}.weight")
 
+        self.host = _on_host(self.gate, self.up, self.down)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(silu_mul(self.gate(x), self.up(x)))
+
+    def decode_host(self, h: np.ndarray) -> np.ndarray:
+        """One token on the host: h float32 [D] -> float32 [D]."""
+        g, u = ops.matvecs((self.gate.w, self.up.w), h, q8_act=self.gate.q8_act)
+        with np.errstate(over="ignore"):
+            m = g / (np.float32(1.0) + np.exp(-g)) * u
+        return ops.matvecs((self.down.w,), m, q8_act=self.down.q8_act)[0]
 
 
 class MoE:
@@ -68,6 +131,8 @@ class MoE:
         # Qwen2-MoE: the shared expert's output is scaled by sigmoid(x · w), w [D] F32.
         self.shared_gate = w.optional_vector(p + "ffn_gate_inp_shexp.weight") if shared_expert else None
         self.last_ids: torch.Tensor | None = None  # [T, K], for tests and the profiler
+        self.host = _on_host(self.router) and (self.shared is None or self.shared.host)
+        self._shared_gate = _np(self.shared_gate) if self.shared_gate is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = route_softmax_topk(self.router(x), self.k, self.renormalise)  # [T, K] x2
@@ -80,6 +145,21 @@ class MoE:
             y = y + s
         return y
 
+    def decode_host(self, h: np.ndarray) -> np.ndarray:
+        """One token on the host: h float32 [D] (normed) -> float32 [D]."""
+        logits = ops.matvecs((self.router.w,), h, q8_act=self.router.q8_act)[0]  # [E]
+        ids, w = route_host(logits, self.k, self.renormalise)  # [K] x2
+        ids_t = torch.from_numpy(ids)[None]
+        self.last_ids = ids_t
+        y = self.experts.forward(self.i, torch.from_numpy(h)[None], ids_t, torch.from_numpy(w)[None])
+        y = y.numpy()[0]
+        if self.shared is not None:
+            s = self.shared.decode_host(h)
+            if self._shared_gate is not None:
+                s = s * (np.float32(1.0) / (np.float32(1.0) + np.exp(-np.dot(h, self._shared_gate))))
+            y = y + s
+        return y
+
 
 class DecoderLayer:
     """x += attn(norm(x)); x += ffn(norm(x))."""
@@ -89,7 +169,17 @@ class DecoderLayer:
         self.attn_norm = w.vector(p + "attn_norm.weight")
         self.ffn_norm = w.vector(p + "ffn_norm.weight")
         self.attn, self.ffn, self.eps = attn, ffn, a.rms_eps
+        # One token on the host: numba steps instead of ~60 small torch ops (selected here only).
+        self.host = attn.host and ffn.host
+        self._attn_norm, self._ffn_norm = _np(self.attn_norm), _np(self.ffn_norm)
 
     def __call__(self, x: torch.Tensor, start: int, cache: KVCache, cos, sin) -> torch.Tensor:
+        if self.host and x.shape[0] == 1 and x.device.type == "cpu":
+            return torch.from_numpy(self.decode_host(x.numpy()[0], start, cache, cos.numpy()[0], sin.numpy()[0])[None])
         x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), start, cache, cos, sin)
         return x + self.ffn(rms_norm(x, self.ffn_norm, self.eps))
+
+    def decode_host(self, x: np.ndarray, start: int, cache: KVCache, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """x float32 [D] of one token -> [D]; cos, sin float32 [rope_dim/2] of its position."""
+        x = x + self.attn.decode_host(rms_norm_host(x, self._attn_norm, self.eps), start, cache, cos, sin)
+        return x + self.ffn.decode_host(rms_norm_host(x, self._ffn_norm, self.eps))

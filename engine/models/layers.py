@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from numba import njit, prange
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -83,4 +84,132 @@ def route_softmax_topk(logits: torch.Tensor, k: int, renormalise: bool) -> tuple
     w, ids = torch.topk(probs, k, dim=-1)
     if renormalise:
         w = w / w.sum(dim=-1, keepdim=True)
+    return ids, w
+
+
+# --- host decode (T = 1) in numba: the same math with one call per step --------------------------
+# The torch functions above are the reference for every device; these serve one token on the host,
+# where per-op torch dispatch (~60 small ops per layer) would cost more than the weights' reading.
+# Each follows the same ggml op as its torch twin; tests/test_host_decode.py holds them together.
+
+
+@njit(cache=True, nogil=True)
+def rms_norm_host(x, w, eps):
+    """x float32 [n], w float32 [n] (or [0]: no weight) -> float32 [n] (ggml_rms_norm, ggml_mul).
+
+    As ggml: the sum of squares in float64, mean and scale in float32."""
+    n = x.shape[0]
+    s = 0.0
+    for i in range(n):
+        s += np.float64(x[i] * x[i])
+    scale = np.float32(1.0) / np.sqrt(np.float32(s / n) + np.float32(eps))
+    y = np.empty(n, np.float32)
+    if w.shape[0]:
+        for i in range(n):
+            y[i] = x[i] * scale * w[i]
+    else:
+        for i in range(n):
+            y[i] = x[i] * scale
+    return y
+
+
+@njit(cache=True, nogil=True)
+def _norm_heads(x, w, heads, hd, eps):
+    """In place: RMS norm of each of ``heads`` slices of length hd (weights w [hd])."""
+    for h in range(heads):
+        x[h * hd : (h + 1) * hd] = rms_norm_host(x[h * hd : (h + 1) * hd], w, eps)
+
+
+@njit(cache=True, nogil=True)
+def _rope_heads(x, heads, hd, cos, sin, neox):
+    """In place: rotate the first 2·len(cos) dims of each head (apply_rope for one position)."""
+    half = cos.shape[0]
+    for h in range(heads):
+        o = h * hd
+        for i in range(half):
+            if neox:
+                a, b = o + i, o + i + half
+            else:
+                a, b = o + 2 * i, o + 2 * i + 1
+            x0, x1 = x[a], x[b]
+            x[a] = x0 * cos[i] - x1 * sin[i]
+            x[b] = x0 * sin[i] + x1 * cos[i]
+
+
+@njit(cache=True, nogil=True)
+def qk_norm_rope_host(q, k, q_norm, k_norm, qk_norm, eps, cos, sin, neox, H, Hkv, hd):
+    """One position's q [H·hd] and k [Hkv·hd], in place: optional RMS norm (qk_norm 0 none,
+    1 per head "head", 2 whole projection "proj"), then RoPE with cos, sin float32 [rope_dim/2]."""
+    if qk_norm == 2:
+        q[:] = rms_norm_host(q, q_norm, eps)
+        k[:] = rms_norm_host(k, k_norm, eps)
+    elif qk_norm == 1:
+        _norm_heads(q, q_norm, H, hd, eps)
+        _norm_heads(k, k_norm, Hkv, hd, eps)
+    _rope_heads(q, H, hd, cos, sin, neox)
+    _rope_heads(k, Hkv, hd, cos, sin, neox)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath={"reassoc", "contract"})
+def attention_host(q, K, V, P, H, Hkv, hd):
+    """One query over positions 0..P-1: q float32 [H·hd]; K, V float32 [≥P, Hkv·hd] (the cache)
+    -> float32 [H·hd]. Softmax of q·k/sqrt(hd) in float32, as ``attention``. Each K/V row is read
+    once for the g = H/Hkv query heads sharing it; KV heads run in parallel."""
+    g = H // Hkv
+    scale = np.float32(1.0 / np.sqrt(np.float64(hd)))
+    out = np.zeros(H * hd, np.float32)
+    for kh in prange(Hkv):
+        ko = kh * hd
+        s = np.empty((g, P), np.float32)
+        for p in range(P):
+            for j in range(g):
+                qo = (kh * g + j) * hd
+                acc = np.float32(0.0)
+                for d in range(hd):
+                    acc += q[qo + d] * K[p, ko + d]
+                s[j, p] = acc * scale
+        for j in range(g):
+            m = s[j, 0]
+            for p in range(1, P):
+                m = max(m, s[j, p])
+            tot = np.float32(0.0)
+            for p in range(P):
+                s[j, p] = np.exp(s[j, p] - m)
+                tot += s[j, p]
+            inv = np.float32(1.0) / tot
+            for p in range(P):
+                s[j, p] *= inv
+        for p in range(P):
+            for j in range(g):
+                qo = (kh * g + j) * hd
+                w = s[j, p]
+                for d in range(hd):
+                    out[qo + d] += w * V[p, ko + d]
+    return out
+
+
+@njit(cache=True, nogil=True)
+def route_host(logits, k, renormalise):
+    """Router logits float32 [E] -> (ids int64 [k], weights float32 [k]): softmax, top-k by
+    probability (descending; lower id first on ties), optionally renormalised (route_softmax_topk)."""
+    E = logits.shape[0]
+    m = logits.max()
+    p = np.empty(E, np.float32)
+    tot = np.float32(0.0)
+    for e in range(E):
+        p[e] = np.exp(logits[e] - m)
+        tot += p[e]
+    for e in range(E):
+        p[e] = p[e] / tot
+    order = np.argsort(-p, kind="mergesort")  # stable: ties keep the lower id first
+    ids = order[:k].astype(np.int64)
+    w = np.empty(k, np.float32)
+    for j in range(k):
+        w[j] = p[ids[j]]
+    if renormalise:
+        sw = np.float32(0.0)
+        for j in range(k):
+            sw += w[j]
+        for j in range(k):
+            w[j] = w[j] / sw
     return ids, w

@@ -70,8 +70,10 @@ def preload_engine() -> None:
 
 
 # The engine's threads run this much nicer than the UI thread (Linux, where nice is per thread):
-# when the cores are busy, the window still gets the CPU it needs to stay responsive.
+# when the cores are busy, the window still gets the CPU it needs to stay responsive. The price:
+# against other busy programs the engine gets less CPU too. $SHARPI_ENGINE_NICE overrides (0 = off).
 ENGINE_NICE = 4
+ENV_ENGINE_NICE = "SHARPI_ENGINE_NICE"
 
 
 def _lower_engine_priority() -> None:
@@ -79,10 +81,14 @@ def _lower_engine_priority() -> None:
     inherit the lower priority. Linux only: elsewhere setpriority would renice the whole process."""
     import numba
 
-    if sys.platform.startswith("linux"):
+    try:
+        nice = int(os.environ.get(ENV_ENGINE_NICE, ENGINE_NICE))
+    except ValueError:
+        nice = ENGINE_NICE
+    if sys.platform.startswith("linux") and nice > 0:
         try:
             tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), ENGINE_NICE))
+            os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), min(nice, 19)))
         except OSError as e:  # a sandbox may forbid it: responsiveness then rests on the GIL alone
             log.info("could not lower the engine thread's priority: %s", e)
     numba.get_num_threads()  # starts numba's thread pool here (a no-op if it already runs)

@@ -2,9 +2,10 @@
 
 Loads the model, warms up, then ``repeat`` times: prefill ``prompt`` random tokens from an empty
 cache and decode ``gen`` tokens greedily. Reports medians, the weight bytes a decode token reads
-(trunk + the active experts + output) and the GB/s that implies, the expert-cache hit rate and
-upload GB/s from the profiler, and (``--vs-llama-cpp``) llama.cpp's figures on the same file in
-the same run with the ratios.
+(trunk + the active experts + output) and the GB/s that implies, that as a fraction of this
+machine's measured read bandwidth, the resident memory while decoding (against the file size),
+the expert-cache hit rate and upload GB/s from the profiler, and (``--vs-llama-cpp``) llama.cpp's
+figures on the same file, its runs alternating with ours in the same process, with the ratios.
 """
 
 from __future__ import annotations
@@ -83,68 +84,181 @@ def bytes_per_token(session) -> int:
     return int(b)
 
 
-def _one_run(session, prompt_ids: list[int], gen: int) -> tuple[float, float]:
-    session.reset()
-    session.reset_stats()
-    events = list(session.generate(prompt_ids=prompt_ids, params=SamplingParams.greedy(max_tokens=gen)))
-    last = events[-1]
-    return last.prompt_tok_s, last.decode_tok_s
+def rss_bytes() -> dict[str, int]:
+    """This process's resident memory now: {'rss', 'anon', 'file'} in bytes (Linux /proc; else {})."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                name = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file"}.get(key)
+                if name:
+                    out[name] = int(val.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
 
 
-def bench_session(session, prompt: int, gen: int, repeat: int, seed: int = 0) -> dict:
+class _Ours:
+    """One timed run of the engine: prefill ``ids`` from an empty cache, decode ``gen`` greedily."""
+
+    def __init__(self, session, ids: list[int], gen: int):
+        self.session, self.ids, self.gen = session, ids, gen
+
+    def run(self, ids: list[int] | None = None, gen: int | None = None) -> tuple[float, float]:
+        s = self.session
+        s.reset()
+        s.reset_stats()
+        params = SamplingParams.greedy(max_tokens=gen or self.gen)
+        *_, last = s.generate(prompt_ids=ids or self.ids, params=params)
+        self.rss = rss_bytes()  # right after the last decode step: what decoding keeps resident
+        return last.prompt_tok_s, last.decode_tok_s
+
+
+class _LlamaCpp:
+    """The same run in llama.cpp (CPU, default settings, ``threads`` threads) on the same file."""
+
+    def __init__(self, path: str, ids: list[int], gen: int, threads: int):
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(path, n_ctx=len(ids) + gen + 8, n_batch=512, n_threads=threads, verbose=False)
+        self.ids, self.gen = ids, gen
+
+    def run(self) -> tuple[float, float]:
+        llm, ids = self.llm, self.ids
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        t1 = time.perf_counter()
+        for i in range(self.gen - 1):  # as ours: the first generated token comes from the prefill
+            llm.eval([ids[i % len(ids)]])  # token values do not change the cost of a step
+        t2 = time.perf_counter()
+        return len(ids) / (t1 - t0), (self.gen - 1) / (t2 - t1)
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def _llama_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def bench_session(
+    session,
+    prompt: int,
+    gen: int,
+    repeat: int,
+    seed: int = 0,
+    *,
+    vs_llama_cpp: bool = False,
+    threads: int = 1,
+    bandwidth: bool = True,
+) -> dict:
+    """Median prompt and decode tok/s of ``session`` (and of llama.cpp on the same file).
+
+    With ``vs_llama_cpp`` the two engines alternate run by run in this process (same prompt,
+    same number of generated tokens), so both see the same machine state. Resident memory is
+    sampled after our first timed decode, before llama.cpp is loaded. ``bandwidth`` measures this
+    machine's read bandwidth (``engine.bench.kernels.measure_bandwidth``, current numba threads)
+    to state the fraction of the bandwidth bound reached.
+    """
     rng = np.random.default_rng(seed)
     V = session.args.n_vocab
     ids = [int(t) for t in rng.integers(8, V - 8, prompt)]
-    _one_run(session, ids[: min(8, prompt)], 4)  # warm-up: kernel compilation, first touches
+    ours = _Ours(session, ids, gen)
+    ours.run(ids[: min(8, prompt)], 4)  # warm-up: kernel compilation, first touches
     pp, tg = [], []
-    for _ in range(repeat):
-        p, d = _one_run(session, ids, gen)
-        pp.append(p)
-        tg.append(d)
+    first = ours.run()
+    pp.append(first[0])
+    tg.append(first[1])
+    rss = ours.rss
+    ref = None
+    if vs_llama_cpp and _llama_available():
+        ref = _LlamaCpp(session.info.path, ids, gen, threads)
+        ref.run()  # warm-up
+    lpp, ltg = [], []
+    try:
+        for r in range(repeat):
+            if r:
+                p, d = ours.run()
+                pp.append(p)
+                tg.append(d)
+            if ref is not None:
+                p, d = ref.run()
+                lpp.append(p)
+                ltg.append(d)
+    finally:
+        if ref is not None:
+            ref.close()
     st = session.stats()
     steps = st.step_latency_s[-(gen - 1) :] if gen > 1 else st.step_latency_s
     upload_gbps = float(st.uploaded_bytes.sum()) / 1e9 / max(float(st.step_latency_s.sum()), 1e-9)
     bpt = bytes_per_token(session)
     decode = statistics.median(tg)
-    return {
+    report = {
         "model": session.info.path,
+        "file_bytes": session.info.file_size,
         "placement": session.applied.describe() if session.applied else "all layers on the CPU",
+        "threads": threads,
         "prompt_tokens": prompt,
         "gen_tokens": gen,
         "repeat": repeat,
         "prompt_tok_s": statistics.median(pp),
+        "prompt_tok_s_all": pp,
         "decode_tok_s": decode,
         "decode_tok_s_all": tg,
         "bytes_per_token": bpt,
         "decode_gb_s": bpt * decode / 1e9,
+        "rss_bytes": rss.get("rss"),
+        "rss_anon_bytes": rss.get("anon"),
+        "rss_file_bytes": rss.get("file"),
         "hit_rate": None if np.isnan(st.hit_rate) else st.hit_rate,
         "upload_gb_s": upload_gbps,
         "median_step_ms": float(np.median(steps)) * 1e3 if len(steps) else None,
     }
+    report["rss_ratio"] = report["rss_bytes"] / report["file_bytes"] if report["rss_bytes"] else None
+    if vs_llama_cpp:
+        report["llama_cpp"] = None
+        if ref is not None:
+            lc = {
+                "prompt_tok_s": statistics.median(lpp),
+                "decode_tok_s": statistics.median(ltg),
+                "prompt_tok_s_all": lpp,
+                "decode_tok_s_all": ltg,
+            }
+            lc["decode_gb_s"] = bpt * lc["decode_tok_s"] / 1e9
+            report["llama_cpp"] = lc
+            report["ratio_prompt"] = report["prompt_tok_s"] / lc["prompt_tok_s"]
+            report["ratio_decode"] = decode / lc["decode_tok_s"]
+    if bandwidth:
+        from engine.bench.kernels import measure_bandwidth
+
+        bw = measure_bandwidth()["best_gbs"]
+        report["read_bandwidth_gb_s"] = bw
+        report["decode_bound_tok_s"] = bw * 1e9 / bpt  # every weight byte of a token read once at bw
+        report["decode_bw_fraction"] = report["decode_gb_s"] / bw
+        if report.get("llama_cpp"):
+            report["llama_cpp"]["decode_bw_fraction"] = report["llama_cpp"]["decode_gb_s"] / bw
+    return report
 
 
 def bench_llama_cpp(path: str, prompt: int, gen: int, repeat: int, threads: int, seed: int = 0) -> dict | None:
-    """llama.cpp's prompt and decode tok/s on the same file (None when it is not installed)."""
-    try:
-        import llama_cpp
-    except ImportError:
+    """llama.cpp alone: median prompt and decode tok/s on ``path`` (None when it is not installed)."""
+    if not _llama_available():
         return None
-    llm = llama_cpp.Llama(path, n_ctx=prompt + gen + 8, n_batch=512, n_threads=threads, verbose=False)
+    ref = _LlamaCpp(path, [0] * prompt, gen, threads)
     rng = np.random.default_rng(seed)
-    ids = [int(t) for t in rng.integers(8, llm.n_vocab() - 8, prompt)]
-    pp, tg = [], []
+    ref.ids = [int(t) for t in rng.integers(8, ref.llm.n_vocab() - 8, prompt)]
     try:
-        for r in range(repeat + 1):
-            llm.reset()
-            t0 = time.perf_counter()
-            llm.eval(ids)
-            t1 = time.perf_counter()
-            for i in range(gen):  # token values do not change the cost of a decode step
-                llm.eval([ids[i % prompt]])
-            t2 = time.perf_counter()
-            if r:  # the first run warms up
-                pp.append(prompt / (t1 - t0))
-                tg.append(gen / (t2 - t1))
+        ref.run()  # warm-up
+        runs = [ref.run() for _ in range(repeat)]
     finally:
-        llm.close()
-    return {"prompt_tok_s": statistics.median(pp), "decode_tok_s": statistics.median(tg)}
+        ref.close()
+    return {
+        "prompt_tok_s": statistics.median(r[0] for r in runs),
+        "decode_tok_s": statistics.median(r[1] for r in runs),
+    }

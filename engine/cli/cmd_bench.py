@@ -74,7 +74,7 @@ def run_model(args: argparse.Namespace) -> int:
     import numba
     import torch
 
-    from engine.bench.model import bench_llama_cpp, bench_session
+    from engine.bench.model import bench_session
     from engine.cli.common import load_session
 
     if not args.model:
@@ -86,23 +86,27 @@ def run_model(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     args.ctx_size = args.prompt + args.gen + 16
     with load_session(args) as s:
-        report = bench_session(s, args.prompt, args.gen, args.repeat)
-    if args.vs_llama_cpp:
-        ref = bench_llama_cpp(args.model, args.prompt, args.gen, args.repeat, threads)
-        report["llama_cpp"] = ref
-        if ref:
-            report["ratio_prompt"] = report["prompt_tok_s"] / ref["prompt_tok_s"]
-            report["ratio_decode"] = report["decode_tok_s"] / ref["decode_tok_s"]
+        report = bench_session(s, args.prompt, args.gen, args.repeat, vs_llama_cpp=args.vs_llama_cpp, threads=threads)
     if args.json:
         print(json.dumps(report, indent=2, default=float))
         return 0
-    print(f"model      {report['model']}")
-    print(f"placement  {report['placement']}")
+    print(f"model      {report['model']} ({report['file_bytes'] / 1e9:.2f} GB)")
+    print(f"placement  {report['placement']}, {threads} threads")
     print(f"prompt     {report['prompt_tok_s']:.1f} tok/s ({args.prompt} tokens, median of {args.repeat})")
     print(
         f"decode     {report['decode_tok_s']:.2f} tok/s ({args.gen} tokens): "
         f"{report['bytes_per_token'] / 1e6:.0f} MB of weights per token = {report['decode_gb_s']:.1f} GB/s"
     )
+    if "read_bandwidth_gb_s" in report:
+        print(
+            f"bandwidth  {report['read_bandwidth_gb_s']:.1f} GB/s measured read: decode at "
+            f"{report['decode_bw_fraction']:.0%} of the bound ({report['decode_bound_tok_s']:.1f} tok/s)"
+        )
+    if report.get("rss_bytes"):
+        print(
+            f"memory     {report['rss_bytes'] / 1e9:.2f} GB resident while decoding = {report['rss_ratio']:.2f}x the file "
+            f"(mapped {report['rss_file_bytes'] / 1e9:.2f} GB, anonymous {report['rss_anon_bytes'] / 1e9:.2f} GB)"
+        )
     if report["hit_rate"] is not None:
         print(f"cache      hit rate {report['hit_rate']:.1%}, uploads {report['upload_gb_s']:.2f} GB/s")
     ref = report.get("llama_cpp")

@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     window = create_window(args.data_dir, None, themes)
     window.show()
     window.open_initial(args.model)
-    return app.exec()
+    rc = app.exec()
+    window.ctx.close()  # if the loop ended without closing the window (a no-op otherwise)
+    return rc
 
 
 if __name__ == "__main__":

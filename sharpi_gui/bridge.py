@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from PySide6.QtCore import QObject, QThread, Signal, Slot
+from PySide6.QtCore import QCoreApplication, QObject, QThread, Signal, Slot
 
 from engine.api import LoadOptions, Session
 from engine.errors import (
@@ -487,6 +487,9 @@ class EngineBridge(QObject):
         w.applied.connect(self._on_applied)
         w.applyFailed.connect(self._on_apply_failed)
         self._thread.start()
+        app = QCoreApplication.instance()
+        if app is not None:  # however the application ends, the engine thread ends first
+            app.aboutToQuit.connect(self.shutdown)
 
     # -- state ----------------------------------------------------------------------------------
     @property

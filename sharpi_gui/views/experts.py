@@ -166,7 +166,7 @@ class ExpertsPanel(QWidget):
                 self.series_plots[i].setRange(xRange=(0, xr), yRange=(0, top), padding=0.02)
         note = f"{frame.tokens_total:,} tokens profiled · {frame.n_layer} layers × {frame.n_expert} experts"
         if not frame.has_cache:
-            note += " · CPU experts: no cache lookups yet (residency and hit ratio stay empty)"
+            note += " · no cache lookups (experts on the CPU)"
         self.info.setText(note)
         self.export_button.setEnabled(True)
 

@@ -117,7 +117,7 @@ class LayoutView(QWidget):
             spans, cut = bar_spans(pv.segments, pv.budget_bytes, w)
             p.setPen(Qt.PenStyle.NoPen)
             for key, x0, x1 in spans:
-                p.setBrush(QColor(SEGMENT_COLORS[key]))
+                p.setBrush(QColor(self._segment_color(key)))
                 p.drawRect(QRectF(bar.left() + x0, bar.top() + 1, x1 - x0, _BAR_H - 2))
             if cut is not None:  # an axis break: the fixed overhead is drawn shorter than to scale
                 p.setPen(QPen(QColor(t.background), 3))
@@ -129,7 +129,7 @@ class LayoutView(QWidget):
         # Legend: colour, name, bytes
         col_w = w / _LEGEND_COLS
         amounts = dict(pv.segments)
-        items = [(SEGMENT_COLORS[k], label, amounts.get(k, 0)) for k, label in SEGMENTS]
+        items = [(self._segment_color(k), label, amounts.get(k, 0)) for k, label in SEGMENTS]
         items.append((None, "free", pv.free_bytes if pv.ok else 0))
         for i, (color, label, nbytes) in enumerate(items):
             cx = _PAD + (i % _LEGEND_COLS) * col_w
@@ -193,6 +193,12 @@ class LayoutView(QWidget):
             p.setPen(fg)
             p.drawText(QRectF(x + 16, cy, tw, _LEGEND_ROW), Qt.AlignmentFlag.AlignVCenter, label)
             x += tw
+
+    def _segment_color(self, key: str) -> str:
+        """The expert pool takes its mode's colour (as in the layer strip): cache or resident."""
+        if key == "experts" and self.preview is not None and self.preview.moe_mode == "resident":
+            return EXPERT_COLORS["resident"]
+        return SEGMENT_COLORS[key]
 
     def _swatch(self, p: QPainter, x: float, y: float, color: str | None) -> None:
         r = QRectF(x, y, 11, 11)

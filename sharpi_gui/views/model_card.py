@@ -62,7 +62,12 @@ class ModelCardDialog(QDialog):
                 if j:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 self.quant_table.setItem(i, j, item)
-        self.quant_table.setMaximumHeight(32 + 26 * max(1, len(card.quant_mix)))
+        rows = max(1, len(card.quant_mix))
+        self.quant_table.setFixedHeight(
+            self.quant_table.horizontalHeader().sizeHint().height()
+            + rows * self.quant_table.verticalHeader().defaultSectionSize()
+            + 4
+        )
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
         buttons.rejected.connect(self.reject)
         lay = QVBoxLayout(self)

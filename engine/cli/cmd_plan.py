@@ -197,7 +197,8 @@ def _tok(x: float | None) -> str:
     return "—" if x is None else f"{x:.1f}"
 
 
-def print_summary(p: Placement, *, every_layer: bool = False, out=sys.stdout) -> None:
+def print_summary(p: Placement, *, every_layer: bool = False, out=None) -> None:
+    out = out or sys.stdout  # looked up at call time: tests and callers may swap sys.stdout
     w = lambda s="": print(s, file=out)
     prof = p.profile
     scratch_src = "estimated" if prof.scratch_bytes is None else "given"

@@ -99,3 +99,26 @@ def test_host_decode_matches_torch_layers(tmp_path, arch):
             layer.host = False
         slow = s.logits(tokens, batch=False)
     assert np.abs(fast - slow).max() <= 1e-5 * max(1.0, np.abs(slow).max())
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe"])
+def test_fused_host_step_is_bit_identical(tmp_path, arch):
+    """The one-call host step (engine.models.host) equals the step-by-step host path exactly,
+    on a quantized file mixing types the way Q4_K_M files do."""
+    path = write_model(
+        tmp_path / f"{arch}.gguf", arch, seed=6, layers=2, weight_type="Q4_K",
+        type_overrides={"*attn_v*": "Q8_0", "*ffn_down_exps*": "Q6_K", "*attn_output*": "Q5_0"},
+    ).path  # fmt: skip
+    tokens = random_tokens(10, 1024, seed=3)
+    with Session.load(str(path), LoadOptions(n_ctx=32, device="cpu")) as s:
+        assert all(layer.fused is not None for layer in s.model.layers)
+        fused = s.logits(tokens, batch=False)
+        routes = [layer.ffn.last_ids.clone() for layer in s.model.layers]
+        calls = s.stats().calls.copy()
+        for layer in s.model.layers:
+            layer.fused = None
+        s.reset_stats()
+        stepwise = s.logits(tokens, batch=False)
+        assert [torch.equal(r, layer.ffn.last_ids) for r, layer in zip(routes, s.model.layers)] == [True] * 2
+        np.testing.assert_array_equal(s.stats().calls, calls)  # the profiler saw the same routes
+    assert np.array_equal(fused, stepwise)

@@ -10,9 +10,11 @@ import numpy as np
 import torch
 
 from engine import ops
+from engine.errors import UsageError
 from engine.experts import ExpertBackend
 from engine.kv_cache import KVCache
 from engine.models.args import ModelArgs
+from engine.models.host import HostMoEStep
 from engine.models.layers import (
     apply_rope,
     attention,
@@ -35,6 +37,16 @@ def _np(t: torch.Tensor | None) -> np.ndarray:
     return _EMPTY if t is None else np.ascontiguousarray(t.detach().numpy(), dtype=np.float32)
 
 
+def _host_kv(cache: KVCache, i: int, start: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Layer i's K and V stores [n_ctx, kv_dim] as numpy when they are float32 on the host
+    (what the fused host step writes into directly), else None."""
+    if cache.kv_types.get(i) != "f32" or cache.k[i].q.device.type != "cpu":
+        return None
+    if start + 1 > cache.n_ctx:
+        raise UsageError(f"context full: position {start + 1} exceeds the context of {cache.n_ctx}")
+    return cache.k[i].q.numpy(), cache.v[i].q.numpy()
+
+
 def _on_host(*linears) -> bool:
     """Whether every matrix is a host ``Linear`` (the numba decode path applies)."""
     return all(isinstance(w, Linear) for w in linears)
@@ -52,7 +64,7 @@ class Attention:
         self.wo = w.linear(p + "attn_output.weight")
         self.q_norm = w.vector(p + "attn_q_norm.weight") if qk_norm else None
         self.k_norm = w.vector(p + "attn_k_norm.weight") if qk_norm else None
-        self.host = _on_host(self.wq, self.wk, self.wv, self.wo)
+        self.host = _on_host(self.wq, self.wk, self.wv, self.wo) and a.head_dim % 16 == 0  # attention_host
         if self.host:
             self._qkv = (self.wq.w, self.wk.w, self.wv.w)
             self._norms = (_np(self.q_norm), _np(self.k_norm))
@@ -145,6 +157,13 @@ class MoE:
             y = y + s
         return y
 
+    def note_route(self, ids: np.ndarray) -> None:
+        """The fused host step (``engine.models.host``) routed one token to ``ids`` int64 [K]:
+        record it as ``forward`` and the CPU expert backend would have."""
+        self.last_ids = torch.from_numpy(ids)[None]
+        if self.experts.profiler is not None:
+            self.experts.profiler.record_route(self.i, self.last_ids.numpy())
+
     def decode_host(self, h: np.ndarray) -> np.ndarray:
         """One token on the host: h float32 [D] (normed) -> float32 [D]."""
         logits = ops.matvecs((self.router.w,), h, q8_act=self.router.q8_act)[0]  # [E]
@@ -172,10 +191,14 @@ class DecoderLayer:
         # One token on the host: numba steps instead of ~60 small torch ops (selected here only).
         self.host = attn.host and ffn.host
         self._attn_norm, self._ffn_norm = _np(self.attn_norm), _np(self.ffn_norm)
+        self.fused = HostMoEStep.build(self)  # the whole step in one numba call, where it applies
 
     def __call__(self, x: torch.Tensor, start: int, cache: KVCache, cos, sin) -> torch.Tensor:
         if self.host and x.shape[0] == 1 and x.device.type == "cpu":
-            return torch.from_numpy(self.decode_host(x.numpy()[0], start, cache, cos.numpy()[0], sin.numpy()[0])[None])
+            X, c, s = x.numpy()[0], cos.numpy()[0], sin.numpy()[0]
+            kv = _host_kv(cache, self.attn.i, start) if self.fused is not None else None
+            y = self.fused(X, start, *kv, c, s) if kv is not None else self.decode_host(X, start, cache, c, s)
+            return torch.from_numpy(y[None])
         x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), start, cache, cos, sin)
         return x + self.ffn(rms_norm(x, self.ffn_norm, self.eps))
 

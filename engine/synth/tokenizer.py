@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gguf import GGUFWriter, TokenType
@@ -150,10 +151,17 @@ def _trained(tok: Tokenizer) -> tuple[list[str], list[str]]:
 
 @functools.lru_cache(maxsize=16)
 def bpe_vocab(size: int, pre: str = "qwen2") -> Vocab:
-    """Byte-level BPE vocabulary of exactly ``size`` tokens for ``tokenizer.ggml.pre = pre``.
+    """Byte-level BPE vocabulary of exactly ``size`` tokens for ``tokenizer.ggml.pre = pre``,
+    trained on :func:`corpus`; see :func:`train_bpe_vocab`."""
+    return train_bpe_vocab(corpus(), size, pre)
 
-    BOS and padding are ``<|endoftext|>``, EOS is ``<|im_end|>``; no BOS is added (Qwen's
-    convention); the chat template is ChatML.
+
+def train_bpe_vocab(texts: Iterable[str], size: int, pre: str = "qwen2") -> Vocab:
+    """Byte-level BPE vocabulary of exactly ``size`` tokens trained on ``texts``.
+
+    The texts are pre-split as llama.cpp's ``pre`` pre-tokenizer splits them. BOS and padding
+    are ``<|endoftext|>``, EOS is ``<|im_end|>``; no BOS is added (Qwen's convention); the chat
+    template is ChatML.
     """
     if pre not in PRE_REGEXES:
         raise UsageError(f"unknown pre-tokenizer {pre!r} (supported: {', '.join(PRE_REGEXES)})")
@@ -164,7 +172,7 @@ def bpe_vocab(size: int, pre: str = "qwen2") -> Vocab:
     tok.pre_tokenizer = _bpe_pre_tokenizer(pre)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     tok.train_from_iterator(
-        corpus(), trainers.BpeTrainer(vocab_size=n_train, initial_alphabet=alphabet, show_progress=False)
+        texts, trainers.BpeTrainer(vocab_size=n_train, initial_alphabet=alphabet, show_progress=False)
     )
     tokens, merges = _trained(tok)
     types = [int(TokenType.NORMAL)] * len(tokens)

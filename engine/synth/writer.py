@@ -71,7 +71,7 @@ def write_model(
     seed: int = 0,
     weight_type: QType | str = "F32",
     type_overrides: Mapping[str, QType | str] | None = None,
-    tokenizer: str | None = None,
+    tokenizer: str | Vocab | None = None,
     pre: str | None = None,
     weights: Mapping[str, np.ndarray] | None = None,
     name: str | None = None,
@@ -88,14 +88,22 @@ def write_model(
     weight_type: type of every matrix (F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K);
         ``type_overrides`` maps glob patterns to types (see :func:`plan_types`).
     tokenizer: ``"bpe"`` (default; ``"spm"`` for ``llama``) and ``pre`` its pre-tokenizer
-        (``qwen2`` default, ``llama-bpe``, ``olmo``, ``default``).
+        (``qwen2`` default, ``llama-bpe``, ``olmo``, ``default``); or a ready :class:`Vocab`
+        (e.g. from :func:`~engine.synth.tokenizer.train_bpe_vocab` on a model's own corpus) whose
+        length equals the ``vocab`` geometry.
     weights: optional {GGUF tensor name: float array of the tensor's numpy shape} used instead of
         random values (e.g. a trained model being exported); other tensors stay random.
     Returns a :class:`SynthModel` describing the file.
     """
     spec = make_spec(arch, **geometry)
-    kind = tokenizer or ("spm" if arch == "llama" else "bpe")
-    vocab = build_vocab(kind, spec.vocab, pre)
+    if isinstance(tokenizer, Vocab):
+        if pre is not None:
+            raise UsageError("pre applies to a tokenizer kind, not to a ready Vocab")
+        if len(tokenizer) != spec.vocab:
+            raise UsageError(f"the given vocabulary has {len(tokenizer)} tokens, the geometry says vocab={spec.vocab}")
+        vocab = tokenizer
+    else:
+        vocab = build_vocab(tokenizer or ("spm" if arch == "llama" else "bpe"), spec.vocab, pre)
     if len(vocab) != spec.vocab:
         raise AssertionError(f"vocabulary has {len(vocab)} tokens for {spec.vocab} embedding rows")
     plans = plan_types(tensor_layout(spec), weight_type, type_overrides)

@@ -1,6 +1,6 @@
 """The kernel entry points the model math calls, in one visible place.
 
-``matmul``, ``matvecs`` and ``moe_ffn`` route to the numba kernels; ``SHARPI_KERNELS=reference`` (or
+``matmul``, ``matmuls`` and ``moe_ffn`` route to the numba kernels; ``SHARPI_KERNELS=reference`` (or
 ``use_reference(True)``) selects the numpy reference models with the same signatures.
 """
 
@@ -40,14 +40,14 @@ def _gather_all(R: int) -> tuple[np.ndarray, np.ndarray]:
     return rows, xi
 
 
-def matvecs(ws: tuple[PreparedWeight, ...], x: np.ndarray, *, q8_act: bool) -> list[np.ndarray]:
-    """[W·x for W in ws]: x float32 [n] -> float32 [R_i] each (decode). The activations are
-    rounded once per weight type and shared, so q, k and v cost one quantization."""
+def matmuls(ws: tuple[PreparedWeight, ...], X: np.ndarray, *, q8_act: bool) -> list[np.ndarray]:
+    """[X·Wᵀ for W in ws]: X float32 [T, n] -> float32 [T, R_i] each. The activations are rounded
+    once per weight type and shared, so q, k and v cost one quantization."""
     if _use_reference:
-        return [ref.matmul_ref(w.qtype, w.raw, x[None, :], q8_act=q8_act)[0] for w in ws]
+        return [ref.matmul_ref(w.qtype, w.raw, X, q8_act=q8_act) for w in ws]
     from engine.kernels.dispatch import gemv_acts, prepare_activations
 
-    X = x.reshape(1, -1)
+    T = X.shape[0]
     acts: dict = {}
     out = []
     for w in ws:
@@ -55,7 +55,8 @@ def matvecs(ws: tuple[PreparedWeight, ...], x: np.ndarray, *, q8_act: bool) -> l
         if a is None:
             a = acts[w.qtype] = prepare_activations(w.qtype, X, q8_act=q8_act)
         rows, xi = _gather_all(w.raw.shape[0])
-        out.append(gemv_acts(w, a, rows, xi, 1, q8_act=q8_act).reshape(-1))
+        y = gemv_acts(w, a, rows, xi, T, q8_act=q8_act)  # [R, T]
+        out.append(y.reshape(1, -1) if T == 1 else np.ascontiguousarray(y.T))
     return out
 
 

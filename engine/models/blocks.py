@@ -14,18 +14,8 @@ from engine.errors import UsageError
 from engine.experts import ExpertBackend
 from engine.kv_cache import KVCache
 from engine.models.args import ModelArgs
-from engine.models.host import HostMoEStep
-from engine.models.layers import (
-    apply_rope,
-    attention,
-    attention_host,
-    qk_norm_rope_host,
-    rms_norm,
-    rms_norm_host,
-    route_host,
-    route_softmax_topk,
-    silu_mul,
-)
+from engine.models.host import HostMoEStep, attention_rows, qk_norm_rope_rows, rms_norm_rows, route_rows
+from engine.models.layers import apply_rope, attention, rms_norm, route_softmax_topk, silu_mul
 from engine.models.weights import Linear, Weights
 
 _QK_NORM = {None: 0, "head": 1, "proj": 2}
@@ -37,18 +27,18 @@ def _np(t: torch.Tensor | None) -> np.ndarray:
     return _EMPTY if t is None else np.ascontiguousarray(t.detach().numpy(), dtype=np.float32)
 
 
-def _host_kv(cache: KVCache, i: int, start: int) -> tuple[np.ndarray, np.ndarray] | None:
+def _host_kv(cache: KVCache, i: int, start: int, T: int) -> tuple[np.ndarray, np.ndarray] | None:
     """Layer i's K and V stores [n_ctx, kv_dim] as numpy when they are float32 on the host
-    (what the fused host step writes into directly), else None."""
+    (written in place by the host path), else None (then ``cache.update`` converts)."""
     if cache.kv_types.get(i) != "f32" or cache.k[i].q.device.type != "cpu":
         return None
-    if start + 1 > cache.n_ctx:
-        raise UsageError(f"context full: position {start + 1} exceeds the context of {cache.n_ctx}")
+    if start + T > cache.n_ctx:
+        raise UsageError(f"context full: position {start + T} exceeds the context of {cache.n_ctx}")
     return cache.k[i].q.numpy(), cache.v[i].q.numpy()
 
 
 def _on_host(*linears) -> bool:
-    """Whether every matrix is a host ``Linear`` (the numba decode path applies)."""
+    """Whether every matrix is a host ``Linear`` (the numba host path applies)."""
     return all(isinstance(w, Linear) for w in linears)
 
 
@@ -64,7 +54,7 @@ class Attention:
         self.wo = w.linear(p + "attn_output.weight")
         self.q_norm = w.vector(p + "attn_q_norm.weight") if qk_norm else None
         self.k_norm = w.vector(p + "attn_k_norm.weight") if qk_norm else None
-        self.host = _on_host(self.wq, self.wk, self.wv, self.wo) and a.head_dim % 16 == 0  # attention_host
+        self.host = _on_host(self.wq, self.wk, self.wv, self.wo) and a.head_dim % 16 == 0  # attention_rows
         if self.host:
             self._qkv = (self.wq.w, self.wk.w, self.wv.w)
             self._norms = (_np(self.q_norm), _np(self.k_norm))
@@ -84,29 +74,24 @@ class Attention:
         o = attention(q, K.reshape(-1, a.n_head_kv, a.head_dim), V.reshape(-1, a.n_head_kv, a.head_dim), start)
         return self.wo(o)
 
-    def decode_host(self, h: np.ndarray, start: int, cache: KVCache, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        """The same for one token on the host: h float32 [D] (normed) -> float32 [D]; cos, sin [rope_dim/2]."""
-        a = self.a
-        q, k, v = ops.matvecs(self._qkv, h, q8_act=self.wq.q8_act)  # [H*hd], [Hkv*hd] x2
+    def forward_host(self, h: np.ndarray, start: int, cache: KVCache, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """The same on the host in numba: h float32 [T, D] (normed) -> float32 [T, D];
+        cos, sin float32 [T, rope_dim/2]."""
+        a, T = self.a, h.shape[0]
+        q, k, v = ops.matmuls(self._qkv, h, q8_act=self.wq.q8_act)  # [T, H*hd], [T, Hkv*hd] x2
         for y, b in zip((q, k, v), self._bias):
             if b is not None:
                 y += b
-        qk_norm_rope_host(
-            q,
-            k,
-            *self._norms,
-            _QK_NORM[self.qk_norm],
-            a.rms_eps,
-            cos,
-            sin,
-            a.rope_neox,
-            a.n_head,
-            a.n_head_kv,
-            a.head_dim,
-        )
-        K, V = cache.update(self.i, start, torch.from_numpy(k)[None], torch.from_numpy(v)[None])  # [P, Hkv*hd]
-        o = attention_host(q, K.numpy(), V.numpy(), start + 1, a.n_head, a.n_head_kv, a.head_dim)
-        return ops.matvecs((self.wo.w,), o, q8_act=self.wo.q8_act)[0]
+        mode = _QK_NORM[self.qk_norm]
+        qk_norm_rope_rows(q, k, *self._norms, mode, a.rms_eps, cos, sin, a.rope_neox, a.n_head, a.n_head_kv, a.head_dim)
+        kv = _host_kv(cache, self.i, start, T)
+        if kv is not None:
+            kv[0][start : start + T] = k
+            kv[1][start : start + T] = v
+        else:
+            kv = tuple(t.numpy() for t in cache.update(self.i, start, torch.from_numpy(k), torch.from_numpy(v)))
+        o = attention_rows(q, kv[0], kv[1], start, a.n_head, a.n_head_kv, a.head_dim)  # [T, H*hd]
+        return ops.matmuls((self.wo.w,), o, q8_act=self.wo.q8_act)[0]
 
 
 class DenseFFN:
@@ -123,12 +108,12 @@ class DenseFFN:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(silu_mul(self.gate(x), self.up(x)))
 
-    def decode_host(self, h: np.ndarray) -> np.ndarray:
-        """One token on the host: h float32 [D] -> float32 [D]."""
-        g, u = ops.matvecs((self.gate.w, self.up.w), h, q8_act=self.gate.q8_act)
+    def forward_host(self, h: np.ndarray) -> np.ndarray:
+        """On the host: h float32 [T, D] -> float32 [T, D]."""
+        g, u = ops.matmuls((self.gate.w, self.up.w), h, q8_act=self.gate.q8_act)
         with np.errstate(over="ignore"):
             m = g / (np.float32(1.0) + np.exp(-g)) * u
-        return ops.matvecs((self.down.w,), m, q8_act=self.down.q8_act)[0]
+        return ops.matmuls((self.down.w,), m, q8_act=self.down.q8_act)[0]
 
 
 class MoE:
@@ -164,18 +149,17 @@ class MoE:
         if self.experts.profiler is not None:
             self.experts.profiler.record_route(self.i, self.last_ids.numpy())
 
-    def decode_host(self, h: np.ndarray) -> np.ndarray:
-        """One token on the host: h float32 [D] (normed) -> float32 [D]."""
-        logits = ops.matvecs((self.router.w,), h, q8_act=self.router.q8_act)[0]  # [E]
-        ids, w = route_host(logits, self.k, self.renormalise)  # [K] x2
-        ids_t = torch.from_numpy(ids)[None]
+    def forward_host(self, h: np.ndarray) -> np.ndarray:
+        """On the host: h float32 [T, D] (normed) -> float32 [T, D]."""
+        logits = ops.matmuls((self.router.w,), h, q8_act=self.router.q8_act)[0]  # [T, E]
+        ids, w = route_rows(logits, self.k, self.renormalise)  # [T, K] x2
+        ids_t = torch.from_numpy(ids)
         self.last_ids = ids_t
-        y = self.experts.forward(self.i, torch.from_numpy(h)[None], ids_t, torch.from_numpy(w)[None])
-        y = y.numpy()[0]
+        y = self.experts.forward(self.i, torch.from_numpy(h), ids_t, torch.from_numpy(w)).numpy()
         if self.shared is not None:
-            s = self.shared.decode_host(h)
+            s = self.shared.forward_host(h)
             if self._shared_gate is not None:
-                s = s * (np.float32(1.0) / (np.float32(1.0) + np.exp(-np.dot(h, self._shared_gate))))
+                s = s * (np.float32(1.0) / (np.float32(1.0) + np.exp(-(h @ self._shared_gate))))[:, None]
             y = y + s
         return y
 
@@ -188,21 +172,23 @@ class DecoderLayer:
         self.attn_norm = w.vector(p + "attn_norm.weight")
         self.ffn_norm = w.vector(p + "ffn_norm.weight")
         self.attn, self.ffn, self.eps = attn, ffn, a.rms_eps
-        # One token on the host: numba steps instead of ~60 small torch ops (selected here only).
+        # On the host: numba twins instead of ~60 small torch ops per layer (selected here only).
         self.host = attn.host and ffn.host
         self._attn_norm, self._ffn_norm = _np(self.attn_norm), _np(self.ffn_norm)
         self.fused = HostMoEStep.build(self)  # the whole step in one numba call, where it applies
 
     def __call__(self, x: torch.Tensor, start: int, cache: KVCache, cos, sin) -> torch.Tensor:
-        if self.host and x.shape[0] == 1 and x.device.type == "cpu":
-            X, c, s = x.numpy()[0], cos.numpy()[0], sin.numpy()[0]
-            kv = _host_kv(cache, self.attn.i, start) if self.fused is not None else None
-            y = self.fused(X, start, *kv, c, s) if kv is not None else self.decode_host(X, start, cache, c, s)
-            return torch.from_numpy(y[None])
+        if self.host and x.device.type == "cpu":
+            X, c, s = x.numpy(), cos.numpy(), sin.numpy()
+            if X.shape[0] == 1 and self.fused is not None:
+                kv = _host_kv(cache, self.attn.i, start, 1)
+                if kv is not None:
+                    return torch.from_numpy(self.fused(X[0], start, *kv, c, s)[None])
+            return torch.from_numpy(self.forward_host(X, start, cache, c, s))
         x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), start, cache, cos, sin)
         return x + self.ffn(rms_norm(x, self.ffn_norm, self.eps))
 
-    def decode_host(self, x: np.ndarray, start: int, cache: KVCache, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        """x float32 [D] of one token -> [D]; cos, sin float32 [rope_dim/2] of its position."""
-        x = x + self.attn.decode_host(rms_norm_host(x, self._attn_norm, self.eps), start, cache, cos, sin)
-        return x + self.ffn.decode_host(rms_norm_host(x, self._ffn_norm, self.eps))
+    def forward_host(self, x: np.ndarray, start: int, cache: KVCache, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """x float32 [T, D] -> [T, D] through the numba host twins; cos, sin float32 [T, rope_dim/2]."""
+        x = x + self.attn.forward_host(rms_norm_rows(x, self._attn_norm, self.eps), start, cache, cos, sin)
+        return x + self.ffn.forward_host(rms_norm_rows(x, self._ffn_norm, self.eps))

@@ -1,25 +1,193 @@
-"""One decode step (T = 1) of a host MoE decoder layer in a single numba call.
+"""The decoder math on the host in numba: the twins of :mod:`engine.models.layers`, and one
+decode step of a whole MoE layer in a single call.
 
-The torch blocks (``engine.models.blocks``) are the math for every placement; for one token on
-the host, their numba twins (``DecoderLayer.decode_host``) already replace ~60 torch ops per layer
-by ~15 kernel calls. This module goes one step further for the common case — every matrix of the
-layer in a type the fused q8 kernels serve, an F32 router, routed experts on the CPU, no shared
-expert, an F32 KV cache on the host — and runs the whole layer inside numba: RMS norm, q/k/v
-GEMVs, q/k norm and RoPE, the KV write, attention, the output projection, routing and the two
-fused expert kernels, with no Python between them. The GEMVs are the kernels' own drivers
+The torch functions of ``layers`` are the math for every placement. On the host, torch's per-op
+dispatch (~60 small ops per layer) and a second OpenMP pool beside numba's cost more than the
+arithmetic, so host layers (``DecoderLayer.forward_host``) run these instead: the same ggml ops,
+on rows ``[T, ...]`` (T = 1 for decode, the prompt chunk for prefill), tests/test_host_decode.py
+holding each to its torch twin.
+
+:func:`decode_moe_layer` goes further for the common decode case — every matrix of the layer in
+a type the fused q8 kernels serve, an F32 router, routed experts on the CPU, no shared expert, an
+F32 KV cache on the host — and runs the whole layer inside numba: RMS norm, q/k/v GEMVs, q/k
+norm and RoPE, the KV write, attention, the output projection, routing and the two fused expert
+kernels, with no Python between them. The GEMVs are the kernels' own drivers
 (``engine.kernels.kquants``/``legacy``/``floats``), the expert steps ``engine.kernels.moe_fused``,
-so the result is bit-identical to ``DecoderLayer.decode_host`` (tests/test_host_decode.py).
+so the result is bit-identical to the step-by-step host path.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from engine.kernels import floats, kquants, legacy
 from engine.kernels.moe_fused import FUSED_TYPES, moe_down_q8, moe_gate_up_q8, quantize_for
-from engine.models.layers import attention_host, qk_norm_rope_host, rms_norm_host, route_host
+from engine.kernels.simd import hsum_f32, load_f32x8, vadd, vfma, zero_f32
 from engine.quant.formats import QType
+
+# --- the twins of engine.models.layers ------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def rms_norm_host(x, w, eps):
+    """x float32 [n], w float32 [n] (or [0]: no weight) -> float32 [n] (ggml_rms_norm, ggml_mul).
+
+    As ggml: the sum of squares in float64, mean and scale in float32."""
+    n = x.shape[0]
+    s = 0.0
+    for i in range(n):
+        s += np.float64(x[i] * x[i])
+    scale = np.float32(1.0) / np.sqrt(np.float32(s / n) + np.float32(eps))
+    y = np.empty(n, np.float32)
+    if w.shape[0]:
+        for i in range(n):
+            y[i] = x[i] * scale * w[i]
+    else:
+        for i in range(n):
+            y[i] = x[i] * scale
+    return y
+
+
+@njit(cache=True, nogil=True)
+def rms_norm_rows(X, w, eps):
+    """``rms_norm`` of each row: X float32 [T, n] -> [T, n]."""
+    Y = np.empty_like(X)
+    for t in range(X.shape[0]):
+        Y[t] = rms_norm_host(X[t], w, eps)
+    return Y
+
+
+@njit(cache=True, nogil=True)
+def _norm_heads(x, w, heads, hd, eps):
+    """In place: RMS norm of each of ``heads`` slices of length hd (weights w [hd])."""
+    for h in range(heads):
+        x[h * hd : (h + 1) * hd] = rms_norm_host(x[h * hd : (h + 1) * hd], w, eps)
+
+
+@njit(cache=True, nogil=True)
+def _rope_heads(x, heads, hd, cos, sin, neox):
+    """In place: rotate the first 2·len(cos) dims of each head (apply_rope for one position)."""
+    half = cos.shape[0]
+    for h in range(heads):
+        o = h * hd
+        for i in range(half):
+            if neox:
+                a, b = o + i, o + i + half
+            else:
+                a, b = o + 2 * i, o + 2 * i + 1
+            x0, x1 = x[a], x[b]
+            x[a] = x0 * cos[i] - x1 * sin[i]
+            x[b] = x0 * sin[i] + x1 * cos[i]
+
+
+@njit(cache=True, nogil=True)
+def qk_norm_rope_rows(q, k, q_norm, k_norm, qk_norm, eps, cos, sin, neox, H, Hkv, hd):
+    """In place on q [T, H·hd] and k [T, Hkv·hd]: optional RMS norm (qk_norm 0 none, 1 per head
+    "head", 2 whole projection "proj"), then RoPE with cos, sin float32 [T, rope_dim/2]."""
+    for t in range(q.shape[0]):
+        if qk_norm == 2:
+            q[t] = rms_norm_host(q[t], q_norm, eps)
+            k[t] = rms_norm_host(k[t], k_norm, eps)
+        elif qk_norm == 1:
+            _norm_heads(q[t], q_norm, H, hd, eps)
+            _norm_heads(k[t], k_norm, Hkv, hd, eps)
+        _rope_heads(q[t], H, hd, cos[t], sin[t], neox)
+        _rope_heads(k[t], Hkv, hd, cos[t], sin[t], neox)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot_f32(a, ao, b, bo, n):
+    """Σ a[ao:ao+n]·b[bo:bo+n] (n a multiple of 16) on two 8-lane accumulators."""
+    a0 = zero_f32()
+    a1 = zero_f32()
+    for d in range(0, n, 16):
+        a0 = vfma(load_f32x8(a, ao + d), load_f32x8(b, bo + d), a0)
+        a1 = vfma(load_f32x8(a, ao + d + 8), load_f32x8(b, bo + d + 8), a1)
+    return hsum_f32(vadd(a0, a1))
+
+
+@njit(cache=True, nogil=True)
+def _attend(q, K, V, P, kh, g, hd, scale, out):
+    """The g query heads of KV head kh (q [H·hd] of one token) over positions 0..P-1 -> out."""
+    ko = kh * hd
+    s = np.empty((g, P), np.float32)
+    for p in range(P):
+        krow = K[p]
+        for j in range(g):
+            s[j, p] = _dot_f32(q, (kh * g + j) * hd, krow, ko, hd) * scale
+    for j in range(g):
+        m = s[j, 0]
+        for p in range(1, P):
+            m = max(m, s[j, p])
+        tot = np.float32(0.0)
+        for p in range(P):
+            e = np.exp(s[j, p] - m)
+            s[j, p] = e
+            tot += e
+        inv = np.float32(1.0) / tot
+        for p in range(P):
+            s[j, p] *= inv
+    acc = np.zeros((g, hd), np.float32)
+    for p in range(P):
+        vrow = V[p, ko : ko + hd]
+        for j in range(g):
+            w = s[j, p]
+            a = acc[j]
+            for d in range(hd):
+                a[d] += w * vrow[d]
+    for j in range(g):
+        out[(kh * g + j) * hd : (kh * g + j + 1) * hd] = acc[j]
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def attention_rows(q, K, V, start, H, Hkv, hd):
+    """Causal GQA attention (``attention``): q float32 [T, H·hd] at positions start..start+T-1;
+    K, V float32 [≥start+T, Hkv·hd] (the cache) -> float32 [T, H·hd]. Softmax of q·k/sqrt(hd) in
+    float32. Each K/V row is read once for the g = H/Hkv query heads sharing it; (token, KV head)
+    pairs run in parallel, early and late tokens interleaved so threads get equal work. hd % 16 == 0."""
+    T = q.shape[0]
+    g = H // Hkv
+    scale = np.float32(1.0 / np.sqrt(np.float64(hd)))
+    out = np.empty((T, H * hd), np.float32)
+    for item in prange(T * Hkv):
+        i = item // Hkv
+        t = i // 2 if i % 2 == 0 else T - 1 - i // 2
+        _attend(q[t], K, V, start + t + 1, item % Hkv, g, hd, scale, out[t])
+    return out
+
+
+@njit(cache=True, nogil=True)
+def route_rows(logits, k, renormalise):
+    """Router logits float32 [T, E] -> (ids int64 [T, k], weights float32 [T, k]): softmax, top-k
+    by probability (descending; lower id first on ties), optionally renormalised
+    (``route_softmax_topk``)."""
+    T, E = logits.shape
+    ids = np.empty((T, k), np.int64)
+    w = np.empty((T, k), np.float32)
+    p = np.empty(E, np.float32)
+    for t in range(T):
+        m = logits[t].max()
+        tot = np.float32(0.0)
+        for e in range(E):
+            p[e] = np.exp(logits[t, e] - m)
+            tot += p[e]
+        for e in range(E):
+            p[e] = p[e] / tot
+        order = np.argsort(-p, kind="mergesort")  # stable: ties keep the lower id first
+        for j in range(k):
+            ids[t, j] = order[j]
+            w[t, j] = p[order[j]]
+        if renormalise:
+            sw = np.float32(0.0)
+            for j in range(k):
+                sw += w[t, j]
+            for j in range(k):
+                w[t, j] = w[t, j] / sw
+    return ids, w
+
+
+# --- one decode step of a whole MoE layer -------------------------------------------------------
 
 _QK_NORM = {None: 0, "head": 1, "proj": 2}
 
@@ -59,7 +227,8 @@ def decode_moe_layer(
     router, k_top, renorm,
     qt_gu, wg, sg, wu, su, qt_d, wd, sd,
 ):  # fmt: skip
-    """x float32 [D] of the token at position ``pos`` -> (x' float32 [D], expert ids int64 [K]).
+    """x float32 [D] of the token at position ``pos`` -> (x' float32 [D], expert ids int64 [K]);
+    cos, sin float32 [1, rope_dim/2].
 
     x' = x + attn(rms_norm(x)); x' += experts(rms_norm(x')), exactly as ``DecoderLayer`` with
     ``Attention`` and ``MoE`` (no shared expert). Writes k, v into row ``pos`` of the cache arrays
@@ -79,21 +248,22 @@ def decode_moe_layer(
         q += bq
         k += bk
         v += bv
-    qk_norm_rope_host(q, k, q_norm, k_norm, qk_mode, eps, cos, sin, neox, H, Hkv, hd)
+    q2, k2 = q.reshape(1, q.shape[0]), k.reshape(1, k.shape[0])
+    qk_norm_rope_rows(q2, k2, q_norm, k_norm, qk_mode, eps, cos, sin, neox, H, Hkv, hd)
     Kc[pos] = k
     Vc[pos] = v
-    o = attention_host(q, Kc, Vc, pos + 1, H, Hkv, hd)
-    a = quantize_for(qt_o, o.reshape(1, o.shape[0]))
+    o = attention_rows(q2, Kc, Vc, pos, H, Hkv, hd)  # [1, H*hd]
+    a = quantize_for(qt_o, o)
     x = x + gemv_q8(qt_o, wo, so, a[0], a[1], a[2], a[3])
     h = rms_norm_host(x, ffn_norm, eps).reshape(1, D)
     E = router.shape[0]
     logits = np.empty((E, 1), np.float32)
     floats.gemv_f32(router, np.arange(E), np.zeros(E, np.int64), h, logits)
-    ids, w = route_host(logits.reshape(E), k_top, renorm)
+    ids, w = route_rows(logits.reshape(1, E), k_top, renorm)
     a = quantize_for(qt_gu, h)
     F = wg.shape[0] // E
-    _, qa, da, asum, bsums = moe_gate_up_q8(qt_gu, wg, sg, wu, su, ids, a[0], a[1], a[2], a[3], F, qt_d)
-    return x + moe_down_q8(qt_d, wd, sd, ids, w, qa, da, asum, bsums, D), ids
+    _, qa, da, asum, bsums = moe_gate_up_q8(qt_gu, wg, sg, wu, su, ids[0], a[0], a[1], a[2], a[3], F, qt_d)
+    return x + moe_down_q8(qt_d, wd, sd, ids[0], w[0], qa, da, asum, bsums, D), ids[0]
 
 
 class HostMoEStep:

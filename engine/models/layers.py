@@ -1,16 +1,14 @@
 """The math every architecture composes, written once in torch (any device).
 
 Shapes: T tokens in the batch, D model width, H query heads, Hkv KV heads, hd head dim.
-Each function says which llama.cpp graph op it must agree with.
+Each function says which llama.cpp graph op it must agree with. Their numba twins for the
+host (``*_host`` / ``*_rows`` in :mod:`engine.models.host`) follow the same ops.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
-
-from engine.kernels.simd import hsum_f32, load_f32x8, vadd, vfma, zero_f32
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -86,145 +84,4 @@ def route_softmax_topk(logits: torch.Tensor, k: int, renormalise: bool) -> tuple
     w, ids = torch.topk(probs, k, dim=-1)
     if renormalise:
         w = w / w.sum(dim=-1, keepdim=True)
-    return ids, w
-
-
-# --- host decode (T = 1) in numba: the same math with one call per step --------------------------
-# The torch functions above are the reference for every device; these serve one token on the host,
-# where per-op torch dispatch (~60 small ops per layer) would cost more than the weights' reading.
-# Each follows the same ggml op as its torch twin; tests/test_host_decode.py holds them together.
-
-
-@njit(cache=True, nogil=True)
-def rms_norm_host(x, w, eps):
-    """x float32 [n], w float32 [n] (or [0]: no weight) -> float32 [n] (ggml_rms_norm, ggml_mul).
-
-    As ggml: the sum of squares in float64, mean and scale in float32."""
-    n = x.shape[0]
-    s = 0.0
-    for i in range(n):
-        s += np.float64(x[i] * x[i])
-    scale = np.float32(1.0) / np.sqrt(np.float32(s / n) + np.float32(eps))
-    y = np.empty(n, np.float32)
-    if w.shape[0]:
-        for i in range(n):
-            y[i] = x[i] * scale * w[i]
-    else:
-        for i in range(n):
-            y[i] = x[i] * scale
-    return y
-
-
-@njit(cache=True, nogil=True)
-def _norm_heads(x, w, heads, hd, eps):
-    """In place: RMS norm of each of ``heads`` slices of length hd (weights w [hd])."""
-    for h in range(heads):
-        x[h * hd : (h + 1) * hd] = rms_norm_host(x[h * hd : (h + 1) * hd], w, eps)
-
-
-@njit(cache=True, nogil=True)
-def _rope_heads(x, heads, hd, cos, sin, neox):
-    """In place: rotate the first 2·len(cos) dims of each head (apply_rope for one position)."""
-    half = cos.shape[0]
-    for h in range(heads):
-        o = h * hd
-        for i in range(half):
-            if neox:
-                a, b = o + i, o + i + half
-            else:
-                a, b = o + 2 * i, o + 2 * i + 1
-            x0, x1 = x[a], x[b]
-            x[a] = x0 * cos[i] - x1 * sin[i]
-            x[b] = x0 * sin[i] + x1 * cos[i]
-
-
-@njit(cache=True, nogil=True)
-def qk_norm_rope_host(q, k, q_norm, k_norm, qk_norm, eps, cos, sin, neox, H, Hkv, hd):
-    """One position's q [H·hd] and k [Hkv·hd], in place: optional RMS norm (qk_norm 0 none,
-    1 per head "head", 2 whole projection "proj"), then RoPE with cos, sin float32 [rope_dim/2]."""
-    if qk_norm == 2:
-        q[:] = rms_norm_host(q, q_norm, eps)
-        k[:] = rms_norm_host(k, k_norm, eps)
-    elif qk_norm == 1:
-        _norm_heads(q, q_norm, H, hd, eps)
-        _norm_heads(k, k_norm, Hkv, hd, eps)
-    _rope_heads(q, H, hd, cos, sin, neox)
-    _rope_heads(k, Hkv, hd, cos, sin, neox)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _dot_f32(a, ao, b, bo, n):
-    """Σ a[ao:ao+n]·b[bo:bo+n] (n a multiple of 16) on two 8-lane accumulators."""
-    a0 = zero_f32()
-    a1 = zero_f32()
-    for d in range(0, n, 16):
-        a0 = vfma(load_f32x8(a, ao + d), load_f32x8(b, bo + d), a0)
-        a1 = vfma(load_f32x8(a, ao + d + 8), load_f32x8(b, bo + d + 8), a1)
-    return hsum_f32(vadd(a0, a1))
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def attention_host(q, K, V, P, H, Hkv, hd):
-    """One query over positions 0..P-1: q float32 [H·hd]; K, V float32 [≥P, Hkv·hd] (the cache)
-    -> float32 [H·hd]. Softmax of q·k/sqrt(hd) in float32, as ``attention``. Each K/V row is read
-    once for the g = H/Hkv query heads sharing it; KV heads run in parallel. hd % 16 == 0."""
-    g = H // Hkv
-    scale = np.float32(1.0 / np.sqrt(np.float64(hd)))
-    out = np.empty(H * hd, np.float32)
-    for kh in prange(Hkv):
-        ko = kh * hd
-        s = np.empty((g, P), np.float32)
-        for p in range(P):
-            krow = K[p]
-            for j in range(g):
-                s[j, p] = _dot_f32(q, (kh * g + j) * hd, krow, ko, hd) * scale
-        for j in range(g):
-            m = s[j, 0]
-            for p in range(1, P):
-                m = max(m, s[j, p])
-            tot = np.float32(0.0)
-            for p in range(P):
-                e = np.exp(s[j, p] - m)
-                s[j, p] = e
-                tot += e
-            inv = np.float32(1.0) / tot
-            for p in range(P):
-                s[j, p] *= inv
-        acc = np.zeros((g, hd), np.float32)
-        for p in range(P):
-            vrow = V[p, ko : ko + hd]
-            for j in range(g):
-                w = s[j, p]
-                a = acc[j]
-                for d in range(hd):
-                    a[d] += w * vrow[d]
-        for j in range(g):
-            out[(kh * g + j) * hd : (kh * g + j + 1) * hd] = acc[j]
-    return out
-
-
-@njit(cache=True, nogil=True)
-def route_host(logits, k, renormalise):
-    """Router logits float32 [E] -> (ids int64 [k], weights float32 [k]): softmax, top-k by
-    probability (descending; lower id first on ties), optionally renormalised (route_softmax_topk)."""
-    E = logits.shape[0]
-    m = logits.max()
-    p = np.empty(E, np.float32)
-    tot = np.float32(0.0)
-    for e in range(E):
-        p[e] = np.exp(logits[e] - m)
-        tot += p[e]
-    for e in range(E):
-        p[e] = p[e] / tot
-    order = np.argsort(-p, kind="mergesort")  # stable: ties keep the lower id first
-    ids = order[:k].astype(np.int64)
-    w = np.empty(k, np.float32)
-    for j in range(k):
-        w[j] = p[ids[j]]
-    if renormalise:
-        sw = np.float32(0.0)
-        for j in range(k):
-            sw += w[j]
-        for j in range(k):
-            w[j] = w[j] / sw
     return ids, w

@@ -6,12 +6,13 @@ import argparse
 import sys
 
 from engine.api import LoadOptions, Session
+from engine.errors import UsageError
 from engine.generate import SamplingParams
 from engine.plan.sizing import KV_TYPES
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", required=True, help="GGUF model file")
+    p.add_argument("-m", "--model", default=None, help="GGUF model file (default: the bundled demo model)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("--kv-type", choices=KV_TYPES, default=None, help="KV cache dtype (default $SHARPI_KV_DTYPE or f32)")
     p.add_argument(
@@ -100,6 +101,13 @@ def sampling_from_args(a: argparse.Namespace) -> SamplingParams:
 
 
 def load_session(a: argparse.Namespace) -> Session:
+    if a.model is None:
+        from engine.demo import demo_model_path
+
+        try:
+            a.model = str(demo_model_path())
+        except FileNotFoundError as e:
+            raise UsageError(f"no -m/--model given and {e}") from None
     tty = sys.stderr.isatty() and not getattr(a, "quiet", False)
 
     def progress(done: int, total: int, what: str) -> None:

@@ -1,0 +1,41 @@
+"""Where the bundled demo model lives: the default of ``sharpi run`` and the desktop app.
+
+The file is committed at ``resources/models/`` in the repository (trained by
+``packaging/train_demo.py``). A wheel installs it as data under ``<prefix>/share/sharpi/models/``
+(``[tool.setuptools.data-files]`` in ``pyproject.toml``). :func:`demo_model_path` looks in
+``$SHARPI_DEMO_MODEL``, then the checkout this module sits in, then the install prefixes.
+"""
+
+from __future__ import annotations
+
+import os
+import site
+import sys
+from pathlib import Path
+
+DEMO_FILE = "sharpi-demo-q8_0.gguf"
+DATA_DIR = Path("share") / "sharpi" / "models"  # under an install prefix
+REPO_DIR = Path("resources") / "models"  # under the repository root
+ENV = "SHARPI_DEMO_MODEL"
+
+
+def candidate_paths() -> list[Path]:
+    """Every place :func:`demo_model_path` looks, in order."""
+    out = []
+    if os.environ.get(ENV):
+        out.append(Path(os.environ[ENV]).expanduser())
+    out.append(Path(__file__).resolve().parent.parent / REPO_DIR / DEMO_FILE)  # a checkout / editable install
+    prefixes = [sys.prefix, sys.base_prefix, site.getuserbase()]
+    for prefix in dict.fromkeys(p for p in prefixes if p):
+        out.append(Path(prefix) / DATA_DIR / DEMO_FILE)
+    return out
+
+
+def demo_model_path() -> Path:
+    """Path of the bundled demo GGUF; :class:`FileNotFoundError` naming the places looked in."""
+    paths = candidate_paths()
+    for p in paths:
+        if p.is_file():
+            return p
+    looked = ", ".join(str(p) for p in paths)
+    raise FileNotFoundError(f"the bundled demo model {DEMO_FILE} is not installed (looked in: {looked})")

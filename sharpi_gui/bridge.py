@@ -183,7 +183,19 @@ def _card(session: Session, spec: ModelSpec) -> D.ModelCard:
         n_ctx=session.n_ctx,
         kv_type=session.kv_type,
         tokenizer=f"{info.tokenizer_model} ({info.tokenizer_pre})" if info.tokenizer_pre else info.tokenizer_model,
+        notes=_notes(Path(info.path)),
     )
+
+
+def _notes(path: Path) -> str:
+    """A model card shipped beside the file: ``<stem>.md``, else ``MODEL_CARD.md`` in its folder."""
+    for card in (path.with_suffix(".md"), path.parent / "MODEL_CARD.md"):
+        try:
+            if card.is_file():
+                return card.read_text(encoding="utf-8")[:20000]
+        except OSError:
+            continue
+    return ""
 
 
 def _request(s: D.PlanSettings) -> PlanRequest:

@@ -57,6 +57,7 @@ class ModelCard:
     n_ctx: int  # context the session was loaded with
     kv_type: str
     tokenizer: str
+    notes: str = ""  # the model's own card (markdown) when one ships beside the file
 
 
 @dataclass(frozen=True)

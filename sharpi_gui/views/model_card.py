@@ -11,6 +11,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QTableWidget,
     QTableWidgetItem,
+    QTextBrowser,
     QVBoxLayout,
     QWidget,
 )
@@ -74,5 +75,13 @@ class ModelCardDialog(QDialog):
         lay.addLayout(form)
         lay.addWidget(QLabel("Quantization mix"))
         lay.addWidget(self.quant_table)
+        self.notes: QTextBrowser | None = None
+        if card.notes:
+            self.notes = QTextBrowser()
+            self.notes.setOpenExternalLinks(True)
+            self.notes.setMarkdown(card.notes)
+            self.notes.setMinimumHeight(220)
+            lay.addWidget(QLabel("About this model"))
+            lay.addWidget(self.notes)
         lay.addWidget(buttons)
         self.resize(520, 0)

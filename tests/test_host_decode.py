@@ -51,9 +51,11 @@ def test_qk_norm_rope_rows(qk_norm, neox, rope_dim):
     np.testing.assert_allclose(k, want_k, rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("H,Hkv,start,T", [(4, 2, 0, 1), (8, 2, 36, 1), (4, 4, 129, 1), (8, 2, 0, 9), (4, 1, 5, 6)])
-def test_attention_rows(H, Hkv, start, T):
-    hd = 64
+@pytest.mark.parametrize(
+    "H,Hkv,start,T,hd",
+    [(4, 2, 0, 1, 64), (8, 2, 36, 1, 64), (4, 4, 129, 1, 64), (8, 2, 0, 9, 64), (4, 1, 5, 6, 64), (6, 2, 3, 5, 48)],
+)
+def test_attention_rows(H, Hkv, start, T, hd):
     P = start + T
     r = _rng(3)
     q = r.standard_normal((T, H * hd), dtype=np.float32)

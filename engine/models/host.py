@@ -19,12 +19,30 @@ so the result is bit-identical to the step-by-step host path.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from engine.kernels import floats, kquants, legacy
 from engine.kernels.moe_fused import FUSED_TYPES, moe_down_q8, moe_gate_up_q8, quantize_for
-from engine.kernels.simd import hsum_f32, load_f32x8, vadd, vfma, zero_f32
+from engine.kernels.simd import F32x8, hsum_f32, load_f32x8, vadd, vfma, vfma_s, zero_f32
 from engine.quant.formats import QType
+
+
+@intrinsic
+def _store_f32x8(typingctx, arr, off, v):
+    """arr[off:off+8] = v (F32x8) for a 1-D float32 array; no bounds check."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.float32 and v == F32x8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.PointerType(ir.VectorType(ir.FloatType(), 8)))
+        builder.store(args[2], ptr, align=4)
+        return context.get_dummy_value()
+
+    return types.none(arr, off, v), codegen
+
 
 # --- the twins of engine.models.layers ------------------------------------------------------------
 
@@ -108,14 +126,14 @@ def _dot_f32(a, ao, b, bo, n):
 
 
 @njit(cache=True, nogil=True)
-def _attend(q, K, V, P, kh, g, hd, scale, out):
-    """The g query heads of KV head kh (q [H·hd] of one token) over positions 0..P-1 -> out."""
+def _attend(q, Kf, Vf, kvd, P, kh, g, hd, scale, out):
+    """The g query heads of KV head kh (q [H·hd] of one token) over positions 0..P-1 -> out.
+    Kf, Vf: the caches flattened, row p at p·kvd."""
     ko = kh * hd
     s = np.empty((g, P), np.float32)
     for p in range(P):
-        krow = K[p]
         for j in range(g):
-            s[j, p] = _dot_f32(q, (kh * g + j) * hd, krow, ko, hd) * scale
+            s[j, p] = _dot_f32(q, (kh * g + j) * hd, Kf, p * kvd + ko, hd) * scale
     for j in range(g):
         m = s[j, 0]
         for p in range(1, P):
@@ -128,16 +146,65 @@ def _attend(q, K, V, P, kh, g, hd, scale, out):
         inv = np.float32(1.0) / tot
         for p in range(P):
             s[j, p] *= inv
-    acc = np.zeros((g, hd), np.float32)
-    for p in range(P):
-        vrow = V[p, ko : ko + hd]
-        for j in range(g):
-            w = s[j, p]
-            a = acc[j]
-            for d in range(hd):
-                a[d] += w * vrow[d]
-    for j in range(g):
-        out[(kh * g + j) * hd : (kh * g + j + 1) * hd] = acc[j]
+    # out_j = Σ_p s[j, p]·V[p] in registers: two heads × 32 lanes share each load of V
+    j = 0
+    while j < g:
+        j2 = j + 1 if j + 1 < g else j  # an odd last head pairs with itself
+        oa, ob = (kh * g + j) * hd, (kh * g + j2) * hd
+        sa, sb = s[j], s[j2]
+        d32 = hd - hd % 32
+        for dc in range(0, d32, 32):
+            a0 = zero_f32()
+            a1 = zero_f32()
+            a2 = zero_f32()
+            a3 = zero_f32()
+            b0 = zero_f32()
+            b1 = zero_f32()
+            b2 = zero_f32()
+            b3 = zero_f32()
+            o = ko + dc
+            for p in range(P):
+                v0 = load_f32x8(Vf, o)
+                v1 = load_f32x8(Vf, o + 8)
+                v2 = load_f32x8(Vf, o + 16)
+                v3 = load_f32x8(Vf, o + 24)
+                wa, wb = sa[p], sb[p]
+                a0 = vfma_s(v0, wa, a0)
+                a1 = vfma_s(v1, wa, a1)
+                a2 = vfma_s(v2, wa, a2)
+                a3 = vfma_s(v3, wa, a3)
+                b0 = vfma_s(v0, wb, b0)
+                b1 = vfma_s(v1, wb, b1)
+                b2 = vfma_s(v2, wb, b2)
+                b3 = vfma_s(v3, wb, b3)
+                o += kvd
+            _store_f32x8(out, oa + dc, a0)
+            _store_f32x8(out, oa + dc + 8, a1)
+            _store_f32x8(out, oa + dc + 16, a2)
+            _store_f32x8(out, oa + dc + 24, a3)
+            _store_f32x8(out, ob + dc, b0)
+            _store_f32x8(out, ob + dc + 8, b1)
+            _store_f32x8(out, ob + dc + 16, b2)
+            _store_f32x8(out, ob + dc + 24, b3)
+        if d32 < hd:  # hd % 32 == 16: the last 16 lanes
+            a0 = zero_f32()
+            a1 = zero_f32()
+            b0 = zero_f32()
+            b1 = zero_f32()
+            o = ko + d32
+            for p in range(P):
+                v0 = load_f32x8(Vf, o)
+                v1 = load_f32x8(Vf, o + 8)
+                a0 = vfma_s(v0, sa[p], a0)
+                a1 = vfma_s(v1, sa[p], a1)
+                b0 = vfma_s(v0, sb[p], b0)
+                b1 = vfma_s(v1, sb[p], b1)
+                o += kvd
+            _store_f32x8(out, oa + d32, a0)
+            _store_f32x8(out, oa + d32 + 8, a1)
+            _store_f32x8(out, ob + d32, b0)
+            _store_f32x8(out, ob + d32 + 8, b1)
+        j += 2
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -150,10 +217,13 @@ def attention_rows(q, K, V, start, H, Hkv, hd):
     g = H // Hkv
     scale = np.float32(1.0 / np.sqrt(np.float64(hd)))
     out = np.empty((T, H * hd), np.float32)
+    kvd = K.shape[1]
+    Kf = K.reshape(K.shape[0] * kvd)
+    Vf = V.reshape(V.shape[0] * kvd)
     for item in prange(T * Hkv):
         i = item // Hkv
         t = i // 2 if i % 2 == 0 else T - 1 - i // 2
-        _attend(q[t], K, V, start + t + 1, item % Hkv, g, hd, scale, out[t])
+        _attend(q[t], Kf, Vf, kvd, start + t + 1, item % Hkv, g, hd, scale, out[t])
     return out
 
 

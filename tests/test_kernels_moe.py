@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from engine.kernels import reference as ref
-from engine.kernels.dispatch import matvec
+from engine.kernels.dispatch import matmul, matvec
 from engine.kernels.moe import moe_ffn, silu_mul
 from engine.kernels.prepare import prepare_weight
 from engine.quant import QType, quantize
@@ -86,3 +86,18 @@ def test_moe_refuses_bad_ids():
         moe_ffn(g, u, d, x, np.array([0, E]), np.ones(2, np.float32), q8_act=True)
     with pytest.raises(ValueError):
         moe_ffn(g, u, d, np.ones(F, np.float32), np.array([0, 1]), np.ones(2, np.float32), q8_act=True)
+
+
+def test_numpy_twins_take_the_same_arguments():
+    """reference.*_numpy accept exactly what the kernels accept and agree with them."""
+    rng = np.random.default_rng(24)
+    _, (g, u, d) = stacks(CASES[0], rng)
+    x = rng.standard_normal(D, dtype=np.float32)
+    ids, wts = np.array([3, 1, 4]), np.array([0.5, 0.25, 0.25], np.float32)
+    y = moe_ffn(g, u, d, x, ids, wts, q8_act=False)
+    np.testing.assert_allclose(ref.moe_ffn_numpy(g, u, d, x, ids, wts, q8_act=False), y, atol=1e-5 * np.abs(y).max())
+    X = rng.standard_normal((3, D), dtype=np.float32)
+    np.testing.assert_allclose(ref.matmul_numpy(g, X, q8_act=True), matmul(g, X, q8_act=True), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        ref.matvec_numpy(d, X[0][:F], q8_act=False), matvec(d, X[0][:F], q8_act=False), rtol=1e-4, atol=1e-4
+    )

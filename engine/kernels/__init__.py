@@ -11,7 +11,8 @@ Public API::
 ``q8_act=True`` rounds activations as llama.cpp's CPU backend does (Q8_0 / Q8_K blocks, F16 /
 BF16) and takes integer block dot products; ``q8_act=False`` multiplies by the exactly
 dequantized weights. The numpy reference with the same semantics is ``engine.kernels.reference``
-(``matvec_ref``, ``matmul_ref``, ``moe_ffn_ref``); the kernel for each type is chosen in one place,
+(``matvec_numpy``, ``matmul_numpy``, ``moe_ffn_numpy`` take the same arguments; ``*_ref`` take
+qtype + raw bytes); the kernel for each type is chosen in one place,
 ``engine.kernels.dispatch.KERNELS``.
 """
 

@@ -276,3 +276,25 @@ def moe_ffn_ref(
             h = (g / (1.0 + np.exp(-g)) * u).astype(np.float32)
         y += float(w) * matvec_ref(qtypes[2], down_raw[e], h, q8_act=q8_act)
     return y.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The same entry points as engine.kernels (PreparedWeight in, same shapes out), in numpy
+# ---------------------------------------------------------------------------------------------
+
+
+def matvec_numpy(w, x: np.ndarray, *, q8_act: bool) -> np.ndarray:
+    """numpy twin of ``engine.kernels.matvec``: w PreparedWeight [R, n]; x float32 [n] -> [R]."""
+    return matvec_ref(w.qtype, w.raw, x, q8_act=q8_act)
+
+
+def matmul_numpy(w, X: np.ndarray, *, q8_act: bool) -> np.ndarray:
+    """numpy twin of ``engine.kernels.matmul``: X float32 [T, n] -> float32 [T, R]."""
+    return matmul_ref(w.qtype, w.raw, X, q8_act=q8_act)
+
+
+def moe_ffn_numpy(gate, up, down, x: np.ndarray, ids, weights, *, q8_act: bool) -> np.ndarray:
+    """numpy twin of ``engine.kernels.moe_ffn`` (stacks as PreparedWeight) -> float32 [D]."""
+    E = gate.n_experts
+    raws = [m.raw.reshape(E, m.rows, -1) for m in (gate, up, down)]
+    return moe_ffn_ref((gate.qtype, up.qtype, down.qtype), *raws, x, ids, weights, q8_act=q8_act)

@@ -24,8 +24,18 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from engine.kernels import floats, kquants, legacy
-from engine.kernels.moe_fused import FUSED_TYPES, moe_down_q8, moe_gate_up_q8, quantize_for
-from engine.kernels.simd import F32x8, hsum_f32, load_f32x8, vadd, vfma, vfma_s, zero_f32
+from engine.kernels.moe_fused import FUSED_TYPES, _row_q8, moe_down_q8, moe_gate_up_q8, quantize_for
+from engine.kernels.simd import (
+    F32x8,
+    hsum_f32,
+    load_f32x8,
+    prefetch_array,
+    prefetch_distance,
+    vadd,
+    vfma,
+    vfma_s,
+    zero_f32,
+)
 from engine.quant.formats import QType
 
 
@@ -287,6 +297,47 @@ def gemv_q8(qt, raw, s, qa, da, asum, bsums):
     return out.reshape(R)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _pick(i, R0, R1, w0, w1, w2):
+    """Row i of the rows of w0, w1, w2 stacked: (the matrix's row array, its local row)."""
+    if i < R0:
+        return w0[i]
+    if i < R0 + R1:
+        return w1[i - R0]
+    return w2[i - R0 - R1]
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def qkv_q8(qt0, w0, s0, qt1, w1, s1, qt2, w2, s2, qa, da, asum, bsums):
+    """Three GEMVs on one token in one parallel loop (q, k, v: one barrier instead of three).
+    Types of one activation family (K-quants with Q8_K, or Q8_0/Q4_0/Q5_0 with Q8_0), the
+    activations (qa, da, asum, bsums) = ``quantize_for(qt0, x [1, n])``. Row values equal
+    ``gemv_q8`` (the same row kernels). Returns (float32 [R0], [R1], [R2])."""
+    R0, R1, R2 = w0.shape[0], w1.shape[0], w2.shape[0]
+    M = R0 + R1 + R2
+    out = np.empty(M, np.float32)
+    ahead = prefetch_distance(w0)
+    CH = 16
+    for c in prange((M + CH - 1) // CH):
+        for i in range(c * CH, min(M, (c + 1) * CH)):
+            j = i + ahead
+            if j < M:
+                prefetch_array(_pick(j, R0, R1, w0, w1, w2))
+            if i < R0:
+                out[i] = _row_q8(qt0, w0[i], s0[i], qa[0], da[0], asum[0], bsums[0])
+            elif i < R0 + R1:
+                out[i] = _row_q8(qt1, w1[i - R0], s1[i - R0], qa[0], da[0], asum[0], bsums[0])
+            else:
+                r = i - R0 - R1
+                out[i] = _row_q8(qt2, w2[r], s2[r], qa[0], da[0], asum[0], bsums[0])
+    return out[:R0], out[R0 : R0 + R1], out[R0 + R1 :]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _k_family(qt):
+    return qt == 12 or qt == 13 or qt == 14
+
+
 @njit(cache=True, nogil=True)
 def decode_moe_layer(
     x, attn_norm, ffn_norm, eps,
@@ -307,13 +358,16 @@ def decode_moe_layer(
     D = x.shape[0]
     h = rms_norm_host(x, attn_norm, eps).reshape(1, D)
     a = quantize_for(qt_q, h)
-    q = gemv_q8(qt_q, wq, sq, a[0], a[1], a[2], a[3])
-    if qt_k != qt_q:
-        a = quantize_for(qt_k, h)
-    k = gemv_q8(qt_k, wk, sk, a[0], a[1], a[2], a[3])
-    if qt_v != qt_k:
-        a = quantize_for(qt_v, h)
-    v = gemv_q8(qt_v, wv, sv, a[0], a[1], a[2], a[3])
+    if _k_family(qt_q) == _k_family(qt_k) and _k_family(qt_k) == _k_family(qt_v):
+        q, k, v = qkv_q8(qt_q, wq, sq, qt_k, wk, sk, qt_v, wv, sv, a[0], a[1], a[2], a[3])
+    else:
+        q = gemv_q8(qt_q, wq, sq, a[0], a[1], a[2], a[3])
+        if qt_k != qt_q:
+            a = quantize_for(qt_k, h)
+        k = gemv_q8(qt_k, wk, sk, a[0], a[1], a[2], a[3])
+        if qt_v != qt_k:
+            a = quantize_for(qt_v, h)
+        v = gemv_q8(qt_v, wv, sv, a[0], a[1], a[2], a[3])
     if bq.shape[0]:
         q += bq
         k += bk

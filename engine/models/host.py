@@ -29,6 +29,7 @@ from engine.kernels.simd import (
     F32x8,
     hsum_f32,
     load_f32x8,
+    prefetch,
     prefetch_array,
     prefetch_distance,
     vadd,
@@ -141,7 +142,13 @@ def _attend(q, Kf, Vf, kvd, P, kh, g, hd, scale, out):
     Kf, Vf: the caches flattened, row p at p·kvd."""
     ko = kh * hd
     s = np.empty((g, P), np.float32)
+    ahead = 8 * kvd  # in decode K, V come from DRAM (the weights' stream evicts them): prefetch
     for p in range(P):
+        o = p * kvd + ko + ahead
+        if o + hd <= Kf.shape[0]:
+            for c in range(0, hd, 16):
+                prefetch(Kf, o + c)
+                prefetch(Vf, o + c)
         for j in range(g):
             s[j, p] = _dot_f32(q, (kh * g + j) * hd, Kf, p * kvd + ko, hd) * scale
     for j in range(g):

@@ -53,7 +53,15 @@ def test_qk_norm_rope_rows(qk_norm, neox, rope_dim):
 
 @pytest.mark.parametrize(
     "H,Hkv,start,T,hd",
-    [(4, 2, 0, 1, 64), (8, 2, 36, 1, 64), (4, 4, 129, 1, 64), (8, 2, 0, 9, 64), (4, 1, 5, 6, 64), (6, 2, 3, 5, 48)],
+    [
+        (4, 2, 0, 1, 64),
+        (8, 2, 36, 1, 64),
+        (4, 4, 129, 1, 64),
+        (8, 2, 0, 9, 64),
+        (4, 1, 5, 6, 64),
+        (6, 2, 3, 5, 48),
+        (2, 2, 7, 3, 112),
+    ],
 )
 def test_attention_rows(H, Hkv, start, T, hd):
     P = start + T

@@ -136,6 +136,38 @@ def _dot_f32(a, ao, b, bo, n):
     return hsum_f32(vadd(a0, a1))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _pv64(Vf, kvd, o, P, sa, out, oo):
+    """out[oo:oo+64] = Σ_p sa[p]·Vf[o + p·kvd : +64] on eight 8-lane accumulators."""
+    a0 = zero_f32()
+    a1 = zero_f32()
+    a2 = zero_f32()
+    a3 = zero_f32()
+    a4 = zero_f32()
+    a5 = zero_f32()
+    a6 = zero_f32()
+    a7 = zero_f32()
+    for p in range(P):
+        w = sa[p]
+        a0 = vfma_s(load_f32x8(Vf, o), w, a0)
+        a1 = vfma_s(load_f32x8(Vf, o + 8), w, a1)
+        a2 = vfma_s(load_f32x8(Vf, o + 16), w, a2)
+        a3 = vfma_s(load_f32x8(Vf, o + 24), w, a3)
+        a4 = vfma_s(load_f32x8(Vf, o + 32), w, a4)
+        a5 = vfma_s(load_f32x8(Vf, o + 40), w, a5)
+        a6 = vfma_s(load_f32x8(Vf, o + 48), w, a6)
+        a7 = vfma_s(load_f32x8(Vf, o + 56), w, a7)
+        o += kvd
+    _store_f32x8(out, oo, a0)
+    _store_f32x8(out, oo + 8, a1)
+    _store_f32x8(out, oo + 16, a2)
+    _store_f32x8(out, oo + 24, a3)
+    _store_f32x8(out, oo + 32, a4)
+    _store_f32x8(out, oo + 40, a5)
+    _store_f32x8(out, oo + 48, a6)
+    _store_f32x8(out, oo + 56, a7)
+
+
 @njit(cache=True, nogil=True)
 def _attend(q, Kf, Vf, kvd, P, kh, g, hd, scale, out):
     """The g query heads of KV head kh (q [H·hd] of one token) over positions 0..P-1 -> out.
@@ -166,11 +198,16 @@ def _attend(q, Kf, Vf, kvd, P, kh, g, hd, scale, out):
     # out_j = Σ_p s[j, p]·V[p] in registers: two heads × 32 lanes share each load of V
     j = 0
     while j < g:
-        j2 = j + 1 if j + 1 < g else j  # an odd last head pairs with itself
+        j2 = j + 1 if j + 1 < g else j  # an odd last head pairs with itself ...
         oa, ob = (kh * g + j) * hd, (kh * g + j2) * hd
         sa, sb = s[j], s[j2]
+        d0 = 0
+        if j2 == j:  # ... after 64 lanes at a time on its own (MHA models: g = 1)
+            d0 = hd - hd % 64
+            for dc in range(0, d0, 64):
+                _pv64(Vf, kvd, ko + dc, P, sa, out, oa + dc)
         d32 = hd - hd % 32
-        for dc in range(0, d32, 32):
+        for dc in range(d0, d32, 32):
             a0 = zero_f32()
             a1 = zero_f32()
             a2 = zero_f32()

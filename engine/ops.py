@@ -13,6 +13,7 @@ import numpy as np
 
 from engine.kernels import reference as ref
 from engine.kernels.prepare import PreparedWeight
+from engine.quant.formats import QType
 
 _use_reference = os.environ.get("SHARPI_KERNELS", "").lower() == "reference"
 
@@ -45,7 +46,7 @@ def matmuls(ws: tuple[PreparedWeight, ...], X: np.ndarray, *, q8_act: bool) -> l
     once per weight type and shared, so q, k and v cost one quantization."""
     if _use_reference:
         return [ref.matmul_ref(w.qtype, w.raw, X, q8_act=q8_act) for w in ws]
-    from engine.kernels.dispatch import gemv_acts, prepare_activations
+    from engine.kernels.dispatch import KERNELS, gemv_acts, prepare_activations
 
     T = X.shape[0]
     acts: dict = {}
@@ -55,8 +56,18 @@ def matmuls(ws: tuple[PreparedWeight, ...], X: np.ndarray, *, q8_act: bool) -> l
         if a is None:
             a = acts[w.qtype] = prepare_activations(w.qtype, X, q8_act=q8_act)
         rows, xi = _gather_all(w.raw.shape[0])
-        y = gemv_acts(w, a, rows, xi, T, q8_act=q8_act)  # [R, T]
-        out.append(y.reshape(1, -1) if T == 1 else np.ascontiguousarray(y.T))
+        if T == 1:
+            out.append(gemv_acts(w, a, rows, xi, 1, q8_act=q8_act).reshape(1, -1))
+            continue
+        # The kernels write out[i, t] (gather form); handing them the transposed view of a
+        # [T, R] array saves the copy a transpose would cost (prefill: 8 MB per projection).
+        y = np.empty((T, w.raw.shape[0]), np.float32)
+        kernel = KERNELS[w.qtype][1 if q8_act else 0]
+        if w.qtype in (QType.F32, QType.F16, QType.BF16):
+            kernel(w.raw, rows, xi, *a, y.T)
+        else:
+            kernel(w.raw, w.scales, rows, xi, *a, y.T)
+        out.append(y)
     return out
 
 

@@ -128,3 +128,23 @@ def test_fused_host_step_is_bit_identical(tmp_path, arch, v_type):
         assert [torch.equal(r, layer.ffn.last_ids) for r, layer in zip(routes, s.model.layers)] == [True] * 2
         np.testing.assert_array_equal(s.stats().calls, calls)  # the profiler saw the same routes
     assert np.array_equal(fused, stepwise)
+
+
+@pytest.mark.parametrize("q8_act", [True, False])
+def test_matmuls_equal_matmul(q8_act):
+    """ops.matmuls (shared activations, output written straight as [T, R]) equals the kernels'
+    matmul for every type family, for one token and for a batch."""
+    from engine import ops
+    from engine.kernels import dispatch
+    from engine.kernels.prepare import prepare_weight
+    from engine.kernels.testing import random_weight
+    from engine.quant.formats import QType
+
+    r = _rng(7)
+    ws = tuple(
+        prepare_weight(t, random_weight(t, (40, 256), r)) for t in (QType.Q4_K, QType.Q8_0, QType.F16, QType.F32)
+    )
+    for T in (1, 7):
+        X = r.standard_normal((T, 256), dtype=np.float32)
+        for w, y in zip(ws, ops.matmuls(ws, X, q8_act=q8_act)):
+            assert np.array_equal(y, dispatch.matmul(w, X, q8_act=q8_act)), (w.qtype, T)

@@ -120,7 +120,7 @@ def test_settings_persist(tmp_path):
 def _worst_stalls(qtbot, window, model_path) -> tuple[list[tuple[float, float]], float]:
     """Open ``model_path`` and stream a reply while a 5 ms UI-thread timer ticks; returns the three
     longest gaps between ticks as (gap s, at s) and when the load finished (s)."""
-    window.settings.sampling = {"temperature": 0.0, "max_tokens": 24}
+    window.settings.sampling = {"temperature": 0.0, "max_tokens": 96}  # a window of several hundred ms
     ticks: list[float] = []
     timer = QTimer()
     timer.setTimerType(Qt.TimerType.PreciseTimer)
@@ -138,7 +138,7 @@ def _worst_stalls(qtbot, window, model_path) -> tuple[list[tuple[float, float]],
     with qtbot.waitSignal(window.bridge.finished, timeout=GEN_TIMEOUT_MS) as done:
         assert window.ctx.chat.send("Write a long answer please")
     timer.stop()
-    assert done.args[1].n_generated > 0 and window.ctx.experts.frames >= 2 and len(ticks) > 100
+    assert done.args[1].n_generated > 0 and window.ctx.experts.frames >= 2 and len(ticks) > 50
     ticks.insert(0, t0)
     gaps = sorted(((b - a, a - t0) for a, b in zip(ticks, ticks[1:])), reverse=True)
     return gaps[:3], t_loaded

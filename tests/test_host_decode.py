@@ -61,6 +61,8 @@ def test_qk_norm_rope_rows(qk_norm, neox, rope_dim):
         (4, 1, 5, 6, 64),
         (6, 2, 3, 5, 48),
         (2, 2, 7, 3, 112),
+        (8, 2, 600, 1, 64),  # one token over 601 positions: three ranges merged
+        (2, 2, 300, 1, 112),
     ],
 )
 def test_attention_rows(H, Hkv, start, T, hd):

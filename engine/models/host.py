@@ -168,33 +168,44 @@ def _pv64(Vf, kvd, o, P, sa, out, oo):
     _store_f32x8(out, oo + 56, a7)
 
 
+SPLIT = 256  # decode: positions per attention work item (more items than KV heads for many cores)
+
+
 @njit(cache=True, nogil=True)
-def _attend(q, Kf, Vf, kvd, P, kh, g, hd, scale, out):
-    """The g query heads of KV head kh (q [H·hd] of one token) over positions 0..P-1 -> out.
-    Kf, Vf: the caches flattened, row p at p·kvd."""
+def _attend(q, Kf, Vf, kvd, p0, P, kh, g, hd, scale, out, ml):
+    """The g query heads of KV head kh (q [H·hd] of one token) over positions p0..p0+P-1.
+    Kf, Vf: the caches flattened, row p at p·kvd. With ml [H, 2] empty ([0, 2]) out gets the
+    attention output; else out gets Σ_p exp(s_p − m)·V[p] and ml[h] = (m, Σ_p exp(s_p − m)), a
+    partial result that ``_merge`` combines with the other position ranges."""
     ko = kh * hd
     s = np.empty((g, P), np.float32)
     ahead = 8 * kvd  # in decode K, V come from DRAM (the weights' stream evicts them): prefetch
-    for p in range(P):
+    for i in range(P):
+        p = p0 + i
         o = p * kvd + ko + ahead
         if o + hd <= Kf.shape[0]:
             for c in range(0, hd, 16):
                 prefetch(Kf, o + c)
                 prefetch(Vf, o + c)
         for j in range(g):
-            s[j, p] = _dot_f32(q, (kh * g + j) * hd, Kf, p * kvd + ko, hd) * scale
+            s[j, i] = _dot_f32(q, (kh * g + j) * hd, Kf, p * kvd + ko, hd) * scale
     for j in range(g):
         m = s[j, 0]
-        for p in range(1, P):
-            m = max(m, s[j, p])
+        for i in range(1, P):
+            m = max(m, s[j, i])
         tot = np.float32(0.0)
-        for p in range(P):
-            e = np.exp(s[j, p] - m)
-            s[j, p] = e
+        for i in range(P):
+            e = np.exp(s[j, i] - m)
+            s[j, i] = e
             tot += e
-        inv = np.float32(1.0) / tot
-        for p in range(P):
-            s[j, p] *= inv
+        if ml.shape[0]:
+            ml[kh * g + j, 0] = m
+            ml[kh * g + j, 1] = tot
+        else:
+            inv = np.float32(1.0) / tot
+            for i in range(P):
+                s[j, i] *= inv
+    Vp = Vf[p0 * kvd :]  # the P·V loops below count positions from p0
     # out_j = Σ_p s[j, p]·V[p] in registers: two heads × 32 lanes share each load of V
     j = 0
     while j < g:
@@ -205,7 +216,7 @@ def _attend(q, Kf, Vf, kvd, P, kh, g, hd, scale, out):
         if j2 == j:  # ... after 64 lanes at a time on its own (MHA models: g = 1)
             d0 = hd - hd % 64
             for dc in range(0, d0, 64):
-                _pv64(Vf, kvd, ko + dc, P, sa, out, oa + dc)
+                _pv64(Vp, kvd, ko + dc, P, sa, out, oa + dc)
         d32 = hd - hd % 32
         for dc in range(d0, d32, 32):
             a0 = zero_f32()
@@ -218,10 +229,10 @@ def _attend(q, Kf, Vf, kvd, P, kh, g, hd, scale, out):
             b3 = zero_f32()
             o = ko + dc
             for p in range(P):
-                v0 = load_f32x8(Vf, o)
-                v1 = load_f32x8(Vf, o + 8)
-                v2 = load_f32x8(Vf, o + 16)
-                v3 = load_f32x8(Vf, o + 24)
+                v0 = load_f32x8(Vp, o)
+                v1 = load_f32x8(Vp, o + 8)
+                v2 = load_f32x8(Vp, o + 16)
+                v3 = load_f32x8(Vp, o + 24)
                 wa, wb = sa[p], sb[p]
                 a0 = vfma_s(v0, wa, a0)
                 a1 = vfma_s(v1, wa, a1)
@@ -247,8 +258,8 @@ def _attend(q, Kf, Vf, kvd, P, kh, g, hd, scale, out):
             b1 = zero_f32()
             o = ko + d32
             for p in range(P):
-                v0 = load_f32x8(Vf, o)
-                v1 = load_f32x8(Vf, o + 8)
+                v0 = load_f32x8(Vp, o)
+                v1 = load_f32x8(Vp, o + 8)
                 a0 = vfma_s(v0, sa[p], a0)
                 a1 = vfma_s(v1, sa[p], a1)
                 b0 = vfma_s(v0, sb[p], b0)
@@ -274,10 +285,42 @@ def attention_rows(q, K, V, start, H, Hkv, hd):
     kvd = K.shape[1]
     Kf = K.reshape(K.shape[0] * kvd)
     Vf = V.reshape(V.shape[0] * kvd)
+    nc = (start + T + SPLIT - 1) // SPLIT if T == 1 else 1
+    if nc > 1:  # one token, a long context: equal position ranges, merged after
+        return _attend_split(q, Kf, Vf, kvd, start + 1, nc, H, Hkv, hd, scale)
+    none = np.empty((0, 2), np.float32)
     for item in prange(T * Hkv):
         i = item // Hkv
         t = i // 2 if i % 2 == 0 else T - 1 - i // 2
-        _attend(q[t], Kf, Vf, kvd, start + t + 1, item % Hkv, g, hd, scale, out[t])
+        _attend(q[t], Kf, Vf, kvd, 0, start + t + 1, item % Hkv, g, hd, scale, out[t], none)
+    return out
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _attend_split(q, Kf, Vf, kvd, P, nc, H, Hkv, hd, scale):
+    """One token (q [1, H·hd]) over P positions in nc ranges × Hkv heads of parallel work, the
+    partial softmax sums merged as flash-decoding does -> float32 [1, H·hd]."""
+    g = H // Hkv
+    chunk = (P + nc - 1) // nc
+    parts = np.empty((nc, H * hd), np.float32)
+    ml = np.empty((nc, H, 2), np.float32)
+    for item in prange(nc * Hkv):
+        c = item // Hkv
+        p0 = c * chunk
+        _attend(q[0], Kf, Vf, kvd, p0, min(P, p0 + chunk) - p0, item % Hkv, g, hd, scale, parts[c], ml[c])
+    out = np.empty((1, H * hd), np.float32)
+    for h in range(H):
+        m = ml[0, h, 0]
+        for c in range(1, nc):
+            m = max(m, ml[c, h, 0])
+        tot = np.float32(0.0)
+        for c in range(nc):
+            tot += np.exp(ml[c, h, 0] - m) * ml[c, h, 1]
+        for d in range(hd):
+            acc = np.float32(0.0)
+            for c in range(nc):
+                acc += np.exp(ml[c, h, 0] - m) * parts[c, h * hd + d]
+            out[0, h * hd + d] = acc / tot
     return out
 
 

@@ -78,11 +78,11 @@ def rms_norm_host(x, w, eps):
     return y
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=True)
 def rms_norm_rows(X, w, eps):
-    """``rms_norm`` of each row: X float32 [T, n] -> [T, n]."""
+    """``rms_norm`` of each row: X float32 [T, n] -> [T, n] (rows in parallel)."""
     Y = np.empty_like(X)
-    for t in range(X.shape[0]):
+    for t in prange(X.shape[0]):
         Y[t] = rms_norm_host(X[t], w, eps)
     return Y
 
@@ -111,18 +111,25 @@ def _rope_heads(x, heads, hd, cos, sin, neox):
 
 
 @njit(cache=True, nogil=True)
+def qk_norm_rope_one(q, k, q_norm, k_norm, qk_norm, eps, cos, sin, neox, H, Hkv, hd):
+    """In place on one position's q [H·hd] and k [Hkv·hd]: optional RMS norm (qk_norm 0 none,
+    1 per head "head", 2 whole projection "proj"), then RoPE with cos, sin float32 [rope_dim/2]."""
+    if qk_norm == 2:
+        q[:] = rms_norm_host(q, q_norm, eps)
+        k[:] = rms_norm_host(k, k_norm, eps)
+    elif qk_norm == 1:
+        _norm_heads(q, q_norm, H, hd, eps)
+        _norm_heads(k, k_norm, Hkv, hd, eps)
+    _rope_heads(q, H, hd, cos, sin, neox)
+    _rope_heads(k, Hkv, hd, cos, sin, neox)
+
+
+@njit(cache=True, nogil=True, parallel=True)
 def qk_norm_rope_rows(q, k, q_norm, k_norm, qk_norm, eps, cos, sin, neox, H, Hkv, hd):
-    """In place on q [T, H·hd] and k [T, Hkv·hd]: optional RMS norm (qk_norm 0 none, 1 per head
-    "head", 2 whole projection "proj"), then RoPE with cos, sin float32 [T, rope_dim/2]."""
-    for t in range(q.shape[0]):
-        if qk_norm == 2:
-            q[t] = rms_norm_host(q[t], q_norm, eps)
-            k[t] = rms_norm_host(k[t], k_norm, eps)
-        elif qk_norm == 1:
-            _norm_heads(q[t], q_norm, H, hd, eps)
-            _norm_heads(k[t], k_norm, Hkv, hd, eps)
-        _rope_heads(q[t], H, hd, cos[t], sin[t], neox)
-        _rope_heads(k[t], Hkv, hd, cos[t], sin[t], neox)
+    """``qk_norm_rope_one`` for q [T, H·hd], k [T, Hkv·hd], cos, sin [T, rope_dim/2] (rows in
+    parallel)."""
+    for t in prange(q.shape[0]):
+        qk_norm_rope_one(q[t], k[t], q_norm, k_norm, qk_norm, eps, cos[t], sin[t], neox, H, Hkv, hd)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -459,8 +466,8 @@ def decode_moe_layer(
         q += bq
         k += bk
         v += bv
-    q2, k2 = q.reshape(1, q.shape[0]), k.reshape(1, k.shape[0])
-    qk_norm_rope_rows(q2, k2, q_norm, k_norm, qk_mode, eps, cos, sin, neox, H, Hkv, hd)
+    qk_norm_rope_one(q, k, q_norm, k_norm, qk_mode, eps, cos[0], sin[0], neox, H, Hkv, hd)
+    q2 = q.reshape(1, q.shape[0])
     Kc[pos] = k
     Vc[pos] = v
     o = attention_rows(q2, Kc, Vc, pos, H, Hkv, hd)  # [1, H*hd]

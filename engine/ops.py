@@ -50,6 +50,21 @@ def _gather_all(R: int) -> tuple[np.ndarray, np.ndarray]:
     return rows, xi
 
 
+_K_QUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
+_LEGACY = (QType.Q8_0, QType.Q4_0, QType.Q5_0)
+
+
+def _activations(qtype: QType, X: np.ndarray, q8_act: bool, prepare) -> tuple[np.ndarray, ...]:
+    """``prepare_activations``; a prefill batch of quantized activations is rounded with its rows
+    in parallel (``grouped.quantize_rows``, the same values) instead of on one thread."""
+    if q8_act and X.shape[0] >= 32 and (qtype in _K_QUANTS or qtype in _LEGACY):
+        from engine.kernels.grouped import quantize_rows
+
+        qa, da, asum, bsums = quantize_rows(int(qtype), np.ascontiguousarray(X, dtype=np.float32))
+        return (qa, da, bsums) if qtype in _K_QUANTS else (qa, da, asum)
+    return prepare(qtype, X, q8_act=q8_act)
+
+
 def matmuls(ws: tuple[PreparedWeight, ...], X: np.ndarray, *, q8_act: bool) -> list[np.ndarray]:
     """[X·Wᵀ for W in ws]: X float32 [T, n] -> float32 [T, R_i] each. The activations are rounded
     once per weight type and shared, so q, k and v cost one quantization."""
@@ -63,7 +78,7 @@ def matmuls(ws: tuple[PreparedWeight, ...], X: np.ndarray, *, q8_act: bool) -> l
     for w in ws:
         a = acts.get(w.qtype)
         if a is None:
-            a = acts[w.qtype] = prepare_activations(w.qtype, X, q8_act=q8_act)
+            a = acts[w.qtype] = _activations(w.qtype, X, q8_act, prepare_activations)
         rows, xi = _gather_all(w.raw.shape[0])
         if T == 1:
             out.append(gemv_acts(w, a, rows, xi, 1, q8_act=q8_act).reshape(1, -1))

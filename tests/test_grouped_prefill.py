@@ -95,3 +95,13 @@ def test_grouped_rejects_bad_ids():
         grouped_moe_ffn(gate, up, down, X, ids, w, q8_act=True)
     with pytest.raises(ValueError):
         grouped_moe_ffn(gate, up, down, X[:, :-32], ids, w, q8_act=True)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q8_0])
+def test_quantize_rows_equals_quantize_for(qtype):
+    from engine.kernels.grouped import quantize_rows
+    from engine.kernels.moe_fused import quantize_for
+
+    X = np.random.default_rng(1).standard_normal((70, 512), dtype=np.float32)
+    for got, want in zip(quantize_rows(int(qtype), X), quantize_for(int(qtype), X)):
+        assert np.array_equal(got, want)

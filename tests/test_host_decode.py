@@ -146,7 +146,7 @@ def test_matmuls_equal_matmul(q8_act):
     ws = tuple(
         prepare_weight(t, random_weight(t, (40, 256), r)) for t in (QType.Q4_K, QType.Q8_0, QType.F16, QType.F32)
     )
-    for T in (1, 7):
+    for T in (1, 7, 40):  # 40: activations rounded in parallel
         X = r.standard_normal((T, 256), dtype=np.float32)
         for w, y in zip(ws, ops.matmuls(ws, X, q8_act=q8_act)):
             assert np.array_equal(y, dispatch.matmul(w, X, q8_act=q8_act)), (w.qtype, T)

@@ -69,6 +69,27 @@ def bucket_by_expert_ref(ids: np.ndarray, n_experts: int) -> tuple[np.ndarray, n
 # --- fused q8 kernels over expert groups ------------------------------------------------------
 
 
+@njit(cache=True, nogil=True, parallel=True)
+def quantize_rows(qt, X):
+    """``moe_fused.quantize_for(qt, X)`` with blocks of rows in parallel (bit-identical: rows are
+    quantized independently). X float32 [T, n] (T ≥ 1) -> (qa, da, asum, bsums)."""
+    T, n = X.shape
+    first = quantize_for(qt, X[:1])  # the widths of the format's arrays
+    qa = np.empty((T, n), np.int8)
+    da = np.empty((T, first[1].shape[1]), np.float32)
+    asum = np.empty((T, first[2].shape[1]), np.int32)
+    bsums = np.empty((T, first[3].shape[1]), np.int16)
+    nb = min(T, 64)
+    for b in prange(nb):
+        r0, r1 = b * T // nb, (b + 1) * T // nb
+        a = quantize_for(qt, X[r0:r1])
+        qa[r0:r1] = a[0]
+        da[r0:r1] = a[1]
+        asum[r0:r1] = a[2]
+        bsums[r0:r1] = a[3]
+    return qa, da, asum, bsums
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _row4_q8(qt, w, s, qa, da, asum, bsums, k):
     """One weight row of ggml type ``qt`` against activation rows k..k+3 -> 4 float32."""
@@ -153,7 +174,7 @@ def grouped_gate_up_q8(qt, graw, gs, uraw, us, offsets, pairs, K, qa, da, asum, 
                 g = _row_q8(qt, graw[gr], gs[gr], sqa[p], sda[p], sas[p], sbs[p])
                 u = _row_q8(qt, uraw[gr], us[gr], sqa[p], sda[p], sas[p], sbs[p])
                 h[p, r] = g / (np.float32(1.0) + np.exp(-g)) * u
-    return quantize_for(qt_down, h)
+    return quantize_rows(qt_down, h)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -237,7 +258,7 @@ def grouped_moe_ffn(
     T, K = ids.shape
     offsets, pairs = bucket_by_expert(ids, gate.n_experts)
     if fused_grouped(gate, up, down, q8_act):
-        qx = quantize_for(int(gate.qtype), X)
+        qx = quantize_rows(int(gate.qtype), X)
         qh = grouped_gate_up_q8(
             int(gate.qtype),
             gate.raw,

@@ -179,13 +179,17 @@ SPLIT = 256  # decode: positions per attention work item (more items than KV hea
 
 
 @njit(cache=True, nogil=True)
-def _attend(q, Kf, Vf, kvd, p0, P, kh, g, hd, scale, out, ml):
-    """The g query heads of KV head kh (q [H·hd] of one token) over positions p0..p0+P-1.
-    Kf, Vf: the caches flattened, row p at p·kvd. With ml [H, 2] empty ([0, 2]) out gets the
-    attention output; else out gets Σ_p exp(s_p − m)·V[p] and ml[h] = (m, Σ_p exp(s_p − m)), a
-    partial result that ``_merge`` combines with the other position ranges."""
+def _attend(q, out, t0, o0, B, Kf, Vf, kvd, p0, P, kh, g, hd, scale, ml):
+    """The g query heads of KV head kh for the B tokens q[t0:t0+B] (rows [H·hd]) -> out[o0:o0+B].
+
+    Token t0+b sees positions p0 .. p0+P-B+b (causal: the block's last token sees P of them).
+    Kf, Vf: the caches flattened, row p at p·kvd; each K/V row is loaded once for the whole
+    block and all g heads. With ml [H, 2] empty ([0, 2]) out gets the attention output; else
+    (B = 1) out gets Σ_p exp(s_p − m)·V[p] and ml[h] = (m, Σ_p exp(s_p − m)), a partial result
+    that ``_attend_split`` merges with the other position ranges."""
     ko = kh * hd
-    s = np.empty((g, P), np.float32)
+    R = B * g  # score rows r = b·g + j
+    s = np.empty((R, P), np.float32)
     ahead = 8 * kvd  # in decode K, V come from DRAM (the weights' stream evicts them): prefetch
     for i in range(P):
         p = p0 + i
@@ -194,36 +198,43 @@ def _attend(q, Kf, Vf, kvd, p0, P, kh, g, hd, scale, out, ml):
             for c in range(0, hd, 16):
                 prefetch(Kf, o + c)
                 prefetch(Vf, o + c)
-        for j in range(g):
-            s[j, i] = _dot_f32(q, (kh * g + j) * hd, Kf, p * kvd + ko, hd) * scale
-    for j in range(g):
-        m = s[j, 0]
-        for i in range(1, P):
-            m = max(m, s[j, i])
+        for b in range(max(0, i - (P - B)), B):  # the tokens that see position p
+            qb = q[t0 + b]
+            for j in range(g):
+                s[b * g + j, i] = _dot_f32(qb, (kh * g + j) * hd, Kf, p * kvd + ko, hd) * scale
+    for r in range(R):
+        n = P - B + 1 + r // g  # positions this row sees
+        m = s[r, 0]
+        for i in range(1, n):
+            m = max(m, s[r, i])
         tot = np.float32(0.0)
-        for i in range(P):
-            e = np.exp(s[j, i] - m)
-            s[j, i] = e
+        for i in range(n):
+            e = np.exp(s[r, i] - m)
+            s[r, i] = e
             tot += e
         if ml.shape[0]:
-            ml[kh * g + j, 0] = m
-            ml[kh * g + j, 1] = tot
+            ml[kh * g + r, 0] = m
+            ml[kh * g + r, 1] = tot
         else:
             inv = np.float32(1.0) / tot
-            for i in range(P):
-                s[j, i] *= inv
+            for i in range(n):
+                s[r, i] *= inv
+        for i in range(n, P):
+            s[r, i] = 0.0  # unseen positions weigh nothing in a paired P·V pass
     Vp = Vf[p0 * kvd :]  # the P·V loops below count positions from p0
-    # out_j = Σ_p s[j, p]·V[p] in registers: two heads × 32 lanes share each load of V
-    j = 0
-    while j < g:
-        j2 = j + 1 if j + 1 < g else j  # an odd last head pairs with itself ...
-        oa, ob = (kh * g + j) * hd, (kh * g + j2) * hd
-        sa, sb = s[j], s[j2]
+    # out_r = Σ_p s[r, p]·V[p] in registers: two rows × 32 lanes share each load of V
+    r = 0
+    while r < R:
+        r2 = r + 1 if r + 1 < R else r  # an odd last row pairs with itself ...
+        outa, outb = out[o0 + r // g], out[o0 + r2 // g]
+        oa, ob = (kh * g + r % g) * hd, (kh * g + r2 % g) * hd
+        sa, sb = s[r], s[r2]
+        n = P - B + 1 + r2 // g  # positions the pair needs
         d0 = 0
-        if j2 == j:  # ... after 64 lanes at a time on its own (MHA models: g = 1)
+        if r2 == r:  # ... after 64 lanes at a time on its own
             d0 = hd - hd % 64
             for dc in range(0, d0, 64):
-                _pv64(Vp, kvd, ko + dc, P, sa, out, oa + dc)
+                _pv64(Vp, kvd, ko + dc, n, sa, outa, oa + dc)
         d32 = hd - hd % 32
         for dc in range(d0, d32, 32):
             a0 = zero_f32()
@@ -235,7 +246,7 @@ def _attend(q, Kf, Vf, kvd, p0, P, kh, g, hd, scale, out, ml):
             b2 = zero_f32()
             b3 = zero_f32()
             o = ko + dc
-            for p in range(P):
+            for p in range(n):
                 v0 = load_f32x8(Vp, o)
                 v1 = load_f32x8(Vp, o + 8)
                 v2 = load_f32x8(Vp, o + 16)
@@ -250,21 +261,21 @@ def _attend(q, Kf, Vf, kvd, p0, P, kh, g, hd, scale, out, ml):
                 b2 = vfma_s(v2, wb, b2)
                 b3 = vfma_s(v3, wb, b3)
                 o += kvd
-            _store_f32x8(out, oa + dc, a0)
-            _store_f32x8(out, oa + dc + 8, a1)
-            _store_f32x8(out, oa + dc + 16, a2)
-            _store_f32x8(out, oa + dc + 24, a3)
-            _store_f32x8(out, ob + dc, b0)
-            _store_f32x8(out, ob + dc + 8, b1)
-            _store_f32x8(out, ob + dc + 16, b2)
-            _store_f32x8(out, ob + dc + 24, b3)
+            _store_f32x8(outa, oa + dc, a0)
+            _store_f32x8(outa, oa + dc + 8, a1)
+            _store_f32x8(outa, oa + dc + 16, a2)
+            _store_f32x8(outa, oa + dc + 24, a3)
+            _store_f32x8(outb, ob + dc, b0)
+            _store_f32x8(outb, ob + dc + 8, b1)
+            _store_f32x8(outb, ob + dc + 16, b2)
+            _store_f32x8(outb, ob + dc + 24, b3)
         if d32 < hd:  # hd % 32 == 16: the last 16 lanes
             a0 = zero_f32()
             a1 = zero_f32()
             b0 = zero_f32()
             b1 = zero_f32()
             o = ko + d32
-            for p in range(P):
+            for p in range(n):
                 v0 = load_f32x8(Vp, o)
                 v1 = load_f32x8(Vp, o + 8)
                 a0 = vfma_s(v0, sa[p], a0)
@@ -272,11 +283,14 @@ def _attend(q, Kf, Vf, kvd, p0, P, kh, g, hd, scale, out, ml):
                 b0 = vfma_s(v0, sb[p], b0)
                 b1 = vfma_s(v1, sb[p], b1)
                 o += kvd
-            _store_f32x8(out, oa + d32, a0)
-            _store_f32x8(out, oa + d32 + 8, a1)
-            _store_f32x8(out, ob + d32, b0)
-            _store_f32x8(out, ob + d32 + 8, b1)
-        j += 2
+            _store_f32x8(outa, oa + d32, a0)
+            _store_f32x8(outa, oa + d32 + 8, a1)
+            _store_f32x8(outb, ob + d32, b0)
+            _store_f32x8(outb, ob + d32 + 8, b1)
+        r += 2
+
+
+QUERY_ROWS = 8  # prefill: about this many (token, head) score rows share each K/V row load
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -296,10 +310,14 @@ def attention_rows(q, K, V, start, H, Hkv, hd):
     if nc > 1:  # one token, a long context: equal position ranges, merged after
         return _attend_split(q, Kf, Vf, kvd, start + 1, nc, H, Hkv, hd, scale)
     none = np.empty((0, 2), np.float32)
-    for item in prange(T * Hkv):
+    B = max(2, QUERY_ROWS // g) if T > 1 else 1  # measured: g = 8 -> 2 tokens, g = 1 -> 8
+    nb = (T + B - 1) // B
+    for item in prange(nb * Hkv):
         i = item // Hkv
-        t = i // 2 if i % 2 == 0 else T - 1 - i // 2
-        _attend(q[t], Kf, Vf, kvd, 0, start + t + 1, item % Hkv, g, hd, scale, out[t], none)
+        blk = i // 2 if i % 2 == 0 else nb - 1 - i // 2  # early and late blocks alternate
+        t0 = blk * B
+        Bt = min(B, T - t0)
+        _attend(q, out, t0, t0, Bt, Kf, Vf, kvd, 0, start + t0 + Bt, item % Hkv, g, hd, scale, none)
     return out
 
 
@@ -314,7 +332,7 @@ def _attend_split(q, Kf, Vf, kvd, P, nc, H, Hkv, hd, scale):
     for item in prange(nc * Hkv):
         c = item // Hkv
         p0 = c * chunk
-        _attend(q[0], Kf, Vf, kvd, p0, min(P, p0 + chunk) - p0, item % Hkv, g, hd, scale, parts[c], ml[c])
+        _attend(q, parts, 0, c, 1, Kf, Vf, kvd, p0, min(P, p0 + chunk) - p0, item % Hkv, g, hd, scale, ml[c])
     out = np.empty((1, H * hd), np.float32)
     for h in range(H):
         m = ml[0, h, 0]

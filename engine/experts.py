@@ -6,6 +6,7 @@ quantized stacks; the hybrid runtime adds device-resident and cached backends be
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,11 +18,15 @@ from engine.profiler import ExpertProfiler
 
 @dataclass
 class ExpertStacks:
-    """One MoE layer's routed experts: gate, up [E, F, D] and down [E, D, F] prepared weights."""
+    """One MoE layer's routed experts: gate, up [E, F, D] and down [E, D, F] prepared weights.
+
+    ``resident``, when given, returns the same stacks with their bytes copied out of the memory
+    map (``Weights.resident``): what the CPU backend computes from."""
 
     gate: PreparedWeight
     up: PreparedWeight
     down: PreparedWeight
+    resident: Callable[[], ExpertStacks] | None = None
 
 
 class ExpertBackend:
@@ -44,11 +49,20 @@ class CpuExperts(ExpertBackend):
     def __init__(self, stacks: dict[int, ExpertStacks], q8_act: bool = True):
         self.stacks = stacks
         self.q8_act = q8_act
+        self._host: dict[int, ExpertStacks] = {}
+
+    def host_stacks(self, layer: int) -> ExpertStacks:
+        """Layer ``layer``'s stacks as computed from: resident copies, made on first use."""
+        s = self._host.get(layer)
+        if s is None:
+            s = self.stacks[layer]
+            s = self._host[layer] = s.resident() if s.resident is not None else s
+        return s
 
     def forward(self, layer, x, ids, weights):
         from engine import ops
 
-        s = self.stacks[layer]
+        s = self.host_stacks(layer)
         # A device layer's experts on the host: hidden state and routing cross here, explicitly.
         X = np.ascontiguousarray(x.detach().cpu().numpy(), dtype=np.float32)
         I = np.ascontiguousarray(ids.cpu().numpy(), dtype=np.int64)

@@ -150,3 +150,28 @@ def test_matmuls_equal_matmul(q8_act):
         X = r.standard_normal((T, 256), dtype=np.float32)
         for w, y in zip(ws, ops.matmuls(ws, X, q8_act=q8_act)):
             assert np.array_equal(y, dispatch.matmul(w, X, q8_act=q8_act)), (w.qtype, T)
+
+
+def test_resident_copies_equal_mapped_weights(tmp_path, monkeypatch):
+    """Host matrices copied out of the memory map (engine.models.weights, resident) give the same
+    logits bit for bit as the mapped bytes, and really are copies (not views of the file map)."""
+    from engine.models import weights as weights_mod
+
+    path = write_model(
+        tmp_path / "r.gguf", "qwen3moe", seed=7, layers=2, weight_type="Q4_K",
+        type_overrides={"*ffn_down_exps*": "Q6_K"},
+    ).path  # fmt: skip
+    tokens = random_tokens(9, 1024, seed=4)
+    runs = {}
+    for min_bytes in (1 << 62, 0):  # nothing resident, then every matrix resident
+        monkeypatch.setattr(weights_mod, "RESIDENT_MIN_BYTES", min_bytes)
+        with Session.load(str(path), LoadOptions(n_ctx=32, device="cpu")) as s:
+            runs[min_bytes] = s.logits(tokens, batch=True), s.logits(tokens, batch=False)
+            w = s.model.w
+            mapped = w.gf.tensor("blk.0.ffn_up_exps.weight").data
+            host = s.model.layers[0].ffn.experts.host_stacks(0).up.raw
+            assert np.shares_memory(host, mapped) == (min_bytes != 0)
+            q = s.model.layers[1].attn.wq.w.raw
+            assert np.shares_memory(q, w.gf.tensor("blk.1.attn_q.weight").data) == (min_bytes != 0)
+    for a, b in zip(runs[1 << 62], runs[0]):
+        assert np.array_equal(a, b)

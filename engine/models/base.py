@@ -62,11 +62,16 @@ class DecoderModel:
             self._freq_factors[dev] = rope_weights.optional_vector("rope_freqs.weight")
 
     def expert_stacks(self) -> dict[int, ExpertStacks]:
+        """Every MoE layer's stacks, mapped; ``.resident()`` gives the host copies (CpuExperts)."""
         w = self.w
-        return {
-            i: ExpertStacks(*(w.prepared(f"blk.{i}.ffn_{r}_exps.weight") for r in ("gate", "up", "down")))
-            for i in range(self.args.n_layer)
-        }
+
+        def stacks(i: int, resident: bool) -> ExpertStacks:
+            names = [f"blk.{i}.ffn_{r}_exps.weight" for r in ("gate", "up", "down")]
+            if resident:
+                return ExpertStacks(*(w.resident(n) for n in names))
+            return ExpertStacks(*(w.prepared(n) for n in names), resident=lambda: stacks(i, True))
+
+        return {i: stacks(i, False) for i in range(self.args.n_layer)}
 
     def new_cache(self, n_ctx: int, kv_type: str | None = None) -> KVCache:
         """A KV cache for the current placement (host layers use ``kv_type`` when nothing is on a device)."""

@@ -542,8 +542,10 @@ class HostMoEStep:
             return None
         if (attn.wq.bias is None) != (attn.wk.bias is None) or (attn.wk.bias is None) != (attn.wv.bias is None):
             return None
-        stacks = moe.experts.stacks.get(attn.i)
-        if stacks is None or not fused_grouped(stacks.gate, stacks.up, stacks.down, moe.experts.q8_act):
+        if attn.i not in moe.experts.stacks:
+            return None
+        stacks = moe.experts.host_stacks(attn.i)
+        if not fused_grouped(stacks.gate, stacks.up, stacks.down, moe.experts.q8_act):
             return None
         return cls(layer, attn, moe, stacks)
 

@@ -88,9 +88,10 @@ def geo(tmp_path_factory):
     return get
 
 
-def _plan(spec, vram, **req):
+def _plan(spec, vram, overheads=True, **req):
     prof = {k: req.pop(k) for k in list(req) if k in ("reserve_bytes", "scratch_bytes", "h2d_gbps", "cpu_expert_gbps")}
-    return plan(spec, DeviceProfile(vram_bytes=vram, **prof), PlanRequest(**req))
+    profile = DeviceProfile(vram_bytes=vram, **prof)
+    return plan(spec, profile if overheads else profile.without_overheads(), PlanRequest(**req))
 
 
 def _walk_numbers(x):
@@ -215,11 +216,15 @@ def test_reason_names_the_layer_when_reserve_fits_but_a_layer_does_not(geo):
 
 
 # -- expert mode -----------------------------------------------------------------------------------
-def test_mode_flips_from_cache_to_cpu_as_the_budget_falls(geo):
+@pytest.mark.parametrize("overheads", [False, True])
+def test_mode_flips_from_cache_to_cpu_as_the_budget_falls(geo, overheads):
+    """Bytes only (no fixed costs): cpu, then cache, then resident as the budget grows. With the
+    default fixed costs (fitted to the H100 run, where the cache lost) the order still holds, but
+    a mode may never win."""
     g = geo(QWEN3)
     modes, seen = [], []
     for k in range(12, 121):  # 3 GiB .. 30 GiB in quarter-GiB steps
-        p = _plan(g.spec, k * GiB // 4, ctx=32768, kv_type="q8_0")
+        p = _plan(g.spec, k * GiB // 4, overheads=overheads, ctx=32768, kv_type="q8_0")
         assert p.n_gpu_layers == 48
         t = p.predicted_tok_s
         if p.moe_mode == "cache":
@@ -235,7 +240,11 @@ def test_mode_flips_from_cache_to_cpu_as_the_budget_falls(geo):
         seen.append(p.expert_capacity)
     # One flip point from cpu to cache, then cache up to resident: cpu* cache+ resident+.
     compressed = [m for i, m in enumerate(modes) if i == 0 or modes[i - 1] != m]
-    assert compressed == ["cpu", "cache", "resident"], compressed
+    if overheads:
+        order = ["cpu", "cache", "resident"]
+        assert [order.index(m) for m in compressed] == sorted(order.index(m) for m in compressed), compressed
+    else:
+        assert compressed == ["cpu", "cache", "resident"], compressed
     assert seen == sorted(seen)
 
 
@@ -253,7 +262,7 @@ def test_mode_flips_from_cache_to_cpu_as_the_budget_falls(geo):
 )
 def test_overrides_win(geo, flags, env, vram, want):
     g = geo(QWEN3)
-    auto = _plan(g.spec, vram, ctx=32768, kv_type="q8_0")
+    auto = _plan(g.spec, vram, overheads=False, ctx=32768, kv_type="q8_0")  # bytes only: auto differs
     assert auto.moe_mode != want or want == "resident"
     mode, source = resolve_moe(flags.get("moe", "auto"), flags.get("cpu_moe", False), env)
     p = _plan(g.spec, vram, ctx=32768, kv_type="q8_0", moe=mode, moe_source=source)
@@ -332,7 +341,8 @@ def test_cli_summary_and_json(geo, capsys, monkeypatch):
     path = geo("olmoe-1b-7b").path  # a small vocabulary: quick to open
     assert main(["plan", "-m", path, "--vram", "2.5GiB", "-c", "4096", "--kv-type", "q8_0", "-g", "-1"]) == 0
     out = capsys.readouterr().out
-    assert "all 16 layers fit" in out and "experts   budget" in out and "C" * 16 in out and "tok/s" in out
+    assert "all 16 layers fit" in out and "experts   budget" in out and "tok/s" in out
+    assert ("C" * 16 in out) == ("mode      cache" in out) and ("G" * 16 in out) == ("mode      cpu" in out)
     assert main(["plan", "-m", path, "--vram", "2.5GiB", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["n_gpu_layers"] == 16 and d["kv_type"] == "f32" and d["moe_mode"] in ("cpu", "cache")

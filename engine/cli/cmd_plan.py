@@ -29,7 +29,7 @@ from engine.plan import (
     resolve_kv_type,
     resolve_moe,
 )
-from engine.plan.profile import DEFAULT_VRAM
+from engine.plan.profile import DEFAULT_VRAM, describe_profile, profile_source
 
 _GBPS = (("cpu_gbps", "cpu_expert_gbps"), ("h2d_gbps", "h2d_gbps"), ("device_gbps", "device_gbps"))
 
@@ -202,17 +202,14 @@ def print_summary(p: Placement, *, every_layer: bool = False, out=None) -> None:
     w = lambda s="": print(s, file=out)
     prof = p.profile
     scratch_src = "estimated" if prof.scratch_bytes is None else "given"
-    guessed = [n for n in ("cpu_expert_gbps", "h2d_gbps", "device_gbps") if n not in prof.measured]
     w(f"model     {p.model or '?'} ({p.arch}, {p.n_layer} layers)")
     w(
         f"profile   VRAM {format_size(p.budget_bytes)}; reserve {format_size(prof.reserve_bytes)}; "
         f"scratch {format_size(p.device.scratch)} ({scratch_src})"
     )
-    w(
-        f"          CPU experts {prof.cpu_expert_gbps:g} GB/s, host→device {prof.h2d_gbps:g} GB/s, "
-        f"device {prof.device_gbps:g} GB/s, sync {prof.sync_us:g} µs, skew {prof.expert_skew:g}"
-        + (f"  (defaults: {', '.join(guessed)})" if guessed else "  (measured)")
-    )
+    for line in describe_profile(prof):
+        w(f"          {line}")
+    w(f"          ({profile_source(prof)}{'; * = measured' if prof.measured else ''})")
     w(f"request   ctx {p.ctx}, KV {p.kv_type}, n_cpu_moe {p.n_cpu_moe}")
     w()
     gpu, cpu = _span(*p.gpu_layers), _span(*p.cpu_layers)

@@ -1,8 +1,10 @@
-"""Decode cost model: seconds per token = Σ over links (bytes moved ÷ bandwidth) + crossings.
+"""Decode cost model: seconds per token = Σ over links (bytes moved ÷ bandwidth) + crossings
++ fixed costs.
 
 For one decoded token at context position ``p`` (docs/planner.md states it in full):
 
     t = B_dev / device_gbps + B_cpu / cpu_expert_gbps + B_h2d / h2d_gbps + n_sync · sync_us
+        + Σ_f count_f · f          (f over the profile's OVERHEAD_FIELDS, in µs)
 
     B_dev = trunk of device layers + their K/V rows (2·p·row bytes each) + device output
             + experts served from the device (resident: K·e per layer; cache: h·K·e)
@@ -14,6 +16,12 @@ For one decoded token at context position ``p`` (docs/planner.md states it in fu
            + 2 per device layer whose experts run on the host (always, or on a miss:
              1 − h^K is the chance that at least one of its K experts misses)
 
+    count(token_us) = 1; count(host_layer_us) = L − n; count(device_layer_us) = n
+    count(cpu_experts_layer_us) = device MoE layers whose experts run on the host
+                                  + Σ cache layers (1 − h^K)      (a miss makes the same round trip)
+    count(cache_layer_us) = device MoE layers served by the slot pool (cache or resident)
+    count(miss_us) = Σ cache layers K·(1 − h)                     (experts missed per token)
+
 ``e`` is the layer's one-expert bytes, ``K`` the experts used per token, ``h`` the hit rate of
 :func:`hit_rate` at the pool's capacity fraction. Everything is charged serially (no overlap of
 uploads with host compute), so the prediction is a floor on tok/s for a given set of bandwidths.
@@ -24,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from engine.plan.profile import DeviceProfile
+from engine.plan.profile import OVERHEAD_FIELDS, DeviceProfile
 from engine.plan.sizing import HOST_KV_TYPE, kv_row_bytes
 from engine.plan.spec import ModelSpec
 
@@ -86,7 +94,9 @@ class Prediction:
     """Predicted decode cost of one token in one expert mode.
 
     bytes_by_link / seconds_by_link: {"device", "cpu", "h2d"} bytes and seconds per token
-    ("sync" seconds too). hit_rate: the cache's predicted hit rate (None outside mode cache).
+    ("sync" and "fixed" seconds too). hit_rate: the cache's predicted hit rate (None outside mode
+    cache). overhead_counts: events per token of each fixed cost, by profile field name (the
+    "fixed" seconds are Σ count · field µs; calibration fits the fields from these counts).
     """
 
     mode: str
@@ -94,6 +104,7 @@ class Prediction:
     hit_rate: float | None
     bytes_by_link: dict[str, float] = field(default_factory=dict)
     seconds_by_link: dict[str, float] = field(default_factory=dict)
+    overhead_counts: dict[str, float] = field(default_factory=dict)
 
     @property
     def tok_s(self) -> float:
@@ -110,12 +121,14 @@ def predict(
     position: int,
     expert_slots: int = 0,
     n_cpu_moe: int = 0,
+    observed_hit_rate: float | None = None,
 ) -> Prediction:
     """Cost of decoding one token at ``position`` for the placement described by the arguments.
 
     mode: where the routed experts of device layers ``>= n_cpu_moe`` run: ``cpu`` (host),
     ``cache`` (a pool of ``expert_slots`` device slots, misses computed on the host and uploaded)
-    or ``resident`` (all on the device).
+    or ``resident`` (all on the device). observed_hit_rate: in mode cache, this hit rate (e.g.
+    the profiler's) for every cache layer instead of the Zipf model's.
     """
     L = spec.n_layer
     n = max(0, min(n_gpu_layers, L))
@@ -135,6 +148,10 @@ def predict(
     b_cpu += spec.token_embd_bytes / max(1, spec.n_vocab)
     b_h2d = 0.0
     n_sync = 2.0 if n else 0.0
+    counts = dict.fromkeys(OVERHEAD_FIELDS, 0.0)
+    counts["token_us"] = 1.0
+    counts["host_layer_us"] = float(L - n)
+    counts["device_layer_us"] = float(n)
 
     # Capacity fraction of the pool over the layers it serves.
     cached = [lay for lay in spec.layers[n_cpu_moe:n] if lay.is_moe]
@@ -146,7 +163,11 @@ def predict(
         h_sum = 0.0
         for lay in cached:
             if lay.n_expert not in h_by_e:
-                h_by_e[lay.n_expert] = hit_rate(capacity, lay.n_expert, profile.expert_skew)
+                h_by_e[lay.n_expert] = (
+                    hit_rate(capacity, lay.n_expert, profile.expert_skew)
+                    if observed_hit_rate is None
+                    else min(1.0, max(0.0, observed_hit_rate))
+                )
             h_sum += h_by_e[lay.n_expert]
         h_mean = h_sum / len(cached) if cached else 0.0
 
@@ -158,20 +179,26 @@ def predict(
             b_cpu += read
             if i < n:
                 n_sync += 2
+                counts["cpu_experts_layer_us"] += 1
         elif mode == RESIDENT:
             b_dev += read
+            counts["cache_layer_us"] += 1
         else:
             h = h_by_e[lay.n_expert]
             b_dev += h * read
             b_cpu += (1 - h) * read
             b_h2d += (1 - h) * read
             n_sync += 2 * (1 - h**K)
+            counts["cache_layer_us"] += 1
+            counts["cpu_experts_layer_us"] += 1 - h**K
+            counts["miss_us"] += K * (1 - h)
 
     secs = {
         "device": b_dev / (profile.device_gbps * 1e9),
         "cpu": b_cpu / (profile.cpu_expert_gbps * 1e9),
         "h2d": b_h2d / (profile.h2d_gbps * 1e9),
         "sync": n_sync * profile.sync_us * 1e-6,
+        "fixed": sum(c * getattr(profile, f) for f, c in counts.items()) * 1e-6,
     }
     return Prediction(
         mode=mode,
@@ -179,4 +206,5 @@ def predict(
         hit_rate=h_mean,
         bytes_by_link={"device": b_dev, "cpu": b_cpu, "h2d": b_h2d},
         seconds_by_link=secs,
+        overhead_counts=counts,
     )

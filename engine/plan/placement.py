@@ -133,6 +133,7 @@ class Placement:
                     "hit_rate": p.hit_rate,
                     "bytes_by_link": dict(p.bytes_by_link),
                     "seconds_by_link": dict(p.seconds_by_link),
+                    "overhead_counts": dict(p.overhead_counts),
                 }
                 for m, p in self.predictions.items()
             },

@@ -1,8 +1,11 @@
-"""DeviceProfile: the machine as the planner sees it — VRAM, reserve, scratch, link bandwidths.
+"""DeviceProfile: the machine as the planner sees it — VRAM, reserve, scratch, link bandwidths
+and the fixed costs of a decode step.
 
 Bandwidths are *effective* rates (bytes a kernel or copy actually moves per second, not the
-datasheet peak). Unmeasured ones take the documented defaults below; a profile built from
-measurements lists the measured fields in ``measured`` so the UI can say which numbers are guesses.
+datasheet peak). Fixed costs (``*_us``) are the time a step spends regardless of bytes: Python,
+kernel launches, host round trips, cache bookkeeping. Unmeasured fields take the documented
+defaults below; a profile built from measurements (:mod:`engine.plan.calibrate`) lists the
+measured fields in ``measured`` so the UI can say which numbers are guesses.
 """
 
 from __future__ import annotations
@@ -22,12 +25,31 @@ DEFAULT_CPU_EXPERT_GBPS = 20.0  # host reading quantized weights while computing
 DEFAULT_H2D_GBPS = 22.0  # PCIe 4.0 x16, expert-sized copies
 DEFAULT_DEVICE_GBPS = 400.0  # GDDR6X mid-range card, effective
 DEFAULT_SYNC_US = 10.0  # one host↔device round trip (launch + synchronise + small copy)
+# Fixed costs, microseconds. Defaults fitted to the one hybrid measurement we have (H100 box,
+# 16 cores, Qwen3-30B-A3B geometry Q4_K_M, 12 GiB, fused Triton GEMV; docs/benchmarks-gpu.md):
+# CPU experts 106 ms/token, cache 146 ms/token at a 91 % hit rate. A calibrated profile replaces them.
+DEFAULT_TOKEN_US = 1000.0  # per token: embedding, sampling, logits to the host, the loop's Python
+DEFAULT_HOST_LAYER_US = 100.0  # per host layer: torch ops on the CPU, kernel dispatch
+DEFAULT_DEVICE_LAYER_US = 500.0  # per device layer: Python and kernel launches of the trunk step
+DEFAULT_CPU_EXPERTS_LAYER_US = 450.0  # per device layer whose experts run on the host: round trip
+DEFAULT_CACHE_LAYER_US = 1800.0  # per device layer served by the slot pool: routing to the host, lookups, launches
+DEFAULT_MISS_US = 300.0  # per missed expert: host call, slot admission, staging an upload
 # Zipf exponent of expert popularity used by the hit-rate model. 0.8 in the static hottest-n
 # formula reproduces an LRU cache (Che approximation) on a Zipf(1.0) stream, which is what the
 # published hit-rate anchors fit; see costmodel.hit_rate.
 DEFAULT_SKEW = 0.8
 
 _GBPS_FIELDS = ("cpu_expert_gbps", "h2d_gbps", "device_gbps")
+# Fixed-cost fields, in the order of docs/planner.md; the cost model counts one event of each per
+# token (Prediction.overhead_counts) and charges count × field µs.
+OVERHEAD_FIELDS: tuple[str, ...] = (
+    "token_us",
+    "host_layer_us",
+    "device_layer_us",
+    "cpu_experts_layer_us",
+    "cache_layer_us",
+    "miss_us",
+)
 
 
 @dataclass(frozen=True)
@@ -42,6 +64,15 @@ class DeviceProfile:
     h2d_gbps: host→device copy GB/s (expert uploads on cache misses).
     device_gbps: device memory GB/s (trunk, KV and cached experts read per token).
     sync_us: cost of one host↔device crossing in microseconds.
+    token_us: fixed cost of one decode step (embedding, sampling, logits copy, loop Python).
+    host_layer_us: fixed cost of one host layer (torch ops on the CPU, kernel dispatch).
+    device_layer_us: fixed cost of one device layer's trunk (Python, kernel launches).
+    cpu_experts_layer_us: extra cost of a device layer whose experts run on the host (hidden and
+        routing to the host, the host call, the result back), beyond bytes and ``2 · sync_us``;
+        a cache layer pays it when at least one of its experts misses.
+    cache_layer_us: extra cost of a device layer served by the slot pool (routing to the host,
+        slot lookups, launches), hit or miss.
+    miss_us: extra cost of one missed expert (host call, slot admission, staging its upload).
     expert_skew: Zipf exponent of expert popularity (0 = uniform) for the cache hit-rate model.
     measured: names of the fields above that were measured rather than defaulted.
     """
@@ -53,6 +84,12 @@ class DeviceProfile:
     h2d_gbps: float = DEFAULT_H2D_GBPS
     device_gbps: float = DEFAULT_DEVICE_GBPS
     sync_us: float = DEFAULT_SYNC_US
+    token_us: float = DEFAULT_TOKEN_US
+    host_layer_us: float = DEFAULT_HOST_LAYER_US
+    device_layer_us: float = DEFAULT_DEVICE_LAYER_US
+    cpu_experts_layer_us: float = DEFAULT_CPU_EXPERTS_LAYER_US
+    cache_layer_us: float = DEFAULT_CACHE_LAYER_US
+    miss_us: float = DEFAULT_MISS_US
     expert_skew: float = DEFAULT_SKEW
     measured: tuple[str, ...] = ()
     name: str = ""
@@ -68,14 +105,26 @@ class DeviceProfile:
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not v > 0 or v == float("inf"):
                 raise PlanError(f"profile {f} must be a positive number, got {v!r}")
-        if not 0 <= self.sync_us < 1e6:
-            raise PlanError(f"profile sync_us must be in [0, 1e6), got {self.sync_us!r}")
+        for f in ("sync_us", *OVERHEAD_FIELDS):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e6:
+                raise PlanError(f"profile {f} must be in [0, 1e6) µs, got {v!r}")
         if not 0 <= self.expert_skew <= 4:
             raise PlanError(f"profile expert_skew must be in [0, 4], got {self.expert_skew!r}")
         known = {f.name for f in fields(self)}
         bad = [m for m in self.measured if m not in known]
         if bad:
             raise PlanError(f"profile measured names unknown fields {bad}")
+
+    @property
+    def is_measured(self) -> bool:
+        """Whether any field came from a measurement (a calibrated profile)."""
+        return bool(self.measured)
+
+    def without_overheads(self) -> DeviceProfile:
+        """The same profile with every fixed cost at 0: bytes and crossings only."""
+        kept = tuple(m for m in self.measured if m not in OVERHEAD_FIELDS)
+        return replace(self, measured=kept, **{f: 0.0 for f in OVERHEAD_FIELDS})
 
     def with_budget(self, vram_bytes: int) -> DeviceProfile:
         """The same machine with another VRAM budget (what the slider changes)."""
@@ -97,3 +146,41 @@ class DeviceProfile:
         if "measured" in kw:
             kw["measured"] = tuple(kw["measured"])
         return cls(**kw)
+
+
+_LABELS: dict[str, tuple[str, str]] = {
+    "cpu_expert_gbps": ("CPU experts", "GB/s"),
+    "h2d_gbps": ("host→device", "GB/s"),
+    "device_gbps": ("device", "GB/s"),
+    "sync_us": ("sync", "µs"),
+    "expert_skew": ("skew", ""),
+    "token_us": ("token", "µs"),
+    "host_layer_us": ("host layer", "µs"),
+    "device_layer_us": ("device layer", "µs"),
+    "cpu_experts_layer_us": ("CPU-expert round trip", "µs"),
+    "cache_layer_us": ("cache layer", "µs"),
+    "miss_us": ("miss", "µs"),
+}
+
+
+def describe_profile(profile: DeviceProfile) -> list[str]:
+    """Two lines for people: bandwidths, then fixed costs; a measured value is marked ``*``."""
+
+    def item(f: str) -> str:
+        label, unit = _LABELS[f]
+        v = getattr(profile, f)
+        num = f"{v:.3g}" if f in _GBPS_FIELDS or f == "expert_skew" else f"{v:.0f}"
+        return f"{label} {num}{' ' + unit if unit else ''}{'*' if f in profile.measured else ''}"
+
+    first = ", ".join(item(f) for f in (*_GBPS_FIELDS, "sync_us", "expert_skew"))
+    second = "fixed costs: " + ", ".join(item(f) for f in OVERHEAD_FIELDS)
+    return [first, second]
+
+
+def profile_source(profile: DeviceProfile) -> str:
+    """``measured`` (every speed field measured), ``partly measured`` or ``defaults``."""
+    speed = {*_GBPS_FIELDS, "sync_us", *OVERHEAD_FIELDS}
+    got = speed & set(profile.measured)
+    if not got:
+        return "defaults"
+    return "measured" if got == speed else "partly measured"

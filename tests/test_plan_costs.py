@@ -1,0 +1,154 @@
+"""The cost model's fixed costs (DeviceProfile *_us fields): sums by hand, monotonicity, the auto
+choice following them, and sane figures for a tiny model."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.plan import DeviceProfile, ModelSpec, PlanError, PlanRequest, plan, predict
+from engine.plan.profile import OVERHEAD_FIELDS, describe_profile, profile_source
+from tests.test_plan_sizing import _q4k_except_vectors, _qwen3_args
+
+GiB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def q30(synth_geometry) -> ModelSpec:
+    """ModelSpec of the Qwen3-30B-A3B geometry file (Q4_K_M types, no weights)."""
+    from engine.gguf import open_gguf
+
+    with open_gguf(synth_geometry("qwen3-30b-a3b").path) as gf:
+        return ModelSpec.from_gguf(gf)
+
+
+def _spec(n_layer: int = 1) -> ModelSpec:
+    return ModelSpec.from_args(_qwen3_args(n_layer=n_layer), _q4k_except_vectors)
+
+
+def _fixed(spec, prof, **kw) -> float:
+    """Seconds the fixed costs add to a prediction: with them minus without them."""
+    return predict(spec, prof, **kw).seconds - predict(spec, prof.without_overheads(), **kw).seconds
+
+
+def test_fixed_costs_by_hand():
+    """One MoE layer (K = 2 of 8 experts), every mode; the sums written out in µs."""
+    spec = _spec(1)
+    us = dict(token_us=1000, host_layer_us=70, device_layer_us=300, cpu_experts_layer_us=200, cache_layer_us=900)
+    prof = DeviceProfile(expert_skew=0.0, miss_us=50, **us)
+    common = dict(kv_type="bf16", position=10)
+    assert _fixed(spec, prof, mode="cpu", n_gpu_layers=0, **common) == pytest.approx((1000 + 70) * 1e-6)
+    assert _fixed(spec, prof, mode="cpu", n_gpu_layers=1, **common) == pytest.approx((1000 + 300 + 200) * 1e-6)
+    res = _fixed(spec, prof, mode="resident", n_gpu_layers=1, expert_slots=8, **common)
+    assert res == pytest.approx((1000 + 300 + 900) * 1e-6)
+    h, K = 0.25, 2  # 2 of 8 slots, uniform popularity
+    cache = _fixed(spec, prof, mode="cache", n_gpu_layers=1, expert_slots=2, **common)
+    assert cache == pytest.approx((1000 + 300 + 900 + (1 - h**K) * 200 + K * (1 - h) * 50) * 1e-6)
+    # n_cpu_moe puts the layer's experts on the host in every mode: the round trip, no cache cost.
+    assert _fixed(spec, prof, mode="cache", n_gpu_layers=1, n_cpu_moe=1, **common) == pytest.approx(1500e-6)
+    # A measured hit rate replaces the Zipf model's.
+    seen = predict(spec, prof, mode="cache", n_gpu_layers=1, expert_slots=2, observed_hit_rate=0.5, **common)
+    assert seen.hit_rate == 0.5 and seen.overhead_counts["miss_us"] == pytest.approx(K * 0.5)
+
+
+def test_overhead_counts_reproduce_fixed_seconds():
+    spec = _spec(4)
+    prof = DeviceProfile()
+    for mode, slots in (("cpu", 0), ("cache", 9), ("resident", 32)):
+        for n in (0, 2, 4):
+            p = predict(spec, prof, mode=mode, n_gpu_layers=n, kv_type="f32", position=50, expert_slots=slots)
+            total = sum(c * getattr(prof, f) for f, c in p.overhead_counts.items()) * 1e-6
+            assert p.seconds_by_link["fixed"] == pytest.approx(total)
+            assert p.overhead_counts["host_layer_us"] + p.overhead_counts["device_layer_us"] == 4
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    field=st.sampled_from(OVERHEAD_FIELDS),
+    base=st.floats(0, 5000),
+    extra=st.floats(0, 5000),
+    mode=st.sampled_from(["cpu", "cache", "resident"]),
+    n=st.integers(0, 4),
+    n_cpu_moe=st.integers(0, 4),
+    slots=st.integers(1, 32),
+)
+def test_property_every_fixed_cost_is_monotone(field, base, extra, mode, n, n_cpu_moe, slots):
+    """Raising one fixed cost never makes any placement predicted faster, and the increase is
+    exactly its count times the raise."""
+    spec = _spec(4)
+    lo = replace(DeviceProfile(), **{field: base})
+    hi = replace(lo, **{field: base + extra})
+    kw = dict(mode=mode, n_gpu_layers=n, kv_type="f32", position=100, expert_slots=slots, n_cpu_moe=n_cpu_moe)
+    a, b = predict(spec, lo, **kw), predict(spec, hi, **kw)
+    assert b.seconds >= a.seconds
+    assert b.seconds - a.seconds == pytest.approx(a.overhead_counts[field] * extra * 1e-6, abs=1e-12)
+
+
+def _modes_over(spec, base: DeviceProfile, field: str, values) -> list[str]:
+    req = PlanRequest(ctx=32768, kv_type="q8_0")
+    return [plan(spec, replace(base, **{field: v}), req).moe_mode for v in values]
+
+
+def test_auto_choice_follows_the_fixed_costs(q30):
+    """At 12 GiB (61 % of the 30B's experts fit) a costlier cache layer flips auto from the cache
+    to CPU experts exactly once; a costlier CPU-expert round trip flips it back."""
+    spec = q30
+    base = DeviceProfile(vram_bytes=12 * GiB).without_overheads()
+    steps = [0, 100, 200, 400, 800, 1600, 3200, 6400]
+    modes = _modes_over(spec, base, "cache_layer_us", steps)
+    assert modes[0] == "cache" and modes[-1] == "cpu"
+    assert modes == sorted(modes, key=["cache", "cpu"].index)  # one flip
+    slow_cache = replace(base, cache_layer_us=1600)
+    modes = _modes_over(spec, slow_cache, "cpu_experts_layer_us", steps + [12800, 25600, 51200])
+    assert modes[0] == "cpu" and modes[-1] == "cache"
+    assert modes == sorted(modes, key=["cpu", "cache"].index)
+    # The reason quotes the numbers the choice was made on.
+    p = plan(spec, slow_cache, PlanRequest(ctx=32768, kv_type="q8_0"))
+    assert f"CPU experts {p.predicted_tok_s['cpu']:.1f}" in p.moe_reason
+
+
+def test_default_profile_reproduces_the_h100_choice(q30):
+    """The defaults are fitted to the H100 run of docs/benchmarks-gpu.md (CPU experts 8.75 tok/s,
+    cache 6.17 at 61 % capacity): auto must pick CPU experts there, and both predictions must be
+    within 25 % of those measurements."""
+    spec = q30
+    p = plan(spec, DeviceProfile(vram_bytes=12 * GiB), PlanRequest(ctx=64, kv_type="f32"))
+    assert p.n_gpu_layers == 48 and p.moe_mode == "cpu"
+    assert p.predicted_tok_s["cpu"] == pytest.approx(8.75, rel=0.25)
+    assert p.predicted_tok_s["cache"] == pytest.approx(6.17, rel=0.25)
+
+
+def test_tiny_model_prediction_is_bounded_by_the_fixed_costs():
+    """A tiny model's bytes take microseconds; its tok/s is bounded by the per-token and
+    per-layer costs (the demo model was once predicted at 36,000 tok/s)."""
+    spec = _spec(4)
+    prof = DeviceProfile()
+    for n in (0, 4):
+        p = plan(spec, prof, PlanRequest(ctx=256, n_gpu_layers=n))
+        bound = 1e6 / (prof.token_us + 4 * min(prof.host_layer_us, prof.device_layer_us))
+        assert all(t is None or t <= bound for t in p.predicted_tok_s.values())
+    bytes_only = plan(spec, prof.without_overheads(), PlanRequest(ctx=256, n_gpu_layers=0))
+    assert bytes_only.predicted_tok_s["cpu"] > 5_000  # what the fixed costs fix
+
+
+def test_profile_fixed_costs_validate_and_round_trip():
+    for f in OVERHEAD_FIELDS:
+        with pytest.raises(PlanError, match=f):
+            DeviceProfile(**{f: -1.0})
+    p = DeviceProfile(token_us=1234.5, cache_layer_us=10.0, measured=("token_us", "cache_layer_us"))
+    assert DeviceProfile.from_dict(p.to_dict()) == p
+    old = {k: v for k, v in p.to_dict().items() if k not in OVERHEAD_FIELDS}  # a pre-overhead file
+    assert DeviceProfile.from_dict(old).token_us == DeviceProfile().token_us
+    z = p.without_overheads()
+    assert all(getattr(z, f) == 0 for f in OVERHEAD_FIELDS) and z.measured == ()
+
+
+def test_describe_profile_marks_measured_fields():
+    p = DeviceProfile(cpu_expert_gbps=31.5, miss_us=42, measured=("cpu_expert_gbps", "miss_us"))
+    first, second = describe_profile(p)
+    assert "CPU experts 31.5 GB/s*" in first and "device 400 GB/s," in first
+    assert "miss 42 µs*" in second and "token 1000 µs," in second
+    assert profile_source(p) == "partly measured" and profile_source(DeviceProfile()) == "defaults"

@@ -41,9 +41,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--variant", choices=("q8", "exact", "both"), default="both", help="activation handling to time")
     k.add_argument("--reps", type=int, default=40, help="timed repetitions per workload (median reported)")
     k.set_defaults(func=run_kernels)
-    dk = what.add_parser("device-kernels", help="fused Triton GEMV GB/s on the GPU vs its bandwidth and the torch path")
+    dk = what.add_parser("device-kernels", help="quantized Triton kernels' GB/s on the GPU vs its bandwidth and torch")
     dk.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    dk.add_argument("--types", default="", help="comma-separated weight types (default: all), e.g. Q4_K,Q6_K")
+    dk.add_argument("--workloads", default="moe,q,o,kv", help="comma-separated: moe (routed experts), q, o, kv")
+    dk.add_argument("--tune", action="store_true", help="sweep launch settings; print the best per kernel/type/shape")
     dk.set_defaults(func=run_device_kernels)
+    cal = what.add_parser(
+        "calibrate",
+        help="measure the planner's device profile (bandwidths, fixed costs) on this machine; cached",
+        description="Measure what the planner's cost model needs on this machine with the engine's own code "
+        "paths (a few seconds) and cache it; `--moe auto` on CUDA uses the cached profile. "
+        "--json prints the DeviceProfile form `sharpi plan --profile FILE` reads.",
+    )
+    cal.add_argument("--device", choices=("cuda", "cpu"), default=None, help="cuda, or cpu = the simulated device")
+    cal.add_argument(
+        "-m", "--model", default=None, help="GGUF whose expert types/shape to measure (default: 30B-A3B Q4_K_M)"
+    )
+    cal.add_argument("--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    cal.add_argument("--force", action="store_true", help="measure again even if a cached profile exists")
+    cal.add_argument("--json", action="store_true", help="print the profile as JSON (DeviceProfile.to_dict)")
+    cal.set_defaults(func=run_calibrate)
 
 
 def run_kernels(args: argparse.Namespace) -> int:
@@ -128,16 +146,63 @@ def run_device_kernels(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available() or not triton_gemv.available():
         raise UsageError("sharpi bench device-kernels needs a CUDA GPU and Triton")
     from engine.bench import device_kernels
+    from engine.quant.formats import QType
 
-    rep = device_kernels.run()
+    types = [QType[t.strip()] for t in args.types.split(",") if t.strip()] or list(triton_gemv.SUPPORTED)
+    if args.tune:
+        best = device_kernels.tune(types)  # also installs the winners in LAUNCH for the run below
+        print(json.dumps({torch.cuda.get_device_name(): best}, indent=1))
+    rep = device_kernels.run(types, [w.strip() for w in args.workloads.split(",") if w.strip()])
     if args.json:
         print(json.dumps(rep, indent=2))
         return 0
-    print(f"{rep['device']}: measured copy bandwidth {rep['bandwidth_gb_s']:.0f} GB/s")
-    for t, r in rep["types"].items():
-        for w, v in r.items():
-            print(
-                f"{t:<5} {w:<8} fused {v['fused_s'] * 1e6:8.1f} us  {v['gb_s']:7.1f} GB/s ({v['fraction']:.0%})  "
-                f"torch reference {v['reference_s'] * 1e6:9.1f} us  speedup {v['speedup']:.1f}x"
-            )
+    print("\n".join(device_kernels.report_lines(rep)))
+    return 0
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    import sys
+
+    import numba
+    import torch
+
+    from engine.plan import calibrate as cal
+    from engine.plan.profile import describe_profile
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available (use --device cpu for the simulated device)")
+    threads = args.threads or os.cpu_count() or 1
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    torch.set_num_threads(threads)
+    shape, trunk = cal.DEFAULT_SHAPE, "Q4_K"
+    if args.model:
+        from engine.gguf import open_gguf
+
+        with open_gguf(args.model) as gf:
+            shape = cal.ExpertShape.from_gguf(gf) or shape
+            if "blk.0.attn_q.weight" in gf.tensors:
+                trunk = gf.tensor("blk.0.attn_q.weight").qtype.name
+
+    def progress(what: str) -> None:
+        if not args.json:
+            print(f"measuring {what} ...", file=sys.stderr)
+
+    c = cal.calibrate(device, shape, trunk_qtype=trunk, use_cache=not args.force, progress=progress)
+    if args.json:
+        print(json.dumps(c.profile.to_dict(), indent=2))
+        return 0
+    how = "cached" if c.cached else f"measured in {c.seconds:.1f} s"
+    print(f"device     {c.profile.name} ({how}; {numba.get_num_threads()} CPU threads)")
+    print(f"experts    {shape.key}")
+    for i, line in enumerate(describe_profile(c.profile)):
+        print(("profile    " if i == 0 else "           ") + line)
+    print("           (* = measured on this machine; the rest are defaults)")
+    runs = c.details.get("fixed_cost_runs")
+    if runs:
+        print(f"fit        fixed costs from {len(runs)} probe runs, rms error {c.details['fit_rms_relative']:.0%}:")
+        for r in runs:
+            hit = f", hit rate {r['hit_rate']:.0%}" if r.get("hit_rate") is not None else ""
+            print(f"           {r['label']:<36} {r['ms']:8.2f} ms/token (model {r['fitted_ms']:.2f}){hit}")
+    print(f"cache      {c.path}")
     return 0

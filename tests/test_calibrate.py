@@ -232,3 +232,37 @@ def test_cli_bench_calibrate_json_is_a_plan_profile(measured, moe_path, capsys, 
     assert main(["plan", "-m", str(moe_path), "--profile", str(f), "--vram", "1GiB", "-c", "64"]) == 0
     out = capsys.readouterr().out
     assert "token " in out and "*" in out and "measured" in out
+
+
+# -- the bench's validation hook -------------------------------------------------------------------
+def test_bench_compare_modes_reports_predictions_and_the_verdict(moe_path, capsys, monkeypatch):
+    monkeypatch.delenv("SHARPI_CPU_MOE", raising=False)
+    args = ["bench", "-m", str(moe_path), "--device", "cpu", "--vram", "1GiB", "--prompt", "4", "--gen", "4"]
+    assert main([*args, "--repeat", "1", "--compare-modes", "--json"]) == 0
+    c = json.loads(capsys.readouterr().out)
+    modes = {r["mode"]: r for r in c["modes"]}
+    assert set(modes) == {"cpu", "cache", "resident"}  # 1 GiB holds every expert of the tiny model
+    for r in modes.values():
+        assert r["decode_tok_s"] > 0 and r["predicted_tok_s"] > 0
+        assert r["mode"] in r["placement"]  # each ran on its own placement
+    assert modes["cache"]["predicted_at_measured_hit_rate"] > 0 and modes["cpu"]["hit_rate"] is None
+    best = max(modes.values(), key=lambda r: r["decode_tok_s"])["mode"]
+    assert c["fastest"] == best and c["auto_was_fastest"] == (c["auto"] == best)
+    assert c["auto_loss"] == pytest.approx(1 - modes[c["auto"]]["decode_tok_s"] / modes[best]["decode_tok_s"])
+    assert c["profile_source"] == "defaults"  # the simulated device plans with the defaults
+    assert main([*args, "--repeat", "1", "--compare-modes"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted" in out and "measured" in out and f"chose {c['auto']}" in out
+
+
+def test_bench_report_carries_the_prediction(moe_path):
+    from engine.bench.model import bench_session, prediction_report
+
+    opts = LoadOptions(n_ctx=32, device="cpu", placement=PlanRequest(moe="cache"), vram_budget=1 << 30)
+    with Session.load(str(moe_path), opts) as s:
+        r = bench_session(s, 4, 4, 1, bandwidth=False)
+        pr = prediction_report(s, r)
+    assert set(pr["predicted_tok_s"]) == {"cpu", "cache", "resident"} and pr["prediction_position"] == 6
+    assert pr["predicted_decode_tok_s"] == pr["predicted_tok_s"]["cache"]
+    assert pr["prediction_error"] == pytest.approx(pr["predicted_decode_tok_s"] / r["decode_tok_s"] - 1)
+    assert pr["predicted_at_measured_hit_rate"] > 0

@@ -262,3 +262,119 @@ def bench_llama_cpp(path: str, prompt: int, gen: int, repeat: int, threads: int,
         "prompt_tok_s": statistics.median(r[0] for r in runs),
         "decode_tok_s": statistics.median(r[1] for r in runs),
     }
+
+
+# -- predictions next to measurements (the planner's validation hook) ----------------------------------
+def predicted_at(session, placement, mode: str, position: int, observed_hit_rate: float | None = None) -> float | None:
+    """The cost model's decode tok/s for ``placement``'s layers in expert ``mode`` at ``position``
+    (optionally at a measured cache hit rate); None when the mode is impossible there."""
+    from engine.plan import predict
+
+    p = placement
+    slots = {"cpu": 0, "cache": p.expert_slots, "resident": p.expert_slots_needed}.get(mode, 0)
+    if p.predicted_tok_s.get(mode) is None:
+        return None
+    pred = predict(
+        session.spec,
+        p.profile,
+        mode="cpu" if mode == "none" else mode,
+        n_gpu_layers=p.n_gpu_layers,
+        kv_type=p.kv_type,
+        position=position,
+        expert_slots=slots,
+        n_cpu_moe=p.n_cpu_moe,
+        observed_hit_rate=observed_hit_rate if mode == "cache" else None,
+    )
+    return pred.tok_s
+
+
+def prediction_report(session, report: dict) -> dict:
+    """What the planner predicted for the placement just benchmarked, at the decode's mean
+    position: {"profile_source", "predicted_tok_s" (every mode), "predicted_decode_tok_s" (this
+    mode), "predicted_at_measured_hit_rate" (cache only), "prediction_error"} — or {} when the
+    model ran on the CPU without a placement."""
+    from engine.plan.profile import profile_source
+
+    p = session.placement
+    if p is None:
+        return {}
+    pos = report["prompt_tokens"] + report["gen_tokens"] // 2
+    modes = [m for m in p.predicted_tok_s]
+    out = {
+        "profile_source": profile_source(p.profile),
+        "profile": p.profile.to_dict(),
+        "prediction_position": pos,
+        "predicted_tok_s": {m: predicted_at(session, p, m, pos) for m in modes},
+    }
+    mine = out["predicted_tok_s"].get(p.moe_mode)
+    out["predicted_decode_tok_s"] = mine
+    if p.moe_mode == "cache" and report.get("hit_rate") is not None:
+        out["predicted_at_measured_hit_rate"] = predicted_at(session, p, "cache", pos, report["hit_rate"])
+    if mine:
+        out["prediction_error"] = mine / report["decode_tok_s"] - 1  # + = predicted too fast
+    return out
+
+
+def compare_modes(session, prompt: int, gen: int, repeat: int, *, threads: int = 1) -> dict:
+    """Benchmark every feasible expert mode of the session's placement in turn — re-placed through
+    ``Session.apply`` with the same layers, context, KV type and device profile, the file not
+    re-read — and say which mode auto picks and whether it was the fastest measured.
+
+    Returns {"auto", "auto_reason", "profile_source", "fastest", "auto_was_fastest",
+    "auto_loss" (1 − auto's tok/s ÷ the fastest's), "modes": [{mode, predicted_tok_s,
+    predicted_at_measured_hit_rate, decode_tok_s, prompt_tok_s, hit_rate, upload_gb_s,
+    median_step_ms}]}.
+    """
+    from dataclasses import replace
+
+    from engine.errors import UsageError
+    from engine.plan import PlanRequest
+    from engine.plan.profile import profile_source
+
+    base = session.placement
+    if base is None or base.n_gpu_layers == 0:
+        raise UsageError("--compare-modes needs layers on a device (-g, --vram or --device)")
+    if base.moe_mode == "none":
+        raise UsageError("--compare-modes: a dense model has no routed experts to place")
+    req = PlanRequest(
+        ctx=base.ctx,
+        kv_type=base.kv_type,
+        n_gpu_layers=base.n_gpu_layers,
+        n_cpu_moe=base.n_cpu_moe,
+        moe_source="--compare-modes",
+    )
+    # The profile an auto choice plans with (on CUDA: calibrated, measuring once if need be).
+    profile = session.device_profile(base.budget_bytes, calibrate=True)
+    auto = session.plan(replace(req, moe="auto"), profile)
+    rows = []
+    for mode in ("cpu", "cache", "resident"):
+        if auto.predicted_tok_s.get(mode) is None:
+            continue  # does not fit
+        session.apply(session.plan(replace(req, moe=mode), profile))
+        r = bench_session(session, prompt, gen, repeat, threads=threads, bandwidth=False)
+        pr = prediction_report(session, r)
+        rows.append(
+            {
+                "mode": mode,
+                "predicted_tok_s": pr["predicted_decode_tok_s"],
+                "predicted_at_measured_hit_rate": pr.get("predicted_at_measured_hit_rate"),
+                "decode_tok_s": r["decode_tok_s"],
+                "decode_tok_s_all": r["decode_tok_s_all"],
+                "prompt_tok_s": r["prompt_tok_s"],
+                "hit_rate": r["hit_rate"],
+                "upload_gb_s": r["upload_gb_s"],
+                "median_step_ms": r["median_step_ms"],
+                "placement": r["placement"],
+            }
+        )
+    fastest = max(rows, key=lambda x: x["decode_tok_s"])
+    mine = next((x for x in rows if x["mode"] == auto.moe_mode), None)
+    return {
+        "auto": auto.moe_mode,
+        "auto_reason": auto.moe_reason,
+        "profile_source": profile_source(profile),
+        "fastest": fastest["mode"],
+        "auto_was_fastest": auto.moe_mode == fastest["mode"],
+        "auto_loss": 1 - mine["decode_tok_s"] / fastest["decode_tok_s"] if mine else None,
+        "modes": rows,
+    }

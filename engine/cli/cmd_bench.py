@@ -31,6 +31,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exact-float", action="store_true", help="exact dequantized weights, no activation rounding")
     p.add_argument("--vs-llama-cpp", action="store_true", help="also run llama.cpp (CPU) on the file and print ratios")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument(
+        "--compare-modes",
+        action="store_true",
+        help="benchmark every expert mode that fits (cpu, cache, resident) on the same placement, "
+        "with the planner's prediction beside each, and say whether the auto choice was the fastest",
+    )
     add_placement_args(p)
     p.set_defaults(func=run_model)
     what = p.add_subparsers(dest="bench_what", metavar="WHAT")
@@ -92,7 +98,7 @@ def run_model(args: argparse.Namespace) -> int:
     import numba
     import torch
 
-    from engine.bench.model import bench_session
+    from engine.bench.model import bench_session, compare_modes, prediction_report
     from engine.cli.common import load_session
 
     if not args.model:
@@ -104,7 +110,17 @@ def run_model(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     args.ctx_size = args.prompt + args.gen + 16
     with load_session(args) as s:
-        report = bench_session(s, args.prompt, args.gen, args.repeat, vs_llama_cpp=args.vs_llama_cpp, threads=threads)
+        if args.compare_modes:
+            cmp = compare_modes(s, args.prompt, args.gen, args.repeat, threads=threads)
+            cmp.update(model=s.info.path, threads=threads, prompt_tokens=args.prompt, gen_tokens=args.gen)
+        else:
+            report = bench_session(
+                s, args.prompt, args.gen, args.repeat, vs_llama_cpp=args.vs_llama_cpp, threads=threads
+            )
+            report.update(prediction_report(s, report))
+    if args.compare_modes:
+        print(json.dumps(cmp, indent=2, default=float) if args.json else format_comparison(cmp))
+        return 0
     if args.json:
         print(json.dumps(report, indent=2, default=float))
         return 0
@@ -127,6 +143,19 @@ def run_model(args: argparse.Namespace) -> int:
         )
     if report["hit_rate"] is not None:
         print(f"cache      hit rate {report['hit_rate']:.1%}, uploads {report['upload_gb_s']:.2f} GB/s")
+    if report.get("predicted_tok_s"):
+        preds = " | ".join(f"{m} {_tok(v)}" for m, v in report["predicted_tok_s"].items())
+        err = report.get("prediction_error")
+        line = (
+            f"predicted  {preds} tok/s ({report['profile_source']} profile, position {report['prediction_position']})"
+        )
+        if err is not None:
+            line += f"; this mode {_tok(report['predicted_decode_tok_s'])} vs {report['decode_tok_s']:.2f} measured ({err:+.0%})"
+        print(line)
+        if report.get("predicted_at_measured_hit_rate") is not None:
+            print(
+                f"           at the measured hit rate the cache is predicted {_tok(report['predicted_at_measured_hit_rate'])} tok/s"
+            )
     ref = report.get("llama_cpp")
     if ref:
         print(
@@ -136,6 +165,36 @@ def run_model(args: argparse.Namespace) -> int:
     elif args.vs_llama_cpp:
         print("llama.cpp  not installed (pip install llama-cpp-python)")
     return 0
+
+
+def _tok(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
+def format_comparison(c: dict) -> str:
+    """The --compare-modes table: predicted and measured decode tok/s per mode, and the verdict."""
+    lines = [
+        f"model      {c['model']} ({c['threads']} threads, {c['prompt_tokens']} prompt + {c['gen_tokens']} generated tokens)",
+        f"profile    {c['profile_source']}",
+        f"{'mode':<10} {'predicted':>10} {'measured':>10} {'hit rate':>9} {'uploads':>10}   decode tok/s",
+    ]
+    for r in c["modes"]:
+        hit = "—" if r["hit_rate"] is None else f"{r['hit_rate']:.0%}"
+        up = "—" if r["hit_rate"] is None else f"{r['upload_gb_s']:.2f} GB/s"
+        extra = ""
+        if r.get("predicted_at_measured_hit_rate") is not None:
+            extra = f"   (predicted at the measured hit rate: {_tok(r['predicted_at_measured_hit_rate'])})"
+        lines.append(
+            f"{r['mode']:<10} {_tok(r['predicted_tok_s']):>10} {r['decode_tok_s']:>10.2f} {hit:>9} {up:>10}{extra}"
+        )
+    verdict = (
+        "the fastest"
+        if c["auto_was_fastest"]
+        else f"NOT the fastest ({c['fastest']} was; auto loses {c['auto_loss']:.0%})"
+    )
+    lines.append(f"auto       chose {c['auto']}: {verdict}")
+    lines.append(f"           {c['auto_reason']}")
+    return "\n".join(lines)
 
 
 def run_device_kernels(args: argparse.Namespace) -> int:

@@ -148,3 +148,36 @@ def test_generic_simd_fallback_matches_native():
         c = rng.integers(-300, 300, 16).astype(np.int16)
         fast, slow = _both_paths(a, b, c)
         assert fast == slow
+
+
+@njit(cache=False)
+def _vnni_steps(u, s, p, q):
+    x, y = simd.load_i8x32(u, 0), simd.load_i8x32(s, 0)
+    a16, b16 = simd.load_i16x16(p, 0), simd.load_i16x16(q, 0)
+    base = simd.madd(simd.maddubs(x, y), simd.splat16(1))  # a nonzero accumulator
+    got = (
+        simd.hsum_i32(simd.madd_acc(base, a16, b16)),
+        simd.hsum_i32(simd.dot_ub_sb(base, x, y)),
+        simd.hsum_i32(simd.dot_sb_sb(base, y, y)),
+    )
+    want = (
+        simd.hsum_i32(simd.vadd(base, simd.madd(a16, b16))),
+        simd.hsum_i32(simd.vadd(base, simd.madd(simd.maddubs(x, y), simd.splat16(1)))),
+        simd.hsum_i32(simd.vadd(base, simd.madd(simd.maddss(y, y), simd.splat16(1)))),
+    )
+    return got, want
+
+
+@pytest.mark.parametrize("vnni", [simd.HAS_VNNI], ids=lambda v: f"vnni={v}")
+def test_fused_dot_steps_equal_their_compositions(vnni):
+    """madd_acc / dot_ub_sb / dot_sb_sb (vpdpwssd / vpdpbusd where the CPU has VNNI) equal the
+    pmaddwd / pmaddubsw compositions they replace, lane sums included, over the code ranges the
+    kernels feed them (unsigned codes ≤ 128, activations in [-127, 127])."""
+    rng = np.random.default_rng(16)
+    for _ in range(50):
+        u = rng.integers(0, 129, 32).astype(np.uint8)
+        s = rng.integers(-127, 128, 32).astype(np.int8)
+        p = rng.integers(-32768, 32768, 16).astype(np.int16)
+        q = rng.integers(-32768, 32768, 16).astype(np.int16)
+        got, want = _vnni_steps(u, s, p, q)
+        assert got == want

@@ -20,6 +20,8 @@ with numpy references ``bucket_by_expert_ref`` and ``grouped_moe_ffn_ref`` besid
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from numba import njit, prange
 
@@ -29,6 +31,7 @@ from engine.kernels.moe_fused import FUSED_TYPES, _row_q8, quantize_for
 from engine.kernels.prepare import PreparedWeight
 
 ROW_CHUNK = 16  # weight rows per parallel work item
+GROUP_CHUNKS = 16  # consecutive work items on one expert
 
 
 # --- CSR bucketing ----------------------------------------------------------------------------
@@ -120,7 +123,8 @@ def _gather_rows(a, src):
 
 @njit(cache=True, nogil=True)
 def _work_items(offsets, rows):
-    """(active experts int64 [A], number of row chunks per expert) for a matrix of ``rows`` rows."""
+    """(active experts int64 [A], row chunks per expert) for a matrix of ``rows`` rows; the chunk
+    count is rounded up to whole groups of GROUP_CHUNKS (chunks past the rows are empty)."""
     E = offsets.shape[0] - 1
     n = 0
     for e in range(E):
@@ -132,7 +136,22 @@ def _work_items(offsets, rows):
         if offsets[e + 1] > offsets[e]:
             active[n] = e
             n += 1
-    return active, (rows + ROW_CHUNK - 1) // ROW_CHUNK
+    nch = (rows + ROW_CHUNK - 1) // ROW_CHUNK
+    return active, (nch + GROUP_CHUNKS - 1) // GROUP_CHUNKS * GROUP_CHUNKS
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _item(item, active, nch):
+    """Work item -> (expert, row chunk). Items run in groups of GROUP_CHUNKS chunks of one expert
+    (its tokens' activations stay in L2 across the group), and each run of A groups visits every
+    active expert once, so the contiguous item ranges a static schedule gives each thread carry
+    near-equal work however unevenly the tokens are routed."""
+    i = np.int64(item)
+    per_group = np.int64(active.shape[0] * GROUP_CHUNKS)
+    g = i // per_group
+    a = (i - g * per_group) // GROUP_CHUNKS
+    c = g * GROUP_CHUNKS + i % GROUP_CHUNKS
+    return active[a], c
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -155,20 +174,22 @@ def grouped_gate_up_q8(qt, graw, gs, uraw, us, offsets, pairs, K, qa, da, asum, 
     active, nch = _work_items(offsets, F)
     A = active.shape[0]
     for item in prange(A * nch):
-        e = active[item % A]  # consecutive items visit different experts: balanced thread ranges
-        c = item // A
+        e, c = _item(item, active, nch)
         p0 = offsets[e]
         n = offsets[e + 1] - p0
         n4 = n - n % 4
-        for r in range(c * ROW_CHUNK, min(F, (c + 1) * ROW_CHUNK)):
-            gr = e * F + r
-            for j in range(0, n4, 4):
+        r0, r1 = c * ROW_CHUNK, min(F, (c + 1) * ROW_CHUNK)
+        for j in range(0, n4, 4):  # four tokens × the chunk's rows: both stay in L1
+            for r in range(r0, r1):
+                gr = e * F + r
                 g0, g1, g2, g3 = _row4_q8(qt, graw[gr], gs[gr], sqa, sda, sas, sbs, p0 + j)
                 u0, u1, u2, u3 = _row4_q8(qt, uraw[gr], us[gr], sqa, sda, sas, sbs, p0 + j)
                 h[p0 + j, r] = g0 / (np.float32(1.0) + np.exp(-g0)) * u0
                 h[p0 + j + 1, r] = g1 / (np.float32(1.0) + np.exp(-g1)) * u1
                 h[p0 + j + 2, r] = g2 / (np.float32(1.0) + np.exp(-g2)) * u2
                 h[p0 + j + 3, r] = g3 / (np.float32(1.0) + np.exp(-g3)) * u3
+        for r in range(r0, r1):
+            gr = e * F + r
             for j in range(n4, n):
                 p = p0 + j
                 g = _row_q8(qt, graw[gr], gs[gr], sqa[p], sda[p], sas[p], sbs[p])
@@ -178,30 +199,33 @@ def grouped_gate_up_q8(qt, graw, gs, uraw, us, offsets, pairs, K, qa, da, asum, 
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def grouped_down_q8(qt, draw, ds, offsets, pairs, weights, qa, da, asum, bsums, D):
+def grouped_down_q8(qt, draw, ds, offsets, pairs, weights, qa, da, asum, bsums, D, o):
     """Y[t] = Σ_k weights[t, k]·down[ids[t, k]]·h[t·K + k] (k in order).
 
     draw uint8 [E·D, row_bytes]; weights float32 [T, K]; (qa, da, asum, bsums) the quantized h in
-    ``pairs`` order [T·K, F] (from :func:`grouped_gate_up_q8`). Returns float32 [T, D].
+    ``pairs`` order [T·K, F] (from :func:`grouped_gate_up_q8`); o float32 [≥ T·K, D] scratch
+    (o[t·K + k]: the expert output of pair (t, k); reused across calls, see :func:`_scratch`).
+    Returns float32 [T, D].
     """
     T, K = weights.shape
-    o = np.empty((T * K, D), np.float32)  # o[t·K + k]: expert output of pair (t, k)
     active, nch = _work_items(offsets, D)
     A = active.shape[0]
     for item in prange(A * nch):
-        e = active[item % A]
-        c = item // A
+        e, c = _item(item, active, nch)
         p0 = offsets[e]
         n = offsets[e + 1] - p0
         n4 = n - n % 4
-        for d in range(c * ROW_CHUNK, min(D, (c + 1) * ROW_CHUNK)):
-            gr = e * D + d
-            for j in range(0, n4, 4):
+        d0, d1 = c * ROW_CHUNK, min(D, (c + 1) * ROW_CHUNK)
+        for j in range(0, n4, 4):  # four pairs × the chunk's rows: both stay in L1
+            for d in range(d0, d1):
+                gr = e * D + d
                 v0, v1, v2, v3 = _row4_q8(qt, draw[gr], ds[gr], qa, da, asum, bsums, p0 + j)
                 o[pairs[p0 + j], d] = v0
                 o[pairs[p0 + j + 1], d] = v1
                 o[pairs[p0 + j + 2], d] = v2
                 o[pairs[p0 + j + 3], d] = v3
+        for d in range(d0, d1):
+            gr = e * D + d
             for j in range(n4, n):
                 p = p0 + j
                 o[pairs[p], d] = _row_q8(qt, draw[gr], ds[gr], qa[p], da[p], asum[p], bsums[p])
@@ -227,6 +251,18 @@ def _check(gate: PreparedWeight, up: PreparedWeight, down: PreparedWeight, X, id
         raise ValueError(f"ids {ids.shape} and weights {weights.shape} must both be [T, K] with T = {X.shape[0]}")
     if ids.size and (ids.min() < 0 or ids.max() >= E):
         raise IndexError(f"expert ids must lie in [0, {E})")
+
+
+_local = threading.local()
+
+
+def _scratch(n: int) -> np.ndarray:
+    """A float32 [n] buffer of this thread's, grown on demand and reused: a fresh 32 MB array per
+    prefill layer costs ~8,000 page faults (each page zeroed by the kernel) on every call."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _local.buf = np.empty(n, np.float32)
+    return buf[:n]
 
 
 def fused_grouped(gate: PreparedWeight, up: PreparedWeight, down: PreparedWeight, q8_act: bool) -> bool:
@@ -272,7 +308,8 @@ def grouped_moe_ffn(
             gate.rows,
             int(down.qtype),
         )
-        return grouped_down_q8(int(down.qtype), down.raw, down.scales, offsets, pairs, weights, *qh, down.rows)
+        o = _scratch(T * K * down.rows).reshape(T * K, down.rows)
+        return grouped_down_q8(int(down.qtype), down.raw, down.scales, offsets, pairs, weights, *qh, down.rows, o)
     return _grouped_gather(gate, up, down, X, offsets, pairs, weights, q8_act)
 
 

@@ -42,11 +42,11 @@ from engine.kernels.simd import (
     load_i8x32,
     load_i16x16,
     madd,
+    madd_acc,
     maddubs,
     prefetch_array,
     prefetch_distance,
     splat8,
-    vadd,
     vand,
     vor,
     vshl,
@@ -101,8 +101,8 @@ def _q6k_codes(w, o, h):
 @njit(cache=True, nogil=True, inline="always")
 def _q8_pair(lo, hi, qa, xo, sm, j, iacc):
     """iacc + sc[2j]·(lo·qa[xo:xo+32]) + sc[2j+1]·(hi·qa[xo+32:xo+64]), lane-wise int32."""
-    iacc = vadd(iacc, madd(maddubs(lo, load_i8x32(qa, xo)), bcast16(sm, 2 * j)))
-    return vadd(iacc, madd(maddubs(hi, load_i8x32(qa, xo + 32)), bcast16(sm, 2 * j + 1)))
+    iacc = madd_acc(iacc, maddubs(lo, load_i8x32(qa, xo)), bcast16(sm, 2 * j))
+    return madd_acc(iacc, maddubs(hi, load_i8x32(qa, xo + 32)), bcast16(sm, 2 * j + 1))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -227,10 +227,10 @@ def _dot4_q5_k_q8(w, s, qa, da, bsums, k):
 
 @njit(cache=True, nogil=True, inline="always")
 def _q6_quarters(q1, q2, q3, q4, qa, xo, sc, g, iacc):
-    iacc = vadd(iacc, madd(maddubs(q1, load_i8x32(qa, xo)), bcast16_pair(sc, g)))
-    iacc = vadd(iacc, madd(maddubs(q2, load_i8x32(qa, xo + 32)), bcast16_pair(sc, g + 2)))
-    iacc = vadd(iacc, madd(maddubs(q3, load_i8x32(qa, xo + 64)), bcast16_pair(sc, g + 4)))
-    return vadd(iacc, madd(maddubs(q4, load_i8x32(qa, xo + 96)), bcast16_pair(sc, g + 6)))
+    iacc = madd_acc(iacc, maddubs(q1, load_i8x32(qa, xo)), bcast16_pair(sc, g))
+    iacc = madd_acc(iacc, maddubs(q2, load_i8x32(qa, xo + 32)), bcast16_pair(sc, g + 2))
+    iacc = madd_acc(iacc, maddubs(q3, load_i8x32(qa, xo + 64)), bcast16_pair(sc, g + 4))
+    return madd_acc(iacc, maddubs(q4, load_i8x32(qa, xo + 96)), bcast16_pair(sc, g + 6))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -284,12 +284,17 @@ def gemv_q4_k_q8(raw, s, rows, xi, qa, da, bsums, out):
                 prefetch_array(s[rows[j]])
             r = rows[i]
             k = xi[i]
-            for t in range(0, T4, 4):
+            for t in range(T4, T):  # decode: the only pass, streaming the rows
+                out[i, t] = _dot_q4_k_q8(raw[r], s[r], qa[k + t], da[k + t], bsums[k + t])
+        # Prefill: four tokens against every row of the chunk, then the next four, so the
+        # tokens' activations and the chunk's rows both stay in L1.
+        for t in range(0, T4, 4):
+            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+                r = rows[i]
+                k = xi[i]
                 out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q4_k_q8(
                     raw[r], s[r], qa, da, bsums, k + t
                 )
-            for t in range(T4, T):
-                out[i, t] = _dot_q4_k_q8(raw[r], s[r], qa[k + t], da[k + t], bsums[k + t])
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -305,12 +310,17 @@ def gemv_q5_k_q8(raw, s, rows, xi, qa, da, bsums, out):
                 prefetch_array(s[rows[j]])
             r = rows[i]
             k = xi[i]
-            for t in range(0, T4, 4):
+            for t in range(T4, T):  # decode: the only pass, streaming the rows
+                out[i, t] = _dot_q5_k_q8(raw[r], s[r], qa[k + t], da[k + t], bsums[k + t])
+        # Prefill: four tokens against every row of the chunk, then the next four, so the
+        # tokens' activations and the chunk's rows both stay in L1.
+        for t in range(0, T4, 4):
+            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+                r = rows[i]
+                k = xi[i]
                 out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q5_k_q8(
                     raw[r], s[r], qa, da, bsums, k + t
                 )
-            for t in range(T4, T):
-                out[i, t] = _dot_q5_k_q8(raw[r], s[r], qa[k + t], da[k + t], bsums[k + t])
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -326,9 +336,14 @@ def gemv_q6_k_q8(raw, s, rows, xi, qa, da, bsums, out):
                 prefetch_array(s[rows[j]])
             r = rows[i]
             k = xi[i]
-            for t in range(0, T4, 4):
+            for t in range(T4, T):  # decode: the only pass, streaming the rows
+                out[i, t] = _dot_q6_k_q8(raw[r], s[r], qa[k + t], da[k + t], bsums[k + t])
+        # Prefill: four tokens against every row of the chunk, then the next four, so the
+        # tokens' activations and the chunk's rows both stay in L1.
+        for t in range(0, T4, 4):
+            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+                r = rows[i]
+                k = xi[i]
                 out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q6_k_q8(
                     raw[r], s[r], qa, da, bsums, k + t
                 )
-            for t in range(T4, T):
-                out[i, t] = _dot_q6_k_q8(raw[r], s[r], qa[k + t], da[k + t], bsums[k + t])

@@ -23,6 +23,8 @@ from numba import njit, prange
 
 from engine.kernels.simd import (
     bits_to_bytes,
+    dot_sb_sb,
+    dot_ub_sb,
     fma_i32,
     hsum_f32,
     i8_to_f32,
@@ -30,19 +32,16 @@ from engine.kernels.simd import (
     load_i8x32,
     load_nibbles16,
     load_u32,
-    madd,
-    maddss,
-    maddubs,
     prefetch_array,
     prefetch_distance,
     splat8,
-    splat16,
     vfma,
     vfma_s,
     vor,
     vshl,
     vsub,
     zero_f32,
+    zero_i32,
 )
 
 CHUNK = 16  # rows per parallel work item
@@ -115,9 +114,8 @@ def _dot_q5_0_f(w, d, x):
 @njit(cache=True, nogil=True, inline="always")
 def _dot_q8_0_q8(w, d, qa, da, asum):
     acc = zero_f32()
-    ones = splat16(1)
     for b in range(d.shape[0]):
-        iv = madd(maddss(_codes_q8_0(w, b), load_i8x32(qa, 32 * b)), ones)
+        iv = dot_sb_sb(zero_i32(), _codes_q8_0(w, b), load_i8x32(qa, 32 * b))
         acc = fma_i32(iv, d[b] * da[b], acc)
     return hsum_f32(acc)
 
@@ -126,11 +124,10 @@ def _dot_q8_0_q8(w, d, qa, da, asum):
 def _dot_q4_0_q8(w, d, qa, da, asum):
     # Σ (u − 8)·a = Σ u·a − 8·Σ a: unsigned codes go straight into pmaddubsw
     acc = zero_f32()
-    ones = splat16(1)
     corr = np.float32(0.0)
     for b in range(d.shape[0]):
         dd = d[b] * da[b]
-        acc = fma_i32(madd(maddubs(_ucodes_q4_0(w, b), load_i8x32(qa, 32 * b)), ones), dd, acc)
+        acc = fma_i32(dot_ub_sb(zero_i32(), _ucodes_q4_0(w, b), load_i8x32(qa, 32 * b)), dd, acc)
         corr += dd * np.float32(asum[b])
     return hsum_f32(acc) - np.float32(8.0) * corr
 
@@ -138,11 +135,10 @@ def _dot_q4_0_q8(w, d, qa, da, asum):
 @njit(cache=True, nogil=True, inline="always")
 def _dot_q5_0_q8(w, d, qa, da, asum):
     acc = zero_f32()
-    ones = splat16(1)
     corr = np.float32(0.0)
     for b in range(d.shape[0]):
         dd = d[b] * da[b]
-        acc = fma_i32(madd(maddubs(_ucodes_q5_0(w, b), load_i8x32(qa, 32 * b)), ones), dd, acc)
+        acc = fma_i32(dot_ub_sb(zero_i32(), _ucodes_q5_0(w, b), load_i8x32(qa, 32 * b)), dd, acc)
         corr += dd * np.float32(asum[b])
     return hsum_f32(acc) - np.float32(16.0) * corr
 
@@ -153,13 +149,13 @@ def _dot_q5_0_q8(w, d, qa, da, asum):
 @njit(cache=True, nogil=True, inline="always")
 def _q8_step(q, a, b, scale, acc):
     """acc + scale·Σ q·a over block b (q signed codes; a activation row)."""
-    return fma_i32(madd(maddss(q, load_i8x32(a, 32 * b)), splat16(1)), scale, acc)
+    return fma_i32(dot_sb_sb(zero_i32(), q, load_i8x32(a, 32 * b)), scale, acc)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _u_step(u, a, b, scale, acc):
     """acc + scale·Σ u·a over block b (u unsigned codes)."""
-    return fma_i32(madd(maddubs(u, load_i8x32(a, 32 * b)), splat16(1)), scale, acc)
+    return fma_i32(dot_ub_sb(zero_i32(), u, load_i8x32(a, 32 * b)), scale, acc)
 
 
 @njit(cache=True, nogil=True)
@@ -281,12 +277,17 @@ def gemv_q8_0_q8(raw, d, rows, xi, qa, da, asum, out):
                 prefetch_array(d[rows[j]])
             r = rows[i]
             k = xi[i]
-            for t in range(0, T4, 4):
+            for t in range(T4, T):  # decode: the only pass, streaming the rows
+                out[i, t] = _dot_q8_0_q8(raw[r], d[r], qa[k + t], da[k + t], asum[k + t])
+        # Prefill: four tokens against every row of the chunk, then the next four, so the
+        # tokens' activations and the chunk's rows both stay in L1.
+        for t in range(0, T4, 4):
+            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+                r = rows[i]
+                k = xi[i]
                 out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q8_0_q8(
                     raw[r], d[r], qa, da, asum, k + t
                 )
-            for t in range(T4, T):
-                out[i, t] = _dot_q8_0_q8(raw[r], d[r], qa[k + t], da[k + t], asum[k + t])
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -302,12 +303,17 @@ def gemv_q4_0_q8(raw, d, rows, xi, qa, da, asum, out):
                 prefetch_array(d[rows[j]])
             r = rows[i]
             k = xi[i]
-            for t in range(0, T4, 4):
+            for t in range(T4, T):  # decode: the only pass, streaming the rows
+                out[i, t] = _dot_q4_0_q8(raw[r], d[r], qa[k + t], da[k + t], asum[k + t])
+        # Prefill: four tokens against every row of the chunk, then the next four, so the
+        # tokens' activations and the chunk's rows both stay in L1.
+        for t in range(0, T4, 4):
+            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+                r = rows[i]
+                k = xi[i]
                 out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q4_0_q8(
                     raw[r], d[r], qa, da, asum, k + t
                 )
-            for t in range(T4, T):
-                out[i, t] = _dot_q4_0_q8(raw[r], d[r], qa[k + t], da[k + t], asum[k + t])
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -323,9 +329,14 @@ def gemv_q5_0_q8(raw, d, rows, xi, qa, da, asum, out):
                 prefetch_array(d[rows[j]])
             r = rows[i]
             k = xi[i]
-            for t in range(0, T4, 4):
+            for t in range(T4, T):  # decode: the only pass, streaming the rows
+                out[i, t] = _dot_q5_0_q8(raw[r], d[r], qa[k + t], da[k + t], asum[k + t])
+        # Prefill: four tokens against every row of the chunk, then the next four, so the
+        # tokens' activations and the chunk's rows both stay in L1.
+        for t in range(0, T4, 4):
+            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+                r = rows[i]
+                k = xi[i]
                 out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q5_0_q8(
                     raw[r], d[r], qa, da, asum, k + t
                 )
-            for t in range(T4, T):
-                out[i, t] = _dot_q5_0_q8(raw[r], d[r], qa[k + t], da[k + t], asum[k + t])

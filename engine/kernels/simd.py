@@ -17,6 +17,8 @@ Every intrinsic is a pure function of its arguments; vectors are values, never a
 
 from __future__ import annotations
 
+import os
+
 import llvmlite.binding as llvm_binding
 from llvmlite import ir
 from numba import njit, types
@@ -54,7 +56,14 @@ class _VecModel(models.PrimitiveModel):
         super().__init__(dmm, fe_type, _vt(fe_type))
 
 
-HAS_AVX2 = "+avx2" in llvm_binding.get_host_cpu_features().flatten().split(",")
+_FEATURES = llvm_binding.get_host_cpu_features().flatten().split(",")
+HAS_AVX2 = "+avx2" in _FEATURES
+# VNNI dot steps on 256-bit vectors: AVX-VNNI, or AVX512-VNNI with AVX512VL (LLVM names both
+# ``llvm.x86.avx512.vpdp*.256`` and picks the encoding). SHARPI_NO_VNNI=1 turns them off (tests
+# hold the two paths together).
+HAS_VNNI = HAS_AVX2 and ("+avxvnni" in _FEATURES or {"+avx512vnni", "+avx512vl"} <= set(_FEATURES))
+if os.environ.get("SHARPI_NO_VNNI"):
+    HAS_VNNI = False
 
 
 # --- helpers used inside codegen ------------------------------------------------------------
@@ -415,6 +424,86 @@ def madd(typingctx, a, b):
         return _madd_ir(builder, *args)
 
     return _typed2(a, b, I16x16, I32x8, "madd"), codegen
+
+
+def _vnni(builder, name, acc, a, b):
+    v8 = _vt(I32x8)
+    return _call(builder, f"llvm.x86.avx512.{name}.256", v8, [acc, builder.bitcast(a, v8), builder.bitcast(b, v8)])
+
+
+@intrinsic
+def madd_acc(typingctx, acc, a, b):
+    """I32x8 acc + madd(a, b) for I16x16 a, b: one ``vpdpwssd`` where the CPU has VNNI."""
+    if acc != I32x8:
+        raise TypingError(f"madd_acc: expected an I32x8 accumulator, got {acc}")
+
+    def codegen(context, builder, sig, args):
+        acc, a, b = args
+        if HAS_VNNI:
+            return _vnni(builder, "vpdpwssd", acc, a, b)
+        if HAS_AVX2:
+            return builder.add(acc, _call(builder, "llvm.x86.avx2.pmadd.wd", _vt(I32x8), [a, b]))
+        return builder.add(acc, _madd_ir(builder, a, b))
+
+    return I32x8(acc, *_typed2(a, b, I16x16, I32x8, "madd_acc").args), codegen
+
+
+def _sum4_ir(builder, a, b):
+    """Generic vpdpbusd without the accumulator: unsigned a × signed b, groups of 4 summed to int32."""
+    v32 = ir.VectorType(_i32, 32)
+    p = builder.mul(builder.zext(a, v32), builder.sext(b, v32))
+    s = [_shuffle(builder, p, p, range(i, 32, 4)) for i in range(4)]
+    return builder.add(builder.add(s[0], s[1]), builder.add(s[2], s[3]))
+
+
+@intrinsic
+def dot_ub_sb(typingctx, acc, a, b):
+    """I32x8 acc + Σ of each 4 products of unsigned bytes a and signed bytes b (I8x32 each).
+
+    Equal to ``acc + madd(maddubs(a, b), 1)`` whenever no pair sum saturates int16, which holds
+    for the codes used here (a ≤ 128, |b| ≤ 127: |a·b + a'·b'| ≤ 32512). One ``vpdpbusd`` with VNNI."""
+    if acc != I32x8:
+        raise TypingError(f"dot_ub_sb: expected an I32x8 accumulator, got {acc}")
+
+    def codegen(context, builder, sig, args):
+        acc, a, b = args
+        if HAS_VNNI:
+            return _vnni(builder, "vpdpbusd", acc, a, b)
+        ones = _const(_vt(I16x16), 1)
+        if HAS_AVX2:
+            p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vt(I16x16), [a, b])
+            return builder.add(acc, _call(builder, "llvm.x86.avx2.pmadd.wd", _vt(I32x8), [p, ones]))
+        return builder.add(acc, _sum4_ir(builder, a, b))
+
+    return I32x8(acc, *_typed2(a, b, I8x32, I16x16, "dot_ub_sb").args), codegen
+
+
+@intrinsic
+def dot_sb_sb(typingctx, acc, a, b):
+    """I32x8 acc + Σ of each 4 products of signed bytes a and b: ``dot_ub_sb(acc, |a|, b·sign(a))``
+    (ggml's trick; ``b`` must not hold −128, which q8 activation codes never do)."""
+    if acc != I32x8:
+        raise TypingError(f"dot_sb_sb: expected an I32x8 accumulator, got {acc}")
+
+    def codegen(context, builder, sig, args):
+        acc, a, b = args
+        vt = _vt(I8x32)
+        absa = _call(builder, "llvm.abs.v32i8", vt, [a, ir.Constant(ir.IntType(1), 0)])
+        if HAS_AVX2:
+            sb = _call(builder, "llvm.x86.avx2.psign.b", vt, [b, a])
+        else:
+            zero = ir.Constant(vt, None)
+            neg = builder.icmp_signed("<", a, zero)
+            isz = builder.icmp_signed("==", a, zero)
+            sb = builder.select(isz, zero, builder.select(neg, builder.sub(zero, b), b))
+        if HAS_VNNI:
+            return _vnni(builder, "vpdpbusd", acc, absa, sb)
+        if HAS_AVX2:
+            p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vt(I16x16), [absa, sb])
+            return builder.add(acc, _call(builder, "llvm.x86.avx2.pmadd.wd", _vt(I32x8), [p, _const(_vt(I16x16), 1)]))
+        return builder.add(acc, _sum4_ir(builder, absa, sb))
+
+    return I32x8(acc, *_typed2(a, b, I8x32, I16x16, "dot_sb_sb").args), codegen
 
 
 @intrinsic

@@ -40,6 +40,7 @@ from engine.errors import (
 from engine.generate import SamplingParams
 from engine.plan import DeviceProfile, ModelSpec, PlanError, PlanRequest
 from engine.plan import plan as plan_placement
+from engine.plan.profile import profile_source
 from engine.profiler import export as export_profile
 from sharpi_gui import data as D
 
@@ -224,6 +225,8 @@ def _preview(settings: D.PlanSettings, p) -> D.PlanPreview:
         moe_reason=p.moe_reason,
         predicted_tok_s=tuple(p.predicted_tok_s.items()),
         predicted_hit_rate=p.to_dict()["predicted_hit_rate"],
+        speeds_source=profile_source(p.profile),
+        speeds_device=p.profile.name,
         expert_slots=p.expert_slots,
         expert_slots_needed=p.expert_slots_needed,
         kv_bytes=p.kv_bytes,
@@ -304,7 +307,9 @@ def _limits(
 
 
 def _device_profile(session: Session) -> DeviceProfile:
-    return session.device_profile()  # the GPU's memory, or the simulated device's default budget
+    """The GPU's memory and its calibrated speeds (measured once per machine, a few seconds, on
+    the first load with CUDA; cached after), or the simulated device's default budget and speeds."""
+    return session.device_profile(calibrate=True)
 
 
 def _plan(loaded: _Loaded, settings: D.PlanSettings):
@@ -353,6 +358,8 @@ class _Worker(QObject):
             return
         try:
             spec = session.spec
+            if session.device.type == "cuda":
+                self.progress.emit(3, 4, "measuring the device (once per machine)")
             profile = _device_profile(session)
             ctx = n_ctx if n_ctx > 0 else min(spec.n_ctx_train, AUTO_CTX_MAX)
             requested = self._initial_placement(session, profile, placement, ctx)

@@ -142,6 +142,10 @@ class PlanPreview:
     moe_reason: str = ""
     predicted_tok_s: tuple[tuple[str, float | None], ...] = ()  # (mode, tok/s or None = impossible)
     predicted_hit_rate: float | None = None
+    # Where the speeds behind predicted_tok_s come from: "measured" (calibrated on this machine),
+    # "partly measured" or "defaults" (documented guesses); speeds_device names the machine.
+    speeds_source: str = "defaults"
+    speeds_device: str = ""
     expert_slots: int = 0
     expert_slots_needed: int = 0
     kv_bytes: int = 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -103,6 +104,9 @@ def test_preview_is_the_engine_plan(qtbot, loaded):
         assert panel.layout_view.preview is pv
         chosen = dict(pv.predicted_tok_s)[pv.moe_mode]
         assert f"{chosen:,.1f} tok/s" in panel.summary.text()
+        # The simulated device plans with the default speeds, and the summary says so.
+        assert pv.speeds_source == "defaults" and p.profile.measured == ()
+        assert "default speeds, not measured" in panel.summary.text()
 
 
 def test_bar_is_linear_unless_the_overhead_dominates():
@@ -188,3 +192,12 @@ def test_out_of_memory_on_apply_shows_a_dialog_and_keeps_the_placement(qtbot, lo
     w.settings.sampling = {"max_tokens": 2}
     with qtbot.waitSignal(w.bridge.finished, timeout=GEN_TIMEOUT_MS):
         assert w.ctx.chat.send("still here?")
+
+
+def test_speeds_note_says_where_the_figures_come_from():
+    from sharpi_gui.views.placement import speeds_note
+
+    pv = D.PlanPreview(settings=D.PlanSettings(vram_bytes=1, ctx=256), speeds_source="measured", speeds_device="GPU X")
+    assert speeds_note(pv) == "from speeds measured on this machine (GPU X)"
+    assert "partly default" in speeds_note(replace(pv, speeds_source="partly measured"))
+    assert "not measured" in speeds_note(replace(pv, speeds_source="defaults", speeds_device=""))

@@ -203,6 +203,7 @@ class PlacementPanel(QWidget):
         small = f"<span style='color:{t.muted}; font-size:11px'>"
         parts = [
             "<b>Predicted decode speed</b><table cellspacing=0 cellpadding=1>" + "".join(rows) + "</table>",
+            f"{small}{html.escape(speeds_note(pv))}</span>",
             f"{small}{html.escape(pv.moe_reason)}</span>",
             f"{small}{html.escape(pv.layer_reason)}</span>",
         ]
@@ -229,6 +230,16 @@ class PlacementPanel(QWidget):
     def _on_ctx(self, index: int) -> None:
         if self.model.limits is not None:
             self.model.set_ctx(self.model.limits.ctx_values[index])
+
+
+def speeds_note(pv: D.PlanPreview) -> str:
+    """Says whether the predicted speeds rest on this machine's measurements or on defaults."""
+    where = f" ({pv.speeds_device})" if pv.speeds_device else ""
+    if pv.speeds_source == "measured":
+        return f"from speeds measured on this machine{where}"
+    if pv.speeds_source == "partly measured":
+        return f"from speeds partly measured on this machine{where}, partly default"
+    return "from default speeds, not measured on this machine (a rough guide)"
 
 
 class PlacementDock(QDockWidget):

@@ -1,32 +1,46 @@
-"""``sharpi bench device-kernels``: the fused Triton GEMV's GB/s against the GPU's measured
+"""``sharpi bench device-kernels``: the quantized Triton kernels' GB/s against the GPU's measured
 memory bandwidth and against the torch dequantize-then-matmul reference.
 
-Workloads as in the CPU kernel bench: a trunk-sized 4096×2048 matrix, and a decode step's routed
-experts (8 of 64 stacked 768×2048 gate matrices, read in place through byte offsets).
+Workloads (Qwen3-30B-A3B geometry), each rotating over distinct weights totalling ≥ 1 GB so that
+the 50 MB L2 cannot serve them:
+
+- ``moe``: one decode token's routed experts — 8 experts × gate/up [768, 2048] and down [2048, 768]
+  from the slot pool through :func:`engine.runtime.triton_moe.moe_decode` (two launches), one call
+  per layer over ≥ 48 layers' distinct slots;
+- ``q`` [4096, 2048], ``o`` [2048, 4096], ``kv`` [512, 2048]: trunk matrices at decode (one token)
+  through :func:`engine.runtime.triton_gemv.matmul`, one call per distinct matrix.
+
+Times are CUDA-event medians over replays of a CUDA graph holding one call per distinct weight set
+(device time, launch gaps closed), and over the same calls launched eagerly (what Python adds).
+Random blocks get the fixed, realistic scale fields of ``engine.synth.fill``.
+``tune`` sweeps launch settings per (kernel, qtype, shape class) and returns the best of each.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
 
 from engine.quant.formats import QType, block_format
-from engine.runtime import triton_gemv
+from engine.runtime import triton_gemv, triton_moe
 from engine.runtime.tdequant import dequantize
-from engine.synth.fill import _FIELDS
+
+GB = 1e9
+F, D, KE = 768, 2048, 8  # expert width, hidden, experts per token
+TRUNK = {"q": (4096, 2048), "o": (2048, 4096), "kv": (512, 2048)}
 
 
-def _timed(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
+def _median_ms(fn, reps: int) -> float:
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
         a.record()
         fn()
         b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+        b.synchronize()
+        times.append(a.elapsed_time(b))
     return float(np.median(times))
 
 
@@ -34,51 +48,195 @@ def measure_bandwidth(nbytes: int = 1 << 30) -> float:
     """Device read+write GB/s of a large copy (counted as 2 × bytes moved)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    t = _timed(lambda: dst.copy_(src), 10)
-    return 2 * nbytes / t / 1e9
+    dst.copy_(src)
+    return 2 * nbytes / (_median_ms(lambda: dst.copy_(src), 20) / 1e3) / GB
 
 
-def _random_blocks(qtype: QType, rows: int, n: int) -> torch.Tensor:
+def _fill_fields(blocks: torch.Tensor, qtype: QType, s: float) -> None:
+    """Fixed scale fields of random blocks [n, type_size] (as engine.synth.fill does, on the GPU)."""
+
+    def f16(x):
+        return torch.tensor([x], dtype=torch.float16).view(torch.uint8).to(blocks.device)
+
+    if qtype in (QType.Q4_K, QType.Q5_K):
+        d = s / (32 * (4.61 if qtype == QType.Q4_K else 9.23))
+        blocks[:, 0:2], blocks[:, 2:4] = f16(d), f16((7.5 if qtype == QType.Q4_K else 15.5) * d)
+        blocks[:, 4:12], blocks[:, 12:16] = 160, 0
+    elif qtype == QType.Q6_K:
+        blocks[:, 192:208], blocks[:, 208:210] = 16, f16(s / (16 * 18.5))
+    elif qtype == QType.Q8_0:
+        blocks[:, 0:2] = f16(s / 73.9)
+    else:
+        blocks[:, 0:2] = f16(s / 4.61)
+
+
+def random_matrix(qtype: QType, rows: int, n: int, copies: int = 1) -> torch.Tensor:
+    """uint8 [copies, rows·row_bytes] of random blocks with realistic scales, on the GPU."""
     f = block_format(qtype)
-    blocks = np.frombuffer(np.random.default_rng(0).bytes(rows * f.row_bytes(n)), np.uint8).copy()
-    blocks = blocks.reshape(-1, f.type_size)
-    _FIELDS[qtype](blocks, 1.0 / np.sqrt(n))
-    return torch.from_numpy(blocks.reshape(-1)).cuda()
+    raw = torch.randint(0, 256, (copies * rows * f.row_bytes(n),), dtype=torch.uint8, device="cuda")
+    _fill_fields(raw.view(-1, f.type_size), qtype, 1.0 / math.sqrt(n))
+    return raw.view(copies, -1)
 
 
-def _workload(qtype: QType, rows: int, n: int, E: int, P: int, reps: int) -> dict:
-    """P matrices [rows, n] of a stack of E, read in place through byte offsets."""
-    pool = _random_blocks(qtype, E * rows, n)
-    row_bytes = block_format(qtype).row_bytes(n)
-    ids = torch.arange(P, dtype=torch.int64, device="cuda") * (E // P)
-    offs = ids * rows * row_bytes
-    X = torch.randn(P, n, device="cuda")
-    W = pool.view(E * rows, row_bytes)
-    fused = _timed(lambda: triton_gemv.gemv(pool, offs, X, qtype, rows, n), reps)
-
-    def reference():
-        for p in range(P):
-            e = int(ids[p])
-            dequantize(W[e * rows : (e + 1) * rows], qtype, n) @ X[p]
-
-    ref = _timed(reference, max(5, reps // 5))
-    nbytes = P * rows * row_bytes
-    return {"fused_s": fused, "reference_s": ref, "gb_s": nbytes / fused / 1e9, "speedup": ref / fused}
+def _slot_pool(qtype: QType, slots: int) -> tuple[torch.Tensor, int, dict]:
+    roles, off = {}, 0
+    for r, (rows, n) in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+        roles[r] = (off, qtype, rows, n)
+        off += -(-rows * block_format(qtype).row_bytes(n) // 256) * 256
+    pool = torch.empty((slots, off), dtype=torch.uint8, device="cuda")
+    for o, q, rows, n in roles.values():
+        nb = rows * block_format(q).row_bytes(n)
+        pool[:, o : o + nb] = random_matrix(q, rows, n, slots)
+    return pool, off, roles
 
 
-def bench_type(qtype: QType, reps: int = 50) -> dict:
-    return {
-        "trunk": _workload(qtype, 4096, 2048, 1, 1, reps),
-        "experts": _workload(qtype, 768, 2048, 64, 8, reps),
-    }
+def _graph_us(calls: list, reps: int = 20) -> tuple[float, float]:
+    """(µs per call in a CUDA graph of all calls, µs per call launched eagerly)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls[:3]:
+            c()  # compile and warm outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    graph = _median_ms(g.replay, reps) * 1e3 / len(calls)
+
+    def eager():
+        for c in calls:
+            c()
+
+    eager()
+    return graph, _median_ms(eager, max(3, reps // 4)) * 1e3 / len(calls)
 
 
-def run(types=triton_gemv.SUPPORTED) -> dict:
+def _moe_bytes(qtype: QType) -> int:
+    return KE * (2 * F * block_format(qtype).row_bytes(D) + D * block_format(qtype).row_bytes(F))
+
+
+def moe_workload(qtype: QType, reference: bool = True) -> dict:
+    layers = max(48, math.ceil(GB / _moe_bytes(qtype)))
+    pool, stride, roles = _slot_pool(qtype, layers * KE)
+    g = torch.Generator().manual_seed(0)
+    offs = [(torch.randperm(KE, generator=g) + KE * i).view(1, KE).cuda() * stride for i in range(layers)]
+    x = torch.randn(1, D, device="cuda")
+    w = torch.rand(1, KE, device="cuda")
+    calls = [lambda o=o: triton_moe.moe_decode(pool, o, x, w, roles) for o in offs]
+    graph_us, eager_us = _graph_us(calls)
+    out = {"layers": layers, "bytes": _moe_bytes(qtype), "graph_us": graph_us, "eager_us": eager_us}
+    if reference:
+        out["reference_us"] = _median_ms(lambda: _moe_reference(pool, offs[0], x, w, roles), 5) * 1e3
+    return out
+
+
+def _moe_reference(pool, offs, x, w, roles):
+    """The pre-kernel torch path: dequantize the 8 slots' gate/up/down, then batched matmuls."""
+    flat = pool.view(-1)
+    mats = []
+    for r in ("gate", "up", "down"):
+        o, q, rows, n = roles[r]
+        nb = rows * block_format(q).row_bytes(n)
+        raw = torch.stack([flat[int(s) + o : int(s) + o + nb] for s in offs[0].tolist()])
+        mats.append(dequantize(raw.view(KE * rows, -1), q, n).view(KE, rows, n))
+    h = torch.nn.functional.silu(torch.bmm(mats[0], x.T.expand(KE, D, 1))) * torch.bmm(mats[1], x.T.expand(KE, D, 1))
+    return (torch.bmm(mats[2], h)[:, :, 0] * w[0, :, None]).sum(0)
+
+
+def trunk_workload(qtype: QType, kind: str, reference: bool = True) -> dict:
+    rows, n = TRUNK[kind]
+    nbytes = rows * block_format(qtype).row_bytes(n)
+    copies = max(48, math.ceil(GB / nbytes))
+    mats = random_matrix(qtype, rows, n, copies)
+    x = torch.randn(1, n, device="cuda")
+    calls = [lambda m=m: triton_gemv.matmul(m, x, qtype, rows, n) for m in mats]
+    graph_us, eager_us = _graph_us(calls)
+    out = {"layers": copies, "bytes": nbytes, "graph_us": graph_us, "eager_us": eager_us}
+    if reference:
+        out["reference_us"] = _median_ms(lambda: x @ dequantize(mats[0].view(rows, -1), qtype, n).T, 5) * 1e3
+    return out
+
+
+WORKLOADS = ("moe", "q", "o", "kv")
+
+
+def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS) -> dict:
     bw = measure_bandwidth()
     rep = {"device": torch.cuda.get_device_name(), "bandwidth_gb_s": bw, "types": {}}
     for q in types:
-        r = bench_type(QType(q))
-        for w in r.values():
-            w["fraction"] = w["gb_s"] / bw
-        rep["types"][QType(q).name] = r
+        q = QType(q)
+        r = {}
+        for wl in workloads:
+            v = moe_workload(q) if wl == "moe" else trunk_workload(q, wl)
+            v["gb_s"] = v["bytes"] / (v["graph_us"] / 1e6) / GB
+            v["fraction"] = v["gb_s"] / bw
+            v["speedup"] = v["reference_us"] / v["eager_us"]
+            r[wl] = v
+        rep["types"][q.name] = r
     return rep
+
+
+def report_lines(rep: dict) -> list[str]:
+    lines = [f"{rep['device']}: measured copy bandwidth {rep['bandwidth_gb_s']:.0f} GB/s (read + write)"]
+    lines.append("type  workload  graph us  GB/s (of bw)   eager us  torch ref us  speedup(eager)  distinct weights")
+    for t, r in rep["types"].items():
+        for wl, v in r.items():
+            lines.append(
+                f"{t:<5} {wl:<8} {v['graph_us']:9.1f}  {v['gb_s']:6.0f} ({v['fraction']:4.0%})  {v['eager_us']:8.1f}"
+                f"  {v['reference_us']:12.1f}  {v['speedup']:13.1f}x  {v['layers'] * v['bytes'] / GB:.2f} GB"
+            )
+    return lines
+
+
+# -- the launch-settings sweep -----------------------------------------------------------------
+def _candidates(kernel: str, qtype: QType, cls: str) -> list[dict]:
+    small_blocks = qtype in (QType.Q4_0, QType.Q8_0)
+    nbs = (4, 8, 16) if small_blocks else (1, 2, 4)
+    out = [{"BR": br, "NB": nb, "num_warps": 4} for br in (4, 8, 16, 32) for nb in nbs[:2]]
+    out += [{"BR": 16, "NB": nbs[2], "num_warps": 8}, {"BR": 32, "NB": nbs[1], "num_warps": 8}]
+    if kernel == "moe_down":  # how many groups of the k experts run side by side
+        base = [(4, nbs[1], 4), (8, nbs[0], 4), (8, nbs[1], 4), (16, nbs[1], 4), (16, nbs[2], 8)]
+        return [{"BR": br, "NB": nb, "num_warps": w, "KSPLIT": ks} for br, nb, w in base for ks in (1, 2, 4, 8)]
+    if kernel == "gemv":
+        for c in out:
+            c["SPLIT"] = 1
+        if cls == "S":
+            out += [{"BR": br, "NB": nbs[1], "num_warps": 4, "SPLIT": sp} for br in (4, 8) for sp in (2, 4)]
+    return out
+
+
+def _tune_targets(qtype: QType) -> list[tuple[str, str, callable]]:
+    """(LAUNCH key, workload names, timing function) per tuned kernel."""
+    name = qtype.name
+    return [
+        (f"gemv:{name}:M", lambda: trunk_workload(qtype, "q", False)["graph_us"] + trunk_workload(qtype, "o", False)["graph_us"]),
+        (f"gemv:{name}:S", lambda: trunk_workload(qtype, "kv", False)["graph_us"]),
+        (f"moe_gate_up:{name}:L", lambda: moe_workload(qtype, False)["graph_us"]),
+        (f"moe_down:{name}:M", lambda: moe_workload(qtype, False)["graph_us"]),
+    ]  # fmt: skip
+
+
+def tune(types=triton_gemv.SUPPORTED, log=print) -> dict[str, dict]:
+    """Try each candidate launch setting per (kernel, qtype, shape class); return the best of each
+    (to paste into LAUNCH[device name]). Timed on the workloads above (CUDA graphs)."""
+    dev = torch.cuda.get_device_name()
+    table = triton_gemv.LAUNCH.setdefault(dev, {})
+    best = {}
+    for q in types:
+        q = QType(q)
+        for key, timed in _tune_targets(q):
+            kernel, _, cls = key.split(":")
+            results = []
+            for cfg in _candidates(kernel, q, cls):
+                table[key] = cfg
+                try:
+                    results.append((timed(), cfg))
+                except Exception as e:  # noqa: BLE001 - a setting that fails to compile just loses
+                    log(f"  {key} {cfg}: {type(e).__name__}")
+            results.sort(key=lambda r: r[0])
+            table[key] = best[key] = results[0][1]
+            log(f"{key:<22} best {results[0][0]:8.1f} us {results[0][1]}  (worst {results[-1][0]:.1f} us)")
+    return best

@@ -18,10 +18,10 @@ from engine.errors import DeviceMemoryError
 from engine.kernels.prepare import PreparedWeight
 from engine.models.weights import Weights
 from engine.quant.formats import QType
-from engine.runtime import triton_gemv
+from engine.runtime import triton_gemv, triton_moe
 from engine.runtime.tdequant import dequantize
 
-TRITON_MAX_T = 8  # rows of X up to which the fused GEMV beats dequantize + matmul
+TRITON_MAX_T = 8  # rows of X up to which the GEMV kernel serves; beyond, the tiled (tl.dot) kernel
 
 
 def fused_kernels(device: torch.device, qtype: QType) -> bool:
@@ -83,7 +83,9 @@ def raw_bytes(w: PreparedWeight) -> np.ndarray:
 
 
 class DeviceLinear:
-    """y = x·Wᵀ (+ b) with W's raw quantized bytes on the device (torch reference kernel)."""
+    """y = x·Wᵀ (+ b) with W's raw quantized bytes on the device: Triton kernels straight from the
+    blocks where :func:`fused_kernels` allows (GEMV up to TRITON_MAX_T rows of x, tiled beyond),
+    else the torch reference (dequantize, then matmul)."""
 
     def __init__(self, w: PreparedWeight, arena: DeviceArena, kind: str, bias: torch.Tensor | None = None):
         self.qtype, self.rows, self.n = w.qtype, w.rows, w.n
@@ -96,9 +98,11 @@ class DeviceLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.raw.device)
-        if x.shape[0] <= TRITON_MAX_T and fused_kernels(self.raw.device, self.qtype):
-            zeros = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
-            y = triton_gemv.gemv(self.raw.reshape(-1), zeros, x.contiguous(), self.qtype, self.rows, self.n)
+        if fused_kernels(self.raw.device, self.qtype):
+            if x.shape[0] <= TRITON_MAX_T:
+                y = triton_gemv.matmul(self.raw, x.float(), self.qtype, self.rows, self.n)
+            else:  # prefill: weight tiles read once per tile of tokens, never a float copy of W
+                y = triton_moe.one_matrix(self.raw, x.float(), self.qtype, self.rows, self.n)
         else:
             y = x @ dequantize(self.raw, self.qtype, self.n).T  # reference: [rows, n] f32, then matmul
         return y + self.bias if self.bias is not None else y

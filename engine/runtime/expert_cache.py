@@ -17,7 +17,7 @@ from engine import ops
 from engine.experts import ExpertBackend, ExpertStacks
 from engine.models.layers import silu_mul
 from engine.plan.sizing import SlotLayout
-from engine.runtime import triton_gemv
+from engine.runtime import triton_moe
 from engine.runtime.device import TRITON_MAX_T, DeviceArena, fused_kernels, raw_bytes
 from engine.runtime.slru import SegmentedLRU
 from engine.runtime.tdequant import dequantize
@@ -159,16 +159,15 @@ class CachedExperts(ExpertBackend):
             return y
         w = weights.to(x.device)
         t_idx, k_idx = np.nonzero(np.isin(ids_h, list(hit_set)))  # pairs, token-major
-        if len(t_idx) <= TRITON_MAX_T * 8 and self._fused[layer]:
-            # Decode, fused: one Triton launch per role reads each pair's slot bytes in place.
-            slots = torch.tensor(
-                [self.slru.slot((layer, int(ids_h[t, k]))) for t, k in zip(t_idx, k_idx)], dtype=torch.int64
-            ).to(self.device)
-            xp = x[torch.from_numpy(t_idx).to(x.device)]  # [P, D]
-            h = silu_mul(self._role_gemv(layer, "gate", slots, xp), self._role_gemv(layer, "up", slots, xp))
-            out = self._role_gemv(layer, "down", slots, h)  # [P, D]
-            wp = w[torch.from_numpy(t_idx).to(x.device), torch.from_numpy(k_idx).to(x.device)]
-            return y.index_add_(0, torch.from_numpy(t_idx).to(x.device), out * wp[:, None])
+        if self._fused[layer]:
+            # Fused Triton kernels read each pair's slot bytes in place: decode in two launches
+            # (gate·up·SiLU, then down weighted over the k experts), prefill grouped by expert.
+            off = np.full((T, K), -1, dtype=np.int64)
+            off[t_idx, k_idx] = [self.slru.slot((layer, int(ids_h[t, k]))) for t, k in zip(t_idx, k_idx)]
+            off[t_idx, k_idx] *= self.layout.stride
+            slot_off = torch.from_numpy(off).to(self.device)
+            fn = triton_moe.moe_decode if T <= TRITON_MAX_T else triton_moe.moe_prefill
+            return fn(self.pool, slot_off, x.float(), w.float(), self._roles(layer)).to(x.dtype)
         if len(t_idx) <= 64:
             # Decode, reference: gather the pairs' slots and run one batched matmul per role.
             slots = torch.tensor([self.slru.slot((layer, int(ids_h[t, k]))) for t, k in zip(t_idx, k_idx)])
@@ -186,11 +185,12 @@ class CachedExperts(ExpertBackend):
             y.index_add_(0, ti, out * w[ti, ki][:, None])
         return y
 
-    def _role_gemv(self, layer: int, role: str, slots: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-        """[P, rows]: the role's matrix of each pair's slot times that pair's row of X (fused kernel)."""
-        w = getattr(self.stacks[layer], role)
-        offsets = slots * self.layout.stride + self.layout.role_offset[role]
-        return triton_gemv.gemv(self.pool, offsets, X, w.qtype, w.rows, w.n)
+    def _roles(self, layer: int) -> dict:
+        """{role: (byte offset in a slot, qtype, rows, n)} for the fused kernels."""
+        s = self.stacks[layer]
+        return {
+            r: (self.layout.role_offset[r], getattr(s, r).qtype, getattr(s, r).rows, getattr(s, r).n) for r in ROLES
+        }
 
     def _slot_matrices(self, layer: int, slots: torch.Tensor) -> list[torch.Tensor]:
         """Dequantized gate, up [P, F, D] and down [P, D, F] of the experts in ``slots``."""

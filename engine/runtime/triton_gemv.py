@@ -1,154 +1,166 @@
 """Triton GEMV straight from quantized GGUF blocks: gather by byte offset, dequantize in
 registers, dot with the activations — no float copy of the weights.
 
-``gemv(pool, offsets, X, qtype, rows, n) -> Y``: for each p, ``Y[p] = W_p · X[p]`` where ``W_p`` is
-the ``[rows, n]`` matrix whose raw bytes start at ``pool[offsets[p]]`` (a trunk matrix: one offset
-per token, all 0; cached experts: a slot's role offset per (token, expert) pair). The reference it
-must equal is ``engine.runtime.tdequant.dequantize`` followed by a matmul (see
-``tests/test_triton_gemv.py``, which runs these kernels in Triton's interpreter on the CPU).
-Launch settings are data: :data:`LAUNCH` (rows per program by type), tunable per GPU.
+``gemv(pool, offsets, X, qtype, rows, n) -> Y``: for each pair p, ``Y[p] = W_p · X[p]`` where
+``W_p`` is the ``[rows, n]`` matrix whose raw bytes start at ``pool[offsets[p]]`` (cached experts:
+a slot's role offset per (token, expert) pair). ``matmul(raw, X, qtype, rows, n)``: one matrix,
+a few tokens (the trunk at decode): each program reads its weight tile once for all of them.
+
+A program owns ``BR`` rows and walks K ``NB`` blocks at a time (a 2-D tile of BR × NB blocks,
+loaded along each row's bytes); with ``SPLIT > 1`` the K range is cut into slices whose partial
+sums are added afterwards (matrices with few rows). The reference is
+``engine.runtime.tdequant.dequantize`` followed by a matmul (:func:`gemv_reference`);
+``tests/test_triton_gemv.py`` holds them together in Triton's interpreter and on CUDA.
+
+Launch settings are data: :data:`LAUNCH` maps ``"<kernel>:<qtype>:<shape class>"`` to
+``{"BR", "NB", "num_warps", "SPLIT"}``; ``LAUNCH["default"]`` is the documented default and
+``LAUNCH[<torch.cuda.get_device_name()>]`` overrides it key by key (filled from
+``sharpi bench device-kernels --tune``). Missing keys fall back to ``"<kernel>:*:<class>"``, then
+``"<kernel>:*:*"``. The per-GPU tables live in ``triton_launch.json`` beside this file (the
+H100's from ``--tune``, 2026-11-22); the default is the H100's winners generalised by block family.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
-try:  # Triton ships with CUDA builds of torch; CPU-only installs go without it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on machines without triton
-    triton = None
-    tl = None
-
 from engine.quant.formats import QType, block_format
+from engine.runtime import triton_qblocks as qb
+from engine.runtime.tdequant import dequantize
 
-SUPPORTED = (QType.Q4_0, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K)
-# Rows per program (BLOCK_R): the documented default; tuned values can override per device name.
-LAUNCH: dict[str, dict[str, int]] = {"default": {"Q4_0": 32, "Q8_0": 32, "Q4_K": 16, "Q5_K": 16, "Q6_K": 16}}
+triton, tl = qb.triton, qb.tl
+SUPPORTED = qb.SUPPORTED
+
+# Shape classes: by the number of output rows a launch computes (rows × pairs).
+CLASSES = ((1024, "S"), (4096, "M"), (1 << 62, "L"))
+LAUNCH: dict[str, dict[str, dict[str, int]]] = {
+    "default": {
+        "gemv:*:*": {"BR": 16, "NB": 4, "num_warps": 8, "SPLIT": 1},  # 256-element blocks (K-quants)
+        "gemv:*:S": {"BR": 8, "NB": 2, "num_warps": 4, "SPLIT": 4},  # few rows: split K
+        "gemv:Q6_K:*": {"BR": 4, "NB": 2, "num_warps": 4, "SPLIT": 1},  # larger Q6_K tiles spill
+        "gemv:Q6_K:S": {"BR": 4, "NB": 2, "num_warps": 4, "SPLIT": 4},
+        "gemv:Q4_0:*": {"BR": 4, "NB": 8, "num_warps": 4, "SPLIT": 1},  # 32-element blocks
+        "gemv:Q8_0:*": {"BR": 4, "NB": 8, "num_warps": 4, "SPLIT": 1},
+        "gemv:Q4_0:S": {"BR": 4, "NB": 8, "num_warps": 4, "SPLIT": 4},
+        "gemv:Q8_0:S": {"BR": 4, "NB": 8, "num_warps": 4, "SPLIT": 4},
+    }
+}
+LAUNCH.update(json.loads((Path(__file__).with_name("triton_launch.json")).read_text()))
 
 
 def available() -> bool:
     return triton is not None
 
 
+def shape_class(out_rows: int) -> str:
+    return next(name for limit, name in CLASSES if out_rows <= limit)
+
+
+def launch(kernel: str, qtype: QType, out_rows: int, device_name: str = "") -> dict[str, int]:
+    """The launch settings for ``kernel`` on ``qtype`` computing ``out_rows`` rows (see LAUNCH)."""
+    cls, name = shape_class(out_rows), QType(qtype).name
+    keys = (f"{kernel}:{name}:{cls}", f"{kernel}:{name}:*", f"{kernel}:*:{cls}", f"{kernel}:*:*")
+    for table in (LAUNCH.get(device_name, {}), LAUNCH["default"]):
+        for k in keys:
+            if k in table:
+                return dict(table[k])
+    raise KeyError(f"no launch settings for {kernel}")
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+
+
 if triton is not None:
 
     @triton.jit
-    def _f16(p, mask):
-        """fp16 at byte pointer(s) p (little-endian) -> float32 (0 where masked off)."""
-        lo = tl.load(p, mask=mask, other=0).to(tl.uint16)
-        hi = tl.load(p + 1, mask=mask, other=0).to(tl.uint16)
-        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-
-    @triton.jit
-    def _k4_scale_min(sb, s: tl.constexpr, mask):
-        """6-bit scale and min of sub-block s from the 12 packed bytes at sb [BR] (get_scale_min_k4)."""
-        if s < 4:
-            sc = tl.load(sb + s, mask=mask, other=0).to(tl.int32) & 63
-            m = tl.load(sb + s + 4, mask=mask, other=0).to(tl.int32) & 63
-        else:
-            a = tl.load(sb + s + 4, mask=mask, other=0).to(tl.int32)
-            sc = (a & 0xF) | ((tl.load(sb + s - 4, mask=mask, other=0).to(tl.int32) >> 6) << 4)
-            m = (a >> 4) | ((tl.load(sb + s, mask=mask, other=0).to(tl.int32) >> 6) << 4)
-        return sc.to(tl.float32), m.to(tl.float32)
-
-    @triton.jit
-    def _gemv_kernel(W, OFFS, X, Y, R, n, row_bytes, nb, QT: tl.constexpr, BR: tl.constexpr):
+    def _gemv_kernel(
+        W, OFFS, X, Y, R, n, row_bytes, nb, T,
+        QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, PW: tl.constexpr, NPART: tl.constexpr,
+        ALIGN: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr,
+    ):  # fmt: skip
+        """Y[s, p·BT + t, rows] = Σ over K-slice s of W_p[rows] · X[p·BT + t] (t < BT, p·BT + t < T)."""
         p = tl.program_id(1)
+        s = tl.program_id(2)
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rmask = rows < R
-        base = W + tl.load(OFFS + p) + rows.to(tl.int64) * row_bytes  # [BR] byte pointers
-        x = X + p.to(tl.int64) * n
-        acc = tl.zeros([BR], dtype=tl.float32)
-        l32 = tl.arange(0, 32)
-        for b in range(nb):
-            if QT == 8:  # Q8_0: d, int8[32]
-                blk = base + b * 34
-                d = _f16(blk, rmask)
-                q = tl.load(blk[:, None] + 2 + l32[None, :], mask=rmask[:, None], other=0).to(tl.int8, bitcast=True)
-                xv = tl.load(x + b * 32 + l32)
-                acc += d * tl.sum(q.to(tl.float32) * xv[None, :], axis=1)
-            elif QT == 2:  # Q4_0: d, 16 bytes: low nibbles elements 0..15, high 16..31
-                blk = base + b * 18
-                d = _f16(blk, rmask)
-                l16 = tl.arange(0, 16)
-                q = tl.load(blk[:, None] + 2 + l16[None, :], mask=rmask[:, None], other=0).to(tl.int32)
-                xl = tl.load(x + b * 32 + l16)
-                xh = tl.load(x + b * 32 + 16 + l16)
-                s = tl.sum(((q & 0xF) - 8).to(tl.float32) * xl[None, :], axis=1)
-                s += tl.sum(((q >> 4) - 8).to(tl.float32) * xh[None, :], axis=1)
-                acc += d * s
-            elif QT == 12 or QT == 13:  # Q4_K / Q5_K: 4 chunks of 64 = low nibbles then high
-                if QT == 12:
-                    blk = base + b * 144
-                    qs = blk + 16
-                else:
-                    blk = base + b * 176
-                    qs = blk + 48
-                d = _f16(blk, rmask)
-                dmin = _f16(blk + 2, rmask)
-                for j in tl.static_range(4):
-                    q = tl.load(qs[:, None] + j * 32 + l32[None, :], mask=rmask[:, None], other=0).to(tl.int32)
-                    lo = q & 0xF
-                    hi = q >> 4
-                    if QT == 13:  # one high bit per element: bit 2j (low half) / 2j+1 (high half) of qh[l]
-                        qh = tl.load(blk[:, None] + 16 + l32[None, :], mask=rmask[:, None], other=0).to(tl.int32)
-                        lo = lo | (((qh >> (2 * j)) & 1) << 4)
-                        hi = hi | (((qh >> (2 * j + 1)) & 1) << 4)
-                    xl = tl.load(x + b * 256 + j * 64 + l32)
-                    xh = tl.load(x + b * 256 + j * 64 + 32 + l32)
-                    sc0, m0 = _k4_scale_min(blk + 4, 2 * j, rmask)
-                    sc1, m1 = _k4_scale_min(blk + 4, 2 * j + 1, rmask)
-                    acc += d * (
-                        sc0 * tl.sum(lo.to(tl.float32) * xl[None, :], axis=1)
-                        + sc1 * tl.sum(hi.to(tl.float32) * xh[None, :], axis=1)
-                    )
-                    acc -= dmin * (m0 * tl.sum(xl) + m1 * tl.sum(xh))
-            else:  # Q6_K: ql[128], qh[64], int8 scales[16], d — two halves of 128
-                blk = base + b * 210
-                d = _f16(blk + 208, rmask)
-                first = l32[None, :] < 16
-                for h in tl.static_range(2):
-                    ql = blk + 64 * h
-                    qh = tl.load(blk[:, None] + 128 + 32 * h + l32[None, :], mask=rmask[:, None], other=0).to(tl.int32)
-                    a = tl.load(ql[:, None] + l32[None, :], mask=rmask[:, None], other=0).to(tl.int32)
-                    c = tl.load(ql[:, None] + 32 + l32[None, :], mask=rmask[:, None], other=0).to(tl.int32)
-                    for g in tl.static_range(4):
-                        if g == 0:
-                            q = (a & 0xF) | ((qh & 3) << 4)
-                        elif g == 1:
-                            q = (c & 0xF) | (((qh >> 2) & 3) << 4)
-                        elif g == 2:
-                            q = (a >> 4) | (((qh >> 4) & 3) << 4)
-                        else:
-                            q = (c >> 4) | (((qh >> 6) & 3) << 4)
-                        sa = (
-                            tl.load(blk + 192 + 8 * h + 2 * g, mask=rmask, other=0)
-                            .to(tl.int8, bitcast=True)
-                            .to(tl.float32)
-                        )
-                        sb = (
-                            tl.load(blk + 193 + 8 * h + 2 * g, mask=rmask, other=0)
-                            .to(tl.int8, bitcast=True)
-                            .to(tl.float32)
-                        )
-                        sc = tl.where(first, sa[:, None], sb[:, None])  # [BR, 32]: 16 values per scale
-                        xv = tl.load(x + b * 256 + 128 * h + 32 * g + l32)
-                        acc += d * tl.sum(sc * (q - 32).to(tl.float32) * xv[None, :], axis=1)
-        tl.store(Y + p.to(tl.int64) * R + rows, acc, mask=rmask)
+        off = tl.multiple_of(tl.load(OFFS + p), 16)  # slots and matrices start 16-byte aligned
+        rowoff = off + rows.to(tl.int64) * row_bytes  # [BR] row starts
+        per = tl.cdiv(tl.cdiv(nb, SPLIT), NB) * NB  # blocks per K slice, a multiple of NB
+        kb0 = s * per
+        kb1 = tl.minimum(kb0 + per, nb)
+        l = tl.arange(0, PW)
+        t0 = p * BT
+        if BT == 1:
+            acc3 = tl.zeros([BR, NB, PW], dtype=tl.float32)  # summed once, after the K loop
+            xrow = X + t0.to(tl.int64) * n
+            acc3 = qb.acc_rows(acc3, W, rowoff, rmask, kb0, kb1, xrow, 1.0, QT, TS, QK, PW, NPART, ALIGN, NB)
+            acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
+            tl.store(Y + (s * T + t0).to(tl.int64) * R + rows, acc, mask=rmask)
+        else:
+            tt = tl.arange(0, BT)
+            acc = tl.zeros([BT, BR], dtype=tl.float32)
+            for b0 in range(kb0, kb1, NB):
+                b = b0 + tl.arange(0, NB)
+                boff, m2 = qb.block_offsets(rowoff, b, kb1, rmask, TS, ALIGN)
+                for i in tl.static_range(NPART):
+                    w = qb.part(W, boff, m2, QT, i, PW)
+                    xcol = b[:, None] * QK + i * PW + l[None, :]  # [NB, PW]
+                    for t in tl.static_range(BT):
+                        # [NB], in vector form: the interpreter rejects a scalar & vector mask
+                        ok = (b < kb1) & (b * 0 + t0 + t < T)
+                        xv = tl.load(X + (t0 + t).to(tl.int64) * n + xcol, mask=ok[:, None], other=0.0)
+                        pt = tl.sum(tl.sum(w * xv[None, :, :], axis=2), axis=1)  # [BR]
+                        acc += tl.where(tt[:, None] == t, pt[None, :], 0.0)
+            ymask = ((t0 + tt) < T)[:, None] & rmask[None, :]
+            tl.store(Y + (s * T + t0 + tt[:, None]).to(tl.int64) * R + rows[None, :], acc, mask=ymask)
+
+
+def _run(pool, offsets, X, qtype, rows, n, bt, cfg) -> torch.Tensor:
+    """Launch the GEMV kernel: X float32 [T, n] in groups of ``bt`` rows, one offset per group."""
+    T = X.shape[0]
+    g = qb.geometry(qtype)
+    split = max(1, min(cfg["SPLIT"], n // g["QK"]))
+    out = torch.empty((split, T, rows), dtype=torch.float32, device=X.device)
+    grid = (triton.cdiv(rows, cfg["BR"]), offsets.shape[0], split)
+    _gemv_kernel[grid](
+        pool, offsets, X, out, rows, n, block_format(qtype).row_bytes(n), n // g["QK"], T,
+        BR=cfg["BR"], NB=cfg["NB"], BT=bt, SPLIT=split, num_warps=cfg["num_warps"], **g,
+    )  # fmt: skip
+    return out[0] if split == 1 else out.sum(0)
 
 
 def gemv(
-    pool: torch.Tensor, offsets: torch.Tensor, X: torch.Tensor, qtype: QType, rows: int, n: int, device_name: str = ""
+    pool: torch.Tensor, offsets: torch.Tensor, X: torch.Tensor, qtype: QType, rows: int, n: int, cfg: dict | None = None
 ) -> torch.Tensor:
     """pool uint8 [...] (contiguous); offsets int64 [P] byte offsets; X float32 [P, n] -> float32 [P, rows]."""
     qtype = QType(qtype)
-    fmt = block_format(qtype)
-    P = X.shape[0]
-    Y = torch.empty((P, rows), dtype=torch.float32, device=X.device)
-    br = LAUNCH.get(device_name, LAUNCH["default"])[qtype.name]
-    grid = (triton.cdiv(rows, br), P)
-    _gemv_kernel[grid](
-        pool, offsets, X.contiguous(), Y, rows, n, fmt.row_bytes(n), n // fmt.block_size, QT=int(qtype), BR=br
-    )
-    return Y
+    cfg = cfg or launch("gemv", qtype, rows * X.shape[0], device_name(X.device))
+    return _run(pool, offsets, X.contiguous(), qtype, rows, n, 1, cfg)
+
+
+def matmul(
+    raw: torch.Tensor, X: torch.Tensor, qtype: QType, rows: int, n: int, cfg: dict | None = None
+) -> torch.Tensor:
+    """One quantized matrix (raw uint8 [rows, row_bytes]) times X float32 [T, n] -> [T, rows], T ≤ 8."""
+    qtype = QType(qtype)
+    T = X.shape[0]
+    bt = triton.next_power_of_2(T)
+    cfg = cfg or launch("gemv", qtype, rows, device_name(X.device))
+    zero = torch.zeros(1, dtype=torch.int64, device=X.device)
+    return _run(raw.reshape(-1), zero, X.contiguous(), qtype, rows, n, bt, cfg)
+
+
+def gemv_reference(
+    pool: torch.Tensor, offsets: torch.Tensor, X: torch.Tensor, qtype: QType, rows: int, n: int
+) -> torch.Tensor:
+    """The same contract as :func:`gemv`, by torch dequantize-then-matmul (the specification)."""
+    row_bytes = block_format(qtype).row_bytes(n)
+    out = []
+    for p, o in enumerate(offsets.tolist()):
+        raw = pool.reshape(-1)[o : o + rows * row_bytes].view(rows, row_bytes)
+        out.append(dequantize(raw, qtype, n) @ X[p])
+    return torch.stack(out)

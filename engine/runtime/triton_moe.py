@@ -1,0 +1,268 @@
+"""Fused routed-expert kernels over the raw quantized slots of the device expert pool.
+
+Decode (a few tokens), two launches for all k experts of all T tokens:
+
+- :func:`moe_decode` runs ``_gate_up_kernel`` — per (token, expert) pair and tile of F rows: gather
+  the slot by byte offset, dequantize gate and up in registers, ``h = SiLU(gate·x) · (up·x)``
+  (ggml_swiglu_split) → ``H [T·K, F]`` — then ``_down_kernel`` — per token and tile of D rows: loop
+  over the token's k experts inside the program, ``y += w_k · (down_k · h_k)`` → ``Y [T, D]``.
+  Deterministic (no atomics); a pair whose slot offset is −1 is skipped (a cache miss computed
+  elsewhere).
+
+Prefill (many tokens), tokens sorted by expert:
+
+- :func:`grouped_matmul` — groups of rows of X, each group times one quantized matrix (CSR
+  ``starts``); each program loads a weight tile once for a tile of BT of its group's tokens and
+  multiplies with ``tl.dot`` (tf32×3 on CUDA: float32 accuracy). :func:`moe_prefill` builds the
+  MoE from it; the trunk uses it for matrices with more than a few tokens (``one_matrix``).
+
+References with the same signatures (``*_reference``: torch dequantize-then-matmul) sit beside
+each; ``tests/test_triton_moe.py`` holds them together.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.layers import silu_mul
+from engine.quant.formats import QType, block_format
+from engine.runtime import triton_qblocks as qb
+from engine.runtime.tdequant import dequantize
+from engine.runtime.triton_gemv import LAUNCH, device_name, launch
+
+triton, tl = qb.triton, qb.tl
+
+LAUNCH["default"].update(
+    {
+        "moe_gate_up:*:*": {"BR": 16, "NB": 4, "num_warps": 8},
+        "moe_gate_up:Q6_K:*": {"BR": 8, "NB": 2, "num_warps": 4},
+        "moe_gate_up:Q4_0:*": {"BR": 8, "NB": 8, "num_warps": 4},
+        "moe_gate_up:Q8_0:*": {"BR": 8, "NB": 8, "num_warps": 4},
+        "moe_down:*:*": {"BR": 16, "NB": 4, "num_warps": 8, "KSPLIT": 4},
+        "moe_down:Q4_0:*": {"BR": 4, "NB": 8, "num_warps": 4, "KSPLIT": 4},
+        "moe_down:Q8_0:*": {"BR": 4, "NB": 8, "num_warps": 4, "KSPLIT": 4},
+        "grouped:*:*": {"BR": 32, "NB": 1, "BT": 16, "num_warps": 4},  # larger tiles spill (sm_90 report)
+        "grouped:Q4_0:*": {"BR": 32, "NB": 2, "BT": 16, "num_warps": 4},
+        "grouped:Q8_0:*": {"BR": 32, "NB": 1, "BT": 16, "num_warps": 4},
+    }
+)
+
+
+def _geo(qtype: QType, suffix: str = "") -> dict:
+    return {k + suffix: v for k, v in qb.geometry(qtype).items()}
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gate_up_kernel(
+        W, SLOT, X, H, F, D, K, go, uo, g_row_bytes, u_row_bytes, g_nb, u_nb,
+        QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, PW: tl.constexpr, NPART: tl.constexpr,
+        ALIGN: tl.constexpr,
+        QTu: tl.constexpr, TSu: tl.constexpr, QKu: tl.constexpr, PWu: tl.constexpr, NPARTu: tl.constexpr,
+        ALIGNu: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
+    ):  # fmt: skip
+        """H[q, rows] = SiLU(gate_q[rows]·x_t) · (up_q[rows]·x_t) for pair q = t·K + k (slot SLOT[q])."""
+        q = tl.program_id(1)
+        slot = tl.load(SLOT + q)
+        if slot >= 0:
+            rows = tl.program_id(0) * BR + tl.arange(0, BR)
+            rmask = rows < F
+            xrow = X + (q // K).to(tl.int64) * D
+            base = tl.multiple_of(slot, 16)
+            g3 = tl.zeros([BR, NB, PW], dtype=tl.float32)
+            g3 = qb.acc_rows(
+                g3, W, base + go + rows.to(tl.int64) * g_row_bytes, rmask, 0, g_nb, xrow, 1.0,
+                QT, TS, QK, PW, NPART, ALIGN, NB,
+            )  # fmt: skip
+            u3 = tl.zeros([BR, NB, PWu], dtype=tl.float32)
+            u3 = qb.acc_rows(
+                u3, W, base + uo + rows.to(tl.int64) * u_row_bytes, rmask, 0, u_nb, xrow, 1.0,
+                QTu, TSu, QKu, PWu, NPARTu, ALIGNu, NB,
+            )  # fmt: skip
+            g = tl.sum(tl.sum(g3, axis=2), axis=1)
+            u = tl.sum(tl.sum(u3, axis=2), axis=1)
+            h = g / (1.0 + tl.exp(-g)) * u
+            tl.store(H + q.to(tl.int64) * F + rows, h, mask=rmask)
+
+    @triton.jit
+    def _down_kernel(
+        W, SLOT, Hh, WT, Y, D, F, K, do, row_bytes, nb,
+        QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, PW: tl.constexpr, NPART: tl.constexpr,
+        ALIGN: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, KSPLIT: tl.constexpr,
+    ):  # fmt: skip
+        """Y[g, t, rows] = Σ_k WT[t, k] · down_{t,k}[rows] · H[t·K + k] over the pairs with a slot, k in
+        group g of KSPLIT groups of the k experts (the caller adds the groups: more programs, no atomics)."""
+        t = tl.program_id(1)
+        g = tl.program_id(2)
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        rmask = rows < D
+        acc3 = tl.zeros([BR, NB, PW], dtype=tl.float32)
+        per = tl.cdiv(K, KSPLIT)
+        for k in range(g * per, tl.minimum(g * per + per, K)):
+            q = t * K + k
+            slot = tl.load(SLOT + q)
+            if slot >= 0:
+                wt = tl.load(WT + q)
+                rowoff = tl.multiple_of(slot, 16) + do + rows.to(tl.int64) * row_bytes
+                acc3 = qb.acc_rows(
+                    acc3, W, rowoff, rmask, 0, nb, Hh + q.to(tl.int64) * F, wt, QT, TS, QK, PW, NPART, ALIGN, NB
+                )
+        T = tl.num_programs(1)
+        tl.store(Y + (g * T + t).to(tl.int64) * D + rows, tl.sum(tl.sum(acc3, axis=2), axis=1), mask=rmask)
+
+    @triton.jit
+    def _grouped_kernel(
+        W, EOFF, STARTS, TOK, X, Y, R, n, row_bytes, nb,
+        QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, PW: tl.constexpr, NPART: tl.constexpr,
+        ALIGN: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
+    ):  # fmt: skip
+        """Y[j, rows] = W_g[rows] · X[TOK[j]] for the entries j of group g (STARTS[g] ≤ j < STARTS[g+1])."""
+        g = tl.program_id(1)
+        lo = tl.load(STARTS + g) + tl.program_id(2) * BT
+        hi = tl.load(STARTS + g + 1)
+        if lo < hi:
+            jj = lo + tl.arange(0, BT)
+            jmask = jj < hi
+            tok = tl.load(TOK + jj, mask=jmask, other=0).to(tl.int64)
+            rows = tl.program_id(0) * BR + tl.arange(0, BR)
+            rmask = rows < R
+            rowoff = tl.multiple_of(tl.load(EOFF + g), 16) + rows.to(tl.int64) * row_bytes
+            l = tl.arange(0, PW)
+            acc = tl.zeros([BT, BR], dtype=tl.float32)
+            for b0 in range(0, nb, NB):
+                b = b0 + tl.arange(0, NB)
+                boff, m2 = qb.block_offsets(rowoff, b, nb, rmask, TS, ALIGN)
+                for i in tl.static_range(NPART):
+                    w = tl.reshape(qb.part(W, boff, m2, QT, i, PW), [BR, NB * PW])
+                    xcol = tl.reshape(b[:, None] * QK + i * PW + l[None, :], [NB * PW])
+                    xok = tl.reshape((b < nb)[:, None] & (l < PW)[None, :], [NB * PW])
+                    xv = tl.load(X + tok[:, None] * n + xcol[None, :], mask=jmask[:, None] & xok[None, :], other=0.0)
+                    acc = tl.dot(xv, tl.trans(w), acc, input_precision=PREC)
+            tl.store(Y + jj[:, None].to(tl.int64) * R + rows[None, :], acc, mask=jmask[:, None] & rmask[None, :])
+
+
+# -- decode ------------------------------------------------------------------------------------
+def moe_decode(
+    pool: torch.Tensor,
+    slot_off: torch.Tensor,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    roles: dict[str, tuple[int, QType, int, int]],
+) -> torch.Tensor:
+    """Σ_k weights[t, k] · down(SiLU(gate·x_t) · up·x_t) over the experts whose slot is given.
+
+    pool uint8 [n_slots·stride] (flat or [n_slots, stride]); slot_off int64 [T, K] byte offset of
+    each pair's slot (−1: skip the pair); x float32 [T, D]; weights float32 [T, K];
+    roles: {"gate"|"up"|"down": (byte offset in the slot, qtype, rows, n)} -> float32 [T, D].
+    """
+    T, K = slot_off.shape
+    (go, gq, F, D), (uo, uq, _, _), (do, dq, _, _) = (roles[r] for r in ("gate", "up", "down"))
+    gq, uq, dq = QType(gq), QType(uq), QType(dq)
+    name = device_name(x.device)
+    slots = slot_off.reshape(-1).contiguous()
+    H = torch.empty((T * K, F), dtype=torch.float32, device=x.device)
+    c = launch("moe_gate_up", gq, F * T * K, name)
+    _gate_up_kernel[(triton.cdiv(F, c["BR"]), T * K)](
+        pool, slots, x.contiguous(), H, F, D, K, go, uo,
+        block_format(gq).row_bytes(D), block_format(uq).row_bytes(D), D // qb.GEOMETRY[gq][1], D // qb.GEOMETRY[uq][1],
+        BR=c["BR"], NB=c["NB"], num_warps=c["num_warps"], **_geo(gq), **_geo(uq, "u"),
+    )  # fmt: skip
+    c = launch("moe_down", dq, D * T, name)
+    ks = max(1, min(c.get("KSPLIT", 1), K))
+    Y = torch.empty((ks, T, D), dtype=torch.float32, device=x.device)
+    _down_kernel[(triton.cdiv(D, c["BR"]), T, ks)](
+        pool, slots, H, weights.to(torch.float32).contiguous(), Y, D, F, K, do,
+        block_format(dq).row_bytes(F), F // qb.GEOMETRY[dq][1],
+        BR=c["BR"], NB=c["NB"], KSPLIT=ks, num_warps=c["num_warps"], **_geo(dq),
+    )  # fmt: skip
+    return Y[0] if ks == 1 else Y.sum(0)
+
+
+def _matrix(pool: torch.Tensor, off: int, qtype: QType, rows: int, n: int) -> torch.Tensor:
+    rb = block_format(qtype).row_bytes(n)
+    return dequantize(pool.reshape(-1)[off : off + rows * rb].view(rows, rb), qtype, n)
+
+
+def moe_decode_reference(pool, slot_off, x, weights, roles) -> torch.Tensor:
+    """:func:`moe_decode` by torch dequantize-then-matmul, pair by pair (the specification)."""
+    y = torch.zeros_like(x, dtype=torch.float32)
+    for t, k in zip(*torch.nonzero(slot_off >= 0, as_tuple=True)):
+        s = int(slot_off[t, k])
+        g, u, d = (_matrix(pool, s + roles[r][0], *roles[r][1:]) for r in ("gate", "up", "down"))
+        y[t] += weights[t, k] * (d @ silu_mul(g @ x[t], u @ x[t]))
+    return y
+
+
+# -- prefill -----------------------------------------------------------------------------------
+def grouped_matmul(
+    pool: torch.Tensor,
+    offsets: torch.Tensor,
+    starts: torch.Tensor,
+    tok: torch.Tensor,
+    X: torch.Tensor,
+    qtype: QType,
+    rows: int,
+    n: int,
+    max_group: int,
+    cfg: dict | None = None,
+) -> torch.Tensor:
+    """Y [J, rows] with Y[j] = W_g · X[tok[j]] for the entries of group g (starts[g] ≤ j < starts[g+1]).
+
+    pool uint8 (flat); offsets int64 [G] byte offset of each group's matrix [rows, n]; starts int64
+    [G+1] (CSR); tok int64 [J] rows of X float32 [T, n]; max_group: the largest group (grid size).
+    """
+    qtype = QType(qtype)
+    G, J = offsets.shape[0], tok.shape[0]
+    c = cfg or launch("grouped", qtype, rows, device_name(X.device))
+    Y = torch.empty((J, rows), dtype=torch.float32, device=X.device)
+    prec = "tf32x3" if X.device.type == "cuda" else "ieee"
+    grid = (triton.cdiv(rows, c["BR"]), G, triton.cdiv(max(max_group, 1), c["BT"]))
+    _grouped_kernel[grid](
+        pool, offsets, starts, tok, X.contiguous(), Y, rows, n, block_format(qtype).row_bytes(n),
+        n // qb.GEOMETRY[qtype][1], BR=c["BR"], NB=c["NB"], BT=c["BT"], PREC=prec, num_warps=c["num_warps"],
+        **_geo(qtype),
+    )  # fmt: skip
+    return Y
+
+
+def one_matrix(raw: torch.Tensor, X: torch.Tensor, qtype: QType, rows: int, n: int) -> torch.Tensor:
+    """raw uint8 [rows, row_bytes] times X float32 [T, n] -> [T, rows], tile by tile (any T)."""
+    T, dev = X.shape[0], X.device
+    zero = torch.zeros(1, dtype=torch.int64, device=dev)
+    starts = torch.tensor([0, T], dtype=torch.int64, device=dev)
+    tok = torch.arange(T, dtype=torch.int64, device=dev)
+    return grouped_matmul(raw.reshape(-1), zero, starts, tok, X, qtype, rows, n, T)
+
+
+def moe_prefill(
+    pool: torch.Tensor,
+    slot_off: torch.Tensor,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    roles: dict[str, tuple[int, QType, int, int]],
+) -> torch.Tensor:
+    """:func:`moe_decode`'s contract for many tokens: pairs sorted by slot, each expert's weight
+    tiles read once per BT of its tokens (three grouped launches and a deterministic combine)."""
+    T, K = slot_off.shape
+    flat = slot_off.reshape(-1)
+    keep = torch.nonzero(flat >= 0).reshape(-1)  # pairs served here
+    y = torch.zeros_like(x, dtype=torch.float32)
+    if keep.numel() == 0:
+        return y
+    order = keep[torch.argsort(flat[keep], stable=True)]  # pair indices, sorted by slot
+    uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    starts = torch.zeros(uniq.numel() + 1, dtype=torch.int64, device=x.device)
+    starts[1:] = torch.cumsum(counts, 0)
+    mg = int(counts.max())
+    pool = pool.reshape(-1)
+    (go, gq, F, D), (uo, uq, _, _), (do, dq, _, _) = (roles[r] for r in ("gate", "up", "down"))
+    tok = order // K
+    g = grouped_matmul(pool, uniq + go, starts, tok, x, gq, F, D, mg)
+    u = grouped_matmul(pool, uniq + uo, starts, tok, x, uq, F, D, mg)
+    h = silu_mul(g, u)  # [J, F], sorted order
+    ident = torch.arange(order.numel(), dtype=torch.int64, device=x.device)
+    d = grouped_matmul(pool, uniq + do, starts, ident, h, dq, D, F, mg)  # [J, D]
+    out = torch.zeros((T * K, D), dtype=torch.float32, device=x.device)
+    out[order] = d * weights.reshape(-1)[order, None].to(torch.float32)
+    return out.view(T, K, D).sum(1)

@@ -1,0 +1,151 @@
+"""Triton building blocks shared by the quantized device kernels: dequantize a tile of raw GGUF
+blocks in registers.
+
+A tile is ``BR`` rows × ``NB`` consecutive blocks of a row-major quantized matrix whose block
+starts are the byte offsets ``boff [BR, NB]`` into the uint8 pool ``W``. Each block type is
+split into ``NPART`` parts of ``PW`` consecutive elements (part ``i`` covers elements
+``i·PW … i·PW+PW-1`` of every block), so every kernel — GEMV, fused MoE, tiled prefill — walks
+``for i in static_range(NPART)``, asks :func:`part` for the float32 tile ``[BR, NB, PW]`` and
+multiplies it with the matching activations ``x[b·QK + i·PW + l]``. Loads run along each row's
+bytes (contiguous 16- or 32-byte runs per block), so a warp's loads coalesce.
+
+The decoders follow ggml's ``dequantize_row_q4_0 / q8_0 / q4_K / q5_K / q6_K`` (the same rules as
+``engine.quant.reference`` and the torch reference ``engine.runtime.tdequant``). Integers become
+floats with the exponent trick (``bits(2²³ + q) − 2²³``: an OR and a subtract, no int→float
+conversion instruction) — exact for the small codes here.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs
+    triton = None
+    tl = None
+
+from engine.quant.formats import QType
+
+SUPPORTED = (QType.Q4_0, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K)
+# Per type: (type_size bytes, block elements QK, part width PW, parts NPART, ALIGN: the alignment
+# every block start has when the matrix starts 16-byte aligned, so loads can be that wide).
+GEOMETRY: dict[QType, tuple[int, int, int, int, int]] = {
+    QType.Q4_0: (18, 32, 16, 2, 2),
+    QType.Q8_0: (34, 32, 32, 1, 2),
+    QType.Q4_K: (144, 256, 32, 8, 16),
+    QType.Q5_K: (176, 256, 32, 8, 16),
+    QType.Q6_K: (210, 256, 32, 8, 2),
+}
+
+
+def geometry(qtype: QType) -> dict:
+    """The constexpr arguments a kernel needs for ``qtype``: QT, TS, QK, PW, NPART, ALIGN."""
+    ts, qk, pw, npart, align = GEOMETRY[QType(qtype)]
+    return {"QT": int(QType(qtype)), "TS": ts, "QK": qk, "PW": pw, "NPART": npart, "ALIGN": align}
+
+
+if triton is not None:
+
+    @triton.jit
+    def _u2f(u):
+        """int32 u in [0, 2²³) -> float32, exactly (2²³ + u as float bits, minus 2²³)."""
+        return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _f16(p, mask):
+        """fp16 at even byte pointers p (little-endian) -> float32 (0 where masked off)."""
+        h = tl.load(p.to(tl.pointer_type(tl.uint16)), mask=mask, other=0)
+        return h.to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _byte(p, mask):
+        return tl.load(p, mask=mask, other=0).to(tl.int32)
+
+    @triton.jit
+    def _k4_scale_min(sb, S: tl.constexpr, mask):
+        """6-bit scale and min of sub-block S from the 12 packed bytes at sb (get_scale_min_k4)."""
+        if S < 4:
+            sc = _byte(sb + S, mask) & 63
+            m = _byte(sb + S + 4, mask) & 63
+        else:
+            a = _byte(sb + S + 4, mask)
+            sc = (a & 0xF) | ((_byte(sb + S - 4, mask) >> 6) << 4)
+            m = (a >> 4) | ((_byte(sb + S, mask) >> 6) << 4)
+        return sc.to(tl.float32), m.to(tl.float32)
+
+    @triton.jit
+    def part(W, boff, mask, QT: tl.constexpr, I: tl.constexpr, PW: tl.constexpr):
+        """Part I of the blocks at byte offsets boff [BR, NB] of pool W -> float32 [BR, NB, PW]."""
+        blk = W + boff  # [BR, NB] block starts
+        l = tl.arange(0, PW)
+        m3 = mask[:, :, None]
+        if QT == 8:  # Q8_0: d, int8 qs[32]
+            d = _f16(blk, mask)
+            u = tl.load(blk[:, :, None] + 2 + l[None, None, :], mask=m3, other=0).to(tl.int32)
+            q = (((u ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True)) - 8388736.0  # int8 value
+            w = d[:, :, None] * q
+        elif QT == 2:  # Q4_0: d, qs[16]: low nibbles are elements 0..15, high nibbles 16..31
+            d = _f16(blk, mask)
+            u = tl.load(blk[:, :, None] + 2 + l[None, None, :], mask=m3, other=0).to(tl.int32)
+            if I == 0:
+                u = u & 0xF
+            else:
+                u = u >> 4
+            q = ((u | 0x4B000000).to(tl.float32, bitcast=True)) - 8388616.0  # nibble - 8
+            w = d[:, :, None] * q
+        elif QT == 12 or QT == 13:  # Q4_K / Q5_K: sub-block I = nibble I%2 of qs[32·(I//2) + l]
+            if QT == 12:
+                u = tl.load(blk[:, :, None] + (16 + 32 * (I // 2)) + l[None, None, :], mask=m3, other=0)
+            else:
+                u = tl.load(blk[:, :, None] + (48 + 32 * (I // 2)) + l[None, None, :], mask=m3, other=0)
+            u = u.to(tl.int32)
+            if I % 2 == 0:
+                u = u & 0xF
+            else:
+                u = u >> 4
+            if QT == 13:  # Q5_K: bit I of qh[l] is the fifth bit
+                qh = tl.load(blk[:, :, None] + 16 + l[None, None, :], mask=m3, other=0).to(tl.int32)
+                u = u | (((qh >> I) & 1) << 4)
+            d = _f16(blk, mask)
+            dmin = _f16(blk + 2, mask)
+            sc, mn = _k4_scale_min(blk + 4, I, mask)
+            w = (d * sc)[:, :, None] * _u2f(u) - (dmin * mn)[:, :, None]
+        else:  # Q6_K: ql[128], qh[64], int8 scales[16], d; half H = I//4, group G = I%4
+            H: tl.constexpr = I // 4
+            G: tl.constexpr = I % 4
+            ql = tl.load(blk[:, :, None] + (64 * H + 32 * (G % 2)) + l[None, None, :], mask=m3, other=0)
+            qh = tl.load(blk[:, :, None] + (128 + 32 * H) + l[None, None, :], mask=m3, other=0).to(tl.int32)
+            ql = ql.to(tl.int32)
+            if G < 2:
+                ql = ql & 0xF
+            else:
+                ql = ql >> 4
+            u = ql | (((qh >> (2 * G)) & 3) << 4)
+            sa = tl.load(blk + (192 + 8 * H + 2 * G), mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            sb = tl.load(blk + (193 + 8 * H + 2 * G), mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            d = _f16(blk + 208, mask)
+            sc = tl.where(l[None, None, :] < 16, (d * sa)[:, :, None], (d * sb)[:, :, None])  # 16 values a scale
+            w = sc * (((u | 0x4B000000).to(tl.float32, bitcast=True)) - 8388640.0)  # q - 32
+        return w
+
+    @triton.jit
+    def block_offsets(rowoff, b, nb_end, rmask, TS: tl.constexpr, ALIGN: tl.constexpr):
+        """Byte offsets [BR, NB] of blocks b [NB] of the rows starting at rowoff [BR], and the mask."""
+        boff = tl.multiple_of(rowoff[:, None] + b[None, :].to(tl.int64) * TS, [ALIGN, ALIGN])
+        return boff, rmask[:, None] & (b < nb_end)[None, :]
+
+    @triton.jit
+    def acc_rows(acc3, W, rowoff, rmask, kb0, kb1, xrow, xscale,
+                 QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, PW: tl.constexpr, NPART: tl.constexpr,
+                 ALIGN: tl.constexpr, NB: tl.constexpr):  # fmt: skip
+        """acc3 [BR, NB, PW] += the rows at rowoff [BR] over blocks [kb0, kb1) times xscale·xrow, element-wise
+        (sum acc3 over its last two axes for the dot products; one reduction after all K is cheaper)."""
+        l = tl.arange(0, PW)
+        for b0 in range(kb0, kb1, NB):
+            b = b0 + tl.arange(0, NB)
+            boff, m2 = block_offsets(rowoff, b, kb1, rmask, TS, ALIGN)
+            for i in tl.static_range(NPART):
+                w = part(W, boff, m2, QT, i, PW)  # [BR, NB, PW]
+                xv = tl.load(xrow + b[:, None] * QK + i * PW + l[None, :], mask=(b < kb1)[:, None], other=0.0)
+                acc3 += w * (xv * xscale)[None, :, :]
+        return acc3

@@ -1,0 +1,144 @@
+"""Fused MoE Triton kernels (engine.runtime.triton_moe) vs their torch references, and the expert
+cache served through them vs the CPU engine: Triton's interpreter here (small shapes), compiled on
+a CUDA machine (Qwen3-30B-A3B expert shapes). Subprocesses, so TRITON_INTERPRET applies at import.
+The whole-model cache test is CUDA-only: a model's worth of kernels takes the interpreter minutes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+KERNELS = r"""
+import sys, numpy as np, torch
+from engine.quant import QType, quantize
+from engine.runtime import triton_moe as tm, triton_gemv as tg
+from engine.runtime.tdequant import dequantize
+dev, big = sys.argv[1], sys.argv[2] == "big"
+rng = np.random.default_rng(1)
+
+def blocks(q, rows, n, dev, gen):
+    # quantized Gaussians (engine.quant.quantize) for small shapes; for big ones random block bytes
+    # with random realistic scale fields (numpy quantization of trunk-sized matrices takes minutes)
+    if rows * n <= 1 << 18:
+        return torch.from_numpy(quantize(gen.standard_normal((rows, n)).astype(np.float32) / np.sqrt(n), q)).to(dev)
+    from engine.quant.formats import block_format
+    f = block_format(q)
+    raw = torch.from_numpy(gen.integers(0, 256, rows * f.row_bytes(n), dtype=np.uint8)).to(dev).view(-1, f.type_size)
+    d = torch.from_numpy((gen.random(raw.shape[0]) + 0.5).astype(np.float16) / np.float16(30 * np.sqrt(n))).to(dev)
+    at = {"Q6_K": (208,)}.get(q.name, (0, 2) if q.name in ("Q4_K", "Q5_K") else (0,))
+    for o in at:
+        raw[:, o : o + 2] = d.view(torch.uint8).view(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+def pool_of(types, F, D, E):
+    # E slots of gate [F, D] | up [F, D] | down [D, F], each role 256-byte aligned, quantized Gaussians
+    per = dict(zip(("gate", "up", "down"), ((types[0], F, D), (types[1], F, D), (types[2], D, F))))
+    roles, o = {}, 0
+    for r, (q, rows, n) in per.items():
+        roles[r] = (o, q, rows, n)
+        o += -(-rows * len(quantize(np.zeros((1, n), np.float32), q)[0]) // 256) * 256
+    pool = torch.zeros((E, o), dtype=torch.uint8, device=dev)
+    for e in range(E):
+        for r, (q, rows, n) in per.items():
+            raw = blocks(q, rows, n, dev, rng).reshape(-1)
+            pool[e, roles[r][0] : roles[r][0] + raw.numel()] = raw
+    return pool, o, roles
+
+cases = [((QType.Q4_K, QType.Q4_K, QType.Q6_K), 256, 512), ((QType.Q8_0, QType.Q4_0, QType.Q5_K), 256, 96),
+         ((QType.Q4_0, QType.Q8_0, QType.Q8_0), 96, 64)]
+if big:
+    cases = [((q, q, q), 768, 2048) for q in (QType.Q4_0, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K)]
+    cases.append(((QType.Q4_K, QType.Q4_K, QType.Q6_K), 768, 2048))
+for types, F, D in cases:
+    E, K = (5, 2) if not big else (16, 8)
+    pool, stride, roles = pool_of(types, F, D, E)
+    for T in ((1, 3) if not big else (1, 4, 40)):
+        ids = torch.from_numpy(np.stack([rng.permutation(E)[:K] for _ in range(T)])).to(dev)
+        slot_off = ids * stride
+        if T > 1:
+            slot_off[1, 0] = -1  # a miss: served elsewhere, skipped here
+        x = torch.from_numpy(rng.standard_normal((T, D)).astype(np.float32)).to(dev)
+        w = torch.from_numpy(rng.random((T, K)).astype(np.float32)).to(dev)
+        ref = tm.moe_decode_reference(pool, slot_off, x, w, roles)
+        errs = []
+        for fn in ((tm.moe_decode, tm.moe_prefill) if T <= 8 else (tm.moe_prefill,)):
+            y = fn(pool, slot_off, x, w, roles)
+            errs.append(((y - ref).norm() / ref.norm()).item())
+        assert max(errs) < (1e-5 if dev == "cpu" else 1e-4), (types, F, D, T, errs)  # tf32x3 on CUDA
+        print([t.name for t in types], F, D, T, " ".join(f"{e:.1e}" for e in errs), flush=True)
+# The tiled one-matrix path (trunk with more than TRITON_MAX_T tokens)
+for q, R, n in ((QType.Q4_K, 40, 512), (QType.Q8_0, 33, 96)) if not big else ((QType.Q4_K, 4096, 2048), (QType.Q6_K, 2048, 4096)):
+    raw = blocks(q, R, n, dev, rng)
+    X = torch.from_numpy(rng.standard_normal((37, n)).astype(np.float32)).to(dev)
+    ref = (X.double() @ dequantize(raw, q, n).double().T).float()
+    y = tm.one_matrix(raw, X, q, R, n)
+    err = ((y - ref).norm() / ref.norm()).item()
+    assert err < (1e-5 if dev == "cpu" else 1e-4), (q, "one_matrix", err)
+    print(q.name, "one_matrix", R, n, f"{err:.1e}", flush=True)
+print("ok")
+"""
+
+CACHE = r"""
+import sys, numpy as np
+from engine.api import LoadOptions, Session
+from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
+from engine.synth.writer import write_model
+from tests.oracle import random_tokens
+dev, tmp = sys.argv[1], sys.argv[2]
+CTX = 64
+path = write_model(tmp + "/q.gguf", "qwen3moe", seed=4, layers=2, weight_type="Q4_K",
+                   type_overrides={"*ffn_down*": "Q6_K"}).path
+tokens = random_tokens(9, 1024, seed=8)  # 9 > TRITON_MAX_T: prefill takes the grouped kernels
+dec = tokens[:3]  # decode steps (few: the interpreter is slow)
+with Session.load(str(path), LoadOptions(n_ctx=CTX, device=dev, q8_act=False)) as s:
+    ref_dec, ref_pre = s.logits(dec, batch=False), s.logits(tokens)
+    L, E = s.args.n_layer, s.args.n_expert
+    need = device_bytes(s.spec, n_gpu_layers=L, ctx=CTX, kv_type="f32", reserve=0).total
+    for moe, slots in (("cache", L * E // 2), ("resident", L * E)):
+        prof = DeviceProfile(vram_bytes=need + slots * expert_slot_layout(s.spec).stride, reserve_bytes=0)
+        s.apply(s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe=moe), prof))
+        cached = s.applied.experts
+        assert cached is not None and all(cached._fused.values()), "the fused kernels must serve these layers"
+        for batch, ref, toks in ((False, ref_dec, dec), (True, ref_pre, tokens)):
+            got = s.logits(toks, batch=batch)
+            err = np.abs(got - ref).max() / np.abs(ref).max()
+            assert err <= 1e-3, (moe, batch, err)
+            print(moe, "prefill" if batch else "decode", f"{err:.1e}", flush=True)
+print("ok")
+"""
+
+
+def _run(script: str, args: list[str], env: dict) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=900, check=False
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def _cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+
+
+def test_moe_kernels_match_reference_in_the_interpreter():
+    assert _run(KERNELS, ["cpu", "small"], dict(os.environ, TRITON_INTERPRET="1")).strip().endswith("ok")
+
+
+@pytest.mark.cuda
+def test_moe_kernels_match_reference_on_cuda():
+    _cuda()
+    assert _run(KERNELS, ["cuda", "big"], dict(os.environ)).strip().endswith("ok")
+
+
+@pytest.mark.cuda
+def test_expert_cache_through_fused_kernels_on_cuda(tmp_path):
+    _cuda()
+    assert _run(CACHE, ["cuda", str(tmp_path)], dict(os.environ)).strip().endswith("ok")

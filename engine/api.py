@@ -178,8 +178,8 @@ class Session:
                 prof = DeviceProfile()
                 self._speeds = prof
                 return prof
-        if prof is None:
-            return DeviceProfile()
+        if prof is None:  # not measuring now: the device figures of another model's calibration
+            return cal.load_cached(self.device, shape, partial=True) or DeviceProfile()
         self._speeds = prof
         return prof
 

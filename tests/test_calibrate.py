@@ -189,7 +189,7 @@ class _FakeCal:
     def __init__(self, cached=None, fail=False):
         self.cached, self.fail, self.runs = cached, fail, 0
 
-    def load_cached(self, device, shape):
+    def load_cached(self, device, shape, partial=False):
         return self.cached
 
     def calibrate(self, device, shape, **kw):
@@ -232,6 +232,12 @@ def test_cli_bench_calibrate_json_is_a_plan_profile(measured, moe_path, capsys, 
     assert main(["plan", "-m", str(moe_path), "--profile", str(f), "--vram", "1GiB", "-c", "64"]) == 0
     out = capsys.readouterr().out
     assert "token " in out and "*" in out and "measured" in out
+    # The same profile straight from the cache: sharpi plan --calibrated cpu.
+    assert main(["plan", "-m", str(moe_path), "--calibrated", "cpu", "--vram", "1GiB", "-c", "64", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["profile"]
+    assert got["token_us"] == prof.token_us and "token_us" in got["measured"]
+    assert "cpu_expert_gbps" not in got["measured"]  # the F32 model's experts were never measured
+    assert got["cpu_expert_gbps"] == DeviceProfile().cpu_expert_gbps
 
 
 # -- the bench's validation hook -------------------------------------------------------------------

@@ -94,6 +94,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", action="store_true", help="print every layer, not ranges")
     g = p.add_argument_group("device profile (defaults are documented guesses; pass measured values)")
     g.add_argument("--profile", metavar="FILE", help="JSON device profile (DeviceProfile.to_dict form)")
+    g.add_argument(
+        "--calibrated",
+        choices=("cuda", "cpu"),
+        default=None,
+        help="start from this machine's cached calibration of that device (sharpi bench calibrate)",
+    )
     g.add_argument("--reserve", type=_size, default=None, help="device memory never available to tensors")
     g.add_argument("--scratch", type=_size, default=None, help="activation scratch (default: estimated)")
     g.add_argument("--cpu-gbps", type=_positive, default=None, help="host GB/s computing experts")
@@ -108,8 +114,33 @@ def register(sub: argparse._SubParsersAction) -> None:
         p._negative_number_matcher = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\d*\.?\d+\s*[A-Za-z]+$")
 
 
+def _calibrated(device: str, model: str) -> dict:
+    """The cached calibration of ``device`` on this machine, for ``model``'s experts, as a dict."""
+    from engine.gguf import open_gguf
+    from engine.plan import calibrate as cal
+
+    with open_gguf(model) as gf:
+        shape = cal.ExpertShape.from_gguf(gf) or cal.DEFAULT_SHAPE
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--calibrated cuda: no CUDA device is available here")
+    prof = cal.load_cached(device, shape, partial=True)
+    if prof is None:
+        raise UsageError(
+            f"--calibrated {device}: nothing cached for this machine "
+            f"(run: sharpi bench calibrate --device {device} -m {model})"
+        )
+    return prof.to_dict()  # CPU experts stay a default (unmarked) if this shape was never measured
+
+
 def _profile(args: argparse.Namespace) -> DeviceProfile:
     base: dict = {}
+    if getattr(args, "calibrated", None):
+        if args.profile:
+            raise UsageError("give --profile or --calibrated, not both")
+        base = _calibrated(args.calibrated, args.model)
     if args.profile:
         try:
             with open(args.profile, encoding="utf-8") as f:

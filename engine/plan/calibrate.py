@@ -163,25 +163,25 @@ def _write(key: dict[str, Any], data: dict) -> Path:
     return p
 
 
-def _profile_from(data: dict, shape: ExpertShape) -> DeviceProfile | None:
-    """The profile a cache file gives for ``shape`` (None without that shape's CPU expert rate)."""
+def _profile_from(data: dict, shape: ExpertShape, partial: bool = False) -> DeviceProfile | None:
+    """The profile a cache file gives for ``shape``: None without that shape's CPU expert rate,
+    unless ``partial`` (then that rate keeps its default and is not marked measured)."""
     rate = data.get("cpu_expert_gbps", {}).get(shape.key)
     common = data.get("profile", {})
-    if rate is None or set(COMMON_FIELDS) - set(common):
+    if set(COMMON_FIELDS) - set(common) or (rate is None and not partial):
         return None
     vals = {f: float(common[f]) for f in COMMON_FIELDS}
-    return DeviceProfile(
-        cpu_expert_gbps=float(rate),
-        measured=("cpu_expert_gbps", *COMMON_FIELDS),
-        name=data["key"]["device"],
-        **vals,
-    )
+    measured = COMMON_FIELDS if rate is None else ("cpu_expert_gbps", *COMMON_FIELDS)
+    if rate is not None:
+        vals["cpu_expert_gbps"] = float(rate)
+    return DeviceProfile(measured=tuple(measured), name=data["key"]["device"], **vals)
 
 
-def load_cached(device, shape: ExpertShape = DEFAULT_SHAPE) -> DeviceProfile | None:
-    """The cached calibration for ``device`` on this machine and thread count, or None."""
+def load_cached(device, shape: ExpertShape = DEFAULT_SHAPE, *, partial: bool = False) -> DeviceProfile | None:
+    """The cached calibration for ``device`` on this machine and thread count, or None. With
+    ``partial``, a file measured for other expert shapes still gives its device figures."""
     data = _read(machine_key(device))
-    return _profile_from(data, shape) if data else None
+    return _profile_from(data, shape, partial) if data else None
 
 
 # -- measurements ----------------------------------------------------------------------------------

@@ -60,7 +60,8 @@ def test_calibration_measures_every_speed_field_quickly(measured):
 def test_cache_file_is_reused_and_keyed(measured, cache_env):
     c, _ = measured
     key = cal.machine_key("cpu")
-    assert set(key) == {"version", "device", "cpu", "threads"} and key["version"] == cal.VERSION
+    assert set(key) == {"version", "device", "cpu", "threads", "code"} and key["version"] == cal.VERSION
+    assert key["code"] == cal.code_fingerprint() and len(key["code"]) == 12
     path = cal.cache_path(key)
     assert path.parent == cache_env and str(path) == c.path and path.is_file()
     data = json.loads(path.read_text())

@@ -19,12 +19,14 @@ Measured (each marked in ``DeviceProfile.measured``):
   work a large model does besides moving its bytes.
 
 Results are cached as JSON under the user cache dir (``platformdirs``; ``$SHARPI_CALIBRATION_DIR``
-overrides), keyed by device name, CPU model, numba thread count and :data:`VERSION`, so the next run
+overrides), keyed by device name, CPU model, numba thread count, :data:`VERSION` and a hash of the
+engine code being timed (:func:`code_fingerprint`: new kernels are measured again), so the next run
 reuses them; CPU expert rates are kept per expert shape in the same file. No Qt.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -115,7 +117,28 @@ def device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else SIMULATED
 
 
+# The code whose speed the fixed costs measure: a change to any of it re-measures.
+_TIMED_CODE = ("runtime", "kernels", "models", "generate", "experts.py", "ops.py", "kv_cache.py")
+
+
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A short hash of the engine sources the measured speeds depend on (kernels, runtime, model
+    code, the decode loop): a calibration made with other code is not reused."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha1()
+    for name in _TIMED_CODE:
+        p = root / name
+        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
+            if f.is_file():
+                h.update(f.relative_to(root).as_posix().encode())
+                h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def machine_key(device) -> dict[str, Any]:
+    """What a calibration is valid for: device name, CPU model, numba threads, VERSION and the
+    engine code it timed."""
     import numba
 
     from engine.bench.kernels import machine_info
@@ -125,6 +148,7 @@ def machine_key(device) -> dict[str, Any]:
         "device": device_name(device),
         "cpu": machine_info()["cpu"],
         "threads": int(numba.get_num_threads()),
+        "code": code_fingerprint(),
     }
 
 

@@ -226,6 +226,9 @@ def test_cuda_profile_policy(moe_path, monkeypatch, cached, disabled, run, fail,
 def test_cli_bench_calibrate_json_is_a_plan_profile(measured, moe_path, capsys, tmp_path):
     assert main(["bench", "calibrate", "--device", "cpu", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
+    assert main(["bench", "calibrate", "--device", "cpu"]) == 0  # cached now: prints, measures nothing
+    text = capsys.readouterr().out
+    assert "(cached;" in text and "fixed costs: token" in text and "*" in text and "cache      " in text
     prof = DeviceProfile.from_dict(d)
     assert "token_us" in prof.measured and prof.name == cal.SIMULATED
     f = tmp_path / "prof.json"

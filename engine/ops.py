@@ -70,12 +70,16 @@ def matmuls(ws: tuple[PreparedWeight, ...], X: np.ndarray, *, q8_act: bool) -> l
     once per weight type and shared, so q, k and v cost one quantization."""
     if _use_reference:
         return [ref.matmul_ref(w.qtype, w.raw, X, q8_act=q8_act) for w in ws]
+    from engine.kernels import bf16
     from engine.kernels.dispatch import KERNELS, gemv_acts, prepare_activations
 
     T = X.shape[0]
     acts: dict = {}
     out = []
     for w in ws:
+        if bf16.applies(w.qtype, T, q8_act):  # a prompt: dequantize and use the bf16 matrix units
+            out.append(bf16.matmul(w, X))
+            continue
         a = acts.get(w.qtype)
         if a is None:
             a = acts[w.qtype] = _activations(w.qtype, X, q8_act, prepare_activations)

@@ -25,6 +25,7 @@ import threading
 import numpy as np
 from numba import njit, prange
 
+from engine.kernels import bf16
 from engine.kernels.kquants import _dot4_q4_k_q8, _dot4_q5_k_q8, _dot4_q6_k_q8
 from engine.kernels.legacy import _dot4_q4_0_q8, _dot4_q5_0_q8, _dot4_q8_0_q8
 from engine.kernels.moe_fused import FUSED_TYPES, _row_q8, quantize_for
@@ -122,18 +123,19 @@ def _gather_rows(a, src):
 
 
 @njit(cache=True, nogil=True)
-def _work_items(offsets, rows):
-    """(active experts int64 [A], row chunks per expert) for a matrix of ``rows`` rows; the chunk
-    count is rounded up to whole groups of GROUP_CHUNKS (chunks past the rows are empty)."""
+def _work_items(offsets, rows, skip):
+    """(active experts int64 [A], row chunks per expert) for a matrix of ``rows`` rows: experts with
+    tokens and not ``skip[e]``; the chunk count is rounded up to whole groups of GROUP_CHUNKS
+    (chunks past the rows are empty)."""
     E = offsets.shape[0] - 1
     n = 0
     for e in range(E):
-        if offsets[e + 1] > offsets[e]:
+        if offsets[e + 1] > offsets[e] and not skip[e]:
             n += 1
     active = np.empty(n, np.int64)
     n = 0
     for e in range(E):
-        if offsets[e + 1] > offsets[e]:
+        if offsets[e + 1] > offsets[e] and not skip[e]:
             active[n] = e
             n += 1
     nch = (rows + ROW_CHUNK - 1) // ROW_CHUNK
@@ -155,11 +157,12 @@ def _item(item, active, nch):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def grouped_gate_up_q8(qt, graw, gs, uraw, us, offsets, pairs, K, qa, da, asum, bsums, F, qt_down):
+def grouped_gate_up_q8(qt, graw, gs, uraw, us, offsets, pairs, K, qa, da, asum, bsums, F, qt_down, skip):
     """h[p] = SiLU(gate[e]·x_t) ⊙ (up[e]·x_t) for every pair p = t·K + k routed to expert e.
 
     graw/uraw uint8 [E·F, row_bytes] (one type ``qt``), gs/us their scales; (offsets, pairs) from
-    :func:`bucket_by_expert`; (qa, da, asum, bsums) the T tokens' quantized activations.
+    :func:`bucket_by_expert`; (qa, da, asum, bsums) the T tokens' quantized activations; experts
+    with ``skip[e]`` (uint8 [E]) are left out (their rows of h are undefined).
     Returns h's four activation arrays for type ``qt_down``, rows in ``pairs`` order [T·K, F].
     """
     P = pairs.shape[0]
@@ -171,7 +174,7 @@ def grouped_gate_up_q8(qt, graw, gs, uraw, us, offsets, pairs, K, qa, da, asum, 
     sas = _gather_rows(asum, src)
     sbs = _gather_rows(bsums, src)
     h = np.empty((P, F), np.float32)
-    active, nch = _work_items(offsets, F)
+    active, nch = _work_items(offsets, F, skip)
     A = active.shape[0]
     for item in prange(A * nch):
         e, c = _item(item, active, nch)
@@ -199,16 +202,13 @@ def grouped_gate_up_q8(qt, graw, gs, uraw, us, offsets, pairs, K, qa, da, asum, 
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def grouped_down_q8(qt, draw, ds, offsets, pairs, weights, qa, da, asum, bsums, D, o):
-    """Y[t] = Σ_k weights[t, k]·down[ids[t, k]]·h[t·K + k] (k in order).
+def grouped_down_q8(qt, draw, ds, offsets, pairs, qa, da, asum, bsums, D, o, skip):
+    """o[t·K + k] = down[ids[t, k]]·h[t·K + k] for the pairs of experts not ``skip``ped.
 
-    draw uint8 [E·D, row_bytes]; weights float32 [T, K]; (qa, da, asum, bsums) the quantized h in
-    ``pairs`` order [T·K, F] (from :func:`grouped_gate_up_q8`); o float32 [≥ T·K, D] scratch
-    (o[t·K + k]: the expert output of pair (t, k); reused across calls, see :func:`_scratch`).
-    Returns float32 [T, D].
+    draw uint8 [E·D, row_bytes]; (qa, da, asum, bsums) the quantized h in ``pairs`` order [T·K, F]
+    (from :func:`grouped_gate_up_q8`); o float32 [T·K, D], written in place.
     """
-    T, K = weights.shape
-    active, nch = _work_items(offsets, D)
+    active, nch = _work_items(offsets, D, skip)
     A = active.shape[0]
     for item in prange(A * nch):
         e, c = _item(item, active, nch)
@@ -229,11 +229,19 @@ def grouped_down_q8(qt, draw, ds, offsets, pairs, weights, qa, da, asum, bsums, 
             for j in range(n4, n):
                 p = p0 + j
                 o[pairs[p], d] = _row_q8(qt, draw[gr], ds[gr], qa[p], da[p], asum[p], bsums[p])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def reduce_pairs(o, weights):
+    """Y[t] = Σ_k weights[t, k]·o[t·K + k], k in order (as moe_down_q8): o float32 [T·K, D],
+    weights float32 [T, K] -> float32 [T, D]."""
+    T, K = weights.shape
+    D = o.shape[1]
     y = np.empty((T, D), np.float32)
     for t in prange(T):
         for d in range(D):
             y[t, d] = 0.0
-        for k in range(K):  # as moe_down_q8: y += w·o in top-k order
+        for k in range(K):
             w = np.float32(weights[t, k])
             for d in range(D):
                 y[t, d] += w * o[t * K + k, d]
@@ -256,12 +264,14 @@ def _check(gate: PreparedWeight, up: PreparedWeight, down: PreparedWeight, X, id
 _local = threading.local()
 
 
-def _scratch(n: int) -> np.ndarray:
-    """A float32 [n] buffer of this thread's, grown on demand and reused: a fresh 32 MB array per
-    prefill layer costs ~8,000 page faults (each page zeroed by the kernel) on every call."""
-    buf = getattr(_local, "buf", None)
+def _scratch(n: int, name: str = "pairs") -> np.ndarray:
+    """A float32 [n] buffer of this thread's, one per ``name``, grown on demand and reused: a
+    fresh 32 MB array per prefill layer costs ~8,000 page faults (each page zeroed by the kernel)
+    on every call."""
+    bufs = _local.__dict__.setdefault("bufs", {})
+    buf = bufs.get(name)
     if buf is None or buf.size < n:
-        buf = _local.buf = np.empty(n, np.float32)
+        buf = bufs[name] = np.empty(n, np.float32)
     return buf[:n]
 
 
@@ -294,23 +304,43 @@ def grouped_moe_ffn(
     T, K = ids.shape
     offsets, pairs = bucket_by_expert(ids, gate.n_experts)
     if fused_grouped(gate, up, down, q8_act):
-        qx = quantize_rows(int(gate.qtype), X)
-        qh = grouped_gate_up_q8(
-            int(gate.qtype),
-            gate.raw,
-            gate.scales,
-            up.raw,
-            up.scales,
-            offsets,
-            pairs,
-            K,
-            *qx,
-            gate.rows,
-            int(down.qtype),
-        )
-        o = _scratch(T * K * down.rows).reshape(T * K, down.rows)
-        return grouped_down_q8(int(down.qtype), down.raw, down.scales, offsets, pairs, weights, *qh, down.rows, o)
+        o = _scratch(T * K * down.rows).reshape(T * K, down.rows)  # o[t·K + k]: pair (t, k)'s output
+        counts = np.diff(offsets)
+        big = np.zeros(gate.n_experts, np.uint8)  # experts with enough tokens for the bf16 units
+        if all(bf16.usable(w.qtype, q8_act) for w in (gate, up, down)):
+            big[counts >= bf16.MIN_TOKENS] = 1
+        if big.sum() < np.count_nonzero(counts):
+            qx = quantize_rows(int(gate.qtype), X)
+            qt, qd = int(gate.qtype), int(down.qtype)
+            qh = grouped_gate_up_q8(
+                qt, gate.raw, gate.scales, up.raw, up.scales, offsets, pairs, K, *qx, gate.rows, qd, big
+            )
+            grouped_down_q8(qd, down.raw, down.scales, offsets, pairs, *qh, down.rows, o, big)
+        if big.any():
+            _bf16_experts(gate, up, down, X, offsets, pairs, K, np.flatnonzero(big), o)
+        return reduce_pairs(o, weights)
     return _grouped_gather(gate, up, down, X, offsets, pairs, weights, q8_act)
+
+
+def _bf16_experts(gate, up, down, X, offsets, pairs, K, experts, o) -> None:
+    """o[pairs of e] = down[e]·(SiLU(gate[e]·x) ⊙ up[e]·x) for each expert e of ``experts``, its
+    three matrices dequantized and multiplied on the bf16 units (engine.kernels.bf16)."""
+    import torch
+
+    F, D = gate.rows, down.rows
+    Xt = torch.from_numpy(X)
+    gu = _scratch(2 * F * gate.n, "gate_up").reshape(2 * F, gate.n)
+    dn = _scratch(D * down.n, "down").reshape(D, down.n)
+    with bf16.bf16_products():
+        for e in experts:
+            p = pairs[offsets[e] : offsets[e + 1]]
+            xe = Xt[torch.from_numpy(p // K)]  # [n, D]
+            bf16.dequant_rows(gate, e * F, (e + 1) * F, gu[:F])
+            bf16.dequant_rows(up, e * F, (e + 1) * F, gu[F:])
+            g, u = (xe @ torch.from_numpy(gu).T).split(F, dim=1)  # [n, F] x2
+            h = torch.nn.functional.silu(g) * u
+            bf16.dequant_rows(down, e * D, (e + 1) * D, dn)
+            o[p] = (h @ torch.from_numpy(dn).T).numpy()
 
 
 def _grouped_gather(gate, up, down, X, offsets, pairs, weights, q8_act) -> np.ndarray:

@@ -24,7 +24,7 @@ _EMPTY = np.zeros(0, np.float32)
 
 def _np(t: torch.Tensor | None) -> np.ndarray:
     """A host float32 vector as numpy (no weight: an empty array)."""
-    return _EMPTY if t is None else np.ascontiguousarray(t.detach().numpy(), dtype=np.float32)
+    return _EMPTY if t is None else np.ascontiguousarray(t.detach().cpu().numpy(), dtype=np.float32)
 
 
 def _host_kv(cache: KVCache, i: int, start: int, T: int) -> tuple[np.ndarray, np.ndarray] | None:

@@ -275,6 +275,11 @@ def _scratch(n: int, name: str = "pairs") -> np.ndarray:
     return buf[:n]
 
 
+def release_scratch() -> None:
+    """Free this thread's scratch buffers (after a prompt: decode does not use them)."""
+    _local.__dict__.pop("bufs", None)
+
+
 def fused_grouped(gate: PreparedWeight, up: PreparedWeight, down: PreparedWeight, q8_act: bool) -> bool:
     """Whether the fused grouped kernels serve these stacks (else the per-expert gather path)."""
     return q8_act and gate.qtype == up.qtype and gate.qtype in FUSED_TYPES and down.qtype in FUSED_TYPES

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine import ops
 from engine.experts import CpuExperts, ExpertBackend, ExpertStacks
 from engine.kv_cache import KVCache
 from engine.models.args import ModelArgs
@@ -107,4 +108,5 @@ class DecoderModel:
             x = x[-1:]
         logits = self.output(rms_norm(x, self.out_norm, a.rms_eps)).to(HOST)
         self.profiler.end_step(T)
+        ops.end_of_prompt(T)
         return logits

@@ -35,7 +35,8 @@ def blocks(q, rows, n, dev, gen):
 
 # Awkward shapes: rows not a multiple of any tile, K = 256·odd; big: trunk-sized (CUDA only).
 shapes = ((37, 768), (5, 256)) if not big else ((4096, 2048), (517, 2304), (2048, 4096))
-configs = ({"BR": 4, "NB": 2, "num_warps": 4, "SPLIT": 1}, {"BR": 8, "NB": 4, "num_warps": 2, "SPLIT": 3})
+# UNROLL 4: short K walks unrolled, longer ones a runtime loop (both kinds on the big shapes)
+configs = ({"BR": 4, "NB": 2, "num_warps": 4, "SPLIT": 1, "UNROLL": 4}, {"BR": 8, "NB": 4, "num_warps": 2, "SPLIT": 3, "UNROLL": 0})
 for name in ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
     q = QType[name]
     for rows, n in shapes:

@@ -20,6 +20,8 @@ from engine.runtime import triton_moe as tm, triton_gemv as tg
 from engine.runtime.tdequant import dequantize
 dev, big = sys.argv[1], sys.argv[2] == "big"
 rng = np.random.default_rng(1)
+if dev == "cpu":  # the interpreter runs programs one by one: fewer, larger tiles keep it quick
+    tg.LAUNCH[""] = {"moe_gate_up:*:*": {"BR": 16, "NB": 4, "num_warps": 4}}
 
 def blocks(q, rows, n, dev, gen):
     # quantized Gaussians (engine.quant.quantize) for small shapes; for big ones random block bytes

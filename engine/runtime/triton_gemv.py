@@ -17,7 +17,8 @@ Launch settings are data: :data:`LAUNCH` maps ``"<kernel>:<qtype>:<shape class>"
 ``LAUNCH[<torch.cuda.get_device_name()>]`` overrides it key by key (filled from
 ``sharpi bench device-kernels --tune``). Missing keys fall back to ``"<kernel>:*:<class>"``, then
 ``"<kernel>:*:*"``. The per-GPU tables live in ``triton_launch.json`` beside this file (the
-H100's from ``--tune``, 2026-11-22); the default is the H100's winners generalised by block family.
+H100's from a sweep, 2026-11-22); the default is the H100's winners generalised by block family.
+An optional ``"UNROLL"`` caps the unrolled K walk (:data:`UNROLL`).
 """
 
 from __future__ import annotations
@@ -36,16 +37,18 @@ SUPPORTED = qb.SUPPORTED
 
 # Shape classes: by the number of output rows a launch computes (rows × pairs).
 CLASSES = ((1024, "S"), (4096, "M"), (1 << 62, "L"))
+# K walks of at most this many tile steps are unrolled (qb.acc_rows STEPS); a launch setting
+# "UNROLL" overrides it (0: always a runtime loop).
+UNROLL = 16
 LAUNCH: dict[str, dict[str, dict[str, int]]] = {
     "default": {
-        "gemv:*:*": {"BR": 16, "NB": 4, "num_warps": 8, "SPLIT": 1},  # 256-element blocks (K-quants)
-        "gemv:*:S": {"BR": 8, "NB": 2, "num_warps": 4, "SPLIT": 4},  # few rows: split K
+        "gemv:*:*": {"BR": 8, "NB": 8, "num_warps": 4, "SPLIT": 1},  # 256-element blocks (K-quants)
+        "gemv:*:S": {"BR": 2, "NB": 8, "num_warps": 4, "SPLIT": 1},  # few rows: more, smaller programs
         "gemv:Q6_K:*": {"BR": 4, "NB": 2, "num_warps": 4, "SPLIT": 1},  # larger Q6_K tiles spill
-        "gemv:Q6_K:S": {"BR": 4, "NB": 2, "num_warps": 4, "SPLIT": 4},
-        "gemv:Q4_0:*": {"BR": 4, "NB": 8, "num_warps": 4, "SPLIT": 1},  # 32-element blocks
-        "gemv:Q8_0:*": {"BR": 4, "NB": 8, "num_warps": 4, "SPLIT": 1},
-        "gemv:Q4_0:S": {"BR": 4, "NB": 8, "num_warps": 4, "SPLIT": 4},
-        "gemv:Q8_0:S": {"BR": 4, "NB": 8, "num_warps": 4, "SPLIT": 4},
+        "gemv:Q4_0:*": {"BR": 4, "NB": 32, "num_warps": 4, "SPLIT": 1},  # 32-element blocks
+        "gemv:Q8_0:*": {"BR": 4, "NB": 32, "num_warps": 4, "SPLIT": 1},
+        "gemv:Q4_0:S": {"BR": 2, "NB": 32, "num_warps": 4, "SPLIT": 1},
+        "gemv:Q8_0:S": {"BR": 2, "NB": 32, "num_warps": 4, "SPLIT": 1},
     }
 }
 LAUNCH.update(json.loads((Path(__file__).with_name("triton_launch.json")).read_text()))
@@ -81,6 +84,7 @@ if triton is not None:
         W, OFFS, X, Y, R, n, row_bytes, nb, T,
         QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, PW: tl.constexpr, NPART: tl.constexpr,
         ALIGN: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr,
+        STEPS: tl.constexpr,
     ):  # fmt: skip
         """Y[s, p·BT + t, rows] = Σ over K-slice s of W_p[rows] · X[p·BT + t] (t < BT, p·BT + t < T)."""
         p = tl.program_id(1)
@@ -97,7 +101,7 @@ if triton is not None:
         if BT == 1:
             acc3 = tl.zeros([BR, NB, PW], dtype=tl.float32)  # summed once, after the K loop
             xrow = X + t0.to(tl.int64) * n
-            acc3 = qb.acc_rows(acc3, W, rowoff, rmask, kb0, kb1, xrow, 1.0, QT, TS, QK, PW, NPART, ALIGN, NB)
+            acc3 = qb.acc_rows(acc3, W, rowoff, rmask, kb0, kb1, xrow, 1.0, QT, TS, QK, PW, NPART, ALIGN, NB, STEPS)
             acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
             tl.store(Y + (s * T + t0).to(tl.int64) * R + rows, acc, mask=rmask)
         else:
@@ -123,12 +127,15 @@ def _run(pool, offsets, X, qtype, rows, n, bt, cfg) -> torch.Tensor:
     """Launch the GEMV kernel: X float32 [T, n] in groups of ``bt`` rows, one offset per group."""
     T = X.shape[0]
     g = qb.geometry(qtype)
-    split = max(1, min(cfg["SPLIT"], n // g["QK"]))
+    nb = n // g["QK"]
+    split = max(1, min(cfg["SPLIT"], nb))
     out = torch.empty((split, T, rows), dtype=torch.float32, device=X.device)
     grid = (triton.cdiv(rows, cfg["BR"]), offsets.shape[0], split)
+    per = triton.cdiv(triton.cdiv(nb, split), cfg["NB"]) * cfg["NB"]  # blocks per K slice (as the kernel)
     _gemv_kernel[grid](
-        pool, offsets, X, out, rows, n, block_format(qtype).row_bytes(n), n // g["QK"], T,
-        BR=cfg["BR"], NB=cfg["NB"], BT=bt, SPLIT=split, num_warps=cfg["num_warps"], **g,
+        pool, offsets, X, out, rows, n, block_format(qtype).row_bytes(n), nb, T,
+        BR=cfg["BR"], NB=cfg["NB"], BT=bt, SPLIT=split, STEPS=qb.steps(per, cfg["NB"], cfg.get("UNROLL", UNROLL)),
+        num_warps=cfg["num_warps"], **g,
     )  # fmt: skip
     return out[0] if split == 1 else out.sum(0)
 
@@ -150,8 +157,18 @@ def matmul(
     T = X.shape[0]
     bt = triton.next_power_of_2(T)
     cfg = cfg or launch("gemv", qtype, rows, device_name(X.device))
-    zero = torch.zeros(1, dtype=torch.int64, device=X.device)
-    return _run(raw.reshape(-1), zero, X.contiguous(), qtype, rows, n, bt, cfg)
+    return _run(raw.reshape(-1), zero_offset(X.device), X.contiguous(), qtype, rows, n, bt, cfg)
+
+
+_ZERO: dict[torch.device, torch.Tensor] = {}
+
+
+def zero_offset(device: torch.device) -> torch.Tensor:
+    """int64 [1] zero on ``device``, made once (a fresh one per call is a fill kernel per GEMV)."""
+    z = _ZERO.get(device)
+    if z is None:
+        z = _ZERO[device] = torch.zeros(1, dtype=torch.int64, device=device)
+    return z
 
 
 def gemv_reference(

@@ -28,19 +28,20 @@ from engine.models.layers import silu_mul
 from engine.quant.formats import QType, block_format
 from engine.runtime import triton_qblocks as qb
 from engine.runtime.tdequant import dequantize
-from engine.runtime.triton_gemv import LAUNCH, device_name, launch
+from engine.runtime.triton_gemv import LAUNCH, UNROLL, device_name, launch
 
 triton, tl = qb.triton, qb.tl
 
 LAUNCH["default"].update(
     {
-        "moe_gate_up:*:*": {"BR": 16, "NB": 4, "num_warps": 8},
-        "moe_gate_up:Q6_K:*": {"BR": 8, "NB": 2, "num_warps": 4},
+        "moe_gate_up:*:*": {"BR": 8, "NB": 8, "num_warps": 4},
+        "moe_gate_up:Q6_K:*": {"BR": 4, "NB": 2, "num_warps": 4},
         "moe_gate_up:Q4_0:*": {"BR": 8, "NB": 8, "num_warps": 4},
-        "moe_gate_up:Q8_0:*": {"BR": 8, "NB": 8, "num_warps": 4},
-        "moe_down:*:*": {"BR": 16, "NB": 4, "num_warps": 8, "KSPLIT": 4},
-        "moe_down:Q4_0:*": {"BR": 4, "NB": 8, "num_warps": 4, "KSPLIT": 4},
-        "moe_down:Q8_0:*": {"BR": 4, "NB": 8, "num_warps": 4, "KSPLIT": 4},
+        "moe_gate_up:Q8_0:*": {"BR": 4, "NB": 16, "num_warps": 4},
+        "moe_down:*:*": {"BR": 8, "NB": 4, "num_warps": 4, "KSPLIT": 8},
+        "moe_down:Q6_K:*": {"BR": 8, "NB": 1, "num_warps": 4, "KSPLIT": 8},
+        "moe_down:Q4_0:*": {"BR": 8, "NB": 8, "num_warps": 4, "KSPLIT": 4},
+        "moe_down:Q8_0:*": {"BR": 8, "NB": 8, "num_warps": 4, "KSPLIT": 1},
         "grouped:*:*": {"BR": 32, "NB": 1, "BT": 16, "num_warps": 4},  # larger tiles spill (sm_90 report)
         "grouped:Q4_0:*": {"BR": 32, "NB": 2, "BT": 16, "num_warps": 4},
         "grouped:Q8_0:*": {"BR": 32, "NB": 1, "BT": 16, "num_warps": 4},
@@ -60,7 +61,7 @@ if triton is not None:
         QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, PW: tl.constexpr, NPART: tl.constexpr,
         ALIGN: tl.constexpr,
         QTu: tl.constexpr, TSu: tl.constexpr, QKu: tl.constexpr, PWu: tl.constexpr, NPARTu: tl.constexpr,
-        ALIGNu: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
+        ALIGNu: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, STEPS: tl.constexpr, STEPSu: tl.constexpr,
     ):  # fmt: skip
         """H[q, rows] = SiLU(gate_q[rows]·x_t) · (up_q[rows]·x_t) for pair q = t·K + k (slot SLOT[q])."""
         q = tl.program_id(1)
@@ -73,12 +74,12 @@ if triton is not None:
             g3 = tl.zeros([BR, NB, PW], dtype=tl.float32)
             g3 = qb.acc_rows(
                 g3, W, base + go + rows.to(tl.int64) * g_row_bytes, rmask, 0, g_nb, xrow, 1.0,
-                QT, TS, QK, PW, NPART, ALIGN, NB,
+                QT, TS, QK, PW, NPART, ALIGN, NB, STEPS,
             )  # fmt: skip
             u3 = tl.zeros([BR, NB, PWu], dtype=tl.float32)
             u3 = qb.acc_rows(
                 u3, W, base + uo + rows.to(tl.int64) * u_row_bytes, rmask, 0, u_nb, xrow, 1.0,
-                QTu, TSu, QKu, PWu, NPARTu, ALIGNu, NB,
+                QTu, TSu, QKu, PWu, NPARTu, ALIGNu, NB, STEPSu,
             )  # fmt: skip
             g = tl.sum(tl.sum(g3, axis=2), axis=1)
             u = tl.sum(tl.sum(u3, axis=2), axis=1)
@@ -86,10 +87,24 @@ if triton is not None:
             tl.store(H + q.to(tl.int64) * F + rows, h, mask=rmask)
 
     @triton.jit
+    def _down_pair(acc3, W, SLOT, Hh, WT, t, k, rows, rmask, F, do, row_bytes, nb, K: tl.constexpr,
+                   QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, PW: tl.constexpr, NPART: tl.constexpr,
+                   ALIGN: tl.constexpr, NB: tl.constexpr, STEPS: tl.constexpr):  # fmt: skip
+        """acc3 += WT[t, k] · down_{t,k}[rows] · H[t·K + k] (nothing when k ≥ K or the pair has no slot)."""
+        q = t * K + k
+        slot = tl.load(SLOT + q, mask=k < K, other=-1)
+        wt = tl.load(WT + q, mask=k < K, other=0.0)
+        kb1 = tl.where(slot >= 0, nb, 0)
+        rowoff = tl.multiple_of(tl.maximum(slot, 0), 16) + do + rows.to(tl.int64) * row_bytes
+        return qb.acc_rows(
+            acc3, W, rowoff, rmask, 0, kb1, Hh + q.to(tl.int64) * F, wt, QT, TS, QK, PW, NPART, ALIGN, NB, STEPS
+        )
+
+    @triton.jit
     def _down_kernel(
-        W, SLOT, Hh, WT, Y, D, F, K, do, row_bytes, nb,
+        W, SLOT, Hh, WT, Y, D, F, do, row_bytes, nb, K: tl.constexpr,
         QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, PW: tl.constexpr, NPART: tl.constexpr,
-        ALIGN: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, KSPLIT: tl.constexpr,
+        ALIGN: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, KSPLIT: tl.constexpr, STEPS: tl.constexpr,
     ):  # fmt: skip
         """Y[g, t, rows] = Σ_k WT[t, k] · down_{t,k}[rows] · H[t·K + k] over the pairs with a slot, k in
         group g of KSPLIT groups of the k experts (the caller adds the groups: more programs, no atomics)."""
@@ -98,16 +113,18 @@ if triton is not None:
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rmask = rows < D
         acc3 = tl.zeros([BR, NB, PW], dtype=tl.float32)
-        per = tl.cdiv(K, KSPLIT)
-        for k in range(g * per, tl.minimum(g * per + per, K)):
-            q = t * K + k
-            slot = tl.load(SLOT + q)
-            if slot >= 0:
-                wt = tl.load(WT + q)
-                rowoff = tl.multiple_of(slot, 16) + do + rows.to(tl.int64) * row_bytes
-                acc3 = qb.acc_rows(
-                    acc3, W, rowoff, rmask, 0, nb, Hh + q.to(tl.int64) * F, wt, QT, TS, QK, PW, NPART, ALIGN, NB
-                )
+        PER: tl.constexpr = (K + KSPLIT - 1) // KSPLIT
+        # Masks instead of branches (a missing slot walks zero blocks); up to 4 experts a program the
+        # walk is unrolled, so with STEPS > 0 all of their weight loads can be in flight together
+        # (8 unrolled experts exhaust ptxas: 32 registers and spills on sm_90).
+        if PER <= 4:
+            for j in tl.static_range(PER):
+                acc3 = _down_pair(acc3, W, SLOT, Hh, WT, t, g * PER + j, rows, rmask, F, do, row_bytes, nb, K,
+                                  QT, TS, QK, PW, NPART, ALIGN, NB, STEPS)  # fmt: skip
+        else:
+            for j in range(PER):
+                acc3 = _down_pair(acc3, W, SLOT, Hh, WT, t, g * PER + j, rows, rmask, F, do, row_bytes, nb, K,
+                                  QT, TS, QK, PW, NPART, ALIGN, NB, STEPS)  # fmt: skip
         T = tl.num_programs(1)
         tl.store(Y + (g * T + t).to(tl.int64) * D + rows, tl.sum(tl.sum(acc3, axis=2), axis=1), mask=rmask)
 
@@ -163,18 +180,20 @@ def moe_decode(
     slots = slot_off.reshape(-1).contiguous()
     H = torch.empty((T * K, F), dtype=torch.float32, device=x.device)
     c = launch("moe_gate_up", gq, F * T * K, name)
+    g_nb, u_nb, lim = D // qb.GEOMETRY[gq][1], D // qb.GEOMETRY[uq][1], c.get("UNROLL", UNROLL)
     _gate_up_kernel[(triton.cdiv(F, c["BR"]), T * K)](
-        pool, slots, x.contiguous(), H, F, D, K, go, uo,
-        block_format(gq).row_bytes(D), block_format(uq).row_bytes(D), D // qb.GEOMETRY[gq][1], D // qb.GEOMETRY[uq][1],
-        BR=c["BR"], NB=c["NB"], num_warps=c["num_warps"], **_geo(gq), **_geo(uq, "u"),
+        pool, slots, x.contiguous(), H, F, D, K, go, uo, block_format(gq).row_bytes(D), block_format(uq).row_bytes(D),
+        g_nb, u_nb, BR=c["BR"], NB=c["NB"], STEPS=qb.steps(g_nb, c["NB"], lim), STEPSu=qb.steps(u_nb, c["NB"], lim),
+        num_warps=c["num_warps"], **_geo(gq), **_geo(uq, "u"),
     )  # fmt: skip
     c = launch("moe_down", dq, D * T, name)
     ks = max(1, min(c.get("KSPLIT", 1), K))
     Y = torch.empty((ks, T, D), dtype=torch.float32, device=x.device)
+    d_nb = F // qb.GEOMETRY[dq][1]
     _down_kernel[(triton.cdiv(D, c["BR"]), T, ks)](
-        pool, slots, H, weights.to(torch.float32).contiguous(), Y, D, F, K, do,
-        block_format(dq).row_bytes(F), F // qb.GEOMETRY[dq][1],
-        BR=c["BR"], NB=c["NB"], KSPLIT=ks, num_warps=c["num_warps"], **_geo(dq),
+        pool, slots, H, weights.to(torch.float32).contiguous(), Y, D, F, do, block_format(dq).row_bytes(F), d_nb,
+        K=K, BR=c["BR"], NB=c["NB"], KSPLIT=ks, STEPS=qb.steps(d_nb, c["NB"], c.get("UNROLL", UNROLL)),
+        num_warps=c["num_warps"], **_geo(dq),
     )  # fmt: skip
     return Y[0] if ks == 1 else Y.sum(0)
 

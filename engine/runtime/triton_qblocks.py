@@ -135,17 +135,42 @@ if triton is not None:
         return boff, rmask[:, None] & (b < nb_end)[None, :]
 
     @triton.jit
+    def _acc_step(acc3, W, rowoff, rmask, b0, kb1, xrow, xscale,
+                  QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, PW: tl.constexpr, NPART: tl.constexpr,
+                  ALIGN: tl.constexpr, NB: tl.constexpr):  # fmt: skip
+        """acc3 += blocks b0 … b0+NB-1 (those < kb1) of the rows at rowoff times xscale·xrow."""
+        l = tl.arange(0, PW)
+        b = b0 + tl.arange(0, NB)
+        boff, m2 = block_offsets(rowoff, b, kb1, rmask, TS, ALIGN)
+        for i in tl.static_range(NPART):
+            w = part(W, boff, m2, QT, i, PW)  # [BR, NB, PW]
+            xv = tl.load(xrow + b[:, None] * QK + i * PW + l[None, :], mask=(b < kb1)[:, None], other=0.0)
+            acc3 += w * (xv * xscale)[None, :, :]
+        return acc3
+
+    @triton.jit
     def acc_rows(acc3, W, rowoff, rmask, kb0, kb1, xrow, xscale,
                  QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, PW: tl.constexpr, NPART: tl.constexpr,
-                 ALIGN: tl.constexpr, NB: tl.constexpr):  # fmt: skip
+                 ALIGN: tl.constexpr, NB: tl.constexpr, STEPS: tl.constexpr):  # fmt: skip
         """acc3 [BR, NB, PW] += the rows at rowoff [BR] over blocks [kb0, kb1) times xscale·xrow, element-wise
-        (sum acc3 over its last two axes for the dot products; one reduction after all K is cheaper)."""
-        l = tl.arange(0, PW)
-        for b0 in range(kb0, kb1, NB):
-            b = b0 + tl.arange(0, NB)
-            boff, m2 = block_offsets(rowoff, b, kb1, rmask, TS, ALIGN)
-            for i in tl.static_range(NPART):
-                w = part(W, boff, m2, QT, i, PW)  # [BR, NB, PW]
-                xv = tl.load(xrow + b[:, None] * QK + i * PW + l[None, :], mask=(b < kb1)[:, None], other=0.0)
-                acc3 += w * (xv * xscale)[None, :, :]
+        (sum acc3 over its last two axes for the dot products; one reduction after all K is cheaper).
+
+        STEPS > 0: the caller knows kb1 - kb0 ≤ STEPS·NB and the walk is unrolled — straight-line code,
+        so every step's loads can be in flight at once (a decode GEMV is latency-bound: a runtime loop
+        waits for memory once per step). STEPS = 0: a runtime loop (long rows)."""
+        if STEPS == 0:
+            for b0 in range(kb0, kb1, NB):
+                acc3 = _acc_step(acc3, W, rowoff, rmask, b0, kb1, xrow, xscale, QT, TS, QK, PW, NPART, ALIGN, NB)
+        else:
+            for j in tl.static_range(STEPS):
+                acc3 = _acc_step(
+                    acc3, W, rowoff, rmask, kb0 + j * NB, kb1, xrow, xscale, QT, TS, QK, PW, NPART, ALIGN, NB
+                )
         return acc3
+
+
+def steps(blocks: int, nb_tile: int, limit: int = 16) -> int:
+    """The STEPS constexpr for a walk over ``blocks`` blocks ``nb_tile`` at a time: unrolled up to
+    ``limit`` steps, else 0 (a runtime loop)."""
+    s = -(-blocks // nb_tile)
+    return s if s <= limit else 0

@@ -163,6 +163,17 @@ def trunk_workload(qtype: QType, kind: str, reference: bool = True) -> dict:
 WORKLOADS = ("moe", "q", "o", "kv")
 
 
+def copy_floor_us(nbytes: int) -> float:
+    """µs per launch of a plain device copy moving ``nbytes`` (nbytes/2 read + nbytes/2 written), one
+    copy per distinct ≥ 1 GB-rotating buffer in a CUDA graph: what one launch of that traffic costs at
+    best on this GPU (launch, ramp-up and tail included) — the practical ceiling for a kernel's GB/s."""
+    half = max(16, nbytes // 2 // 16 * 16)
+    copies = max(48, math.ceil(GB / half))
+    src = torch.empty((copies, half), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return _graph_us([lambda i=i: dst[i].copy_(src[i]) for i in range(copies)])[0]
+
+
 def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS) -> dict:
     bw = measure_bandwidth()
     rep = {"device": torch.cuda.get_device_name(), "bandwidth_gb_s": bw, "types": {}}
@@ -174,6 +185,8 @@ def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS) -> dict:
             v["gb_s"] = v["bytes"] / (v["graph_us"] / 1e6) / GB
             v["fraction"] = v["gb_s"] / bw
             v["speedup"] = v["reference_us"] / v["eager_us"]
+            v["copy_us"] = copy_floor_us(v["bytes"])
+            v["copy_fraction"] = v["bytes"] / (v["copy_us"] / 1e6) / GB / bw
             r[wl] = v
         rep["types"][q.name] = r
     return rep
@@ -181,12 +194,16 @@ def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS) -> dict:
 
 def report_lines(rep: dict) -> list[str]:
     lines = [f"{rep['device']}: measured copy bandwidth {rep['bandwidth_gb_s']:.0f} GB/s (read + write)"]
-    lines.append("type  workload  graph us  GB/s (of bw)   eager us  torch ref us  speedup(eager)  distinct weights")
+    lines.append(
+        "type  workload  graph us  GB/s (of bw)   eager us  torch ref us  speedup(eager)  distinct weights"
+        "  copy us (of bw)"
+    )
     for t, r in rep["types"].items():
         for wl, v in r.items():
             lines.append(
                 f"{t:<5} {wl:<8} {v['graph_us']:9.1f}  {v['gb_s']:6.0f} ({v['fraction']:4.0%})  {v['eager_us']:8.1f}"
                 f"  {v['reference_us']:12.1f}  {v['speedup']:13.1f}x  {v['layers'] * v['bytes'] / GB:.2f} GB"
+                f"  {v['copy_us']:7.1f} ({v['copy_fraction']:4.0%})"
             )
     return lines
 
@@ -194,11 +211,11 @@ def report_lines(rep: dict) -> list[str]:
 # -- the launch-settings sweep -----------------------------------------------------------------
 def _candidates(kernel: str, qtype: QType, cls: str) -> list[dict]:
     small_blocks = qtype in (QType.Q4_0, QType.Q8_0)
-    nbs = (4, 8, 16) if small_blocks else (1, 2, 4)
-    out = [{"BR": br, "NB": nb, "num_warps": 4} for br in (4, 8, 16, 32) for nb in nbs[:2]]
-    out += [{"BR": 16, "NB": nbs[2], "num_warps": 8}, {"BR": 32, "NB": nbs[1], "num_warps": 8}]
+    nbs = (8, 16, 32) if small_blocks else ((1, 2, 4) if qtype == QType.Q6_K else (2, 4, 8))
+    out = [{"BR": br, "NB": nb, "num_warps": 4} for br in (2, 4, 8, 16) for nb in nbs]
+    out += [{"BR": 16, "NB": nbs[1], "num_warps": 8}]
     if kernel == "moe_down":  # how many groups of the k experts run side by side
-        base = [(4, nbs[1], 4), (8, nbs[0], 4), (8, nbs[1], 4), (16, nbs[1], 4), (16, nbs[2], 8)]
+        base = [(4, nbs[1], 4), (8, nbs[0], 4), (8, nbs[1], 4), (8, nbs[2], 4), (16, nbs[1], 8)]
         return [{"BR": br, "NB": nb, "num_warps": w, "KSPLIT": ks} for br, nb, w in base for ks in (1, 2, 4, 8)]
     if kernel == "gemv":
         for c in out:

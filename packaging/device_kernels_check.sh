@@ -11,7 +11,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 [ -d .devwheels ] && python3 -m pip install -q --no-deps .devwheels/*.whl
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 S=$(date +%s)
-timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W ignore::DeprecationWarning \
+timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W ignore::DeprecationWarning \
   tests/test_triton_gemv.py tests/test_triton_moe.py tests/test_runtime.py -k "cuda and (triton or moe or quantized)" \
   --durations=0 2>&1 | tail -25 | tee "$OUT/tests.txt"
 echo "tests: $(( $(date +%s) - S )) s"

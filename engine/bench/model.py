@@ -43,33 +43,18 @@ def write_bench_model(path, name: str, weight_type: str = "Q4_K", seed: int = 0)
     """
     from pathlib import Path
 
-    from gguf import GGUFWriter
-
     from engine.synth.encode import parse_qtype, plan_types
     from engine.synth.fill import fill_random_blocks
-    from engine.synth.metadata import write_hparams
+    from engine.synth.geometry import write_sparse
     from engine.synth.specs import make_spec, tensor_layout
-    from engine.synth.tokenizer import build_vocab, write_tokenizer
+    from engine.synth.tokenizer import build_vocab
 
     arch, geometry = BENCH_GEOMETRIES[name]
     spec = make_spec(arch, **geometry)
     plans = plan_types(tensor_layout(spec), weight_type)
     path = Path(path)
-    w = GGUFWriter(path, arch)
-    write_hparams(w, spec, name=f"benchmark {name}", file_type=parse_qtype(weight_type))
-    write_tokenizer(w, build_vocab("bpe", spec.vocab, None))
-    end = 0
-    for p in plans:
-        w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), p.nbytes, raw_dtype=p.qtype)
-        end += GGUFWriter.ggml_pad(p.nbytes, w.data_alignment)
-    w.write_header_to_file(path)
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    assert w.fout is not None
-    f = w.fout[0]
-    f.flush()
-    f.truncate(GGUFWriter.ggml_pad(f.tell(), w.data_alignment) + end)
-    w.close()
+    vocab = build_vocab("bpe", spec.vocab, None)
+    write_sparse(path, spec, plans, vocab, f"benchmark {name}", parse_qtype(weight_type))
     fill_random_blocks(path, seed=seed)
     return path
 

@@ -363,13 +363,11 @@ PROBE_CTX = 64
 def write_probe(path, arch: str, layers: int) -> Path:
     """A tiny random-block GGUF (Q4_K matrices) of ``arch`` with ``layers`` layers, in well under
     a second (no quantization: random blocks with fixed scale fields)."""
-    from gguf import GGUFWriter
-
     from engine.synth.encode import parse_qtype, plan_types
     from engine.synth.fill import fill_random_blocks
-    from engine.synth.metadata import write_hparams
+    from engine.synth.geometry import write_sparse
     from engine.synth.specs import make_spec, tensor_layout
-    from engine.synth.tokenizer import build_vocab, write_tokenizer
+    from engine.synth.tokenizer import build_vocab
 
     logging.getLogger("gguf").setLevel(logging.WARNING)  # its writer logs every file at INFO
     geo = dict(PROBE_GEOMETRY, layers=layers)
@@ -379,21 +377,8 @@ def write_probe(path, arch: str, layers: int) -> Path:
     spec = make_spec(arch, **geo)
     plans = plan_types(tensor_layout(spec), "Q4_K")
     path = Path(path)
-    w = GGUFWriter(path, arch)
-    write_hparams(w, spec, name=f"calibration probe {arch} {layers}", file_type=parse_qtype("Q4_K"))
-    write_tokenizer(w, build_vocab("bpe", spec.vocab, None))
-    end = 0
-    for p in plans:
-        w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), p.nbytes, raw_dtype=p.qtype)
-        end += GGUFWriter.ggml_pad(p.nbytes, w.data_alignment)
-    w.write_header_to_file(path)
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    assert w.fout is not None
-    f = w.fout[0]
-    f.flush()
-    f.truncate(GGUFWriter.ggml_pad(f.tell(), w.data_alignment) + end)
-    w.close()
+    name = f"calibration probe {arch} {layers}"
+    write_sparse(path, spec, plans, build_vocab("bpe", spec.vocab, None), name, parse_qtype("Q4_K"))
     fill_random_blocks(path, seed=0)
     return path
 

@@ -126,6 +126,31 @@ class GeometryFile:
         return sum(p.nbytes for p in self.tensors)
 
 
+def write_sparse(
+    path: Path, spec: SynthSpec, plans: list[TensorPlan], vocab: Vocab, name: str, file_type: QType
+) -> tuple[int, int]:
+    """Write a GGUF's header, metadata, tokenizer and tensor table for ``plans``, and size the file
+    so the data region is a hole (no blocks allocated; ``engine.synth.fill`` can fill it).
+    Returns (data offset, end of data) in bytes."""
+    w = GGUFWriter(path, spec.arch)
+    write_hparams(w, spec, name=name, file_type=file_type)
+    write_tokenizer(w, vocab)
+    size = 0
+    for p in plans:
+        w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), p.nbytes, raw_dtype=p.qtype)
+        size += GGUFWriter.ggml_pad(p.nbytes, w.data_alignment)
+    w.write_header_to_file(path)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    assert w.fout is not None
+    f = w.fout[0]
+    f.flush()
+    data_offset = GGUFWriter.ggml_pad(f.tell(), w.data_alignment)
+    f.truncate(data_offset + size)  # the hole
+    w.close()
+    return data_offset, data_offset + size
+
+
 def write_geometry(path: str | os.PathLike, model_name: str) -> GeometryFile:
     """Write the geometry-only GGUF of ``model_name`` (a key of :data:`GEOMETRIES`) to ``path``."""
     key = model_name.lower()
@@ -138,20 +163,6 @@ def write_geometry(path: str | os.PathLike, model_name: str) -> GeometryFile:
     vocab = build_vocab(model.tokenizer, spec.vocab, model.pre)
 
     path = Path(path)
-    w = GGUFWriter(path, spec.arch)
-    write_hparams(w, spec, name=f"{model.title} (geometry only, no weights)", file_type=QType.Q4_K)
-    write_tokenizer(w, vocab)
-    end = 0
-    for p in plans:
-        w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), p.nbytes, raw_dtype=p.qtype)
-        end += GGUFWriter.ggml_pad(p.nbytes, w.data_alignment)
-    w.write_header_to_file(path)
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    assert w.fout is not None
-    f = w.fout[0]
-    f.flush()
-    data_offset = GGUFWriter.ggml_pad(f.tell(), w.data_alignment)
-    f.truncate(data_offset + end)  # the hole: no blocks allocated for the data region
-    w.close()
-    return GeometryFile(path, model, tuple(plans), vocab, data_offset, data_offset + end)
+    name = f"{model.title} (geometry only, no weights)"
+    data_offset, end = write_sparse(path, spec, plans, vocab, name, QType.Q4_K)
+    return GeometryFile(path, model, tuple(plans), vocab, data_offset, end)

@@ -133,9 +133,9 @@ def end_of_prompt(n_tokens: int) -> None:
     to glibc's heap, which it would otherwise keep: ~0.3 GB after a 512-token prompt here)."""
     if n_tokens < PROMPT_SCRATCH_TOKENS:
         return
-    from engine.kernels.grouped import release_scratch
+    from engine.kernels import scratch
 
-    release_scratch()
+    scratch.release()
     _malloc_trim()
 
 

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import numpy as np
 from numba import njit, prange
 
+from engine.kernels import scratch
 from engine.kernels.prepare import PreparedWeight
 from engine.quant.formats import QType
 
@@ -37,7 +38,9 @@ PREFILL_TYPES = (QType.Q4_0, QType.Q5_0, QType.Q4_K, QType.Q5_K)
 
 @njit(cache=True, nogil=True, inline="always")
 def _store(f, out, at, m):
-    """out[at:at+m] = f[:m]."""
+    """out[at:at+m] = f[:m]. Blocks are decoded into a local array first: LLVM then knows the
+    stores do not alias the weight bytes and vectorizes the decode (writing straight into ``out``
+    measured 2-3x slower for Q4_K/Q6_K; so did one kernel for Q4_K and Q5_K with a flag)."""
     for i in range(m):
         out[at + i] = f[i]
 
@@ -224,7 +227,7 @@ def matmul(w: PreparedWeight, X: np.ndarray) -> np.ndarray:
     Xt = torch.from_numpy(np.ascontiguousarray(X, dtype=np.float32))
     y = np.empty((X.shape[0], R), np.float32)
     Y = torch.from_numpy(y)
-    buf = np.empty((min(R, ROW_BLOCK), w.n), np.float32)
+    buf = scratch.buffer("dequant", min(R, ROW_BLOCK) * w.n).reshape(-1, w.n)
     with bf16_products():
         for r0 in range(0, R, ROW_BLOCK):
             r1 = min(R, r0 + ROW_BLOCK)

@@ -20,12 +20,10 @@ with numpy references ``bucket_by_expert_ref`` and ``grouped_moe_ffn_ref`` besid
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 from numba import njit, prange
 
-from engine.kernels import bf16
+from engine.kernels import bf16, scratch
 from engine.kernels.kquants import _dot4_q4_k_q8, _dot4_q5_k_q8, _dot4_q6_k_q8
 from engine.kernels.legacy import _dot4_q4_0_q8, _dot4_q5_0_q8, _dot4_q8_0_q8
 from engine.kernels.moe_fused import FUSED_TYPES, _row_q8, quantize_for
@@ -261,25 +259,6 @@ def _check(gate: PreparedWeight, up: PreparedWeight, down: PreparedWeight, X, id
         raise IndexError(f"expert ids must lie in [0, {E})")
 
 
-_local = threading.local()
-
-
-def _scratch(n: int, name: str = "pairs") -> np.ndarray:
-    """A float32 [n] buffer of this thread's, one per ``name``, grown on demand and reused: a
-    fresh 32 MB array per prefill layer costs ~8,000 page faults (each page zeroed by the kernel)
-    on every call."""
-    bufs = _local.__dict__.setdefault("bufs", {})
-    buf = bufs.get(name)
-    if buf is None or buf.size < n:
-        buf = bufs[name] = np.empty(n, np.float32)
-    return buf[:n]
-
-
-def release_scratch() -> None:
-    """Free this thread's scratch buffers (after a prompt: decode does not use them)."""
-    _local.__dict__.pop("bufs", None)
-
-
 def fused_grouped(gate: PreparedWeight, up: PreparedWeight, down: PreparedWeight, q8_act: bool) -> bool:
     """Whether the fused grouped kernels serve these stacks (else the per-expert gather path)."""
     return q8_act and gate.qtype == up.qtype and gate.qtype in FUSED_TYPES and down.qtype in FUSED_TYPES
@@ -309,7 +288,7 @@ def grouped_moe_ffn(
     T, K = ids.shape
     offsets, pairs = bucket_by_expert(ids, gate.n_experts)
     if fused_grouped(gate, up, down, q8_act):
-        o = _scratch(T * K * down.rows).reshape(T * K, down.rows)  # o[t·K + k]: pair (t, k)'s output
+        o = scratch.buffer("pairs", T * K * down.rows).reshape(T * K, down.rows)  # o[t·K + k]: pair (t, k)'s output
         counts = np.diff(offsets)
         big = np.zeros(gate.n_experts, np.uint8)  # experts with enough tokens for the bf16 units
         if all(bf16.usable(w.qtype, q8_act) for w in (gate, up, down)):
@@ -334,8 +313,8 @@ def _bf16_experts(gate, up, down, X, offsets, pairs, K, experts, o) -> None:
 
     F, D = gate.rows, down.rows
     Xt = torch.from_numpy(X)
-    gu = _scratch(2 * F * gate.n, "gate_up").reshape(2 * F, gate.n)
-    dn = _scratch(D * down.n, "down").reshape(D, down.n)
+    gu = scratch.buffer("gate_up", 2 * F * gate.n).reshape(2 * F, gate.n)
+    dn = scratch.buffer("down", D * down.n).reshape(D, down.n)
     with bf16.bf16_products():
         for e in experts:
             p = pairs[offsets[e] : offsets[e + 1]]

@@ -14,24 +14,12 @@ pytest.importorskip("triton")
 
 SCRIPT = r"""
 import sys, numpy as np, torch
-from engine.quant import QType, quantize
+from engine.quant import QType
 from engine.runtime import triton_gemv as tg
 dev, big = sys.argv[1], sys.argv[2] == "big"
 rng = np.random.default_rng(0)
 
-def blocks(q, rows, n, dev, gen):
-    # quantized Gaussians (engine.quant.quantize) for small shapes; for big ones random block bytes
-    # with random realistic scale fields (numpy quantization of trunk-sized matrices takes minutes)
-    if rows * n <= 1 << 18:
-        return torch.from_numpy(quantize(gen.standard_normal((rows, n)).astype(np.float32) / np.sqrt(n), q)).to(dev)
-    from engine.quant.formats import block_format
-    f = block_format(q)
-    raw = torch.from_numpy(gen.integers(0, 256, rows * f.row_bytes(n), dtype=np.uint8)).to(dev).view(-1, f.type_size)
-    d = torch.from_numpy((gen.random(raw.shape[0]) + 0.5).astype(np.float16) / np.float16(30 * np.sqrt(n))).to(dev)
-    at = {"Q6_K": (208,)}.get(q.name, (0, 2) if q.name in ("Q4_K", "Q5_K") else (0,))
-    for o in at:
-        raw[:, o : o + 2] = d.view(torch.uint8).view(-1, 2)
-    return raw.reshape(rows, -1)
+from tests.triton_data import blocks
 
 # Awkward shapes: rows not a multiple of any tile, K = 256·odd; big: trunk-sized (CUDA only).
 shapes = ((37, 768), (5, 256)) if not big else ((4096, 2048), (517, 2304), (2048, 4096))

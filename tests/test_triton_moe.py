@@ -23,19 +23,7 @@ rng = np.random.default_rng(1)
 if dev == "cpu":  # the interpreter runs programs one by one: fewer, larger tiles keep it quick
     tg.LAUNCH[""] = {"moe_gate_up:*:*": {"BR": 16, "NB": 4, "num_warps": 4}}
 
-def blocks(q, rows, n, dev, gen):
-    # quantized Gaussians (engine.quant.quantize) for small shapes; for big ones random block bytes
-    # with random realistic scale fields (numpy quantization of trunk-sized matrices takes minutes)
-    if rows * n <= 1 << 18:
-        return torch.from_numpy(quantize(gen.standard_normal((rows, n)).astype(np.float32) / np.sqrt(n), q)).to(dev)
-    from engine.quant.formats import block_format
-    f = block_format(q)
-    raw = torch.from_numpy(gen.integers(0, 256, rows * f.row_bytes(n), dtype=np.uint8)).to(dev).view(-1, f.type_size)
-    d = torch.from_numpy((gen.random(raw.shape[0]) + 0.5).astype(np.float16) / np.float16(30 * np.sqrt(n))).to(dev)
-    at = {"Q6_K": (208,)}.get(q.name, (0, 2) if q.name in ("Q4_K", "Q5_K") else (0,))
-    for o in at:
-        raw[:, o : o + 2] = d.view(torch.uint8).view(-1, 2)
-    return raw.reshape(rows, -1)
+from tests.triton_data import blocks
 
 
 def pool_of(types, F, D, E):

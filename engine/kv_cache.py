@@ -22,6 +22,17 @@ def resolve_kv_type(kv_type: str | None) -> str:
     return planner_resolve_kv_type(kv_type, os.environ)
 
 
+def _q8_0_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float32 [T, width] -> (int8 codes [T, width], fp16 scales [T, width/32]) as ggml's
+    quantize_row_q8_0_ref (d = amax/127, codes round(x/d))."""
+    T = x.shape[0]
+    xb = x.reshape(T, -1, 32)
+    amax = xb.abs().amax(dim=-1)  # [T, nb]
+    d = (amax / 127).to(torch.float16)
+    iscale = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return torch.round(xb * iscale[..., None]).clamp(-127, 127).to(torch.int8).reshape(T, -1), d
+
+
 class _Store:
     """One tensor of the cache ([n_ctx, width]) in the chosen dtype."""
 
@@ -39,12 +50,19 @@ class _Store:
         if self.kv_type != "q8_0":
             self.q[start : start + T] = x.to(self.q.dtype)
             return
-        xb = x.reshape(T, -1, 32)
-        amax = xb.abs().amax(dim=-1)  # [T, nb]
-        d = (amax / 127).to(torch.float16)
-        iscale = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-        self.q[start : start + T] = torch.round(xb * iscale[..., None]).clamp(-127, 127).to(torch.int8).reshape(T, -1)
+        q, d = _q8_0_rows(x)
+        self.q[start : start + T] = q
         self.d[start : start + T] = d
+
+    def write_at(self, pos: torch.Tensor, x: torch.Tensor) -> None:
+        """x [T, width] f32 at the positions in the device tensor ``pos`` int64 [T] (no host
+        sync: the write a CUDA graph captures), rounded as :meth:`write`."""
+        if self.kv_type != "q8_0":
+            self.q.index_copy_(0, pos, x.to(self.q.dtype))
+            return
+        q, d = _q8_0_rows(x)
+        self.q.index_copy_(0, pos, q)
+        self.d.index_copy_(0, pos, d)
 
     def read(self, end: int) -> torch.Tensor:  # [end, width] f32
         if self.kv_type != "q8_0":
@@ -94,6 +112,16 @@ class KVCache:
         self.k[layer].write(start, k)
         self.v[layer].write(start, v)
         return self.k[layer].read(end), self.v[layer].read(end)
+
+    def update_at(
+        self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [T, kv_dim] at the device positions ``pos`` int64 [T] and return the first
+        ``length`` positions of K and V [length, kv_dim] (f32). No bounds check against the host
+        position (the caller checks the context before a graph replay)."""
+        self.k[layer].write_at(pos, k)
+        self.v[layer].write_at(pos, v)
+        return self.k[layer].read(length), self.v[layer].read(length)
 
     @property
     def nbytes(self) -> int:

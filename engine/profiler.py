@@ -99,6 +99,18 @@ class ExpertProfiler:
             self.calls[layer] += counts
             self.heat[layer] += counts
 
+    def record_routes(self, layers: np.ndarray, ids: np.ndarray, hits: bool = False) -> None:
+        """One token's routes in many layers at once (the decode graph's record, flushed per step):
+        ids int [len(layers), K] are the experts layer ``layers[j]`` chose; ``hits``: every one was
+        served from the device pool (resident), counted as a hit as well as a call."""
+        flat = (np.asarray(layers, np.int64)[:, None] * self.calls.shape[1] + np.asarray(ids, np.int64)).reshape(-1)
+        counts = np.bincount(flat, minlength=self.calls.size).reshape(self.calls.shape)
+        with self._lock:
+            self.calls += counts
+            self.heat += counts
+            if hits:
+                self.hits += counts
+
     def record_cache(self, layer: int, hit_ids: np.ndarray, miss_ids: np.ndarray, uploaded: dict[int, int]) -> None:
         """Experts served from the device (hit) or not (miss) in this pass, and bytes uploaded per expert."""
         with self._lock:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from engine import ops
+from engine.errors import UsageError
 from engine.experts import CpuExperts, ExpertBackend, ExpertStacks
 from engine.kv_cache import KVCache
 from engine.models.args import ModelArgs
@@ -30,6 +31,9 @@ class DecoderModel:
         self.embed = Embedding(w.gf.tensor("token_embd.weight"))
         host_experts = experts or (CpuExperts(self.expert_stacks(), q8_act=w.q8_act) if args.is_moe else None)
         L = args.n_layer
+        # The one-token step as a CUDA graph (engine.runtime.graph_decode.GraphDecode), set by the
+        # runtime for placements wholly on one device; dropped by every configure.
+        self.decode_graph = None
         self.configure([w] * L, [HOST] * L, {i: host_experts for i in range(L)} if host_experts else {}, w)
 
     def make_layer(self, i: int):
@@ -50,6 +54,7 @@ class DecoderModel:
 
         out_weights: where the output norm and matrix live; rope_weights: the device weights
         source for ``rope_freqs`` when any layer is on a device."""
+        self.decode_graph = None  # its buffers and graphs belong to the previous layers
         self._layer_w, self.devices, self._backends = list(layer_weights), list(devices), dict(backends)
         for b in {id(b): b for b in self._backends.values()}.values():
             b.profiler = self.profiler
@@ -94,6 +99,13 @@ class DecoderModel:
         tokens = np.asarray(tokens, dtype=np.int64)
         T = len(tokens)
         self.profiler.begin_step()
+        if T == 1 and self.decode_graph is not None:
+            if start + 1 > cache.n_ctx:
+                raise UsageError(f"context full: position {start + 1} exceeds the context of {cache.n_ctx}")
+            logits = self.decode_graph.step(self.embed(tokens), start, cache)
+            if logits is not None:  # None: this cache is not the device's (the eager path serves)
+                self.profiler.end_step(1)
+                return logits
         x = self.embed(tokens)  # [T, D] host
         positions = np.arange(start, start + T)
         ropes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -15,7 +15,7 @@ from engine.experts import ExpertBackend
 from engine.kv_cache import KVCache
 from engine.models.args import ModelArgs
 from engine.models.host import HostMoEStep, attention_rows, qk_norm_rope_rows, rms_norm_rows, route_rows
-from engine.models.layers import apply_rope, attention, rms_norm, route_softmax_topk, silu_mul
+from engine.models.layers import apply_rope, attention, attention_static, rms_norm, route_softmax_topk, silu_mul
 from engine.models.weights import Linear, Weights
 
 _QK_NORM = {None: 0, "head": 1, "proj": 2}
@@ -60,7 +60,8 @@ class Attention:
             self._norms = (_np(self.q_norm), _np(self.k_norm))
             self._bias = tuple(_np(b.bias) if b.bias is not None else None for b in (self.wq, self.wk, self.wv))
 
-    def __call__(self, x: torch.Tensor, start: int, cache: KVCache, cos, sin) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] (normed) -> q [T, H, hd], k [T, Hkv, hd] (normed, rotated), v [T, Hkv*hd]."""
         a, T = self.a, x.shape[0]
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # [T, H*hd], [T, Hkv*hd] x2
         if self.qk_norm == "proj":  # OLMoE: over the whole projection
@@ -69,9 +70,23 @@ class Attention:
         k = k.reshape(T, a.n_head_kv, a.head_dim)
         if self.qk_norm == "head":  # Qwen3: per head
             q, k = rms_norm(q, self.q_norm, a.rms_eps), rms_norm(k, self.k_norm, a.rms_eps)
-        q, k = apply_rope(q, cos, sin, a.rope_neox), apply_rope(k, cos, sin, a.rope_neox)
+        return apply_rope(q, cos, sin, a.rope_neox), apply_rope(k, cos, sin, a.rope_neox), v
+
+    def __call__(self, x: torch.Tensor, start: int, cache: KVCache, cos, sin) -> torch.Tensor:
+        a, T = self.a, x.shape[0]
+        q, k, v = self._project(x, cos, sin)
         K, V = cache.update(self.i, start, k.reshape(T, -1), v)
         o = attention(q, K.reshape(-1, a.n_head_kv, a.head_dim), V.reshape(-1, a.n_head_kv, a.head_dim), start)
+        return self.wo(o)
+
+    def decode_static(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, length: int, cos, sin) -> torch.Tensor:
+        """One token x [1, D] (normed) at the device position ``pos`` int64 [1], attending over a
+        static ``length`` of the cache (later positions masked): no host sync, graph-capturable."""
+        a = self.a
+        q, k, v = self._project(x, cos, sin)
+        K, V = cache.update_at(self.i, pos, k.reshape(1, -1), v, length)
+        shape = (length, a.n_head_kv, a.head_dim)
+        o = attention_static(q, K.reshape(shape), V.reshape(shape), pos)
         return self.wo(o)
 
     def forward_host(self, h: np.ndarray, start: int, cache: KVCache, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -134,7 +149,18 @@ class MoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = route_softmax_topk(self.router(x), self.k, self.renormalise)  # [T, K] x2
         self.last_ids = ids
-        y = self.experts.forward(self.i, x, ids, weights)  # [T, D]
+        return self._plus_shared(x, self.experts.forward(self.i, x, ids, weights))  # [T, D]
+
+    def decode_static(self, x: torch.Tensor, route: torch.Tensor | None = None) -> torch.Tensor:
+        """One token x [1, D] with routing kept on the device (graph-capturable): the backend's
+        ``forward_static`` (the resident pool: slots looked up on the device). ``route`` int64 [K]:
+        where to write the chosen ids (the graph's profiler record)."""
+        ids, weights = route_softmax_topk(self.router(x), self.k, self.renormalise)  # [1, K] x2
+        if route is not None:
+            route.copy_(ids[0])
+        return self._plus_shared(x, self.experts.forward_static(self.i, x, ids, weights))
+
+    def _plus_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.shared is not None:
             s = self.shared(x)
             if self.shared_gate is not None:
@@ -187,6 +213,16 @@ class DecoderLayer:
             return torch.from_numpy(self.forward_host(X, start, cache, c, s))
         x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), start, cache, cos, sin)
         return x + self.ffn(rms_norm(x, self.ffn_norm, self.eps))
+
+    def decode_static(
+        self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, length: int, cos, sin, route=None
+    ) -> torch.Tensor:
+        """One token x [1, D] at the device position ``pos`` int64 [1] over a static cache
+        ``length``, every step on x's device (no host sync): what a decode CUDA graph captures.
+        ``route`` int64 [K] receives a MoE layer's expert ids."""
+        x = x + self.attn.decode_static(rms_norm(x, self.attn_norm, self.eps), pos, cache, length, cos, sin)
+        h = rms_norm(x, self.ffn_norm, self.eps)
+        return x + (self.ffn.decode_static(h, route) if isinstance(self.ffn, MoE) else self.ffn(h))
 
     def forward_host(self, x: np.ndarray, start: int, cache: KVCache, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """x float32 [T, D] -> [T, D] through the numba host twins; cos, sin float32 [T, rope_dim/2]."""

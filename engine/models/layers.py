@@ -69,6 +69,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> 
     return out.permute(2, 0, 1, 3).reshape(T, H * hd)
 
 
+def attention_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+    """:func:`attention` for one query over a static length (CUDA graphs): positions > qpos masked.
+
+    q [1, H, hd] at the device position qpos (int64 [1]); k, v [L, Hkv, hd] for positions 0..L-1
+    (L ≥ qpos + 1, rows past qpos may hold anything finite). Returns [1, H*hd]. The masked
+    positions add exact zeros to the softmax and to probs·V, so this equals :func:`attention`
+    over the first qpos + 1 positions up to the order of float32 sums.
+    """
+    T, H, hd = q.shape
+    L, Hkv = k.shape[0], k.shape[1]
+    g = H // Hkv
+    qh = q.reshape(T, Hkv, g, hd).permute(1, 2, 0, 3)  # [Hkv, g, 1, hd]
+    kh = k.permute(1, 2, 0)[:, None]  # [Hkv, 1, hd, L]
+    vh = v.permute(1, 0, 2)[:, None]  # [Hkv, 1, L, hd]
+    scores = torch.matmul(qh, kh) * (1.0 / float(hd) ** 0.5)  # [Hkv, g, 1, L]
+    kpos = torch.arange(L, device=q.device)
+    scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, vh)  # [Hkv, g, 1, hd]
+    return out.permute(2, 0, 1, 3).reshape(T, H * hd)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU: silu(gate) * up (ggml_swiglu_split)."""
     return torch.nn.functional.silu(gate) * up

@@ -19,6 +19,7 @@ from engine.models.base import HOST, DecoderModel
 from engine.plan.placement import Placement
 from engine.plan.sizing import HOST_KV_TYPE, expert_slot_layout
 from engine.plan.spec import ModelSpec
+from engine.runtime import graph_decode
 from engine.runtime.device import DeviceArena, DeviceWeights
 from engine.runtime.expert_cache import CachedExperts
 
@@ -52,6 +53,7 @@ def apply_placement(
     a, p = model.args, placement
     L, G = a.n_layer, p.n_gpu_layers
     w = model.w
+    model.decode_graph = None  # free the old graphs (and their hold on the old KV cache) first
     host_experts = CpuExperts(model.expert_stacks(), q8_act=w.q8_act) if a.is_moe else None
     if G == 0:
         model.configure([w] * L, [HOST] * L, {i: host_experts for i in range(L)} if host_experts else {}, w)
@@ -87,4 +89,6 @@ def apply_placement(
     model.configure(layer_w, devices, backends, globals_w if G >= L else w, rope_weights=globals_w)
     if cached is not None and p.moe_mode == "resident":
         cached.preload(pin=True)
+    # Everything of a decode step on the device: one-token steps replay a CUDA graph.
+    model.decode_graph = graph_decode.for_placement(model, p, device, cached)
     return Applied(p, device, arena, cache, cached)

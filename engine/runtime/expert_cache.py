@@ -57,6 +57,7 @@ class CachedExperts(ExpertBackend):
         self._staged = 0  # staging rows in use since the last drain
         self._copies_done: torch.cuda.Event | None = None
         # Layers whose three roles the fused Triton GEMV can read in place.
+        self._slot_index: dict[int, torch.Tensor] = {}  # layer -> int64 [E] slot of each expert (pin_static)
         self._fused = {
             i: all(fused_kernels(self.device, getattr(s, r).qtype) for r in ROLES) for i, s in stacks.items()
         }
@@ -150,6 +151,38 @@ class CachedExperts(ExpertBackend):
             y = y + self._host_outputs(layer, x, ids_h, weights, set(miss)).to(x.device)
             self.queue.extend((layer, e) for e in miss)
         return y
+
+    # -- the device-only step (CUDA graphs) ------------------------------------------------------
+    def pin_static(self) -> bool:
+        """Prepare :meth:`forward_static`: a device table expert → slot per layer. Only when every
+        expert of every layer is in the pool and pinned (resident mode: no miss, no eviction, so
+        the table stays true); returns whether that holds."""
+        tables = {}
+        for i in sorted(self.layers):
+            keys = [(i, e) for e in range(self.stacks[i].gate.n_experts)]
+            slots = [self.slru.slot(k) for k in keys]
+            if any(sl is None for sl in slots) or not self.slru.pinned.issuperset(keys):
+                self._slot_index = {}
+                return False
+            tables[i] = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        self._slot_index = tables
+        return True
+
+    def forward_static(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` for one token with ``ids`` staying on the device: x float32 [1, D], ids
+        int64 [1, K], weights float32 [1, K] -> [1, D]. Slots come from the device table of
+        :meth:`pin_static` (resident pool), so there is no host sync and no bookkeeping: a CUDA
+        graph can capture it. The caller records the routes (the profiler's hits are its calls)."""
+        slots = self._slot_index[layer][ids[0]]  # [K] slot indices, looked up on the device
+        if self._fused[layer]:
+            slot_off = (slots * self.layout.stride)[None]  # [1, K] byte offsets
+            y = triton_moe.moe_decode(self.pool, slot_off, x.float(), weights.float(), self._roles(layer))
+            return y.to(x.dtype)
+        g, u, d = self._slot_matrices(layer, slots)  # [K, F, D], [K, F, D], [K, D, F]
+        xp = x.expand(slots.shape[0], -1)[:, :, None]  # [K, D, 1]
+        h = silu_mul(torch.bmm(g, xp), torch.bmm(u, xp))  # [K, F, 1]
+        out = torch.bmm(d, h)[:, :, 0] * weights[0][:, None]  # [K, D]
+        return torch.zeros_like(x).index_add_(0, torch.zeros_like(ids[0]), out)
 
     def _device_outputs(self, layer, x, ids_h, weights, hit_set: set) -> torch.Tensor:
         """Σ over the (token, slot) pairs served from the pool of weight · expert output: [T, D]."""

@@ -148,7 +148,7 @@ def test_buckets():
         for pos in range(n):
             L = graph_decode.bucket(pos, n)
             assert pos < L <= n and L in graph_decode.buckets(n)
-            assert L == n or L == graph_decode.MIN_BUCKET or L // 2 <= pos
+            assert L in (n, graph_decode.MIN_BUCKET) or pos >= L // 2
 
 
 # -- CUDA: real graphs ------------------------------------------------------------------------------

@@ -33,12 +33,14 @@ class Applied:
     arena: DeviceArena | None
     cache: KVCache
     experts: CachedExperts | None
+    graph: str = ""  # one-token steps wholly on the device: "CUDA graphs", "static, not captured" or ""
 
     def describe(self) -> str:
         p = self.placement
         dev = "the simulated device (CPU)" if self.device.type == "cpu" else str(self.device)
         where = f"{p.n_gpu_layers}/{p.n_layer} layers on {dev}" if p.n_gpu_layers else "all layers on the CPU"
-        return f"{where}, KV {p.kv_type}, experts {p.moe_mode} ({p.moe_reason})"
+        step = f", one-token steps: {self.graph}" if self.graph else ""
+        return f"{where}, KV {p.kv_type}, experts {p.moe_mode} ({p.moe_reason}){step}"
 
 
 def apply_placement(
@@ -90,5 +92,6 @@ def apply_placement(
     if cached is not None and p.moe_mode == "resident":
         cached.preload(pin=True)
     # Everything of a decode step on the device: one-token steps replay a CUDA graph.
-    model.decode_graph = graph_decode.for_placement(model, p, device, cached)
-    return Applied(p, device, arena, cache, cached)
+    model.decode_graph = g = graph_decode.for_placement(model, p, device, cached)
+    graph = "" if g is None else ("CUDA graphs" if g.capture else "static, not captured")
+    return Applied(p, device, arena, cache, cached, graph)

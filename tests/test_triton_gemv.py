@@ -1,4 +1,5 @@
-"""Triton quantized GEMV (engine.runtime.triton_gemv) vs the torch dequantize-then-matmul
+"""Triton quantized GEMV (engine.runtime.triton_gemv), the exact-float kernels (act="f32"; the
+q8/dp4a kernels are tests/test_triton_q8.py's) vs the torch dequantize-then-matmul
 reference: Triton's CPU interpreter here (small awkward shapes); compiled on a CUDA machine with
 trunk-sized ones. Each case runs in a subprocess so TRITON_INTERPRET applies from import time."""
 
@@ -36,11 +37,11 @@ for name in ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
         offs = torch.tensor([0, rows * rb, 0], dtype=torch.int64, device=dev)  # matrix 0, 1, 0
         ref = tg.gemv_reference(pool, offs, X, q, rows, n)
         for cfg in configs + (None,):  # None: the LAUNCH table's settings
-            Y = tg.gemv(pool, offs, X, q, rows, n, cfg)
+            Y = tg.gemv(pool, offs, X, q, rows, n, cfg, act="f32")
             err = ((Y - ref).norm() / ref.norm()).item()
             assert err < 1e-5, (name, rows, n, cfg, err)
         X3 = X[:3] if not big else torch.from_numpy(rng.standard_normal((7, n)).astype(np.float32)).to(dev)
-        Y = tg.matmul(pool[: rows * rb].view(rows, rb), X3, q, rows, n, configs[1])
+        Y = tg.matmul(pool[: rows * rb].view(rows, rb), X3, q, rows, n, configs[1], act="f32")
         ref = tg.gemv_reference(pool, torch.zeros(len(X3), dtype=torch.int64, device=dev), X3, q, rows, n)
         err = ((Y - ref).norm() / ref.norm()).item()
         assert err < 1e-5, (name, rows, n, "matmul", err)

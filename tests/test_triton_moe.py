@@ -57,7 +57,8 @@ for types, F, D in cases:
         w = torch.from_numpy(rng.random((T, K)).astype(np.float32)).to(dev)
         ref = tm.moe_decode_reference(pool, slot_off, x, w, roles)
         errs = []
-        for fn in ((tm.moe_decode, tm.moe_prefill) if T <= 8 else (tm.moe_prefill,)):
+        decode = lambda *a: tm.moe_decode(*a, act="f32")  # the q8 kernels: tests/test_triton_q8.py
+        for fn in ((decode, tm.moe_prefill) if T <= 8 else (tm.moe_prefill,)):
             y = fn(pool, slot_off, x, w, roles)
             errs.append(((y - ref).norm() / ref.norm()).item())
         assert max(errs) < (1e-5 if dev == "cpu" else 1e-4), (types, F, D, T, errs)  # tf32x3 on CUDA
@@ -80,7 +81,7 @@ from engine.api import LoadOptions, Session
 from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
 from engine.synth.writer import write_model
 from tests.oracle import random_tokens
-dev, tmp = sys.argv[1], sys.argv[2]
+dev, tmp, tol = sys.argv[1], sys.argv[2], float(sys.argv[3])
 CTX = 64
 path = write_model(tmp + "/q.gguf", "qwen3moe", seed=4, layers=2, weight_type="Q4_K",
                    type_overrides={"*ffn_down*": "Q6_K"}).path
@@ -98,7 +99,7 @@ with Session.load(str(path), LoadOptions(n_ctx=CTX, device=dev, q8_act=False)) a
         for batch, ref, toks in ((False, ref_dec, dec), (True, ref_pre, tokens)):
             got = s.logits(toks, batch=batch)
             err = np.abs(got - ref).max() / np.abs(ref).max()
-            assert err <= 1e-3, (moe, batch, err)
+            assert err <= tol, (moe, batch, err)
             print(moe, "prefill" if batch else "decode", f"{err:.1e}", flush=True)
 print("ok")
 """
@@ -129,6 +130,10 @@ def test_moe_kernels_match_reference_on_cuda():
 
 
 @pytest.mark.cuda
-def test_expert_cache_through_fused_kernels_on_cuda(tmp_path):
+@pytest.mark.parametrize("act,tol", [("f32", 1e-3), ("q8", 3e-2)])
+def test_expert_cache_through_fused_kernels_on_cuda(tmp_path, act, tol):
+    """f32: the exact-float kernels against the exact-float CPU engine; q8 (the CUDA default): the
+    decode kernels round activations to 8 bits (~1 % relative per product), so a looser bound."""
     _cuda()
-    assert _run(CACHE, ["cuda", str(tmp_path)], dict(os.environ)).strip().endswith("ok")
+    env = dict(os.environ, SHARPI_DEVICE_ACT=act)
+    assert _run(CACHE, ["cuda", str(tmp_path), str(tol)], env).strip().endswith("ok")

@@ -8,7 +8,12 @@ the 50 MB L2 cannot serve them:
   from the slot pool through :func:`engine.runtime.triton_moe.moe_decode` (two launches), one call
   per layer over ≥ 48 layers' distinct slots;
 - ``q`` [4096, 2048], ``o`` [2048, 4096], ``kv`` [512, 2048]: trunk matrices at decode (one token)
-  through :func:`engine.runtime.triton_gemv.matmul`, one call per distinct matrix.
+  through :func:`engine.runtime.triton_gemv.matmul`, one call per distinct matrix;
+- ``qkv``: a layer's q [4096, 2048], k and v [512, 2048] together through
+  :func:`engine.runtime.triton_gemv.matmul_many` (one launch in q8 mode; three in f32 mode).
+
+Each workload runs with the integer q8-activation kernels (``act="q8"``, the CUDA default: the
+main columns) and with the exact-float kernels (``act="f32"``: the ``f32 us`` column).
 
 Times are CUDA-event medians over replays of a CUDA graph holding one call per distinct weight set
 (device time, launch gaps closed), and over the same calls launched eagerly (what Python adds).
@@ -30,6 +35,7 @@ from engine.runtime.tdequant import dequantize
 GB = 1e9
 F, D, KE = 768, 2048, 8  # expert width, hidden, experts per token
 TRUNK = {"q": (4096, 2048), "o": (2048, 4096), "kv": (512, 2048)}
+QKV = ((4096, 2048), (512, 2048), (512, 2048))
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -118,14 +124,14 @@ def _moe_bytes(qtype: QType) -> int:
     return KE * (2 * F * block_format(qtype).row_bytes(D) + D * block_format(qtype).row_bytes(F))
 
 
-def moe_workload(qtype: QType, reference: bool = True) -> dict:
+def moe_workload(qtype: QType, reference: bool = True, act: str = "q8") -> dict:
     layers = max(48, math.ceil(GB / _moe_bytes(qtype)))
     pool, stride, roles = _slot_pool(qtype, layers * KE)
     g = torch.Generator().manual_seed(0)
     offs = [(torch.randperm(KE, generator=g) + KE * i).view(1, KE).cuda() * stride for i in range(layers)]
     x = torch.randn(1, D, device="cuda")
     w = torch.rand(1, KE, device="cuda")
-    calls = [lambda o=o: triton_moe.moe_decode(pool, o, x, w, roles) for o in offs]
+    calls = [lambda o=o: triton_moe.moe_decode(pool, o, x, w, roles, act=act) for o in offs]
     graph_us, eager_us = _graph_us(calls)
     out = {"layers": layers, "bytes": _moe_bytes(qtype), "graph_us": graph_us, "eager_us": eager_us}
     if reference:
@@ -146,13 +152,37 @@ def _moe_reference(pool, offs, x, w, roles):
     return (torch.bmm(mats[2], h)[:, :, 0] * w[0, :, None]).sum(0)
 
 
-def trunk_workload(qtype: QType, kind: str, reference: bool = True) -> dict:
+def qkv_workload(qtype: QType, reference: bool = True, act: str = "q8") -> dict:
+    n = QKV[0][1]
+    sizes = [r * block_format(qtype).row_bytes(n) for r, _ in QKV]
+    nbytes = sum(sizes)
+    copies = max(48, math.ceil(GB / nbytes))
+    mats = [random_matrix(qtype, r, n, copies) for r, _ in QKV]  # separate allocations, as a layer's
+    rows = [r for r, _ in QKV]
+    x = torch.randn(1, n, device="cuda")
+    calls = [
+        lambda i=i: triton_gemv.matmul_many([m[i].view(r, -1) for m, r in zip(mats, rows)], x, qtype, rows, n, act=act)
+        for i in range(copies)
+    ]
+    for c in calls:
+        c()  # each weight set's launch table (triton_q8_gemv._many_meta) is made once, outside the graph
+    graph_us, eager_us = _graph_us(calls)
+    out = {"layers": copies, "bytes": nbytes, "graph_us": graph_us, "eager_us": eager_us}
+    if reference:
+        w = [dequantize(m[0].view(r, -1), qtype, n) for m, r in zip(mats, rows)]
+        out["reference_us"] = _median_ms(lambda: [x @ wi.T for wi in w], 5) * 1e3
+    return out
+
+
+def trunk_workload(qtype: QType, kind: str, reference: bool = True, act: str = "q8") -> dict:
+    if kind == "qkv":
+        return qkv_workload(qtype, reference, act)
     rows, n = TRUNK[kind]
     nbytes = rows * block_format(qtype).row_bytes(n)
     copies = max(48, math.ceil(GB / nbytes))
     mats = random_matrix(qtype, rows, n, copies)
     x = torch.randn(1, n, device="cuda")
-    calls = [lambda m=m: triton_gemv.matmul(m, x, qtype, rows, n) for m in mats]
+    calls = [lambda m=m: triton_gemv.matmul(m, x, qtype, rows, n, act=act) for m in mats]
     graph_us, eager_us = _graph_us(calls)
     out = {"layers": copies, "bytes": nbytes, "graph_us": graph_us, "eager_us": eager_us}
     if reference:
@@ -160,7 +190,7 @@ def trunk_workload(qtype: QType, kind: str, reference: bool = True) -> dict:
     return out
 
 
-WORKLOADS = ("moe", "q", "o", "kv")
+WORKLOADS = ("moe", "q", "o", "kv", "qkv")
 
 
 def copy_floor_us(nbytes: int) -> float:
@@ -174,7 +204,8 @@ def copy_floor_us(nbytes: int) -> float:
     return _graph_us([lambda i=i: dst[i].copy_(src[i]) for i in range(copies)])[0]
 
 
-def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS) -> dict:
+def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS, f32: bool = True) -> dict:
+    """Per type × workload: the q8 kernels' figures, and (``f32``) the exact-float kernels' µs."""
     bw = measure_bandwidth()
     rep = {"device": torch.cuda.get_device_name(), "bandwidth_gb_s": bw, "types": {}}
     for q in types:
@@ -182,6 +213,10 @@ def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS) -> dict:
         r = {}
         for wl in workloads:
             v = moe_workload(q) if wl == "moe" else trunk_workload(q, wl)
+            if f32:
+                v["f32_us"] = (moe_workload(q, False, "f32") if wl == "moe" else trunk_workload(q, wl, False, "f32"))[
+                    "graph_us"
+                ]
             v["gb_s"] = v["bytes"] / (v["graph_us"] / 1e6) / GB
             v["fraction"] = v["gb_s"] / bw
             v["speedup"] = v["reference_us"] / v["eager_us"]
@@ -194,57 +229,67 @@ def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS) -> dict:
 
 def report_lines(rep: dict) -> list[str]:
     lines = [f"{rep['device']}: measured copy bandwidth {rep['bandwidth_gb_s']:.0f} GB/s (read + write)"]
+    lines.append("q8 kernels (dp4a, the CUDA default); f32 us: the exact-float kernels, same workload")
     lines.append(
         "type  workload  graph us  GB/s (of bw)   eager us  torch ref us  speedup(eager)  distinct weights"
-        "  copy us (of bw)"
+        "  copy us (of bw)   f32 us"
     )
     for t, r in rep["types"].items():
         for wl, v in r.items():
+            f32 = f"{v['f32_us']:8.1f}" if "f32_us" in v else "       -"
             lines.append(
                 f"{t:<5} {wl:<8} {v['graph_us']:9.1f}  {v['gb_s']:6.0f} ({v['fraction']:4.0%})  {v['eager_us']:8.1f}"
                 f"  {v['reference_us']:12.1f}  {v['speedup']:13.1f}x  {v['layers'] * v['bytes'] / GB:.2f} GB"
-                f"  {v['copy_us']:7.1f} ({v['copy_fraction']:4.0%})"
+                f"  {v['copy_us']:7.1f} ({v['copy_fraction']:4.0%})  {f32}"
             )
     return lines
 
 
-# -- the launch-settings sweep -----------------------------------------------------------------
+# -- the launch-settings sweep (the q8 kernels: the CUDA default) ------------------------------
 def _candidates(kernel: str, qtype: QType, cls: str) -> list[dict]:
-    small_blocks = qtype in (QType.Q4_0, QType.Q8_0)
-    nbs = (8, 16, 32) if small_blocks else ((1, 2, 4) if qtype == QType.Q6_K else (2, 4, 8))
-    out = [{"BR": br, "NB": nb, "num_warps": 4} for br in (2, 4, 8, 16) for nb in nbs]
-    out += [{"BR": 16, "NB": nbs[1], "num_warps": 8}]
-    if kernel == "moe_down":  # how many groups of the k experts run side by side
-        base = [(4, nbs[1], 4), (8, nbs[0], 4), (8, nbs[1], 4), (8, nbs[2], 4), (16, nbs[1], 8)]
-        return [{"BR": br, "NB": nb, "num_warps": w, "KSPLIT": ks} for br, nb, w in base for ks in (1, 2, 4, 8)]
-    if kernel == "gemv":
-        for c in out:
-            c["SPLIT"] = 1
-        if cls == "S":
-            out += [{"BR": br, "NB": nbs[1], "num_warps": 4, "SPLIT": sp} for br in (4, 8) for sp in (2, 4)]
+    small = qtype in (QType.Q4_0, QType.Q8_0)  # 32-element blocks: 8× more blocks per row
+    f = 8 if small else 1
+    if kernel == "moe_q8_gate_up":  # BR: whole 32-blocks of h
+        return [{"BR": br, "NB": nb * f, "num_warps": w} for br, nb, w in
+                ((32, 1, 4), (32, 2, 4), (32, 4, 4), (32, 8, 4), (64, 1, 4), (64, 2, 4), (64, 2, 8), (32, 2, 2))]  # fmt: skip
+    if kernel == "moe_q8_down":  # down rows are F = 768 wide: 3 K-quant blocks, 24 small ones
+        nbs = (8, 16, 32) if small else (1, 2, 4)
+        return [
+            {"BR": br, "NB": nb, "num_warps": 4, "KSPLIT": ks} for br in (4, 8, 16) for nb in nbs for ks in (1, 2, 4)
+        ]
+    tiles = ((4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (4, 8))
+    out = [{"BR": br, "NB": nb * f, "num_warps": 4, "SPLIT": 1} for br, nb in tiles]
+    out += [{"BR": 16, "NB": 2 * f, "num_warps": 8, "SPLIT": 1}]
+    if cls == "S":
+        out += [{"BR": br, "NB": nb * f, "num_warps": 4, "SPLIT": 1} for br, nb in ((2, 1), (2, 2), (2, 4))]
+        out += [{"BR": br, "NB": f, "num_warps": 4, "SPLIT": sp} for br in (2, 4) for sp in (2, 4)]
     return out
 
 
-def _tune_targets(qtype: QType) -> list[tuple[str, str, callable]]:
-    """(LAUNCH key, workload names, timing function) per tuned kernel."""
+def _tune_targets(qtype: QType) -> list[tuple[str, callable]]:
+    """(LAUNCH key, timing function) per tuned kernel."""
     name = qtype.name
     return [
-        (f"gemv:{name}:M", lambda: trunk_workload(qtype, "q", False)["graph_us"] + trunk_workload(qtype, "o", False)["graph_us"]),
-        (f"gemv:{name}:S", lambda: trunk_workload(qtype, "kv", False)["graph_us"]),
-        (f"moe_gate_up:{name}:L", lambda: moe_workload(qtype, False)["graph_us"]),
-        (f"moe_down:{name}:M", lambda: moe_workload(qtype, False)["graph_us"]),
+        (f"gemv_q8:{name}:M", lambda: trunk_workload(qtype, "q", False)["graph_us"] + trunk_workload(qtype, "o", False)["graph_us"]),
+        (f"gemv_q8:{name}:S", lambda: trunk_workload(qtype, "kv", False)["graph_us"]),
+        (f"gemv_q8:{name}:L", lambda: trunk_workload(qtype, "qkv", False)["graph_us"]),
+        (f"moe_q8_gate_up:{name}:L", lambda: moe_workload(qtype, False)["graph_us"]),
+        (f"moe_q8_down:{name}:M", lambda: moe_workload(qtype, False)["graph_us"]),
     ]  # fmt: skip
 
 
-def tune(types=triton_gemv.SUPPORTED, log=print) -> dict[str, dict]:
+def tune(types=triton_gemv.SUPPORTED, log=print, only: str = "") -> dict[str, dict]:
     """Try each candidate launch setting per (kernel, qtype, shape class); return the best of each
-    (to paste into LAUNCH[device name]). Timed on the workloads above (CUDA graphs)."""
+    (to paste into LAUNCH[device name]). Timed on the workloads above (CUDA graphs). ``only``: keys
+    containing this string."""
     dev = torch.cuda.get_device_name()
     table = triton_gemv.LAUNCH.setdefault(dev, {})
     best = {}
     for q in types:
         q = QType(q)
         for key, timed in _tune_targets(q):
+            if only not in key:
+                continue
             kernel, _, cls = key.split(":")
             results = []
             for cfg in _candidates(kernel, q, cls):
@@ -252,8 +297,8 @@ def tune(types=triton_gemv.SUPPORTED, log=print) -> dict[str, dict]:
                 try:
                     results.append((timed(), cfg))
                 except Exception as e:  # noqa: BLE001 - a setting that fails to compile just loses
-                    log(f"  {key} {cfg}: {type(e).__name__}")
+                    log(f"  {key} {cfg}: {type(e).__name__}: {str(e)[:200]}")
             results.sort(key=lambda r: r[0])
             table[key] = best[key] = results[0][1]
-            log(f"{key:<22} best {results[0][0]:8.1f} us {results[0][1]}  (worst {results[-1][0]:.1f} us)")
+            log(f"{key:<26} best {results[0][0]:8.1f} us {results[0][1]}  (worst {results[-1][0]:.1f} us)")
     return best

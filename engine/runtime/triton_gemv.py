@@ -19,16 +19,23 @@ Launch settings are data: :data:`LAUNCH` maps ``"<kernel>:<qtype>:<shape class>"
 ``"<kernel>:*:*"``. The per-GPU tables live in ``triton_launch.json`` beside this file (the
 H100's from a sweep, 2026-11-22); the default is the H100's winners generalised by block family.
 An optional ``"UNROLL"`` caps the unrolled K walk (:data:`UNROLL`).
+
+Two kinds of kernels (:func:`act_mode`): ``"q8"`` — integer dp4a products with the activations
+rounded to 8-bit blocks (``triton_q8``, ``triton_q8_gemv``; launch keys ``gemv_q8:…``), the default
+on CUDA — and ``"f32"`` — the exact-float kernels below (dequantize each element, float FMAs), the
+default elsewhere and the choice of ``SHARPI_DEVICE_ACT=f32`` or ``act="f32"``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
 
 from engine.quant.formats import QType, block_format
+from engine.runtime import triton_q8_gemv
 from engine.runtime import triton_qblocks as qb
 from engine.runtime.tdequant import dequantize
 
@@ -49,9 +56,30 @@ LAUNCH: dict[str, dict[str, dict[str, int]]] = {
         "gemv:Q8_0:*": {"BR": 4, "NB": 32, "num_warps": 4, "SPLIT": 1},
         "gemv:Q4_0:S": {"BR": 2, "NB": 32, "num_warps": 4, "SPLIT": 1},
         "gemv:Q8_0:S": {"BR": 2, "NB": 32, "num_warps": 4, "SPLIT": 1},
+        "gemv_q8:*:*": {"BR": 8, "NB": 4, "num_warps": 4, "SPLIT": 1},
+        "gemv_q8:*:S": {"BR": 2, "NB": 4, "num_warps": 4, "SPLIT": 1},
+        "gemv_q8:Q4_0:*": {"BR": 8, "NB": 16, "num_warps": 4, "SPLIT": 1},
+        "gemv_q8:Q8_0:*": {"BR": 8, "NB": 16, "num_warps": 4, "SPLIT": 1},
+        "gemv_q8:Q4_0:S": {"BR": 2, "NB": 16, "num_warps": 4, "SPLIT": 1},
+        "gemv_q8:Q8_0:S": {"BR": 2, "NB": 16, "num_warps": 4, "SPLIT": 1},
     }
 }
 LAUNCH.update(json.loads((Path(__file__).with_name("triton_launch.json")).read_text()))
+
+
+ENV_ACT = "SHARPI_DEVICE_ACT"
+ACT_MODES = ("q8", "f32")
+
+
+def act_mode(device: torch.device, act: str | None = None) -> str:
+    """``act`` if given, else ``$SHARPI_DEVICE_ACT``, else ``"q8"`` on a compiled CUDA device and
+    ``"f32"`` otherwise (Triton's interpreter, the simulated device)."""
+    mode = (act or os.environ.get(ENV_ACT, "")).strip().lower()
+    if not mode:
+        mode = "q8" if device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" else "f32"
+    if mode not in ACT_MODES:
+        raise ValueError(f"device activation mode {mode!r}: expected one of {ACT_MODES}")
+    return mode
 
 
 def available() -> bool:
@@ -141,23 +169,62 @@ def _run(pool, offsets, X, qtype, rows, n, bt, cfg) -> torch.Tensor:
 
 
 def gemv(
-    pool: torch.Tensor, offsets: torch.Tensor, X: torch.Tensor, qtype: QType, rows: int, n: int, cfg: dict | None = None
+    pool: torch.Tensor,
+    offsets: torch.Tensor,
+    X: torch.Tensor,
+    qtype: QType,
+    rows: int,
+    n: int,
+    cfg: dict | None = None,
+    act: str | None = None,
 ) -> torch.Tensor:
     """pool uint8 [...] (contiguous); offsets int64 [P] byte offsets; X float32 [P, n] -> float32 [P, rows]."""
     qtype = QType(qtype)
+    if act_mode(X.device, act) == "q8":
+        cfg = cfg or launch("gemv_q8", qtype, rows * X.shape[0], device_name(X.device))
+        return triton_q8_gemv.gemv_q8(pool, offsets, X.contiguous(), qtype, rows, n, cfg)
     cfg = cfg or launch("gemv", qtype, rows * X.shape[0], device_name(X.device))
     return _run(pool, offsets, X.contiguous(), qtype, rows, n, 1, cfg)
 
 
 def matmul(
-    raw: torch.Tensor, X: torch.Tensor, qtype: QType, rows: int, n: int, cfg: dict | None = None
+    raw: torch.Tensor,
+    X: torch.Tensor,
+    qtype: QType,
+    rows: int,
+    n: int,
+    cfg: dict | None = None,
+    act: str | None = None,
 ) -> torch.Tensor:
     """One quantized matrix (raw uint8 [rows, row_bytes]) times X float32 [T, n] -> [T, rows], T ≤ 8."""
     qtype = QType(qtype)
     T = X.shape[0]
+    if act_mode(X.device, act) == "q8":
+        cfg = cfg or launch("gemv_q8", qtype, rows, device_name(X.device))
+        return triton_q8_gemv.matmul_q8(raw, X.contiguous(), qtype, rows, n, cfg, zero_offset(X.device))
     bt = triton.next_power_of_2(T)
     cfg = cfg or launch("gemv", qtype, rows, device_name(X.device))
     return _run(raw.reshape(-1), zero_offset(X.device), X.contiguous(), qtype, rows, n, bt, cfg)
+
+
+def matmul_many(
+    raws: list[torch.Tensor],
+    X: torch.Tensor,
+    qtype: QType,
+    rows: list[int],
+    n: int,
+    cfg: dict | None = None,
+    act: str | None = None,
+) -> list[torch.Tensor]:
+    """Several matrices of one qtype and width n (raws[i] uint8 [rows[i], row_bytes], each 16-byte
+    aligned; e.g. a layer's q, k, v) times the same X float32 [T, n], T ≤ 8 -> [T, rows[i]] each.
+    q8 mode: one launch for all (plus X's quantization); f32 mode: one :func:`matmul` each."""
+    qtype = QType(qtype)
+    if act_mode(X.device, act) != "q8" or len(raws) == 1:
+        return [matmul(r, X, qtype, R, n, cfg, act) for r, R in zip(raws, rows)]
+    cfg = cfg or launch("gemv_q8", qtype, sum(rows), device_name(X.device))
+    Y = triton_q8_gemv.matmul_many_q8(raws, X.contiguous(), qtype, rows, n, cfg)
+    return list(torch.split(Y, list(rows), dim=1))
 
 
 _ZERO: dict[torch.device, torch.Tensor] = {}

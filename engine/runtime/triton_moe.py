@@ -16,6 +16,10 @@ Prefill (many tokens), tokens sorted by expert:
   multiplies with ``tl.dot`` (tf32×3 on CUDA: float32 accuracy). :func:`moe_prefill` builds the
   MoE from it; the trunk uses it for matrices with more than a few tokens (``one_matrix``).
 
+:func:`moe_decode` runs the integer (dp4a, q8-activation) kernels of ``triton_q8_moe`` where
+``triton_gemv.act_mode`` says so (default on CUDA; ``SHARPI_DEVICE_ACT=f32`` or ``act="f32"`` keep
+the exact-float kernels below).
+
 References with the same signatures (``*_reference``: torch dequantize-then-matmul) sit beside
 each; ``tests/test_triton_moe.py`` holds them together.
 """
@@ -26,9 +30,10 @@ import torch
 
 from engine.models.layers import silu_mul
 from engine.quant.formats import QType, block_format
+from engine.runtime import triton_q8_moe
 from engine.runtime import triton_qblocks as qb
 from engine.runtime.tdequant import dequantize
-from engine.runtime.triton_gemv import LAUNCH, UNROLL, device_name, launch
+from engine.runtime.triton_gemv import LAUNCH, UNROLL, act_mode, device_name, launch
 
 triton, tl = qb.triton, qb.tl
 
@@ -42,6 +47,12 @@ LAUNCH["default"].update(
         "moe_down:Q6_K:*": {"BR": 8, "NB": 1, "num_warps": 4, "KSPLIT": 8},
         "moe_down:Q4_0:*": {"BR": 8, "NB": 8, "num_warps": 4, "KSPLIT": 4},
         "moe_down:Q8_0:*": {"BR": 8, "NB": 8, "num_warps": 4, "KSPLIT": 1},
+        "moe_q8_gate_up:*:*": {"BR": 32, "NB": 4, "num_warps": 4},  # BR: whole 32-blocks of h
+        "moe_q8_gate_up:Q4_0:*": {"BR": 32, "NB": 16, "num_warps": 4},
+        "moe_q8_gate_up:Q8_0:*": {"BR": 32, "NB": 16, "num_warps": 4},
+        "moe_q8_down:*:*": {"BR": 8, "NB": 2, "num_warps": 4, "KSPLIT": 2},
+        "moe_q8_down:Q4_0:*": {"BR": 8, "NB": 8, "num_warps": 4, "KSPLIT": 2},
+        "moe_q8_down:Q8_0:*": {"BR": 8, "NB": 8, "num_warps": 4, "KSPLIT": 2},
         "grouped:*:*": {"BR": 32, "NB": 1, "BT": 16, "num_warps": 4},  # larger tiles spill (sm_90 report)
         "grouped:Q4_0:*": {"BR": 32, "NB": 2, "BT": 16, "num_warps": 4},
         "grouped:Q8_0:*": {"BR": 32, "NB": 1, "BT": 16, "num_warps": 4},
@@ -166,17 +177,22 @@ def moe_decode(
     x: torch.Tensor,
     weights: torch.Tensor,
     roles: dict[str, tuple[int, QType, int, int]],
+    act: str | None = None,
 ) -> torch.Tensor:
     """Σ_k weights[t, k] · down(SiLU(gate·x_t) · up·x_t) over the experts whose slot is given.
 
     pool uint8 [n_slots·stride] (flat or [n_slots, stride]); slot_off int64 [T, K] byte offset of
     each pair's slot (−1: skip the pair); x float32 [T, D]; weights float32 [T, K];
     roles: {"gate"|"up"|"down": (byte offset in the slot, qtype, rows, n)} -> float32 [T, D].
+    act: "q8" | "f32" | None (triton_gemv.act_mode).
     """
     T, K = slot_off.shape
     (go, gq, F, D), (uo, uq, _, _), (do, dq, _, _) = (roles[r] for r in ("gate", "up", "down"))
     gq, uq, dq = QType(gq), QType(uq), QType(dq)
     name = device_name(x.device)
+    if act_mode(x.device, act) == "q8" and F % 32 == 0:
+        c = launch("moe_q8_gate_up", gq, F * T * K, name)
+        return triton_q8_moe.moe_decode_q8(pool, slot_off, x, weights, roles, c, launch("moe_q8_down", dq, D * T, name))
     slots = slot_off.reshape(-1).contiguous()
     H = torch.empty((T * K, F), dtype=torch.float32, device=x.device)
     c = launch("moe_gate_up", gq, F * T * K, name)

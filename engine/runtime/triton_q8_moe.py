@@ -1,0 +1,153 @@
+"""Fused routed-expert decode with integer (dp4a) products and q8 activations (triton_q8).
+
+:func:`moe_decode_q8` has the contract of :func:`engine.runtime.triton_moe.moe_decode` (which calls
+it by default on CUDA): x is quantized once (``triton_q8.quantize_act``), ``_q8_gate_up_kernel``
+computes ``h = SiLU(gate·x) · (up·x)`` for a tile of 32·j rows of one (token, expert) pair and
+quantizes it on the spot (a tile holds whole 32-blocks of h), ``_q8_down_kernel`` sums
+``w_k · down_k · h_k`` over the token's experts. Deterministic (no atomics); slot offset −1 skips
+the pair. :func:`moe_decode_q8_reference`: torch, with x and h rounded through the same q8 rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.layers import silu_mul
+from engine.quant.formats import QType, block_format
+from engine.runtime import triton_q8 as t8
+from engine.runtime import triton_qblocks as qb
+from engine.runtime.tdequant import dequantize
+
+triton, tl = qb.triton, qb.tl
+
+
+def geo(qtype: QType, suffix: str = "") -> dict:
+    return {k + suffix: v for k, v in t8.q8_geometry(qtype).items()}
+
+
+if triton is not None:
+
+    @triton.jit
+    def _q8_gate_up_kernel(
+        W, SLOT, XQ, XD, XS, HQ, HD, HS, F, nx32, K, go, uo, g_row_bytes, u_row_bytes, g_nb, u_nb,
+        QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, NW: tl.constexpr, NPART: tl.constexpr,
+        ALIGN: tl.constexpr,
+        QTu: tl.constexpr, TSu: tl.constexpr, QKu: tl.constexpr, NWu: tl.constexpr, NPARTu: tl.constexpr,
+        ALIGNu: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, STEPS: tl.constexpr, STEPSu: tl.constexpr,
+        ASM: tl.constexpr,
+    ):  # fmt: skip
+        """Hq[q, rows] = q8(SiLU(gate_q[rows]·x_t) · (up_q[rows]·x_t)) for pair q = t·K + k (slot SLOT[q])."""
+        q = tl.program_id(1)
+        slot = tl.load(SLOT + q)
+        if slot >= 0:
+            rows = tl.program_id(0) * BR + tl.arange(0, BR)
+            rmask = rows < F
+            base = tl.multiple_of(slot, 16)
+            xr = (q // K).to(tl.int64) + tl.zeros([1], dtype=tl.int64)
+            ok = xr >= 0
+            one = tl.full([1], 1.0, tl.float32)
+            ga = tl.zeros([1, BR, NB, NW], dtype=tl.float32)
+            gb = tl.zeros([1, BR, NB], dtype=tl.float32)
+            ga, gb = t8.walk(ga, gb, W, base + go + rows.to(tl.int64) * g_row_bytes, rmask, 0, g_nb, XQ, XD, XS,
+                             xr, nx32, ok, one, QT, TS, QK, NW, ALIGN, NB, STEPS, ASM)  # fmt: skip
+            ua = tl.zeros([1, BR, NB, NWu], dtype=tl.float32)
+            ub = tl.zeros([1, BR, NB], dtype=tl.float32)
+            ua, ub = t8.walk(ua, ub, W, base + uo + rows.to(tl.int64) * u_row_bytes, rmask, 0, u_nb, XQ, XD, XS,
+                             xr, nx32, ok, one, QTu, TSu, QKu, NWu, ALIGNu, NB, STEPSu, ASM)  # fmt: skip
+            g = tl.sum(tl.sum(tl.sum(ga, axis=3), axis=2) + tl.sum(gb, axis=2), axis=0)  # [BR]
+            u = tl.sum(tl.sum(tl.sum(ua, axis=3), axis=2) + tl.sum(ub, axis=2), axis=0)
+            h = tl.where(rmask, g / (1.0 + tl.exp(-g)) * u, 0.0)  # ggml_swiglu_split
+            NBLK: tl.constexpr = BR // 32
+            words, d, s = t8.quant_tile(tl.reshape(h, [NBLK, 32]), NBLK)
+            blk = tl.program_id(0) * NBLK + tl.arange(0, NBLK)
+            t8.store_q8(HQ, HD, HS, q, blk, blk * 32 < F, words, d, s, F // 32)
+
+    @triton.jit
+    def _q8_down_pair(acc, accb, W, SLOT, HQ, HD, HS, WT, t, k, rows, rmask, nh32, do, row_bytes, nb,
+                      K: tl.constexpr, QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, NW: tl.constexpr,
+                      ALIGN: tl.constexpr, NB: tl.constexpr, STEPS: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+        """acc/accb += WT[t, k] · down_{t,k}[rows] · Hq[t·K + k] (nothing when k ≥ K or the pair has no slot)."""
+        q = t * K + k
+        slot = tl.load(SLOT + q, mask=k < K, other=-1)
+        wt = tl.load(WT + q, mask=k < K, other=0.0)
+        kb1 = tl.where(slot >= 0, nb, 0)
+        rowoff = tl.multiple_of(tl.maximum(slot, 0), 16) + do + rows.to(tl.int64) * row_bytes
+        xr = q.to(tl.int64) + tl.zeros([1], dtype=tl.int64)
+        return t8.walk(acc, accb, W, rowoff, rmask, 0, kb1, HQ, HD, HS, xr, nh32, xr >= 0,
+                       wt + tl.zeros([1], dtype=tl.float32), QT, TS, QK, NW, ALIGN, NB, STEPS, ASM)  # fmt: skip
+
+    @triton.jit
+    def _q8_down_kernel(
+        W, SLOT, HQ, HD, HS, WT, Y, D, nh32, do, row_bytes, nb, K: tl.constexpr,
+        QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, NW: tl.constexpr, NPART: tl.constexpr,
+        ALIGN: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, KSPLIT: tl.constexpr, STEPS: tl.constexpr,
+        ASM: tl.constexpr,
+    ):  # fmt: skip
+        """Y[g, t, rows] = Σ_k WT[t, k] · down_{t,k}[rows] · Hq[t·K + k], k in group g of KSPLIT (as triton_moe)."""
+        t = tl.program_id(1)
+        g = tl.program_id(2)
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        rmask = rows < D
+        acc = tl.zeros([1, BR, NB, NW], dtype=tl.float32)
+        accb = tl.zeros([1, BR, NB], dtype=tl.float32)
+        PER: tl.constexpr = (K + KSPLIT - 1) // KSPLIT
+        if PER <= 4:
+            for j in tl.static_range(PER):
+                acc, accb = _q8_down_pair(acc, accb, W, SLOT, HQ, HD, HS, WT, t, g * PER + j, rows, rmask, nh32, do,
+                                          row_bytes, nb, K, QT, TS, QK, NW, ALIGN, NB, STEPS, ASM)  # fmt: skip
+        else:
+            for j in range(PER):
+                acc, accb = _q8_down_pair(acc, accb, W, SLOT, HQ, HD, HS, WT, t, g * PER + j, rows, rmask, nh32, do,
+                                          row_bytes, nb, K, QT, TS, QK, NW, ALIGN, NB, STEPS, ASM)  # fmt: skip
+        y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2) + tl.sum(accb, axis=2), axis=0)
+        T = tl.num_programs(1)
+        tl.store(Y + (g * T + t).to(tl.int64) * D + rows, y, mask=rmask)
+
+
+def moe_decode_q8(pool, slot_off, x, weights, roles, cfg_gate_up: dict, cfg_down: dict) -> torch.Tensor:
+    """triton_moe.moe_decode's contract, integer kernels (F a multiple of 32; gate/up tile BR a multiple of 32)."""
+    T, K = slot_off.shape
+    (go, gq, F, D), (uo, uq, _, _), (do, dq, _, _) = (roles[r] for r in ("gate", "up", "down"))
+    gq, uq, dq = QType(gq), QType(uq), QType(dq)
+    asm = t8.use_asm(x.device)
+    slots = slot_off.reshape(-1).contiguous()
+    XQ, XD, XS = t8.quantize_act(x)
+    HQ = torch.empty((T * K, F // 4), dtype=torch.int32, device=x.device)
+    HD = torch.empty((T * K, F // 32), dtype=torch.float32, device=x.device)
+    HS = torch.empty((T * K, F // 16), dtype=torch.float32, device=x.device)
+    c = cfg_gate_up
+    if c["BR"] % 32:
+        raise ValueError("moe_decode_q8: the gate/up tile must hold whole 32-blocks of h (BR % 32 == 0)")
+    g_nb, u_nb, lim = D // qb.GEOMETRY[gq][1], D // qb.GEOMETRY[uq][1], c.get("UNROLL", 16)
+    _q8_gate_up_kernel[(triton.cdiv(F, c["BR"]), T * K)](
+        pool, slots, XQ, XD, XS, HQ, HD, HS, F, D // 32, K, go, uo, block_format(gq).row_bytes(D),
+        block_format(uq).row_bytes(D), g_nb, u_nb, BR=c["BR"], NB=c["NB"], STEPS=qb.steps(g_nb, c["NB"], lim),
+        STEPSu=qb.steps(u_nb, c["NB"], lim), ASM=asm, num_warps=c["num_warps"], **geo(gq), **geo(uq, "u"),
+    )  # fmt: skip
+    c = cfg_down
+    ks = max(1, min(c.get("KSPLIT", 1), K))
+    Y = torch.empty((ks, T, D), dtype=torch.float32, device=x.device)
+    d_nb = F // qb.GEOMETRY[dq][1]
+    _q8_down_kernel[(triton.cdiv(D, c["BR"]), T, ks)](
+        pool, slots, HQ, HD, HS, weights.to(torch.float32).contiguous(), Y, D, F // 32, do,
+        block_format(dq).row_bytes(F), d_nb, K=K, BR=c["BR"], NB=c["NB"], KSPLIT=ks,
+        STEPS=qb.steps(d_nb, c["NB"], c.get("UNROLL", 16)), ASM=asm, num_warps=c["num_warps"], **geo(dq),
+    )  # fmt: skip
+    return Y[0] if ks == 1 else Y.sum(0)
+
+
+def _matrix(pool: torch.Tensor, off: int, qtype: QType, rows: int, n: int) -> torch.Tensor:
+    rb = block_format(qtype).row_bytes(n)
+    return dequantize(pool.reshape(-1)[off : off + rows * rb].view(rows, rb), qtype, n)
+
+
+def moe_decode_q8_reference(pool, slot_off, x, weights, roles) -> torch.Tensor:
+    """:func:`moe_decode_q8` by torch: dequantized weights, x and h through the q8 rounding rule."""
+    y = torch.zeros_like(x, dtype=torch.float32)
+    xq = t8.q8_round_trip(x)
+    for t, k in zip(*torch.nonzero(slot_off >= 0, as_tuple=True)):
+        s = int(slot_off[t, k])
+        g, u, d = (_matrix(pool, s + roles[r][0], *roles[r][1:]) for r in ("gate", "up", "down"))
+        h = t8.q8_round_trip(silu_mul(g @ xq[t], u @ xq[t])[None])[0]
+        y[t] += weights[t, k] * (d @ h)
+    return y

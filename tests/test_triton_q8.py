@@ -1,0 +1,153 @@
+"""Integer (dp4a) kernels with q8 activations (engine.runtime.triton_q8*): the activation quantizer
+against its torch specification (bit for bit), the GEMV / matmul / matmul_many / fused-MoE kernels
+against torch references that dequantize the weights and multiply by the dequantized q8
+activations (≤ 1e-5 relative), and against the exact-float references within the error the
+activation rounding predicts. Triton's interpreter here (the plain-Triton dp4a emulation, small
+awkward shapes); compiled with PTX dp4a on a CUDA machine (trunk and expert shapes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import sys, numpy as np, torch
+from engine.quant import QType, quantize
+from engine.runtime import triton_gemv as tg, triton_moe as tm, triton_q8 as t8, triton_q8_moe as m8
+from engine.runtime.tdequant import dequantize
+from tests.triton_data import blocks
+dev, big = sys.argv[1], sys.argv[2] == "big"
+rng = np.random.default_rng(3)
+if dev == "cpu":  # the interpreter runs programs one by one: fewer, larger tiles keep it quick; the
+    # table's settings here walk K in a runtime loop, split in two
+    tg.LAUNCH[""] = {"gemv_q8:*:*": {"BR": 16, "NB": 1, "num_warps": 4, "SPLIT": 2, "UNROLL": 0},
+                     "moe_q8_gate_up:*:*": {"BR": 64, "NB": 2, "num_warps": 4},
+                     "moe_q8_down:*:*": {"BR": 64, "NB": 1, "num_warps": 4, "KSPLIT": 2}}
+rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+
+# 1. the quantizer: bit for bit (a zero block, a tiny one, ±127 extremes)
+X = torch.from_numpy(rng.standard_normal((5, 320)).astype(np.float32)).to(dev)
+X[1, :32] = 0
+X[2, 32:64] *= 1e-30
+XQ, XD, XS = t8.quantize_act(X)
+q, d, s = t8.quantize_act_reference(X)
+assert torch.equal(t8.unpack_words(XQ), q) and torch.equal(XD, d) and torch.equal(XS, s), "quantize_act"
+assert q.abs().max() == 127 and (q[1, :32] == 0).all()
+
+
+def check_stat(Y, W, X, Yf):
+    # Activation rounding e = x - x̂, |e| ≤ d/2 per element: |Y - Yf| ≤ Σ|w|·d/2 per output (hard),
+    # and ||Y - Yf|| near sqrt(Σ w²·d²/12) (e ~ uniform on ±d/2, independent): within [0.5, 2]×.
+    _, d, _ = t8.quantize_act_reference(X)
+    de = d.repeat_interleave(32, -1)  # [T, n]
+    hard = (W.abs()[None] * de[:, None, :] / 2).sum(-1)  # [T, rows]
+    err = (Y - Yf).abs()
+    assert (err <= hard * 1.0001 + 1e-6).all(), "hard rounding bound"
+    pred = ((W[None] ** 2) * (de[:, None, :] ** 2) / 12).sum(-1).sum().sqrt().item()
+    ratio = (Y - Yf).norm().item() / pred
+    assert 0.5 < ratio < 2.0, ("rounding error off its prediction", ratio)
+    return ratio
+
+
+# 2. GEMV / matmul / matmul_many
+if not big:
+    shapes = {"Q4_0": (37, 96), "Q8_0": (37, 96), "Q4_K": (21, 512), "Q5_K": (21, 256), "Q6_K": (21, 256)}
+    # the interpreter is slow: one explicit setting (K walk unrolled) + the table's (runtime loop, split)
+    cfgs = ({"BR": 4, "NB": 2, "num_warps": 4, "SPLIT": 1, "UNROLL": 4},)
+    Ts = (1, 3)
+else:
+    shapes = {q: (4096, 2048) for q in ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
+    cfgs = ({"BR": 8, "NB": 2, "num_warps": 4, "SPLIT": 1, "UNROLL": 4}, {"BR": 4, "NB": 4, "num_warps": 4, "SPLIT": 3, "UNROLL": 0})
+    Ts = (1, 5, 8)
+for name, (rows, n) in shapes.items():
+    qt = QType[name]
+    raws = [blocks(qt, r, n, dev, rng) for r in (rows, rows // 4 + 1, rows // 4 + 1)]  # q, k, v-like
+    W = dequantize(raws[0], qt, n)
+    for T in Ts:
+        X = torch.from_numpy(rng.standard_normal((T, n)).astype(np.float32)).to(dev)
+        ref = tg.triton_q8_gemv.matmul_q8_reference(raws[0], X, qt, rows, n)
+        Yf = X @ W.T
+        for cfg in cfgs + (None,):
+            Y = tg.matmul(raws[0], X, qt, rows, n, cfg, act="q8")
+            assert rel(Y, ref) < 1e-5, (name, T, cfg, rel(Y, ref))
+        ratio = check_stat(Y, W, X, Yf)
+        for cfg in (cfgs[0],) if T > 1 or not big else (cfgs[0], None):
+            outs = tg.matmul_many(raws, X, qt, [r.shape[0] for r in raws], n, cfg, act="q8")
+            for r, y in zip(raws, outs):
+                e = rel(y, tg.triton_q8_gemv.matmul_q8_reference(r, X, qt, r.shape[0], n))
+                assert e < 1e-5, (name, T, "many", e)
+        print(name, rows, n, T, f"{rel(Y, ref):.1e}", f"vs f32 {rel(Y, Yf):.1e} ({ratio:.2f} of predicted)", flush=True)
+    pool = torch.cat([raws[0].reshape(-1), raws[0].reshape(-1)])
+    X = torch.from_numpy(rng.standard_normal((3, n)).astype(np.float32)).to(dev)
+    offs = torch.tensor([0, raws[0].numel(), 0], dtype=torch.int64, device=dev)
+    Y = tg.gemv(pool, offs, X, qt, rows, n, cfgs[-1], act="q8")
+    assert rel(Y, tg.triton_q8_gemv.gemv_q8_reference(pool, offs, X, qt, rows, n)) < 1e-5, (name, "gemv")
+
+
+# 3. fused MoE decode
+def pool_of(types, F, D, E):
+    per = dict(zip(("gate", "up", "down"), ((types[0], F, D), (types[1], F, D), (types[2], D, F))))
+    roles, o = {}, 0
+    for r, (qq, rows, n) in per.items():
+        roles[r] = (o, qq, rows, n)
+        o += -(-rows * len(quantize(np.zeros((1, n), np.float32), qq)[0]) // 256) * 256
+    pool = torch.zeros((E, o), dtype=torch.uint8, device=dev)
+    for e in range(E):
+        for r, (qq, rows, n) in per.items():
+            raw = blocks(qq, rows, n, dev, rng).reshape(-1)
+            pool[e, roles[r][0] : roles[r][0] + raw.numel()] = raw
+    return pool, o, roles
+
+Q = QType
+if not big:
+    cases = [((Q.Q4_K, Q.Q4_K, Q.Q6_K), 256, 256), ((Q.Q8_0, Q.Q4_0, Q.Q5_K), 256, 96), ((Q.Q4_0, Q.Q8_0, Q.Q8_0), 96, 64)]
+    E, K, Ts, cfgs = 3, 2, (1, 3), ()
+else:
+    cases = [((q, q, q), 768, 2048) for q in (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)] + [((Q.Q4_K, Q.Q4_K, Q.Q6_K), 768, 2048)]
+    E, K, Ts = 16, 8, (1, 4)
+    cfgs = (({"BR": 64, "NB": 2, "num_warps": 4}, {"BR": 16, "NB": 1, "num_warps": 4, "KSPLIT": 3}),)
+for types, F, D in cases:
+    pool, stride, roles = pool_of(types, F, D, E)
+    for T in Ts:
+        ids = torch.from_numpy(np.stack([rng.permutation(E)[:K] for _ in range(T)])).to(dev)
+        slot_off = ids * stride
+        if T > 1:
+            slot_off[1, 0] = -1  # a miss: served elsewhere, skipped here
+        x = torch.from_numpy(rng.standard_normal((T, D)).astype(np.float32)).to(dev)
+        w = torch.from_numpy(rng.random((T, K)).astype(np.float32)).to(dev)
+        ref = m8.moe_decode_q8_reference(pool, slot_off, x, w, roles)
+        y = tm.moe_decode(pool, slot_off, x, w, roles, act="q8")
+        errs = [rel(y, ref)]
+        for cg, cd in cfgs:
+            errs.append(rel(m8.moe_decode_q8(pool, slot_off, x, w, roles, cg, cd), ref))
+        assert max(errs) < 1e-4, (types, T, errs)  # h's rounding may flip a code where float sums differ
+        f32 = rel(y, tm.moe_decode_reference(pool, slot_off, x, w, roles))
+        assert f32 < 0.05, (types, T, "vs exact float", f32)
+        print([t.name for t in types], F, D, T, " ".join(f"{e:.1e}" for e in errs), f"vs f32 {f32:.1e}", flush=True)
+print("ok")
+"""
+
+
+def _run(device: str, size: str, env: dict) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, device, size], env=env, capture_output=True, text=True, timeout=900, check=False
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_q8_kernels_match_reference_in_the_interpreter():
+    assert _run("cpu", "small", dict(os.environ, TRITON_INTERPRET="1")).strip().endswith("ok")
+
+
+@pytest.mark.cuda
+def test_q8_kernels_match_reference_on_cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    assert _run("cuda", "big", dict(os.environ)).strip().endswith("ok")

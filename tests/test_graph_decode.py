@@ -15,6 +15,7 @@ import torch
 
 from engine.api import LoadOptions, Session
 from engine.errors import UsageError
+from engine.models.layers import apply_rope, apply_rope_table, attention, attention_static, rope_tables, rope_theta
 from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
 from engine.runtime import graph_decode
 from engine.runtime.graph_decode import GraphDecode
@@ -138,6 +139,28 @@ def test_context_full_and_dispatch(paths, monkeypatch):
         monkeypatch.delenv(graph_decode.ENV_CUDA_GRAPH)
         s.apply(whole)
         assert s.model.decode_graph is None  # the default captures on CUDA only
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("rope_dim", [64, 32])
+def test_rope_tables_rotate_exactly_as_apply_rope(neox, rope_dim):
+    hd, P = 64, 40
+    theta = torch.from_numpy(rope_theta(np.arange(P), rope_dim, 10000.0))  # [P, rope_dim/2]
+    cos, sin = torch.cos(theta), torch.sin(theta)
+    C, S, perm = rope_tables(cos, sin, hd, neox)
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal((P, 6, hd), dtype=np.float32))
+    assert torch.equal(apply_rope_table(x, C, S, perm), apply_rope(x, cos, sin, neox))
+
+
+def test_attention_static_masks_past_the_position():
+    rng = np.random.default_rng(1)
+    H, Hkv, hd, L = 8, 2, 16, 32
+    q = torch.from_numpy(rng.standard_normal((1, H, hd), dtype=np.float32))
+    k, v = (torch.from_numpy(rng.standard_normal((L, Hkv, hd), dtype=np.float32)) for _ in range(2))
+    for pos in (0, 7, L - 1):
+        bias = torch.zeros(L).masked_fill(torch.arange(L) > pos, float("-inf"))
+        want = attention(q, k[: pos + 1], v[: pos + 1], pos)
+        assert torch.allclose(attention_static(q, k, v, bias), want, rtol=0, atol=1e-6)
 
 
 def test_buckets():

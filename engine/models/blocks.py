@@ -6,6 +6,8 @@ architecture module; the math itself lives in :mod:`engine.models.layers`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -15,7 +17,16 @@ from engine.experts import ExpertBackend
 from engine.kv_cache import KVCache
 from engine.models.args import ModelArgs
 from engine.models.host import HostMoEStep, attention_rows, qk_norm_rope_rows, rms_norm_rows, route_rows
-from engine.models.layers import apply_rope, attention, attention_static, rms_norm, route_softmax_topk, silu_mul
+from engine.models.layers import (
+    apply_rope,
+    apply_rope_table,
+    attention,
+    attention_static,
+    rms_norm,
+    rms_norm_fused,
+    route_softmax_topk,
+    silu_mul,
+)
 from engine.models.weights import Linear, Weights
 
 _QK_NORM = {None: 0, "head": 1, "proj": 2}
@@ -37,6 +48,23 @@ def _host_kv(cache: KVCache, i: int, start: int, T: int) -> tuple[np.ndarray, np
     return cache.k[i].q.numpy(), cache.v[i].q.numpy()
 
 
+@dataclass
+class StaticStep:
+    """What a one-token static step (``decode_static``) needs besides x, all on the device.
+
+    pos int64 [1]: the token's position; length: the static attention length L (≥ pos + 1);
+    cos, sin float32 [1, hd], perm int64 [hd]: rope rows (``layers.rope_tables``); bias float32
+    [L]: 0 up to pos, -inf after; cache: the KV cache written at pos."""
+
+    pos: torch.Tensor
+    length: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    perm: torch.Tensor
+    bias: torch.Tensor
+    cache: KVCache
+
+
 def _on_host(*linears) -> bool:
     """Whether every matrix is a host ``Linear`` (the numba host path applies)."""
     return all(isinstance(w, Linear) for w in linears)
@@ -54,14 +82,14 @@ class Attention:
         self.wo = w.linear(p + "attn_output.weight")
         self.q_norm = w.vector(p + "attn_q_norm.weight") if qk_norm else None
         self.k_norm = w.vector(p + "attn_k_norm.weight") if qk_norm else None
+        self._qk_w: torch.Tensor | None = None  # [H + Hkv, hd] q and k norm weights (decode_static)
         self.host = _on_host(self.wq, self.wk, self.wv, self.wo) and a.head_dim % 16 == 0  # attention_rows
         if self.host:
             self._qkv = (self.wq.w, self.wk.w, self.wv.w)
             self._norms = (_np(self.q_norm), _np(self.k_norm))
             self._bias = tuple(_np(b.bias) if b.bias is not None else None for b in (self.wq, self.wk, self.wv))
 
-    def _project(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, D] (normed) -> q [T, H, hd], k [T, Hkv, hd] (normed, rotated), v [T, Hkv*hd]."""
+    def __call__(self, x: torch.Tensor, start: int, cache: KVCache, cos, sin) -> torch.Tensor:
         a, T = self.a, x.shape[0]
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # [T, H*hd], [T, Hkv*hd] x2
         if self.qk_norm == "proj":  # OLMoE: over the whole projection
@@ -70,24 +98,29 @@ class Attention:
         k = k.reshape(T, a.n_head_kv, a.head_dim)
         if self.qk_norm == "head":  # Qwen3: per head
             q, k = rms_norm(q, self.q_norm, a.rms_eps), rms_norm(k, self.k_norm, a.rms_eps)
-        return apply_rope(q, cos, sin, a.rope_neox), apply_rope(k, cos, sin, a.rope_neox), v
-
-    def __call__(self, x: torch.Tensor, start: int, cache: KVCache, cos, sin) -> torch.Tensor:
-        a, T = self.a, x.shape[0]
-        q, k, v = self._project(x, cos, sin)
+        q, k = apply_rope(q, cos, sin, a.rope_neox), apply_rope(k, cos, sin, a.rope_neox)
         K, V = cache.update(self.i, start, k.reshape(T, -1), v)
         o = attention(q, K.reshape(-1, a.n_head_kv, a.head_dim), V.reshape(-1, a.n_head_kv, a.head_dim), start)
         return self.wo(o)
 
-    def decode_static(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, length: int, cos, sin) -> torch.Tensor:
-        """One token x [1, D] (normed) at the device position ``pos`` int64 [1], attending over a
-        static ``length`` of the cache (later positions masked): no host sync, graph-capturable."""
-        a = self.a
-        q, k, v = self._project(x, cos, sin)
-        K, V = cache.update_at(self.i, pos, k.reshape(1, -1), v, length)
-        shape = (length, a.n_head_kv, a.head_dim)
-        o = attention_static(q, K.reshape(shape), V.reshape(shape), pos)
-        return self.wo(o)
+    def decode_static(self, x: torch.Tensor, st: StaticStep) -> torch.Tensor:
+        """One token x [1, D] (normed) at the device position ``st.pos``, attending over the static
+        ``st.length`` of the cache (later positions masked): no host sync, graph-capturable. q and
+        k are normed and rotated together (rope tables, fused norms): few, larger kernels."""
+        a, H, Hkv, hd = self.a, self.a.n_head, self.a.n_head_kv, self.a.head_dim
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)  # [1, H*hd], [1, Hkv*hd] x2
+        if self.qk_norm == "proj":  # OLMoE: over the whole projection
+            q, k = rms_norm_fused(q, self.q_norm, a.rms_eps), rms_norm_fused(k, self.k_norm, a.rms_eps)
+        qk = torch.cat([q, k], dim=1).reshape(1, H + Hkv, hd)
+        if self.qk_norm == "head":  # Qwen3: per head, q's and k's weights side by side
+            if self._qk_w is None:
+                self._qk_w = torch.cat([self.q_norm.expand(H, hd), self.k_norm.expand(Hkv, hd)]).contiguous()
+            qk = rms_norm_fused(qk, None, a.rms_eps) * self._qk_w
+        qk = apply_rope_table(qk, st.cos, st.sin, st.perm)
+        q, k = qk[:, :H], qk[:, H:]
+        K, V = st.cache.update_at(self.i, st.pos, k.reshape(1, -1), v, st.length)
+        shape = (st.length, Hkv, hd)
+        return self.wo(attention_static(q, K.reshape(shape), V.reshape(shape), st.bias))
 
     def forward_host(self, h: np.ndarray, start: int, cache: KVCache, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """The same on the host in numba: h float32 [T, D] (normed) -> float32 [T, D];
@@ -154,10 +187,14 @@ class MoE:
     def decode_static(self, x: torch.Tensor, route: torch.Tensor | None = None) -> torch.Tensor:
         """One token x [1, D] with routing kept on the device (graph-capturable): the backend's
         ``forward_static`` (the resident pool: slots looked up on the device). ``route`` int64 [K]:
-        where to write the chosen ids (the graph's profiler record)."""
-        ids, weights = route_softmax_topk(self.router(x), self.k, self.renormalise)  # [1, K] x2
-        if route is not None:
-            route.copy_(ids[0])
+        [1, K] where to write the chosen ids (the graph's profiler record)."""
+        probs = torch.softmax(self.router(x), dim=-1)  # [1, E]: as route_softmax_topk
+        if route is None:
+            weights, ids = torch.topk(probs, self.k, dim=-1)
+        else:  # the ids land in the graph's output buffer directly
+            weights, ids = torch.topk(probs, self.k, dim=-1, out=(torch.empty_like(probs[:, : self.k]), route))
+        if self.renormalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         return self._plus_shared(x, self.experts.forward_static(self.i, x, ids, weights))
 
     def _plus_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -214,14 +251,12 @@ class DecoderLayer:
         x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), start, cache, cos, sin)
         return x + self.ffn(rms_norm(x, self.ffn_norm, self.eps))
 
-    def decode_static(
-        self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, length: int, cos, sin, route=None
-    ) -> torch.Tensor:
-        """One token x [1, D] at the device position ``pos`` int64 [1] over a static cache
-        ``length``, every step on x's device (no host sync): what a decode CUDA graph captures.
-        ``route`` int64 [K] receives a MoE layer's expert ids."""
-        x = x + self.attn.decode_static(rms_norm(x, self.attn_norm, self.eps), pos, cache, length, cos, sin)
-        h = rms_norm(x, self.ffn_norm, self.eps)
+    def decode_static(self, x: torch.Tensor, st: StaticStep, route: torch.Tensor | None = None) -> torch.Tensor:
+        """One token x [1, D] at the device position ``st.pos`` over a static cache length, every
+        step on x's device (no host sync): what a decode CUDA graph captures. ``route`` int64
+        [1, K] receives a MoE layer's expert ids."""
+        x = x + self.attn.decode_static(rms_norm_fused(x, self.attn_norm, self.eps), st)
+        h = rms_norm_fused(x, self.ffn_norm, self.eps)
         return x + (self.ffn.decode_static(h, route) if isinstance(self.ffn, MoE) else self.ffn(h))
 
     def forward_host(self, x: np.ndarray, start: int, cache: KVCache, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

@@ -69,26 +69,54 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> 
     return out.permute(2, 0, 1, 3).reshape(T, H * hd)
 
 
-def attention_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
-    """:func:`attention` for one query over a static length (CUDA graphs): positions > qpos masked.
+def rms_norm_fused(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """:func:`rms_norm` as torch's one fused op (one kernel on CUDA instead of six): the static
+    decode step's norm; equal to :func:`rms_norm` up to float32 rounding."""
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)
 
-    q [1, H, hd] at the device position qpos (int64 [1]); k, v [L, Hkv, hd] for positions 0..L-1
-    (L ≥ qpos + 1, rows past qpos may hold anything finite). Returns [1, H*hd]. The masked
-    positions add exact zeros to the softmax and to probs·V, so this equals :func:`attention`
-    over the first qpos + 1 positions up to the order of float32 sums.
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, neox: bool):
+    """Full-width rotation tables for :func:`apply_rope_table` from cos, sin [P, rope_dim/2]:
+    (COS [P, hd], SIN [P, hd] signed, perm int64 [hd]) such that x·COS + x[..., perm]·SIN is
+    :func:`apply_rope` exactly (the same products, sums commuted); dims past rope_dim pass
+    through (COS 1, SIN 0, perm identity)."""
+    P, half = cos.shape
+    rd, dev = 2 * half, cos.device
+    one = torch.ones(P, head_dim - rd, dtype=cos.dtype, device=dev)
+    zero = torch.zeros_like(one)
+    rest = torch.arange(rd, head_dim, device=dev)
+    i = torch.arange(half, device=dev)
+    if neox:  # pairs (i, i + rd/2): out_i = x_i c - x_{i+h} s, out_{i+h} = x_{i+h} c + x_i s
+        C, S = torch.cat([cos, cos, one], 1), torch.cat([-sin, sin, zero], 1)
+        perm = torch.cat([i + half, i, rest])
+    else:  # pairs (2i, 2i+1)
+        C = torch.cat([torch.stack([cos, cos], -1).flatten(1), one], 1)
+        S = torch.cat([torch.stack([-sin, sin], -1).flatten(1), zero], 1)
+        perm = torch.cat([torch.stack([2 * i + 1, 2 * i], -1).flatten(), rest])
+    return C.contiguous(), S.contiguous(), perm
+
+
+def apply_rope_table(x: torch.Tensor, C: torch.Tensor, S: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, hd] rotated with :func:`rope_tables` rows C, S [T, hd] (four kernels)."""
+    return x * C[:, None, :] + x.index_select(-1, perm) * S[:, None, :]
+
+
+def attention_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """:func:`attention` for one query over a static length (CUDA graphs): positions masked by
+    ``bias`` float32 [L] (0 where a position is attended, -inf past the query's position).
+
+    q [1, H, hd]; k, v [L, Hkv, hd] for positions 0..L-1 (rows past the query may hold anything
+    finite). Returns [1, H*hd]. The masked positions add exact zeros to the softmax and to
+    probs·V, so this equals :func:`attention` over the attended positions up to the order of
+    float32 sums. Scale and mask ride on the score GEMM (baddbmm): four kernels in all.
     """
     T, H, hd = q.shape
     L, Hkv = k.shape[0], k.shape[1]
     g = H // Hkv
-    qh = q.reshape(T, Hkv, g, hd).permute(1, 2, 0, 3)  # [Hkv, g, 1, hd]
-    kh = k.permute(1, 2, 0)[:, None]  # [Hkv, 1, hd, L]
-    vh = v.permute(1, 0, 2)[:, None]  # [Hkv, 1, L, hd]
-    scores = torch.matmul(qh, kh) * (1.0 / float(hd) ** 0.5)  # [Hkv, g, 1, L]
-    kpos = torch.arange(L, device=q.device)
-    scores = scores.masked_fill(kpos > qpos, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, vh)  # [Hkv, g, 1, hd]
-    return out.permute(2, 0, 1, 3).reshape(T, H * hd)
+    qh = q.reshape(Hkv, g, hd)  # T = 1
+    scores = torch.baddbmm(bias.expand(Hkv, g, L), qh, k.permute(1, 2, 0), alpha=1.0 / float(hd) ** 0.5)
+    probs = torch.softmax(scores, dim=-1)  # [Hkv, g, L]
+    return torch.bmm(probs, v.permute(1, 0, 2)).reshape(T, H * hd)  # [Hkv, g, hd] -> [1, H*hd]
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,7 @@ class CachedExperts(ExpertBackend):
         self._copies_done: torch.cuda.Event | None = None
         # Layers whose three roles the fused Triton GEMV can read in place.
         self._slot_index: dict[int, torch.Tensor] = {}  # layer -> int64 [E] slot of each expert (pin_static)
+        self._slot_off: dict[int, torch.Tensor] = {}  # the same as byte offsets in the pool
         self._fused = {
             i: all(fused_kernels(self.device, getattr(s, r).qtype) for r in ROLES) for i, s in stacks.items()
         }
@@ -162,10 +163,11 @@ class CachedExperts(ExpertBackend):
             keys = [(i, e) for e in range(self.stacks[i].gate.n_experts)]
             slots = [self.slru.slot(k) for k in keys]
             if any(sl is None for sl in slots) or not self.slru.pinned.issuperset(keys):
-                self._slot_index = {}
+                self._slot_index, self._slot_off = {}, {}
                 return False
             tables[i] = torch.tensor(slots, dtype=torch.int64, device=self.device)
         self._slot_index = tables
+        self._slot_off = {i: t * self.layout.stride for i, t in tables.items()}
         return True
 
     def forward_static(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -173,11 +175,11 @@ class CachedExperts(ExpertBackend):
         int64 [1, K], weights float32 [1, K] -> [1, D]. Slots come from the device table of
         :meth:`pin_static` (resident pool), so there is no host sync and no bookkeeping: a CUDA
         graph can capture it. The caller records the routes (the profiler's hits are its calls)."""
-        slots = self._slot_index[layer][ids[0]]  # [K] slot indices, looked up on the device
         if self._fused[layer]:
-            slot_off = (slots * self.layout.stride)[None]  # [1, K] byte offsets
+            slot_off = self._slot_off[layer][ids]  # [1, K] byte offsets, looked up on the device
             y = triton_moe.moe_decode(self.pool, slot_off, x.float(), weights.float(), self._roles(layer))
             return y.to(x.dtype)
+        slots = self._slot_index[layer][ids[0]]  # [K] slot indices
         g, u, d = self._slot_matrices(layer, slots)  # [K, F, D], [K, F, D], [K, D, F]
         xp = x.expand(slots.shape[0], -1)[:, :, None]  # [K, D, 1]
         h = silu_mul(torch.bmm(g, xp), torch.bmm(u, xp))  # [K, F, 1]

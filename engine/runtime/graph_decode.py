@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import logging
 import os
+from math import inf
 
 import numpy as np
 import torch
 
-from engine.models.blocks import MoE
-from engine.models.layers import rms_norm
+from engine.models.blocks import MoE, StaticStep
+from engine.models.layers import rms_norm_fused, rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class GraphDecode:
         self._pos_h = self._in_h[self._xo :].view(torch.int64)
         self._logits_h = self._out_h[: V * 4].view(torch.float32).view(1, V)
         self._routes_h = self._out_h[self._ro :].view(torch.int64).view(len(moe_layers), K)
-        self._route_rows = {int(i): self.routes[j] for j, i in enumerate(moe_layers)}
+        self._route_rows = {int(i): self.routes[j : j + 1] for j, i in enumerate(moe_layers)}  # [1, K] views
         self.cache = None  # the KV cache the graphs write (bound on first use)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -128,19 +129,24 @@ class GraphDecode:
         stores = [*cache.k.values(), *cache.v.values()]
         if len(cache.k) < self.model.args.n_layer or not all(_same_device(s.q.device, self.device) for s in stores):
             return False
-        self.cos, self.sin = self.model._rope(np.arange(cache.n_ctx), self.device)  # [n_ctx, rope_dim/2]
+        a = self.model.args
+        cos, sin = self.model._rope(np.arange(cache.n_ctx), self.device)  # [n_ctx, rope_dim/2]
+        self.cos, self.sin, self.perm = rope_tables(cos, sin, a.head_dim, a.rope_neox)  # [n_ctx, hd] x2, [hd]
+        self.kpos = torch.arange(cache.n_ctx, device=self.device)
         self.cache = cache
         return True
 
     # -- the step ---------------------------------------------------------------------------------
     def _body(self, length: int) -> None:
         """The whole token on the device: reads ``x``, ``pos``; writes ``logits``, ``routes``, K/V."""
-        m = self.model
-        cos, sin = self.cos.index_select(0, self.pos), self.sin.index_select(0, self.pos)  # [1, rope_dim/2]
+        m, pos = self.model, self.pos
+        bias = torch.zeros(length, dtype=torch.float32, device=self.device).masked_fill(self.kpos[:length] > pos, -inf)
+        cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)  # [1, hd]
+        st = StaticStep(pos, length, cos, sin, self.perm, bias, self.cache)
         x = self.x
         for i, layer in enumerate(m.layers):
-            x = layer.decode_static(x, self.pos, self.cache, length, cos, sin, self._route_rows.get(i))
-        self.logits.copy_(m.output(rms_norm(x, m.out_norm, m.args.rms_eps)))
+            x = layer.decode_static(x, st, self._route_rows.get(i))
+        self.logits.copy_(m.output(rms_norm_fused(x, m.out_norm, m.args.rms_eps)))
 
     def _capture_all(self) -> None:
         """Warm up (one eager step on a side stream: Triton kernels compiled, lazy state created),

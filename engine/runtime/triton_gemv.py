@@ -56,12 +56,14 @@ LAUNCH: dict[str, dict[str, dict[str, int]]] = {
         "gemv:Q8_0:*": {"BR": 4, "NB": 32, "num_warps": 4, "SPLIT": 1},
         "gemv:Q4_0:S": {"BR": 2, "NB": 32, "num_warps": 4, "SPLIT": 1},
         "gemv:Q8_0:S": {"BR": 2, "NB": 32, "num_warps": 4, "SPLIT": 1},
-        "gemv_q8:*:*": {"BR": 8, "NB": 4, "num_warps": 4, "SPLIT": 1},
-        "gemv_q8:*:S": {"BR": 2, "NB": 4, "num_warps": 4, "SPLIT": 1},
-        "gemv_q8:Q4_0:*": {"BR": 8, "NB": 16, "num_warps": 4, "SPLIT": 1},
-        "gemv_q8:Q8_0:*": {"BR": 8, "NB": 16, "num_warps": 4, "SPLIT": 1},
-        "gemv_q8:Q4_0:S": {"BR": 2, "NB": 16, "num_warps": 4, "SPLIT": 1},
-        "gemv_q8:Q8_0:S": {"BR": 2, "NB": 16, "num_warps": 4, "SPLIT": 1},
+        # q8 kernels: a thread should hold ≥ 4 words of a tile (BR·NB·8 ≥ 512 at 4 warps)
+        "gemv_q8:*:*": {"BR": 16, "NB": 8, "num_warps": 4, "SPLIT": 1},
+        "gemv_q8:*:S": {"BR": 4, "NB": 8, "num_warps": 4, "SPLIT": 1},
+        "gemv_q8:Q6_K:*": {"BR": 8, "NB": 8, "num_warps": 4, "SPLIT": 1},
+        "gemv_q8:Q4_0:*": {"BR": 8, "NB": 32, "num_warps": 4, "SPLIT": 1},
+        "gemv_q8:Q8_0:*": {"BR": 8, "NB": 32, "num_warps": 4, "SPLIT": 1},
+        "gemv_q8:Q4_0:S": {"BR": 4, "NB": 32, "num_warps": 4, "SPLIT": 1},
+        "gemv_q8:Q8_0:S": {"BR": 4, "NB": 32, "num_warps": 4, "SPLIT": 1},
     }
 }
 LAUNCH.update(json.loads((Path(__file__).with_name("triton_launch.json")).read_text()))

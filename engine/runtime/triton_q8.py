@@ -15,8 +15,9 @@ run of quants as int32 words ``[BR, NB, NW]`` (Q4_K/Q5_K 4-byte aligned: vector 
 2-byte-aligned Q4_0/Q8_0/Q6_K: two uint16 loads combined), unpacks 4 codes a word with
 ``w & 0x0F0F0F0F`` / ``(w >> 4) & 0x0F0F0F0F`` (Q5_K/Q6_K OR in their high bits with word ops), and
 ``dp4a`` (PTX via ``tl.inline_asm_elementwise``; ``ASM=False``: the same arithmetic in plain
-Triton, for the interpreter) against the activation words. Each word's integer sum is scaled in
-float (weight scale × activation scale) into ``acc [BT, BR, NB, NW]``; per-block offset terms go to
+Triton, for the interpreter) against the activation words. Each word's integer sum (Q4_K/Q5_K, loaded 16
+bytes a thread: the sum of those 4 words, in integers) is scaled in float (weight scale ×
+activation scale) into ``acc [BT, BR, NB, NA]``; per-block offset terms go to
 ``accb [BT, BR, NB]``; the caller sums both once after its K walk. The block layouts are ggml's
 (``vec_dot_q4_0_q8_1`` … ``vec_dot_q6_K_q8_1`` compute the same sums).
 """
@@ -31,9 +32,17 @@ from engine.runtime import triton_qblocks as qb
 
 triton, tl = qb.triton, qb.tl
 
-# Per type: NW, int32 words per part of a block (one dp4a operand vector); NPART parts a block.
-WORDS = {2: (4, 1), 8: (8, 1), 12: (8, 4), 13: (8, 4), 14: (8, 4)}
+# Per type: NW, int32 words per part of a block (one dp4a operand vector); NPART parts a block;
+# NA, the accumulator's last axis (words, or 16-byte groups of them where loads are that wide).
+WORDS = {2: (4, 1, 4), 8: (8, 1, 8), 12: (8, 4, 2), 13: (8, 4, 2), 14: (8, 4, 8)}
 QBLK = 32  # activation block (elements)
+
+
+def int32_view(W: torch.Tensor) -> torch.Tensor:
+    """The flat uint8 pool as int32 (the kernels' word loads), or itself where its size is not a
+    multiple of 4 (then only 2-byte-aligned types, which load halves, may use it)."""
+    W = W.reshape(-1)
+    return W.view(torch.int32) if W.numel() % 4 == 0 and W.data_ptr() % 4 == 0 else W
 
 
 def use_asm(device: torch.device) -> bool:
@@ -43,8 +52,8 @@ def use_asm(device: torch.device) -> bool:
 
 def q8_geometry(qtype) -> dict:
     g = qb.geometry(qtype)
-    nw, npart = WORDS[g["QT"]]
-    return {"QT": g["QT"], "TS": g["TS"], "QK": g["QK"], "NW": nw, "NPART": npart, "ALIGN": g["ALIGN"]}
+    nw, npart, na = WORDS[g["QT"]]
+    return {"QT": g["QT"], "TS": g["TS"], "QK": g["QK"], "NW": nw, "NA": na, "NPART": npart, "ALIGN": g["ALIGN"]}
 
 
 if triton is not None:
@@ -70,6 +79,34 @@ if triton is not None:
                     ak = (a >> (8 * k)) & 0xFF
                 s += ak * ((b << (24 - 8 * k)) >> 24)
             return s
+
+    @triton.jit
+    def _words5(b32, OFF: tl.constexpr, mask):
+        """The 8 int32 words at byte OFF of the blocks b32 (int32 pointers [BR, NB], 16-byte aligned) as
+        [BR, NB, 2, 4]: a thread holds one 16-byte load."""
+        k = tl.arange(0, 2)
+        m = tl.arange(0, 4)
+        p = b32[:, :, None, None] + (OFF // 4 + 4 * k[:, None] + m[None, :])[None, None, :, :]
+        return tl.load(p, mask=mask[:, :, None, None], other=0)
+
+    @triton.jit
+    def _xq5(XQ, xr, n32, sb, xm, S: tl.constexpr):
+        """The 8 activation words of 32-block sb + S [NB] of rows xr [BT] as [BT, NB, 2, 4]."""
+        k = tl.arange(0, 2)
+        m = tl.arange(0, 4)
+        p = (
+            XQ
+            + (xr * (8 * n32))[:, None, None, None]
+            + ((sb + S) * 8)[None, :, None, None]
+            + (4 * k[:, None] + m[None, :])[None, None, :, :]
+        )
+        return tl.load(p, mask=xm[:, :, None, None], other=0)
+
+    @triton.jit
+    def _isum(w, a, ASM: tl.constexpr):
+        """dp4a of weight codes w [BR, NB, 2, 4] (unsigned) and activations a [BT, NB, 2, 4], the 4 words of
+        each 16-byte load summed in integers inside the thread -> float32 [BT, BR, NB, 2]."""
+        return tl.sum(_dp4a(w[None], a[:, None], False, ASM), axis=4).to(tl.float32)
 
     @triton.jit
     def _words(blk, OFF: tl.constexpr, NW: tl.constexpr, mask, ALIGN: tl.constexpr):
@@ -110,14 +147,14 @@ if triton is not None:
         return dx, s0, s1
 
     @triton.jit
-    def q8_block(acc, accb, W, boff, m2, XQ, XD, XS, xr, n32, xm, b, xscale,
+    def q8_block(acc, accb, W, W32, boff, m2, XQ, XD, XS, xr, n32, xm, b, xscale,
                  QT: tl.constexpr, QK: tl.constexpr, NW: tl.constexpr, ALIGN: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-        """acc [BT, BR, NB, NW], accb [BT, BR, NB] += the blocks at boff [BR, NB] (mask m2) times the q8
+        """acc [BT, BR, NB, NA], accb [BT, BR, NB] += the blocks at byte offsets boff [BR, NB] (mask m2) of W
+        (uint8; W32: the same memory as int32 where its size allows, else W) times the q8
         activations of rows xr [BT] (int64 row indices of XQ/XD/XS, n32 blocks a row; mask xm [BT, NB])
         at weight blocks b [NB], times xscale [BT]."""
         blk = W + boff
         nsub: tl.constexpr = QK // 32  # 32-element activation blocks per weight block
-        m = tl.arange(0, NW)
         # activation-side index of 32-block j of weight block b: b·nsub + j
         sb = b * nsub  # [NB]
         if QT == 2:  # Q4_0: d, qs[16]; low nibbles = elements 0..15, high = 16..31; value q - 8
@@ -140,13 +177,14 @@ if triton is not None:
         elif QT == 12 or QT == 13:  # Q4_K / Q5_K: 32 qs bytes j hold sub-blocks 2j (low) and 2j+1 (high)
             d = qb._f16(blk, m2)
             dmin = qb._f16(blk + 2, m2)
+            b32 = W32 + tl.multiple_of(boff // 4, [4, 4])  # the int32 view: alignment the compiler keeps
             if QT == 13:
-                qh = _words(blk, 16, 8, m2, ALIGN)  # bit S of qh[l]: fifth bit of sub-block S
+                qh = _words5(b32, 16, m2)  # bit S of qh[l]: fifth bit of sub-block S
             for j in tl.static_range(4):
                 if QT == 12:
-                    w = _words(blk, 16 + 32 * j, 8, m2, ALIGN)
+                    w = _words5(b32, 16 + 32 * j, m2)
                 else:
-                    w = _words(blk, 48 + 32 * j, 8, m2, ALIGN)
+                    w = _words5(b32, 48 + 32 * j, m2)
                 lo = w & 0x0F0F0F0F
                 hi = (w >> 4) & 0x0F0F0F0F
                 if QT == 13:
@@ -154,12 +192,10 @@ if triton is not None:
                     hi = hi | (((qh >> (2 * j + 1)) << 4) & 0x10101010)
                 sc0, mn0 = qb._k4_scale_min(blk + 4, 2 * j, m2)
                 sc1, mn1 = qb._k4_scale_min(blk + 4, 2 * j + 1, m2)
-                xa = _xq(XQ, xr, n32, sb, xm, 2 * j, 0, 8)
-                xb = _xq(XQ, xr, n32, sb, xm, 2 * j + 1, 0, 8)
                 dxa, sxa = _xds(XD, XS, xr, n32, sb, xm, 2 * j, xscale)
                 dxb, sxb = _xds(XD, XS, xr, n32, sb, xm, 2 * j + 1, xscale)
-                ia = _dp4a(lo[None], xa[:, None], False, ASM).to(tl.float32)
-                ib = _dp4a(hi[None], xb[:, None], False, ASM).to(tl.float32)
+                ia = _isum(lo, _xq5(XQ, xr, n32, sb, xm, 2 * j), ASM)
+                ib = _isum(hi, _xq5(XQ, xr, n32, sb, xm, 2 * j + 1), ASM)
                 acc += ia * ((d * sc0)[None] * dxa[:, None])[:, :, :, None]
                 acc += ib * ((d * sc1)[None] * dxb[:, None])[:, :, :, None]
                 accb -= (dmin * mn0)[None] * sxa[:, None] + (dmin * mn1)[None] * sxb[:, None]
@@ -169,51 +205,56 @@ if triton is not None:
                 qh = _words(blk, 128 + 32 * H, 8, m2, ALIGN)
                 for c in tl.static_range(2):
                     ql = _words(blk, 64 * H + 32 * c, 8, m2, ALIGN)
-                    for hb in tl.static_range(2):
-                        G: tl.constexpr = c + 2 * hb
-                        if hb == 0:
-                            nib = ql & 0x0F0F0F0F
-                        else:
-                            nib = (ql >> 4) & 0x0F0F0F0F
-                        if G < 2:
-                            q = nib | ((qh << (4 - 2 * G)) & 0x30303030)
-                        else:
-                            q = nib | ((qh >> (2 * G - 4)) & 0x30303030)
-                        S: tl.constexpr = 4 * H + G  # 32-element sub-block
-                        sa = tl.load(blk + (192 + 8 * H + 2 * G), mask=m2, other=0).to(tl.int8, bitcast=True)
-                        sbb = tl.load(blk + (193 + 8 * H + 2 * G), mask=m2, other=0).to(tl.int8, bitcast=True)
-                        sa = d * sa.to(tl.float32)
-                        sbb = d * sbb.to(tl.float32)
-                        xa = _xq(XQ, xr, n32, sb, xm, S, 0, 8)
-                        dx, s0, s1 = _xds16(XD, XS, xr, n32, sb, xm, S, xscale)
-                        i = _dp4a(q[None], xa[:, None], False, ASM).to(tl.float32)  # [BT, BR, NB, 8]
-                        sw = tl.where(m[None, None, :] < 4, sa[:, :, None], sbb[:, :, None])  # 16 elements a scale
-                        acc += i * sw[None] * dx[:, None, :, None]
-                        accb -= 32.0 * (sa[None] * s0[:, None] + sbb[None] * s1[:, None])
+                    acc, accb = _q6_group(acc, accb, blk, m2, ql & 0x0F0F0F0F, qh, d, XQ, XD, XS, xr, n32, sb, xm,
+                                          xscale, H, c, ASM)  # fmt: skip
+                    acc, accb = _q6_group(acc, accb, blk, m2, (ql >> 4) & 0x0F0F0F0F, qh, d, XQ, XD, XS, xr, n32, sb,
+                                          xm, xscale, H, c + 2, ASM)  # fmt: skip
         return acc, accb
 
     @triton.jit
-    def _step(acc, accb, W, rowoff, rmask, b0, kb1, XQ, XD, XS, xr, n32, tmask, xscale,
+    def _q6_group(acc, accb, blk, m2, nib, qh, d, XQ, XD, XS, xr, n32, sb, xm, xscale,
+                  H: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+        """Q6_K group G of half H (elements 128H + 32G + l): low 4 bits nib, bits 2G, 2G+1 of qh; value q - 32."""
+        if G < 2:
+            q = nib | ((qh << (4 - 2 * G)) & 0x30303030)
+        else:
+            q = nib | ((qh >> (2 * G - 4)) & 0x30303030)
+        S: tl.constexpr = 4 * H + G  # 32-element sub-block
+        sa = tl.load(blk + (192 + 8 * H + 2 * G), mask=m2, other=0).to(tl.int8, bitcast=True)
+        sbb = tl.load(blk + (193 + 8 * H + 2 * G), mask=m2, other=0).to(tl.int8, bitcast=True)
+        sa = d * sa.to(tl.float32)
+        sbb = d * sbb.to(tl.float32)
+        xa = _xq(XQ, xr, n32, sb, xm, S, 0, 8)
+        dx, s0, s1 = _xds16(XD, XS, xr, n32, sb, xm, S, xscale)
+        i = _dp4a(q[None], xa[:, None], False, ASM).to(tl.float32)  # [BT, BR, NB, 8]
+        m = tl.arange(0, 8)
+        sw = tl.where(m[None, None, :] < 4, sa[:, :, None], sbb[:, :, None])  # 16 elements a scale
+        acc += i * sw[None] * dx[:, None, :, None]
+        accb -= 32.0 * (sa[None] * s0[:, None] + sbb[None] * s1[:, None])
+        return acc, accb
+
+    @triton.jit
+    def _step(acc, accb, W, W32, rowoff, rmask, b0, kb1, XQ, XD, XS, xr, n32, tmask, xscale,
               QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, NW: tl.constexpr, ALIGN: tl.constexpr,
               NB: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
         b = b0 + tl.arange(0, NB)
         boff, m2 = qb.block_offsets(rowoff, b, kb1, rmask, TS, ALIGN)
         xm = tmask[:, None] & (b < kb1)[None, :]
-        return q8_block(acc, accb, W, boff, m2, XQ, XD, XS, xr, n32, xm, b, xscale, QT, QK, NW, ALIGN, ASM)
+        return q8_block(acc, accb, W, W32, boff, m2, XQ, XD, XS, xr, n32, xm, b, xscale, QT, QK, NW, ALIGN, ASM)
 
     @triton.jit
-    def walk(acc, accb, W, rowoff, rmask, kb0, kb1, XQ, XD, XS, xr, n32, tmask, xscale,
+    def walk(acc, accb, W, W32, rowoff, rmask, kb0, kb1, XQ, XD, XS, xr, n32, tmask, xscale,
              QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, NW: tl.constexpr, ALIGN: tl.constexpr,
              NB: tl.constexpr, STEPS: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
         """acc/accb += the rows at rowoff [BR] over blocks [kb0, kb1) times the q8 rows xr [BT] (see q8_block);
         STEPS > 0: unrolled (kb1 - kb0 ≤ STEPS·NB), as triton_qblocks.acc_rows."""
         if STEPS == 0:
             for b0 in range(kb0, kb1, NB):
-                acc, accb = _step(acc, accb, W, rowoff, rmask, b0, kb1, XQ, XD, XS, xr, n32, tmask, xscale,
+                acc, accb = _step(acc, accb, W, W32, rowoff, rmask, b0, kb1, XQ, XD, XS, xr, n32, tmask, xscale,
                                   QT, TS, QK, NW, ALIGN, NB, ASM)  # fmt: skip
         else:
             for j in tl.static_range(STEPS):
-                acc, accb = _step(acc, accb, W, rowoff, rmask, kb0 + j * NB, kb1, XQ, XD, XS, xr, n32, tmask, xscale,
+                acc, accb = _step(acc, accb, W, W32, rowoff, rmask, kb0 + j * NB, kb1, XQ, XD, XS, xr, n32, tmask, xscale,
                                   QT, TS, QK, NW, ALIGN, NB, ASM)  # fmt: skip
         return acc, accb
 
@@ -264,7 +305,8 @@ def quantize_act_reference(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     """The specification of :func:`quantize_act`: (q int8 [R, n], d float32 [R, n/32], s float32 [R, n/16])."""
     R, n = X.shape
     x = X.to(torch.float32).reshape(R, n // QBLK, QBLK)
-    d = x.abs().amax(-1) / 127.0
+    amax = x.abs().amax(-1)
+    d = amax / torch.full_like(amax, 127.0)  # tensor / tensor: IEEE division (CUDA torch multiplies by 1/scalar)
     v = x / d[..., None]
     q = torch.trunc(v + torch.where(v >= 0, 0.5, -0.5))
     q = torch.where(d[..., None] > 0, q, 0.0).to(torch.int8)

@@ -26,8 +26,8 @@ if triton is not None:
 
     @triton.jit
     def _q8_gemv_kernel(
-        W, META, XQ, XD, XS, Y, R, n32, row_bytes, nb, T, ystride,
-        QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, NW: tl.constexpr, NPART: tl.constexpr,
+        W, W32, META, XQ, XD, XS, Y, R, n32, row_bytes, nb, T, ystride,
+        QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, NW: tl.constexpr, NA: tl.constexpr, NPART: tl.constexpr,
         ALIGN: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr,
         STEPS: tl.constexpr, M: tl.constexpr, ASM: tl.constexpr,
     ):  # fmt: skip
@@ -61,10 +61,10 @@ if triton is not None:
         tok = p * BT + tl.arange(0, BT)
         tmask = tok < T
         xr = tok.to(tl.int64)
-        acc = tl.zeros([BT, BR, NB, NW], dtype=tl.float32)
+        acc = tl.zeros([BT, BR, NB, NA], dtype=tl.float32)
         accb = tl.zeros([BT, BR, NB], dtype=tl.float32)
         one = tl.full([BT], 1.0, tl.float32)
-        acc, accb = t8.walk(acc, accb, W, rowoff, rmask, kb0, kb1, XQ, XD, XS, xr, n32, tmask, one,
+        acc, accb = t8.walk(acc, accb, W, W32, rowoff, rmask, kb0, kb1, XQ, XD, XS, xr, n32, tmask, one,
                             QT, TS, QK, NW, ALIGN, NB, STEPS, ASM)  # fmt: skip
         y = tl.sum(tl.sum(acc, axis=3), axis=2) + tl.sum(accb, axis=2)  # [BT, BR]
         yp = Y + (s * T + tok[:, None]).to(tl.int64) * ystride + col + rows[None, :]
@@ -80,7 +80,7 @@ def _launch(W, meta, Xq, qtype, rows, n, T, bt, pairs, cfg, m, out_rows) -> torc
     tiles = meta[1] if m > 1 else triton.cdiv(rows, cfg["BR"])
     per = triton.cdiv(triton.cdiv(nb, split), cfg["NB"]) * cfg["NB"]
     _q8_gemv_kernel[(tiles, pairs, split)](
-        W, meta[0] if m > 1 else meta, XQ, XD, XS, out, rows, n // t8.QBLK, block_format(qtype).row_bytes(n), nb, T,
+        W, t8.int32_view(W), meta[0] if m > 1 else meta, XQ, XD, XS, out, rows, n // t8.QBLK, block_format(qtype).row_bytes(n), nb, T,
         out_rows, BR=cfg["BR"], NB=cfg["NB"], BT=bt, SPLIT=split, STEPS=qb.steps(per, cfg["NB"], cfg.get("UNROLL", 16)),
         M=m, ASM=t8.use_asm(XQ.device), num_warps=cfg["num_warps"], **g,
     )  # fmt: skip

@@ -29,10 +29,11 @@ if triton is not None:
 
     @triton.jit
     def _q8_gate_up_kernel(
-        W, SLOT, XQ, XD, XS, HQ, HD, HS, F, nx32, K, go, uo, g_row_bytes, u_row_bytes, g_nb, u_nb,
-        QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, NW: tl.constexpr, NPART: tl.constexpr,
+        W, W32, SLOT, XQ, XD, XS, HQ, HD, HS, F, nx32, K, go, uo, g_row_bytes, u_row_bytes, g_nb, u_nb,
+        QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, NW: tl.constexpr, NA: tl.constexpr, NPART: tl.constexpr,
         ALIGN: tl.constexpr,
-        QTu: tl.constexpr, TSu: tl.constexpr, QKu: tl.constexpr, NWu: tl.constexpr, NPARTu: tl.constexpr,
+        QTu: tl.constexpr, TSu: tl.constexpr, QKu: tl.constexpr, NWu: tl.constexpr, NAu: tl.constexpr,
+        NPARTu: tl.constexpr,
         ALIGNu: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, STEPS: tl.constexpr, STEPSu: tl.constexpr,
         ASM: tl.constexpr,
     ):  # fmt: skip
@@ -46,13 +47,13 @@ if triton is not None:
             xr = (q // K).to(tl.int64) + tl.zeros([1], dtype=tl.int64)
             ok = xr >= 0
             one = tl.full([1], 1.0, tl.float32)
-            ga = tl.zeros([1, BR, NB, NW], dtype=tl.float32)
+            ga = tl.zeros([1, BR, NB, NA], dtype=tl.float32)
             gb = tl.zeros([1, BR, NB], dtype=tl.float32)
-            ga, gb = t8.walk(ga, gb, W, base + go + rows.to(tl.int64) * g_row_bytes, rmask, 0, g_nb, XQ, XD, XS,
+            ga, gb = t8.walk(ga, gb, W, W32, base + go + rows.to(tl.int64) * g_row_bytes, rmask, 0, g_nb, XQ, XD, XS,
                              xr, nx32, ok, one, QT, TS, QK, NW, ALIGN, NB, STEPS, ASM)  # fmt: skip
-            ua = tl.zeros([1, BR, NB, NWu], dtype=tl.float32)
+            ua = tl.zeros([1, BR, NB, NAu], dtype=tl.float32)
             ub = tl.zeros([1, BR, NB], dtype=tl.float32)
-            ua, ub = t8.walk(ua, ub, W, base + uo + rows.to(tl.int64) * u_row_bytes, rmask, 0, u_nb, XQ, XD, XS,
+            ua, ub = t8.walk(ua, ub, W, W32, base + uo + rows.to(tl.int64) * u_row_bytes, rmask, 0, u_nb, XQ, XD, XS,
                              xr, nx32, ok, one, QTu, TSu, QKu, NWu, ALIGNu, NB, STEPSu, ASM)  # fmt: skip
             g = tl.sum(tl.sum(tl.sum(ga, axis=3), axis=2) + tl.sum(gb, axis=2), axis=0)  # [BR]
             u = tl.sum(tl.sum(tl.sum(ua, axis=3), axis=2) + tl.sum(ub, axis=2), axis=0)
@@ -63,7 +64,7 @@ if triton is not None:
             t8.store_q8(HQ, HD, HS, q, blk, blk * 32 < F, words, d, s, F // 32)
 
     @triton.jit
-    def _q8_down_pair(acc, accb, W, SLOT, HQ, HD, HS, WT, t, k, rows, rmask, nh32, do, row_bytes, nb,
+    def _q8_down_pair(acc, accb, W, W32, SLOT, HQ, HD, HS, WT, t, k, rows, rmask, nh32, do, row_bytes, nb,
                       K: tl.constexpr, QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, NW: tl.constexpr,
                       ALIGN: tl.constexpr, NB: tl.constexpr, STEPS: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
         """acc/accb += WT[t, k] · down_{t,k}[rows] · Hq[t·K + k] (nothing when k ≥ K or the pair has no slot)."""
@@ -73,13 +74,13 @@ if triton is not None:
         kb1 = tl.where(slot >= 0, nb, 0)
         rowoff = tl.multiple_of(tl.maximum(slot, 0), 16) + do + rows.to(tl.int64) * row_bytes
         xr = q.to(tl.int64) + tl.zeros([1], dtype=tl.int64)
-        return t8.walk(acc, accb, W, rowoff, rmask, 0, kb1, HQ, HD, HS, xr, nh32, xr >= 0,
+        return t8.walk(acc, accb, W, W32, rowoff, rmask, 0, kb1, HQ, HD, HS, xr, nh32, xr >= 0,
                        wt + tl.zeros([1], dtype=tl.float32), QT, TS, QK, NW, ALIGN, NB, STEPS, ASM)  # fmt: skip
 
     @triton.jit
     def _q8_down_kernel(
-        W, SLOT, HQ, HD, HS, WT, Y, D, nh32, do, row_bytes, nb, K: tl.constexpr,
-        QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, NW: tl.constexpr, NPART: tl.constexpr,
+        W, W32, SLOT, HQ, HD, HS, WT, Y, D, nh32, do, row_bytes, nb, K: tl.constexpr,
+        QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, NW: tl.constexpr, NA: tl.constexpr, NPART: tl.constexpr,
         ALIGN: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, KSPLIT: tl.constexpr, STEPS: tl.constexpr,
         ASM: tl.constexpr,
     ):  # fmt: skip
@@ -88,16 +89,16 @@ if triton is not None:
         g = tl.program_id(2)
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rmask = rows < D
-        acc = tl.zeros([1, BR, NB, NW], dtype=tl.float32)
+        acc = tl.zeros([1, BR, NB, NA], dtype=tl.float32)
         accb = tl.zeros([1, BR, NB], dtype=tl.float32)
         PER: tl.constexpr = (K + KSPLIT - 1) // KSPLIT
         if PER <= 4:
             for j in tl.static_range(PER):
-                acc, accb = _q8_down_pair(acc, accb, W, SLOT, HQ, HD, HS, WT, t, g * PER + j, rows, rmask, nh32, do,
+                acc, accb = _q8_down_pair(acc, accb, W, W32, SLOT, HQ, HD, HS, WT, t, g * PER + j, rows, rmask, nh32, do,
                                           row_bytes, nb, K, QT, TS, QK, NW, ALIGN, NB, STEPS, ASM)  # fmt: skip
         else:
             for j in range(PER):
-                acc, accb = _q8_down_pair(acc, accb, W, SLOT, HQ, HD, HS, WT, t, g * PER + j, rows, rmask, nh32, do,
+                acc, accb = _q8_down_pair(acc, accb, W, W32, SLOT, HQ, HD, HS, WT, t, g * PER + j, rows, rmask, nh32, do,
                                           row_bytes, nb, K, QT, TS, QK, NW, ALIGN, NB, STEPS, ASM)  # fmt: skip
         y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2) + tl.sum(accb, axis=2), axis=0)
         T = tl.num_programs(1)
@@ -119,8 +120,10 @@ def moe_decode_q8(pool, slot_off, x, weights, roles, cfg_gate_up: dict, cfg_down
     if c["BR"] % 32:
         raise ValueError("moe_decode_q8: the gate/up tile must hold whole 32-blocks of h (BR % 32 == 0)")
     g_nb, u_nb, lim = D // qb.GEOMETRY[gq][1], D // qb.GEOMETRY[uq][1], c.get("UNROLL", 16)
+    pool = pool.reshape(-1)
+    w32 = t8.int32_view(pool)
     _q8_gate_up_kernel[(triton.cdiv(F, c["BR"]), T * K)](
-        pool, slots, XQ, XD, XS, HQ, HD, HS, F, D // 32, K, go, uo, block_format(gq).row_bytes(D),
+        pool, w32, slots, XQ, XD, XS, HQ, HD, HS, F, D // 32, K, go, uo, block_format(gq).row_bytes(D),
         block_format(uq).row_bytes(D), g_nb, u_nb, BR=c["BR"], NB=c["NB"], STEPS=qb.steps(g_nb, c["NB"], lim),
         STEPSu=qb.steps(u_nb, c["NB"], lim), ASM=asm, num_warps=c["num_warps"], **geo(gq), **geo(uq, "u"),
     )  # fmt: skip
@@ -129,7 +132,7 @@ def moe_decode_q8(pool, slot_off, x, weights, roles, cfg_gate_up: dict, cfg_down
     Y = torch.empty((ks, T, D), dtype=torch.float32, device=x.device)
     d_nb = F // qb.GEOMETRY[dq][1]
     _q8_down_kernel[(triton.cdiv(D, c["BR"]), T, ks)](
-        pool, slots, HQ, HD, HS, weights.to(torch.float32).contiguous(), Y, D, F // 32, do,
+        pool, w32, slots, HQ, HD, HS, weights.to(torch.float32).contiguous(), Y, D, F // 32, do,
         block_format(dq).row_bytes(F), d_nb, K=K, BR=c["BR"], NB=c["NB"], KSPLIT=ks,
         STEPS=qb.steps(d_nb, c["NB"], c.get("UNROLL", 16)), ASM=asm, num_warps=c["num_warps"], **geo(dq),
     )  # fmt: skip

@@ -23,7 +23,7 @@ for R in $RUNS; do
     *) echo "unknown run $R"; continue ;;
   esac
   env "${ENVS[@]}" timeout 200 python3 -m engine.cli.main bench -m $F --prompt 16 --gen 64 --repeat 2 \
-    --device cuda --vram 30GiB --moe resident --json > "$OUT/resident_$R.json" 2> "$OUT/resident_$R.err"
+    --device cuda --vram 30GiB --moe resident --json > "$OUT/resident_$R.json" 2>> "$OUT/resident.err"
   echo "$R [${ENVS[*]}] rc=$? ($(( $(date +%s) - S )) s):"
   grep -E '"(decode_tok_s|decode_tok_s_all|prompt_tok_s|median_step_ms|hit_rate|placement)"' "$OUT/resident_$R.json" \
     | tr -d '\n' | tr -s ' '; echo

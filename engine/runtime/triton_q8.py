@@ -90,23 +90,22 @@ if triton is not None:
         return tl.load(p, mask=mask[:, :, None, None], other=0)
 
     @triton.jit
-    def _xq5(XQ, xr, n32, sb, xm, S: tl.constexpr):
-        """The 8 activation words of 32-block sb + S [NB] of rows xr [BT] as [BT, NB, 2, 4]."""
+    def _xq5(XQ, xr, n32, sb, xm, S: tl.constexpr, BR: tl.constexpr):
+        """The 8 activation words of 32-block sb + S [NB] of rows xr [BT] as [BT, BR, NB, 2, 4], loaded
+        per row of the weight tile (L1 hits) so the load takes the weights' 16-byte-a-thread layout
+        (a small [BT, NB, 2, 4] load gets one word a thread, and the weights would be converted to it)."""
         k = tl.arange(0, 2)
         m = tl.arange(0, 4)
-        p = (
-            XQ
-            + (xr * (8 * n32))[:, None, None, None]
-            + ((sb + S) * 8)[None, :, None, None]
-            + (4 * k[:, None] + m[None, :])[None, None, :, :]
-        )
-        return tl.load(p, mask=xm[:, :, None, None], other=0)
+        r0 = tl.zeros([BR], dtype=tl.int64)
+        p = (XQ + (xr * (8 * n32))[:, None, None, None, None] + r0[None, :, None, None, None]
+             + ((sb + S) * 8)[None, None, :, None, None] + (4 * k[:, None] + m[None, :])[None, None, None, :, :])  # fmt: skip
+        return tl.load(p, mask=xm[:, None, :, None, None], other=0)
 
     @triton.jit
     def _isum(w, a, ASM: tl.constexpr):
-        """dp4a of weight codes w [BR, NB, 2, 4] (unsigned) and activations a [BT, NB, 2, 4], the 4 words of
+        """dp4a of weight codes w [BR, NB, 2, 4] (unsigned) and activations a [BT, BR, NB, 2, 4], the 4 words of
         each 16-byte load summed in integers inside the thread -> float32 [BT, BR, NB, 2]."""
-        return tl.sum(_dp4a(w[None], a[:, None], False, ASM), axis=4).to(tl.float32)
+        return tl.sum(_dp4a(w[None], a, False, ASM), axis=4).to(tl.float32)
 
     @triton.jit
     def _words(blk, OFF: tl.constexpr, NW: tl.constexpr, mask, ALIGN: tl.constexpr):
@@ -123,11 +122,14 @@ if triton is not None:
             return lo | (hi << 16)
 
     @triton.jit
-    def _xq(XQ, xr, n32, sb, xm, S: tl.constexpr, W0: tl.constexpr, NW: tl.constexpr):
-        """int32 activation words [BT, NB, NW]: words W0 … W0+NW-1 of 32-block sb + S [NB] of rows xr [BT]."""
+    def _xq(XQ, xr, n32, sb, xm, S: tl.constexpr, W0: tl.constexpr, NW: tl.constexpr, BR: tl.constexpr):
+        """int32 activation words [BT, BR, NB, NW]: words W0 … W0+NW-1 of 32-block sb + S [NB] of rows
+        xr [BT], repeated per row of the weight tile (same layout as the weights: no conversion)."""
         m = tl.arange(0, NW)
-        p = XQ + (xr * (8 * n32))[:, None, None] + ((sb + S) * 8 + W0)[None, :, None] + m[None, None, :]
-        return tl.load(p, mask=xm[:, :, None], other=0)
+        r0 = tl.zeros([BR], dtype=tl.int64)
+        p = (XQ + (xr * (8 * n32))[:, None, None, None] + r0[None, :, None, None]
+             + ((sb + S) * 8 + W0)[None, None, :, None] + m[None, None, None, :])  # fmt: skip
+        return tl.load(p, mask=xm[:, None, :, None], other=0)
 
     @triton.jit
     def _xds(XD, XS, xr, n32, sb, xm, S: tl.constexpr, xscale):
@@ -154,6 +156,7 @@ if triton is not None:
         activations of rows xr [BT] (int64 row indices of XQ/XD/XS, n32 blocks a row; mask xm [BT, NB])
         at weight blocks b [NB], times xscale [BT]."""
         blk = W + boff
+        BR: tl.constexpr = boff.shape[0]
         nsub: tl.constexpr = QK // 32  # 32-element activation blocks per weight block
         # activation-side index of 32-block j of weight block b: b·nsub + j
         sb = b * nsub  # [NB]
@@ -161,19 +164,19 @@ if triton is not None:
             w = _words(blk, 2, 4, m2, ALIGN)
             lo = w & 0x0F0F0F0F
             hi = (w >> 4) & 0x0F0F0F0F
-            xa = _xq(XQ, xr, n32, sb, xm, 0, 0, 4)
-            xb = _xq(XQ, xr, n32, sb, xm, 0, 4, 4)
+            xa = _xq(XQ, xr, n32, sb, xm, 0, 0, 4, BR)
+            xb = _xq(XQ, xr, n32, sb, xm, 0, 4, 4, BR)
             dx, sx = _xds(XD, XS, xr, n32, sb, xm, 0, xscale)
             dw = qb._f16(blk, m2)
-            i = _dp4a(lo[None], xa[:, None], False, ASM) + _dp4a(hi[None], xb[:, None], False, ASM)
+            i = _dp4a(lo[None], xa, False, ASM) + _dp4a(hi[None], xb, False, ASM)
             acc += i.to(tl.float32) * (dw[None] * dx[:, None])[:, :, :, None]
             accb -= 8.0 * dw[None] * sx[:, None]
         elif QT == 8:  # Q8_0: d, int8 qs[32]
             w = _words(blk, 2, 8, m2, ALIGN)
-            xa = _xq(XQ, xr, n32, sb, xm, 0, 0, 8)
+            xa = _xq(XQ, xr, n32, sb, xm, 0, 0, 8, BR)
             dx, sx = _xds(XD, XS, xr, n32, sb, xm, 0, xscale)
             dw = qb._f16(blk, m2)
-            acc += _dp4a(w[None], xa[:, None], True, ASM).to(tl.float32) * (dw[None] * dx[:, None])[:, :, :, None]
+            acc += _dp4a(w[None], xa, True, ASM).to(tl.float32) * (dw[None] * dx[:, None])[:, :, :, None]
         elif QT == 12 or QT == 13:  # Q4_K / Q5_K: 32 qs bytes j hold sub-blocks 2j (low) and 2j+1 (high)
             d = qb._f16(blk, m2)
             dmin = qb._f16(blk + 2, m2)
@@ -194,8 +197,8 @@ if triton is not None:
                 sc1, mn1 = qb._k4_scale_min(blk + 4, 2 * j + 1, m2)
                 dxa, sxa = _xds(XD, XS, xr, n32, sb, xm, 2 * j, xscale)
                 dxb, sxb = _xds(XD, XS, xr, n32, sb, xm, 2 * j + 1, xscale)
-                ia = _isum(lo, _xq5(XQ, xr, n32, sb, xm, 2 * j), ASM)
-                ib = _isum(hi, _xq5(XQ, xr, n32, sb, xm, 2 * j + 1), ASM)
+                ia = _isum(lo, _xq5(XQ, xr, n32, sb, xm, 2 * j, BR), ASM)
+                ib = _isum(hi, _xq5(XQ, xr, n32, sb, xm, 2 * j + 1, BR), ASM)
                 acc += ia * ((d * sc0)[None] * dxa[:, None])[:, :, :, None]
                 acc += ib * ((d * sc1)[None] * dxb[:, None])[:, :, :, None]
                 accb -= (dmin * mn0)[None] * sxa[:, None] + (dmin * mn1)[None] * sxb[:, None]
@@ -215,6 +218,7 @@ if triton is not None:
     def _q6_group(acc, accb, blk, m2, nib, qh, d, XQ, XD, XS, xr, n32, sb, xm, xscale,
                   H: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
         """Q6_K group G of half H (elements 128H + 32G + l): low 4 bits nib, bits 2G, 2G+1 of qh; value q - 32."""
+        BR: tl.constexpr = nib.shape[0]
         if G < 2:
             q = nib | ((qh << (4 - 2 * G)) & 0x30303030)
         else:
@@ -224,9 +228,9 @@ if triton is not None:
         sbb = tl.load(blk + (193 + 8 * H + 2 * G), mask=m2, other=0).to(tl.int8, bitcast=True)
         sa = d * sa.to(tl.float32)
         sbb = d * sbb.to(tl.float32)
-        xa = _xq(XQ, xr, n32, sb, xm, S, 0, 8)
+        xa = _xq(XQ, xr, n32, sb, xm, S, 0, 8, BR)
         dx, s0, s1 = _xds16(XD, XS, xr, n32, sb, xm, S, xscale)
-        i = _dp4a(q[None], xa[:, None], False, ASM).to(tl.float32)  # [BT, BR, NB, 8]
+        i = _dp4a(q[None], xa, False, ASM).to(tl.float32)  # [BT, BR, NB, 8]
         m = tl.arange(0, 8)
         sw = tl.where(m[None, None, :] < 4, sa[:, :, None], sbb[:, :, None])  # 16 elements a scale
         acc += i * sw[None] * dx[:, None, :, None]

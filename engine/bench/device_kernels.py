@@ -247,22 +247,23 @@ def report_lines(rep: dict) -> list[str]:
 
 # -- the launch-settings sweep (the q8 kernels: the CUDA default) ------------------------------
 def _candidates(kernel: str, qtype: QType, cls: str) -> list[dict]:
+    """Launch settings worth timing (sm_90 compiles: larger tiles spill, K walks of > 2 unrolled steps
+    of the two-matrix gate/up kernel take ptxas tens of seconds)."""
     small = qtype in (QType.Q4_0, QType.Q8_0)  # 32-element blocks: 8× more blocks per row
-    f = 8 if small else 1
+    f = 4 if small else 1
     if kernel == "moe_q8_gate_up":  # BR: whole 32-blocks of h
-        return [{"BR": br, "NB": nb * f, "num_warps": w} for br, nb, w in
-                ((32, 1, 4), (32, 2, 4), (32, 4, 4), (32, 8, 4), (64, 1, 4), (64, 2, 4), (64, 2, 8), (32, 2, 2))]  # fmt: skip
-    if kernel == "moe_q8_down":  # down rows are F = 768 wide: 3 K-quant blocks, 24 small ones
-        nbs = (8, 16, 32) if small else (1, 2, 4)
         return [
-            {"BR": br, "NB": nb, "num_warps": 4, "KSPLIT": ks} for br in (4, 8, 16) for nb in nbs for ks in (1, 2, 4)
+            {"BR": br, "NB": nb * f, "num_warps": w} for br, nb, w in ((32, 4, 4), (32, 4, 8), (32, 8, 8), (64, 4, 8))
         ]
-    tiles = ((4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (4, 8))
+    if kernel == "moe_q8_down":  # down rows are F = 768 wide: 3 K-quant blocks, 24 small ones
+        nbs = (16, 32) if small else (2, 4)
+        return [{"BR": br, "NB": nb, "num_warps": 4, "KSPLIT": ks} for br in (8, 16) for nb in nbs for ks in (1, 2, 4)]
+    tiles = ((8, 2), (8, 4), (8, 8), (16, 2), (16, 4), (16, 8), (32, 4))
     out = [{"BR": br, "NB": nb * f, "num_warps": 4, "SPLIT": 1} for br, nb in tiles]
-    out += [{"BR": 16, "NB": 2 * f, "num_warps": 8, "SPLIT": 1}]
+    out += [{"BR": 16, "NB": 8 * f, "num_warps": 8, "SPLIT": 1}]
     if cls == "S":
-        out += [{"BR": br, "NB": nb * f, "num_warps": 4, "SPLIT": 1} for br, nb in ((2, 1), (2, 2), (2, 4))]
-        out += [{"BR": br, "NB": f, "num_warps": 4, "SPLIT": sp} for br in (2, 4) for sp in (2, 4)]
+        out += [{"BR": br, "NB": nb * f, "num_warps": 4, "SPLIT": 1} for br, nb in ((2, 8), (4, 4), (4, 8))]
+        out += [{"BR": 4, "NB": 4 * f, "num_warps": 4, "SPLIT": sp} for sp in (2, 4)]
     return out
 
 

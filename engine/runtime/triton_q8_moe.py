@@ -92,14 +92,11 @@ if triton is not None:
         acc = tl.zeros([1, BR, NB, NA], dtype=tl.float32)
         accb = tl.zeros([1, BR, NB], dtype=tl.float32)
         PER: tl.constexpr = (K + KSPLIT - 1) // KSPLIT
-        if PER <= 4:
-            for j in tl.static_range(PER):
-                acc, accb = _q8_down_pair(acc, accb, W, W32, SLOT, HQ, HD, HS, WT, t, g * PER + j, rows, rmask, nh32, do,
-                                          row_bytes, nb, K, QT, TS, QK, NW, ALIGN, NB, STEPS, ASM)  # fmt: skip
-        else:
-            for j in range(PER):
-                acc, accb = _q8_down_pair(acc, accb, W, W32, SLOT, HQ, HD, HS, WT, t, g * PER + j, rows, rmask, nh32, do,
-                                          row_bytes, nb, K, QT, TS, QK, NW, ALIGN, NB, STEPS, ASM)  # fmt: skip
+        # A runtime loop over the experts: unrolling 4 of them made ptxas spill (sm_90, 255 registers)
+        # and compile for minutes; the K walk inside each (STEPS) stays unrolled.
+        for j in range(PER):
+            acc, accb = _q8_down_pair(acc, accb, W, W32, SLOT, HQ, HD, HS, WT, t, g * PER + j, rows, rmask, nh32, do,
+                                      row_bytes, nb, K, QT, TS, QK, NW, ALIGN, NB, STEPS, ASM)  # fmt: skip
         y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2) + tl.sum(accb, axis=2), axis=0)
         T = tl.num_programs(1)
         tl.store(Y + (g * T + t).to(tl.int64) * D + rows, y, mask=rmask)

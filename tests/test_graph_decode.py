@@ -9,6 +9,10 @@ graphs against the eager path over a bucket boundary, with the Triton kernels an
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -162,6 +166,111 @@ def test_attention_static_masks_past_the_position():
         bias = torch.zeros(L).masked_fill(torch.arange(L) > pos, float("-inf"))
         want = attention(q, k[: pos + 1], v[: pos + 1], pos)
         assert torch.allclose(attention_static(q, k, v, bias), want, rtol=0, atol=1e-6)
+
+
+ROUTE_SCRIPT = r"""
+import sys, numpy as np, torch
+from engine.runtime import step_kernels as sk
+dev = sys.argv[1]
+rng = np.random.default_rng(0)
+for E, k in ((8, 2), (60, 4), (128, 8)):
+    table = torch.from_numpy(rng.permutation(E).astype(np.int64) * 4096).to(dev)
+    for renorm in (True, False):
+        for rep in range(3):
+            logits = torch.from_numpy(rng.standard_normal((1, E)).astype(np.float32) * 3).to(dev)
+            ids_a, ids_b = (torch.full((1, k), -1, dtype=torch.int64, device=dev) for _ in range(2))
+            w_a, off_a = sk.route(logits, k, renorm, table, ids_a)
+            w_b, off_b = sk.route_reference(logits, k, renorm, table, ids_b)
+            assert torch.equal(ids_a, ids_b) and torch.equal(off_a, off_b), (E, k, ids_a, ids_b)
+            assert torch.allclose(w_a, w_b, rtol=1e-5, atol=1e-7), (E, k, w_a, w_b)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])
+def test_fused_route_kernel_matches_torch(device):
+    """step_kernels.route (Triton: the interpreter on the CPU) against route_softmax_topk + lookup."""
+    pytest.importorskip("triton")
+    _script(ROUTE_SCRIPT, device, interpret=device == "cpu")
+
+
+ROPE_SCRIPT = r"""
+import sys, numpy as np, torch
+from engine.models.layers import rope_tables, rope_theta
+from engine.runtime import step_kernels as sk
+dev = sys.argv[1]
+rng = np.random.default_rng(0)
+t = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(dev)
+for H, Hkv, hd, rd, neox, norm, kv in ((8, 2, 64, 64, True, True, torch.float32), (4, 4, 80, 32, False, False,
+        torch.bfloat16), (6, 2, 32, 32, False, True, torch.bfloat16), (2, 1, 128, 96, True, False, torch.float32)):
+    theta = torch.from_numpy(rope_theta(np.arange(20), rd, 10000.0)).to(dev)
+    C, S, perm = rope_tables(torch.cos(theta), torch.sin(theta), hd, neox)
+    pos = torch.tensor([13], dtype=torch.int64, device=dev)
+    q, k, v = t(1, H * hd), t(1, Hkv * hd), t(1, Hkv * hd)
+    qn, kn = (t(hd), t(hd)) if norm else (None, None)
+    caches = [torch.zeros(20, Hkv * hd, dtype=kv, device=dev) for _ in range(4)]
+    args = (1e-6, C[13:14], S[13:14], perm, pos)
+    qa = sk.qk_rope_kv(q, k, v, qn, kn, *args, caches[0], caches[1], H, Hkv, hd)
+    qb = sk.qk_rope_kv_reference(q, k, v, qn, kn, *args, caches[2], caches[3], H, Hkv, hd)
+    assert torch.allclose(qa, qb, rtol=1e-5, atol=1e-5), (H, hd, (qa - qb).abs().max())
+    assert torch.equal(caches[1], caches[3]), "v"
+    err = (caches[0].float() - caches[2].float()).abs().max().item()
+    assert err <= (1e-5 if kv == torch.float32 else 2e-2), ("k", err)
+    assert caches[0][:13].abs().sum() == 0 and caches[0][14:].abs().sum() == 0
+for D in (100, 256, 2048):
+    x, y, w = t(1, D), t(1, D), t(D)
+    for yy in (y, None):
+        (xa, ha), (xb, hb) = sk.add_rms_norm(x, yy, w, 1e-6), sk.add_rms_norm_reference(x, yy, w, 1e-6)
+        assert torch.equal(xa, xb) and torch.allclose(ha, hb, rtol=1e-5, atol=1e-6), (D, (ha - hb).abs().max())
+print("ok")
+"""
+
+STEP_SCRIPT = r"""
+import os, sys, numpy as np
+from engine.api import LoadOptions, Session
+from tests.oracle import random_tokens
+from tests.test_graph_decode import _whole
+tokens = random_tokens(20, 1024, seed=1)
+for path in sys.argv[1:]:
+  for kv in ("f32", "bf16"):
+    with Session.load(path, LoadOptions(n_ctx=64, device="cpu")) as s:
+        placement = _whole(s, kv)
+        os.environ["SHARPI_CUDA_GRAPH"] = "0"
+        s.apply(placement)
+        ref = s.logits(tokens, batch=False)
+        os.environ["SHARPI_CUDA_GRAPH"] = "eager"
+        s.apply(placement)
+        g = s.model.decode_graph
+        assert g._rope_kv is not None
+        got = s.logits(tokens, batch=False)
+        assert g.steps == len(tokens)
+        # bf16: a k differing in its last float32 bit may round to the other bf16 neighbour
+        tol = 1e-5 if kv == "f32" else 1e-3 * np.abs(ref).max()
+        assert np.abs(got - ref).max() <= tol, (path, kv, np.abs(got - ref).max())
+print("ok")
+"""
+
+
+def _script(script: str, *args: str, interpret: bool) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
+    out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                         timeout=300, check=False)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])
+def test_fused_qk_rope_kv_and_add_norm_kernels_match_torch(device):
+    """step_kernels.qk_rope_kv against the static step's torch ops: head norms or none, NEOX or
+    pair rotation, partial rope, f32 and bf16 caches (written at the position only); add_rms_norm."""
+    pytest.importorskip("triton")
+    _script(ROPE_SCRIPT, device, interpret=device == "cpu")
+
+
+def test_static_step_with_the_fused_rope_kernel(paths):
+    """The whole static step with qk_rope_kv (Triton's interpreter) equals the eager path: per-head
+    norms (qwen3moe), projection norms (olmoe), q/k/v bias (qwen2moe), pair rotation (mixtral)."""
+    pytest.importorskip("triton")
+    _script(STEP_SCRIPT, *(str(paths[n]) for n in ("qwen3moe", "olmoe", "qwen2moe", "mixtral")), interpret=True)
 
 
 def test_buckets():

@@ -6,6 +6,7 @@ architecture module; the math itself lives in :mod:`engine.models.layers`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +64,16 @@ class StaticStep:
     perm: torch.Tensor
     bias: torch.Tensor
     cache: KVCache
+    # A fused q/k norm + rope + K/V write (``runtime.step_kernels.qk_rope_kv``'s signature), or None.
+    rope_kv: Callable | None = None
+    # (x, y | None, w, eps) -> (x + y, rms_norm(x + y)·w): ``runtime.step_kernels.add_rms_norm``'s.
+    add_norm: Callable | None = None
+
+    def add_rms_norm(self, x, y, w, eps):
+        if self.add_norm is not None:
+            return self.add_norm(x, y, w, eps)
+        x = x if y is None else x + y
+        return x, rms_norm_fused(x, w, eps)
 
 
 def _on_host(*linears) -> bool:
@@ -111,6 +122,13 @@ class Attention:
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # [1, H*hd], [1, Hkv*hd] x2
         if self.qk_norm == "proj":  # OLMoE: over the whole projection
             q, k = rms_norm_fused(q, self.q_norm, a.rms_eps), rms_norm_fused(k, self.k_norm, a.rms_eps)
+        sk, sv = st.cache.k[self.i], st.cache.v[self.i]
+        if st.rope_kv is not None and sk.kv_type in ("f32", "bf16"):  # one launch
+            norms = (self.q_norm, self.k_norm) if self.qk_norm == "head" else (None, None)
+            q = st.rope_kv(q, k, v, *norms, a.rms_eps, st.cos, st.sin, st.perm, st.pos, sk.q, sv.q, H, Hkv, hd)
+            shape = (st.length, Hkv, hd)
+            K, V = sk.read(st.length).reshape(shape), sv.read(st.length).reshape(shape)
+            return self.wo(attention_static(q, K, V, st.bias))
         qk = torch.cat([q, k], dim=1).reshape(1, H + Hkv, hd)
         if self.qk_norm == "head":  # Qwen3: per head, q's and k's weights side by side
             if self._qk_w is None:
@@ -188,7 +206,13 @@ class MoE:
         """One token x [1, D] with routing kept on the device (graph-capturable): the backend's
         ``forward_static`` (the resident pool: slots looked up on the device). ``route`` int64 [K]:
         [1, K] where to write the chosen ids (the graph's profiler record)."""
-        probs = torch.softmax(self.router(x), dim=-1)  # [1, E]: as route_softmax_topk
+        logits = self.router(x)  # [1, E]
+        fused = getattr(self.experts, "route_static", None)
+        got = fused(self.i, logits, self.k, self.renormalise, route) if fused and route is not None else None
+        if got is not None:  # one fused kernel: routing, the ids into ``route``, slot offsets
+            weights, off = got
+            return self._plus_shared(x, self.experts.forward_static(self.i, x, route, weights, off))
+        probs = torch.softmax(logits, dim=-1)  # as route_softmax_topk
         if route is None:
             weights, ids = torch.topk(probs, self.k, dim=-1)
         else:  # the ids land in the graph's output buffer directly
@@ -251,13 +275,17 @@ class DecoderLayer:
         x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), start, cache, cos, sin)
         return x + self.ffn(rms_norm(x, self.ffn_norm, self.eps))
 
-    def decode_static(self, x: torch.Tensor, st: StaticStep, route: torch.Tensor | None = None) -> torch.Tensor:
-        """One token x [1, D] at the device position ``st.pos`` over a static cache length, every
-        step on x's device (no host sync): what a decode CUDA graph captures. ``route`` int64
-        [1, K] receives a MoE layer's expert ids."""
-        x = x + self.attn.decode_static(rms_norm_fused(x, self.attn_norm, self.eps), st)
-        h = rms_norm_fused(x, self.ffn_norm, self.eps)
-        return x + (self.ffn.decode_static(h, route) if isinstance(self.ffn, MoE) else self.ffn(h))
+    def decode_static(
+        self, x: torch.Tensor, y: torch.Tensor | None, st: StaticStep, route: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token whose residual stream is x + y ([1, D] each; y None: just x) at the device
+        position ``st.pos`` over a static cache length, every step on x's device (no host sync):
+        what a decode CUDA graph captures. Returns (x', y') whose sum is the layer's output — the
+        last residual add is left to the next norm, so each add rides on a norm's launch.
+        ``route`` int64 [1, K] receives a MoE layer's expert ids."""
+        x, h = st.add_rms_norm(x, y, self.attn_norm, self.eps)
+        x, h = st.add_rms_norm(x, self.attn.decode_static(h, st), self.ffn_norm, self.eps)
+        return x, (self.ffn.decode_static(h, route) if isinstance(self.ffn, MoE) else self.ffn(h))
 
     def forward_host(self, x: np.ndarray, start: int, cache: KVCache, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """x float32 [T, D] -> [T, D] through the numba host twins; cos, sin float32 [T, rope_dim/2]."""

@@ -17,7 +17,7 @@ from engine import ops
 from engine.experts import ExpertBackend, ExpertStacks
 from engine.models.layers import silu_mul
 from engine.plan.sizing import SlotLayout
-from engine.runtime import triton_moe
+from engine.runtime import step_kernels, triton_moe
 from engine.runtime.device import TRITON_MAX_T, DeviceArena, fused_kernels, raw_bytes
 from engine.runtime.slru import SegmentedLRU
 from engine.runtime.tdequant import dequantize
@@ -170,13 +170,31 @@ class CachedExperts(ExpertBackend):
         self._slot_off = {i: t * self.layout.stride for i, t in tables.items()}
         return True
 
-    def forward_static(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def route_static(self, layer: int, logits: torch.Tensor, k: int, renormalise: bool, ids_out: torch.Tensor):
+        """Routing of one token in one fused kernel (``step_kernels.route``) where the layer's experts
+        run in the fused MoE kernels: logits float32 [1, E] -> (weights float32 [1, k], slot byte
+        offsets int64 [1, k]), the ids written into ``ids_out`` [1, k]; None where it does not apply
+        (the caller routes in torch)."""
+        if not self._fused[layer] or layer not in self._slot_off or not step_kernels.enabled(self.device):
+            return None
+        return step_kernels.route(logits, k, renormalise, self._slot_off[layer], ids_out)
+
+    def forward_static(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        slot_off: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """:meth:`forward` for one token with ``ids`` staying on the device: x float32 [1, D], ids
         int64 [1, K], weights float32 [1, K] -> [1, D]. Slots come from the device table of
         :meth:`pin_static` (resident pool), so there is no host sync and no bookkeeping: a CUDA
-        graph can capture it. The caller records the routes (the profiler's hits are its calls)."""
+        graph can capture it. The caller records the routes (the profiler's hits are its calls).
+        slot_off int64 [1, K]: the pairs' slot byte offsets when the caller looked them up already."""
         if self._fused[layer]:
-            slot_off = self._slot_off[layer][ids]  # [1, K] byte offsets, looked up on the device
+            if slot_off is None:
+                slot_off = self._slot_off[layer][ids]  # [1, K] byte offsets, looked up on the device
             y = triton_moe.moe_decode(self.pool, slot_off, x.float(), weights.float(), self._roles(layer))
             return y.to(x.dtype)
         slots = self._slot_index[layer][ids[0]]  # [K] slot indices

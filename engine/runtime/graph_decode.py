@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from engine.models.blocks import MoE, StaticStep
-from engine.models.layers import rms_norm_fused, rope_tables
+from engine.models.layers import rope_tables
+from engine.runtime import step_kernels
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,9 @@ class GraphDecode:
         self._logits_h = self._out_h[: V * 4].view(torch.float32).view(1, V)
         self._routes_h = self._out_h[self._ro :].view(torch.int64).view(len(moe_layers), K)
         self._route_rows = {int(i): self.routes[j : j + 1] for j, i in enumerate(moe_layers)}  # [1, K] views
+        fused = step_kernels.enabled(device)  # few, larger launches for the glue between matrices
+        self._rope_kv = step_kernels.qk_rope_kv if fused else None
+        self._add_norm = step_kernels.add_rms_norm if fused else None
         self.cache = None  # the KV cache the graphs write (bound on first use)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -142,11 +146,11 @@ class GraphDecode:
         m, pos = self.model, self.pos
         bias = torch.zeros(length, dtype=torch.float32, device=self.device).masked_fill(self.kpos[:length] > pos, -inf)
         cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)  # [1, hd]
-        st = StaticStep(pos, length, cos, sin, self.perm, bias, self.cache)
-        x = self.x
+        st = StaticStep(pos, length, cos, sin, self.perm, bias, self.cache, self._rope_kv, self._add_norm)
+        x, y = self.x, None
         for i, layer in enumerate(m.layers):
-            x = layer.decode_static(x, st, self._route_rows.get(i))
-        self.logits.copy_(m.output(rms_norm_fused(x, m.out_norm, m.args.rms_eps)))
+            x, y = layer.decode_static(x, y, st, self._route_rows.get(i))
+        self.logits.copy_(m.output(st.add_rms_norm(x, y, m.out_norm, m.args.rms_eps)[1]))
 
     def _capture_all(self) -> None:
         """Warm up (one eager step on a side stream: Triton kernels compiled, lazy state created),

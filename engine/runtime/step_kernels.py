@@ -1,0 +1,195 @@
+"""Small fused kernels of the one-token device step (``DecoderLayer.decode_static``), where torch
+would launch several tiny kernels in a row — inside a CUDA graph each launch still costs a few µs
+of GPU time, and a 48-layer step has thousands of them.
+
+- :func:`qk_rope_kv`: q and k normed per head and rotated, k and v written into the KV cache at
+  the token's device position: one launch instead of about nine.
+- :func:`add_rms_norm`: the residual add and the following RMS norm: one launch instead of two.
+- :func:`route`: router logits → softmax → top-k → renormalised weights, the ids written into the
+  graph's route record, and each chosen expert's slot byte offset from the resident pool's table:
+  one launch instead of six (softmax, topk's two, sum, divide, index).
+
+Each kernel has a torch reference with the same signature (``*_reference``) beside it; the tests
+(``tests/test_graph_decode.py``) hold them together under Triton's CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.models.layers import apply_rope_table, rms_norm_fused, route_softmax_topk
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is optional
+    triton = None
+    tl = None
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether the fused step kernels serve ``device``: Triton present, a CUDA device (or Triton's
+    CPU interpreter, for tests), and not ``SHARPI_DEVICE_KERNELS=reference``."""
+    if triton is None or os.environ.get("SHARPI_DEVICE_KERNELS", "").lower() == "reference":
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _route_kernel(LOGITS, TABLE, W, IDS, OFF, E, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
+                      RENORM: tl.constexpr):  # fmt: skip
+        """One token: softmax over E logits, the K largest by repeated arg-max (lowest id on ties),
+        optionally renormalised; W[K] weights, IDS[K] ids, OFF[K] = TABLE[ids]."""
+        e = tl.arange(0, BE)
+        em = e < E
+        x = tl.load(LOGITS + e, mask=em, other=-float("inf"))
+        p = tl.exp(x - tl.max(x, 0))
+        p = tl.where(em, p, 0.0)
+        p = p / tl.sum(p, 0)
+        kk = tl.arange(0, KP)
+        wv = tl.zeros([KP], dtype=tl.float32)
+        iv = tl.zeros([KP], dtype=tl.int64)
+        for j in tl.static_range(K):
+            best = tl.max(p, 0)
+            idx = tl.min(tl.where(p == best, e, BE), 0)
+            wv = tl.where(kk == j, best, wv)
+            iv = tl.where(kk == j, idx.to(tl.int64), iv)
+            p = tl.where(e == idx, -1.0, p)
+        if RENORM:
+            wv = wv / tl.sum(wv, 0)
+        km = kk < K
+        tl.store(W + kk, wv, mask=km)
+        tl.store(IDS + kk, iv, mask=km)
+        tl.store(OFF + kk, tl.load(TABLE + iv, mask=km, other=0), mask=km)
+
+    @triton.jit
+    def _bf16_bits(x):
+        """float32 -> the int16 bits of bfloat16, rounded to nearest even (finite x)."""
+        b = x.to(tl.uint32, bitcast=True)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.int16)
+
+    @triton.jit
+    def _qk_rope_kv_kernel(Q, K, V, QN, KN, C, S, PERM, POS, KC, VC, QO, eps, H, HD: tl.constexpr,
+                           BD: tl.constexpr, NORM: tl.constexpr, KV_BF16: tl.constexpr):  # fmt: skip
+        """Program h < H: query head h; h ≥ H: key head h − H (and its value row). Optional per-head
+        RMS norm (weights QN / KN), rotation by the table rows C, S [HD] (x·C + x[PERM]·S), q into
+        QO, k and v into row POS of the caches KC, VC [n_ctx, Hkv·HD]."""
+        h = tl.program_id(0)
+        d = tl.arange(0, BD)
+        dm = d < HD
+        perm = tl.load(PERM + d, mask=dm, other=0)
+        is_q = h < H
+        if is_q:
+            src = Q + h * HD
+            wn = QN
+        else:
+            src = K + (h - H) * HD
+            wn = KN
+        x = tl.load(src + d, mask=dm, other=0.0)
+        xp = tl.load(src + perm, mask=dm, other=0.0)
+        if NORM:
+            r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / HD + eps)
+            x = x * r * tl.load(wn + d, mask=dm, other=0.0)
+            xp = xp * r * tl.load(wn + perm, mask=dm, other=0.0)
+        y = x * tl.load(C + d, mask=dm, other=0.0) + xp * tl.load(S + d, mask=dm, other=0.0)
+        if is_q:
+            tl.store(QO + h * HD + d, y, mask=dm)
+        else:
+            kvw = (tl.num_programs(0) - H) * HD
+            row = tl.load(POS).to(tl.int64) * kvw + (h - H) * HD
+            vv = tl.load(V + (h - H) * HD + d, mask=dm, other=0.0)
+            if KV_BF16:  # KC, VC viewed as int16: round to nearest even by hand (as torch's .to)
+                tl.store(KC + row + d, _bf16_bits(y), mask=dm)
+                tl.store(VC + row + d, _bf16_bits(vv), mask=dm)
+            else:
+                tl.store(KC + row + d, y, mask=dm)
+                tl.store(VC + row + d, vv, mask=dm)
+
+    @triton.jit
+    def _add_rms_norm_kernel(X, Y, W, XO, HO, eps, D: tl.constexpr, BD: tl.constexpr, HAS_Y: tl.constexpr):
+        """XO = X + Y; HO = XO · rsqrt(mean(XO²) + eps) · W, one row of D."""
+        d = tl.arange(0, BD)
+        dm = d < D
+        x = tl.load(X + d, mask=dm, other=0.0)
+        if HAS_Y:
+            x = x + tl.load(Y + d, mask=dm, other=0.0)
+            tl.store(XO + d, x, mask=dm)
+        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / D + eps)
+        tl.store(HO + d, x * r * tl.load(W + d, mask=dm, other=0.0), mask=dm)
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: float):
+    """The residual add and the next norm in one launch: x, y float32 [1, D] (y None: no add) ->
+    (x + y [1, D], rms_norm(x + y) · w [1, D])."""
+    D = x.shape[-1]
+    h = torch.empty_like(x)
+    xo = torch.empty_like(x) if y is not None else x
+    _add_rms_norm_kernel[(1,)](
+        x, y if y is not None else x, w, xo, h, eps, D=D, BD=triton.next_power_of_2(D), HAS_Y=y is not None,
+        num_warps=8 if D >= 2048 else 4,
+    )  # fmt: skip
+    return xo, h
+
+
+def add_rms_norm_reference(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: float):
+    """:func:`add_rms_norm` in torch."""
+    if y is not None:
+        x = x + y
+    return x, rms_norm_fused(x, w, eps)
+
+
+def qk_rope_kv(q, k, v, q_norm, k_norm, eps, cos, sin, perm, pos, kc, vc, n_head, n_head_kv, head_dim):
+    """q [1, H·hd], k, v [1, Hkv·hd] float32 -> q normed (per head, when ``q_norm``/``k_norm`` [hd]
+    are given) and rotated [1, H, hd]; k normed and rotated and v written at row ``pos`` (int64 [1])
+    of the caches kc, vc (float32 or bfloat16 [n_ctx, Hkv·hd]). cos, sin [1, hd], perm int64 [hd]:
+    ``layers.rope_tables`` rows. One launch (concatenate, norm, rotate and two cache writes in torch
+    are about nine)."""
+    qo = torch.empty((1, n_head, head_dim), dtype=torch.float32, device=q.device)
+    norm, bf16 = q_norm is not None, kc.dtype == torch.bfloat16
+    _qk_rope_kv_kernel[(n_head + n_head_kv,)](
+        q.contiguous(), k.contiguous(), v.contiguous(), q_norm if norm else q, k_norm if norm else q, cos, sin,
+        perm, pos, kc.view(torch.int16) if bf16 else kc, vc.view(torch.int16) if bf16 else vc, qo, eps, n_head,
+        HD=head_dim, BD=triton.next_power_of_2(head_dim), NORM=norm, KV_BF16=bf16, num_warps=1,
+    )  # fmt: skip
+    return qo
+
+
+def qk_rope_kv_reference(q, k, v, q_norm, k_norm, eps, cos, sin, perm, pos, kc, vc, n_head, n_head_kv, head_dim):
+    """:func:`qk_rope_kv` in torch (the static step's own ops)."""
+    qk = torch.cat([q, k], dim=1).reshape(1, n_head + n_head_kv, head_dim)
+    if q_norm is not None:
+        w = torch.cat([q_norm.expand(n_head, head_dim), k_norm.expand(n_head_kv, head_dim)])
+        qk = rms_norm_fused(qk, None, eps) * w
+    qk = apply_rope_table(qk, cos, sin, perm)
+    kc.index_copy_(0, pos, qk[:, n_head:].reshape(1, -1).to(kc.dtype))
+    vc.index_copy_(0, pos, v.to(vc.dtype))
+    return qk[:, :n_head]
+
+
+def route(
+    logits: torch.Tensor, k: int, renormalise: bool, table: torch.Tensor, ids_out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits float32 [1, E] -> (weights float32 [1, k], slot offsets int64 [1, k] = table[ids]);
+    the ids int64 [1, k] are written into ``ids_out`` (route_softmax_topk's choice, highest first).
+    table int64 [E]: each expert's slot byte offset."""
+    E = logits.shape[-1]
+    w = torch.empty((1, k), dtype=torch.float32, device=logits.device)
+    off = torch.empty((1, k), dtype=torch.int64, device=logits.device)
+    _route_kernel[(1,)](
+        logits.contiguous(), table, w, ids_out, off, E, K=k, KP=triton.next_power_of_2(k),
+        BE=triton.next_power_of_2(E), RENORM=renormalise, num_warps=1,
+    )  # fmt: skip
+    return w, off
+
+
+def route_reference(
+    logits: torch.Tensor, k: int, renormalise: bool, table: torch.Tensor, ids_out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`route` in torch (``route_softmax_topk`` and a table lookup)."""
+    ids, w = route_softmax_topk(logits, k, renormalise)
+    ids_out.copy_(ids)
+    return w, table[ids]

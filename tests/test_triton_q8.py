@@ -62,8 +62,8 @@ if not big:
     Ts = (1, 3)
 else:
     shapes = {q: (4096, 2048) for q in ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
-    cfgs = ({"BR": 8, "NB": 2, "num_warps": 4, "SPLIT": 1, "UNROLL": 4}, {"BR": 4, "NB": 4, "num_warps": 4, "SPLIT": 3, "UNROLL": 0})
-    Ts = (1, 5, 8)
+    cfgs = ({"BR": 4, "NB": 4, "num_warps": 4, "SPLIT": 3, "UNROLL": 0},)  # + the table's (unrolled)
+    Ts = (1, 5)
 for name, (rows, n) in shapes.items():
     qt = QType[name]
     raws = [blocks(qt, r, n, dev, rng) for r in (rows, rows // 4 + 1, rows // 4 + 1)]  # q, k, v-like
@@ -108,9 +108,9 @@ if not big:
     cases = [((Q.Q4_K, Q.Q4_K, Q.Q6_K), 256, 256), ((Q.Q8_0, Q.Q4_0, Q.Q5_K), 256, 96), ((Q.Q4_0, Q.Q8_0, Q.Q8_0), 96, 64)]
     E, K, Ts, cfgs = 3, 2, (1, 3), ()
 else:
-    cases = [((q, q, q), 768, 2048) for q in (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)] + [((Q.Q4_K, Q.Q4_K, Q.Q6_K), 768, 2048)]
+    cases = [((Q.Q4_0, Q.Q4_0, Q.Q8_0), 768, 2048), ((Q.Q5_K, Q.Q5_K, Q.Q5_K), 768, 2048), ((Q.Q4_K, Q.Q4_K, Q.Q6_K), 768, 2048)]
     E, K, Ts = 16, 8, (1, 4)
-    cfgs = (({"BR": 64, "NB": 2, "num_warps": 4}, {"BR": 16, "NB": 1, "num_warps": 4, "KSPLIT": 3}),)
+    cfgs = ()  # the table's settings (sm_90 compiles of the gate/up kernel take tens of seconds each)
 for types, F, D in cases:
     pool, stride, roles = pool_of(types, F, D, E)
     for T in Ts:

@@ -106,11 +106,12 @@ def pool_of(types, F, D, E):
 Q = QType
 if not big:
     cases = [((Q.Q4_K, Q.Q4_K, Q.Q6_K), 256, 256), ((Q.Q8_0, Q.Q4_0, Q.Q5_K), 256, 96), ((Q.Q4_0, Q.Q8_0, Q.Q8_0), 96, 64)]
-    E, K, Ts, cfgs = 3, 2, (1, 3), ()
+    E, K, Ts = 3, 2, (1, 3)
+    cfgs = (({"BR": 16, "NB": 2, "num_warps": 4}, {"BR": 64, "NB": 1, "num_warps": 4, "KSPLIT": 1}),)  # h in float
 else:
     cases = [((Q.Q4_0, Q.Q4_0, Q.Q8_0), 768, 2048), ((Q.Q5_K, Q.Q5_K, Q.Q5_K), 768, 2048), ((Q.Q4_K, Q.Q4_K, Q.Q6_K), 768, 2048)]
     E, K, Ts = 16, 8, (1, 4)
-    cfgs = ()  # the table's settings (sm_90 compiles of the gate/up kernel take tens of seconds each)
+    cfgs = (({"BR": 16, "NB": 4, "num_warps": 4}, {"BR": 16, "NB": 4, "num_warps": 4, "KSPLIT": 1}),)  # h in float
 for types, F, D in cases:
     pool, stride, roles = pool_of(types, F, D, E)
     for T in Ts:
@@ -123,7 +124,7 @@ for types, F, D in cases:
         ref = m8.moe_decode_q8_reference(pool, slot_off, x, w, roles)
         y = tm.moe_decode(pool, slot_off, x, w, roles, act="q8")
         errs = [rel(y, ref)]
-        for cg, cd in cfgs:
+        for cg, cd in cfgs if F <= 96 or big else ():  # (the interpreter: on the cheapest case only)
             errs.append(rel(m8.moe_decode_q8(pool, slot_off, x, w, roles, cg, cd), ref))
         assert max(errs) < 1e-4, (types, T, errs)  # h's rounding may flip a code where float sums differ
         f32 = rel(y, tm.moe_decode_reference(pool, slot_off, x, w, roles))

@@ -47,9 +47,10 @@ LAUNCH["default"].update(
         "moe_down:Q6_K:*": {"BR": 8, "NB": 1, "num_warps": 4, "KSPLIT": 8},
         "moe_down:Q4_0:*": {"BR": 8, "NB": 8, "num_warps": 4, "KSPLIT": 4},
         "moe_down:Q8_0:*": {"BR": 8, "NB": 8, "num_warps": 4, "KSPLIT": 1},
-        "moe_q8_gate_up:*:*": {"BR": 32, "NB": 4, "num_warps": 8},  # BR: whole 32-blocks of h
-        "moe_q8_gate_up:Q4_0:*": {"BR": 32, "NB": 16, "num_warps": 8},
-        "moe_q8_gate_up:Q8_0:*": {"BR": 32, "NB": 16, "num_warps": 8},
+        # BR a multiple of 32: h quantized in the gate/up tile; else (more, smaller programs) one more launch
+        "moe_q8_gate_up:*:*": {"BR": 8, "NB": 4, "num_warps": 4},
+        "moe_q8_gate_up:Q4_0:*": {"BR": 8, "NB": 16, "num_warps": 4},
+        "moe_q8_gate_up:Q8_0:*": {"BR": 8, "NB": 16, "num_warps": 4},
         "moe_q8_down:*:*": {"BR": 16, "NB": 4, "num_warps": 4, "KSPLIT": 2},
         "moe_q8_down:Q4_0:*": {"BR": 8, "NB": 32, "num_warps": 4, "KSPLIT": 2},
         "moe_q8_down:Q8_0:*": {"BR": 8, "NB": 32, "num_warps": 4, "KSPLIT": 2},

@@ -35,9 +35,10 @@ if triton is not None:
         QTu: tl.constexpr, TSu: tl.constexpr, QKu: tl.constexpr, NWu: tl.constexpr, NAu: tl.constexpr,
         NPARTu: tl.constexpr,
         ALIGNu: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, STEPS: tl.constexpr, STEPSu: tl.constexpr,
-        ASM: tl.constexpr,
+        ASM: tl.constexpr, QH: tl.constexpr,
     ):  # fmt: skip
-        """Hq[q, rows] = q8(SiLU(gate_q[rows]·x_t) · (up_q[rows]·x_t)) for pair q = t·K + k (slot SLOT[q])."""
+        """Hq[q, rows] = q8(SiLU(gate_q[rows]·x_t) · (up_q[rows]·x_t)) for pair q = t·K + k (slot SLOT[q]).
+        QH (BR a multiple of 32): h quantized here; else h float32 into HD [T·K, F] (quantized after)."""
         q = tl.program_id(1)
         slot = tl.load(SLOT + q)
         if slot >= 0:
@@ -58,10 +59,13 @@ if triton is not None:
             g = tl.sum(tl.sum(tl.sum(ga, axis=3), axis=2) + tl.sum(gb, axis=2), axis=0)  # [BR]
             u = tl.sum(tl.sum(tl.sum(ua, axis=3), axis=2) + tl.sum(ub, axis=2), axis=0)
             h = tl.where(rmask, g / (1.0 + tl.exp(-g)) * u, 0.0)  # ggml_swiglu_split
-            NBLK: tl.constexpr = BR // 32
-            words, d, s = t8.quant_tile(tl.reshape(h, [NBLK, 32]), NBLK)
-            blk = tl.program_id(0) * NBLK + tl.arange(0, NBLK)
-            t8.store_q8(HQ, HD, HS, q, blk, blk * 32 < F, words, d, s, F // 32)
+            if QH:
+                NBLK: tl.constexpr = BR // 32
+                words, d, s = t8.quant_tile(tl.reshape(h, [NBLK, 32]), NBLK)
+                blk = tl.program_id(0) * NBLK + tl.arange(0, NBLK)
+                t8.store_q8(HQ, HD, HS, q, blk, blk * 32 < F, words, d, s, F // 32)
+            else:
+                tl.store(HD + q.to(tl.int64) * F + rows, h, mask=rmask)
 
     @triton.jit
     def _q8_down_pair(acc, accb, W, W32, SLOT, HQ, HD, HS, WT, t, k, rows, rmask, nh32, do, row_bytes, nb,
@@ -103,27 +107,32 @@ if triton is not None:
 
 
 def moe_decode_q8(pool, slot_off, x, weights, roles, cfg_gate_up: dict, cfg_down: dict) -> torch.Tensor:
-    """triton_moe.moe_decode's contract, integer kernels (F a multiple of 32; gate/up tile BR a multiple of 32)."""
+    """triton_moe.moe_decode's contract, integer kernels (F a multiple of 32)."""
     T, K = slot_off.shape
     (go, gq, F, D), (uo, uq, _, _), (do, dq, _, _) = (roles[r] for r in ("gate", "up", "down"))
     gq, uq, dq = QType(gq), QType(uq), QType(dq)
     asm = t8.use_asm(x.device)
     slots = slot_off.reshape(-1).contiguous()
     XQ, XD, XS = t8.quantize_act(x)
-    HQ = torch.empty((T * K, F // 4), dtype=torch.int32, device=x.device)
-    HD = torch.empty((T * K, F // 32), dtype=torch.float32, device=x.device)
-    HS = torch.empty((T * K, F // 16), dtype=torch.float32, device=x.device)
     c = cfg_gate_up
-    if c["BR"] % 32:
-        raise ValueError("moe_decode_q8: the gate/up tile must hold whole 32-blocks of h (BR % 32 == 0)")
+    qh = c["BR"] % 32 == 0  # the tile holds whole 32-blocks of h: quantize them in place
+    if qh:
+        HQ = torch.empty((T * K, F // 4), dtype=torch.int32, device=x.device)
+        HD = torch.empty((T * K, F // 32), dtype=torch.float32, device=x.device)
+        HS = torch.empty((T * K, F // 16), dtype=torch.float32, device=x.device)
+    else:  # h in float, quantized by one more launch (smaller gate/up tiles: more programs)
+        HQ = HS = XQ
+        HD = torch.empty((T * K, F), dtype=torch.float32, device=x.device)
     g_nb, u_nb, lim = D // qb.GEOMETRY[gq][1], D // qb.GEOMETRY[uq][1], c.get("UNROLL", 16)
     pool = pool.reshape(-1)
     w32 = t8.int32_view(pool)
     _q8_gate_up_kernel[(triton.cdiv(F, c["BR"]), T * K)](
         pool, w32, slots, XQ, XD, XS, HQ, HD, HS, F, D // 32, K, go, uo, block_format(gq).row_bytes(D),
         block_format(uq).row_bytes(D), g_nb, u_nb, BR=c["BR"], NB=c["NB"], STEPS=qb.steps(g_nb, c["NB"], lim),
-        STEPSu=qb.steps(u_nb, c["NB"], lim), ASM=asm, num_warps=c["num_warps"], **geo(gq), **geo(uq, "u"),
+        STEPSu=qb.steps(u_nb, c["NB"], lim), ASM=asm, QH=qh, num_warps=c["num_warps"], **geo(gq), **geo(uq, "u"),
     )  # fmt: skip
+    if not qh:
+        HQ, HD, HS = t8.quantize_act(HD)  # rows of skipped pairs hold garbage: the down kernel skips them too
     c = cfg_down
     ks = max(1, min(c.get("KSPLIT", 1), K))
     Y = torch.empty((ks, T, D), dtype=torch.float32, device=x.device)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The quantized Triton kernels on the lent GPU machine (see docs/benchmarks-gpu.md):
-#   1. CUDA parity tests of the GEMV, fused MoE and tiled kernels (and the expert cache through them);
+#   1. CUDA parity tests of the GEMV, fused MoE and tiled kernels, float and q8/dp4a (and the expert
+#      cache through them);
 #   2. `sharpi bench device-kernels` with the default launch settings;
 #   3. `--tune`: compile every candidate setting in parallel processes first (Triton's disk cache),
 #      then time them one process at a time, and re-run the bench with the winners.
@@ -12,7 +13,8 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 S=$(date +%s)
 timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W ignore::DeprecationWarning \
-  tests/test_triton_gemv.py tests/test_triton_moe.py tests/test_runtime.py -k "cuda and (triton or moe or quantized)" \
+  tests/test_triton_gemv.py tests/test_triton_moe.py tests/test_triton_q8.py tests/test_runtime.py \
+  -k "cuda and (triton or moe or quantized or q8)" \
   --durations=0 2>&1 | tail -25 | tee "$OUT/tests.txt"
 echo "tests: $(( $(date +%s) - S )) s"
 timeout 150 python3 -m engine.cli.main bench device-kernels 2>&1 | tee "$OUT/bench_default.txt"

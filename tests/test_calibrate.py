@@ -102,21 +102,24 @@ def test_fit_recovers_known_fixed_costs():
         cpu_experts_layer_us=350.0,
         cache_layer_us=900.0,
         miss_us=40.0,
+        graph_layer_us=60.0,
     )
     prof = DeviceProfile(sync_us=15.0, **truth)
     counts, secs, syncs = [], [], []
-    for n, mode, slots, h in [
-        (0, "cpu", 0, None),
-        (6, "cpu", 0, None),
-        (6, "resident", 48, None),
-        (6, "cache", 4, 0.1),
+    for n, mode, slots, h, graphs in [
+        (0, "cpu", 0, None, False),
+        (6, "cpu", 0, None, False),
+        (6, "resident", 48, None, False),
+        (6, "resident", 48, None, True),  # the same placement as a CUDA-graph step
+        (6, "cache", 4, 0.1, False),
     ]:
         for L in (2, 6):
             sp = ModelSpec.from_args(_qwen3_args(n_layer=L), _q4k_except_vectors) if L != 6 else spec
             nn = min(n, L)
             p = predict(
-                sp, prof, mode=mode, n_gpu_layers=nn, kv_type="f32", position=8, expert_slots=slots, observed_hit_rate=h
-            )
+                sp, prof, mode=mode, n_gpu_layers=nn, kv_type="f32", position=8, expert_slots=slots,
+                observed_hit_rate=h, graphs=graphs,
+            )  # fmt: skip
             fixed_and_sync = p.seconds_by_link["fixed"] + p.seconds_by_link["sync"]
             counts.append(p.overhead_counts)
             secs.append(fixed_and_sync)
@@ -170,7 +173,8 @@ def test_simulated_device_uses_defaults_even_with_a_cache_file(moe_path, measure
 def test_injected_profile_drives_the_auto_choice(moe_path, monkeypatch):
     monkeypatch.delenv("SHARPI_CPU_MOE", raising=False)
     cheap_cache = DeviceProfile(cache_layer_us=0.0, miss_us=0.0, cpu_experts_layer_us=50_000.0, name="test")
-    dear_cache = replace(cheap_cache, cache_layer_us=50_000.0, cpu_experts_layer_us=0.0)
+    # (all layers resident on the device is a CUDA-graph step: its per-layer cost is graph_layer_us)
+    dear_cache = replace(cheap_cache, cache_layer_us=50_000.0, graph_layer_us=50_000.0, cpu_experts_layer_us=0.0)
     modes = {}
     for label, prof in (("cheap", cheap_cache), ("dear", dear_cache)):
         opts = LoadOptions(n_ctx=64, device="cpu", placement=PlanRequest(), vram_budget=1 << 30, device_profile=prof)

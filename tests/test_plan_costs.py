@@ -42,8 +42,11 @@ def test_fixed_costs_by_hand():
     common = dict(kv_type="bf16", position=10)
     assert _fixed(spec, prof, mode="cpu", n_gpu_layers=0, **common) == pytest.approx((1000 + 70) * 1e-6)
     assert _fixed(spec, prof, mode="cpu", n_gpu_layers=1, **common) == pytest.approx((1000 + 300 + 200) * 1e-6)
-    res = _fixed(spec, prof, mode="resident", n_gpu_layers=1, expert_slots=8, **common)
+    res = _fixed(spec, prof, mode="resident", n_gpu_layers=1, expert_slots=8, graphs=False, **common)
     assert res == pytest.approx((1000 + 300 + 900) * 1e-6)
+    # Every layer and expert on the device: a CUDA-graph step, one graph-layer cost per layer instead.
+    res = _fixed(spec, replace(prof, graph_layer_us=40), mode="resident", n_gpu_layers=1, expert_slots=8, **common)
+    assert res == pytest.approx((1000 + 40) * 1e-6)
     h, K = 0.25, 2  # 2 of 8 slots, uniform popularity
     cache = _fixed(spec, prof, mode="cache", n_gpu_layers=1, expert_slots=2, **common)
     assert cache == pytest.approx((1000 + 300 + 900 + (1 - h**K) * 200 + K * (1 - h) * 50) * 1e-6)
@@ -62,7 +65,8 @@ def test_overhead_counts_reproduce_fixed_seconds():
             p = predict(spec, prof, mode=mode, n_gpu_layers=n, kv_type="f32", position=50, expert_slots=slots)
             total = sum(c * getattr(prof, f) for f, c in p.overhead_counts.items()) * 1e-6
             assert p.seconds_by_link["fixed"] == pytest.approx(total)
-            assert p.overhead_counts["host_layer_us"] + p.overhead_counts["device_layer_us"] == 4
+            c = p.overhead_counts
+            assert c["host_layer_us"] + c["device_layer_us"] + c["graph_layer_us"] == 4
 
 
 @settings(max_examples=150, deadline=None)
@@ -152,3 +156,25 @@ def test_describe_profile_marks_measured_fields():
     assert "CPU experts 31.5 GB/s*" in first and "device 400 GB/s," in first
     assert "miss 42 µs*" in second and "token 1000 µs," in second
     assert profile_source(p) == "partly measured" and profile_source(DeviceProfile()) == "defaults"
+
+
+def test_graph_steps_only_where_the_runtime_captures_them(monkeypatch):
+    """graph_layer_us is charged only when every layer and every routed expert is on the device,
+    and not at all when $SHARPI_CUDA_GRAPH turns the graphs off."""
+    from engine.plan.costmodel import graph_step
+
+    spec = _spec(4)
+    prof = DeviceProfile()
+    kw = dict(kv_type="f32", position=50)
+    assert graph_step(spec, "resident", 4) and not graph_step(spec, "resident", 3)
+    assert not graph_step(spec, "cache", 4) and not graph_step(spec, "resident", 4, n_cpu_moe=1)
+    p = predict(spec, prof, mode="resident", n_gpu_layers=4, expert_slots=32, **kw)
+    assert p.overhead_counts["graph_layer_us"] == 4 and p.overhead_counts["device_layer_us"] == 0
+    assert p.overhead_counts["cache_layer_us"] == 0
+    for mode, n in (("cache", 4), ("resident", 3), ("cpu", 4)):
+        q = predict(spec, prof, mode=mode, n_gpu_layers=n, expert_slots=32 if mode != "cpu" else 0, **kw)
+        assert q.overhead_counts["graph_layer_us"] == 0 and q.overhead_counts["device_layer_us"] == n
+    monkeypatch.setenv("SHARPI_CUDA_GRAPH", "0")
+    off = predict(spec, prof, mode="resident", n_gpu_layers=4, expert_slots=32, **kw)
+    assert off.overhead_counts["graph_layer_us"] == 0 and off.overhead_counts["device_layer_us"] == 4
+    assert off.seconds > p.seconds  # the defaults price a graph layer below a Python-driven one

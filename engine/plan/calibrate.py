@@ -13,7 +13,9 @@ Measured (each marked in ``DeviceProfile.measured``):
 * ``sync_us`` — a tiny device op followed by a copy of its result to the host.
 * the fixed costs (``OVERHEAD_FIELDS``) — decode steps of tiny synthetic models (a 2- and a
   6-layer qwen3moe, a 6-layer dense qwen3) placed host-only, on the device with CPU experts,
-  resident, and with a 4-slot cache that misses; each step's time minus its priced crossings
+  resident, and with a 4-slot cache that misses (on CUDA the all-device probes run as CUDA graphs,
+  which prices ``graph_layer_us``; the dense probe runs once more with graphs off, which
+  separates ``device_layer_us``); each step's time minus its priced crossings
   (``sync_us``), fitted by non-negative least squares against ``Prediction.overhead_counts``. The
   probes are tiny, so their time is Python, launches, round trips and bookkeeping: the per-layer
   work a large model does besides moving its bytes.
@@ -26,6 +28,7 @@ reuses them; CPU expert rates are kept per expert shape in the same file. No Qt.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -41,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.plan.costmodel import ENV_CUDA_GRAPH, graph_setting
 from engine.plan.profile import OVERHEAD_FIELDS, DeviceProfile
 from engine.quant.formats import QType, block_format
 
@@ -437,11 +441,14 @@ def measure_fixed_costs(device, speeds: DeviceProfile, progress: Progress | None
     roomy = DeviceProfile(vram_bytes=8 << 30, reserve_bytes=0)
     pos = 2 + 4 + 8  # the middle of the timed steps
 
-    def measure(s, label: str, mode: str, n: int, prof: DeviceProfile) -> None:
+    def measure(s, label: str, mode: str, n: int, prof: DeviceProfile, graphs: bool = True) -> None:
+        """One probe decode; graphs=False runs it with CUDA graphs off (what separates the
+        Python-driven device layer from the graph layer when both could apply)."""
         req = PlanRequest(ctx=PROBE_CTX, kv_type="f32", n_gpu_layers=n, moe=mode, moe_source="calibration")
         p = s.plan(req, prof)
-        s.apply(p)
-        sec, h = decode_seconds(s)
+        with _graphs_env(graphs):
+            s.apply(p)
+            sec, h = decode_seconds(s)
         kw = dict(
             mode=p.moe_mode if p.moe_mode != "none" else "cpu",
             n_gpu_layers=p.n_gpu_layers,
@@ -449,6 +456,7 @@ def measure_fixed_costs(device, speeds: DeviceProfile, progress: Progress | None
             position=pos,
             expert_slots=p.expert_slots_allocated,
             n_cpu_moe=0,
+            graphs=graphs and device.type == "cuda" and graph_setting() == "graph",  # where the runtime captures
         )
         if kw["mode"] == "cache":
             kw["observed_hit_rate"] = h if h is not None else 0.0
@@ -464,6 +472,8 @@ def measure_fixed_costs(device, speeds: DeviceProfile, progress: Progress | None
                 measure(s, f"{tag} host", "auto", 0, roomy)
                 if arch == "qwen3":
                     measure(s, f"{tag} device", "auto", -1, roomy)
+                    if device.type == "cuda" and graph_setting() == "graph":
+                        measure(s, f"{tag} device, no graphs", "auto", -1, roomy, graphs=False)
                     continue
                 measure(s, f"{tag} device, CPU experts", "cpu", -1, roomy)
                 measure(s, f"{tag} device, resident", "resident", -1, roomy)
@@ -481,6 +491,23 @@ def measure_fixed_costs(device, speeds: DeviceProfile, progress: Progress | None
             for r, f in zip(runs, fitted)
         ],
     }
+
+
+@contextlib.contextmanager
+def _graphs_env(on: bool):
+    """$SHARPI_CUDA_GRAPH=0 inside the block when ``on`` is False (the runtime reads it at apply)."""
+    if on:
+        yield
+        return
+    old = os.environ.get(ENV_CUDA_GRAPH)
+    os.environ[ENV_CUDA_GRAPH] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV_CUDA_GRAPH, None)
+        else:
+            os.environ[ENV_CUDA_GRAPH] = old
 
 
 def fit_fixed_costs(

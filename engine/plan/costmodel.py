@@ -22,6 +22,9 @@ For one decoded token at context position ``p`` (docs/planner.md states it in fu
     count(cache_layer_us) = device MoE layers served by the slot pool (cache or resident)
     count(miss_us) = Σ cache layers K·(1 − h)                     (experts missed per token)
 
+    With ``graphs`` (a CUDA-graph step: every layer on the device, routed experts resident or
+    none), count(graph_layer_us) = n replaces device_layer_us and cache_layer_us.
+
 ``e`` is the layer's one-expert bytes, ``K`` the experts used per token, ``h`` the hit rate of
 :func:`hit_rate` at the pool's capacity fraction. Everything is charged serially (no overlap of
 uploads with host compute), so the prediction is a floor on tok/s for a given set of bandwidths.
@@ -29,6 +32,7 @@ uploads with host compute), so the prediction is a floor on tok/s for a given se
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -38,6 +42,23 @@ from engine.plan.spec import ModelSpec
 
 CPU, CACHE, RESIDENT = "cpu", "cache", "resident"
 MODES: tuple[str, ...] = (CPU, CACHE, RESIDENT)
+ENV_CUDA_GRAPH = "SHARPI_CUDA_GRAPH"  # 0/off/false/no: one-token steps never run as CUDA graphs
+
+
+def graph_setting(environ=None) -> str:
+    """``off`` | ``graph`` (the default: capture on CUDA) | ``eager`` (the graph's static step,
+    run uncaptured), from $SHARPI_CUDA_GRAPH."""
+    v = (os.environ if environ is None else environ).get(ENV_CUDA_GRAPH, "1").strip().lower()
+    if v in ("0", "off", "false", "no"):
+        return "off"
+    return "eager" if v == "eager" else "graph"
+
+
+def graph_step(spec: ModelSpec, mode: str, n_gpu_layers: int, n_cpu_moe: int = 0) -> bool:
+    """Whether a decode step of this placement is one CUDA-graph replay (engine.runtime.graph_decode):
+    every layer on the device and the routed experts resident (or none)."""
+    L = spec.n_layer
+    return L > 0 and n_gpu_layers >= L and (not spec.is_moe or (mode == RESIDENT and n_cpu_moe == 0))
 
 
 @lru_cache(maxsize=64)
@@ -122,13 +143,16 @@ def predict(
     expert_slots: int = 0,
     n_cpu_moe: int = 0,
     observed_hit_rate: float | None = None,
+    graphs: bool | None = None,
 ) -> Prediction:
     """Cost of decoding one token at ``position`` for the placement described by the arguments.
 
     mode: where the routed experts of device layers ``>= n_cpu_moe`` run: ``cpu`` (host),
     ``cache`` (a pool of ``expert_slots`` device slots, misses computed on the host and uploaded)
     or ``resident`` (all on the device). observed_hit_rate: in mode cache, this hit rate (e.g.
-    the profiler's) for every cache layer instead of the Zipf model's.
+    the profiler's) for every cache layer instead of the Zipf model's. graphs: whether the runtime
+    runs one-token steps as CUDA graphs where :func:`graph_step` holds (None: unless
+    $SHARPI_CUDA_GRAPH turns them off; the planner plans for a CUDA device).
     """
     L = spec.n_layer
     n = max(0, min(n_gpu_layers, L))
@@ -151,7 +175,10 @@ def predict(
     counts = dict.fromkeys(OVERHEAD_FIELDS, 0.0)
     counts["token_us"] = 1.0
     counts["host_layer_us"] = float(L - n)
-    counts["device_layer_us"] = float(n)
+    if graphs is None:
+        graphs = graph_setting() != "off"
+    graph = graphs and graph_step(spec, mode, n, n_cpu_moe)
+    counts["graph_layer_us" if graph else "device_layer_us"] = float(n)
 
     # Capacity fraction of the pool over the layers it serves.
     cached = [lay for lay in spec.layers[n_cpu_moe:n] if lay.is_moe]
@@ -182,7 +209,7 @@ def predict(
                 counts["cpu_experts_layer_us"] += 1
         elif mode == RESIDENT:
             b_dev += read
-            counts["cache_layer_us"] += 1
+            counts["cache_layer_us"] += 0 if graph else 1
         else:
             h = h_by_e[lay.n_expert]
             b_dev += h * read

@@ -34,6 +34,11 @@ DEFAULT_DEVICE_LAYER_US = 500.0  # per device layer: Python and kernel launches 
 DEFAULT_CPU_EXPERTS_LAYER_US = 450.0  # per device layer whose experts run on the host: round trip
 DEFAULT_CACHE_LAYER_US = 1800.0  # per device layer served by the slot pool: routing to the host, lookups, launches
 DEFAULT_MISS_US = 300.0  # per missed expert: host call, slot admission, staging an upload
+# Per device layer when the whole step is one CUDA-graph replay (every layer and expert on the
+# device; engine.runtime.graph_decode): no Python, ~22 kernels a layer whose launch gaps and
+# ramp-up cost more than their bytes. H100, 30B-A3B geometry, all resident: 5.9 ms a step for 48
+# layers, of which ~0.9 ms is bytes at the measured bandwidth -> ~100 µs a layer.
+DEFAULT_GRAPH_LAYER_US = 100.0
 # Zipf exponent of expert popularity used by the hit-rate model. 0.8 in the static hottest-n
 # formula reproduces an LRU cache (Che approximation) on a Zipf(1.0) stream, which is what the
 # published hit-rate anchors fit; see costmodel.hit_rate.
@@ -49,6 +54,7 @@ OVERHEAD_FIELDS: tuple[str, ...] = (
     "cpu_experts_layer_us",
     "cache_layer_us",
     "miss_us",
+    "graph_layer_us",
 )
 
 
@@ -73,6 +79,9 @@ class DeviceProfile:
     cache_layer_us: extra cost of a device layer served by the slot pool (routing to the host,
         slot lookups, launches), hit or miss.
     miss_us: extra cost of one missed expert (host call, slot admission, staging its upload).
+    graph_layer_us: fixed cost of one device layer when the decode step is a CUDA-graph replay
+        (every layer and routed expert on the device); replaces device_layer_us and
+        cache_layer_us there.
     expert_skew: Zipf exponent of expert popularity (0 = uniform) for the cache hit-rate model.
     measured: names of the fields above that were measured rather than defaulted.
     """
@@ -90,6 +99,7 @@ class DeviceProfile:
     cpu_experts_layer_us: float = DEFAULT_CPU_EXPERTS_LAYER_US
     cache_layer_us: float = DEFAULT_CACHE_LAYER_US
     miss_us: float = DEFAULT_MISS_US
+    graph_layer_us: float = DEFAULT_GRAPH_LAYER_US
     expert_skew: float = DEFAULT_SKEW
     measured: tuple[str, ...] = ()
     name: str = ""
@@ -160,6 +170,7 @@ _LABELS: dict[str, tuple[str, str]] = {
     "cpu_experts_layer_us": ("CPU-expert round trip", "µs"),
     "cache_layer_us": ("cache layer", "µs"),
     "miss_us": ("miss", "µs"),
+    "graph_layer_us": ("graph layer", "µs"),
 }
 
 

@@ -23,7 +23,6 @@ without capturing, on any device (the CPU simulated device in CI: how the tests 
 from __future__ import annotations
 
 import logging
-import os
 from math import inf
 
 import numpy as np
@@ -31,20 +30,18 @@ import torch
 
 from engine.models.blocks import MoE, StaticStep
 from engine.models.layers import rope_tables
+from engine.plan.costmodel import ENV_CUDA_GRAPH as ENV_CUDA_GRAPH  # re-exported (tests)
+from engine.plan.costmodel import graph_setting
 from engine.runtime import step_kernels
 
 log = logging.getLogger(__name__)
 
-ENV_CUDA_GRAPH = "SHARPI_CUDA_GRAPH"
 MIN_BUCKET = 16  # the shortest static attention length
 
 
 def graph_mode() -> str:
     """``off`` | ``graph`` (capture on CUDA; the default) | ``eager`` (the static step, not captured)."""
-    v = os.environ.get(ENV_CUDA_GRAPH, "1").strip().lower()
-    if v in ("0", "off", "false", "no"):
-        return "off"
-    return "eager" if v == "eager" else "graph"
+    return graph_setting()
 
 
 def bucket(pos: int, n_ctx: int) -> int:

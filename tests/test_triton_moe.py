@@ -132,7 +132,7 @@ def test_moe_kernels_match_reference_on_cuda():
 @pytest.mark.cuda
 @pytest.mark.parametrize("act,tol", [("f32", 1e-3), ("q8", 3e-2)])
 def test_expert_cache_through_fused_kernels_on_cuda(tmp_path, act, tol):
-    """f32: the exact-float kernels against the exact-float CPU engine; q8 (the CUDA default): the
+    """f32: the exact-float kernels against the exact-float CPU engine; q8 (SHARPI_DEVICE_ACT=q8): the
     decode kernels round activations to 8 bits (~1 % relative per product), so a looser bound."""
     _cuda()
     env = dict(os.environ, SHARPI_DEVICE_ACT=act)

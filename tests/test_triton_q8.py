@@ -111,7 +111,8 @@ if not big:
 else:
     cases = [((Q.Q4_0, Q.Q4_0, Q.Q8_0), 768, 2048), ((Q.Q5_K, Q.Q5_K, Q.Q5_K), 768, 2048), ((Q.Q4_K, Q.Q4_K, Q.Q6_K), 768, 2048)]
     E, K, Ts = 16, 8, (1, 4)
-    cfgs = (({"BR": 16, "NB": 4, "num_warps": 4}, {"BR": 16, "NB": 4, "num_warps": 4, "KSPLIT": 1}),)  # h in float
+    # h quantized in the gate/up tile (BR 32; the table's BR 8 keeps h in float), on the Q4_0 case only
+    cfgs = (({"BR": 32, "NB": 16, "num_warps": 4}, {"BR": 16, "NB": 32, "num_warps": 4, "KSPLIT": 1}),)
 for types, F, D in cases:
     pool, stride, roles = pool_of(types, F, D, E)
     for T in Ts:
@@ -124,7 +125,7 @@ for types, F, D in cases:
         ref = m8.moe_decode_q8_reference(pool, slot_off, x, w, roles)
         y = tm.moe_decode(pool, slot_off, x, w, roles, act="q8")
         errs = [rel(y, ref)]
-        for cg, cd in cfgs if F <= 96 or big else ():  # (the interpreter: on the cheapest case only)
+        for cg, cd in cfgs if (types[0] == Q.Q4_0 if big else F <= 96) else ():  # one case: compile time
             errs.append(rel(m8.moe_decode_q8(pool, slot_off, x, w, roles, cg, cd), ref))
         assert max(errs) < 1e-4, (types, T, errs)  # h's rounding may flip a code where float sums differ
         f32 = rel(y, tm.moe_decode_reference(pool, slot_off, x, w, roles))

@@ -12,8 +12,8 @@ the 50 MB L2 cannot serve them:
 - ``qkv``: a layer's q [4096, 2048], k and v [512, 2048] together through
   :func:`engine.runtime.triton_gemv.matmul_many` (one launch in q8 mode; three in f32 mode).
 
-Each workload runs with the integer q8-activation kernels (``act="q8"``, the CUDA default: the
-main columns) and with the exact-float kernels (``act="f32"``: the ``f32 us`` column).
+Each workload runs with the integer q8-activation kernels (``act="q8"``: the main columns) and
+with the exact-float kernels (``act="f32"``, the default: the ``f32 us`` column).
 
 Times are CUDA-event medians over replays of a CUDA graph holding one call per distinct weight set
 (device time, launch gaps closed), and over the same calls launched eagerly (what Python adds).
@@ -229,7 +229,9 @@ def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS, f32: bool = True) -> d
 
 def report_lines(rep: dict) -> list[str]:
     lines = [f"{rep['device']}: measured copy bandwidth {rep['bandwidth_gb_s']:.0f} GB/s (read + write)"]
-    lines.append("q8 kernels (dp4a, the CUDA default); f32 us: the exact-float kernels, same workload")
+    lines.append(
+        "q8 kernels (dp4a, SHARPI_DEVICE_ACT=q8); f32 us: the exact-float kernels (the default), same workload"
+    )
     lines.append(
         "type  workload  graph us  GB/s (of bw)   eager us  torch ref us  speedup(eager)  distinct weights"
         "  copy us (of bw)   f32 us"
@@ -245,7 +247,7 @@ def report_lines(rep: dict) -> list[str]:
     return lines
 
 
-# -- the launch-settings sweep (the q8 kernels: the CUDA default) ------------------------------
+# -- the launch-settings sweep (the q8 kernels; the float kernels keep their table) -------------
 def _candidates(kernel: str, qtype: QType, cls: str) -> list[dict]:
     """Launch settings worth timing (sm_90 compiles: larger tiles spill, K walks of > 2 unrolled steps
     of the two-matrix gate/up kernel take ptxas tens of seconds)."""

@@ -20,10 +20,13 @@ Launch settings are data: :data:`LAUNCH` maps ``"<kernel>:<qtype>:<shape class>"
 H100's from a sweep, 2026-11-22); the default is the H100's winners generalised by block family.
 An optional ``"UNROLL"`` caps the unrolled K walk (:data:`UNROLL`).
 
-Two kinds of kernels (:func:`act_mode`): ``"q8"`` — integer dp4a products with the activations
-rounded to 8-bit blocks (``triton_q8``, ``triton_q8_gemv``; launch keys ``gemv_q8:…``), the default
-on CUDA — and ``"f32"`` — the exact-float kernels below (dequantize each element, float FMAs), the
-default elsewhere and the choice of ``SHARPI_DEVICE_ACT=f32`` or ``act="f32"``.
+Two kinds of kernels (:func:`act_mode`): ``"f32"`` — the exact-float kernels below (dequantize each
+element, float FMAs), the default — and ``"q8"`` — integer dp4a products with the activations
+rounded to 8-bit blocks (``triton_q8``, ``triton_q8_gemv``; launch keys ``gemv_q8:…``), chosen by
+``SHARPI_DEVICE_ACT=q8`` or ``act="q8"``. On the H100 the q8 kernels measured slower than the float
+ones for every single-matrix workload (one more launch to quantize x, and no faster per byte: the
+kernels are latency-bound, not instruction-bound), so :data:`DEFAULT_ACT` is f32;
+:func:`matmul_many` in q8 mode (q, k, v in one launch) is the one place they win.
 """
 
 from __future__ import annotations
@@ -71,14 +74,15 @@ LAUNCH.update(json.loads((Path(__file__).with_name("triton_launch.json")).read_t
 
 ENV_ACT = "SHARPI_DEVICE_ACT"
 ACT_MODES = ("q8", "f32")
+DEFAULT_ACT = "f32"  # on a compiled CUDA device (measured faster there; see the module docstring)
 
 
 def act_mode(device: torch.device, act: str | None = None) -> str:
-    """``act`` if given, else ``$SHARPI_DEVICE_ACT``, else ``"q8"`` on a compiled CUDA device and
-    ``"f32"`` otherwise (Triton's interpreter, the simulated device)."""
+    """``act`` if given, else ``$SHARPI_DEVICE_ACT``, else :data:`DEFAULT_ACT` on a compiled CUDA
+    device and ``"f32"`` otherwise (Triton's interpreter, the simulated device)."""
     mode = (act or os.environ.get(ENV_ACT, "")).strip().lower()
     if not mode:
-        mode = "q8" if device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" else "f32"
+        mode = DEFAULT_ACT if device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" else "f32"
     if mode not in ACT_MODES:
         raise ValueError(f"device activation mode {mode!r}: expected one of {ACT_MODES}")
     return mode

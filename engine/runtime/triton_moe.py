@@ -17,8 +17,8 @@ Prefill (many tokens), tokens sorted by expert:
   MoE from it; the trunk uses it for matrices with more than a few tokens (``one_matrix``).
 
 :func:`moe_decode` runs the integer (dp4a, q8-activation) kernels of ``triton_q8_moe`` where
-``triton_gemv.act_mode`` says so (default on CUDA; ``SHARPI_DEVICE_ACT=f32`` or ``act="f32"`` keep
-the exact-float kernels below).
+``triton_gemv.act_mode`` says so (``SHARPI_DEVICE_ACT=q8`` or ``act="q8"``; the default is the
+exact-float kernels below).
 
 References with the same signatures (``*_reference``: torch dequantize-then-matmul) sit beside
 each; ``tests/test_triton_moe.py`` holds them together.

@@ -1,8 +1,8 @@
 """Integer (dp4a) GEMV / small-T matmul over raw GGUF blocks with q8 activations (triton_q8).
 
 ``gemv_q8(pool, offsets, X, qtype, rows, n)`` and ``matmul_q8(raw, X, qtype, rows, n)`` have the
-contracts of :func:`engine.runtime.triton_gemv.gemv` / ``matmul`` (which call them by default on
-CUDA); ``matmul_many_q8(raws, X, qtype, rows, n)`` multiplies several matrices of one qtype and
+contracts of :func:`engine.runtime.triton_gemv.gemv` / ``matmul`` (which call them in q8
+mode, ``triton_gemv.act_mode``); ``matmul_many_q8(raws, X, qtype, rows, n)`` multiplies several matrices of one qtype and
 width n (a layer's q, k and v) by the same X in one launch — one trunk matrix per launch cannot
 pass ~50-60 % of the bandwidth even for a plain copy (launch, ramp-up, tail).
 

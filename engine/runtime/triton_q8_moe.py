@@ -1,7 +1,7 @@
 """Fused routed-expert decode with integer (dp4a) products and q8 activations (triton_q8).
 
 :func:`moe_decode_q8` has the contract of :func:`engine.runtime.triton_moe.moe_decode` (which calls
-it by default on CUDA): x is quantized once (``triton_q8.quantize_act``), ``_q8_gate_up_kernel``
+it in q8 mode): x is quantized once (``triton_q8.quantize_act``), ``_q8_gate_up_kernel``
 computes ``h = SiLU(gate·x) · (up·x)`` for a tile of 32·j rows of one (token, expert) pair and
 quantizes it on the spot (a tile holds whole 32-blocks of h), ``_q8_down_kernel`` sums
 ``w_k · down_k · h_k`` over the token's experts. Deterministic (no atomics); slot offset −1 skips

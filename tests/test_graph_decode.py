@@ -300,7 +300,7 @@ def test_graph_replay_matches_eager_decode(tmp_path, weights, act, monkeypatch):
     with Session.load(str(path), LoadOptions(n_ctx=CTX, device="cuda", q8_act=False)) as s:
         ref = "0" if act == "f32" else "eager"
         eager, graph, g = _both(s, _whole(s), monkeypatch, tokens, mode="1", ref=ref)
-        assert g.capture and g.replays == len(tokens) and sorted(g.graphs) == [16, 32, 64]
+        assert g.capture and g.replays == len(tokens) and sorted(g.graphs) == [16, 32]  # as positions need them
         scale = max(1.0, float(np.abs(eager[0]).max()))
         tol = 1e-4 if ref == "0" else 1e-5
         assert np.abs(graph[0] - eager[0]).max() <= tol * scale, np.abs(graph[0] - eager[0]).max()

@@ -149,21 +149,23 @@ class GraphDecode:
             x, y = layer.decode_static(x, y, st, self._route_rows.get(i))
         self.logits.copy_(m.output(st.add_rms_norm(x, y, m.out_norm, m.args.rms_eps)[1]))
 
-    def _capture_all(self) -> None:
-        """Warm up (one eager step on a side stream: Triton kernels compiled, lazy state created),
-        then capture every bucket of the context into graphs that share one memory pool."""
+    def _capture(self, length: int) -> None:
+        """Capture the step for attention length ``length`` (a bucket) into a graph of the shared
+        pool, after one eager warm-up of it on a side stream (Triton kernels compiled, cuBLAS and
+        lazy state created for these shapes; it computes exactly what the replay then does).
+        Buckets are captured when a position first needs them, so the first token pays for one."""
         cur = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(cur)
         with torch.cuda.stream(side):
-            self._body(bucket(int(self._pos_h[0]), self.cache.n_ctx))
+            self._body(length)
         cur.wait_stream(side)
-        self._pool = torch.cuda.graph_pool_handle()
-        for L in buckets(self.cache.n_ctx):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
-                self._body(L)
-            self.graphs[L] = g
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            self._body(length)
+        self.graphs[length] = g
 
     def step(self, row: torch.Tensor, pos: int, cache) -> torch.Tensor | None:
         """Decode one token: row float32 [1, D] (the embedded token, host), at position ``pos``
@@ -175,9 +177,9 @@ class GraphDecode:
         self._pos_h[0] = pos
         self._in.copy_(self._in_h, non_blocking=True)
         L = bucket(pos, cache.n_ctx)
-        if self.capture and not self.graphs:
+        if self.capture and L not in self.graphs:
             try:
-                self._capture_all()
+                self._capture(L)
             except Exception as e:  # a failed capture must not stop decoding: stay eager
                 log.warning("CUDA graph capture failed, decoding without graphs: %s", e)
                 self.capture, self.graphs, self._pool = False, {}, None

@@ -156,6 +156,10 @@ def bench_session(
     ids = [int(t) for t in rng.integers(8, V - 8, prompt)]
     ours = _Ours(session, ids, gen)
     ours.run(ids[: min(8, prompt)], 4)  # warm-up: kernel compilation, first touches
+    if getattr(session.model, "decode_graph", None) is not None:
+        # CUDA-graph steps: capture every attention bucket the timed runs reach (one-time, like
+        # compilation; engine.runtime.graph_decode captures a bucket when a position first needs it).
+        ours.run(ids[: min(8, prompt)], prompt + gen - min(8, prompt))
     pp, tg = [], []
     first = ours.run()
     pp.append(first[0])

@@ -308,3 +308,18 @@ def test_graph_replay_matches_eager_decode(tmp_path, weights, act, monkeypatch):
         # Replays are deterministic: the same tokens give the same logits again.
         again = _decode(s, tokens)
         assert np.abs(again[0] - graph[0]).max() <= 1e-6 * scale
+
+
+def test_bench_bound_is_device_memory_only_when_everything_is_on_cuda():
+    """`sharpi bench` compares decode with the device's bandwidth only when every layer and every
+    routed expert sit on a CUDA device; otherwise with the host's read bandwidth."""
+    from types import SimpleNamespace as NS
+
+    from engine.bench.model import _wholly_on_cuda
+
+    def s(dev, n, mode, L=4):
+        return NS(device=torch.device(dev), placement=NS(n_gpu_layers=n, n_layer=L, moe_mode=mode))
+
+    assert _wholly_on_cuda(s("cuda", 4, "resident")) and _wholly_on_cuda(s("cuda", 4, "none"))
+    assert not _wholly_on_cuda(s("cuda", 3, "resident")) and not _wholly_on_cuda(s("cuda", 4, "cache"))
+    assert not _wholly_on_cuda(s("cpu", 4, "resident")) and not _wholly_on_cuda(NS(device=None, placement=None))

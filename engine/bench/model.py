@@ -124,6 +124,16 @@ class _LlamaCpp:
         self.llm.close()
 
 
+def _wholly_on_cuda(session) -> bool:
+    """Whether the session's placement puts every layer, and every routed expert, on a CUDA device
+    (then decode reads its weights from device memory, and that is the bound to compare with)."""
+    p = getattr(session, "placement", None)
+    dev = getattr(session, "device", None)
+    if p is None or dev is None or p.n_gpu_layers < p.n_layer:
+        return False
+    return dev.type == "cuda" and p.moe_mode in ("resident", "none")
+
+
 def _llama_available() -> bool:
     try:
         import llama_cpp  # noqa: F401
@@ -224,9 +234,16 @@ def bench_session(
             report["ratio_prompt"] = report["prompt_tok_s"] / lc["prompt_tok_s"]
             report["ratio_decode"] = decode / lc["decode_tok_s"]
     if bandwidth:
-        from engine.bench.kernels import measure_bandwidth
+        on_device = _wholly_on_cuda(session)
+        if on_device:  # every weight byte of a step is read from device memory
+            from engine.bench.device_kernels import measure_bandwidth as device_bandwidth
 
-        bw = measure_bandwidth()["best_gbs"]
+            bw = device_bandwidth()
+        else:
+            from engine.bench.kernels import measure_bandwidth
+
+            bw = measure_bandwidth()["best_gbs"]
+        report["bandwidth_of"] = "device" if on_device else "host"
         report["read_bandwidth_gb_s"] = bw
         report["decode_bound_tok_s"] = bw * 1e9 / bpt  # every weight byte of a token read once at bw
         report["decode_bw_fraction"] = report["decode_gb_s"] / bw

@@ -133,7 +133,8 @@ def run_model(args: argparse.Namespace) -> int:
     )
     if "read_bandwidth_gb_s" in report:
         print(
-            f"bandwidth  {report['read_bandwidth_gb_s']:.1f} GB/s measured read: decode at "
+            f"bandwidth  {report['read_bandwidth_gb_s']:.1f} GB/s measured "
+            f"{'device copy' if report.get('bandwidth_of') == 'device' else 'read'}: decode at "
             f"{report['decode_bw_fraction']:.0%} of the bound ({report['decode_bound_tok_s']:.1f} tok/s)"
         )
     if report.get("rss_bytes"):

@@ -6,10 +6,10 @@ trunk-sized ones. Each case runs in a subprocess so TRITON_INTERPRET applies fro
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.triton_data import run_script
 
 pytest.importorskip("triton")
 
@@ -50,17 +50,9 @@ print("ok")
 """
 
 
-def _run(device: str, size: str, env: dict) -> str:
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, device, size], env=env, capture_output=True, text=True, timeout=900, check=False
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    return out.stdout
-
-
 def test_triton_gemv_matches_reference_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    assert _run("cpu", "small", env).strip().endswith("ok")
+    assert run_script(SCRIPT, ["cpu", "small"], env).strip().endswith("ok")
 
 
 @pytest.mark.cuda
@@ -68,4 +60,4 @@ def test_triton_gemv_matches_reference_on_cuda():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")
-    assert _run("cuda", "big", dict(os.environ)).strip().endswith("ok")
+    assert run_script(SCRIPT, ["cuda", "big"], dict(os.environ)).strip().endswith("ok")

@@ -6,16 +6,16 @@ The whole-model cache test is CUDA-only: a model's worth of kernels takes the in
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.triton_data import run_script
 
 pytest.importorskip("triton")
 
 KERNELS = r"""
 import sys, numpy as np, torch
-from engine.quant import QType, quantize
+from engine.quant import QType
 from engine.runtime import triton_moe as tm, triton_gemv as tg
 from engine.runtime.tdequant import dequantize
 dev, big = sys.argv[1], sys.argv[2] == "big"
@@ -23,22 +23,8 @@ rng = np.random.default_rng(1)
 if dev == "cpu":  # the interpreter runs programs one by one: fewer, larger tiles keep it quick
     tg.LAUNCH[""] = {"moe_gate_up:*:*": {"BR": 16, "NB": 4, "num_warps": 4}}
 
-from tests.triton_data import blocks
+from tests.triton_data import blocks, expert_pool
 
-
-def pool_of(types, F, D, E):
-    # E slots of gate [F, D] | up [F, D] | down [D, F], each role 256-byte aligned, quantized Gaussians
-    per = dict(zip(("gate", "up", "down"), ((types[0], F, D), (types[1], F, D), (types[2], D, F))))
-    roles, o = {}, 0
-    for r, (q, rows, n) in per.items():
-        roles[r] = (o, q, rows, n)
-        o += -(-rows * len(quantize(np.zeros((1, n), np.float32), q)[0]) // 256) * 256
-    pool = torch.zeros((E, o), dtype=torch.uint8, device=dev)
-    for e in range(E):
-        for r, (q, rows, n) in per.items():
-            raw = blocks(q, rows, n, dev, rng).reshape(-1)
-            pool[e, roles[r][0] : roles[r][0] + raw.numel()] = raw
-    return pool, o, roles
 
 cases = [((QType.Q4_K, QType.Q4_K, QType.Q6_K), 256, 512), ((QType.Q8_0, QType.Q4_0, QType.Q5_K), 256, 96),
          ((QType.Q4_0, QType.Q8_0, QType.Q8_0), 96, 64)]
@@ -47,7 +33,7 @@ if big:
     cases.append(((QType.Q4_K, QType.Q4_K, QType.Q6_K), 768, 2048))
 for types, F, D in cases:
     E, K = (5, 2) if not big else (16, 8)
-    pool, stride, roles = pool_of(types, F, D, E)
+    pool, stride, roles = expert_pool(types, F, D, E, dev, rng)
     for T in ((1, 3) if not big else (1, 4, 40)):
         ids = torch.from_numpy(np.stack([rng.permutation(E)[:K] for _ in range(T)])).to(dev)
         slot_off = ids * stride
@@ -105,14 +91,6 @@ print("ok")
 """
 
 
-def _run(script: str, args: list[str], env: dict) -> str:
-    out = subprocess.run(
-        [sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=900, check=False
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    return out.stdout
-
-
 def _cuda():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
@@ -120,13 +98,13 @@ def _cuda():
 
 
 def test_moe_kernels_match_reference_in_the_interpreter():
-    assert _run(KERNELS, ["cpu", "small"], dict(os.environ, TRITON_INTERPRET="1")).strip().endswith("ok")
+    assert run_script(KERNELS, ["cpu", "small"], dict(os.environ, TRITON_INTERPRET="1")).strip().endswith("ok")
 
 
 @pytest.mark.cuda
 def test_moe_kernels_match_reference_on_cuda():
     _cuda()
-    assert _run(KERNELS, ["cuda", "big"], dict(os.environ)).strip().endswith("ok")
+    assert run_script(KERNELS, ["cuda", "big"], dict(os.environ)).strip().endswith("ok")
 
 
 @pytest.mark.cuda
@@ -136,4 +114,4 @@ def test_expert_cache_through_fused_kernels_on_cuda(tmp_path, act, tol):
     decode kernels round activations to 8 bits (~1 % relative per product), so a looser bound."""
     _cuda()
     env = dict(os.environ, SHARPI_DEVICE_ACT=act)
-    assert _run(CACHE, ["cuda", str(tmp_path), str(tol)], env).strip().endswith("ok")
+    assert run_script(CACHE, ["cuda", str(tmp_path), str(tol)], env).strip().endswith("ok")

@@ -8,19 +8,19 @@ awkward shapes); compiled with PTX dp4a on a CUDA machine (trunk and expert shap
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.triton_data import run_script
 
 pytest.importorskip("triton")
 
 SCRIPT = r"""
 import sys, numpy as np, torch
-from engine.quant import QType, quantize
+from engine.quant import QType
 from engine.runtime import triton_gemv as tg, triton_moe as tm, triton_q8 as t8, triton_q8_moe as m8
 from engine.runtime.tdequant import dequantize
-from tests.triton_data import blocks
+from tests.triton_data import blocks, expert_pool
 dev, big = sys.argv[1], sys.argv[2] == "big"
 rng = np.random.default_rng(3)
 if dev == "cpu":  # the interpreter runs programs one by one: fewer, larger tiles keep it quick; the
@@ -90,19 +90,6 @@ for name, (rows, n) in shapes.items():
 
 
 # 3. fused MoE decode
-def pool_of(types, F, D, E):
-    per = dict(zip(("gate", "up", "down"), ((types[0], F, D), (types[1], F, D), (types[2], D, F))))
-    roles, o = {}, 0
-    for r, (qq, rows, n) in per.items():
-        roles[r] = (o, qq, rows, n)
-        o += -(-rows * len(quantize(np.zeros((1, n), np.float32), qq)[0]) // 256) * 256
-    pool = torch.zeros((E, o), dtype=torch.uint8, device=dev)
-    for e in range(E):
-        for r, (qq, rows, n) in per.items():
-            raw = blocks(qq, rows, n, dev, rng).reshape(-1)
-            pool[e, roles[r][0] : roles[r][0] + raw.numel()] = raw
-    return pool, o, roles
-
 Q = QType
 if not big:
     cases = [((Q.Q4_K, Q.Q4_K, Q.Q6_K), 256, 256), ((Q.Q8_0, Q.Q4_0, Q.Q5_K), 256, 96), ((Q.Q4_0, Q.Q8_0, Q.Q8_0), 96, 64)]
@@ -114,7 +101,7 @@ else:
     # h quantized in the gate/up tile (BR 32; the table's BR 8 keeps h in float), on the Q4_0 case only
     cfgs = (({"BR": 32, "NB": 16, "num_warps": 4}, {"BR": 16, "NB": 32, "num_warps": 4, "KSPLIT": 1}),)
 for types, F, D in cases:
-    pool, stride, roles = pool_of(types, F, D, E)
+    pool, stride, roles = expert_pool(types, F, D, E, dev, rng)
     for T in Ts:
         ids = torch.from_numpy(np.stack([rng.permutation(E)[:K] for _ in range(T)])).to(dev)
         slot_off = ids * stride
@@ -135,16 +122,8 @@ print("ok")
 """
 
 
-def _run(device: str, size: str, env: dict) -> str:
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, device, size], env=env, capture_output=True, text=True, timeout=900, check=False
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    return out.stdout
-
-
 def test_q8_kernels_match_reference_in_the_interpreter():
-    assert _run("cpu", "small", dict(os.environ, TRITON_INTERPRET="1")).strip().endswith("ok")
+    assert run_script(SCRIPT, ["cpu", "small"], dict(os.environ, TRITON_INTERPRET="1")).strip().endswith("ok")
 
 
 @pytest.mark.cuda
@@ -152,4 +131,4 @@ def test_q8_kernels_match_reference_on_cuda():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")
-    assert _run("cuda", "big", dict(os.environ)).strip().endswith("ok")
+    assert run_script(SCRIPT, ["cuda", "big"], dict(os.environ)).strip().endswith("ok")

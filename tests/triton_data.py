@@ -22,3 +22,33 @@ def blocks(q, rows: int, n: int, dev, gen: np.random.Generator) -> torch.Tensor:
     for o in at:
         raw[:, o : o + 2] = d.view(torch.uint8).view(-1, 2)
     return raw.reshape(rows, -1)
+
+
+def expert_pool(types, F: int, D: int, E: int, dev, gen: np.random.Generator):
+    """E slots of gate [F, D] | up [F, D] | down [D, F] of ggml types ``types`` (each role 256-byte
+    aligned, :func:`blocks` data) -> (pool uint8 [E, stride] on ``dev``, stride, roles
+    {"gate"|"up"|"down": (byte offset in a slot, qtype, rows, n)})."""
+    per = dict(zip(("gate", "up", "down"), ((types[0], F, D), (types[1], F, D), (types[2], D, F))))
+    roles, o = {}, 0
+    for r, (q, rows, n) in per.items():
+        roles[r] = (o, q, rows, n)
+        o += -(-rows * block_format(q).row_bytes(n) // 256) * 256
+    pool = torch.zeros((E, o), dtype=torch.uint8, device=dev)
+    for e in range(E):
+        for r, (q, rows, n) in per.items():
+            raw = blocks(q, rows, n, dev, gen).reshape(-1)
+            pool[e, roles[r][0] : roles[r][0] + raw.numel()] = raw
+    return pool, o, roles
+
+
+def run_script(script: str, args: list[str], env: dict) -> str:
+    """Run a test's kernel script in a fresh interpreter (Triton's interpreter mode is chosen by
+    the environment at import) and return its stdout; a failure shows the script's output."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=900, check=False
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout

@@ -99,6 +99,13 @@ _BLOCK_FNS = {
 }
 
 
+def dequantize_at(pool: torch.Tensor, off: int, qtype: QType, rows: int, n: int) -> torch.Tensor:
+    """The matrix [rows, n] whose raw bytes start at byte ``off`` of ``pool`` (uint8, any shape,
+    contiguous; a slot pool or a trunk matrix) -> float32 [rows, n] on its device."""
+    rb = block_format(qtype).row_bytes(n)
+    return dequantize(pool.reshape(-1)[off : off + rows * rb].view(rows, rb), qtype, n)
+
+
 def dequantize(raw: torch.Tensor, qtype: QType, n: int) -> torch.Tensor:
     """raw uint8 [R, row_bytes] (any device) -> float32 [R, n] on the same device."""
     qtype = QType(qtype)

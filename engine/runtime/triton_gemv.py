@@ -40,7 +40,7 @@ import torch
 from engine.quant.formats import QType, block_format
 from engine.runtime import triton_q8_gemv
 from engine.runtime import triton_qblocks as qb
-from engine.runtime.tdequant import dequantize
+from engine.runtime.tdequant import dequantize_at
 
 triton, tl = qb.triton, qb.tl
 SUPPORTED = qb.SUPPORTED
@@ -49,7 +49,7 @@ SUPPORTED = qb.SUPPORTED
 CLASSES = ((1024, "S"), (4096, "M"), (1 << 62, "L"))
 # K walks of at most this many tile steps are unrolled (qb.acc_rows STEPS); a launch setting
 # "UNROLL" overrides it (0: always a runtime loop).
-UNROLL = 16
+UNROLL = qb.UNROLL
 LAUNCH: dict[str, dict[str, dict[str, int]]] = {
     "default": {
         "gemv:*:*": {"BR": 8, "NB": 8, "num_warps": 4, "SPLIT": 1},  # 256-element blocks (K-quants)
@@ -248,9 +248,4 @@ def gemv_reference(
     pool: torch.Tensor, offsets: torch.Tensor, X: torch.Tensor, qtype: QType, rows: int, n: int
 ) -> torch.Tensor:
     """The same contract as :func:`gemv`, by torch dequantize-then-matmul (the specification)."""
-    row_bytes = block_format(qtype).row_bytes(n)
-    out = []
-    for p, o in enumerate(offsets.tolist()):
-        raw = pool.reshape(-1)[o : o + rows * row_bytes].view(rows, row_bytes)
-        out.append(dequantize(raw, qtype, n) @ X[p])
-    return torch.stack(out)
+    return torch.stack([dequantize_at(pool, o, qtype, rows, n) @ X[p] for p, o in enumerate(offsets.tolist())])

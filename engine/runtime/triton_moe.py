@@ -32,7 +32,7 @@ from engine.models.layers import silu_mul
 from engine.quant.formats import QType, block_format
 from engine.runtime import triton_q8_moe
 from engine.runtime import triton_qblocks as qb
-from engine.runtime.tdequant import dequantize
+from engine.runtime.tdequant import dequantize_at
 from engine.runtime.triton_gemv import LAUNCH, UNROLL, act_mode, device_name, launch
 
 triton, tl = qb.triton, qb.tl
@@ -215,17 +215,12 @@ def moe_decode(
     return Y[0] if ks == 1 else Y.sum(0)
 
 
-def _matrix(pool: torch.Tensor, off: int, qtype: QType, rows: int, n: int) -> torch.Tensor:
-    rb = block_format(qtype).row_bytes(n)
-    return dequantize(pool.reshape(-1)[off : off + rows * rb].view(rows, rb), qtype, n)
-
-
 def moe_decode_reference(pool, slot_off, x, weights, roles) -> torch.Tensor:
     """:func:`moe_decode` by torch dequantize-then-matmul, pair by pair (the specification)."""
     y = torch.zeros_like(x, dtype=torch.float32)
     for t, k in zip(*torch.nonzero(slot_off >= 0, as_tuple=True)):
         s = int(slot_off[t, k])
-        g, u, d = (_matrix(pool, s + roles[r][0], *roles[r][1:]) for r in ("gate", "up", "down"))
+        g, u, d = (dequantize_at(pool, s + roles[r][0], *roles[r][1:]) for r in ("gate", "up", "down"))
         y[t] += weights[t, k] * (d @ silu_mul(g @ x[t], u @ x[t]))
     return y
 

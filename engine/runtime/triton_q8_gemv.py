@@ -81,7 +81,7 @@ def _launch(W, meta, Xq, qtype, rows, n, T, bt, pairs, cfg, m, out_rows) -> torc
     per = triton.cdiv(triton.cdiv(nb, split), cfg["NB"]) * cfg["NB"]
     _q8_gemv_kernel[(tiles, pairs, split)](
         W, t8.int32_view(W), meta[0] if m > 1 else meta, XQ, XD, XS, out, rows, n // t8.QBLK, block_format(qtype).row_bytes(n), nb, T,
-        out_rows, BR=cfg["BR"], NB=cfg["NB"], BT=bt, SPLIT=split, STEPS=qb.steps(per, cfg["NB"], cfg.get("UNROLL", 16)),
+        out_rows, BR=cfg["BR"], NB=cfg["NB"], BT=bt, SPLIT=split, STEPS=qb.steps(per, cfg["NB"], cfg.get("UNROLL", qb.UNROLL)),
         M=m, ASM=t8.use_asm(XQ.device), num_warps=cfg["num_warps"], **g,
     )  # fmt: skip
     return out[0] if split == 1 else out.sum(0)
@@ -133,13 +133,9 @@ def matmul_many_q8(raws, X, qtype, rows, n, cfg) -> torch.Tensor:
 
 def gemv_q8_reference(pool, offsets, X, qtype, rows, n) -> torch.Tensor:
     """:func:`gemv_q8` by torch: dequantized weights times the dequantized q8 activations."""
-    row_bytes = block_format(qtype).row_bytes(n)
-    Xd = t8.q8_round_trip(X)
-    out = []
-    for p, o in enumerate(offsets.tolist()):
-        raw = pool.reshape(-1)[o : o + rows * row_bytes].view(rows, row_bytes)
-        out.append(dequantize(raw, qtype, n) @ Xd[p])
-    return torch.stack(out)
+    from engine.runtime.triton_gemv import gemv_reference  # (triton_gemv imports this module)
+
+    return gemv_reference(pool, offsets, t8.q8_round_trip(X), qtype, rows, n)
 
 
 def matmul_q8_reference(raw, X, qtype, rows, n) -> torch.Tensor:

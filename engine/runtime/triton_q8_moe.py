@@ -16,7 +16,7 @@ from engine.models.layers import silu_mul
 from engine.quant.formats import QType, block_format
 from engine.runtime import triton_q8 as t8
 from engine.runtime import triton_qblocks as qb
-from engine.runtime.tdequant import dequantize
+from engine.runtime.tdequant import dequantize_at
 
 triton, tl = qb.triton, qb.tl
 
@@ -123,7 +123,7 @@ def moe_decode_q8(pool, slot_off, x, weights, roles, cfg_gate_up: dict, cfg_down
     else:  # h in float, quantized by one more launch (smaller gate/up tiles: more programs)
         HQ = HS = XQ
         HD = torch.empty((T * K, F), dtype=torch.float32, device=x.device)
-    g_nb, u_nb, lim = D // qb.GEOMETRY[gq][1], D // qb.GEOMETRY[uq][1], c.get("UNROLL", 16)
+    g_nb, u_nb, lim = D // qb.GEOMETRY[gq][1], D // qb.GEOMETRY[uq][1], c.get("UNROLL", qb.UNROLL)
     pool = pool.reshape(-1)
     w32 = t8.int32_view(pool)
     _q8_gate_up_kernel[(triton.cdiv(F, c["BR"]), T * K)](
@@ -140,14 +140,9 @@ def moe_decode_q8(pool, slot_off, x, weights, roles, cfg_gate_up: dict, cfg_down
     _q8_down_kernel[(triton.cdiv(D, c["BR"]), T, ks)](
         pool, w32, slots, HQ, HD, HS, weights.to(torch.float32).contiguous(), Y, D, F // 32, do,
         block_format(dq).row_bytes(F), d_nb, K=K, BR=c["BR"], NB=c["NB"], KSPLIT=ks,
-        STEPS=qb.steps(d_nb, c["NB"], c.get("UNROLL", 16)), ASM=asm, num_warps=c["num_warps"], **geo(dq),
+        STEPS=qb.steps(d_nb, c["NB"], c.get("UNROLL", qb.UNROLL)), ASM=asm, num_warps=c["num_warps"], **geo(dq),
     )  # fmt: skip
     return Y[0] if ks == 1 else Y.sum(0)
-
-
-def _matrix(pool: torch.Tensor, off: int, qtype: QType, rows: int, n: int) -> torch.Tensor:
-    rb = block_format(qtype).row_bytes(n)
-    return dequantize(pool.reshape(-1)[off : off + rows * rb].view(rows, rb), qtype, n)
 
 
 def moe_decode_q8_reference(pool, slot_off, x, weights, roles) -> torch.Tensor:
@@ -156,7 +151,7 @@ def moe_decode_q8_reference(pool, slot_off, x, weights, roles) -> torch.Tensor:
     xq = t8.q8_round_trip(x)
     for t, k in zip(*torch.nonzero(slot_off >= 0, as_tuple=True)):
         s = int(slot_off[t, k])
-        g, u, d = (_matrix(pool, s + roles[r][0], *roles[r][1:]) for r in ("gate", "up", "down"))
+        g, u, d = (dequantize_at(pool, s + roles[r][0], *roles[r][1:]) for r in ("gate", "up", "down"))
         h = t8.q8_round_trip(silu_mul(g @ xq[t], u @ xq[t])[None])[0]
         y[t] += weights[t, k] * (d @ h)
     return y

@@ -169,7 +169,11 @@ if triton is not None:
         return acc3
 
 
-def steps(blocks: int, nb_tile: int, limit: int = 16) -> int:
+# K walks of at most this many tile steps are unrolled (a launch setting "UNROLL" overrides it).
+UNROLL = 16
+
+
+def steps(blocks: int, nb_tile: int, limit: int = UNROLL) -> int:
     """The STEPS constexpr for a walk over ``blocks`` blocks ``nb_tile`` at a time: unrolled up to
     ``limit`` steps, else 0 (a runtime loop)."""
     s = -(-blocks // nb_tile)

@@ -212,13 +212,9 @@ class MoE:
         if got is not None:  # one fused kernel: routing, the ids into ``route``, slot offsets
             weights, off = got
             return self._plus_shared(x, self.experts.forward_static(self.i, x, route, weights, off))
-        probs = torch.softmax(logits, dim=-1)  # as route_softmax_topk
-        if route is None:
-            weights, ids = torch.topk(probs, self.k, dim=-1)
-        else:  # the ids land in the graph's output buffer directly
-            weights, ids = torch.topk(probs, self.k, dim=-1, out=(torch.empty_like(probs[:, : self.k]), route))
-        if self.renormalise:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        ids, weights = route_softmax_topk(logits, self.k, self.renormalise)  # [1, K] x2
+        if route is not None:  # the graph's record of the routes
+            route.copy_(ids)
         return self._plus_shared(x, self.experts.forward_static(self.i, x, ids, weights))
 
     def _plus_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

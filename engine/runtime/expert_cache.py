@@ -198,11 +198,8 @@ class CachedExperts(ExpertBackend):
             y = triton_moe.moe_decode(self.pool, slot_off, x.float(), weights.float(), self._roles(layer))
             return y.to(x.dtype)
         slots = self._slot_index[layer][ids[0]]  # [K] slot indices
-        g, u, d = self._slot_matrices(layer, slots)  # [K, F, D], [K, F, D], [K, D, F]
-        xp = x.expand(slots.shape[0], -1)[:, :, None]  # [K, D, 1]
-        h = silu_mul(torch.bmm(g, xp), torch.bmm(u, xp))  # [K, F, 1]
-        out = torch.bmm(d, h)[:, :, 0] * weights[0][:, None]  # [K, D]
-        return torch.zeros_like(x).index_add_(0, torch.zeros_like(ids[0]), out)
+        out = self._pair_outputs(layer, slots, x.expand(slots.shape[0], -1))  # [K, D]
+        return (out * weights[0][:, None]).sum(0, keepdim=True)
 
     def _device_outputs(self, layer, x, ids_h, weights, hit_set: set) -> torch.Tensor:
         """Σ over the (token, slot) pairs served from the pool of weight · expert output: [T, D]."""
@@ -224,10 +221,7 @@ class CachedExperts(ExpertBackend):
         if len(t_idx) <= 64:
             # Decode, reference: gather the pairs' slots and run one batched matmul per role.
             slots = torch.tensor([self.slru.slot((layer, int(ids_h[t, k]))) for t, k in zip(t_idx, k_idx)])
-            g, u, d = self._slot_matrices(layer, slots.to(self.device))  # [P, F, D], [P, F, D], [P, D, F]
-            xp = x[torch.from_numpy(t_idx).to(x.device)][:, :, None]  # [P, D, 1]
-            h = silu_mul(torch.bmm(g, xp), torch.bmm(u, xp))  # [P, F, 1]
-            out = torch.bmm(d, h)[:, :, 0]  # [P, D]
+            out = self._pair_outputs(layer, slots.to(self.device), x[torch.from_numpy(t_idx).to(x.device)])  # [P, D]
             wp = w[torch.from_numpy(t_idx).to(x.device), torch.from_numpy(k_idx).to(x.device)]
             return y.index_add_(0, torch.from_numpy(t_idx).to(x.device), out * wp[:, None])
         for e in sorted(hit_set):  # prefill: each expert once over all its tokens
@@ -237,6 +231,13 @@ class CachedExperts(ExpertBackend):
             out = silu_mul(x[ti] @ g[0].T, x[ti] @ u[0].T) @ d[0].T
             y.index_add_(0, ti, out * w[ti, ki][:, None])
         return y
+
+    def _pair_outputs(self, layer: int, slots: torch.Tensor, xp: torch.Tensor) -> torch.Tensor:
+        """Reference kernels: down(SiLU(gate·x) · up·x) of each pair's slot, unweighted.
+        slots int64 [P] (on the device), xp [P, D] each pair's token -> [P, D]."""
+        g, u, d = self._slot_matrices(layer, slots)  # [P, F, D], [P, F, D], [P, D, F]
+        xc = xp[:, :, None]  # [P, D, 1]
+        return torch.bmm(d, silu_mul(torch.bmm(g, xc), torch.bmm(u, xc)))[:, :, 0]
 
     def _roles(self, layer: int) -> dict:
         """{role: (byte offset in a slot, qtype, rows, n)} for the fused kernels."""

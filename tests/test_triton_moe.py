@@ -23,7 +23,7 @@ rng = np.random.default_rng(1)
 if dev == "cpu":  # the interpreter runs programs one by one: fewer, larger tiles keep it quick
     tg.LAUNCH[""] = {"moe_gate_up:*:*": {"BR": 16, "NB": 4, "num_warps": 4}}
 
-from tests.triton_data import blocks, expert_pool
+from tests.triton_data import blocks, expert_pool, routing_case
 
 
 cases = [((QType.Q4_K, QType.Q4_K, QType.Q6_K), 256, 512), ((QType.Q8_0, QType.Q4_0, QType.Q5_K), 256, 96),
@@ -35,12 +35,7 @@ for types, F, D in cases:
     E, K = (5, 2) if not big else (16, 8)
     pool, stride, roles = expert_pool(types, F, D, E, dev, rng)
     for T in ((1, 3) if not big else (1, 4, 40)):
-        ids = torch.from_numpy(np.stack([rng.permutation(E)[:K] for _ in range(T)])).to(dev)
-        slot_off = ids * stride
-        if T > 1:
-            slot_off[1, 0] = -1  # a miss: served elsewhere, skipped here
-        x = torch.from_numpy(rng.standard_normal((T, D)).astype(np.float32)).to(dev)
-        w = torch.from_numpy(rng.random((T, K)).astype(np.float32)).to(dev)
+        slot_off, x, w = routing_case(T, K, E, D, stride, dev, rng)
         ref = tm.moe_decode_reference(pool, slot_off, x, w, roles)
         errs = []
         decode = lambda *a: tm.moe_decode(*a, act="f32")  # the q8 kernels: tests/test_triton_q8.py

@@ -20,7 +20,7 @@ import sys, numpy as np, torch
 from engine.quant import QType
 from engine.runtime import triton_gemv as tg, triton_moe as tm, triton_q8 as t8, triton_q8_moe as m8
 from engine.runtime.tdequant import dequantize
-from tests.triton_data import blocks, expert_pool
+from tests.triton_data import blocks, expert_pool, routing_case
 dev, big = sys.argv[1], sys.argv[2] == "big"
 rng = np.random.default_rng(3)
 if dev == "cpu":  # the interpreter runs programs one by one: fewer, larger tiles keep it quick; the
@@ -103,12 +103,7 @@ else:
 for types, F, D in cases:
     pool, stride, roles = expert_pool(types, F, D, E, dev, rng)
     for T in Ts:
-        ids = torch.from_numpy(np.stack([rng.permutation(E)[:K] for _ in range(T)])).to(dev)
-        slot_off = ids * stride
-        if T > 1:
-            slot_off[1, 0] = -1  # a miss: served elsewhere, skipped here
-        x = torch.from_numpy(rng.standard_normal((T, D)).astype(np.float32)).to(dev)
-        w = torch.from_numpy(rng.random((T, K)).astype(np.float32)).to(dev)
+        slot_off, x, w = routing_case(T, K, E, D, stride, dev, rng)
         ref = m8.moe_decode_q8_reference(pool, slot_off, x, w, roles)
         y = tm.moe_decode(pool, slot_off, x, w, roles, act="q8")
         errs = [rel(y, ref)]

@@ -52,3 +52,15 @@ def run_script(script: str, args: list[str], env: dict) -> str:
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
+
+
+def routing_case(T: int, K: int, E: int, D: int, stride: int, dev, gen: np.random.Generator):
+    """T tokens routed to K of E slots: (slot_off int64 [T, K] byte offsets, with pair (1, 0) a
+    miss (−1) when T > 1; x float32 [T, D]; weights float32 [T, K]) on ``dev``."""
+    ids = torch.from_numpy(np.stack([gen.permutation(E)[:K] for _ in range(T)])).to(dev)
+    slot_off = ids * stride
+    if T > 1:
+        slot_off[1, 0] = -1  # a miss: served elsewhere, skipped by the kernels
+    x = torch.from_numpy(gen.standard_normal((T, D)).astype(np.float32)).to(dev)
+    w = torch.from_numpy(gen.random((T, K)).astype(np.float32)).to(dev)
+    return slot_off, x, w

@@ -20,6 +20,7 @@ import os
 import torch
 
 from engine.models.layers import apply_rope_table, rms_norm_fused, route_softmax_topk
+from engine.runtime import triton_qblocks as qb
 
 try:
     import triton
@@ -41,9 +42,10 @@ if triton is not None:
 
     @triton.jit
     def _route_kernel(LOGITS, TABLE, W, IDS, OFF, E, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                      RENORM: tl.constexpr):  # fmt: skip
+                      RENORM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         """One token: softmax over E logits, the K largest by repeated arg-max (lowest id on ties),
         optionally renormalised; W[K] weights, IDS[K] ids, OFF[K] = TABLE[ids]."""
+        qb.pdl_enter(PDL)
         e = tl.arange(0, BE)
         em = e < E
         x = tl.load(LOGITS + e, mask=em, other=-float("inf"))
@@ -74,10 +76,11 @@ if triton is not None:
 
     @triton.jit
     def _qk_rope_kv_kernel(Q, K, V, QN, KN, C, S, PERM, POS, KC, VC, QO, eps, H, HD: tl.constexpr,
-                           BD: tl.constexpr, NORM: tl.constexpr, KV_BF16: tl.constexpr):  # fmt: skip
+                           BD: tl.constexpr, NORM: tl.constexpr, KV_BF16: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         """Program h < H: query head h; h ≥ H: key head h − H (and its value row). Optional per-head
         RMS norm (weights QN / KN), rotation by the table rows C, S [HD] (x·C + x[PERM]·S), q into
         QO, k and v into row POS of the caches KC, VC [n_ctx, Hkv·HD]."""
+        qb.pdl_enter(PDL)
         h = tl.program_id(0)
         d = tl.arange(0, BD)
         dm = d < HD
@@ -110,8 +113,10 @@ if triton is not None:
                 tl.store(VC + row + d, vv, mask=dm)
 
     @triton.jit
-    def _add_rms_norm_kernel(X, Y, W, XO, HO, eps, D: tl.constexpr, BD: tl.constexpr, HAS_Y: tl.constexpr):
+    def _add_rms_norm_kernel(X, Y, W, XO, HO, eps, D: tl.constexpr, BD: tl.constexpr, HAS_Y: tl.constexpr,
+                             PDL: tl.constexpr):  # fmt: skip
         """XO = X + Y; HO = XO · rsqrt(mean(XO²) + eps) · W, one row of D."""
+        qb.pdl_enter(PDL)
         d = tl.arange(0, BD)
         dm = d < D
         x = tl.load(X + d, mask=dm, other=0.0)
@@ -130,7 +135,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: 
     xo = torch.empty_like(x) if y is not None else x
     _add_rms_norm_kernel[(1,)](
         x, y if y is not None else x, w, xo, h, eps, D=D, BD=triton.next_power_of_2(D), HAS_Y=y is not None,
-        num_warps=8 if D >= 2048 else 4,
+        num_warps=8 if D >= 2048 else 4, PDL=qb.pdl(x.device), **qb.launch_kw(qb.pdl(x.device)),
     )  # fmt: skip
     return xo, h
 
@@ -154,6 +159,7 @@ def qk_rope_kv(q, k, v, q_norm, k_norm, eps, cos, sin, perm, pos, kc, vc, n_head
         q.contiguous(), k.contiguous(), v.contiguous(), q_norm if norm else q, k_norm if norm else q, cos, sin,
         perm, pos, kc.view(torch.int16) if bf16 else kc, vc.view(torch.int16) if bf16 else vc, qo, eps, n_head,
         HD=head_dim, BD=triton.next_power_of_2(head_dim), NORM=norm, KV_BF16=bf16, num_warps=1,
+        PDL=qb.pdl(q.device), **qb.launch_kw(qb.pdl(q.device)),
     )  # fmt: skip
     return qo
 
@@ -181,7 +187,8 @@ def route(
     off = torch.empty((1, k), dtype=torch.int64, device=logits.device)
     _route_kernel[(1,)](
         logits.contiguous(), table, w, ids_out, off, E, K=k, KP=triton.next_power_of_2(k),
-        BE=triton.next_power_of_2(E), RENORM=renormalise, num_warps=1,
+        BE=triton.next_power_of_2(E), RENORM=renormalise, num_warps=1, PDL=qb.pdl(logits.device),
+        **qb.launch_kw(qb.pdl(logits.device)),
     )  # fmt: skip
     return w, off
 

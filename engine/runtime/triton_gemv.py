@@ -118,14 +118,22 @@ if triton is not None:
         W, OFFS, X, Y, R, n, row_bytes, nb, T,
         QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, PW: tl.constexpr, NPART: tl.constexpr,
         ALIGN: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr,
-        STEPS: tl.constexpr,
+        STEPS: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, NT: tl.constexpr,
     ):  # fmt: skip
-        """Y[s, p·BT + t, rows] = Σ over K-slice s of W_p[rows] · X[p·BT + t] (t < BT, p·BT + t < T)."""
+        """Y[s, p·BT + t, rows] = Σ over K-slice s of W_p[rows] · X[p·BT + t] (t < BT, p·BT + t < T).
+        PF: OFFS is constant (a trunk matrix), so the rows are prefetched into L2 before the PDL wait."""
         p = tl.program_id(1)
         s = tl.program_id(2)
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rmask = rows < R
-        off = tl.multiple_of(tl.load(OFFS + p), 16)  # slots and matrices start 16-byte aligned
+        if PF:
+            off = tl.multiple_of(tl.load(OFFS + p), 16)  # slots and matrices start 16-byte aligned
+            r0 = tl.program_id(0) * BR
+            qb.prefetch_l2(W, off + r0.to(tl.int64) * row_bytes, (tl.minimum(R - r0, BR) * (s == 0)).to(tl.int64) * row_bytes, NT)
+            qb.pdl_enter(PDL)
+        else:
+            qb.pdl_enter(PDL)
+            off = tl.multiple_of(tl.load(OFFS + p), 16)
         rowoff = off + rows.to(tl.int64) * row_bytes  # [BR] row starts
         per = tl.cdiv(tl.cdiv(nb, SPLIT), NB) * NB  # blocks per K slice, a multiple of NB
         kb0 = s * per
@@ -157,8 +165,10 @@ if triton is not None:
             tl.store(Y + (s * T + t0 + tt[:, None]).to(tl.int64) * R + rows[None, :], acc, mask=ymask)
 
 
-def _run(pool, offsets, X, qtype, rows, n, bt, cfg) -> torch.Tensor:
-    """Launch the GEMV kernel: X float32 [T, n] in groups of ``bt`` rows, one offset per group."""
+def _run(pool, offsets, X, qtype, rows, n, bt, cfg, constant_offsets: bool = False) -> torch.Tensor:
+    """Launch the GEMV kernel: X float32 [T, n] in groups of ``bt`` rows, one offset per group
+    (``constant_offsets``: no kernel writes them, so the weights may be prefetched before the PDL wait)."""
+    pdl = qb.pdl(X.device)
     T = X.shape[0]
     g = qb.geometry(qtype)
     nb = n // g["QK"]
@@ -169,7 +179,8 @@ def _run(pool, offsets, X, qtype, rows, n, bt, cfg) -> torch.Tensor:
     _gemv_kernel[grid](
         pool, offsets, X, out, rows, n, block_format(qtype).row_bytes(n), nb, T,
         BR=cfg["BR"], NB=cfg["NB"], BT=bt, SPLIT=split, STEPS=qb.steps(per, cfg["NB"], cfg.get("UNROLL", UNROLL)),
-        num_warps=cfg["num_warps"], **g,
+        PDL=pdl, PF=int(pdl and constant_offsets), NT=32 * cfg["num_warps"], num_warps=cfg["num_warps"], **g,
+        **qb.launch_kw(pdl),
     )  # fmt: skip
     return out[0] if split == 1 else out.sum(0)
 
@@ -210,7 +221,7 @@ def matmul(
         return triton_q8_gemv.matmul_q8(raw, X.contiguous(), qtype, rows, n, cfg, zero_offset(X.device))
     bt = triton.next_power_of_2(T)
     cfg = cfg or launch("gemv", qtype, rows, device_name(X.device))
-    return _run(raw.reshape(-1), zero_offset(X.device), X.contiguous(), qtype, rows, n, bt, cfg)
+    return _run(raw.reshape(-1), zero_offset(X.device), X.contiguous(), qtype, rows, n, bt, cfg, True)
 
 
 def matmul_many(

@@ -74,8 +74,10 @@ if triton is not None:
         ALIGN: tl.constexpr,
         QTu: tl.constexpr, TSu: tl.constexpr, QKu: tl.constexpr, PWu: tl.constexpr, NPARTu: tl.constexpr,
         ALIGNu: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, STEPS: tl.constexpr, STEPSu: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         """H[q, rows] = SiLU(gate_q[rows]·x_t) · (up_q[rows]·x_t) for pair q = t·K + k (slot SLOT[q])."""
+        qb.pdl_enter(PDL)  # SLOT comes from the routing kernel (the down kernel may read it once released)
         q = tl.program_id(1)
         slot = tl.load(SLOT + q)
         if slot >= 0:
@@ -117,15 +119,22 @@ if triton is not None:
         W, SLOT, Hh, WT, Y, D, F, do, row_bytes, nb, K: tl.constexpr,
         QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, PW: tl.constexpr, NPART: tl.constexpr,
         ALIGN: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, KSPLIT: tl.constexpr, STEPS: tl.constexpr,
+        PDL: tl.constexpr, NT: tl.constexpr,
     ):  # fmt: skip
         """Y[g, t, rows] = Σ_k WT[t, k] · down_{t,k}[rows] · H[t·K + k] over the pairs with a slot, k in
-        group g of KSPLIT groups of the k experts (the caller adds the groups: more programs, no atomics)."""
+        group g of KSPLIT groups of the k experts (the caller adds the groups: more programs, no atomics).
+        With PDL the rows are prefetched into L2 while the gate/up kernel runs (it released this kernel
+        only after its own wait, so SLOT is final)."""
         t = tl.program_id(1)
         g = tl.program_id(2)
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        r0 = tl.program_id(0) * BR
+        rows = r0 + tl.arange(0, BR)
         rmask = rows < D
-        acc3 = tl.zeros([BR, NB, PW], dtype=tl.float32)
         PER: tl.constexpr = (K + KSPLIT - 1) // KSPLIT
+        if PDL:
+            qb.prefetch_pairs(W, SLOT, t, g * PER, tl.minimum(D - r0, BR), r0, do, row_bytes, K, PER, NT)
+        qb.pdl_enter(PDL)
+        acc3 = tl.zeros([BR, NB, PW], dtype=tl.float32)
         # Masks instead of branches (a missing slot walks zero blocks); up to 4 experts a program the
         # walk is unrolled, so with STEPS > 0 all of their weight loads can be in flight together
         # (8 unrolled experts exhaust ptxas: 32 registers and spills on sm_90).
@@ -191,6 +200,7 @@ def moe_decode(
     (go, gq, F, D), (uo, uq, _, _), (do, dq, _, _) = (roles[r] for r in ("gate", "up", "down"))
     gq, uq, dq = QType(gq), QType(uq), QType(dq)
     name = device_name(x.device)
+    pdl = qb.pdl(x.device)
     if act_mode(x.device, act) == "q8" and F % 32 == 0:
         c = launch("moe_q8_gate_up", gq, F * T * K, name)
         return triton_q8_moe.moe_decode_q8(pool, slot_off, x, weights, roles, c, launch("moe_q8_down", dq, D * T, name))
@@ -201,7 +211,7 @@ def moe_decode(
     _gate_up_kernel[(triton.cdiv(F, c["BR"]), T * K)](
         pool, slots, x.contiguous(), H, F, D, K, go, uo, block_format(gq).row_bytes(D), block_format(uq).row_bytes(D),
         g_nb, u_nb, BR=c["BR"], NB=c["NB"], STEPS=qb.steps(g_nb, c["NB"], lim), STEPSu=qb.steps(u_nb, c["NB"], lim),
-        num_warps=c["num_warps"], **_geo(gq), **_geo(uq, "u"),
+        PDL=pdl, num_warps=c["num_warps"], **_geo(gq), **_geo(uq, "u"), **qb.launch_kw(pdl),
     )  # fmt: skip
     c = launch("moe_down", dq, D * T, name)
     ks = max(1, min(c.get("KSPLIT", 1), K))
@@ -210,7 +220,7 @@ def moe_decode(
     _down_kernel[(triton.cdiv(D, c["BR"]), T, ks)](
         pool, slots, H, weights.to(torch.float32).contiguous(), Y, D, F, do, block_format(dq).row_bytes(F), d_nb,
         K=K, BR=c["BR"], NB=c["NB"], KSPLIT=ks, STEPS=qb.steps(d_nb, c["NB"], c.get("UNROLL", UNROLL)),
-        num_warps=c["num_warps"], **_geo(dq),
+        PDL=pdl, NT=32 * c["num_warps"], num_warps=c["num_warps"], **_geo(dq), **qb.launch_kw(pdl),
     )  # fmt: skip
     return Y[0] if ks == 1 else Y.sum(0)
 

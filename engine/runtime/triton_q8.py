@@ -284,7 +284,8 @@ if triton is not None:
         tl.store(XS + r * (2 * n32) + blk[:, None] * 2 + tl.arange(0, 2)[None, :], s, mask=bm[:, None])
 
     @triton.jit
-    def _quant_kernel(X, XQ, XD, XS, n32, NBLK: tl.constexpr):
+    def _quant_kernel(X, XQ, XD, XS, n32, NBLK: tl.constexpr, PDL: tl.constexpr):
+        qb.pdl_enter(PDL)
         r = tl.program_id(1)
         blk = tl.program_id(0) * NBLK + tl.arange(0, NBLK)
         bm = blk < n32
@@ -301,7 +302,10 @@ def quantize_act(X: torch.Tensor, nblk: int = 8) -> tuple[torch.Tensor, torch.Te
     XQ = torch.empty((R, n // 4), dtype=torch.int32, device=X.device)
     XD = torch.empty((R, n32), dtype=torch.float32, device=X.device)
     XS = torch.empty((R, 2 * n32), dtype=torch.float32, device=X.device)
-    _quant_kernel[(triton.cdiv(n32, nblk), R)](X.contiguous(), XQ, XD, XS, n32, NBLK=nblk, num_warps=1)
+    pdl = qb.pdl(X.device)
+    _quant_kernel[(triton.cdiv(n32, nblk), R)](
+        X.contiguous(), XQ, XD, XS, n32, NBLK=nblk, PDL=pdl, num_warps=1, **qb.launch_kw(pdl)
+    )
     return XQ, XD, XS
 
 

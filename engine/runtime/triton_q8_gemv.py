@@ -29,16 +29,20 @@ if triton is not None:
         W, W32, META, XQ, XD, XS, Y, R, n32, row_bytes, nb, T, ystride,
         QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, NW: tl.constexpr, NA: tl.constexpr, NPART: tl.constexpr,
         ALIGN: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr,
-        STEPS: tl.constexpr, M: tl.constexpr, ASM: tl.constexpr,
+        STEPS: tl.constexpr, M: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
+        NT: tl.constexpr,
     ):  # fmt: skip
         """Y[s, p·BT + t, col + rows] = Σ over K-slice s of W[rows] · Xq[p·BT + t].
 
         M == 1: one matrix per pair p, at byte offset META[p] (gemv: BT = 1; matmul: one pair).
         M > 1: M matrices side by side (program axis 0 runs over all their row tiles); META [4, M]
-        holds per matrix its byte offset from W, rows, first row tile and first output column."""
+        holds per matrix its byte offset from W, rows, first row tile and first output column.
+        PF: META is constant (trunk matrices): the tile's rows are prefetched into L2 before the PDL wait."""
         pid = tl.program_id(0)
         p = tl.program_id(1)
         s = tl.program_id(2)
+        if not PF:
+            qb.pdl_enter(PDL)
         if M == 1:
             off = tl.load(META + p)
             nrows = R
@@ -55,6 +59,11 @@ if triton is not None:
         rows = tile * BR + tl.arange(0, BR)
         rmask = rows < nrows
         rowoff = tl.multiple_of(off, 16) + rows.to(tl.int64) * row_bytes  # [BR]
+        if PF:
+            r0 = tile * BR
+            n_pf = (tl.minimum(nrows - r0, BR) * (s == 0)).to(tl.int64) * row_bytes
+            qb.prefetch_l2(W, off + r0.to(tl.int64) * row_bytes, n_pf, NT)
+            qb.pdl_enter(PDL)
         per = tl.cdiv(tl.cdiv(nb, SPLIT), NB) * NB
         kb0 = s * per
         kb1 = tl.minimum(kb0 + per, nb)
@@ -71,8 +80,10 @@ if triton is not None:
         tl.store(yp, y, mask=tmask[:, None] & rmask[None, :])
 
 
-def _launch(W, meta, Xq, qtype, rows, n, T, bt, pairs, cfg, m, out_rows) -> torch.Tensor:
+def _launch(W, meta, Xq, qtype, rows, n, T, bt, pairs, cfg, m, out_rows, constant: bool = False) -> torch.Tensor:
+    """constant: no kernel writes meta (trunk matrices), so their rows may be prefetched before the PDL wait."""
     XQ, XD, XS = Xq
+    pdl = qb.pdl(XQ.device)
     g = t8.q8_geometry(qtype)
     nb = n // g["QK"]
     split = max(1, min(cfg.get("SPLIT", 1), nb))
@@ -82,7 +93,8 @@ def _launch(W, meta, Xq, qtype, rows, n, T, bt, pairs, cfg, m, out_rows) -> torc
     _q8_gemv_kernel[(tiles, pairs, split)](
         W, t8.int32_view(W), meta[0] if m > 1 else meta, XQ, XD, XS, out, rows, n // t8.QBLK, block_format(qtype).row_bytes(n), nb, T,
         out_rows, BR=cfg["BR"], NB=cfg["NB"], BT=bt, SPLIT=split, STEPS=qb.steps(per, cfg["NB"], cfg.get("UNROLL", qb.UNROLL)),
-        M=m, ASM=t8.use_asm(XQ.device), num_warps=cfg["num_warps"], **g,
+        M=m, ASM=t8.use_asm(XQ.device), PDL=pdl, PF=int(pdl and constant), NT=32 * cfg["num_warps"],
+        num_warps=cfg["num_warps"], **g, **qb.launch_kw(pdl),
     )  # fmt: skip
     return out[0] if split == 1 else out.sum(0)
 
@@ -98,7 +110,7 @@ def matmul_q8(raw, X, qtype, rows, n, cfg, zero) -> torch.Tensor:
     """triton_gemv.matmul's contract (raw uint8 [rows, row_bytes], X float32 [T, n], T ≤ 8 -> [T, rows])."""
     T = X.shape[0]
     Xq = t8.quantize_act(X)
-    return _launch(raw.reshape(-1), zero, Xq, QType(qtype), rows, n, T, triton.next_power_of_2(T), 1, cfg, 1, rows)
+    return _launch(raw.reshape(-1), zero, Xq, QType(qtype), rows, n, T, triton.next_power_of_2(T), 1, cfg, 1, rows, True)
 
 
 _META: dict[tuple, tuple[torch.Tensor, int]] = {}
@@ -128,7 +140,9 @@ def matmul_many_q8(raws, X, qtype, rows, n, cfg) -> torch.Tensor:
     T = X.shape[0]
     Xq = t8.quantize_act(X)
     meta = _many_meta(list(raws), list(rows), cfg["BR"])
-    return _launch(raws[0], meta, Xq, QType(qtype), 0, n, T, triton.next_power_of_2(T), 1, cfg, len(raws), sum(rows))
+    return _launch(
+        raws[0], meta, Xq, QType(qtype), 0, n, T, triton.next_power_of_2(T), 1, cfg, len(raws), sum(rows), True
+    )
 
 
 def gemv_q8_reference(pool, offsets, X, qtype, rows, n) -> torch.Tensor:

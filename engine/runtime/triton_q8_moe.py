@@ -35,10 +35,11 @@ if triton is not None:
         QTu: tl.constexpr, TSu: tl.constexpr, QKu: tl.constexpr, NWu: tl.constexpr, NAu: tl.constexpr,
         NPARTu: tl.constexpr,
         ALIGNu: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, STEPS: tl.constexpr, STEPSu: tl.constexpr,
-        ASM: tl.constexpr, QH: tl.constexpr,
+        ASM: tl.constexpr, QH: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Hq[q, rows] = q8(SiLU(gate_q[rows]·x_t) · (up_q[rows]·x_t)) for pair q = t·K + k (slot SLOT[q]).
         QH (BR a multiple of 32): h quantized here; else h float32 into HD [T·K, F] (quantized after)."""
+        qb.pdl_enter(PDL)  # SLOT comes from the routing kernel (the down kernel may read it once released)
         q = tl.program_id(1)
         slot = tl.load(SLOT + q)
         if slot >= 0:
@@ -86,13 +87,18 @@ if triton is not None:
         W, W32, SLOT, HQ, HD, HS, WT, Y, D, nh32, do, row_bytes, nb, K: tl.constexpr,
         QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, NW: tl.constexpr, NA: tl.constexpr, NPART: tl.constexpr,
         ALIGN: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, KSPLIT: tl.constexpr, STEPS: tl.constexpr,
-        ASM: tl.constexpr,
+        ASM: tl.constexpr, PDL: tl.constexpr, NT: tl.constexpr,
     ):  # fmt: skip
         """Y[g, t, rows] = Σ_k WT[t, k] · down_{t,k}[rows] · Hq[t·K + k], k in group g of KSPLIT (as triton_moe)."""
         t = tl.program_id(1)
         g = tl.program_id(2)
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        r0 = tl.program_id(0) * BR
+        rows = r0 + tl.arange(0, BR)
         rmask = rows < D
+        if PDL:  # as triton_moe._down_kernel: SLOT is final once the gate/up kernel released this one
+            qb.prefetch_pairs(W, SLOT, t, g * ((K + KSPLIT - 1) // KSPLIT), tl.minimum(D - r0, BR), r0, do, row_bytes,
+                              K, (K + KSPLIT - 1) // KSPLIT, NT)  # fmt: skip
+        qb.pdl_enter(PDL)
         acc = tl.zeros([1, BR, NB, NA], dtype=tl.float32)
         accb = tl.zeros([1, BR, NB], dtype=tl.float32)
         PER: tl.constexpr = (K + KSPLIT - 1) // KSPLIT
@@ -112,6 +118,7 @@ def moe_decode_q8(pool, slot_off, x, weights, roles, cfg_gate_up: dict, cfg_down
     (go, gq, F, D), (uo, uq, _, _), (do, dq, _, _) = (roles[r] for r in ("gate", "up", "down"))
     gq, uq, dq = QType(gq), QType(uq), QType(dq)
     asm = t8.use_asm(x.device)
+    pdl = qb.pdl(x.device)
     slots = slot_off.reshape(-1).contiguous()
     XQ, XD, XS = t8.quantize_act(x)
     c = cfg_gate_up
@@ -129,7 +136,8 @@ def moe_decode_q8(pool, slot_off, x, weights, roles, cfg_gate_up: dict, cfg_down
     _q8_gate_up_kernel[(triton.cdiv(F, c["BR"]), T * K)](
         pool, w32, slots, XQ, XD, XS, HQ, HD, HS, F, D // 32, K, go, uo, block_format(gq).row_bytes(D),
         block_format(uq).row_bytes(D), g_nb, u_nb, BR=c["BR"], NB=c["NB"], STEPS=qb.steps(g_nb, c["NB"], lim),
-        STEPSu=qb.steps(u_nb, c["NB"], lim), ASM=asm, QH=qh, num_warps=c["num_warps"], **geo(gq), **geo(uq, "u"),
+        STEPSu=qb.steps(u_nb, c["NB"], lim), ASM=asm, QH=qh, PDL=pdl, num_warps=c["num_warps"], **geo(gq),
+        **geo(uq, "u"), **qb.launch_kw(pdl),
     )  # fmt: skip
     if not qh:
         HQ, HD, HS = t8.quantize_act(HD)  # rows of skipped pairs hold garbage: the down kernel skips them too
@@ -140,7 +148,8 @@ def moe_decode_q8(pool, slot_off, x, weights, roles, cfg_gate_up: dict, cfg_down
     _q8_down_kernel[(triton.cdiv(D, c["BR"]), T, ks)](
         pool, w32, slots, HQ, HD, HS, weights.to(torch.float32).contiguous(), Y, D, F // 32, do,
         block_format(dq).row_bytes(F), d_nb, K=K, BR=c["BR"], NB=c["NB"], KSPLIT=ks,
-        STEPS=qb.steps(d_nb, c["NB"], c.get("UNROLL", qb.UNROLL)), ASM=asm, num_warps=c["num_warps"], **geo(dq),
+        STEPS=qb.steps(d_nb, c["NB"], c.get("UNROLL", qb.UNROLL)), ASM=asm, PDL=pdl, NT=32 * c["num_warps"],
+        num_warps=c["num_warps"], **geo(dq), **qb.launch_kw(pdl),
     )  # fmt: skip
     return Y[0] if ks == 1 else Y.sum(0)
 

@@ -17,12 +17,19 @@ conversion instruction) — exact for the small codes here.
 
 from __future__ import annotations
 
+import os
+from functools import lru_cache
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
     tl = None
+try:  # grid dependency control (programmatic dependent launch), Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
 
 from engine.quant.formats import QType
 
@@ -129,6 +136,42 @@ if triton is not None:
         return w
 
     @triton.jit
+    def prefetch_l2(W, start, nbytes, NT: tl.constexpr):
+        """One bulk L2 prefetch (``cp.async.bulk.prefetch.L2``, sm_90) of the 16-byte-aligned bytes inside
+        [start, start + nbytes) of W, issued by one thread of the program (NT: its thread count)."""
+        a = (start + 15) // 16 * 16
+        size = tl.maximum((start + nbytes) // 16 * 16 - a, 0).to(tl.int32)
+        i = tl.arange(0, NT)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred q; setp.eq.u32 q, $2, 0; setp.ne.and.u32 q, $3, 0, q; "
+            "@q cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
+            "=r,l,r,r", [W + a + i.to(tl.int64) * 0, i, i * 0 + size], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+    @triton.jit
+    def prefetch_pairs(W, SLOT, t, k0, R, r0, roff, row_bytes, K: tl.constexpr, PER: tl.constexpr, NT: tl.constexpr):
+        """prefetch_l2 of rows [r0, r0 + R) of the matrix at byte roff of the slots of pairs t·K + k0 … + PER - 1
+        (slot offset −1: none). SLOT must be final before this kernel's PDL wait (see pdl_enter)."""
+        for j in tl.static_range(PER):
+            slot = tl.load(SLOT + t * K + k0 + j, mask=k0 + j < K, other=-1)
+            prefetch_l2(W, tl.maximum(slot, 0) + roff + r0.to(tl.int64) * row_bytes, (R * (slot >= 0)).to(tl.int64) * row_bytes, NT)
+
+    @triton.jit
+    def pdl_enter(PDL: tl.constexpr):
+        """Programmatic dependent launch (PDL > 0; the launch passes ``launch_pdl=True``): wait until the
+        previous kernel has finished and its writes are visible, then let the next kernel start
+        launching. Before this call a kernel may read only what no earlier kernel of the step writes
+        (weights, constant tables) — it issues its weight prefetches there — with one exception: the
+        kernel released by this one may read what the kernel *before* this one wrote (the routing
+        table, in the MoE down kernel), because the release comes after this wait. Releasing after
+        the wait also keeps at most one kernel waiting ahead (released before it, each kernel would
+        release the next at once, and a whole chain would sit on the SMs prefetching). Every program
+        calls this on every path: a grid that skipped the wait could finish before its predecessor."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+    @triton.jit
     def block_offsets(rowoff, b, nb_end, rmask, TS: tl.constexpr, ALIGN: tl.constexpr):
         """Byte offsets [BR, NB] of blocks b [NB] of the rows starting at rowoff [BR], and the mask."""
         boff = tl.multiple_of(rowoff[:, None] + b[None, :].to(tl.int64) * TS, [ALIGN, ALIGN])
@@ -167,6 +210,39 @@ if triton is not None:
                     acc3, W, rowoff, rmask, kb0 + j * NB, kb1, xrow, xscale, QT, TS, QK, PW, NPART, ALIGN, NB
                 )
         return acc3
+
+
+ENV_PDL = "SHARPI_PDL"
+
+
+@lru_cache(maxsize=None)
+def _pdl_device(index: int) -> bool:
+    import torch
+
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(device) -> int:
+    """1 where a kernel launched now on ``device`` uses programmatic dependent launch — compiled Triton
+    on a CUDA device of compute capability ≥ 9 (Hopper), while a CUDA graph is being captured (the
+    decode step, the kernel bench), ``$SHARPI_PDL`` not ``0`` — else 0. With it each kernel of a
+    chain starts launching, and prefetching its weights into L2, while the previous one runs: one
+    launch of a trunk matrix alone cannot pass ~50 % of the memory bandwidth. Launches from Python
+    (no graph) are far apart, so there it would change nothing but the launch path."""
+    import torch
+
+    if device.type != "cuda" or gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1":
+        return 0
+    if not torch.cuda.is_current_stream_capturing():
+        return 0
+    if os.environ.get(ENV_PDL, "1").strip() == "0":
+        return 0
+    return int(_pdl_device(device.index if device.index is not None else 0))
+
+
+def launch_kw(flag: int) -> dict:
+    """The launch keyword a PDL kernel needs (none otherwise: the interpreter takes no such keyword)."""
+    return {"launch_pdl": True} if flag else {}
 
 
 # K walks of at most this many tile steps are unrolled (a launch setting "UNROLL" overrides it).

@@ -12,8 +12,10 @@ the 50 MB L2 cannot serve them:
 - ``qkv``: a layer's q [4096, 2048], k and v [512, 2048] together through
   :func:`engine.runtime.triton_gemv.matmul_many` (one launch in q8 mode; three in f32 mode).
 
-Each workload runs with the integer q8-activation kernels (``act="q8"``: the main columns) and
-with the exact-float kernels (``act="f32"``, the default: the ``f32 us`` column).
+The main columns time the default kernels (exact-float, ``act="f32"``) as a decode step's CUDA graph
+runs them: with programmatic dependent launch on a GPU that has it (``triton_qblocks.pdl``), so each
+call starts launching and prefetching its weights while the previous one runs. Beside them: the
+same kernels with PDL off (``SHARPI_PDL=0``) and the integer q8-activation kernels (``act="q8"``).
 
 Times are CUDA-event medians over replays of a CUDA graph holding one call per distinct weight set
 (device time, launch gaps closed), and over the same calls launched eagerly (what Python adds).
@@ -24,12 +26,14 @@ Random blocks get the fixed, realistic scale fields of ``engine.synth.fill``.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
 
 from engine.quant.formats import QType, block_format
 from engine.runtime import triton_gemv, triton_moe
+from engine.runtime import triton_qblocks as qb
 from engine.runtime.tdequant import dequantize
 
 GB = 1e9
@@ -124,7 +128,7 @@ def _moe_bytes(qtype: QType) -> int:
     return KE * (2 * F * block_format(qtype).row_bytes(D) + D * block_format(qtype).row_bytes(F))
 
 
-def moe_workload(qtype: QType, reference: bool = True, act: str = "q8") -> dict:
+def moe_workload(qtype: QType, reference: bool = True, act: str = "f32") -> dict:
     layers = max(48, math.ceil(GB / _moe_bytes(qtype)))
     pool, stride, roles = _slot_pool(qtype, layers * KE)
     g = torch.Generator().manual_seed(0)
@@ -152,7 +156,7 @@ def _moe_reference(pool, offs, x, w, roles):
     return (torch.bmm(mats[2], h)[:, :, 0] * w[0, :, None]).sum(0)
 
 
-def qkv_workload(qtype: QType, reference: bool = True, act: str = "q8") -> dict:
+def qkv_workload(qtype: QType, reference: bool = True, act: str = "f32") -> dict:
     n = QKV[0][1]
     sizes = [r * block_format(qtype).row_bytes(n) for r, _ in QKV]
     nbytes = sum(sizes)
@@ -174,7 +178,7 @@ def qkv_workload(qtype: QType, reference: bool = True, act: str = "q8") -> dict:
     return out
 
 
-def trunk_workload(qtype: QType, kind: str, reference: bool = True, act: str = "q8") -> dict:
+def trunk_workload(qtype: QType, kind: str, reference: bool = True, act: str = "f32") -> dict:
     if kind == "qkv":
         return qkv_workload(qtype, reference, act)
     rows, n = TRUNK[kind]
@@ -204,19 +208,37 @@ def copy_floor_us(nbytes: int) -> float:
     return _graph_us([lambda i=i: dst[i].copy_(src[i]) for i in range(copies)])[0]
 
 
-def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS, f32: bool = True) -> dict:
-    """Per type × workload: the q8 kernels' figures, and (``f32``) the exact-float kernels' µs."""
+def _without_pdl(fn):
+    """fn() with programmatic dependent launch off (``$SHARPI_PDL=0``), the environment restored after."""
+    old = os.environ.get(qb.ENV_PDL)
+    os.environ[qb.ENV_PDL] = "0"
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ[qb.ENV_PDL]
+        else:
+            os.environ[qb.ENV_PDL] = old
+
+
+def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS, extra: bool = True) -> dict:
+    """Per type × workload: the default kernels (exact-float, programmatic dependent launch where the
+    GPU has it — as a decode step's CUDA graph runs them) and, with ``extra``, the same kernels with
+    PDL off (``nopdl_us``) and the integer q8 kernels (``q8_us``)."""
     bw = measure_bandwidth()
-    rep = {"device": torch.cuda.get_device_name(), "bandwidth_gb_s": bw, "types": {}}
+    rep = {"device": torch.cuda.get_device_name(), "bandwidth_gb_s": bw, "pdl": qb.pdl_supported(), "types": {}}
     for q in types:
         q = QType(q)
         r = {}
         for wl in workloads:
-            v = moe_workload(q) if wl == "moe" else trunk_workload(q, wl)
-            if f32:
-                v["f32_us"] = (moe_workload(q, False, "f32") if wl == "moe" else trunk_workload(q, wl, False, "f32"))[
-                    "graph_us"
-                ]
+
+            def timed(reference=False, act="f32", q=q, wl=wl):
+                return moe_workload(q, reference, act) if wl == "moe" else trunk_workload(q, wl, reference, act)
+
+            v = timed(True)
+            if extra:
+                v["nopdl_us"] = _without_pdl(timed)["graph_us"]
+                v["q8_us"] = timed(act="q8")["graph_us"]
             v["gb_s"] = v["bytes"] / (v["graph_us"] / 1e6) / GB
             v["fraction"] = v["gb_s"] / bw
             v["speedup"] = v["reference_us"] / v["eager_us"]
@@ -230,19 +252,22 @@ def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS, f32: bool = True) -> d
 def report_lines(rep: dict) -> list[str]:
     lines = [f"{rep['device']}: measured copy bandwidth {rep['bandwidth_gb_s']:.0f} GB/s (read + write)"]
     lines.append(
-        "q8 kernels (dp4a, SHARPI_DEVICE_ACT=q8); f32 us: the exact-float kernels (the default), same workload"
+        "graph us: the default (exact-float) kernels in a CUDA graph, one call per distinct weight set, "
+        f"programmatic dependent launch {'on' if rep.get('pdl') else 'not available'}; "
+        "no-PDL us: the same with SHARPI_PDL=0; q8 us: the integer kernels (SHARPI_DEVICE_ACT=q8)"
     )
     lines.append(
         "type  workload  graph us  GB/s (of bw)   eager us  torch ref us  speedup(eager)  distinct weights"
-        "  copy us (of bw)   f32 us"
+        "  copy us (of bw)  no-PDL us    q8 us"
     )
     for t, r in rep["types"].items():
         for wl, v in r.items():
-            f32 = f"{v['f32_us']:8.1f}" if "f32_us" in v else "       -"
+            nopdl = f"{v['nopdl_us']:9.1f}" if "nopdl_us" in v else "        -"
+            q8 = f"{v['q8_us']:8.1f}" if "q8_us" in v else "       -"
             lines.append(
                 f"{t:<5} {wl:<8} {v['graph_us']:9.1f}  {v['gb_s']:6.0f} ({v['fraction']:4.0%})  {v['eager_us']:8.1f}"
                 f"  {v['reference_us']:12.1f}  {v['speedup']:13.1f}x  {v['layers'] * v['bytes'] / GB:.2f} GB"
-                f"  {v['copy_us']:7.1f} ({v['copy_fraction']:4.0%})  {f32}"
+                f"  {v['copy_us']:7.1f} ({v['copy_fraction']:4.0%})  {nopdl}  {q8}"
             )
     return lines
 
@@ -273,11 +298,11 @@ def _tune_targets(qtype: QType) -> list[tuple[str, callable]]:
     """(LAUNCH key, timing function) per tuned kernel."""
     name = qtype.name
     return [
-        (f"gemv_q8:{name}:M", lambda: trunk_workload(qtype, "q", False)["graph_us"] + trunk_workload(qtype, "o", False)["graph_us"]),
-        (f"gemv_q8:{name}:S", lambda: trunk_workload(qtype, "kv", False)["graph_us"]),
-        (f"gemv_q8:{name}:L", lambda: trunk_workload(qtype, "qkv", False)["graph_us"]),
-        (f"moe_q8_gate_up:{name}:L", lambda: moe_workload(qtype, False)["graph_us"]),
-        (f"moe_q8_down:{name}:M", lambda: moe_workload(qtype, False)["graph_us"]),
+        (f"gemv_q8:{name}:M", lambda: trunk_workload(qtype, "q", False, "q8")["graph_us"] + trunk_workload(qtype, "o", False, "q8")["graph_us"]),
+        (f"gemv_q8:{name}:S", lambda: trunk_workload(qtype, "kv", False, "q8")["graph_us"]),
+        (f"gemv_q8:{name}:L", lambda: trunk_workload(qtype, "qkv", False, "q8")["graph_us"]),
+        (f"moe_q8_gate_up:{name}:L", lambda: moe_workload(qtype, False, "q8")["graph_us"]),
+        (f"moe_q8_down:{name}:M", lambda: moe_workload(qtype, False, "q8")["graph_us"]),
     ]  # fmt: skip
 
 

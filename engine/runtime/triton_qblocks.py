@@ -231,13 +231,22 @@ def pdl(device) -> int:
     (no graph) are far apart, so there it would change nothing but the launch path."""
     import torch
 
-    if device.type != "cuda" or gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type != "cuda" or not pdl_supported(device.index if device.index is not None else 0):
         return 0
-    if not torch.cuda.is_current_stream_capturing():
-        return 0
+    return int(torch.cuda.is_current_stream_capturing())
+
+
+def pdl_supported(index: int | None = None) -> bool:
+    """Whether CUDA device ``index`` (default: the current one) runs the kernels with programmatic
+    dependent launch inside graphs: compiled Triton with grid dependency control, compute capability
+    ≥ 9, and ``$SHARPI_PDL`` not ``0``."""
+    import torch
+
+    if gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        return False
     if os.environ.get(ENV_PDL, "1").strip() == "0":
-        return 0
-    return int(_pdl_device(device.index if device.index is not None else 0))
+        return False
+    return _pdl_device(torch.cuda.current_device() if index is None else index)
 
 
 def launch_kw(flag: int) -> dict:

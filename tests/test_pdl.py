@@ -29,7 +29,9 @@ def test_pdl_is_off_outside_graph_capture_and_when_disabled(monkeypatch):
     assert qb.pdl(dev) == 0  # eager launches: never
     monkeypatch.setenv(qb.ENV_PDL, "0")
     g = torch.cuda.CUDAGraph()
+    x = torch.zeros(1, device=dev)
     with torch.cuda.graph(g):
+        x.add_(1)  # a graph must capture something
         assert qb.pdl(dev) == 0
 
 

@@ -129,7 +129,9 @@ if triton is not None:
         if PF:
             off = tl.multiple_of(tl.load(OFFS + p), 16)  # slots and matrices start 16-byte aligned
             r0 = tl.program_id(0) * BR
-            qb.prefetch_l2(W, off + r0.to(tl.int64) * row_bytes, (tl.minimum(R - r0, BR) * (s == 0)).to(tl.int64) * row_bytes, NT)
+            qb.prefetch_l2(
+                W, off + r0.to(tl.int64) * row_bytes, (tl.minimum(R - r0, BR) * (s == 0)).to(tl.int64) * row_bytes, NT
+            )
             qb.pdl_enter(PDL)
         else:
             qb.pdl_enter(PDL)

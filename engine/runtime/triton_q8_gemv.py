@@ -110,7 +110,9 @@ def matmul_q8(raw, X, qtype, rows, n, cfg, zero) -> torch.Tensor:
     """triton_gemv.matmul's contract (raw uint8 [rows, row_bytes], X float32 [T, n], T ≤ 8 -> [T, rows])."""
     T = X.shape[0]
     Xq = t8.quantize_act(X)
-    return _launch(raw.reshape(-1), zero, Xq, QType(qtype), rows, n, T, triton.next_power_of_2(T), 1, cfg, 1, rows, True)
+    return _launch(
+        raw.reshape(-1), zero, Xq, QType(qtype), rows, n, T, triton.next_power_of_2(T), 1, cfg, 1, rows, True
+    )
 
 
 _META: dict[tuple, tuple[torch.Tensor, int]] = {}

@@ -18,7 +18,7 @@ conversion instruction) — exact for the small codes here.
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cache
 
 try:
     import triton
@@ -154,7 +154,12 @@ if triton is not None:
         (slot offset −1: none). SLOT must be final before this kernel's PDL wait (see pdl_enter)."""
         for j in tl.static_range(PER):
             slot = tl.load(SLOT + t * K + k0 + j, mask=k0 + j < K, other=-1)
-            prefetch_l2(W, tl.maximum(slot, 0) + roff + r0.to(tl.int64) * row_bytes, (R * (slot >= 0)).to(tl.int64) * row_bytes, NT)
+            prefetch_l2(
+                W,
+                tl.maximum(slot, 0) + roff + r0.to(tl.int64) * row_bytes,
+                (R * (slot >= 0)).to(tl.int64) * row_bytes,
+                NT,
+            )
 
     @triton.jit
     def pdl_enter(PDL: tl.constexpr):
@@ -215,7 +220,7 @@ if triton is not None:
 ENV_PDL = "SHARPI_PDL"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _pdl_device(index: int) -> bool:
     import torch
 

@@ -85,17 +85,18 @@ if triton is not None:
             rmask = rows < F
             xrow = X + (q // K).to(tl.int64) * D
             base = tl.multiple_of(slot, 16)
+            # gate is summed before up starts, so its [BR, NB, PW] accumulator is dead by then
             g3 = tl.zeros([BR, NB, PW], dtype=tl.float32)
             g3 = qb.acc_rows(
                 g3, W, base + go + rows.to(tl.int64) * g_row_bytes, rmask, 0, g_nb, xrow, 1.0,
                 QT, TS, QK, PW, NPART, ALIGN, NB, STEPS,
             )  # fmt: skip
+            g = tl.sum(tl.sum(g3, axis=2), axis=1)
             u3 = tl.zeros([BR, NB, PWu], dtype=tl.float32)
             u3 = qb.acc_rows(
                 u3, W, base + uo + rows.to(tl.int64) * u_row_bytes, rmask, 0, u_nb, xrow, 1.0,
                 QTu, TSu, QKu, PWu, NPARTu, ALIGNu, NB, STEPSu,
             )  # fmt: skip
-            g = tl.sum(tl.sum(g3, axis=2), axis=1)
             u = tl.sum(tl.sum(u3, axis=2), axis=1)
             h = g / (1.0 + tl.exp(-g)) * u
             tl.store(H + q.to(tl.int64) * F + rows, h, mask=rmask)

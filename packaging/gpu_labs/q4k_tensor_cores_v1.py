@@ -49,7 +49,7 @@ def q4k_mma_kernel(
     rowoff = tl.minimum(rows, R - 1).to(tl.int64) * row_bytes
     if PDL:
         qb.prefetch_l2(W, r0.to(tl.int64) * row_bytes, tl.minimum(R - r0, BR).to(tl.int64) * row_bytes, NT)
-    qb.pdl_enter(PDL, True)
+    qb.pdl_enter(PDL)
     l = tl.arange(0, 32)
     col = tl.arange(0, 16)
     acc = tl.zeros([BR, 16], dtype=tl.float32)

@@ -236,9 +236,11 @@ def pdl(device) -> int:
     (no graph) are far apart, so there it would change nothing but the launch path."""
     import torch
 
-    if device.type != "cuda" or not pdl_supported(device.index if device.index is not None else 0):
+    if device.type != "cuda" or gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1":
         return 0
-    return int(torch.cuda.is_current_stream_capturing())
+    if not torch.cuda.is_current_stream_capturing():  # eager launches (the common case): one query
+        return 0
+    return int(pdl_supported(device.index if device.index is not None else 0))
 
 
 def pdl_supported(index: int | None = None) -> bool:

@@ -21,6 +21,13 @@ def test_pdl_is_off_without_a_captured_cuda_stream(monkeypatch):
     assert qb.launch_kw(1) == {"launch_pdl": True}
 
 
+def test_prefetch_follows_pdl_unless_turned_off(monkeypatch):
+    monkeypatch.delenv(qb.ENV_PREFETCH, raising=False)
+    assert (qb.prefetch(0), qb.prefetch(1)) == (0, 1)
+    monkeypatch.setenv(qb.ENV_PREFETCH, "0")
+    assert qb.prefetch(1) == 0
+
+
 def test_pdl_is_off_outside_graph_capture_and_when_disabled(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")

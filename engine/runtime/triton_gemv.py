@@ -181,7 +181,7 @@ def _run(pool, offsets, X, qtype, rows, n, bt, cfg, constant_offsets: bool = Fal
     _gemv_kernel[grid](
         pool, offsets, X, out, rows, n, block_format(qtype).row_bytes(n), nb, T,
         BR=cfg["BR"], NB=cfg["NB"], BT=bt, SPLIT=split, STEPS=qb.steps(per, cfg["NB"], cfg.get("UNROLL", UNROLL)),
-        PDL=pdl, PF=int(pdl and constant_offsets), NT=32 * cfg["num_warps"], num_warps=cfg["num_warps"], **g,
+        PDL=pdl, PF=int(qb.prefetch(pdl) and constant_offsets), NT=32 * cfg["num_warps"], num_warps=cfg["num_warps"], **g,
         **qb.launch_kw(pdl),
     )  # fmt: skip
     return out[0] if split == 1 else out.sum(0)

@@ -120,7 +120,7 @@ if triton is not None:
         W, SLOT, Hh, WT, Y, D, F, do, row_bytes, nb, K: tl.constexpr,
         QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, PW: tl.constexpr, NPART: tl.constexpr,
         ALIGN: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, KSPLIT: tl.constexpr, STEPS: tl.constexpr,
-        PDL: tl.constexpr, NT: tl.constexpr,
+        PDL: tl.constexpr, PF: tl.constexpr, NT: tl.constexpr,
     ):  # fmt: skip
         """Y[g, t, rows] = Σ_k WT[t, k] · down_{t,k}[rows] · H[t·K + k] over the pairs with a slot, k in
         group g of KSPLIT groups of the k experts (the caller adds the groups: more programs, no atomics).
@@ -132,7 +132,7 @@ if triton is not None:
         rows = r0 + tl.arange(0, BR)
         rmask = rows < D
         PER: tl.constexpr = (K + KSPLIT - 1) // KSPLIT
-        if PDL:
+        if PF:
             qb.prefetch_pairs(W, SLOT, t, g * PER, tl.minimum(D - r0, BR), r0, do, row_bytes, K, PER, NT)
         qb.pdl_enter(PDL)
         acc3 = tl.zeros([BR, NB, PW], dtype=tl.float32)
@@ -221,7 +221,7 @@ def moe_decode(
     _down_kernel[(triton.cdiv(D, c["BR"]), T, ks)](
         pool, slots, H, weights.to(torch.float32).contiguous(), Y, D, F, do, block_format(dq).row_bytes(F), d_nb,
         K=K, BR=c["BR"], NB=c["NB"], KSPLIT=ks, STEPS=qb.steps(d_nb, c["NB"], c.get("UNROLL", UNROLL)),
-        PDL=pdl, NT=32 * c["num_warps"], num_warps=c["num_warps"], **_geo(dq), **qb.launch_kw(pdl),
+        PDL=pdl, PF=qb.prefetch(pdl), NT=32 * c["num_warps"], num_warps=c["num_warps"], **_geo(dq), **qb.launch_kw(pdl),
     )  # fmt: skip
     return Y[0] if ks == 1 else Y.sum(0)
 

@@ -93,7 +93,7 @@ def _launch(W, meta, Xq, qtype, rows, n, T, bt, pairs, cfg, m, out_rows, constan
     _q8_gemv_kernel[(tiles, pairs, split)](
         W, t8.int32_view(W), meta[0] if m > 1 else meta, XQ, XD, XS, out, rows, n // t8.QBLK, block_format(qtype).row_bytes(n), nb, T,
         out_rows, BR=cfg["BR"], NB=cfg["NB"], BT=bt, SPLIT=split, STEPS=qb.steps(per, cfg["NB"], cfg.get("UNROLL", qb.UNROLL)),
-        M=m, ASM=t8.use_asm(XQ.device), PDL=pdl, PF=int(pdl and constant), NT=32 * cfg["num_warps"],
+        M=m, ASM=t8.use_asm(XQ.device), PDL=pdl, PF=int(qb.prefetch(pdl) and constant), NT=32 * cfg["num_warps"],
         num_warps=cfg["num_warps"], **g, **qb.launch_kw(pdl),
     )  # fmt: skip
     return out[0] if split == 1 else out.sum(0)

@@ -87,7 +87,7 @@ if triton is not None:
         W, W32, SLOT, HQ, HD, HS, WT, Y, D, nh32, do, row_bytes, nb, K: tl.constexpr,
         QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, NW: tl.constexpr, NA: tl.constexpr, NPART: tl.constexpr,
         ALIGN: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, KSPLIT: tl.constexpr, STEPS: tl.constexpr,
-        ASM: tl.constexpr, PDL: tl.constexpr, NT: tl.constexpr,
+        ASM: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, NT: tl.constexpr,
     ):  # fmt: skip
         """Y[g, t, rows] = Σ_k WT[t, k] · down_{t,k}[rows] · Hq[t·K + k], k in group g of KSPLIT (as triton_moe)."""
         t = tl.program_id(1)
@@ -95,7 +95,7 @@ if triton is not None:
         r0 = tl.program_id(0) * BR
         rows = r0 + tl.arange(0, BR)
         rmask = rows < D
-        if PDL:  # as triton_moe._down_kernel: SLOT is final once the gate/up kernel released this one
+        if PF:  # as triton_moe._down_kernel: SLOT is final once the gate/up kernel released this one
             qb.prefetch_pairs(W, SLOT, t, g * ((K + KSPLIT - 1) // KSPLIT), tl.minimum(D - r0, BR), r0, do, row_bytes,
                               K, (K + KSPLIT - 1) // KSPLIT, NT)  # fmt: skip
         qb.pdl_enter(PDL)
@@ -148,7 +148,7 @@ def moe_decode_q8(pool, slot_off, x, weights, roles, cfg_gate_up: dict, cfg_down
     _q8_down_kernel[(triton.cdiv(D, c["BR"]), T, ks)](
         pool, w32, slots, HQ, HD, HS, weights.to(torch.float32).contiguous(), Y, D, F // 32, do,
         block_format(dq).row_bytes(F), d_nb, K=K, BR=c["BR"], NB=c["NB"], KSPLIT=ks,
-        STEPS=qb.steps(d_nb, c["NB"], c.get("UNROLL", qb.UNROLL)), ASM=asm, PDL=pdl, NT=32 * c["num_warps"],
+        STEPS=qb.steps(d_nb, c["NB"], c.get("UNROLL", qb.UNROLL)), ASM=asm, PDL=pdl, PF=qb.prefetch(pdl), NT=32 * c["num_warps"],
         num_warps=c["num_warps"], **geo(dq), **qb.launch_kw(pdl),
     )  # fmt: skip
     return Y[0] if ks == 1 else Y.sum(0)

@@ -256,6 +256,15 @@ def pdl_supported(index: int | None = None) -> bool:
     return _pdl_device(torch.cuda.current_device() if index is None else index)
 
 
+ENV_PREFETCH = "SHARPI_PDL_PREFETCH"
+
+
+def prefetch(pdl_flag: int) -> int:
+    """1 where a PDL kernel also prefetches its weights into L2 before its wait (the default);
+    ``$SHARPI_PDL_PREFETCH=0`` keeps PDL without the prefetches (to tell the two apart)."""
+    return int(bool(pdl_flag) and os.environ.get(ENV_PREFETCH, "1").strip() != "0")
+
+
 def launch_kw(flag: int) -> dict:
     """The launch keyword a PDL kernel needs (none otherwise: the interpreter takes no such keyword)."""
     return {"launch_pdl": True} if flag else {}

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+from unittest import mock
 
 import numpy as np
 import torch
@@ -209,16 +210,9 @@ def copy_floor_us(nbytes: int) -> float:
 
 
 def _without_pdl(fn):
-    """fn() with programmatic dependent launch off (``$SHARPI_PDL=0``), the environment restored after."""
-    old = os.environ.get(qb.ENV_PDL)
-    os.environ[qb.ENV_PDL] = "0"
-    try:
+    """fn() with programmatic dependent launch off (``$SHARPI_PDL=0``)."""
+    with mock.patch.dict(os.environ, {qb.ENV_PDL: "0"}):
         return fn()
-    finally:
-        if old is None:
-            del os.environ[qb.ENV_PDL]
-        else:
-            os.environ[qb.ENV_PDL] = old
 
 
 def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS, extra: bool = True) -> dict:

@@ -131,11 +131,12 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: 
     """The residual add and the next norm in one launch: x, y float32 [1, D] (y None: no add) ->
     (x + y [1, D], rms_norm(x + y) · w [1, D])."""
     D = x.shape[-1]
+    pdl = qb.pdl(x.device)
     h = torch.empty_like(x)
     xo = torch.empty_like(x) if y is not None else x
     _add_rms_norm_kernel[(1,)](
         x, y if y is not None else x, w, xo, h, eps, D=D, BD=triton.next_power_of_2(D), HAS_Y=y is not None,
-        num_warps=8 if D >= 2048 else 4, PDL=qb.pdl(x.device), **qb.launch_kw(qb.pdl(x.device)),
+        num_warps=8 if D >= 2048 else 4, PDL=pdl, **qb.launch_kw(pdl),
     )  # fmt: skip
     return xo, h
 
@@ -155,11 +156,12 @@ def qk_rope_kv(q, k, v, q_norm, k_norm, eps, cos, sin, perm, pos, kc, vc, n_head
     are about nine)."""
     qo = torch.empty((1, n_head, head_dim), dtype=torch.float32, device=q.device)
     norm, bf16 = q_norm is not None, kc.dtype == torch.bfloat16
+    pdl = qb.pdl(q.device)
     _qk_rope_kv_kernel[(n_head + n_head_kv,)](
         q.contiguous(), k.contiguous(), v.contiguous(), q_norm if norm else q, k_norm if norm else q, cos, sin,
         perm, pos, kc.view(torch.int16) if bf16 else kc, vc.view(torch.int16) if bf16 else vc, qo, eps, n_head,
         HD=head_dim, BD=triton.next_power_of_2(head_dim), NORM=norm, KV_BF16=bf16, num_warps=1,
-        PDL=qb.pdl(q.device), **qb.launch_kw(qb.pdl(q.device)),
+        PDL=pdl, **qb.launch_kw(pdl),
     )  # fmt: skip
     return qo
 
@@ -185,10 +187,11 @@ def route(
     E = logits.shape[-1]
     w = torch.empty((1, k), dtype=torch.float32, device=logits.device)
     off = torch.empty((1, k), dtype=torch.int64, device=logits.device)
+    pdl = qb.pdl(logits.device)
     _route_kernel[(1,)](
         logits.contiguous(), table, w, ids_out, off, E, K=k, KP=triton.next_power_of_2(k),
-        BE=triton.next_power_of_2(E), RENORM=renormalise, num_warps=1, PDL=qb.pdl(logits.device),
-        **qb.launch_kw(qb.pdl(logits.device)),
+        BE=triton.next_power_of_2(E), RENORM=renormalise, num_warps=1, PDL=pdl,
+        **qb.launch_kw(pdl),
     )  # fmt: skip
     return w, off
 

@@ -128,10 +128,7 @@ if triton is not None:
         rmask = rows < R
         if PF:
             off = tl.multiple_of(tl.load(OFFS + p), 16)  # slots and matrices start 16-byte aligned
-            r0 = tl.program_id(0) * BR
-            qb.prefetch_l2(
-                W, off + r0.to(tl.int64) * row_bytes, (tl.minimum(R - r0, BR) * (s == 0)).to(tl.int64) * row_bytes, NT
-            )
+            qb.prefetch_rows(W, off, tl.program_id(0) * BR, tl.where(s == 0, R, 0), BR, row_bytes, NT)  # K slice 0
             qb.pdl_enter(PDL)
         else:
             qb.pdl_enter(PDL)

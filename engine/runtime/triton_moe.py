@@ -133,7 +133,7 @@ if triton is not None:
         rmask = rows < D
         PER: tl.constexpr = (K + KSPLIT - 1) // KSPLIT
         if PF:
-            qb.prefetch_pairs(W, SLOT, t, g * PER, tl.minimum(D - r0, BR), r0, do, row_bytes, K, PER, NT)
+            qb.prefetch_pairs(W, SLOT, t, g * PER, D, r0, do, row_bytes, K, PER, BR, NT)
         qb.pdl_enter(PDL)
         acc3 = tl.zeros([BR, NB, PW], dtype=tl.float32)
         # Masks instead of branches (a missing slot walks zero blocks); up to 4 experts a program the

@@ -60,9 +60,7 @@ if triton is not None:
         rmask = rows < nrows
         rowoff = tl.multiple_of(off, 16) + rows.to(tl.int64) * row_bytes  # [BR]
         if PF:
-            r0 = tile * BR
-            n_pf = (tl.minimum(nrows - r0, BR) * (s == 0)).to(tl.int64) * row_bytes
-            qb.prefetch_l2(W, off + r0.to(tl.int64) * row_bytes, n_pf, NT)
+            qb.prefetch_rows(W, off, tile * BR, tl.where(s == 0, nrows, 0), BR, row_bytes, NT)  # K slice 0
             qb.pdl_enter(PDL)
         per = tl.cdiv(tl.cdiv(nb, SPLIT), NB) * NB
         kb0 = s * per

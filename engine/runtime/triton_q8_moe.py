@@ -95,13 +95,12 @@ if triton is not None:
         r0 = tl.program_id(0) * BR
         rows = r0 + tl.arange(0, BR)
         rmask = rows < D
+        PER: tl.constexpr = (K + KSPLIT - 1) // KSPLIT
         if PF:  # as triton_moe._down_kernel: SLOT is final once the gate/up kernel released this one
-            qb.prefetch_pairs(W, SLOT, t, g * ((K + KSPLIT - 1) // KSPLIT), tl.minimum(D - r0, BR), r0, do, row_bytes,
-                              K, (K + KSPLIT - 1) // KSPLIT, NT)  # fmt: skip
+            qb.prefetch_pairs(W, SLOT, t, g * PER, D, r0, do, row_bytes, K, PER, BR, NT)
         qb.pdl_enter(PDL)
         acc = tl.zeros([1, BR, NB, NA], dtype=tl.float32)
         accb = tl.zeros([1, BR, NB], dtype=tl.float32)
-        PER: tl.constexpr = (K + KSPLIT - 1) // KSPLIT
         # A runtime loop over the experts: unrolling 4 of them made ptxas spill (sm_90, 255 registers)
         # and compile for minutes; the K walk inside each (STEPS) stays unrolled.
         for j in range(PER):

@@ -149,17 +149,19 @@ if triton is not None:
         )  # fmt: skip
 
     @triton.jit
-    def prefetch_pairs(W, SLOT, t, k0, R, r0, roff, row_bytes, K: tl.constexpr, PER: tl.constexpr, NT: tl.constexpr):
-        """prefetch_l2 of rows [r0, r0 + R) of the matrix at byte roff of the slots of pairs t·K + k0 … + PER - 1
-        (slot offset −1: none). SLOT must be final before this kernel's PDL wait (see pdl_enter)."""
+    def prefetch_rows(W, off, r0, R, BR: tl.constexpr, row_bytes, NT: tl.constexpr):
+        """prefetch_l2 of a program's tile of rows [r0, min(r0 + BR, R)) of the matrix at byte off of W
+        (R ≤ r0: nothing)."""
+        prefetch_l2(W, off + r0.to(tl.int64) * row_bytes, tl.minimum(R - r0, BR).to(tl.int64) * row_bytes, NT)
+
+    @triton.jit
+    def prefetch_pairs(W, SLOT, t, k0, R, r0, roff, row_bytes, K: tl.constexpr, PER: tl.constexpr,
+                       BR: tl.constexpr, NT: tl.constexpr):  # fmt: skip
+        """prefetch_rows of the matrix at byte roff of the slots of pairs t·K + k0 … + PER - 1 (slot offset
+        −1: none). SLOT must be final before this kernel's PDL wait (see pdl_enter)."""
         for j in tl.static_range(PER):
             slot = tl.load(SLOT + t * K + k0 + j, mask=k0 + j < K, other=-1)
-            prefetch_l2(
-                W,
-                tl.maximum(slot, 0) + roff + r0.to(tl.int64) * row_bytes,
-                (R * (slot >= 0)).to(tl.int64) * row_bytes,
-                NT,
-            )
+            prefetch_rows(W, tl.maximum(slot, 0) + roff, r0, tl.where(slot >= 0, R, 0), BR, row_bytes, NT)
 
     @triton.jit
     def pdl_enter(PDL: tl.constexpr):
@@ -227,6 +229,11 @@ def _pdl_device(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def _gdc_compiled() -> bool:
+    """Triton has grid dependency control and compiles (its interpreter has none)."""
+    return gdc_wait is not None and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def pdl(device) -> int:
     """1 where a kernel launched now on ``device`` uses programmatic dependent launch — compiled Triton
     on a CUDA device of compute capability ≥ 9 (Hopper), while a CUDA graph is being captured (the
@@ -236,7 +243,7 @@ def pdl(device) -> int:
     (no graph) are far apart, so there it would change nothing but the launch path."""
     import torch
 
-    if device.type != "cuda" or gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type != "cuda" or not _gdc_compiled():
         return 0
     if not torch.cuda.is_current_stream_capturing():  # eager launches (the common case): one query
         return 0
@@ -249,7 +256,7 @@ def pdl_supported(index: int | None = None) -> bool:
     ≥ 9, and ``$SHARPI_PDL`` not ``0``."""
     import torch
 
-    if gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+    if not _gdc_compiled() or not torch.cuda.is_available():
         return False
     if os.environ.get(ENV_PDL, "1").strip() == "0":
         return False

@@ -97,14 +97,27 @@ def lean_kernel(W32, XQ, XD, XS, Y, R, row_words,
     dmin = _f16hi(hdr0)
     acc = tl.zeros([BR, NB, 2], dtype=tl.float32)
     accb = tl.zeros([BR, NB], dtype=tl.float32)
+    wp = W32 + base[:, :, None, None] + 4 + hk
+    xw = z + b[None, :, None, None] * 64 + hk
+    # all weight loads first (HOIST): in program order, ptxas keeps them ahead of the math
+    w0 = tl.load(wp)
+    w1 = tl.load(wp + 8)
+    w2 = tl.load(wp + 16)
+    w3 = tl.load(wp + 24)
     for c in tl.static_range(4):
-        w = tl.load(W32 + base[:, :, None, None] + 4 + 8 * c + hk)  # [BR, NB, 2, 4]
+        if c == 0:
+            w = w0
+        elif c == 1:
+            w = w1
+        elif c == 2:
+            w = w2
+        else:
+            w = w3
         lo = w & 0x0F0F0F0F
         hi = (w >> 4) & 0x0F0F0F0F
-        # activation words of sub-blocks 2c, 2c+1 (XQ: 8 words a 32-block), same shape as w (L1 hits, CSE'd)
-        xw = z + (b[None, :, None, None] * 64 + 16 * c) + hk
-        xa = tl.load(XQ + xw)
-        xb = tl.load(XQ + xw + 8)
+        # activation words of sub-blocks 2c, 2c+1 (XQ: 8 words a 32-block), same shape as w (L1 hits)
+        xa = tl.load(XQ + xw + 16 * c)
+        xb = tl.load(XQ + xw + 16 * c + 8)
         if CHAIN:  # one dp4a chain over the 4 words of a thread's load
             l0, l1, l2, l3 = _four(lo)
             h0, h1, h2, h3 = _four(hi)
@@ -148,7 +161,7 @@ CONFIGS = [(BR, w, ch) for BR, w in ((2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (16
 
 def sass():
     sys.path.insert(0, "/tmp/lab")
-    from sassprof import build, show
+    from sassprof import build, load_order, show
 
     for n in (2048, 4096):
         for BR, w, ch in CONFIGS:
@@ -156,6 +169,7 @@ def sass():
             cex = dict(NB=n // 256, BR=BR, CHAIN=ch, ASM=True, PDL=0, PF=0, NT=32 * w)
             r = build(lean_kernel, sig, cex, w, ("W32", "XQ", "XD", "XS", "Y", "row_words"), dump=f"/tmp/lab/lean_{n}_{BR}_{w}_{ch}.sass")
             show(f"n{n} BR{BR} w{w} chain{ch}", r, BR * n // 256 * 144, 32 * w)
+            print("   LDG before/after first math:", load_order(f"/tmp/lab/lean_{n}_{BR}_{w}_{ch}.sass"))
 
 
 if __name__ == "__main__":
@@ -166,6 +180,16 @@ if __name__ == "__main__":
     q = QType.Q4_K
     if sys.argv[1:] == ["sass"]:
         sass()
+    elif sys.argv[1:2] == ["ncu"]:  # eager calls for Nsight Compute: ncu ... q4k_lean.py ncu BR w chain
+        from engine.bench import device_kernels as dk
+
+        BR, w, ch = (int(a) for a in sys.argv[2:5])
+        rows, n = dk.TRUNK["q"]
+        mats = dk.random_matrix(q, rows, n, 24)
+        xq = t8.quantize_act(torch.randn(1, n, device="cuda"))
+        for m in mats:
+            lean(m, xq, rows, n, BR, w, ch)
+        torch.cuda.synchronize()
     elif not torch.cuda.is_available():  # parity in Triton's interpreter (TRITON_INTERPRET=1)
         from engine.bench.device_kernels import _fill_fields
 

@@ -22,18 +22,25 @@ def empty_k(Y, PDL: tl.constexpr):
 
 
 @triton.jit
-def read_k(W, Y, nw, BR: tl.constexpr, BW: tl.constexpr, STEPS: tl.constexpr, PDL: tl.constexpr,
-           PF: tl.constexpr, NT: tl.constexpr):  # fmt: skip
-    """XOR of BR rows of nw int32 words a program (BW words a step)."""
+def read_k(W, Y, nw, NXT, nxt_bytes, nxt_share, BR: tl.constexpr, BW: tl.constexpr, STEPS: tl.constexpr,
+           PDL: tl.constexpr, PF: tl.constexpr, NT: tl.constexpr, PN: tl.constexpr, LB: tl.constexpr):  # fmt: skip
+    """XOR of BR rows of nw int32 words a program (BW words a step). PN: prefetch the next kernel's
+    weights into L2 first (this program's share); LB: the loads before the PDL wait."""
     r0 = tl.program_id(0) * BR
+    if PN:
+        start = tl.program_id(0).to(tl.int64) * nxt_share
+        qb.prefetch_l2(NXT, start, tl.minimum(nxt_share, nxt_bytes - start), NT)
     if PF:
         qb.prefetch_rows(W, 0, r0, 1 << 30, BR, nw * 4, NT)
-    qb.pdl_enter(PDL)
+    if not LB:
+        qb.pdl_enter(PDL)
     rows = r0 + tl.arange(0, BR)
     base = W.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None] * nw + tl.arange(0, BW)[None, :]
     acc = tl.zeros([BR, BW], dtype=tl.int32)
     for s in tl.static_range(STEPS):
         acc ^= tl.load(base + s * BW)
+    if LB:
+        qb.pdl_enter(PDL)
     tl.store(Y + rows, tl.xor_sum(acc, 1))
 
 
@@ -41,7 +48,7 @@ def main():
     bw = dk.measure_bandwidth()
     print(f"bw {bw:.0f} GB/s", flush=True)
     y = torch.empty(1 << 16, device="cuda")
-    for G, w in ((132, 1), (1024, 1), (512, 4), (4096, 1)):
+    for G, w in ((132, 4), (264, 4), (512, 4), (1024, 1), (1024, 4)):
         for pdl in (0, 1):
             us = dk._graph_us([lambda: empty_k[(G,)](y, PDL=qb.pdl(y.device) and pdl, num_warps=w, **qb.launch_kw(qb.pdl(y.device) and pdl))] * 200)[0]
             print(f"empty kernel, {G} programs x {w} warps, pdl {pdl}: {us:.2f} us", flush=True)
@@ -52,15 +59,16 @@ def main():
     for BR, w in ((4, 1), (8, 2), (16, 4)):
         BW = 32  # words a row a step: 16 bytes a thread
         steps = rb // 4 // BW
-        for pdl in (0, 1):
-            def call(m):
+        for pdl, pn, lb in ((0, 0, 0), (1, 0, 0), (1, 1, 0), (1, 0, 1), (1, 1, 1)):
+            def call(m, nxt):
                 p = qb.pdl(m.device) and pdl
-                read_k[(rows // BR,)](m, y, rb // 4, BR=BR, BW=BW, STEPS=steps, PDL=p, PF=p, NT=32 * w, num_warps=w,
-                                      **qb.launch_kw(p))  # fmt: skip
-            hbm = dk._graph_us([lambda m=m: call(m) for m in mats])[0]
-            l2 = dk._graph_us([lambda: call(mats[0])] * copies)[0]
+                share = -(-nbytes // (rows // BR) // 16) * 16
+                read_k[(rows // BR,)](m, y, rb // 4, nxt, nbytes, share, BR=BR, BW=BW, STEPS=steps, PDL=p,
+                                      PF=p and not pn, NT=32 * w, PN=pn, LB=lb, num_warps=w, **qb.launch_kw(p))  # fmt: skip
+            hbm = dk._graph_us([lambda i=i: call(mats[i], mats[(i + 1) % copies]) for i in range(copies)])[0]
             f = lambda us: f"{us:5.2f} us ({nbytes / us / 1e3 / bw:4.0%})"
-            print(f"pure read q-size BR{BR} w{w} pdl {pdl}: HBM {f(hbm)}  L2 {f(l2)}", flush=True)
+            l2 = f"  L2 {f(dk._graph_us([lambda: call(mats[0], mats[0])] * copies)[0])}" if pn == 0 and lb == 0 else ""
+            print(f"pure read q-size BR{BR} w{w} pdl {pdl} prefetch-next {pn} loads-before-wait {lb}: HBM {f(hbm)}{l2}", flush=True)
 
 
 if __name__ == "__main__":

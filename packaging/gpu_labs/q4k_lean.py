@@ -72,14 +72,20 @@ def _four(t):
 
 
 @triton.jit
-def lean_kernel(W32, XQ, XD, XS, Y, R, row_words,
+def lean_kernel(W32, XQ, XD, XS, Y, R, row_words, NXT, nxt_bytes, nxt_share,
                 NB: tl.constexpr, BR: tl.constexpr, CHAIN: tl.constexpr, ASM: tl.constexpr,
-                PDL: tl.constexpr, PF: tl.constexpr, NT: tl.constexpr):  # fmt: skip
-    """Y[rows] = W[rows] · x for a Q4_K matrix of NB blocks a row (row_words = 36·NB int32 words)."""
+                PDL: tl.constexpr, PF: tl.constexpr, NT: tl.constexpr, PN: tl.constexpr, LB: tl.constexpr):  # fmt: skip
+    """Y[rows] = W[rows] · x for a Q4_K matrix of NB blocks a row (row_words = 36·NB int32 words).
+    PN: prefetch the next kernel's weights (nxt_bytes at NXT) into L2, this program's share, first thing.
+    LB: load this program's weights before the PDL wait (they are constant), the activations after."""
     r0 = tl.program_id(0) * BR
+    if PN:
+        start = tl.program_id(0).to(tl.int64) * nxt_share
+        qb.prefetch_l2(NXT, start, tl.minimum(nxt_share, nxt_bytes - start), NT)
     if PF:
         qb.prefetch_rows(W32, 0, r0, R, BR, row_words * 4, NT)
-    qb.pdl_enter(PDL)
+    if not LB:
+        qb.pdl_enter(PDL)
     rows = r0 + tl.arange(0, BR)
     rmask = rows < R
     rows = tl.minimum(rows, R - 1)
@@ -104,6 +110,8 @@ def lean_kernel(W32, XQ, XD, XS, Y, R, row_words,
     w1 = tl.load(wp + 8)
     w2 = tl.load(wp + 16)
     w3 = tl.load(wp + 24)
+    if LB:
+        qb.pdl_enter(PDL)
     for c in tl.static_range(4):
         if c == 0:
             w = w0
@@ -142,7 +150,7 @@ def lean_kernel(W32, XQ, XD, XS, Y, R, row_words,
     tl.store(Y + rows, y, mask=rmask)
 
 
-def lean(raw, xq, rows, n, BR=4, warps=2, CHAIN=1, asm=None, pdl=None):
+def lean(raw, xq, rows, n, BR=4, warps=2, CHAIN=1, asm=None, pdl=None, nxt=None, LB=0):
     """raw uint8 [rows·row_bytes] (Q4_K, 16-byte aligned), xq = triton_q8.quantize_act(x) -> y [rows]."""
     XQ, XD, XS = xq
     nb = n // 256
@@ -150,23 +158,27 @@ def lean(raw, xq, rows, n, BR=4, warps=2, CHAIN=1, asm=None, pdl=None):
     pdl = qb.pdl(XQ.device) if pdl is None else pdl
     asm = (XQ.device.type == "cuda") if asm is None else asm
     lean_kernel[(triton.cdiv(rows, BR),)](
-        raw.reshape(-1).view(torch.int32), XQ, XD, XS, y, rows, nb * 36, NB=nb, BR=BR, CHAIN=CHAIN, ASM=asm,
-        PDL=pdl, PF=qb.prefetch(pdl), NT=32 * warps, num_warps=warps, **qb.launch_kw(pdl),
+        raw.reshape(-1).view(torch.int32), XQ, XD, XS, y, rows, nb * 36, raw if nxt is None else nxt,
+        0 if nxt is None else nxt.numel(), -(-(0 if nxt is None else nxt.numel()) // triton.cdiv(rows, BR) // 16) * 16, NB=nb, BR=BR, CHAIN=CHAIN, ASM=asm, PDL=pdl,
+        PF=qb.prefetch(pdl) and nxt is None, NT=32 * warps, PN=int(nxt is not None and asm), LB=LB, num_warps=warps,
+        **qb.launch_kw(pdl),
     )  # fmt: skip
     return y
 
 
+LEAN_TIMED = [(4, 1, 1), (2, 1, 1), (8, 2, 0), (16, 4, 1), (8, 4, 1)]
 CONFIGS = [(BR, w, ch) for BR, w in ((2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (16, 4)) for ch in (0, 1)]
 
 
-def sass():
+def sass(LBS=0):
     sys.path.insert(0, "/tmp/lab")
     from sassprof import build, load_order, show
 
     for n in (2048, 4096):
         for BR, w, ch in CONFIGS:
-            sig = dict(W32="*i32", XQ="*i32", XD="*fp32", XS="*fp32", Y="*fp32", R="i32", row_words="i32")
-            cex = dict(NB=n // 256, BR=BR, CHAIN=ch, ASM=True, PDL=0, PF=0, NT=32 * w)
+            sig = dict(W32="*i32", XQ="*i32", XD="*fp32", XS="*fp32", Y="*fp32", R="i32", row_words="i32",
+                       NXT="*u8", nxt_bytes="i64", nxt_share="i32")
+            cex = dict(NB=n // 256, BR=BR, CHAIN=ch, ASM=True, PDL=LBS, PF=0, NT=32 * w, PN=LBS, LB=LBS)
             r = build(lean_kernel, sig, cex, w, ("W32", "XQ", "XD", "XS", "Y", "row_words"), dump=f"/tmp/lab/lean_{n}_{BR}_{w}_{ch}.sass")
             show(f"n{n} BR{BR} w{w} chain{ch}", r, BR * n // 256 * 144, 32 * w)
             print("   LDG before/after first math:", load_order(f"/tmp/lab/lean_{n}_{BR}_{w}_{ch}.sass"))
@@ -178,8 +190,8 @@ if __name__ == "__main__":
     from engine.runtime import triton_q8_gemv as g8
 
     q = QType.Q4_K
-    if sys.argv[1:] == ["sass"]:
-        sass()
+    if sys.argv[1:2] == ["sass"]:
+        sass(int(sys.argv[2]) if sys.argv[2:] else 0)
     elif sys.argv[1:2] == ["ncu"]:  # eager calls for Nsight Compute: ncu ... q4k_lean.py ncu BR w chain
         from engine.bench import device_kernels as dk
 
@@ -224,13 +236,15 @@ if __name__ == "__main__":
             q8 = dk._graph_us([lambda m=m: tg.matmul(m, x, q, rows, n, act="q8") for m in mats])[0]
             l2 = dk._graph_us([lambda: tg.matmul(mats[0], x, q, rows, n, act="f32")] * copies)[0]
             print(f"{wl}: f32 {frac(f32)} | q8 (+quantize) {frac(q8)} | f32 one matrix (L2) {frac(l2)}", flush=True)
-            for BR, w, ch in CONFIGS:
+            for BR, w, ch in LEAN_TIMED:
                 try:
                     y = lean(mats[0], xq, rows, n, BR, w, ch)
                     err = ((y - ref).abs().max() / ref.abs().max()).item()
-                    us = dk._graph_us([lambda m=m: lean(m, xq, rows, n, BR, w, ch) for m in mats])[0]
-                    usq = dk._graph_us([lambda m=m: lean(m, t8.quantize_act(x), rows, n, BR, w, ch) for m in mats])[0]
                     us2 = dk._graph_us([lambda: lean(mats[0], xq, rows, n, BR, w, ch)] * copies)[0]
-                    print(f"   lean BR{BR} w{w} chain{ch}: {frac(us)}  +quantize {frac(usq)}  L2 {frac(us2)}  err {err:.1e}", flush=True)
+                    row = f"   lean BR{BR} w{w} chain{ch}: L2 {frac(us2)} err {err:.1e} |"
+                    for pn, lb in ((0, 0), (1, 0), (0, 1), (1, 1)):
+                        us = dk._graph_us([lambda i=i: lean(mats[i], xq, rows, n, BR, w, ch, nxt=mats[(i + 1) % copies] if pn else None, LB=lb) for i in range(copies)])[0]
+                        row += f" pn{pn}lb{lb} {frac(us)}"
+                    print(row, flush=True)
                 except Exception as e:  # noqa: BLE001
                     print(f"   lean BR{BR} w{w} chain{ch}: {type(e).__name__} {str(e)[:300]}", flush=True)

@@ -59,16 +59,16 @@ def main():
     for BR, w in ((4, 1), (8, 2), (16, 4)):
         BW = 32  # words a row a step: 16 bytes a thread
         steps = rb // 4 // BW
-        for pdl, pn, lb in ((0, 0, 0), (1, 0, 0), (1, 1, 0), (1, 0, 1), (1, 1, 1)):
+        for pdl, pn, lb in ((1, 0, 0), (1, 1, 1), (1, 2, 1), (1, 3, 1), (1, 2, 0), (1, 4, 1)):
             def call(m, nxt):
                 p = qb.pdl(m.device) and pdl
                 share = -(-nbytes // (rows // BR) // 16) * 16
                 read_k[(rows // BR,)](m, y, rb // 4, nxt, nbytes, share, BR=BR, BW=BW, STEPS=steps, PDL=p,
-                                      PF=p and not pn, NT=32 * w, PN=pn, LB=lb, num_warps=w, **qb.launch_kw(p))  # fmt: skip
-            hbm = dk._graph_us([lambda i=i: call(mats[i], mats[(i + 1) % copies]) for i in range(copies)])[0]
+                                      PF=p and not pn, NT=32 * w, PN=int(pn > 0), LB=lb, num_warps=w, **qb.launch_kw(p))  # fmt: skip
+            hbm = dk._graph_us([lambda i=i: call(mats[i], mats[(i + max(pn, 1)) % copies]) for i in range(copies)])[0]
             f = lambda us: f"{us:5.2f} us ({nbytes / us / 1e3 / bw:4.0%})"
             l2 = f"  L2 {f(dk._graph_us([lambda: call(mats[0], mats[0])] * copies)[0])}" if pn == 0 and lb == 0 else ""
-            print(f"pure read q-size BR{BR} w{w} pdl {pdl} prefetch-next {pn} loads-before-wait {lb}: HBM {f(hbm)}{l2}", flush=True)
+            print(f"pure read q-size BR{BR} w{w} pdl {pdl} prefetch {pn} ahead loads-before-wait {lb}: HBM {f(hbm)}{l2}", flush=True)
 
 
 if __name__ == "__main__":

@@ -72,7 +72,16 @@ def _four(t):
 
 
 @triton.jit
-def lean_kernel(W32, XQ, XD, XS, Y, R, row_words, NXT, nxt_bytes, nxt_share,
+def _four3(t):
+    """[BR, NB, 4] -> its 4 slices along the last axis."""
+    a, b = tl.split(tl.reshape(t, [t.shape[0], t.shape[1], 2, 2]))
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return a0, b0, a1, b1
+
+
+@triton.jit
+def lean_kernel(W32, XQ, XDS, Y, R, row_words, NXT, nxt_bytes, nxt_share,
                 NB: tl.constexpr, BR: tl.constexpr, CHAIN: tl.constexpr, ASM: tl.constexpr,
                 PDL: tl.constexpr, PF: tl.constexpr, NT: tl.constexpr, PN: tl.constexpr, LB: tl.constexpr):  # fmt: skip
     """Y[rows] = W[rows] · x for a Q4_K matrix of NB blocks a row (row_words = 36·NB int32 words).
@@ -95,17 +104,17 @@ def lean_kernel(W32, XQ, XD, XS, Y, R, row_words, NXT, nxt_bytes, nxt_share,
     k = tl.arange(0, 4)
     hk = (4 * h[:, None] + k[None, :])[None, None, :, :]  # [1, 1, 2, 4]
     z = tl.zeros([BR, NB, 2, 4], dtype=tl.int32)
-    hdr0 = tl.load(W32 + base)  # d | dmin
-    s0 = tl.load(W32 + base + 1)
-    s1 = tl.load(W32 + base + 2)
-    s2 = tl.load(W32 + base + 3)
+    z3 = tl.zeros([BR, NB, 4], dtype=tl.int32)
+    # the block header, one 16-byte load: d | dmin, then the 12 scale bytes as 3 words
+    hdr0, s0, s1, s2 = _four3(tl.load(W32 + base[:, :, None] + k[None, None, :]))
     d = _f16lo(hdr0)
     dmin = _f16hi(hdr0)
-    acc = tl.zeros([BR, NB, 2], dtype=tl.float32)
-    accb = tl.zeros([BR, NB], dtype=tl.float32)
+    acc = tl.zeros([BR, NB], dtype=tl.float32)  # Σ over sub-blocks of sc·dx·isum (times d at the end)
+    accb = tl.zeros([BR, NB], dtype=tl.float32)  # Σ of m·sx (times dmin at the end)
     wp = W32 + base[:, :, None, None] + 4 + hk
     xw = z + b[None, :, None, None] * 64 + hk
-    # all weight loads first (HOIST): in program order, ptxas keeps them ahead of the math
+    xs = z3 + b[None, :, None] * 16 + k[None, None, :]  # XDS words of block b: 4 a sub-block pair
+    # all weight loads first: in program order, ptxas keeps them ahead of the math
     w0 = tl.load(wp)
     w1 = tl.load(wp + 8)
     w2 = tl.load(wp + 16)
@@ -123,7 +132,7 @@ def lean_kernel(W32, XQ, XD, XS, Y, R, row_words, NXT, nxt_bytes, nxt_share,
             w = w3
         lo = w & 0x0F0F0F0F
         hi = (w >> 4) & 0x0F0F0F0F
-        # activation words of sub-blocks 2c, 2c+1 (XQ: 8 words a 32-block), same shape as w (L1 hits)
+        # activation words of sub-blocks 2c, 2c+1 (XQ: 8 words a 32-block), in w's layout (L1 hits)
         xa = tl.load(XQ + xw + 16 * c)
         xb = tl.load(XQ + xw + 16 * c + 8)
         if CHAIN:  # one dp4a chain over the 4 words of a thread's load
@@ -132,33 +141,44 @@ def lean_kernel(W32, XQ, XD, XS, Y, R, row_words, NXT, nxt_bytes, nxt_share,
             a0, a1, a2, a3 = _four(xa)
             b0, b1, b2, b3 = _four(xb)
             zz = tl.zeros([BR, NB, 2], dtype=tl.int32)
-            ia = _dp4a(l0, a0, _dp4a(l1, a1, _dp4a(l2, a2, _dp4a(l3, a3, zz, ASM), ASM), ASM), ASM).to(tl.float32)
-            ib = _dp4a(h0, b0, _dp4a(h1, b1, _dp4a(h2, b2, _dp4a(h3, b3, zz, ASM), ASM), ASM), ASM).to(tl.float32)
+            ia = _dp4a(l0, a0, _dp4a(l1, a1, _dp4a(l2, a2, _dp4a(l3, a3, zz, ASM), ASM), ASM), ASM)
+            ib = _dp4a(h0, b0, _dp4a(h1, b1, _dp4a(h2, b2, _dp4a(h3, b3, zz, ASM), ASM), ASM), ASM)
         else:
-            ia = tl.sum(_dp4a(lo, xa, z, ASM), axis=3).to(tl.float32)  # [BR, NB, 2]
-            ib = tl.sum(_dp4a(hi, xb, z, ASM), axis=3).to(tl.float32)
+            ia = tl.sum(_dp4a(lo, xa, z, ASM), axis=3)  # [BR, NB, 2]
+            ib = tl.sum(_dp4a(hi, xb, z, ASM), axis=3)
+        ia = tl.sum(ia, axis=2).to(tl.float32)  # the two halves of the sub-block (in-thread)
+        ib = tl.sum(ib, axis=2).to(tl.float32)
         sca, mna = _scale_min(s0, s1, s2, 2 * c)
         scb, mnb = _scale_min(s0, s1, s2, 2 * c + 1)
-        xi = b * 8 + 2 * c  # [NB] 32-block index of sub-block 2c
-        dxa = tl.load(XD + xi)
-        dxb = tl.load(XD + xi + 1)
-        sxa = tl.load(XS + 2 * xi) + tl.load(XS + 2 * xi + 1)
-        sxb = tl.load(XS + 2 * xi + 2) + tl.load(XS + 2 * xi + 3)
-        acc += ia * (d * sca * dxa[None, :])[:, :, None] + ib * (d * scb * dxb[None, :])[:, :, None]
-        accb += dmin * (mna * sxa[None, :] + mnb * sxb[None, :])
-    y = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(accb, axis=1)
+        # x side of sub-blocks 2c, 2c+1 in one 16-byte load, in the tile's (row, block) layout
+        dxa, dxb, sxa, sxb = _four3(tl.load(XDS + xs + 4 * c).to(tl.int32, bitcast=True))
+        dxa = dxa.to(tl.float32, bitcast=True)
+        dxb = dxb.to(tl.float32, bitcast=True)
+        sxa = sxa.to(tl.float32, bitcast=True)
+        sxb = sxb.to(tl.float32, bitcast=True)
+        acc += ia * (sca * dxa) + ib * (scb * dxb)
+        accb += mna * sxa + mnb * sxb
+    y = tl.sum(d * acc - dmin * accb, axis=1)
     tl.store(Y + rows, y, mask=rmask)
+
+
+def lean_act(xq):
+    """triton_q8.quantize_act's (XQ, XD, XS) of one row -> (XQ, XDS): XDS float32 [n/64, 4] holds per pair
+    of 32-blocks (2j, 2j+1) their scales d and their 32-element sums d·Σq (one 16-byte load a pair)."""
+    XQ, XD, XS = xq
+    s32 = XS.reshape(-1, 2).sum(-1)
+    return XQ, torch.cat([XD.reshape(-1, 2), s32.reshape(-1, 2)], -1).contiguous()
 
 
 def lean(raw, xq, rows, n, BR=4, warps=2, CHAIN=1, asm=None, pdl=None, nxt=None, LB=0):
     """raw uint8 [rows·row_bytes] (Q4_K, 16-byte aligned), xq = triton_q8.quantize_act(x) -> y [rows]."""
-    XQ, XD, XS = xq
+    XQ, XDS = xq
     nb = n // 256
     y = torch.empty(rows, dtype=torch.float32, device=XQ.device)
     pdl = qb.pdl(XQ.device) if pdl is None else pdl
     asm = (XQ.device.type == "cuda") if asm is None else asm
     lean_kernel[(triton.cdiv(rows, BR),)](
-        raw.reshape(-1).view(torch.int32), XQ, XD, XS, y, rows, nb * 36, raw if nxt is None else nxt,
+        raw.reshape(-1).view(torch.int32), XQ, XDS, y, rows, nb * 36, raw if nxt is None else nxt,
         0 if nxt is None else nxt.numel(), -(-(0 if nxt is None else nxt.numel()) // triton.cdiv(rows, BR) // 16) * 16, NB=nb, BR=BR, CHAIN=CHAIN, ASM=asm, PDL=pdl,
         PF=qb.prefetch(pdl) and nxt is None, NT=32 * warps, PN=int(nxt is not None and asm), LB=LB, num_warps=warps,
         **qb.launch_kw(pdl),
@@ -166,7 +186,7 @@ def lean(raw, xq, rows, n, BR=4, warps=2, CHAIN=1, asm=None, pdl=None, nxt=None,
     return y
 
 
-LEAN_TIMED = [(4, 1, 1), (2, 1, 1), (8, 2, 0), (16, 4, 1), (8, 4, 1)]
+LEAN_TIMED = [(4, 1, 1), (8, 2, 1), (16, 4, 1), (8, 1, 1), (16, 2, 1), (32, 4, 1)]
 CONFIGS = [(BR, w, ch) for BR, w in ((2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (16, 4)) for ch in (0, 1)]
 
 
@@ -176,10 +196,10 @@ def sass(LBS=0):
 
     for n in (2048, 4096):
         for BR, w, ch in CONFIGS:
-            sig = dict(W32="*i32", XQ="*i32", XD="*fp32", XS="*fp32", Y="*fp32", R="i32", row_words="i32",
+            sig = dict(W32="*i32", XQ="*i32", XDS="*fp32", Y="*fp32", R="i32", row_words="i32",
                        NXT="*u8", nxt_bytes="i64", nxt_share="i32")
             cex = dict(NB=n // 256, BR=BR, CHAIN=ch, ASM=True, PDL=LBS, PF=0, NT=32 * w, PN=LBS, LB=LBS)
-            r = build(lean_kernel, sig, cex, w, ("W32", "XQ", "XD", "XS", "Y", "row_words"), dump=f"/tmp/lab/lean_{n}_{BR}_{w}_{ch}.sass")
+            r = build(lean_kernel, sig, cex, w, ("W32", "XQ", "XDS", "Y", "row_words"), dump=f"/tmp/lab/lean_{n}_{BR}_{w}_{ch}.sass")
             show(f"n{n} BR{BR} w{w} chain{ch}", r, BR * n // 256 * 144, 32 * w)
             print("   LDG before/after first math:", load_order(f"/tmp/lab/lean_{n}_{BR}_{w}_{ch}.sass"))
 
@@ -198,7 +218,7 @@ if __name__ == "__main__":
         BR, w, ch = (int(a) for a in sys.argv[2:5])
         rows, n = dk.TRUNK["q"]
         mats = dk.random_matrix(q, rows, n, 24)
-        xq = t8.quantize_act(torch.randn(1, n, device="cuda"))
+        xq = lean_act(t8.quantize_act(torch.randn(1, n, device="cuda")))
         for m in mats:
             lean(m, xq, rows, n, BR, w, ch)
         torch.cuda.synchronize()
@@ -214,7 +234,7 @@ if __name__ == "__main__":
             x = torch.randn(1, n, generator=gen)
             ref = g8.matmul_q8_reference(raw, x, q, rows, n)[0].double()
             for BR, w, ch in ((4, 1, 0), (4, 2, 1), (16, 4, 1)):
-                y = lean(raw, t8.quantize_act(x), rows, n, BR, w, ch, asm=False, pdl=0)
+                y = lean(raw, lean_act(t8.quantize_act(x)), rows, n, BR, w, ch, asm=False, pdl=0)
                 print(f"rows {rows} n {n} BR{BR} chain{ch}: max |y - ref| / max |ref| = "
                       f"{((y.double() - ref).abs().max() / ref.abs().max()).item():.1e}")  # fmt: skip
     else:
@@ -229,7 +249,7 @@ if __name__ == "__main__":
             copies = max(48, math.ceil(1e9 / nbytes))
             mats = dk.random_matrix(q, rows, n, copies)
             x = torch.randn(1, n, device="cuda")
-            xq = t8.quantize_act(x)
+            xq = lean_act(t8.quantize_act(x))
             ref = g8.matmul_q8_reference(mats[0], x, q, rows, n)[0]
             frac = lambda us: f"{us:6.2f} us ({nbytes / us / 1e3 / bw:4.0%})"
             f32 = dk._graph_us([lambda m=m: tg.matmul(m, x, q, rows, n, act="f32") for m in mats])[0]
@@ -242,8 +262,8 @@ if __name__ == "__main__":
                     err = ((y - ref).abs().max() / ref.abs().max()).item()
                     us2 = dk._graph_us([lambda: lean(mats[0], xq, rows, n, BR, w, ch)] * copies)[0]
                     row = f"   lean BR{BR} w{w} chain{ch}: L2 {frac(us2)} err {err:.1e} |"
-                    for pn, lb in ((0, 0), (1, 0), (0, 1), (1, 1)):
-                        us = dk._graph_us([lambda i=i: lean(mats[i], xq, rows, n, BR, w, ch, nxt=mats[(i + 1) % copies] if pn else None, LB=lb) for i in range(copies)])[0]
+                    for pn, lb in ((0, 0), (1, 1), (0, 1)):
+                        us = dk._graph_us([lambda i=i: lean(mats[i], xq, rows, n, BR, w, ch, nxt=mats[(i + pn) % copies] if pn else None, LB=lb) for i in range(copies)])[0]
                         row += f" pn{pn}lb{lb} {frac(us)}"
                     print(row, flush=True)
                 except Exception as e:  # noqa: BLE001

@@ -115,6 +115,7 @@ from triton.compiler import ASTSource
 from engine.quant.formats import QType
 from engine.runtime import step_kernels as sk, triton_gemv as tg, triton_moe as tm, triton_q8 as t8
 from engine.runtime import triton_q8_gemv as g8, triton_q8_moe as m8, triton_qblocks as qb
+from engine.bench import read_floor as rf
 
 def ptx(fn, sig, cex, warps=4):
     sig = dict(sig, **{k: "constexpr" for k in cex})
@@ -144,6 +145,8 @@ cases = [  # (name, ptx, prefetches)
                                                  "eps": "fp32"}, dict(D=2048, BD=2048, HAS_Y=True, PDL=1), 8), 0),
     ("route", ptx(sk._route_kernel, {"LOGITS": "*fp32", "TABLE": "*i64", "W": "*fp32", "IDS": "*i64", "OFF": "*i64",
                                      "E": "i32"}, dict(K=8, KP=8, BE=128, RENORM=True, PDL=1), 1), 0),
+    ("read floor", ptx(rf._read_kernel, {"W": "*i32", "NXT": "*u8", "Y": "*i32", "nwords": "i64", "nxt_bytes": "i64",
+                                         "nxt_share": "i32"}, dict(STEPS=8, NT=128, PDL=1)), 1),
 ]
 for name, text, pf in cases:
     got = (text.count("griddepcontrol.wait"), text.count("griddepcontrol.launch_dependents"),

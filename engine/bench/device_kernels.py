@@ -32,6 +32,7 @@ from unittest import mock
 import numpy as np
 import torch
 
+from engine.bench import read_floor
 from engine.quant.formats import QType, block_format
 from engine.runtime import triton_gemv, triton_moe
 from engine.runtime import triton_qblocks as qb
@@ -209,6 +210,18 @@ def copy_floor_us(nbytes: int) -> float:
     return _graph_us([lambda i=i: dst[i].copy_(src[i]) for i in range(copies)])[0]
 
 
+def launch_bytes(qtype: QType, wl: str) -> list[int]:
+    """Weight bytes each launch of a workload's call reads, in order (the default f32 kernels: the MoE's
+    gate/up then down; matmul_many's q, k, v one launch each)."""
+    f = block_format(qtype)
+    if wl == "moe":
+        return [2 * KE * F * f.row_bytes(D), KE * D * f.row_bytes(F)]
+    if wl == "qkv":
+        return [r * f.row_bytes(n) for r, n in QKV]
+    rows, n = TRUNK[wl]
+    return [rows * f.row_bytes(n)]
+
+
 def _without_pdl(fn):
     """fn() with programmatic dependent launch off (``$SHARPI_PDL=0``)."""
     with mock.patch.dict(os.environ, {qb.ENV_PDL: "0"}):
@@ -238,6 +251,8 @@ def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS, extra: bool = True) ->
             v["speedup"] = v["reference_us"] / v["eager_us"]
             v["copy_us"] = copy_floor_us(v["bytes"])
             v["copy_fraction"] = v["bytes"] / (v["copy_us"] / 1e6) / GB / bw
+            v["floor_us"] = read_floor.read_floor_us(launch_bytes(q, wl), _graph_us)
+            v["floor_fraction"] = v["bytes"] / (v["floor_us"] / 1e6) / GB / bw
             r[wl] = v
         rep["types"][q.name] = r
     return rep
@@ -248,11 +263,12 @@ def report_lines(rep: dict) -> list[str]:
     lines.append(
         "graph us: the default (exact-float) kernels in a CUDA graph, one call per distinct weight set, "
         f"programmatic dependent launch {'on' if rep.get('pdl') else 'not available'}; "
-        "no-PDL us: the same with SHARPI_PDL=0; q8 us: the integer kernels (SHARPI_DEVICE_ACT=q8)"
+        "no-PDL us: the same with SHARPI_PDL=0; q8 us: the integer kernels (SHARPI_DEVICE_ACT=q8); "
+        "read floor: kernels that only read the same bytes, same launches, best PDL arrangement (engine.bench.read_floor)"
     )
     lines.append(
         "type  workload  graph us  GB/s (of bw)   eager us  torch ref us  speedup(eager)  distinct weights"
-        "  copy us (of bw)  no-PDL us    q8 us"
+        "  copy us (of bw)  no-PDL us    q8 us  read floor us (of bw)"
     )
     for t, r in rep["types"].items():
         for wl, v in r.items():
@@ -262,6 +278,7 @@ def report_lines(rep: dict) -> list[str]:
                 f"{t:<5} {wl:<8} {v['graph_us']:9.1f}  {v['gb_s']:6.0f} ({v['fraction']:4.0%})  {v['eager_us']:8.1f}"
                 f"  {v['reference_us']:12.1f}  {v['speedup']:13.1f}x  {v['layers'] * v['bytes'] / GB:.2f} GB"
                 f"  {v['copy_us']:7.1f} ({v['copy_fraction']:4.0%})  {nopdl}  {q8}"
+                f"  {v['floor_us']:13.1f} ({v['floor_fraction']:4.0%})"
             )
     return lines
 

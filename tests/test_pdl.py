@@ -116,6 +116,7 @@ from engine.quant.formats import QType
 from engine.runtime import step_kernels as sk, triton_gemv as tg, triton_moe as tm, triton_q8 as t8
 from engine.runtime import triton_q8_gemv as g8, triton_q8_moe as m8, triton_qblocks as qb
 from engine.bench import read_floor as rf
+from engine.runtime import triton_q4k_moe as m4
 
 def ptx(fn, sig, cex, warps=4):
     sig = dict(sig, **{k: "constexpr" for k in cex})
@@ -145,6 +146,12 @@ cases = [  # (name, ptx, prefetches)
                                                  "eps": "fp32"}, dict(D=2048, BD=2048, HAS_Y=True, PDL=1), 8), 0),
     ("route", ptx(sk._route_kernel, {"LOGITS": "*fp32", "TABLE": "*i64", "W": "*fp32", "IDS": "*i64", "OFF": "*i64",
                                      "E": "i32"}, dict(K=8, KP=8, BE=128, RENORM=True, PDL=1), 1), 0),
+    ("q4k moe gate/up", ptx(m4._gate_up_kernel, {"W32": "*i32", "SLOT": "*i64", "XQ": "*i32", "XD": "*fp32", "XS": "*fp32",
+                                                   "H": "*fp32", "go": "i64", "uo": "i64"},
+                             dict(F=768, K=8, NB=8, BR=8, ASM=True, PDL=1), 1), 0),
+    ("q4k moe down", ptx(m4._down_kernel, {"W": "*u8", "W32": "*i32", "SLOT": "*i64", "HQ": "*i32", "HD": "*fp32",
+                                           "HS": "*fp32", "WT": "*fp32", "Y": "*fp32", "do": "i64"},
+                          dict(D=2048, K=8, NBF=3, BR=4, ASM=True, PDL=1, PF=1, NT=32), 1), 8),
     ("read floor", ptx(rf._read_kernel, {"W": "*i32", "NXT": "*u8", "Y": "*i32", "nwords": "i64", "nxt_bytes": "i64",
                                          "nxt_share": "i32"}, dict(STEPS=8, NT=128, PDL=1)), 1),
 ]

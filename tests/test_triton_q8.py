@@ -27,7 +27,8 @@ if dev == "cpu":  # the interpreter runs programs one by one: fewer, larger tile
     # table's settings here walk K in a runtime loop, split in two
     tg.LAUNCH[""] = {"gemv_q8:*:*": {"BR": 16, "NB": 1, "num_warps": 4, "SPLIT": 2, "UNROLL": 0},
                      "moe_q8_gate_up:*:*": {"BR": 64, "NB": 2, "num_warps": 4},
-                     "moe_q8_down:*:*": {"BR": 64, "NB": 1, "num_warps": 4, "KSPLIT": 2}}
+                     "moe_q8_down:*:*": {"BR": 64, "NB": 1, "num_warps": 4, "KSPLIT": 2},
+                     "moe_q4k_gate_up:*:*": {"BR": 64, "num_warps": 4}, "moe_q4k_down:*:*": {"BR": 64, "num_warps": 4}}
 rel = lambda a, b: ((a - b).norm() / b.norm()).item()
 
 # 1. the quantizer: bit for bit (a zero block, a tiny one, ±127 extremes)
@@ -92,11 +93,13 @@ for name, (rows, n) in shapes.items():
 # 3. fused MoE decode
 Q = QType
 if not big:
-    cases = [((Q.Q4_K, Q.Q4_K, Q.Q6_K), 256, 256), ((Q.Q8_0, Q.Q4_0, Q.Q5_K), 256, 96), ((Q.Q4_0, Q.Q8_0, Q.Q8_0), 96, 64)]
+    cases = [((Q.Q4_K, Q.Q4_K, Q.Q6_K), 256, 256), ((Q.Q8_0, Q.Q4_0, Q.Q5_K), 256, 96), ((Q.Q4_0, Q.Q8_0, Q.Q8_0), 96, 64),
+             ((Q.Q4_K, Q.Q4_K, Q.Q4_K), 256, 512)]  # the last: triton_q4k_moe
     E, K, Ts = 3, 2, (1, 3)
     cfgs = (({"BR": 16, "NB": 2, "num_warps": 4}, {"BR": 64, "NB": 1, "num_warps": 4, "KSPLIT": 1}),)  # h in float
 else:
-    cases = [((Q.Q4_0, Q.Q4_0, Q.Q8_0), 768, 2048), ((Q.Q5_K, Q.Q5_K, Q.Q5_K), 768, 2048), ((Q.Q4_K, Q.Q4_K, Q.Q6_K), 768, 2048)]
+    cases = [((Q.Q4_0, Q.Q4_0, Q.Q8_0), 768, 2048), ((Q.Q5_K, Q.Q5_K, Q.Q5_K), 768, 2048), ((Q.Q4_K, Q.Q4_K, Q.Q6_K), 768, 2048),
+             ((Q.Q4_K, Q.Q4_K, Q.Q4_K), 768, 2048)]  # the last: triton_q4k_moe
     E, K, Ts = 16, 8, (1, 4)
     # h quantized in the gate/up tile (BR 32; the table's BR 8 keeps h in float), on the Q4_0 case only
     cfgs = (({"BR": 32, "NB": 16, "num_warps": 4}, {"BR": 16, "NB": 32, "num_warps": 4, "KSPLIT": 1}),)
@@ -106,6 +109,7 @@ for types, F, D in cases:
         slot_off, x, w = routing_case(T, K, E, D, stride, dev, rng)
         ref = m8.moe_decode_q8_reference(pool, slot_off, x, w, roles)
         y = tm.moe_decode(pool, slot_off, x, w, roles, act="q8")
+        assert tm.triton_q4k_moe.applies(roles) == (types == (Q.Q4_K,) * 3)
         errs = [rel(y, ref)]
         for cg, cd in cfgs if (types[0] == Q.Q4_0 if big else F <= 96) else ():  # one case: compile time
             errs.append(rel(m8.moe_decode_q8(pool, slot_off, x, w, roles, cg, cd), ref))

@@ -30,7 +30,7 @@ import torch
 
 from engine.models.layers import silu_mul
 from engine.quant.formats import QType, block_format
-from engine.runtime import triton_q8_moe
+from engine.runtime import triton_q4k_moe, triton_q8_moe
 from engine.runtime import triton_qblocks as qb
 from engine.runtime.tdequant import dequantize_at
 from engine.runtime.triton_gemv import LAUNCH, UNROLL, act_mode, device_name, launch
@@ -54,6 +54,9 @@ LAUNCH["default"].update(
         "moe_q8_down:*:*": {"BR": 16, "NB": 4, "num_warps": 4, "KSPLIT": 2},
         "moe_q8_down:Q4_0:*": {"BR": 8, "NB": 32, "num_warps": 4, "KSPLIT": 2},
         "moe_q8_down:Q8_0:*": {"BR": 8, "NB": 32, "num_warps": 4, "KSPLIT": 2},
+        # triton_q4k_moe (all-Q4_K experts, q8 mode): whole rows a program; H100 sweep, gpu_labs/moe_lean.py
+        "moe_q4k_gate_up:*:*": {"BR": 8, "num_warps": 1},
+        "moe_q4k_down:*:*": {"BR": 4, "num_warps": 1},
         "grouped:*:*": {"BR": 32, "NB": 1, "BT": 16, "num_warps": 4},  # larger tiles spill (sm_90 report)
         "grouped:Q4_0:*": {"BR": 32, "NB": 2, "BT": 16, "num_warps": 4},
         "grouped:Q8_0:*": {"BR": 32, "NB": 1, "BT": 16, "num_warps": 4},
@@ -203,6 +206,9 @@ def moe_decode(
     name = device_name(x.device)
     pdl = qb.pdl(x.device)
     if act_mode(x.device, act) == "q8" and F % 32 == 0:
+        if triton_q4k_moe.applies(roles):  # the lean Q4_K kernels
+            c = launch("moe_q4k_gate_up", gq, F * T * K, name)
+            return triton_q4k_moe.moe_decode_q4k(pool, slot_off, x, weights, roles, c, launch("moe_q4k_down", dq, D * T, name))
         c = launch("moe_q8_gate_up", gq, F * T * K, name)
         return triton_q8_moe.moe_decode_q8(pool, slot_off, x, weights, roles, c, launch("moe_q8_down", dq, D * T, name))
     slots = slot_off.reshape(-1).contiguous()

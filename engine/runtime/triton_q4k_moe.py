@@ -1,0 +1,234 @@
+"""Routed-expert decode for Q4_K experts on q8 activations with the fewest instructions a weight byte:
+the fast path of :func:`engine.runtime.triton_moe.moe_decode` in q8 mode when gate, up and down are
+all Q4_K (the bulk of a Q4_K_M file). Same contract and same arithmetic as
+:func:`engine.runtime.triton_q8_moe.moe_decode_q8` — x and h rounded by ``triton_q8``'s rule, integer
+dp4a products — so :func:`engine.runtime.triton_q8_moe.moe_decode_q8_reference` is its reference too.
+
+Three launches: ``triton_q8.quantize_act(x)``; :func:`_gate_up_kernel`, grid (F/BR, T·K), writes
+``h = SiLU(gate·x) · (up·x)`` as float32 (whole rows a program, so the grid is large), then
+``quantize_act(h)``; :func:`_down_kernel`, grid (D/BR, T), sums ``w_k · down_k · h_k`` with the
+experts × a row's blocks on one tensor axis (a thread owns one block of one row).
+
+What makes them lean (measured on an H100 by ``packaging/gpu_labs/moe_lean.py``; 1.75–2.4 SASS
+instructions a weight byte at sm_90 against ~11 for the general q8 gate/up kernel):
+- a thread owns whole 144-byte blocks: the header is one 16-byte load, the quants eight;
+- the 6-bit scales and mins of 4 sub-blocks come out of the header words at once with masks and
+  shifts, one byte each by a ``prmt``;
+- high nibbles go to dp4a as ``w & 0xF0F0F0F0`` (16 × the code; the 1/16 is applied once a block);
+- dp4a runs as chains through its accumulate operand (inline PTX; the interpreter runs the same
+  arithmetic in plain Triton); the integer sum of a sub-block is scaled by its integer scale
+  before it becomes a float, and d and dmin come in once a block.
+A skipped pair (slot offset −1) gets h = 0 from the gate/up kernel; the down kernel reads slot 0's
+rows for it and drops that block's product with a select (never multiplied: slot 0 may hold junk).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.quant.formats import QType
+from engine.runtime import triton_q8 as t8
+from engine.runtime import triton_qblocks as qb
+
+triton, tl = qb.triton, qb.tl
+BLOCK_WORDS = tl.constexpr(36) if tl is not None else 36  # int32 words a block (144 bytes)
+
+QK = 256  # elements a Q4_K block
+
+
+def applies(roles: dict) -> bool:
+    """Whether these expert roles take this path: gate, up and down all Q4_K, widths multiples of 256,
+    role offsets 16-byte aligned (the slot pool aligns roles to 256 bytes)."""
+    (go, gq, F, D), (uo, uq, _, _), (do, dq, _, _) = (roles[r] for r in ("gate", "up", "down"))
+    same = QType(gq) == QType(uq) == QType(dq) == QType.Q4_K
+    return same and F % QK == 0 and D % QK == 0 and go % 16 == uo % 16 == do % 16 == 0
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dp4a(a, b, c, ASM: tl.constexpr):
+        """c + Σ over the 4 bytes of a (unsigned) × b (signed)."""
+        if ASM:
+            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                             is_pure=True, pack=1)  # fmt: skip
+        else:
+            s = c
+            for k in tl.static_range(4):
+                s += ((a >> (8 * k)) & 0xFF) * ((b << (24 - 8 * k)) >> 24)
+            return s
+
+    @triton.jit
+    def _w4(t):
+        """[A, B, 4] -> its 4 slices along the last axis, in order (a thread holds all 4: register renames)."""
+        a, b = tl.split(tl.reshape(t, [t.shape[0], t.shape[1], 2, 2]))
+        a0, a1 = tl.split(a)  # elements 0, 2
+        b0, b1 = tl.split(b)  # elements 1, 3
+        return a0, b0, a1, b1
+
+    @triton.jit
+    def _chain(w, x, acc, ASM: tl.constexpr):
+        """acc + dp4a over the 4 words of w, x [A, B, 4], one chain through the accumulate operand."""
+        w0, w1, w2, w3 = _w4(w)
+        x0, x1, x2, x3 = _w4(x)
+        return _dp4a(w0, x0, _dp4a(w1, x1, _dp4a(w2, x2, _dp4a(w3, x3, acc, ASM), ASM), ASM), ASM)
+
+    @triton.jit
+    def _byte(w, J: tl.constexpr, ASM: tl.constexpr):
+        """Byte J of the words w, zero-extended (one PRMT where shift-and-mask takes two)."""
+        if J == 0:
+            return w & 0xFF
+        elif not ASM:
+            return (w >> (8 * J)) & 0xFF
+        elif J == 1:
+            return tl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x4441;", "=r,r", [w], tl.int32, True, 1)
+        elif J == 2:
+            return tl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x4442;", "=r,r", [w], tl.int32, True, 1)
+        else:
+            return tl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x4443;", "=r,r", [w], tl.int32, True, 1)
+
+    @triton.jit
+    def _load_block(P):
+        """The Q4_K blocks at int32 pointers P [A, B] (16-byte aligned): the header [A, B, 4] and the 8
+        16-byte quarters of the quants, one 16-byte load each."""
+        p = P[:, :, None] + tl.arange(0, 4)[None, None, :]
+        return (tl.load(p), tl.load(p + 4), tl.load(p + 8), tl.load(p + 12), tl.load(p + 16), tl.load(p + 20),
+                tl.load(p + 24), tl.load(p + 28), tl.load(p + 32))  # fmt: skip
+
+    @triton.jit
+    def _dot_block(blk, X, XDp, XSp, ASM: tl.constexpr):
+        """Dot products [A, B] of the loaded blocks blk (_load_block) with the q8 activation blocks at X
+        (int32 pointers [A, B] to the block's 64 XQ words), XDp (its 8 scales), XSp (its 16 half-sums)."""
+        m = tl.arange(0, 4)[None, None, :]
+        hdr0, s0, s1, s2 = _w4(blk[0])
+        # get_scale_min_k4 of 4 sub-blocks at once: byte j of a word is sub-block j's (or 4 + j's) value
+        sc_lo = s0 & 0x3F3F3F3F
+        mn_lo = s1 & 0x3F3F3F3F
+        sc_hi = (s2 & 0x0F0F0F0F) | ((s0 >> 2) & 0x30303030)
+        mn_hi = ((s2 >> 4) & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030)
+        d = (hdr0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = ((hdr0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        pd = XDp[:, :, None] + m
+        dx = _w4(tl.load(pd)) + _w4(tl.load(pd + 4))  # the 8 sub-blocks' activation scales
+        ps = XSp[:, :, None] + m
+        sv = _w4(tl.load(ps)) + _w4(tl.load(ps + 4)) + _w4(tl.load(ps + 8)) + _w4(tl.load(ps + 12))  # 16 half-sums
+        px = X[:, :, None] + m
+        zi = tl.zeros(d.shape, dtype=tl.int32)
+        alo = tl.zeros(d.shape, dtype=tl.float32)
+        ahi = tl.zeros(d.shape, dtype=tl.float32)
+        amn = tl.zeros(d.shape, dtype=tl.float32)
+        for c in tl.static_range(4):
+            qa = blk[1 + 2 * c]  # quant bytes 0..15 of chunk c: elements 0..15 of sub-blocks 2c (low), 2c+1 (high)
+            qz = blk[2 + 2 * c]  # bytes 16..31: elements 16..31
+            # activation words: sub-block 2c is words 16c … 16c + 7 of the block, 2c + 1 the next 8
+            ia = _chain(qa & 0x0F0F0F0F, tl.load(px + 16 * c), zi, ASM)
+            ia = _chain(qz & 0x0F0F0F0F, tl.load(px + (16 * c + 4)), ia, ASM)
+            ib = _chain(qa & -0x0F0F0F10, tl.load(px + (16 * c + 8)), zi, ASM)  # 0xF0F0F0F0: 16 × the code
+            ib = _chain(qz & -0x0F0F0F10, tl.load(px + (16 * c + 12)), ib, ASM)
+            if c < 2:
+                scw = sc_lo
+                mnw = mn_lo
+            else:
+                scw = sc_hi
+                mnw = mn_hi
+            sca = _byte(scw, (2 * c) % 4, ASM)
+            scb = _byte(scw, (2 * c + 1) % 4, ASM)
+            mna = _byte(mnw, (2 * c) % 4, ASM)
+            mnb = _byte(mnw, (2 * c + 1) % 4, ASM)
+            alo += (ia * sca).to(tl.float32) * dx[2 * c]
+            ahi += (ib * scb).to(tl.float32) * dx[2 * c + 1]
+            amn += mna.to(tl.float32) * (sv[4 * c] + sv[4 * c + 1]) + mnb.to(tl.float32) * (sv[4 * c + 2] + sv[4 * c + 3])
+        return d * (alo + ahi * 0.0625) - dmin * amn
+
+    @triton.jit
+    def _gate_up_kernel(W32, SLOT, XQ, XD, XS, H, go, uo, F: tl.constexpr, K: tl.constexpr, NB: tl.constexpr,
+                        BR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        """H[q, rows] = SiLU(gate_q[rows]·x_t) · (up_q[rows]·x_t) for pair q = t·K + k at byte SLOT[q] of the
+        pool (−1: H = 0); gate/up at byte offsets go/uo of the slot, NB blocks a row; F % BR == 0.
+        [NB, BR] tiles: the blocks on the fastest lanes (a row's sum stays in the warp), a thread holds the
+        gate and the up block of its (block, row) and loads their activations once."""
+        qb.pdl_enter(PDL)  # SLOT comes from the routing kernel
+        q = tl.program_id(1)
+        slot = tl.load(SLOT + q)
+        r0 = tl.program_id(0) * BR
+        if slot >= 0:
+            rows = r0 + tl.arange(0, BR)
+            t = q // K
+            b = tl.arange(0, NB)
+            off = tl.multiple_of(b[:, None] * BLOCK_WORDS + rows[None, :] * (BLOCK_WORDS * NB), [4, 4])  # words
+            G = W32 + tl.multiple_of((slot + go) // 4, 4) + off
+            U = W32 + tl.multiple_of((slot + uo) // 4, 4) + off
+            zp = tl.zeros([NB, BR], dtype=tl.int32)
+            X = XQ + t * (64 * NB) + (zp + b[:, None] * 64)
+            XDp = XD + t * (8 * NB) + (zp + b[:, None] * 8)
+            XSp = XS + t * (16 * NB) + (zp + b[:, None] * 16)
+            gb = _load_block(G)  # both matrices' loads first (program order)
+            ub = _load_block(U)
+            g = tl.sum(_dot_block(gb, X, XDp, XSp, ASM), axis=0)
+            u = tl.sum(_dot_block(ub, X, XDp, XSp, ASM), axis=0)
+            h = g / (1.0 + tl.exp(-g)) * u  # ggml_swiglu_split
+        else:
+            h = tl.zeros([BR], dtype=tl.float32)
+        tl.store(H + q.to(tl.int64) * F + r0 + tl.arange(0, BR), h)
+
+    @triton.jit
+    def _down_kernel(W, W32, SLOT, HQ, HD, HS, WT, Y, do, D: tl.constexpr, K: tl.constexpr, NBF: tl.constexpr,
+                     BR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, NT: tl.constexpr):  # fmt: skip
+        """Y[t, rows] = Σ_k WT[t, k] · down_{t,k}[rows] · hq[t·K + k], down at byte offset do of the slot, NBF
+        blocks a row; D % BR == 0. [K·NBP, BR] tiles: experts × block lanes on one axis (NBP =
+        next_power_of_2(NBF); lanes ≥ NBF repeat the last block and are dropped), a thread one block a row.
+        PF: the experts' rows are prefetched into L2 before the PDL wait (SLOT is final by then: the
+        routing kernel wrote it before the gate/up kernel released this one)."""
+        t = tl.program_id(1)
+        r0 = tl.program_id(0) * BR
+        RW: tl.constexpr = BLOCK_WORDS * NBF  # words a row
+        if PF:
+            qb.prefetch_pairs(W, SLOT, t, 0, D, r0, do, RW * 4, K, K, BR, NT)
+        qb.pdl_enter(PDL)
+        rows = r0 + tl.arange(0, BR)
+        NBP: tl.constexpr = triton.next_power_of_2(NBF)
+        e = tl.arange(0, K * NBP)
+        lane = e % NBP
+        lc = tl.minimum(lane, NBF - 1)
+        q = t * K + e // NBP
+        slot = tl.load(SLOT + q)
+        keep = (lane < NBF) & (slot >= 0)
+        wk = tl.load(WT + q)
+        zp = tl.zeros([K * NBP, BR], dtype=tl.int32)
+        P = W32 + (tl.multiple_of((tl.maximum(slot, 0) + do) // 4 + lc * BLOCK_WORDS, 4)[:, None] + (rows * RW)[None, :])
+        X = HQ + (zp + (q * (64 * NBF) + lc * 64)[:, None])
+        XDp = HD + (zp + (q * (8 * NBF) + lc * 8)[:, None])
+        XSp = HS + (zp + (q * (16 * NBF) + lc * 16)[:, None])
+        v = _dot_block(_load_block(P), X, XDp, XSp, ASM)
+        y = tl.sum(tl.where(keep[:, None], v * wk[:, None], 0.0), axis=0)
+        tl.store(Y + t * D + rows, y)
+
+
+def moe_decode_q4k(pool, slot_off, x, weights, roles, cfg_gate_up: dict, cfg_down: dict) -> torch.Tensor:
+    """triton_moe.moe_decode's contract (``applies(roles)``; x float32 [T, D]) -> float32 [T, D]."""
+    T, K = slot_off.shape
+    (go, _, F, D), (uo, _, _, _), (do, _, _, _) = (roles[r] for r in ("gate", "up", "down"))
+    dev = x.device
+    asm = t8.use_asm(dev)
+    pdl = qb.pdl(dev)
+    pool = pool.reshape(-1)
+    w32 = pool.view(torch.int32)
+    slots = slot_off.reshape(-1).contiguous()
+    XQ, XD, XS = t8.quantize_act(x.contiguous())
+    c = cfg_gate_up
+    if F % c["BR"] or D % cfg_down["BR"]:
+        raise ValueError(f"Q4_K MoE launch settings {c}, {cfg_down} do not divide F={F}, D={D}")
+    H = torch.empty((T * K, F), dtype=torch.float32, device=dev)
+    _gate_up_kernel[(F // c["BR"], T * K)](
+        w32, slots, XQ, XD, XS, H, go, uo, F=F, K=K, NB=D // QK, BR=c["BR"], ASM=asm, PDL=pdl,
+        num_warps=c["num_warps"], **qb.launch_kw(pdl),
+    )  # fmt: skip
+    HQ, HD, HS = t8.quantize_act(H)
+    c = cfg_down
+    Y = torch.empty((T, D), dtype=torch.float32, device=dev)
+    _down_kernel[(D // c["BR"], T)](
+        pool, w32, slots, HQ, HD, HS, weights.to(torch.float32).contiguous(), Y, do, D=D, K=K, NBF=F // QK,
+        BR=c["BR"], ASM=asm, PDL=pdl, PF=qb.prefetch(pdl), NT=32 * c["num_warps"], num_warps=c["num_warps"],
+        **qb.launch_kw(pdl),
+    )  # fmt: skip
+    return Y

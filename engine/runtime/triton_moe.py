@@ -208,7 +208,9 @@ def moe_decode(
     if act_mode(x.device, act) == "q8" and F % 32 == 0:
         if triton_q4k_moe.applies(roles):  # the lean Q4_K kernels
             c = launch("moe_q4k_gate_up", gq, F * T * K, name)
-            return triton_q4k_moe.moe_decode_q4k(pool, slot_off, x, weights, roles, c, launch("moe_q4k_down", dq, D * T, name))
+            return triton_q4k_moe.moe_decode_q4k(
+                pool, slot_off, x, weights, roles, c, launch("moe_q4k_down", dq, D * T, name)
+            )
         c = launch("moe_q8_gate_up", gq, F * T * K, name)
         return triton_q8_moe.moe_decode_q8(pool, slot_off, x, weights, roles, c, launch("moe_q8_down", dq, D * T, name))
     slots = slot_off.reshape(-1).contiguous()

@@ -137,7 +137,9 @@ if triton is not None:
             mnb = _byte(mnw, (2 * c + 1) % 4, ASM)
             alo += (ia * sca).to(tl.float32) * dx[2 * c]
             ahi += (ib * scb).to(tl.float32) * dx[2 * c + 1]
-            amn += mna.to(tl.float32) * (sv[4 * c] + sv[4 * c + 1]) + mnb.to(tl.float32) * (sv[4 * c + 2] + sv[4 * c + 3])
+            amn += mna.to(tl.float32) * (sv[4 * c] + sv[4 * c + 1]) + mnb.to(tl.float32) * (
+                sv[4 * c + 2] + sv[4 * c + 3]
+            )
         return d * (alo + ahi * 0.0625) - dmin * amn
 
     @triton.jit
@@ -195,7 +197,9 @@ if triton is not None:
         keep = (lane < NBF) & (slot >= 0)
         wk = tl.load(WT + q)
         zp = tl.zeros([K * NBP, BR], dtype=tl.int32)
-        P = W32 + (tl.multiple_of((tl.maximum(slot, 0) + do) // 4 + lc * BLOCK_WORDS, 4)[:, None] + (rows * RW)[None, :])
+        P = W32 + (
+            tl.multiple_of((tl.maximum(slot, 0) + do) // 4 + lc * BLOCK_WORDS, 4)[:, None] + (rows * RW)[None, :]
+        )
         X = HQ + (zp + (q * (64 * NBF) + lc * 64)[:, None])
         XDp = HD + (zp + (q * (8 * NBF) + lc * 8)[:, None])
         XSp = HS + (zp + (q * (16 * NBF) + lc * 16)[:, None])

@@ -131,3 +131,31 @@ def test_q8_kernels_match_reference_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")
     assert run_script(SCRIPT, ["cuda", "big"], dict(os.environ)).strip().endswith("ok")
+
+
+def test_decode_act_follows_the_models_activation_rounding(monkeypatch):
+    """Routed experts decode on q8 activations on a compiled CUDA device when the model rounds its
+    activations like llama.cpp (q8_act) and the lean all-Q4_K kernels apply; exact float otherwise;
+    $SHARPI_DEVICE_ACT overrides."""
+    torch = pytest.importorskip("torch")
+    from engine.quant.formats import QType
+    from engine.runtime import triton_moe as tm
+    from engine.runtime.triton_gemv import ENV_ACT
+
+    monkeypatch.delenv(ENV_ACT, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q4k = {
+        "gate": (0, QType.Q4_K, 768, 2048),
+        "up": (884736, QType.Q4_K, 768, 2048),
+        "down": (1769472, QType.Q4_K, 2048, 768),
+    }
+    q6k = dict(q4k, down=(1769472, QType.Q6_K, 2048, 768))
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert tm.decode_act(cuda, True, q4k) == "q8"
+    assert tm.decode_act(cuda, False, q4k) == "f32"  # --exact-float
+    assert tm.decode_act(cuda, True, q6k) == "f32"  # the general q8 kernels are not faster
+    assert tm.decode_act(cpu, True, q4k) == "f32"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tm.decode_act(cuda, True, q4k) == "f32"
+    monkeypatch.setenv(ENV_ACT, "q8")
+    assert tm.decode_act(cuda, False, q6k) == "q8"

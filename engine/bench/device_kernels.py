@@ -12,10 +12,13 @@ the 50 MB L2 cannot serve them:
 - ``qkv``: a layer's q [4096, 2048], k and v [512, 2048] together through
   :func:`engine.runtime.triton_gemv.matmul_many` (one launch in q8 mode; three in f32 mode).
 
-The main columns time the default kernels (exact-float, ``act="f32"``) as a decode step's CUDA graph
-runs them: with programmatic dependent launch on a GPU that has it (``triton_qblocks.pdl``), so each
-call starts launching and prefetching its weights while the previous one runs. Beside them: the
-same kernels with PDL off (``SHARPI_PDL=0``) and the integer q8-activation kernels (``act="q8"``).
+The main columns time the kernels a default session runs (:func:`default_act`: the routed experts on
+q8 activations where the lean all-Q4_K kernels apply, exact float elsewhere) as a decode step's CUDA
+graph runs them: with programmatic dependent launch on a GPU that has it (``triton_qblocks.pdl``), so
+each call starts launching and prefetching its weights while the previous one runs. Beside them: the
+same kernels with PDL off (``SHARPI_PDL=0``), the exact-float and the integer q8-activation kernels,
+the copy floor and the read floor (:mod:`engine.bench.read_floor`: the same launches reading the same
+bytes and nothing else — no kernel over those bytes can pass it).
 
 Times are CUDA-event medians over replays of a CUDA graph holding one call per distinct weight set
 (device time, launch gaps closed), and over the same calls launched eagerly (what Python adds).
@@ -228,24 +231,39 @@ def _without_pdl(fn):
         return fn()
 
 
+def default_act(qtype: QType, wl: str) -> str:
+    """The activation mode a default session (``q8_act``: activations rounded like llama.cpp) runs a
+    workload with on this GPU: the routed experts per ``triton_moe.decode_act``, trunk matrices exact
+    float (``triton_gemv.act_mode``)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if wl == "moe":
+        roles = {"gate": (0, qtype, F, D), "up": (0, qtype, F, D), "down": (0, qtype, D, F)}
+        return triton_moe.decode_act(dev, True, roles)
+    return triton_gemv.act_mode(dev)
+
+
 def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS, extra: bool = True) -> dict:
-    """Per type × workload: the default kernels (exact-float, programmatic dependent launch where the
-    GPU has it — as a decode step's CUDA graph runs them) and, with ``extra``, the same kernels with
-    PDL off (``nopdl_us``) and the integer q8 kernels (``q8_us``)."""
+    """Per type × workload: the kernels a default session runs (``default_act``; programmatic dependent
+    launch where the GPU has it — as a decode step's CUDA graph runs them) and, with ``extra``, the same
+    with PDL off (``nopdl_us``), the exact-float kernels (``f32_us``) and the integer q8 kernels
+    (``q8_us``) — one of the two is the main column again — and the read floor of the same launches."""
     bw = measure_bandwidth()
     rep = {"device": torch.cuda.get_device_name(), "bandwidth_gb_s": bw, "pdl": qb.pdl_supported(), "types": {}}
     for q in types:
         q = QType(q)
         r = {}
         for wl in workloads:
+            act = default_act(q, wl)
 
-            def timed(reference=False, act="f32", q=q, wl=wl):
+            def timed(reference=False, act=act, q=q, wl=wl):
                 return moe_workload(q, reference, act) if wl == "moe" else trunk_workload(q, wl, reference, act)
 
             v = timed(True)
+            v["act"] = act
             if extra:
                 v["nopdl_us"] = _without_pdl(timed)["graph_us"]
-                v["q8_us"] = timed(act="q8")["graph_us"]
+                for a in ("f32", "q8"):
+                    v[f"{a}_us"] = v["graph_us"] if a == act else timed(act=a)["graph_us"]
             v["gb_s"] = v["bytes"] / (v["graph_us"] / 1e6) / GB
             v["fraction"] = v["gb_s"] / bw
             v["speedup"] = v["reference_us"] / v["eager_us"]
@@ -261,23 +279,25 @@ def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS, extra: bool = True) ->
 def report_lines(rep: dict) -> list[str]:
     lines = [f"{rep['device']}: measured copy bandwidth {rep['bandwidth_gb_s']:.0f} GB/s (read + write)"]
     lines.append(
-        "graph us: the default (exact-float) kernels in a CUDA graph, one call per distinct weight set, "
+        "graph us: the kernels a default session runs (act: q8 = activations rounded like llama.cpp, integer "
+        "kernels; f32 = exact float) in a CUDA graph, one call per distinct weight set, "
         f"programmatic dependent launch {'on' if rep.get('pdl') else 'not available'}; "
-        "no-PDL us: the same with SHARPI_PDL=0; q8 us: the integer kernels (SHARPI_DEVICE_ACT=q8); "
+        "no-PDL us: the same with SHARPI_PDL=0; f32 us / q8 us: the exact-float / integer kernels; "
         "read floor: kernels that only read the same bytes, same launches, best PDL arrangement (engine.bench.read_floor)"
     )
     lines.append(
-        "type  workload  graph us  GB/s (of bw)   eager us  torch ref us  speedup(eager)  distinct weights"
-        "  copy us (of bw)  no-PDL us    q8 us  read floor us (of bw)"
+        "type  workload act  graph us  GB/s (of bw)   eager us  torch ref us  speedup(eager)  distinct weights"
+        "  copy us (of bw)  no-PDL us   f32 us    q8 us  read floor us (of bw)"
     )
     for t, r in rep["types"].items():
         for wl, v in r.items():
             nopdl = f"{v['nopdl_us']:9.1f}" if "nopdl_us" in v else "        -"
+            f32 = f"{v['f32_us']:8.1f}" if "f32_us" in v else "       -"
             q8 = f"{v['q8_us']:8.1f}" if "q8_us" in v else "       -"
             lines.append(
-                f"{t:<5} {wl:<8} {v['graph_us']:9.1f}  {v['gb_s']:6.0f} ({v['fraction']:4.0%})  {v['eager_us']:8.1f}"
+                f"{t:<5} {wl:<8} {v.get('act', 'f32'):<3} {v['graph_us']:9.1f}  {v['gb_s']:6.0f} ({v['fraction']:4.0%})  {v['eager_us']:8.1f}"
                 f"  {v['reference_us']:12.1f}  {v['speedup']:13.1f}x  {v['layers'] * v['bytes'] / GB:.2f} GB"
-                f"  {v['copy_us']:7.1f} ({v['copy_fraction']:4.0%})  {nopdl}  {q8}"
+                f"  {v['copy_us']:7.1f} ({v['copy_fraction']:4.0%})  {nopdl}  {f32}  {q8}"
                 f"  {v['floor_us']:13.1f} ({v['floor_fraction']:4.0%})"
             )
     return lines

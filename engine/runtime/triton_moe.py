@@ -26,6 +26,8 @@ each; ``tests/test_triton_moe.py`` holds them together.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engine.models.layers import silu_mul
@@ -33,7 +35,7 @@ from engine.quant.formats import QType, block_format
 from engine.runtime import triton_q4k_moe, triton_q8_moe
 from engine.runtime import triton_qblocks as qb
 from engine.runtime.tdequant import dequantize_at
-from engine.runtime.triton_gemv import LAUNCH, UNROLL, act_mode, device_name, launch
+from engine.runtime.triton_gemv import ENV_ACT, LAUNCH, UNROLL, act_mode, device_name, launch
 
 triton, tl = qb.triton, qb.tl
 
@@ -185,6 +187,18 @@ if triton is not None:
 
 
 # -- decode ------------------------------------------------------------------------------------
+def decode_act(device: torch.device, q8_act: bool, roles: dict) -> str:
+    """The activation mode a model's routed experts decode with on ``device``: ``$SHARPI_DEVICE_ACT``
+    when set; else, for a model that rounds its activations like llama.cpp (``q8_act``, the default),
+    ``"q8"`` where the lean all-Q4_K kernels apply (triton_q4k_moe: on the H100 1.56× the exact-float
+    kernels, docs/benchmarks-gpu.md) on a compiled CUDA device; else ``"f32"`` (the exact-float
+    kernels, which the general q8 kernels do not beat)."""
+    if os.environ.get(ENV_ACT, "").strip():
+        return act_mode(device, None)
+    compiled = device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    return "q8" if q8_act and compiled and triton_q4k_moe.applies(roles) else "f32"
+
+
 def moe_decode(
     pool: torch.Tensor,
     slot_off: torch.Tensor,

@@ -94,12 +94,12 @@ for name, (rows, n) in shapes.items():
 Q = QType
 if not big:
     cases = [((Q.Q4_K, Q.Q4_K, Q.Q6_K), 256, 256), ((Q.Q8_0, Q.Q4_0, Q.Q5_K), 256, 96), ((Q.Q4_0, Q.Q8_0, Q.Q8_0), 96, 64),
-             ((Q.Q4_K, Q.Q4_K, Q.Q4_K), 256, 512)]  # the last: triton_q4k_moe
+             ((Q.Q4_K, Q.Q4_K, Q.Q4_K), 256, 512)]  # Q4_K gate/up: triton_q4k_moe
     E, K, Ts = 3, 2, (1, 3)
     cfgs = (({"BR": 16, "NB": 2, "num_warps": 4}, {"BR": 64, "NB": 1, "num_warps": 4, "KSPLIT": 1}),)  # h in float
 else:
     cases = [((Q.Q4_0, Q.Q4_0, Q.Q8_0), 768, 2048), ((Q.Q5_K, Q.Q5_K, Q.Q5_K), 768, 2048), ((Q.Q4_K, Q.Q4_K, Q.Q6_K), 768, 2048),
-             ((Q.Q4_K, Q.Q4_K, Q.Q4_K), 768, 2048)]  # the last: triton_q4k_moe
+             ((Q.Q4_K, Q.Q4_K, Q.Q4_K), 768, 2048)]  # Q4_K gate/up: triton_q4k_moe
     E, K, Ts = 16, 8, (1, 4)
     # h quantized in the gate/up tile (BR 32; the table's BR 8 keeps h in float), on the Q4_0 case only
     cfgs = (({"BR": 32, "NB": 16, "num_warps": 4}, {"BR": 16, "NB": 32, "num_warps": 4, "KSPLIT": 1}),)
@@ -107,9 +107,11 @@ for types, F, D in cases:
     pool, stride, roles = expert_pool(types, F, D, E, dev, rng)
     for T in Ts:
         slot_off, x, w = routing_case(T, K, E, D, stride, dev, rng)
-        ref = m8.moe_decode_q8_reference(pool, slot_off, x, w, roles)
-        y = tm.moe_decode(pool, slot_off, x, w, roles, act="q8")
+        lean_gu = types[:2] == (Q.Q4_K, Q.Q4_K)  # triton_q4k_moe's gate/up; h rounded only into its Q4_K down
+        assert tm.triton_q4k_moe.applies_gate_up(roles) == lean_gu
         assert tm.triton_q4k_moe.applies(roles) == (types == (Q.Q4_K,) * 3)
+        ref = m8.moe_decode_q8_reference(pool, slot_off, x, w, roles, round_h=not lean_gu or types[2] == Q.Q4_K)
+        y = tm.moe_decode(pool, slot_off, x, w, roles, act="q8")
         errs = [rel(y, ref)]
         for cg, cd in cfgs if (types[0] == Q.Q4_0 if big else F <= 96) else ():  # one case: compile time
             errs.append(rel(m8.moe_decode_q8(pool, slot_off, x, w, roles, cg, cd), ref))
@@ -135,7 +137,7 @@ def test_q8_kernels_match_reference_on_cuda():
 
 def test_decode_act_follows_the_models_activation_rounding(monkeypatch):
     """Routed experts decode on q8 activations on a compiled CUDA device when the model rounds its
-    activations like llama.cpp (q8_act) and the lean all-Q4_K kernels apply; exact float otherwise;
+    activations like llama.cpp (q8_act) and the lean Q4_K gate/up kernel applies; exact float otherwise;
     $SHARPI_DEVICE_ACT overrides."""
     torch = pytest.importorskip("torch")
     from engine.quant.formats import QType
@@ -149,9 +151,11 @@ def test_decode_act_follows_the_models_activation_rounding(monkeypatch):
         "up": (884736, QType.Q4_K, 768, 2048),
         "down": (1769472, QType.Q4_K, 2048, 768),
     }
-    q6k = dict(q4k, down=(1769472, QType.Q6_K, 2048, 768))
+    q6k_down = dict(q4k, down=(1769472, QType.Q6_K, 2048, 768))  # a Q4_K_M layer with more bits
+    q6k = {r: (o, QType.Q6_K, R, n) for r, (o, _, R, n) in q4k.items()}
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert tm.decode_act(cuda, True, q4k) == "q8"
+    assert tm.decode_act(cuda, True, q6k_down) == "q8"  # lean gate/up, exact-float down
     assert tm.decode_act(cuda, False, q4k) == "f32"  # --exact-float
     assert tm.decode_act(cuda, True, q6k) == "f32"  # the general q8 kernels are not faster
     assert tm.decode_act(cpu, True, q4k) == "f32"

@@ -190,13 +190,13 @@ if triton is not None:
 def decode_act(device: torch.device, q8_act: bool, roles: dict) -> str:
     """The activation mode a model's routed experts decode with on ``device``: ``$SHARPI_DEVICE_ACT``
     when set; else, for a model that rounds its activations like llama.cpp (``q8_act``, the default),
-    ``"q8"`` where the lean all-Q4_K kernels apply (triton_q4k_moe: on the H100 1.56× the exact-float
-    kernels, docs/benchmarks-gpu.md) on a compiled CUDA device; else ``"f32"`` (the exact-float
-    kernels, which the general q8 kernels do not beat)."""
+    ``"q8"`` where the lean Q4_K gate/up kernel applies (triton_q4k_moe; with a Q4_K down too, the whole
+    MoE on the H100 takes 1/1.56 of the exact-float kernels' time, docs/benchmarks-gpu.md) on a compiled
+    CUDA device; else ``"f32"`` (the exact-float kernels, which the general q8 kernels do not beat)."""
     if os.environ.get(ENV_ACT, "").strip():
         return act_mode(device, None)
     compiled = device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-    return "q8" if q8_act and compiled and triton_q4k_moe.applies(roles) else "f32"
+    return "q8" if q8_act and compiled and triton_q4k_moe.applies_gate_up(roles) else "f32"
 
 
 def moe_decode(
@@ -212,30 +212,35 @@ def moe_decode(
     pool uint8 [n_slots·stride] (flat or [n_slots, stride]); slot_off int64 [T, K] byte offset of
     each pair's slot (−1: skip the pair); x float32 [T, D]; weights float32 [T, K];
     roles: {"gate"|"up"|"down": (byte offset in the slot, qtype, rows, n)} -> float32 [T, D].
-    act: "q8" | "f32" | None (triton_gemv.act_mode).
+    act: "q8" | "f32" | None (triton_gemv.act_mode). In q8 mode, gate and up Q4_K: the lean kernels of
+    triton_q4k_moe (down Q4_K: all lean; else h in float into the exact-float down kernel, i.e.
+    triton_q8_moe.moe_decode_q8_reference(..., round_h=False)); other types: triton_q8_moe.
     """
     T, K = slot_off.shape
     (go, gq, F, D), (uo, uq, _, _), (do, dq, _, _) = (roles[r] for r in ("gate", "up", "down"))
     gq, uq, dq = QType(gq), QType(uq), QType(dq)
     name = device_name(x.device)
     pdl = qb.pdl(x.device)
-    if act_mode(x.device, act) == "q8" and F % 32 == 0:
-        if triton_q4k_moe.applies(roles):  # the lean Q4_K kernels
-            c = launch("moe_q4k_gate_up", gq, F * T * K, name)
-            return triton_q4k_moe.moe_decode_q4k(
-                pool, slot_off, x, weights, roles, c, launch("moe_q4k_down", dq, D * T, name)
-            )
+    slots = slot_off.reshape(-1).contiguous()
+    q8 = act_mode(x.device, act) == "q8"
+    if q8 and triton_q4k_moe.applies_gate_up(roles):  # the lean Q4_K kernels: h in float
+        H = triton_q4k_moe.gate_up(pool, slots, x, roles, K, launch("moe_q4k_gate_up", gq, F * T * K, name))
+        if triton_q4k_moe.applies(roles):
+            return triton_q4k_moe.down(pool, slots, H, weights, roles, K, launch("moe_q4k_down", dq, D * T, name))
+        # else: h in float into the exact-float down kernel below (no q8 down beats it for these types)
+    elif q8 and F % 32 == 0:
         c = launch("moe_q8_gate_up", gq, F * T * K, name)
         return triton_q8_moe.moe_decode_q8(pool, slot_off, x, weights, roles, c, launch("moe_q8_down", dq, D * T, name))
-    slots = slot_off.reshape(-1).contiguous()
-    H = torch.empty((T * K, F), dtype=torch.float32, device=x.device)
-    c = launch("moe_gate_up", gq, F * T * K, name)
-    g_nb, u_nb, lim = D // qb.GEOMETRY[gq][1], D // qb.GEOMETRY[uq][1], c.get("UNROLL", UNROLL)
-    _gate_up_kernel[(triton.cdiv(F, c["BR"]), T * K)](
-        pool, slots, x.contiguous(), H, F, D, K, go, uo, block_format(gq).row_bytes(D), block_format(uq).row_bytes(D),
-        g_nb, u_nb, BR=c["BR"], NB=c["NB"], STEPS=qb.steps(g_nb, c["NB"], lim), STEPSu=qb.steps(u_nb, c["NB"], lim),
-        PDL=pdl, num_warps=c["num_warps"], **_geo(gq), **_geo(uq, "u"), **qb.launch_kw(pdl),
-    )  # fmt: skip
+    else:
+        H = torch.empty((T * K, F), dtype=torch.float32, device=x.device)
+        c = launch("moe_gate_up", gq, F * T * K, name)
+        g_nb, u_nb, lim = D // qb.GEOMETRY[gq][1], D // qb.GEOMETRY[uq][1], c.get("UNROLL", UNROLL)
+        _gate_up_kernel[(triton.cdiv(F, c["BR"]), T * K)](
+            pool, slots, x.contiguous(), H, F, D, K, go, uo, block_format(gq).row_bytes(D),
+            block_format(uq).row_bytes(D), g_nb, u_nb, BR=c["BR"], NB=c["NB"], STEPS=qb.steps(g_nb, c["NB"], lim),
+            STEPSu=qb.steps(u_nb, c["NB"], lim), PDL=pdl, num_warps=c["num_warps"], **_geo(gq), **_geo(uq, "u"),
+            **qb.launch_kw(pdl),
+        )  # fmt: skip
     c = launch("moe_down", dq, D * T, name)
     ks = max(1, min(c.get("KSPLIT", 1), K))
     Y = torch.empty((ks, T, D), dtype=torch.float32, device=x.device)

@@ -1,12 +1,13 @@
 """Routed-expert decode for Q4_K experts on q8 activations with the fewest instructions a weight byte:
-the fast path of :func:`engine.runtime.triton_moe.moe_decode` in q8 mode when gate, up and down are
-all Q4_K (the bulk of a Q4_K_M file). Same contract and same arithmetic as
-:func:`engine.runtime.triton_q8_moe.moe_decode_q8` — x and h rounded by ``triton_q8``'s rule, integer
-dp4a products — so :func:`engine.runtime.triton_q8_moe.moe_decode_q8_reference` is its reference too.
+the fast path of :func:`engine.runtime.triton_moe.moe_decode` in q8 mode when gate and up are Q4_K
+(a Q4_K_M file's experts; its down is Q4_K or, on a third to a half of the layers, Q6_K). The same
+arithmetic as :mod:`engine.runtime.triton_q8_moe` — activations rounded by ``triton_q8``'s rule,
+integer dp4a products — so :func:`engine.runtime.triton_q8_moe.moe_decode_q8_reference` is the
+reference (with ``round_h=False`` when the down is not Q4_K and h goes to the exact-float down kernel).
 
-Three launches: ``triton_q8.quantize_act(x)``; :func:`_gate_up_kernel`, grid (F/BR, T·K), writes
-``h = SiLU(gate·x) · (up·x)`` as float32 (whole rows a program, so the grid is large), then
-``quantize_act(h)``; :func:`_down_kernel`, grid (D/BR, T), sums ``w_k · down_k · h_k`` with the
+:func:`gate_up`: ``triton_q8.quantize_act(x)``, then :func:`_gate_up_kernel`, grid (F/BR, T·K), writes
+``h = SiLU(gate·x) · (up·x)`` as float32 (whole rows a program, so the grid is large). :func:`down`:
+``quantize_act(h)``, then :func:`_down_kernel`, grid (D/BR, T), sums ``w_k · down_k · h_k`` with the
 experts × a row's blocks on one tensor axis (a thread owns one block of one row).
 
 What makes them lean (measured on an H100 by ``packaging/gpu_labs/moe_lean.py``; 1.75–2.4 SASS
@@ -36,12 +37,17 @@ BLOCK_WORDS = tl.constexpr(36) if tl is not None else 36  # int32 words a block 
 QK = 256  # elements a Q4_K block
 
 
-def applies(roles: dict) -> bool:
-    """Whether these expert roles take this path: gate, up and down all Q4_K, widths multiples of 256,
+def applies_gate_up(roles: dict) -> bool:
+    """Whether the gate/up kernel takes these expert roles: gate and up Q4_K, F and D multiples of 256,
     role offsets 16-byte aligned (the slot pool aligns roles to 256 bytes)."""
-    (go, gq, F, D), (uo, uq, _, _), (do, dq, _, _) = (roles[r] for r in ("gate", "up", "down"))
-    same = QType(gq) == QType(uq) == QType(dq) == QType.Q4_K
+    (go, gq, F, D), (uo, uq, _, _), (do, _, _, _) = (roles[r] for r in ("gate", "up", "down"))
+    same = QType(gq) == QType(uq) == QType.Q4_K
     return same and F % QK == 0 and D % QK == 0 and go % 16 == uo % 16 == do % 16 == 0
+
+
+def applies(roles: dict) -> bool:
+    """Whether both kernels take these roles (down Q4_K too)."""
+    return applies_gate_up(roles) and QType(roles["down"][1]) == QType.Q4_K
 
 
 if triton is not None:
@@ -208,31 +214,39 @@ if triton is not None:
         tl.store(Y + t * D + rows, y)
 
 
-def moe_decode_q4k(pool, slot_off, x, weights, roles, cfg_gate_up: dict, cfg_down: dict) -> torch.Tensor:
-    """triton_moe.moe_decode's contract (``applies(roles)``; x float32 [T, D]) -> float32 [T, D]."""
-    T, K = slot_off.shape
-    (go, _, F, D), (uo, _, _, _), (do, _, _, _) = (roles[r] for r in ("gate", "up", "down"))
+def gate_up(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, roles: dict, K: int, cfg: dict) -> torch.Tensor:
+    """h = SiLU(gate·x̂) · (up·x̂) float32 [T·K, F] of the pairs at byte offsets ``slots`` [T·K] (−1: h = 0),
+    x̂ = x [T, D] through triton_q8's rounding (``applies_gate_up(roles)``)."""
+    (go, _, F, D), (uo, _, _, _) = roles["gate"], roles["up"]
+    if F % cfg["BR"]:
+        raise ValueError(f"Q4_K MoE gate/up launch setting {cfg} does not divide F={F}")
     dev = x.device
-    asm = t8.use_asm(dev)
     pdl = qb.pdl(dev)
-    pool = pool.reshape(-1)
-    w32 = pool.view(torch.int32)
-    slots = slot_off.reshape(-1).contiguous()
     XQ, XD, XS = t8.quantize_act(x.contiguous())
-    c = cfg_gate_up
-    if F % c["BR"] or D % cfg_down["BR"]:
-        raise ValueError(f"Q4_K MoE launch settings {c}, {cfg_down} do not divide F={F}, D={D}")
-    H = torch.empty((T * K, F), dtype=torch.float32, device=dev)
-    _gate_up_kernel[(F // c["BR"], T * K)](
-        w32, slots, XQ, XD, XS, H, go, uo, F=F, K=K, NB=D // QK, BR=c["BR"], ASM=asm, PDL=pdl,
-        num_warps=c["num_warps"], **qb.launch_kw(pdl),
+    H = torch.empty((slots.numel(), F), dtype=torch.float32, device=dev)
+    _gate_up_kernel[(F // cfg["BR"], slots.numel())](
+        pool.reshape(-1).view(torch.int32), slots, XQ, XD, XS, H, go, uo, F=F, K=K, NB=D // QK, BR=cfg["BR"],
+        ASM=t8.use_asm(dev), PDL=pdl, num_warps=cfg["num_warps"], **qb.launch_kw(pdl),
     )  # fmt: skip
+    return H
+
+
+def down(pool: torch.Tensor, slots: torch.Tensor, H: torch.Tensor, weights: torch.Tensor, roles: dict, K: int,
+         cfg: dict) -> torch.Tensor:  # fmt: skip
+    """Σ_k weights[t, k] · down_k · ĥ_{t·K+k} float32 [T, D], ĥ = H [T·K, F] through triton_q8's rounding
+    (``applies(roles)``)."""
+    do, _, D, F = roles["down"]
+    if D % cfg["BR"]:
+        raise ValueError(f"Q4_K MoE down launch setting {cfg} does not divide D={D}")
+    T = slots.numel() // K
+    dev = H.device
+    pdl = qb.pdl(dev)
     HQ, HD, HS = t8.quantize_act(H)
-    c = cfg_down
+    pool = pool.reshape(-1)
     Y = torch.empty((T, D), dtype=torch.float32, device=dev)
-    _down_kernel[(D // c["BR"], T)](
-        pool, w32, slots, HQ, HD, HS, weights.to(torch.float32).contiguous(), Y, do, D=D, K=K, NBF=F // QK,
-        BR=c["BR"], ASM=asm, PDL=pdl, PF=qb.prefetch(pdl), NT=32 * c["num_warps"], num_warps=c["num_warps"],
-        **qb.launch_kw(pdl),
+    _down_kernel[(D // cfg["BR"], T)](
+        pool, pool.view(torch.int32), slots, HQ, HD, HS, weights.to(torch.float32).contiguous(), Y, do, D=D, K=K,
+        NBF=F // QK, BR=cfg["BR"], ASM=t8.use_asm(dev), PDL=pdl, PF=qb.prefetch(pdl), NT=32 * cfg["num_warps"],
+        num_warps=cfg["num_warps"], **qb.launch_kw(pdl),
     )  # fmt: skip
     return Y

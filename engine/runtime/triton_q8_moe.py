@@ -153,13 +153,15 @@ def moe_decode_q8(pool, slot_off, x, weights, roles, cfg_gate_up: dict, cfg_down
     return Y[0] if ks == 1 else Y.sum(0)
 
 
-def moe_decode_q8_reference(pool, slot_off, x, weights, roles) -> torch.Tensor:
-    """:func:`moe_decode_q8` by torch: dequantized weights, x and h through the q8 rounding rule."""
+def moe_decode_q8_reference(pool, slot_off, x, weights, roles, round_h: bool = True) -> torch.Tensor:
+    """:func:`moe_decode_q8` by torch: dequantized weights, x and h through the q8 rounding rule (h in
+    float with ``round_h=False``: triton_moe's q8 mode for a Q4_K gate/up over another down type)."""
     y = torch.zeros_like(x, dtype=torch.float32)
     xq = t8.q8_round_trip(x)
     for t, k in zip(*torch.nonzero(slot_off >= 0, as_tuple=True)):
         s = int(slot_off[t, k])
         g, u, d = (dequantize_at(pool, s + roles[r][0], *roles[r][1:]) for r in ("gate", "up", "down"))
-        h = t8.q8_round_trip(silu_mul(g @ xq[t], u @ xq[t])[None])[0]
+        h = silu_mul(g @ xq[t], u @ xq[t])
+        h = t8.q8_round_trip(h[None])[0] if round_h else h
         y[t] += weights[t, k] * (d @ h)
     return y

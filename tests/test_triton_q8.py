@@ -136,9 +136,9 @@ def test_q8_kernels_match_reference_on_cuda():
 
 
 def test_decode_act_follows_the_models_activation_rounding(monkeypatch):
-    """Routed experts decode on q8 activations on a compiled CUDA device when the model rounds its
-    activations like llama.cpp (q8_act) and the lean Q4_K gate/up kernel applies; exact float otherwise;
-    $SHARPI_DEVICE_ACT overrides."""
+    """Routed experts decode on q8 activations on a compiled CUDA device inside a graph capture when the
+    model rounds its activations like llama.cpp (q8_act) and the lean Q4_K gate/up kernel applies; exact
+    float otherwise; $SHARPI_DEVICE_ACT overrides."""
     torch = pytest.importorskip("torch")
     from engine.quant.formats import QType
     from engine.runtime import triton_moe as tm
@@ -154,6 +154,9 @@ def test_decode_act_follows_the_models_activation_rounding(monkeypatch):
     q6k_down = dict(q4k, down=(1769472, QType.Q6_K, 2048, 768))  # a Q4_K_M layer with more bits
     q6k = {r: (o, QType.Q6_K, R, n) for r, (o, _, R, n) in q4k.items()}
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert tm.decode_act(cuda, True, q4k) == "f32"  # eager launches
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert tm.decode_act(cuda, True, q4k) == "q8"
     assert tm.decode_act(cuda, True, q6k_down) == "q8"  # lean gate/up, exact-float down
     assert tm.decode_act(cuda, False, q4k) == "f32"  # --exact-float

@@ -19,19 +19,7 @@ import triton
 import triton.language as tl
 
 from engine.runtime import triton_qblocks as qb
-
-
-@triton.jit
-def _dp4a(a, b, c, ASM: tl.constexpr):
-    """c + Σ over 4 bytes of a (unsigned) × b (signed)."""
-    if ASM:
-        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
-                                         is_pure=True, pack=1)  # fmt: skip
-    else:
-        s = c
-        for k in tl.static_range(4):
-            s += ((a >> (8 * k)) & 0xFF) * ((b << (24 - 8 * k)) >> 24)
-        return s
+from engine.runtime.triton_q4k_moe import _dp4a
 
 
 @triton.jit
@@ -223,8 +211,6 @@ if __name__ == "__main__":
             lean(m, xq, rows, n, BR, w, ch)
         torch.cuda.synchronize()
     elif not torch.cuda.is_available():  # parity in Triton's interpreter (TRITON_INTERPRET=1)
-        from engine.bench.device_kernels import _fill_fields
-
         gen = torch.Generator().manual_seed(0)
         for rows, n in ((13, 2048), (8, 4096)):
             raw = torch.randint(0, 256, (rows * n // 256 * 144,), dtype=torch.uint8, generator=gen)

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The quantized Triton kernels on the lent GPU machine (see docs/benchmarks-gpu.md):
-#   1. CUDA parity tests of the GEMV, fused MoE and tiled kernels, float and q8/dp4a (and the expert
-#      cache through them), and of a captured chain of PDL kernels against the eager calls;
-#   2. `sharpi bench device-kernels` with the default launch settings (it takes ~6 min: the default
-#      kernels with and without programmatic dependent launch, the q8 kernels, torch, copy floors);
+#   1. CUDA parity tests of the GEMV, fused MoE and tiled kernels, float, q8/dp4a and the lean Q4_K
+#      MoE (and the expert cache through them), of a captured chain of PDL kernels against the eager
+#      calls, and of the read-floor kernel;
+#   2. `sharpi bench device-kernels` with the default launch settings (~3 min: a default session's
+#      kernels with and without programmatic dependent launch, the f32 and q8 kernels, torch, copy
+#      and read floors);
 #   3. `--tune`: compile every candidate setting in parallel processes first (Triton's disk cache),
 #      then time them one process at a time, and re-run the bench with the winners.
 # Usage (on the GPU machine, from the repo root): bash packaging/device_kernels_check.sh OUTDIR
@@ -15,7 +17,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.t
 S=$(date +%s)
 timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W ignore::DeprecationWarning \
   tests/test_triton_gemv.py tests/test_triton_moe.py tests/test_triton_q8.py tests/test_runtime.py tests/test_pdl.py \
-  -k "(cuda and (triton or moe or quantized or q8)) or pdl" \
+  tests/test_read_floor.py -k "(cuda and (triton or moe or quantized or q8)) or pdl or decode_act or read" \
   --durations=0 2>&1 | tail -25 | tee "$OUT/tests.txt"
 echo "tests: $(( $(date +%s) - S )) s"
 timeout 420 python3 -m engine.cli.main bench device-kernels 2>&1 | tee "$OUT/bench_default.txt"

@@ -192,7 +192,7 @@ def decode_act(device: torch.device, q8_act: bool, roles: dict) -> str:
     when set; else, for a model that rounds its activations like llama.cpp (``q8_act``, the default),
     ``"q8"`` where the lean Q4_K gate/up kernel applies (triton_q4k_moe) on a compiled CUDA device
     *while a CUDA graph is being captured* — the decode step of a wholly-on-GPU placement, where the
-    whole MoE on the H100 takes 1/1.63 of the exact-float kernels' time and decode runs 1.15× faster
+    whole MoE on the H100 takes 1/1.63 of the exact-float kernels' time and decode runs 1.11–1.15× faster
     (docs/benchmarks-gpu.md, session 5); else ``"f32"``. Eager launches keep the exact-float kernels:
     the q8 path is two launches more a layer, and from Python (the 12 GiB cache placement) it measured
     no faster (7.1 against 8.2 tok/s over three noisy pairs); the general q8 kernels never beat them."""

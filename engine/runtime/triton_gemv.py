@@ -82,7 +82,7 @@ def act_mode(device: torch.device, act: str | None = None) -> str:
     device and ``"f32"`` otherwise (Triton's interpreter, the simulated device)."""
     mode = (act or os.environ.get(ENV_ACT, "")).strip().lower()
     if not mode:
-        mode = DEFAULT_ACT if device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" else "f32"
+        mode = DEFAULT_ACT if qb.compiled(device) else "f32"
     if mode not in ACT_MODES:
         raise ValueError(f"device activation mode {mode!r}: expected one of {ACT_MODES}")
     return mode

@@ -198,8 +198,7 @@ def decode_act(device: torch.device, q8_act: bool, roles: dict) -> str:
     no faster (7.1 against 8.2 tok/s over three noisy pairs); the general q8 kernels never beat them."""
     if os.environ.get(ENV_ACT, "").strip():
         return act_mode(device, None)
-    compiled = device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-    if not (q8_act and compiled and triton_q4k_moe.applies_gate_up(roles)):
+    if not (q8_act and qb.compiled(device) and triton_q4k_moe.applies_gate_up(roles)):
         return "f32"
     return "q8" if torch.cuda.is_current_stream_capturing() else "f32"
 

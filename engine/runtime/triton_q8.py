@@ -24,8 +24,6 @@ activation scale) into ``acc [BT, BR, NB, NA]``; per-block offset terms go to
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from engine.runtime import triton_qblocks as qb
@@ -47,7 +45,7 @@ def int32_view(W: torch.Tensor) -> torch.Tensor:
 
 def use_asm(device: torch.device) -> bool:
     """PTX dp4a on a compiled CUDA device; the plain-Triton emulation in the interpreter."""
-    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    return qb.compiled(device)
 
 
 def q8_geometry(qtype) -> dict:

@@ -229,6 +229,11 @@ def _pdl_device(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def compiled(device) -> bool:
+    """Triton compiles for ``device``: a CUDA device, not Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def _gdc_compiled() -> bool:
     """Triton has grid dependency control and compiles (its interpreter has none)."""
     return gdc_wait is not None and os.environ.get("TRITON_INTERPRET") != "1"

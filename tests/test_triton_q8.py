@@ -154,15 +154,17 @@ def test_decode_act_follows_the_models_activation_rounding(monkeypatch):
     q6k_down = dict(q4k, down=(1769472, QType.Q6_K, 2048, 768))  # a Q4_K_M layer with more bits
     q6k = {r: (o, QType.Q6_K, R, n) for r, (o, _, R, n) in q4k.items()}
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert tm.decode_act(cuda, True, q4k) == "f32"  # eager launches
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert tm.decode_act(cuda, True, q4k, capturing=False) == "f32"  # eager launches
+    assert tm.decode_act(cuda, True, q4k, capturing=True) == "q8"
+    assert tm.decode_act(cuda, True, q6k_down, capturing=True) == "q8"  # lean gate/up, exact-float down
+    assert tm.decode_act(cuda, False, q4k, capturing=True) == "f32"  # --exact-float
+    assert tm.decode_act(cuda, True, q6k, capturing=True) == "f32"  # the general q8 kernels are not faster
+    assert tm.decode_act(cpu, True, q4k, capturing=True) == "f32"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # by default, torch is asked
     assert tm.decode_act(cuda, True, q4k) == "q8"
-    assert tm.decode_act(cuda, True, q6k_down) == "q8"  # lean gate/up, exact-float down
-    assert tm.decode_act(cuda, False, q4k) == "f32"  # --exact-float
-    assert tm.decode_act(cuda, True, q6k) == "f32"  # the general q8 kernels are not faster
-    assert tm.decode_act(cpu, True, q4k) == "f32"
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert tm.decode_act(cuda, True, q4k) == "f32"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tm.decode_act(cuda, True, q4k, capturing=True) == "f32"
     monkeypatch.setenv(ENV_ACT, "q8")
     assert tm.decode_act(cuda, False, q6k) == "q8"

@@ -234,13 +234,12 @@ def _without_pdl(fn):
 def default_act(qtype: QType, wl: str) -> str:
     """The activation mode a default session (``q8_act``: activations rounded like llama.cpp) runs a
     workload with in a decode step's CUDA graph on this GPU: the routed experts per
-    ``triton_moe.decode_act`` (asked as during a capture), trunk matrices exact float
+    ``triton_moe.decode_act`` for a captured launch, trunk matrices exact float
     (``triton_gemv.act_mode``)."""
     dev = torch.device("cuda", torch.cuda.current_device())
     if wl == "moe":
         roles = {"gate": (0, qtype, F, D), "up": (0, qtype, F, D), "down": (0, qtype, D, F)}
-        with mock.patch.object(torch.cuda, "is_current_stream_capturing", return_value=True):
-            return triton_moe.decode_act(dev, True, roles)
+        return triton_moe.decode_act(dev, True, roles, capturing=True)
     return triton_gemv.act_mode(dev)
 
 

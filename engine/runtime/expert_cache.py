@@ -195,10 +195,9 @@ class CachedExperts(ExpertBackend):
         if self._fused[layer]:
             if slot_off is None:
                 slot_off = self._slot_off[layer][ids]  # [1, K] byte offsets, looked up on the device
-            y = triton_moe.moe_decode(
-                self.pool, slot_off, x.float(), weights.float(), self._roles(layer), self._act(layer)
-            )
-            return y.to(x.dtype)
+            roles = self._roles(layer)
+            act = triton_moe.decode_act(self.device, self.q8_act, roles)
+            return triton_moe.moe_decode(self.pool, slot_off, x.float(), weights.float(), roles, act).to(x.dtype)
         slots = self._slot_index[layer][ids[0]]  # [K] slot indices
         out = self._pair_outputs(layer, slots, x.expand(slots.shape[0], -1))  # [K, D]
         return (out * weights[0][:, None]).sum(0, keepdim=True)
@@ -218,12 +217,12 @@ class CachedExperts(ExpertBackend):
             off[t_idx, k_idx] = [self.slru.slot((layer, int(ids_h[t, k]))) for t, k in zip(t_idx, k_idx)]
             off[t_idx, k_idx] *= self.layout.stride
             slot_off = torch.from_numpy(off).to(self.device)
+            roles = self._roles(layer)
             if T <= TRITON_MAX_T:
-                y = triton_moe.moe_decode(
-                    self.pool, slot_off, x.float(), w.float(), self._roles(layer), self._act(layer)
-                )
+                act = triton_moe.decode_act(self.device, self.q8_act, roles)
+                y = triton_moe.moe_decode(self.pool, slot_off, x.float(), w.float(), roles, act)
             else:
-                y = triton_moe.moe_prefill(self.pool, slot_off, x.float(), w.float(), self._roles(layer))
+                y = triton_moe.moe_prefill(self.pool, slot_off, x.float(), w.float(), roles)
             return y.to(x.dtype)
         if len(t_idx) <= 64:
             # Decode, reference: gather the pairs' slots and run one batched matmul per role.
@@ -245,10 +244,6 @@ class CachedExperts(ExpertBackend):
         g, u, d = self._slot_matrices(layer, slots)  # [P, F, D], [P, F, D], [P, D, F]
         xc = xp[:, :, None]  # [P, D, 1]
         return torch.bmm(d, silu_mul(torch.bmm(g, xc), torch.bmm(u, xc)))[:, :, 0]
-
-    def _act(self, layer: int) -> str:
-        """The device kernels' activation mode for this layer's experts (triton_moe.decode_act)."""
-        return triton_moe.decode_act(self.device, self.q8_act, self._roles(layer))
 
     def _roles(self, layer: int) -> dict:
         """{role: (byte offset in a slot, qtype, rows, n)} for the fused kernels."""

@@ -187,7 +187,7 @@ if triton is not None:
 
 
 # -- decode ------------------------------------------------------------------------------------
-def decode_act(device: torch.device, q8_act: bool, roles: dict) -> str:
+def decode_act(device: torch.device, q8_act: bool, roles: dict, capturing: bool | None = None) -> str:
     """The activation mode a model's routed experts decode with on ``device`` now: ``$SHARPI_DEVICE_ACT``
     when set; else, for a model that rounds its activations like llama.cpp (``q8_act``, the default),
     ``"q8"`` where the lean Q4_K gate/up kernel applies (triton_q4k_moe) on a compiled CUDA device
@@ -195,12 +195,15 @@ def decode_act(device: torch.device, q8_act: bool, roles: dict) -> str:
     whole MoE on the H100 takes 1/1.63 of the exact-float kernels' time and decode runs 1.11–1.15× faster
     (docs/benchmarks-gpu.md, session 5); else ``"f32"``. Eager launches keep the exact-float kernels:
     the q8 path is two launches more a layer, and from Python (the 12 GiB cache placement) it measured
-    no faster (7.1 against 8.2 tok/s over three noisy pairs); the general q8 kernels never beat them."""
+    no faster (7.1 against 8.2 tok/s over three noisy pairs); the general q8 kernels never beat them.
+    ``capturing``: whether the launch goes into a graph (default: ask torch about the current stream)."""
     if os.environ.get(ENV_ACT, "").strip():
         return act_mode(device, None)
     if not (q8_act and qb.compiled(device) and triton_q4k_moe.applies_gate_up(roles)):
         return "f32"
-    return "q8" if torch.cuda.is_current_stream_capturing() else "f32"
+    if capturing is None:
+        capturing = torch.cuda.is_current_stream_capturing()
+    return "q8" if capturing else "f32"
 
 
 def moe_decode(

@@ -168,3 +168,33 @@ def test_decode_act_follows_the_models_activation_rounding(monkeypatch):
     assert tm.decode_act(cuda, True, q4k, capturing=True) == "f32"
     monkeypatch.setenv(ENV_ACT, "q8")
     assert tm.decode_act(cuda, False, q6k) == "q8"
+
+
+SKIP_SCRIPT = r"""
+import numpy as np, torch
+from engine.quant import QType
+from engine.runtime import triton_q4k_moe as m4, triton_q8_moe as m8
+from tests.triton_data import expert_pool
+rng = np.random.default_rng(11)
+Q = QType.Q4_K
+pool, stride, roles = expert_pool((Q, Q, Q), 256, 256, 2, "cpu", rng)
+pool[0] = 0xFF  # slot 0 is junk (fp16 scales 0xFFFF: NaN); the skipped pair below reads its rows
+slot_off = torch.tensor([[stride, -1]], dtype=torch.int64)
+x = torch.from_numpy(rng.standard_normal((1, 256)).astype(np.float32))
+w = torch.tensor([[0.7, 0.3]])
+cfg = {"BR": 64, "num_warps": 4}
+slots = slot_off.reshape(-1)
+H = m4.gate_up(pool, slots, x, roles, 2, cfg)
+assert (H[1] == 0).all(), "a skipped pair's h is 0"
+y = m4.down(pool, slots, H, w, roles, 2, cfg)
+ref = m8.moe_decode_q8_reference(pool, slot_off, x, w, roles)
+assert torch.isfinite(y).all(), "the junk slot leaked into the sum"
+assert ((y - ref).norm() / ref.norm()).item() < 1e-5
+print("ok")
+"""
+
+
+def test_q4k_moe_skipped_pair_never_reads_junk_into_the_sum():
+    """triton_q4k_moe's down kernel reads slot 0's rows for a skipped pair (slot −1) and must drop them
+    by a select: with slot 0 full of NaN scales the result stays finite and equals the reference."""
+    assert run_script(SKIP_SCRIPT, [], dict(os.environ, TRITON_INTERPRET="1")).strip().endswith("ok")

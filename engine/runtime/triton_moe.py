@@ -56,8 +56,8 @@ LAUNCH["default"].update(
         "moe_q8_down:*:*": {"BR": 16, "NB": 4, "num_warps": 4, "KSPLIT": 2},
         "moe_q8_down:Q4_0:*": {"BR": 8, "NB": 32, "num_warps": 4, "KSPLIT": 2},
         "moe_q8_down:Q8_0:*": {"BR": 8, "NB": 32, "num_warps": 4, "KSPLIT": 2},
-        # triton_q4k_moe (all-Q4_K experts, q8 mode): whole rows a program; H100 sweep, gpu_labs/moe_lean.py
-        "moe_q4k_gate_up:*:*": {"BR": 8, "num_warps": 1},
+        # triton_q4k_moe (all-Q4_K experts, q8 mode): whole rows a program; H100 sweep, gpu_labs/moe_half.py
+        "moe_q4k_gate_up:*:*": {"BR": 8, "num_warps": 2},
         "moe_q4k_down:*:*": {"BR": 4, "num_warps": 1},
         "grouped:*:*": {"BR": 32, "NB": 1, "BT": 16, "num_warps": 4},  # larger tiles spill (sm_90 report)
         "grouped:Q4_0:*": {"BR": 32, "NB": 2, "BT": 16, "num_warps": 4},

@@ -6,21 +6,26 @@ integer dp4a products — so :func:`engine.runtime.triton_q8_moe.moe_decode_q8_r
 reference (with ``round_h=False`` when the down is not Q4_K and h goes to the exact-float down kernel).
 
 :func:`gate_up`: ``triton_q8.quantize_act(x)``, then :func:`_gate_up_kernel`, grid (F/BR, T·K), writes
-``h = SiLU(gate·x) · (up·x)`` as float32 (whole rows a program, so the grid is large). :func:`down`:
-``quantize_act(h)``, then :func:`_down_kernel`, grid (D/BR, T), sums ``w_k · down_k · h_k`` with the
-experts × a row's blocks on one tensor axis (a thread owns one block of one row).
+``h = SiLU(gate·x) · (up·x)`` as float32 (whole rows a program). :func:`down`: ``quantize_act(h)``,
+then :func:`_down_kernel`, grid (D/BR, T), sums ``w_k · down_k · h_k`` with the experts × a row's
+half-blocks on one tensor axis.
 
-What makes them lean (measured on an H100 by ``packaging/gpu_labs/moe_lean.py``; 1.75–2.4 SASS
-instructions a weight byte at sm_90 against ~11 for the general q8 gate/up kernel):
-- a thread owns whole 144-byte blocks: the header is one 16-byte load, the quants eight;
-- the 6-bit scales and mins of 4 sub-blocks come out of the header words at once with masks and
-  shifts, one byte each by a ``prmt``;
-- high nibbles go to dp4a as ``w & 0xF0F0F0F0`` (16 × the code; the 1/16 is applied once a block);
+What makes them lean (measured on an H100 by ``packaging/gpu_labs/moe_lean.py`` and
+``moe_half.py``; 2.1–3 SASS instructions a weight byte at sm_90 against ~11 for the general q8
+gate/up kernel):
+- a thread owns *half* a 144-byte block — its 16-byte header and 64 quant bytes (4 sub-blocks), five
+  16-byte loads. Whole blocks a thread (session 5) took twice the registers and left 1–1.5 warps a
+  scheduler; halves run the gate/up in 7.7 µs instead of 8.3 and the down in 5.4 instead of 6.0
+  (docs/benchmarks-gpu.md, session 6). Smaller programs than the settings in triton_moe's LAUNCH
+  lose again: a launch of many one-warp programs pays for dispatching them;
+- the 6-bit scales and mins of the half's 4 sub-blocks come out of the header words at once with
+  masks and shifts, one byte each by a ``prmt``;
+- high nibbles go to dp4a as ``w & 0xF0F0F0F0`` (16 × the code; the 1/16 is applied once a half);
 - dp4a runs as chains through its accumulate operand (inline PTX; the interpreter runs the same
   arithmetic in plain Triton); the integer sum of a sub-block is scaled by its integer scale
-  before it becomes a float, and d and dmin come in once a block.
+  before it becomes a float, and d and dmin come in once a half.
 A skipped pair (slot offset −1) gets h = 0 from the gate/up kernel; the down kernel reads slot 0's
-rows for it and drops that block's product with a select (never multiplied: slot 0 may hold junk).
+rows for it and drops that half's product with a select (never multiplied: slot 0 may hold junk).
 """
 
 from __future__ import annotations
@@ -94,53 +99,46 @@ if triton is not None:
             return tl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x4443;", "=r,r", [w], tl.int32, True, 1)
 
     @triton.jit
-    def _load_block(P):
-        """The Q4_K blocks at int32 pointers P [A, B] (16-byte aligned): the header [A, B, 4] and the 8
-        16-byte quarters of the quants, one 16-byte load each."""
+    def _load_half(P, hs):
+        """Half hs [A, B] (0 or 1) of the Q4_K blocks at int32 pointers P [A, B] (16-byte aligned): the
+        header [A, B, 4] and the 4 16-byte quarters of quant bytes 64·hs … 64·hs + 63 (sub-blocks
+        4·hs … 4·hs + 3), one 16-byte load each."""
         p = P[:, :, None] + tl.arange(0, 4)[None, None, :]
-        return (tl.load(p), tl.load(p + 4), tl.load(p + 8), tl.load(p + 12), tl.load(p + 16), tl.load(p + 20),
-                tl.load(p + 24), tl.load(p + 28), tl.load(p + 32))  # fmt: skip
+        pq = p + 4 + 16 * hs[:, :, None]
+        return tl.load(p), tl.load(pq), tl.load(pq + 4), tl.load(pq + 8), tl.load(pq + 12)
 
     @triton.jit
-    def _dot_block(blk, X, XDp, XSp, ASM: tl.constexpr):
-        """Dot products [A, B] of the loaded blocks blk (_load_block) with the q8 activation blocks at X
-        (int32 pointers [A, B] to the block's 64 XQ words), XDp (its 8 scales), XSp (its 16 half-sums)."""
+    def _dot_half(blk, hs, X, XDp, XSp, ASM: tl.constexpr):
+        """Dot products [A, B] of the loaded halves blk (_load_half, halves hs) with their q8 activations:
+        X (int32 pointers [A, B] to the half's 32 XQ words), XDp (its 4 sub-block scales), XSp (its 8
+        16-sums). The two halves of a block sum to the whole block's product."""
         m = tl.arange(0, 4)[None, None, :]
         hdr0, s0, s1, s2 = _w4(blk[0])
         # get_scale_min_k4 of 4 sub-blocks at once: byte j of a word is sub-block j's (or 4 + j's) value
-        sc_lo = s0 & 0x3F3F3F3F
-        mn_lo = s1 & 0x3F3F3F3F
-        sc_hi = (s2 & 0x0F0F0F0F) | ((s0 >> 2) & 0x30303030)
-        mn_hi = ((s2 >> 4) & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030)
+        scw = tl.where(hs == 0, s0 & 0x3F3F3F3F, (s2 & 0x0F0F0F0F) | ((s0 >> 2) & 0x30303030))
+        mnw = tl.where(hs == 0, s1 & 0x3F3F3F3F, ((s2 >> 4) & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030))
         d = (hdr0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         dmin = ((hdr0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        pd = XDp[:, :, None] + m
-        dx = _w4(tl.load(pd)) + _w4(tl.load(pd + 4))  # the 8 sub-blocks' activation scales
+        dx = _w4(tl.load(XDp[:, :, None] + m))  # the 4 sub-blocks' activation scales
         ps = XSp[:, :, None] + m
-        sv = _w4(tl.load(ps)) + _w4(tl.load(ps + 4)) + _w4(tl.load(ps + 8)) + _w4(tl.load(ps + 12))  # 16 half-sums
+        sv = _w4(tl.load(ps)) + _w4(tl.load(ps + 4))  # their 8 16-sums
         px = X[:, :, None] + m
         zi = tl.zeros(d.shape, dtype=tl.int32)
         alo = tl.zeros(d.shape, dtype=tl.float32)
         ahi = tl.zeros(d.shape, dtype=tl.float32)
         amn = tl.zeros(d.shape, dtype=tl.float32)
-        for c in tl.static_range(4):
+        for c in tl.static_range(2):
             qa = blk[1 + 2 * c]  # quant bytes 0..15 of chunk c: elements 0..15 of sub-blocks 2c (low), 2c+1 (high)
             qz = blk[2 + 2 * c]  # bytes 16..31: elements 16..31
-            # activation words: sub-block 2c is words 16c … 16c + 7 of the block, 2c + 1 the next 8
+            # activation words: sub-block 2c is words 16c … 16c + 7 of the half, 2c + 1 the next 8
             ia = _chain(qa & 0x0F0F0F0F, tl.load(px + 16 * c), zi, ASM)
             ia = _chain(qz & 0x0F0F0F0F, tl.load(px + (16 * c + 4)), ia, ASM)
             ib = _chain(qa & -0x0F0F0F10, tl.load(px + (16 * c + 8)), zi, ASM)  # 0xF0F0F0F0: 16 × the code
             ib = _chain(qz & -0x0F0F0F10, tl.load(px + (16 * c + 12)), ib, ASM)
-            if c < 2:
-                scw = sc_lo
-                mnw = mn_lo
-            else:
-                scw = sc_hi
-                mnw = mn_hi
-            sca = _byte(scw, (2 * c) % 4, ASM)
-            scb = _byte(scw, (2 * c + 1) % 4, ASM)
-            mna = _byte(mnw, (2 * c) % 4, ASM)
-            mnb = _byte(mnw, (2 * c + 1) % 4, ASM)
+            sca = _byte(scw, 2 * c, ASM)
+            scb = _byte(scw, 2 * c + 1, ASM)
+            mna = _byte(mnw, 2 * c, ASM)
+            mnb = _byte(mnw, 2 * c + 1, ASM)
             alo += (ia * sca).to(tl.float32) * dx[2 * c]
             ahi += (ib * scb).to(tl.float32) * dx[2 * c + 1]
             amn += mna.to(tl.float32) * (sv[4 * c] + sv[4 * c + 1]) + mnb.to(tl.float32) * (
@@ -153,8 +151,8 @@ if triton is not None:
                         BR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         """H[q, rows] = SiLU(gate_q[rows]·x_t) · (up_q[rows]·x_t) for pair q = t·K + k at byte SLOT[q] of the
         pool (−1: H = 0); gate/up at byte offsets go/uo of the slot, NB blocks a row; F % BR == 0.
-        [NB, BR] tiles: the blocks on the fastest lanes (a row's sum stays in the warp), a thread holds the
-        gate and the up block of its (block, row) and loads their activations once."""
+        [2·NB, BR] tiles: a row's half-blocks on the fastest lanes (a row's sum stays in the warp), a
+        thread holds the gate and the up half of its (half-block, row) and loads their activations once."""
         qb.pdl_enter(PDL)  # SLOT comes from the routing kernel
         q = tl.program_id(1)
         slot = tl.load(SLOT + q)
@@ -162,18 +160,18 @@ if triton is not None:
         if slot >= 0:
             rows = r0 + tl.arange(0, BR)
             t = q // K
-            b = tl.arange(0, NB)
+            e = tl.arange(0, 2 * NB)
+            b = e // 2
+            zp = tl.zeros([2 * NB, BR], dtype=tl.int32)
+            hs = (e % 2)[:, None] + zp
             off = tl.multiple_of(b[:, None] * BLOCK_WORDS + rows[None, :] * (BLOCK_WORDS * NB), [4, 4])  # words
-            G = W32 + tl.multiple_of((slot + go) // 4, 4) + off
-            U = W32 + tl.multiple_of((slot + uo) // 4, 4) + off
-            zp = tl.zeros([NB, BR], dtype=tl.int32)
-            X = XQ + t * (64 * NB) + (zp + b[:, None] * 64)
-            XDp = XD + t * (8 * NB) + (zp + b[:, None] * 8)
-            XSp = XS + t * (16 * NB) + (zp + b[:, None] * 16)
-            gb = _load_block(G)  # both matrices' loads first (program order)
-            ub = _load_block(U)
-            g = tl.sum(_dot_block(gb, X, XDp, XSp, ASM), axis=0)
-            u = tl.sum(_dot_block(ub, X, XDp, XSp, ASM), axis=0)
+            gb = _load_half(W32 + tl.multiple_of((slot + go) // 4, 4) + off, hs)  # both matrices' loads first
+            ub = _load_half(W32 + tl.multiple_of((slot + uo) // 4, 4) + off, hs)
+            X = XQ + t * (64 * NB) + (zp + (b * 64 + (e % 2) * 32)[:, None])
+            XDp = XD + t * (8 * NB) + (zp + (b * 8 + (e % 2) * 4)[:, None])
+            XSp = XS + t * (16 * NB) + (zp + (b * 16 + (e % 2) * 8)[:, None])
+            g = tl.sum(_dot_half(gb, hs, X, XDp, XSp, ASM), axis=0)
+            u = tl.sum(_dot_half(ub, hs, X, XDp, XSp, ASM), axis=0)
             h = g / (1.0 + tl.exp(-g)) * u  # ggml_swiglu_split
         else:
             h = tl.zeros([BR], dtype=tl.float32)
@@ -183,10 +181,10 @@ if triton is not None:
     def _down_kernel(W, W32, SLOT, HQ, HD, HS, WT, Y, do, D: tl.constexpr, K: tl.constexpr, NBF: tl.constexpr,
                      BR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, NT: tl.constexpr):  # fmt: skip
         """Y[t, rows] = Σ_k WT[t, k] · down_{t,k}[rows] · hq[t·K + k], down at byte offset do of the slot, NBF
-        blocks a row; D % BR == 0. [K·NBP, BR] tiles: experts × block lanes on one axis (NBP =
-        next_power_of_2(NBF); lanes ≥ NBF repeat the last block and are dropped), a thread one block a row.
-        PF: the experts' rows are prefetched into L2 before the PDL wait (SLOT is final by then: the
-        routing kernel wrote it before the gate/up kernel released this one)."""
+        blocks a row; D % BR == 0. [K·NL, BR] tiles: experts × half-block lanes on one axis (NL =
+        next_power_of_2(2·NBF); lanes ≥ 2·NBF repeat the last half and are dropped), a thread one half-block
+        of a row. PF: the experts' rows are prefetched into L2 before the PDL wait (SLOT is final by then:
+        the routing kernel wrote it before the gate/up kernel released this one)."""
         t = tl.program_id(1)
         r0 = tl.program_id(0) * BR
         RW: tl.constexpr = BLOCK_WORDS * NBF  # words a row
@@ -194,22 +192,23 @@ if triton is not None:
             qb.prefetch_pairs(W, SLOT, t, 0, D, r0, do, RW * 4, K, K, BR, NT)
         qb.pdl_enter(PDL)
         rows = r0 + tl.arange(0, BR)
-        NBP: tl.constexpr = triton.next_power_of_2(NBF)
-        e = tl.arange(0, K * NBP)
-        lane = e % NBP
-        lc = tl.minimum(lane, NBF - 1)
-        q = t * K + e // NBP
+        NL: tl.constexpr = triton.next_power_of_2(2 * NBF)
+        e = tl.arange(0, K * NL)
+        lane = e % NL
+        lc = tl.minimum(lane, 2 * NBF - 1)
+        b = lc // 2
+        hv = lc % 2
+        q = t * K + e // NL
         slot = tl.load(SLOT + q)
-        keep = (lane < NBF) & (slot >= 0)
+        keep = (lane < 2 * NBF) & (slot >= 0)
         wk = tl.load(WT + q)
-        zp = tl.zeros([K * NBP, BR], dtype=tl.int32)
-        P = W32 + (
-            tl.multiple_of((tl.maximum(slot, 0) + do) // 4 + lc * BLOCK_WORDS, 4)[:, None] + (rows * RW)[None, :]
-        )
-        X = HQ + (zp + (q * (64 * NBF) + lc * 64)[:, None])
-        XDp = HD + (zp + (q * (8 * NBF) + lc * 8)[:, None])
-        XSp = HS + (zp + (q * (16 * NBF) + lc * 16)[:, None])
-        v = _dot_block(_load_block(P), X, XDp, XSp, ASM)
+        zp = tl.zeros([K * NL, BR], dtype=tl.int32)
+        P = W32 + (tl.multiple_of((tl.maximum(slot, 0) + do) // 4 + b * BLOCK_WORDS, 4)[:, None] + (rows * RW)[None, :])
+        hs = hv[:, None] + zp
+        X = HQ + (zp + (q * (64 * NBF) + b * 64 + hv * 32)[:, None])
+        XDp = HD + (zp + (q * (8 * NBF) + b * 8 + hv * 4)[:, None])
+        XSp = HS + (zp + (q * (16 * NBF) + b * 16 + hv * 8)[:, None])
+        v = _dot_half(_load_half(P, hs), hs, X, XDp, XSp, ASM)
         y = tl.sum(tl.where(keep[:, None], v * wk[:, None], 0.0), axis=0)
         tl.store(Y + t * D + rows, y)
 

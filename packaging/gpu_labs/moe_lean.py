@@ -52,8 +52,66 @@ from engine.runtime import triton_qblocks as qb
 Q = QType.Q4_K
 
 
-# -- building blocks: engine.runtime.triton_q4k_moe's (the adopted kernels grew out of this lab) ------
-from engine.runtime.triton_q4k_moe import _dot_block, _load_block  # noqa: E402
+# -- building blocks: whole blocks a thread (engine.runtime.triton_q4k_moe grew out of this lab and now
+# gives a thread half a block; its dp4a chain and byte helpers are shared) ----------------------------
+from engine.runtime import triton_q4k_moe as q4  # noqa: E402
+
+
+@triton.jit
+def _load_block(P):
+    """The Q4_K blocks at int32 pointers P [A, B] (16-byte aligned): the header [A, B, 4] and the 8
+    16-byte quarters of the quants, one 16-byte load each."""
+    p = P[:, :, None] + tl.arange(0, 4)[None, None, :]
+    return (tl.load(p), tl.load(p + 4), tl.load(p + 8), tl.load(p + 12), tl.load(p + 16), tl.load(p + 20),
+            tl.load(p + 24), tl.load(p + 28), tl.load(p + 32))  # fmt: skip
+
+
+@triton.jit
+def _dot_block(blk, X, XDp, XSp, ASM: tl.constexpr):
+    """Dot products [A, B] of the loaded blocks blk (_load_block) with the q8 activation blocks at X
+    (int32 pointers [A, B] to the block's 64 XQ words), XDp (its 8 scales), XSp (its 16 half-sums)."""
+    m = tl.arange(0, 4)[None, None, :]
+    hdr0, s0, s1, s2 = q4._w4(blk[0])
+    # get_scale_min_k4 of 4 sub-blocks at once: byte j of a word is sub-block j's (or 4 + j's) value
+    sc_lo = s0 & 0x3F3F3F3F
+    mn_lo = s1 & 0x3F3F3F3F
+    sc_hi = (s2 & 0x0F0F0F0F) | ((s0 >> 2) & 0x30303030)
+    mn_hi = ((s2 >> 4) & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030)
+    d = (hdr0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((hdr0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    pd = XDp[:, :, None] + m
+    dx = q4._w4(tl.load(pd)) + q4._w4(tl.load(pd + 4))  # the 8 sub-blocks' activation scales
+    ps = XSp[:, :, None] + m
+    sv = (
+        q4._w4(tl.load(ps)) + q4._w4(tl.load(ps + 4)) + q4._w4(tl.load(ps + 8)) + q4._w4(tl.load(ps + 12))
+    )  # 16 half-sums
+    px = X[:, :, None] + m
+    zi = tl.zeros(d.shape, dtype=tl.int32)
+    alo = tl.zeros(d.shape, dtype=tl.float32)
+    ahi = tl.zeros(d.shape, dtype=tl.float32)
+    amn = tl.zeros(d.shape, dtype=tl.float32)
+    for c in tl.static_range(4):
+        qa = blk[1 + 2 * c]  # quant bytes 0..15 of chunk c: elements 0..15 of sub-blocks 2c (low), 2c+1 (high)
+        qz = blk[2 + 2 * c]  # bytes 16..31: elements 16..31
+        # activation words: sub-block 2c is words 16c … 16c + 7 of the block, 2c + 1 the next 8
+        ia = q4._chain(qa & 0x0F0F0F0F, tl.load(px + 16 * c), zi, ASM)
+        ia = q4._chain(qz & 0x0F0F0F0F, tl.load(px + (16 * c + 4)), ia, ASM)
+        ib = q4._chain(qa & -0x0F0F0F10, tl.load(px + (16 * c + 8)), zi, ASM)  # 0xF0F0F0F0: 16 × the code
+        ib = q4._chain(qz & -0x0F0F0F10, tl.load(px + (16 * c + 12)), ib, ASM)
+        if c < 2:
+            scw = sc_lo
+            mnw = mn_lo
+        else:
+            scw = sc_hi
+            mnw = mn_hi
+        sca = q4._byte(scw, (2 * c) % 4, ASM)
+        scb = q4._byte(scw, (2 * c + 1) % 4, ASM)
+        mna = q4._byte(mnw, (2 * c) % 4, ASM)
+        mnb = q4._byte(mnw, (2 * c + 1) % 4, ASM)
+        alo += (ia * sca).to(tl.float32) * dx[2 * c]
+        ahi += (ib * scb).to(tl.float32) * dx[2 * c + 1]
+        amn += mna.to(tl.float32) * (sv[4 * c] + sv[4 * c + 1]) + mnb.to(tl.float32) * (sv[4 * c + 2] + sv[4 * c + 3])
+    return d * (alo + ahi * 0.0625) - dmin * amn
 
 
 @triton.jit

@@ -170,7 +170,7 @@ def test_attention_static_masks_past_the_position():
 
 ROUTE_SCRIPT = r"""
 import sys, numpy as np, torch
-from engine.runtime import step_kernels as sk
+from engine.runtime import step_kernels as sk, triton_q8 as t8
 dev = sys.argv[1]
 rng = np.random.default_rng(0)
 for E, k in ((8, 2), (60, 4), (128, 8)):
@@ -197,7 +197,7 @@ def test_fused_route_kernel_matches_torch(device):
 ROPE_SCRIPT = r"""
 import sys, numpy as np, torch
 from engine.models.layers import rope_tables, rope_theta
-from engine.runtime import step_kernels as sk
+from engine.runtime import step_kernels as sk, triton_q8 as t8
 dev = sys.argv[1]
 rng = np.random.default_rng(0)
 t = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(dev)
@@ -222,6 +222,14 @@ for D in (100, 256, 2048):
     for yy in (y, None):
         (xa, ha), (xb, hb) = sk.add_rms_norm(x, yy, w, 1e-6), sk.add_rms_norm_reference(x, yy, w, 1e-6)
         assert torch.equal(xa, xb) and torch.allclose(ha, hb, rtol=1e-5, atol=1e-6), (D, (ha - hb).abs().max())
+        if D % 32 == 0:  # the q8 copy: bit for bit quantize_act of the kernel's own h, and its specification
+            xq, hq, q8 = sk.add_rms_norm(x, yy, w, 1e-6, q8=True)
+            assert torch.equal(xq, xa) and torch.equal(hq, ha)
+            assert all(torch.equal(a, b) for a, b in zip(q8, t8.quantize_act(ha))), D
+            q, d, s = t8.quantize_act_reference(ha)
+            assert torch.equal(t8.unpack_words(q8[0]), q) and torch.equal(q8[1], d) and torch.equal(q8[2], s), D
+            spec, (q, d, s) = sk.add_rms_norm_reference(x, yy, w, 1e-6, q8=True)[2], t8.quantize_act_reference(hb)
+            assert torch.equal(t8.unpack_words(spec[0]), q) and torch.equal(spec[1], d) and torch.equal(spec[2], s), D
 print("ok")
 """
 
@@ -282,6 +290,52 @@ def test_buckets():
             L = graph_decode.bucket(pos, n)
             assert pos < L <= n and L in graph_decode.buckets(n)
             assert L in (n, graph_decode.MIN_BUCKET) or pos >= L // 2
+
+
+NORM_Q8_SCRIPT = r"""
+import os, sys, numpy as np
+from engine.api import LoadOptions, Session
+from engine.models.blocks import MoE
+from engine.runtime import triton_gemv as tg, triton_q8 as t8
+from tests.oracle import random_tokens
+from tests.test_graph_decode import _whole
+tokens = random_tokens(3, 1024, seed=2)
+# the interpreter runs programs one by one: fewer, larger tiles keep it quick
+tg.LAUNCH[""] = {"moe_q4k_gate_up:*:*": {"BR": 64, "num_warps": 4}, "moe_q4k_down:*:*": {"BR": 64, "num_warps": 4}}
+calls = [0]
+quantize = t8.quantize_act
+def counting(X, *a):
+    calls[0] += 1
+    return quantize(X, *a)
+t8.quantize_act = counting
+os.environ["SHARPI_CUDA_GRAPH"] = "eager"
+os.environ["SHARPI_DEVICE_ACT"] = "q8"  # as inside a capture: the lean Q4_K kernels on q8 activations
+with Session.load(sys.argv[1], LoadOptions(n_ctx=64, device="cpu")) as s:
+    s.apply(_whole(s))
+    moes = [layer.ffn for layer in s.model.layers if isinstance(layer.ffn, MoE)]
+    assert moes and all(m.wants_q8_input() for m in moes)
+    got = s.logits(tokens, batch=False)
+    with_norm = calls[0]
+    MoE.wants_q8_input = lambda self: False  # the MoE quantizes x itself
+    s.apply(_whole(s))
+    calls[0] = 0
+    ref = s.logits(tokens, batch=False)
+    assert with_norm == len(tokens) * len(moes) and calls[0] == 2 * with_norm, (with_norm, calls[0])  # h only / x and h
+    assert np.array_equal(got, ref), np.abs(got - ref).max()
+print("ok")
+"""
+
+
+def test_moe_takes_its_q8_input_from_the_norm_kernel(tmp_path):
+    """Where the routed experts run the lean Q4_K kernels on q8 activations, the ffn norm's launch also
+    writes x̂ (step_kernels.add_rms_norm(q8=True)) and the MoE skips its own quantize launch: one
+    quantize_act call a MoE layer a token instead of two, and the same logits bit for bit
+    (Triton's interpreter, the static step)."""
+    pytest.importorskip("triton")
+    geo = dict(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=4, experts_used=2, expert_ff=256)
+    over = {"*_exps*": "Q4_K"}  # Q4_K routed experts, the rest F32 (the interpreter runs the trunk quicker)
+    path = write_model(tmp_path / "q4k.gguf", "qwen3moe", seed=5, weight_type="F32", type_overrides=over, **geo).path
+    _script(NORM_Q8_SCRIPT, str(path), interpret=True)
 
 
 # -- CUDA: real graphs ------------------------------------------------------------------------------

@@ -66,7 +66,8 @@ class StaticStep:
     cache: KVCache
     # A fused q/k norm + rope + K/V write (``runtime.step_kernels.qk_rope_kv``'s signature), or None.
     rope_kv: Callable | None = None
-    # (x, y | None, w, eps) -> (x + y, rms_norm(x + y)·w): ``runtime.step_kernels.add_rms_norm``'s.
+    # (x, y | None, w, eps, q8=False) -> (x + y, rms_norm(x + y)·w[, its q8 copy]):
+    # ``runtime.step_kernels.add_rms_norm``'s.
     add_norm: Callable | None = None
 
     def add_rms_norm(self, x, y, w, eps):
@@ -74,6 +75,13 @@ class StaticStep:
             return self.add_norm(x, y, w, eps)
         x = x if y is None else x + y
         return x, rms_norm_fused(x, w, eps)
+
+    def add_rms_norm_q8(self, x, y, w, eps):
+        """:meth:`add_rms_norm` plus the normed row in ``triton_q8``'s activation format from the same
+        launch where the fused kernel serves (``add_norm(..., q8=True)``); else None for it."""
+        if self.add_norm is not None and x.shape[-1] % 32 == 0:
+            return self.add_norm(x, y, w, eps, q8=True)
+        return (*self.add_rms_norm(x, y, w, eps), None)
 
 
 def _on_host(*linears) -> bool:
@@ -202,20 +210,27 @@ class MoE:
         self.last_ids = ids
         return self._plus_shared(x, self.experts.forward(self.i, x, ids, weights))  # [T, D]
 
-    def decode_static(self, x: torch.Tensor, route: torch.Tensor | None = None) -> torch.Tensor:
+    def wants_q8_input(self) -> bool:
+        """Whether :meth:`decode_static` would take x's q8 copy now (the backend's routed experts run on
+        q8 activations and can skip their own quantize launch: ``CachedExperts.static_q8``)."""
+        f = getattr(self.experts, "static_q8", None)
+        return bool(f is not None and f(self.i))
+
+    def decode_static(self, x: torch.Tensor, route: torch.Tensor | None = None, xq=None) -> torch.Tensor:
         """One token x [1, D] with routing kept on the device (graph-capturable): the backend's
         ``forward_static`` (the resident pool: slots looked up on the device). ``route`` int64 [K]:
-        [1, K] where to write the chosen ids (the graph's profiler record)."""
+        [1, K] where to write the chosen ids (the graph's profiler record). xq: x in triton_q8's
+        format when the norm's launch wrote it (:meth:`wants_q8_input`), else None."""
         logits = self.router(x)  # [1, E]
         fused = getattr(self.experts, "route_static", None)
         got = fused(self.i, logits, self.k, self.renormalise, route) if fused and route is not None else None
         if got is not None:  # one fused kernel: routing, the ids into ``route``, slot offsets
             weights, off = got
-            return self._plus_shared(x, self.experts.forward_static(self.i, x, route, weights, off))
+            return self._plus_shared(x, self.experts.forward_static(self.i, x, route, weights, off, xq))
         ids, weights = route_softmax_topk(logits, self.k, self.renormalise)  # [1, K] x2
         if route is not None:  # the graph's record of the routes
             route.copy_(ids)
-        return self._plus_shared(x, self.experts.forward_static(self.i, x, ids, weights))
+        return self._plus_shared(x, self.experts.forward_static(self.i, x, ids, weights, xq=xq))
 
     def _plus_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.shared is not None:
@@ -280,8 +295,13 @@ class DecoderLayer:
         last residual add is left to the next norm, so each add rides on a norm's launch.
         ``route`` int64 [1, K] receives a MoE layer's expert ids."""
         x, h = st.add_rms_norm(x, y, self.attn_norm, self.eps)
-        x, h = st.add_rms_norm(x, self.attn.decode_static(h, st), self.ffn_norm, self.eps)
-        return x, (self.ffn.decode_static(h, route) if isinstance(self.ffn, MoE) else self.ffn(h))
+        a = self.attn.decode_static(h, st)
+        if isinstance(self.ffn, MoE):  # the routed experts' q8 input rides on the norm's launch where they take it
+            x, h, hq = st.add_rms_norm_q8(x, a, self.ffn_norm, self.eps) if self.ffn.wants_q8_input() else (
+                *st.add_rms_norm(x, a, self.ffn_norm, self.eps), None)  # fmt: skip
+            return x, self.ffn.decode_static(h, route, hq)
+        x, h = st.add_rms_norm(x, a, self.ffn_norm, self.eps)
+        return x, self.ffn(h)
 
     def forward_host(self, x: np.ndarray, start: int, cache: KVCache, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """x float32 [T, D] -> [T, D] through the numba host twins; cos, sin float32 [T, rope_dim/2]."""

@@ -17,7 +17,7 @@ from engine import ops
 from engine.experts import ExpertBackend, ExpertStacks
 from engine.models.layers import silu_mul
 from engine.plan.sizing import SlotLayout
-from engine.runtime import step_kernels, triton_moe
+from engine.runtime import step_kernels, triton_moe, triton_q4k_moe
 from engine.runtime.device import TRITON_MAX_T, DeviceArena, fused_kernels, raw_bytes
 from engine.runtime.slru import SegmentedLRU
 from engine.runtime.tdequant import dequantize
@@ -179,6 +179,15 @@ class CachedExperts(ExpertBackend):
             return None
         return step_kernels.route(logits, k, renormalise, self._slot_off[layer], ids_out)
 
+    def static_q8(self, layer: int) -> bool:
+        """Whether :meth:`forward_static` of ``layer`` would run the lean Q4_K kernels on q8 activations
+        now (``triton_moe.decode_act``; inside a decode graph's capture) and so can take x already in
+        triton_q8's format from the norm kernel before it (``MoE.wants_q8_input``)."""
+        if not self._fused[layer]:
+            return False
+        roles = self._roles(layer)
+        return triton_moe.decode_act(self.device, self.q8_act, roles) == "q8" and triton_q4k_moe.applies_gate_up(roles)
+
     def forward_static(
         self,
         layer: int,
@@ -186,18 +195,21 @@ class CachedExperts(ExpertBackend):
         ids: torch.Tensor,
         weights: torch.Tensor,
         slot_off: torch.Tensor | None = None,
+        xq: tuple | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` for one token with ``ids`` staying on the device: x float32 [1, D], ids
         int64 [1, K], weights float32 [1, K] -> [1, D]. Slots come from the device table of
         :meth:`pin_static` (resident pool), so there is no host sync and no bookkeeping: a CUDA
         graph can capture it. The caller records the routes (the profiler's hits are its calls).
-        slot_off int64 [1, K]: the pairs' slot byte offsets when the caller looked them up already."""
+        slot_off int64 [1, K]: the pairs' slot byte offsets when the caller looked them up already.
+        xq: x in triton_q8's format (:meth:`static_q8`), or None."""
         if self._fused[layer]:
             if slot_off is None:
                 slot_off = self._slot_off[layer][ids]  # [1, K] byte offsets, looked up on the device
             roles = self._roles(layer)
             act = triton_moe.decode_act(self.device, self.q8_act, roles)
-            return triton_moe.moe_decode(self.pool, slot_off, x.float(), weights.float(), roles, act).to(x.dtype)
+            y = triton_moe.moe_decode(self.pool, slot_off, x.float(), weights.float(), roles, act, xq=xq)
+            return y.to(x.dtype)
         slots = self._slot_index[layer][ids[0]]  # [K] slot indices
         out = self._pair_outputs(layer, slots, x.expand(slots.shape[0], -1))  # [K, D]
         return (out * weights[0][:, None]).sum(0, keepdim=True)

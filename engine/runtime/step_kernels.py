@@ -4,7 +4,10 @@ of GPU time, and a 48-layer step has thousands of them.
 
 - :func:`qk_rope_kv`: q and k normed per head and rotated, k and v written into the KV cache at
   the token's device position: one launch instead of about nine.
-- :func:`add_rms_norm`: the residual add and the following RMS norm: one launch instead of two.
+- :func:`add_rms_norm`: the residual add and the following RMS norm: one launch instead of two;
+  with ``q8=True`` it also writes the normed row in ``triton_q8``'s activation format (x̂: the
+  rounding the lean Q4_K routed-expert kernels multiply by), so the MoE after it needs no
+  quantize launch of its own.
 - :func:`route`: router logits → softmax → top-k → renormalised weights, the ids written into the
   graph's route record, and each chosen expert's slot byte offset from the resident pool's table:
   one launch instead of six (softmax, topk's two, sum, divide, index).
@@ -20,6 +23,7 @@ import os
 import torch
 
 from engine.models.layers import apply_rope_table, rms_norm_fused, route_softmax_topk
+from engine.runtime import triton_q8 as t8
 from engine.runtime import triton_qblocks as qb
 
 try:
@@ -113,9 +117,10 @@ if triton is not None:
                 tl.store(VC + row + d, vv, mask=dm)
 
     @triton.jit
-    def _add_rms_norm_kernel(X, Y, W, XO, HO, eps, D: tl.constexpr, BD: tl.constexpr, HAS_Y: tl.constexpr,
-                             PDL: tl.constexpr):  # fmt: skip
-        """XO = X + Y; HO = XO · rsqrt(mean(XO²) + eps) · W, one row of D."""
+    def _add_rms_norm_kernel(X, Y, W, XO, HO, XQ, XD, XS, eps, D: tl.constexpr, BD: tl.constexpr,
+                             HAS_Y: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        """XO = X + Y; HO = XO · rsqrt(mean(XO²) + eps) · W, one row of D; Q8: HO also into XQ/XD/XS by
+        triton_q8's rule (``quant_tile``: bit for bit what ``quantize_act(HO)`` writes; D % 32 == 0)."""
         qb.pdl_enter(PDL)
         d = tl.arange(0, BD)
         dm = d < D
@@ -124,28 +129,47 @@ if triton is not None:
             x = x + tl.load(Y + d, mask=dm, other=0.0)
             tl.store(XO + d, x, mask=dm)
         r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / D + eps)
-        tl.store(HO + d, x * r * tl.load(W + d, mask=dm, other=0.0), mask=dm)
+        h = x * r * tl.load(W + d, mask=dm, other=0.0)
+        tl.store(HO + d, h, mask=dm)
+        if Q8:
+            NBLK: tl.constexpr = BD // 32
+            words, dq, sq = t8.quant_tile(tl.reshape(h, [NBLK, 32]), NBLK)  # lanes ≥ D are 0: their blocks unused
+            blk = tl.arange(0, NBLK)
+            t8.store_q8(XQ, XD, XS, tl.program_id(0), blk, blk < D // 32, words, dq, sq, D // 32)
 
 
-def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: float):
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: float, q8: bool = False):
     """The residual add and the next norm in one launch: x, y float32 [1, D] (y None: no add) ->
-    (x + y [1, D], rms_norm(x + y) · w [1, D])."""
+    (x + y [1, D], h = rms_norm(x + y) · w [1, D]); with ``q8`` (D % 32 == 0) a third item, h in
+    triton_q8's format (XQ int32 [1, D/4], XD [1, D/32], XS [1, D/16]) — ``quantize_act(h)``'s."""
     D = x.shape[-1]
+    if q8 and D % 32:
+        raise ValueError(f"add_rms_norm: q8 needs D % 32 == 0, got {D}")
     pdl = qb.pdl(x.device)
     h = torch.empty_like(x)
     xo = torch.empty_like(x) if y is not None else x
+    if q8:
+        n32 = D // 32
+        hq = (torch.empty((1, D // 4), dtype=torch.int32, device=x.device),
+              torch.empty((1, n32), dtype=torch.float32, device=x.device),
+              torch.empty((1, 2 * n32), dtype=torch.float32, device=x.device))  # fmt: skip
     _add_rms_norm_kernel[(1,)](
-        x, y if y is not None else x, w, xo, h, eps, D=D, BD=triton.next_power_of_2(D), HAS_Y=y is not None,
-        num_warps=8 if D >= 2048 else 4, PDL=pdl, **qb.launch_kw(pdl),
+        x, y if y is not None else x, w, xo, h, *(hq if q8 else (h, h, h)), eps, D=D, BD=triton.next_power_of_2(D),
+        HAS_Y=y is not None, Q8=q8, num_warps=8 if D >= 2048 else 4, PDL=pdl, **qb.launch_kw(pdl),
     )  # fmt: skip
-    return xo, h
+    return (xo, h, hq) if q8 else (xo, h)
 
 
-def add_rms_norm_reference(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: float):
-    """:func:`add_rms_norm` in torch."""
+def add_rms_norm_reference(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: float, q8: bool = False):
+    """:func:`add_rms_norm` in torch (the q8 copy by ``triton_q8.quantize_act_reference``, its codes packed
+    four to a little-endian int32 word)."""
     if y is not None:
         x = x + y
-    return x, rms_norm_fused(x, w, eps)
+    h = rms_norm_fused(x, w, eps)
+    if not q8:
+        return x, h
+    q, d, s = t8.quantize_act_reference(h)
+    return x, h, (q.contiguous().view(torch.int32), d, s)
 
 
 def qk_rope_kv(q, k, v, q_norm, k_norm, eps, cos, sin, perm, pos, kc, vc, n_head, n_head_kv, head_dim):

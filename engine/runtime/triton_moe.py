@@ -213,6 +213,7 @@ def moe_decode(
     weights: torch.Tensor,
     roles: dict[str, tuple[int, QType, int, int]],
     act: str | None = None,
+    xq: tuple | None = None,
 ) -> torch.Tensor:
     """Σ_k weights[t, k] · down(SiLU(gate·x_t) · up·x_t) over the experts whose slot is given.
 
@@ -222,6 +223,8 @@ def moe_decode(
     act: "q8" | "f32" | None (triton_gemv.act_mode). In q8 mode, gate and up Q4_K: the lean kernels of
     triton_q4k_moe (down Q4_K: all lean; else h in float into the exact-float down kernel, i.e.
     triton_q8_moe.moe_decode_q8_reference(..., round_h=False)); other types: triton_q8_moe.
+    xq: x already in triton_q8's format (``triton_q8.quantize_act(x)``'s three tensors, e.g. from the
+    norm kernel before: ``step_kernels.add_rms_norm(..., q8=True)``), used by the lean kernels.
     """
     T, K = slot_off.shape
     (go, gq, F, D), (uo, uq, _, _), (do, dq, _, _) = (roles[r] for r in ("gate", "up", "down"))
@@ -231,7 +234,7 @@ def moe_decode(
     slots = slot_off.reshape(-1).contiguous()
     q8 = act_mode(x.device, act) == "q8"
     if q8 and triton_q4k_moe.applies_gate_up(roles):  # the lean Q4_K kernels: h in float
-        H = triton_q4k_moe.gate_up(pool, slots, x, roles, K, launch("moe_q4k_gate_up", gq, F * T * K, name))
+        H = triton_q4k_moe.gate_up(pool, slots, x, roles, K, launch("moe_q4k_gate_up", gq, F * T * K, name), xq)
         if triton_q4k_moe.applies(roles):
             return triton_q4k_moe.down(pool, slots, H, weights, roles, K, launch("moe_q4k_down", dq, D * T, name))
         # else: h in float into the exact-float down kernel below (no q8 down beats it for these types)

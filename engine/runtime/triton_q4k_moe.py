@@ -213,15 +213,17 @@ if triton is not None:
         tl.store(Y + t * D + rows, y)
 
 
-def gate_up(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, roles: dict, K: int, cfg: dict) -> torch.Tensor:
+def gate_up(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, roles: dict, K: int, cfg: dict,
+            xq: tuple | None = None) -> torch.Tensor:  # fmt: skip
     """h = SiLU(gate·x̂) · (up·x̂) float32 [T·K, F] of the pairs at byte offsets ``slots`` [T·K] (−1: h = 0),
-    x̂ = x [T, D] through triton_q8's rounding (``applies_gate_up(roles)``)."""
+    x̂ = x [T, D] through triton_q8's rounding (``applies_gate_up(roles)``); xq: x̂ already made
+    (``triton_q8.quantize_act(x)``'s tensors), else one launch makes it here."""
     (go, _, F, D), (uo, _, _, _) = roles["gate"], roles["up"]
     if F % cfg["BR"]:
         raise ValueError(f"Q4_K MoE gate/up launch setting {cfg} does not divide F={F}")
     dev = x.device
     pdl = qb.pdl(dev)
-    XQ, XD, XS = t8.quantize_act(x.contiguous())
+    XQ, XD, XS = xq if xq is not None else t8.quantize_act(x.contiguous())
     H = torch.empty((slots.numel(), F), dtype=torch.float32, device=dev)
     _gate_up_kernel[(F // cfg["BR"], slots.numel())](
         pool.reshape(-1).view(torch.int32), slots, XQ, XD, XS, H, go, uo, F=F, K=K, NB=D // QK, BR=cfg["BR"],

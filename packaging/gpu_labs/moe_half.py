@@ -276,6 +276,14 @@ def gpu():
     for label, fn in calls.items():
         us = graph([lambda o=o: fn(o) for o in offs])
         print(f"{label}: {frac(us, nbytes)}", flush=True)
+    # what x̂ costs the ffn norm's launch (step_kernels.add_rms_norm(q8=True)), 96 norms a graph
+    from engine.runtime import step_kernels as sk
+
+    xs = [torch.randn(1, D, device="cuda") for _ in range(96)]
+    nw = torch.randn(D, device="cuda")
+    for q8 in (False, True):
+        us = graph([lambda v=v: sk.add_rms_norm(v, v, nw, 1e-6, q8=q8) for v in xs])
+        print(f"add_rms_norm D={D} q8={q8}: {us:.2f} us a launch", flush=True)
 
 
 def _down_whole(pool, slots, hq, w, roles, K, BR):

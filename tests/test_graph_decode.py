@@ -295,13 +295,14 @@ def test_buckets():
 NORM_Q8_SCRIPT = r"""
 import os, sys, numpy as np
 from engine.api import LoadOptions, Session
-from engine.models.blocks import MoE
+from engine.models.blocks import Attention, MoE
 from engine.runtime import triton_gemv as tg, triton_q8 as t8
 from tests.oracle import random_tokens
 from tests.test_graph_decode import _whole
 tokens = random_tokens(3, 1024, seed=2)
 # the interpreter runs programs one by one: fewer, larger tiles keep it quick
-tg.LAUNCH[""] = {"moe_q4k_gate_up:*:*": {"BR": 64, "num_warps": 4}, "moe_q4k_down:*:*": {"BR": 64, "num_warps": 4}}
+tg.LAUNCH[""] = {"moe_q4k_gate_up:*:*": {"BR": 64, "num_warps": 4}, "moe_q4k_down:*:*": {"BR": 64, "num_warps": 4},
+                 "gemv_q4k:*:*": {"BR": 64, "num_warps": 4}}
 calls = [0]
 quantize = t8.quantize_act
 def counting(X, *a):
@@ -314,26 +315,32 @@ with Session.load(sys.argv[1], LoadOptions(n_ctx=64, device="cpu")) as s:
     s.apply(_whole(s))
     moes = [layer.ffn for layer in s.model.layers if isinstance(layer.ffn, MoE)]
     assert moes and all(m.wants_q8_input() for m in moes)
+    assert all(layer.attn.wants_q8_input() for layer in s.model.layers)
     got = s.logits(tokens, batch=False)
     with_norm = calls[0]
-    MoE.wants_q8_input = lambda self: False  # the MoE quantizes x itself
+    MoE.wants_q8_input = Attention.wants_q8_input = lambda self: False  # each matrix quantizes x itself
     s.apply(_whole(s))
     calls[0] = 0
     ref = s.logits(tokens, batch=False)
-    assert with_norm == len(tokens) * len(moes) and calls[0] == 2 * with_norm, (with_norm, calls[0])  # h only / x and h
+    n = len(tokens) * len(moes)  # a token's layers
+    # a layer: x̂ from the norms; the MoE quantizes h, the output projection the attention's output —
+    # without: the MoE x and h, q, k, v, o each their own
+    assert with_norm == 2 * n and calls[0] == 6 * n, (with_norm, calls[0])
     assert np.array_equal(got, ref), np.abs(got - ref).max()
 print("ok")
 """
 
 
-def test_moe_takes_its_q8_input_from_the_norm_kernel(tmp_path):
-    """Where the routed experts run the lean Q4_K kernels on q8 activations, the ffn norm's launch also
-    writes x̂ (step_kernels.add_rms_norm(q8=True)) and the MoE skips its own quantize launch: one
-    quantize_act call a MoE layer a token instead of two, and the same logits bit for bit
-    (Triton's interpreter, the static step)."""
+def test_q8_inputs_come_from_the_norm_kernels(tmp_path):
+    """Where the routed experts and the attention's q, k, v run the Q4_K kernels on q8 activations, the
+    norm launch before them also writes x̂ (step_kernels.add_rms_norm(q8=True)) and they skip their own
+    quantize launches: two quantize_act calls a layer a token instead of six, and the same logits bit
+    for bit (Triton's interpreter, the static step)."""
     pytest.importorskip("triton")
     geo = dict(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=4, experts_used=2, expert_ff=256)
-    over = {"*_exps*": "Q4_K"}  # Q4_K routed experts, the rest F32 (the interpreter runs the trunk quicker)
+    # Q4_K routed experts and attention matrices, the rest F32 (the interpreter runs those quicker)
+    over = {"*_exps*": "Q4_K", "*attn_q.weight": "Q4_K", "*attn_k.weight": "Q4_K", "*attn_v.weight": "Q4_K",
+            "*attn_output.weight": "Q4_K"}  # fmt: skip
     path = write_model(tmp_path / "q4k.gguf", "qwen3moe", seed=5, weight_type="F32", type_overrides=over, **geo).path
     _script(NORM_Q8_SCRIPT, str(path), interpret=True)
 

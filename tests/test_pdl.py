@@ -117,6 +117,7 @@ from engine.runtime import step_kernels as sk, triton_gemv as tg, triton_moe as 
 from engine.runtime import triton_q8_gemv as g8, triton_q8_moe as m8, triton_qblocks as qb
 from engine.bench import read_floor as rf
 from engine.runtime import triton_q4k_moe as m4
+from engine.runtime import triton_q4k_gemv as qg
 
 def ptx(fn, sig, cex, warps=4):
     sig = dict(sig, **{k: "constexpr" for k in cex})
@@ -143,7 +144,10 @@ cases = [  # (name, ptx, prefetches)
     ("q8 moe down", ptx(m8._q8_down_kernel, q8down, dict(g8q, K=8, BR=16, NB=4, KSPLIT=2, STEPS=1, ASM=True, PDL=1, PF=1,
                                                          NT=128)), 4),
     ("add + norm", ptx(sk._add_rms_norm_kernel, {"X": "*fp32", "Y": "*fp32", "W": "*fp32", "XO": "*fp32", "HO": "*fp32",
-                                                 "eps": "fp32"}, dict(D=2048, BD=2048, HAS_Y=True, PDL=1), 8), 0),
+                                                 "XQ": "*i32", "XD": "*fp32", "XS": "*fp32", "eps": "fp32"},
+                       dict(D=2048, BD=2048, HAS_Y=True, Q8=True, PDL=1), 8), 0),
+    ("q4k gemv", ptx(qg._gemv_kernel, {"W": "*u8", "W32": "*i32", "XQ": "*i32", "XD": "*fp32", "XS": "*fp32", "Y": "*fp32",
+                                       "R": "i32"}, dict(NB=8, BR=8, ASM=True, PDL=1, PF=1, NT=64), 2), 1),
     ("route", ptx(sk._route_kernel, {"LOGITS": "*fp32", "TABLE": "*i64", "W": "*fp32", "IDS": "*i64", "OFF": "*i64",
                                      "E": "i32"}, dict(K=8, KP=8, BE=128, RENORM=True, PDL=1), 1), 0),
     ("q4k moe gate/up", ptx(m4._gate_up_kernel, {"W32": "*i32", "SLOT": "*i64", "XQ": "*i32", "XD": "*fp32", "XS": "*fp32",

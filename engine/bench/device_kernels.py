@@ -37,7 +37,7 @@ import torch
 
 from engine.bench import read_floor
 from engine.quant.formats import QType, block_format
-from engine.runtime import triton_gemv, triton_moe, triton_q4k_moe, triton_q8
+from engine.runtime import triton_gemv, triton_moe, triton_q4k_gemv, triton_q4k_moe, triton_q8
 from engine.runtime import triton_qblocks as qb
 from engine.runtime.tdequant import dequantize
 
@@ -164,6 +164,15 @@ def _moe_reference(pool, offs, x, w, roles):
     return (torch.bmm(mats[2], h)[:, :, 0] * w[0, :, None]).sum(0)
 
 
+def _norm_xq(x: torch.Tensor, qtype: QType, kind: str, act: str):
+    """x̂ as a decode graph hands it to a Q4_K trunk matrix on q8 activations: from the attention norm's
+    launch for q, k, v (``step_kernels.add_rms_norm(q8=True)``), so not timed; None for o (the attention
+    output: the kernel call quantizes it, timed) and everywhere else."""
+    if act == "q8" and kind in ("q", "kv", "qkv") and triton_q4k_gemv.applies(qtype, 0, x.shape[1], 1):
+        return triton_q8.quantize_act(x)
+    return None
+
+
 def qkv_workload(qtype: QType, reference: bool = True, act: str = "f32") -> dict:
     n = QKV[0][1]
     sizes = [r * block_format(qtype).row_bytes(n) for r, _ in QKV]
@@ -172,8 +181,11 @@ def qkv_workload(qtype: QType, reference: bool = True, act: str = "f32") -> dict
     mats = [random_matrix(qtype, r, n, copies) for r, _ in QKV]  # separate allocations, as a layer's
     rows = [r for r, _ in QKV]
     x = torch.randn(1, n, device="cuda")
+    xq = _norm_xq(x, qtype, "qkv", act)
     calls = [
-        lambda i=i: triton_gemv.matmul_many([m[i].view(r, -1) for m, r in zip(mats, rows)], x, qtype, rows, n, act=act)
+        lambda i=i: triton_gemv.matmul_many(
+            [m[i].view(r, -1) for m, r in zip(mats, rows)], x, qtype, rows, n, act=act, xq=xq
+        )
         for i in range(copies)
     ]
     for c in calls:
@@ -194,7 +206,8 @@ def trunk_workload(qtype: QType, kind: str, reference: bool = True, act: str = "
     copies = max(48, math.ceil(GB / nbytes))
     mats = random_matrix(qtype, rows, n, copies)
     x = torch.randn(1, n, device="cuda")
-    calls = [lambda m=m: triton_gemv.matmul(m, x, qtype, rows, n, act=act) for m in mats]
+    xq = _norm_xq(x, qtype, kind, act)
+    calls = [lambda m=m: triton_gemv.matmul(m, x, qtype, rows, n, act=act, xq=xq) for m in mats]
     graph_us, eager_us = _graph_us(calls)
     out = {"layers": copies, "bytes": nbytes, "graph_us": graph_us, "eager_us": eager_us}
     if reference:
@@ -243,7 +256,7 @@ def default_act(qtype: QType, wl: str) -> str:
     if wl == "moe":
         roles = {"gate": (0, qtype, F, D), "up": (0, qtype, F, D), "down": (0, qtype, D, F)}
         return triton_moe.decode_act(dev, True, roles, capturing=True)
-    return triton_gemv.act_mode(dev)
+    return triton_gemv.trunk_act(dev, True, qtype, (TRUNK.get(wl) or QKV[0])[1], capturing=True)
 
 
 def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS, extra: bool = True) -> dict:

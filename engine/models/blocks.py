@@ -122,12 +122,21 @@ class Attention:
         o = attention(q, K.reshape(-1, a.n_head_kv, a.head_dim), V.reshape(-1, a.n_head_kv, a.head_dim), start)
         return self.wo(o)
 
-    def decode_static(self, x: torch.Tensor, st: StaticStep) -> torch.Tensor:
+    def wants_q8_input(self) -> bool:
+        """Whether q, k and v would all multiply x on q8 activations now (``DeviceLinear.takes_q8``), so
+        the norm before can write x̂ once for the three."""
+        return all(getattr(w, "takes_q8", lambda: False)() for w in (self.wq, self.wk, self.wv))
+
+    def decode_static(self, x: torch.Tensor, st: StaticStep, xq=None) -> torch.Tensor:
         """One token x [1, D] (normed) at the device position ``st.pos``, attending over the static
         ``st.length`` of the cache (later positions masked): no host sync, graph-capturable. q and
-        k are normed and rotated together (rope tables, fused norms): few, larger kernels."""
+        k are normed and rotated together (rope tables, fused norms): few, larger kernels. xq: x in
+        triton_q8's format from the norm's launch (:meth:`wants_q8_input`), else None."""
         a, H, Hkv, hd = self.a, self.a.n_head, self.a.n_head_kv, self.a.head_dim
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)  # [1, H*hd], [1, Hkv*hd] x2
+        if xq is not None:
+            q, k, v = self.wq(x, xq), self.wk(x, xq), self.wv(x, xq)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)  # [1, H*hd], [1, Hkv*hd] x2
         if self.qk_norm == "proj":  # OLMoE: over the whole projection
             q, k = rms_norm_fused(q, self.q_norm, a.rms_eps), rms_norm_fused(k, self.k_norm, a.rms_eps)
         sk, sv = st.cache.k[self.i], st.cache.v[self.i]
@@ -294,8 +303,12 @@ class DecoderLayer:
         what a decode CUDA graph captures. Returns (x', y') whose sum is the layer's output — the
         last residual add is left to the next norm, so each add rides on a norm's launch.
         ``route`` int64 [1, K] receives a MoE layer's expert ids."""
-        x, h = st.add_rms_norm(x, y, self.attn_norm, self.eps)
-        a = self.attn.decode_static(h, st)
+        if self.attn.wants_q8_input():  # q, k, v take x̂ from the norm's launch
+            x, h, hq = st.add_rms_norm_q8(x, y, self.attn_norm, self.eps)
+            a = self.attn.decode_static(h, st, hq)
+        else:
+            x, h = st.add_rms_norm(x, y, self.attn_norm, self.eps)
+            a = self.attn.decode_static(h, st)
         if isinstance(self.ffn, MoE):  # the routed experts' q8 input rides on the norm's launch where they take it
             x, h, hq = st.add_rms_norm_q8(x, a, self.ffn_norm, self.eps) if self.ffn.wants_q8_input() else (
                 *st.add_rms_norm(x, a, self.ffn_norm, self.eps), None)  # fmt: skip

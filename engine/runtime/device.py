@@ -87,20 +87,43 @@ class DeviceLinear:
     blocks where :func:`fused_kernels` allows (GEMV up to TRITON_MAX_T rows of x, tiled beyond),
     else the torch reference (dequantize, then matmul)."""
 
-    def __init__(self, w: PreparedWeight, arena: DeviceArena, kind: str, bias: torch.Tensor | None = None):
+    def __init__(
+        self,
+        w: PreparedWeight,
+        arena: DeviceArena,
+        kind: str,
+        bias: torch.Tensor | None = None,
+        q8_act: bool = False,
+    ):
         self.qtype, self.rows, self.n = w.qtype, w.rows, w.n
         self.raw = arena.upload(kind, raw_bytes(w))  # uint8 [rows, row_bytes]
         self.bias = bias
+        self.q8_act = q8_act  # the model rounds its activations like llama.cpp (triton_gemv.trunk_act)
 
     @property
     def out_features(self) -> int:
         return self.rows
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_q8(self) -> bool:
+        """Whether a call now would multiply one token on q8 activations with the Q4_K kernel, so x̂
+        made by the norm before it saves a launch (``Attention.wants_q8_input``)."""
+        dev = self.raw.device
+        if not fused_kernels(dev, self.qtype) or not triton_gemv.triton_q4k_gemv.applies(
+            self.qtype, self.rows, self.n, 1
+        ):
+            return False
+        return triton_gemv.trunk_act(dev, self.q8_act, self.qtype, self.n) == "q8"
+
+    def __call__(self, x: torch.Tensor, xq: tuple | None = None) -> torch.Tensor:
+        """y = x·Wᵀ (+ b); xq: x in triton_q8's format when the caller has it (:meth:`takes_q8`)."""
         x = x.to(self.raw.device)
         if fused_kernels(self.raw.device, self.qtype):
             if x.shape[0] <= TRITON_MAX_T:
-                y = triton_gemv.matmul(self.raw, x.float(), self.qtype, self.rows, self.n)
+                act = triton_gemv.trunk_act(self.raw.device, self.q8_act, self.qtype, self.n)
+                small = self.raw.numel() < triton_gemv.triton_q4k_gemv.MIN_BYTES_OWN_QUANT
+                if act == "q8" and xq is None and small and not os.environ.get(triton_gemv.ENV_ACT, "").strip():
+                    act = "f32"  # a small matrix: its own quantize launch would cost more than q8 saves
+                y = triton_gemv.matmul(self.raw, x.float(), self.qtype, self.rows, self.n, act=act, xq=xq)
             else:  # prefill: weight tiles read once per tile of tokens, never a float copy of W
                 y = triton_moe.one_matrix(self.raw, x.float(), self.qtype, self.rows, self.n)
         else:
@@ -127,7 +150,7 @@ class DeviceWeights:
 
     def linear(self, name: str, bias: str | None = None) -> DeviceLinear:
         b = self.vector(bias) if bias and self.has(bias) else None
-        return DeviceLinear(self.host.prepared(name), self.arena, self.kind, b)
+        return DeviceLinear(self.host.prepared(name), self.arena, self.kind, b, self.q8_act)
 
     def prepared(self, name: str) -> PreparedWeight:
         return self.host.prepared(name)

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from engine.quant.formats import QType, block_format
-from engine.runtime import triton_q8_gemv
+from engine.runtime import triton_q4k_gemv, triton_q8_gemv
 from engine.runtime import triton_qblocks as qb
 from engine.runtime.tdequant import dequantize_at
 
@@ -60,6 +60,8 @@ LAUNCH: dict[str, dict[str, dict[str, int]]] = {
         "gemv:Q4_0:S": {"BR": 2, "NB": 32, "num_warps": 4, "SPLIT": 1},
         "gemv:Q8_0:S": {"BR": 2, "NB": 32, "num_warps": 4, "SPLIT": 1},
         # q8 kernels: a thread should hold ≥ 4 words of a tile (BR·NB·8 ≥ 512 at 4 warps)
+        # triton_q4k_gemv (Q4_K, q8 mode, one token): H100 sweep, gpu_labs/q4k_half_gemv.py
+        "gemv_q4k:*:*": {"BR": 8, "num_warps": 2, "PF": 1},
         "gemv_q8:*:*": {"BR": 16, "NB": 8, "num_warps": 4, "SPLIT": 1},
         "gemv_q8:*:S": {"BR": 4, "NB": 8, "num_warps": 4, "SPLIT": 1},
         "gemv_q8:Q6_K:*": {"BR": 8, "NB": 8, "num_warps": 4, "SPLIT": 1},
@@ -86,6 +88,22 @@ def act_mode(device: torch.device, act: str | None = None) -> str:
     if mode not in ACT_MODES:
         raise ValueError(f"device activation mode {mode!r}: expected one of {ACT_MODES}")
     return mode
+
+
+def trunk_act(device: torch.device, q8_act: bool, qtype: QType, n: int, capturing: bool | None = None) -> str:
+    """The activation mode a trunk matrix of a model multiplies one token with on ``device`` now:
+    ``$SHARPI_DEVICE_ACT`` when set; else, for a model that rounds its activations like llama.cpp
+    (``q8_act``), ``"q8"`` for a Q4_K matrix (``triton_q4k_gemv``) on a compiled CUDA device *while a
+    CUDA graph is being captured* — the decode step of a wholly-on-GPU placement (H100: q 6.1 → 3.8 µs
+    with x̂ from the norm; docs/benchmarks-gpu.md, session 6); else ``"f32"``. Eager launches keep exact
+    float, as the routed experts do (``triton_moe.decode_act``). ``capturing``: default, ask torch."""
+    if os.environ.get(ENV_ACT, "").strip():
+        return act_mode(device, None)
+    if not (q8_act and qb.compiled(device) and triton_q4k_gemv.applies(qtype, 0, n, 1)):
+        return "f32"
+    if capturing is None:
+        capturing = torch.cuda.is_current_stream_capturing()
+    return "q8" if capturing else "f32"
 
 
 def available() -> bool:
@@ -211,11 +229,18 @@ def matmul(
     n: int,
     cfg: dict | None = None,
     act: str | None = None,
+    xq: tuple | None = None,
 ) -> torch.Tensor:
-    """One quantized matrix (raw uint8 [rows, row_bytes]) times X float32 [T, n] -> [T, rows], T ≤ 8."""
+    """One quantized matrix (raw uint8 [rows, row_bytes]) times X float32 [T, n] -> [T, rows], T ≤ 8.
+    q8 mode, Q4_K, one token: ``triton_q4k_gemv`` (xq: X already in triton_q8's format, e.g. from the
+    norm kernel; else it quantizes X itself); other q8 cases: ``triton_q8_gemv``."""
     qtype = QType(qtype)
     T = X.shape[0]
     if act_mode(X.device, act) == "q8":
+        if triton_q4k_gemv.applies(qtype, rows, n, T):
+            return triton_q4k_gemv.gemv(
+                raw, X, rows, n, cfg or launch("gemv_q4k", qtype, rows, device_name(X.device)), xq
+            )
         cfg = cfg or launch("gemv_q8", qtype, rows, device_name(X.device))
         return triton_q8_gemv.matmul_q8(raw, X.contiguous(), qtype, rows, n, cfg, zero_offset(X.device))
     bt = triton.next_power_of_2(T)
@@ -231,12 +256,18 @@ def matmul_many(
     n: int,
     cfg: dict | None = None,
     act: str | None = None,
+    xq: tuple | None = None,
 ) -> list[torch.Tensor]:
     """Several matrices of one qtype and width n (raws[i] uint8 [rows[i], row_bytes], each 16-byte
     aligned; e.g. a layer's q, k, v) times the same X float32 [T, n], T ≤ 8 -> [T, rows[i]] each.
-    q8 mode: one launch for all (plus X's quantization); f32 mode: one :func:`matmul` each."""
+    q8 mode: Q4_K at one token, one ``triton_q4k_gemv`` launch each on one x̂ (xq, else quantized
+    once here); other types one launch for all (plus X's quantization); f32 mode: one :func:`matmul` each."""
     qtype = QType(qtype)
-    if act_mode(X.device, act) != "q8" or len(raws) == 1:
+    q8 = act_mode(X.device, act) == "q8"
+    if q8 and triton_q4k_gemv.applies(qtype, 0, n, X.shape[0]):
+        xq = xq if xq is not None else triton_q4k_gemv.t8.quantize_act(X.contiguous())
+        return [matmul(r, X, qtype, R, n, cfg, act, xq) for r, R in zip(raws, rows)]
+    if not q8 or len(raws) == 1:
         return [matmul(r, X, qtype, R, n, cfg, act) for r, R in zip(raws, rows)]
     cfg = cfg or launch("gemv_q8", qtype, sum(rows), device_name(X.device))
     Y = triton_q8_gemv.matmul_many_q8(raws, X.contiguous(), qtype, rows, n, cfg)

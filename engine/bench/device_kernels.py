@@ -326,6 +326,12 @@ def _candidates(kernel: str, qtype: QType, cls: str) -> list[dict]:
     of the two-matrix gate/up kernel take ptxas tens of seconds)."""
     small = qtype in (QType.Q4_0, QType.Q8_0)  # 32-element blocks: 8× more blocks per row
     f = 4 if small else 1
+    if kernel == "gemv_q4k":  # triton_q4k_gemv: whole rows a program
+        return [{"BR": br, "num_warps": w, "PF": pf} for br, w in ((8, 1), (8, 2), (16, 4), (32, 8)) for pf in (0, 1)]
+    if kernel == "moe_q4k_gate_up":  # triton_q4k_moe: more, smaller programs lose (docs/benchmarks-gpu.md)
+        return [{"BR": br, "num_warps": w} for br, w in ((4, 1), (8, 1), (8, 2), (16, 2), (16, 4))]
+    if kernel == "moe_q4k_down":
+        return [{"BR": br, "num_warps": w, "PF": pf} for br, w in ((2, 1), (4, 1), (4, 2), (8, 4)) for pf in (0, 1)]
     if kernel == "moe_q8_gate_up":  # BR: whole 32-blocks of h
         return [
             {"BR": br, "NB": nb * f, "num_warps": w} for br, nb, w in ((32, 4, 4), (32, 4, 8), (32, 8, 8), (64, 4, 8))
@@ -343,8 +349,16 @@ def _candidates(kernel: str, qtype: QType, cls: str) -> list[dict]:
 
 
 def _tune_targets(qtype: QType) -> list[tuple[str, callable]]:
-    """(LAUNCH key, timing function) per tuned kernel."""
+    """(LAUNCH key, timing function) per tuned kernel: for Q4_K the kernels q8 mode runs it with at one
+    token (triton_q4k_gemv, triton_q4k_moe), for the other types the general q8 kernels."""
     name = qtype.name
+    if qtype == QType.Q4_K:
+        return [
+            (f"gemv_q4k:{name}:M", lambda: trunk_workload(qtype, "q", False, "q8")["graph_us"] + trunk_workload(qtype, "o", False, "q8")["graph_us"]),
+            (f"gemv_q4k:{name}:S", lambda: trunk_workload(qtype, "kv", False, "q8")["graph_us"]),
+            (f"moe_q4k_gate_up:{name}:L", lambda: moe_workload(qtype, False, "q8")["graph_us"]),
+            (f"moe_q4k_down:{name}:M", lambda: moe_workload(qtype, False, "q8")["graph_us"]),
+        ]  # fmt: skip
     return [
         (f"gemv_q8:{name}:M", lambda: trunk_workload(qtype, "q", False, "q8")["graph_us"] + trunk_workload(qtype, "o", False, "q8")["graph_us"]),
         (f"gemv_q8:{name}:S", lambda: trunk_workload(qtype, "kv", False, "q8")["graph_us"]),

@@ -203,8 +203,9 @@ def test_q4k_moe_skipped_pair_never_reads_junk_into_the_sum():
 def test_trunk_act_and_the_small_matrix_rule(monkeypatch):
     """Trunk matrices multiply one token on q8 activations (triton_q4k_gemv) on a compiled CUDA device
     inside a graph capture when the model rounds like llama.cpp and the matrix is Q4_K; exact float
-    otherwise; $SHARPI_DEVICE_ACT overrides. A DeviceLinear below MIN_BYTES_OWN_QUANT keeps exact float
-    unless x̂ is handed to it (its own quantize launch would cost more than q8 saves)."""
+    otherwise, and for a matrix under MIN_BYTES_OWN_QUANT that would quantize x itself (its own launch
+    costs more than q8 saves); $SHARPI_DEVICE_ACT overrides. DeviceLinear reports its bytes exactly
+    when it is not handed x̂."""
     import numpy as np
 
     torch = pytest.importorskip("torch")
@@ -218,7 +219,10 @@ def test_trunk_act_and_the_small_matrix_rule(monkeypatch):
     monkeypatch.delenv(tg.ENV_ACT, raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    small, big = qg.MIN_BYTES_OWN_QUANT - 1, qg.MIN_BYTES_OWN_QUANT
     assert tg.trunk_act(cuda, True, QType.Q4_K, 2048, capturing=True) == "q8"
+    assert tg.trunk_act(cuda, True, QType.Q4_K, 2048, capturing=True, own_quant_bytes=big) == "q8"
+    assert tg.trunk_act(cuda, True, QType.Q4_K, 2048, capturing=True, own_quant_bytes=small) == "f32"
     assert tg.trunk_act(cuda, True, QType.Q4_K, 2048, capturing=False) == "f32"  # eager launches
     assert tg.trunk_act(cuda, False, QType.Q4_K, 2048, capturing=True) == "f32"  # --exact-float
     assert tg.trunk_act(cuda, True, QType.Q6_K, 2048, capturing=True) == "f32"
@@ -226,17 +230,16 @@ def test_trunk_act_and_the_small_matrix_rule(monkeypatch):
     assert tg.trunk_act(cpu, True, QType.Q4_K, 2048, capturing=True) == "f32"
     monkeypatch.setenv(tg.ENV_ACT, "q8")
     assert tg.trunk_act(cpu, False, QType.Q6_K, 2048) == "q8"
-    # DeviceLinear on the CPU under the interpreter with $SHARPI_DEVICE_ACT unset, trunk_act forced to q8:
+    assert tg.trunk_act(cpu, False, QType.Q4_K, 2048, own_quant_bytes=small) == "q8"  # forced
     monkeypatch.delenv(tg.ENV_ACT)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(tg, "trunk_act", lambda *a, **k: "q8")
     seen = []
-    monkeypatch.setattr(tg, "matmul", lambda raw, x, q, r, n, cfg=None, act=None, xq=None: seen.append(act) or x[:, :r])
+    monkeypatch.setattr(tg, "trunk_act", lambda *a, own_quant_bytes=None, **k: seen.append(own_quant_bytes) or "f32")
+    monkeypatch.setattr(tg, "matmul", lambda raw, x, q, r, n, cfg=None, act=None, xq=None: x[:, :r])
     rng = np.random.default_rng(0)
-    arena = dv.DeviceArena(cpu, 1 << 30)
-    lin = dv.DeviceLinear(prepare_weight(QType.Q4_K, random_blocks(QType.Q4_K, 64, 256, rng)), arena, "trunk")
-    assert lin.raw.numel() < qg.MIN_BYTES_OWN_QUANT and lin.takes_q8()
+    lin = dv.DeviceLinear(prepare_weight(QType.Q4_K, random_blocks(QType.Q4_K, 64, 256, rng)),
+                          dv.DeviceArena(cpu, 1 << 30), "trunk")  # fmt: skip
     x = torch.zeros(1, 256)
     lin(x)
     lin(x, (x, x, x))
-    assert seen == ["f32", "q8"]
+    assert seen == [lin.raw.numel(), None]

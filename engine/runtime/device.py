@@ -119,10 +119,8 @@ class DeviceLinear:
         x = x.to(self.raw.device)
         if fused_kernels(self.raw.device, self.qtype):
             if x.shape[0] <= TRITON_MAX_T:
-                act = triton_gemv.trunk_act(self.raw.device, self.q8_act, self.qtype, self.n)
-                small = self.raw.numel() < triton_gemv.triton_q4k_gemv.MIN_BYTES_OWN_QUANT
-                if act == "q8" and xq is None and small and not os.environ.get(triton_gemv.ENV_ACT, "").strip():
-                    act = "f32"  # a small matrix: its own quantize launch would cost more than q8 saves
+                own = self.raw.numel() if xq is None else None  # x̂ to be made by the call itself
+                act = triton_gemv.trunk_act(self.raw.device, self.q8_act, self.qtype, self.n, own_quant_bytes=own)
                 y = triton_gemv.matmul(self.raw, x.float(), self.qtype, self.rows, self.n, act=act, xq=xq)
             else:  # prefill: weight tiles read once per tile of tokens, never a float copy of W
                 y = triton_moe.one_matrix(self.raw, x.float(), self.qtype, self.rows, self.n)

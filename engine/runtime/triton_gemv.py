@@ -90,16 +90,28 @@ def act_mode(device: torch.device, act: str | None = None) -> str:
     return mode
 
 
-def trunk_act(device: torch.device, q8_act: bool, qtype: QType, n: int, capturing: bool | None = None) -> str:
+def trunk_act(
+    device: torch.device,
+    q8_act: bool,
+    qtype: QType,
+    n: int,
+    capturing: bool | None = None,
+    own_quant_bytes: int | None = None,
+) -> str:
     """The activation mode a trunk matrix of a model multiplies one token with on ``device`` now:
     ``$SHARPI_DEVICE_ACT`` when set; else, for a model that rounds its activations like llama.cpp
     (``q8_act``), ``"q8"`` for a Q4_K matrix (``triton_q4k_gemv``) on a compiled CUDA device *while a
     CUDA graph is being captured* — the decode step of a wholly-on-GPU placement (H100: q 6.1 → 3.8 µs
     with x̂ from the norm; docs/benchmarks-gpu.md, session 6); else ``"f32"``. Eager launches keep exact
-    float, as the routed experts do (``triton_moe.decode_act``). ``capturing``: default, ask torch."""
+    float, as the routed experts do (``triton_moe.decode_act``). ``capturing``: default, ask torch.
+    ``own_quant_bytes``: the matrix's bytes when x̂ is not handed to it (the kernel call then quantizes
+    x in a launch of its own): under ``triton_q4k_gemv.MIN_BYTES_OWN_QUANT`` that launch costs more than
+    q8 saves, so exact float."""
     if os.environ.get(ENV_ACT, "").strip():
         return act_mode(device, None)
     if not (q8_act and qb.compiled(device) and triton_q4k_gemv.applies(qtype, 0, n, 1)):
+        return "f32"
+    if own_quant_bytes is not None and own_quant_bytes < triton_q4k_gemv.MIN_BYTES_OWN_QUANT:
         return "f32"
     if capturing is None:
         capturing = torch.cuda.is_current_stream_capturing()

@@ -29,7 +29,7 @@ triton, tl = qb.triton, qb.tl
 
 # A matrix smaller than this takes the exact-float kernel when x̂ would need its own quantize launch
 # (~1.3 µs in a graph on the H100): q8 saves ~0.5 µs a MB (o, 4.7 MB: 1.3 + 4.1 against 6.6 µs; k, 0.6 MB:
-# 1.3 + 2.0 against 2.2). DeviceLinear applies it.
+# 1.3 + 2.0 against 2.2). triton_gemv.trunk_act applies it.
 MIN_BYTES_OWN_QUANT = 3 << 20
 
 

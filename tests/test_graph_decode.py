@@ -25,6 +25,7 @@ from engine.runtime import graph_decode
 from engine.runtime.graph_decode import GraphDecode
 from engine.synth.writer import write_model
 from tests.oracle import random_tokens
+from tests.triton_data import die_with_parent
 
 ARCHS = [
     ("qwen3moe", "qwen3moe", {}),
@@ -262,7 +263,7 @@ print("ok")
 def _script(script: str, *args: str, interpret: bool) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
     out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
-                         timeout=300, check=False)  # fmt: skip
+                         timeout=300, check=False, preexec_fn=die_with_parent)  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
 
 

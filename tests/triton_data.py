@@ -41,6 +41,18 @@ def expert_pool(types, F: int, D: int, E: int, dev, gen: np.random.Generator):
     return pool, o, roles
 
 
+def die_with_parent() -> None:
+    """``preexec_fn`` for a test's child interpreter: on Linux the kernel kills it when the pytest
+    process dies (``prctl(PR_SET_PDEATHSIG, SIGKILL)``) — a pytest stopped by ``timeout`` on the GPU
+    machine once left a CUDA script running that slowed the next benchmark. Elsewhere: nothing."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
 def run_script(script: str, args: list[str], env: dict) -> str:
     """Run a test's kernel script in a fresh interpreter (Triton's interpreter mode is chosen by
     the environment at import) and return its stdout; a failure shows the script's output."""
@@ -48,8 +60,9 @@ def run_script(script: str, args: list[str], env: dict) -> str:
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=900, check=False
-    )
+        [sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=900, check=False,
+        preexec_fn=die_with_parent,
+    )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
 

@@ -168,7 +168,7 @@ def _norm_xq(x: torch.Tensor, qtype: QType, kind: str, act: str):
     """x̂ as a decode graph hands it to a Q4_K trunk matrix on q8 activations: from the attention norm's
     launch for q, k, v (``step_kernels.add_rms_norm(q8=True)``), so not timed; None for o (the attention
     output: the kernel call quantizes it, timed) and everywhere else."""
-    if act == "q8" and kind in ("q", "kv", "qkv") and triton_q4k_gemv.applies(qtype, 0, x.shape[1], 1):
+    if act == "q8" and kind in ("q", "kv", "qkv") and triton_q4k_gemv.applies(qtype, x.shape[1], 1):
         return triton_q8.quantize_act(x)
     return None
 

@@ -18,7 +18,7 @@ from engine.errors import DeviceMemoryError
 from engine.kernels.prepare import PreparedWeight
 from engine.models.weights import Weights
 from engine.quant.formats import QType
-from engine.runtime import triton_gemv, triton_moe
+from engine.runtime import triton_gemv, triton_moe, triton_q4k_gemv
 from engine.runtime.tdequant import dequantize
 
 TRITON_MAX_T = 8  # rows of X up to which the GEMV kernel serves; beyond, the tiled (tl.dot) kernel
@@ -108,9 +108,7 @@ class DeviceLinear:
         """Whether a call now would multiply one token on q8 activations with the Q4_K kernel, so x̂
         made by the norm before it saves a launch (``Attention.wants_q8_input``)."""
         dev = self.raw.device
-        if not fused_kernels(dev, self.qtype) or not triton_gemv.triton_q4k_gemv.applies(
-            self.qtype, self.rows, self.n, 1
-        ):
+        if not fused_kernels(dev, self.qtype) or not triton_q4k_gemv.applies(self.qtype, self.n, 1):
             return False
         return triton_gemv.trunk_act(dev, self.q8_act, self.qtype, self.n) == "q8"
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from engine.quant.formats import QType, block_format
-from engine.runtime import triton_q4k_gemv, triton_q8_gemv
+from engine.runtime import triton_q4k_gemv, triton_q8, triton_q8_gemv
 from engine.runtime import triton_qblocks as qb
 from engine.runtime.tdequant import dequantize_at
 
@@ -109,7 +109,7 @@ def trunk_act(
     q8 saves, so exact float."""
     if os.environ.get(ENV_ACT, "").strip():
         return act_mode(device, None)
-    if not (q8_act and qb.compiled(device) and triton_q4k_gemv.applies(qtype, 0, n, 1)):
+    if not (q8_act and qb.compiled(device) and triton_q4k_gemv.applies(qtype, n, 1)):
         return "f32"
     if own_quant_bytes is not None and own_quant_bytes < triton_q4k_gemv.MIN_BYTES_OWN_QUANT:
         return "f32"
@@ -249,7 +249,7 @@ def matmul(
     qtype = QType(qtype)
     T = X.shape[0]
     if act_mode(X.device, act) == "q8":
-        if triton_q4k_gemv.applies(qtype, rows, n, T):
+        if triton_q4k_gemv.applies(qtype, n, T):
             return triton_q4k_gemv.gemv(
                 raw, X, rows, n, cfg or launch("gemv_q4k", qtype, rows, device_name(X.device)), xq
             )
@@ -276,8 +276,8 @@ def matmul_many(
     once here); other types one launch for all (plus X's quantization); f32 mode: one :func:`matmul` each."""
     qtype = QType(qtype)
     q8 = act_mode(X.device, act) == "q8"
-    if q8 and triton_q4k_gemv.applies(qtype, 0, n, X.shape[0]):
-        xq = xq if xq is not None else triton_q4k_gemv.t8.quantize_act(X.contiguous())
+    if q8 and triton_q4k_gemv.applies(qtype, n, X.shape[0]):
+        xq = xq if xq is not None else triton_q8.quantize_act(X.contiguous())
         return [matmul(r, X, qtype, R, n, cfg, act, xq) for r, R in zip(raws, rows)]
     if not q8 or len(raws) == 1:
         return [matmul(r, X, qtype, R, n, cfg, act) for r, R in zip(raws, rows)]

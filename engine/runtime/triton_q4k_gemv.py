@@ -33,7 +33,7 @@ triton, tl = qb.triton, qb.tl
 MIN_BYTES_OWN_QUANT = 3 << 20
 
 
-def applies(qtype: QType, rows: int, n: int, T: int) -> bool:
+def applies(qtype: QType, n: int, T: int) -> bool:
     """Whether :func:`gemv` serves this matrix and batch: Q4_K, one token, n a multiple of 256."""
     return QType(qtype) == QType.Q4_K and T == 1 and n % 256 == 0
 

@@ -76,10 +76,10 @@ class StaticStep:
         x = x if y is None else x + y
         return x, rms_norm_fused(x, w, eps)
 
-    def add_rms_norm_q8(self, x, y, w, eps):
-        """:meth:`add_rms_norm` plus the normed row in ``triton_q8``'s activation format from the same
-        launch where the fused kernel serves (``add_norm(..., q8=True)``); else None for it."""
-        if self.add_norm is not None and x.shape[-1] % 32 == 0:
+    def add_rms_norm_q8(self, x, y, w, eps, want: bool):
+        """:meth:`add_rms_norm` plus, when ``want``, the normed row in ``triton_q8``'s activation format
+        from the same launch where the fused kernel serves (``add_norm(..., q8=True)``); else None."""
+        if want and self.add_norm is not None and x.shape[-1] % 32 == 0:
             return self.add_norm(x, y, w, eps, q8=True)
         return (*self.add_rms_norm(x, y, w, eps), None)
 
@@ -303,15 +303,11 @@ class DecoderLayer:
         what a decode CUDA graph captures. Returns (x', y') whose sum is the layer's output — the
         last residual add is left to the next norm, so each add rides on a norm's launch.
         ``route`` int64 [1, K] receives a MoE layer's expert ids."""
-        if self.attn.wants_q8_input():  # q, k, v take x̂ from the norm's launch
-            x, h, hq = st.add_rms_norm_q8(x, y, self.attn_norm, self.eps)
-            a = self.attn.decode_static(h, st, hq)
-        else:
-            x, h = st.add_rms_norm(x, y, self.attn_norm, self.eps)
-            a = self.attn.decode_static(h, st)
-        if isinstance(self.ffn, MoE):  # the routed experts' q8 input rides on the norm's launch where they take it
-            x, h, hq = st.add_rms_norm_q8(x, a, self.ffn_norm, self.eps) if self.ffn.wants_q8_input() else (
-                *st.add_rms_norm(x, a, self.ffn_norm, self.eps), None)  # fmt: skip
+        # x̂ (q8) rides on a norm's launch where the matrices after it take it: q, k, v; the routed experts
+        x, h, hq = st.add_rms_norm_q8(x, y, self.attn_norm, self.eps, self.attn.wants_q8_input())
+        a = self.attn.decode_static(h, st, hq)
+        if isinstance(self.ffn, MoE):
+            x, h, hq = st.add_rms_norm_q8(x, a, self.ffn_norm, self.eps, self.ffn.wants_q8_input())
             return x, self.ffn.decode_static(h, route, hq)
         x, h = st.add_rms_norm(x, a, self.ffn_norm, self.eps)
         return x, self.ffn(h)

@@ -147,16 +147,13 @@ if triton is not None:
         return d * (alo + ahi * 0.0625) - dmin * amn
 
     @triton.jit
-    def _gate_up_kernel(W32, SLOT, XQ, XD, XS, H, go, uo, F: tl.constexpr, K: tl.constexpr, NB: tl.constexpr,
-                        BR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-        """H[q, rows] = SiLU(gate_q[rows]·x_t) · (up_q[rows]·x_t) for pair q = t·K + k at byte SLOT[q] of the
-        pool (−1: H = 0); gate/up at byte offsets go/uo of the slot, NB blocks a row; F % BR == 0.
+    def _gate_up_rows(W32, SLOT, XQ, XD, XS, go, uo, q, r0, K: tl.constexpr, NB: tl.constexpr, BR: tl.constexpr,
+                      ASM: tl.constexpr):  # fmt: skip
+        """h [BR] = SiLU(gate_q[rows]·x_t) · (up_q[rows]·x_t), rows r0 … r0 + BR − 1, for pair q = t·K + k at
+        byte SLOT[q] of the pool (−1: h = 0); gate/up at byte offsets go/uo of the slot, NB blocks a row.
         [2·NB, BR] tiles: a row's half-blocks on the fastest lanes (a row's sum stays in the warp), a
         thread holds the gate and the up half of its (half-block, row) and loads their activations once."""
-        qb.pdl_enter(PDL)  # SLOT comes from the routing kernel
-        q = tl.program_id(1)
         slot = tl.load(SLOT + q)
-        r0 = tl.program_id(0) * BR
         if slot >= 0:
             rows = r0 + tl.arange(0, BR)
             t = q // K
@@ -175,6 +172,16 @@ if triton is not None:
             h = g / (1.0 + tl.exp(-g)) * u  # ggml_swiglu_split
         else:
             h = tl.zeros([BR], dtype=tl.float32)
+        return h
+
+    @triton.jit
+    def _gate_up_kernel(W32, SLOT, XQ, XD, XS, H, go, uo, F: tl.constexpr, K: tl.constexpr, NB: tl.constexpr,
+                        BR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        """H[q, rows] = :func:`_gate_up_rows` for pair q (program axis 1), F / BR tiles of rows (axis 0)."""
+        qb.pdl_enter(PDL)  # SLOT comes from the routing kernel
+        q = tl.program_id(1)
+        r0 = tl.program_id(0) * BR
+        h = _gate_up_rows(W32, SLOT, XQ, XD, XS, go, uo, q, r0, K, NB, BR, ASM)
         tl.store(H + q.to(tl.int64) * F + r0 + tl.arange(0, BR), h)
 
     @triton.jit

@@ -50,7 +50,6 @@ from engine.runtime import triton_qblocks as qb  # noqa: E402
 from tests.triton_data import expert_pool, routing_case  # noqa: E402
 
 triton, tl = qb.triton, qb.tl
-m4 = q4
 Q = QType.Q4_K
 
 LINE = (
@@ -71,169 +70,166 @@ def sync_buffer(device: torch.device) -> torch.Tensor | None:
     return _SYNC[key]
 
 
-def applies(roles: dict, pairs: int, device: torch.device) -> bool:
-    """Whether :func:`moe` serves these roles and (token, expert) pairs now: all-Q4_K experts
-    (``triton_q4k_moe.applies``), at most MAX_PAIRS pairs, and a sync buffer on the device."""
-    return q4.applies(roles) and pairs <= MAX_PAIRS and sync_buffer(device) is not None
+@triton.jit
+def _asm(CODE: tl.constexpr):
+    """PTX CODE (ending in ``mov.u32 $0, $1;``) in every thread of the program, kept for its side effect."""
+    z = tl.zeros([1], dtype=tl.int32)
+    tl.inline_asm_elementwise(CODE, "=r,r", [z], dtype=tl.int32, is_pure=False, pack=1)
 
 
-if True:  # the kernels (indented as in the engine module they came from)
+@triton.jit
+def _fence(ASM: tl.constexpr):
+    """fence.acq_rel.gpu in every thread (the interpreter runs programs one at a time: nothing)."""
+    if ASM:
+        _asm("fence.acq_rel.gpu; mov.u32 $0, $1;")
 
-    @triton.jit
-    def _asm(CODE: tl.constexpr):
-        """PTX CODE (ending in ``mov.u32 $0, $1;``) in every thread of the program, kept for its side effect."""
-        z = tl.zeros([1], dtype=tl.int32)
-        tl.inline_asm_elementwise(CODE, "=r,r", [z], dtype=tl.int32, is_pure=False, pack=1)
 
-    @triton.jit
-    def _fence(ASM: tl.constexpr):
-        """fence.acq_rel.gpu in every thread (the interpreter runs programs one at a time: nothing)."""
+@triton.jit
+def _publish(C, ASM: tl.constexpr):
+    """This program's stores, then +1 on counter C: visible to whoever reads C after it."""
+    _fence(ASM)
+    tl.debug_barrier()
+    tl.atomic_add(C, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _await(C, n, ASM: tl.constexpr, NAP: tl.constexpr = 32):
+    """Poll counter C until it reaches n, then fence (loads after this see what the publishers stored)."""
+    c = tl.load(C, volatile=True)
+    while c < n:
         if ASM:
-            _asm("fence.acq_rel.gpu; mov.u32 $0, $1;")
-
-    @triton.jit
-    def _publish(C, ASM: tl.constexpr):
-        """This program's stores, then +1 on counter C: visible to whoever reads C after it."""
-        _fence(ASM)
-        tl.debug_barrier()
-        tl.atomic_add(C, 1, sem="release", scope="gpu")
-
-    @triton.jit
-    def _await(C, n, ASM: tl.constexpr, NAP: tl.constexpr = 32):
-        """Poll counter C until it reaches n, then fence (loads after this see what the publishers stored)."""
+            if NAP == 32:
+                _asm("nanosleep.u32 32; mov.u32 $0, $1;")
+            elif NAP == 256:
+                _asm("nanosleep.u32 256; mov.u32 $0, $1;")
+            elif NAP == 1000:
+                _asm("nanosleep.u32 1000; mov.u32 $0, $1;")
         c = tl.load(C, volatile=True)
-        while c < n:
-            if ASM:
-                if NAP == 32:
-                    _asm("nanosleep.u32 32; mov.u32 $0, $1;")
-                elif NAP == 256:
-                    _asm("nanosleep.u32 256; mov.u32 $0, $1;")
-                elif NAP == 1000:
-                    _asm("nanosleep.u32 1000; mov.u32 $0, $1;")
-            c = tl.load(C, volatile=True)
+    _fence(ASM)
+
+
+@triton.jit
+def _quant8(SRC, QQ, QD, QS, row, c, n32):
+    """triton_q8's rounding (``quant_tile`` / ``store_q8``: quantize_act's rule) of 32-blocks
+    8c … 8c + 7 (those < n32) of row ``row`` of float SRC [rows, 32·n32] into its q8 buffers."""
+    blk = c * 8 + tl.arange(0, 8)
+    bm = blk < n32
+    v = tl.load(SRC + row.to(tl.int64) * (32 * n32) + blk[:, None] * 32 + tl.arange(0, 32)[None, :],
+                mask=bm[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+    words, d, s = t8.quant_tile(v, 8)
+    t8.store_q8(QQ, QD, QS, row, blk, bm, words, d, s, n32)
+
+
+@triton.jit
+def _gate_up_tile(W32, SLOT, XQ, XD, XS, H, HQ, HD, HS, SYNC, go, uo, j, D: tl.constexpr, F: tl.constexpr,
+                  K: tl.constexpr, BRG: tl.constexpr, NPH: tl.constexpr, NXQ: tl.constexpr, ASM: tl.constexpr,
+                  WAIT: tl.constexpr, NAP: tl.constexpr):  # fmt: skip
+    """Gate/up tile j (pair-major): h for BRG rows of one pair; the pair's last tile quantizes its h."""
+    NB: tl.constexpr = D // 256
+    TF: tl.constexpr = F // BRG  # tiles a pair
+    q = j // TF
+    r0 = (j % TF) * BRG
+    slot = tl.load(SLOT + q)
+    if slot >= 0:
+        rows = r0 + tl.arange(0, BRG)
+        t = q // K
+        b = tl.arange(0, NB)
+        off = tl.multiple_of(b[:, None] * q4.BLOCK_WORDS + rows[None, :] * (q4.BLOCK_WORDS * NB), [4, 4])
+        gb = _load_block(W32 + tl.multiple_of((slot + go) // 4, 4) + off)
+        ub = _load_block(W32 + tl.multiple_of((slot + uo) // 4, 4) + off)
+        if WAIT % 2:
+            _await(SYNC + LINE, NXQ, ASM, NAP)  # x̂
+        zp = tl.zeros([NB, BRG], dtype=tl.int32)
+        Xp = XQ + t * (64 * NB) + (zp + b[:, None] * 64)
+        XDp = XD + t * (8 * NB) + (zp + b[:, None] * 8)
+        XSp = XS + t * (16 * NB) + (zp + b[:, None] * 16)
+        g = tl.sum(_dot_block(gb, Xp, XDp, XSp, ASM), axis=0)
+        u = tl.sum(_dot_block(ub, Xp, XDp, XSp, ASM), axis=0)
+        h = g / (1.0 + tl.exp(-g)) * u  # ggml_swiglu_split
+    else:
+        h = tl.zeros([BRG], dtype=tl.float32)
+    tl.store(H + q.to(tl.int64) * F + r0 + tl.arange(0, BRG), h)
+    _fence(ASM)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(SYNC + (4 + q) * LINE, 1, sem="acq_rel", scope="gpu")
+    if arrived == TF - 1:  # the pair's last tile: quantize its h, count the pair ready
+        tl.atomic_xchg(SYNC + (4 + q) * LINE, 0, sem="relaxed", scope="gpu")
         _fence(ASM)
+        for c in tl.static_range(NPH):  # loads of all chunks issue before the first store waits
+            _quant8(H, HQ, HD, HS, q, c, F // 32)
+        _publish(SYNC + 2 * LINE, ASM)
 
-    @triton.jit
-    def _quant8(SRC, QQ, QD, QS, row, c, n32):
-        """triton_q8's rounding (``quant_tile`` / ``store_q8``: quantize_act's rule) of 32-blocks
-        8c … 8c + 7 (those < n32) of row ``row`` of float SRC [rows, 32·n32] into its q8 buffers."""
-        blk = c * 8 + tl.arange(0, 8)
-        bm = blk < n32
-        v = tl.load(SRC + row.to(tl.int64) * (32 * n32) + blk[:, None] * 32 + tl.arange(0, 32)[None, :],
-                    mask=bm[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-        words, d, s = t8.quant_tile(v, 8)
-        t8.store_q8(QQ, QD, QS, row, blk, bm, words, d, s, n32)
 
-    @triton.jit
-    def _gate_up_tile(W32, SLOT, XQ, XD, XS, H, HQ, HD, HS, SYNC, go, uo, j, D: tl.constexpr, F: tl.constexpr,
-                      K: tl.constexpr, BRG: tl.constexpr, NPH: tl.constexpr, NXQ: tl.constexpr, ASM: tl.constexpr,
-                      WAIT: tl.constexpr, NAP: tl.constexpr):  # fmt: skip
-        """Gate/up tile j (pair-major): h for BRG rows of one pair; the pair's last tile quantizes its h."""
-        NB: tl.constexpr = D // 256
-        TF: tl.constexpr = F // BRG  # tiles a pair
-        q = j // TF
-        r0 = (j % TF) * BRG
-        slot = tl.load(SLOT + q)
-        if slot >= 0:
-            rows = r0 + tl.arange(0, BRG)
-            t = q // K
-            b = tl.arange(0, NB)
-            off = tl.multiple_of(b[:, None] * q4.BLOCK_WORDS + rows[None, :] * (q4.BLOCK_WORDS * NB), [4, 4])
-            gb = _load_block(W32 + tl.multiple_of((slot + go) // 4, 4) + off)
-            ub = _load_block(W32 + tl.multiple_of((slot + uo) // 4, 4) + off)
-            if WAIT % 2:
-                _await(SYNC + LINE, NXQ, ASM, NAP)  # x̂
-            zp = tl.zeros([NB, BRG], dtype=tl.int32)
-            Xp = XQ + t * (64 * NB) + (zp + b[:, None] * 64)
-            XDp = XD + t * (8 * NB) + (zp + b[:, None] * 8)
-            XSp = XS + t * (16 * NB) + (zp + b[:, None] * 16)
-            g = tl.sum(_dot_block(gb, Xp, XDp, XSp, ASM), axis=0)
-            u = tl.sum(_dot_block(ub, Xp, XDp, XSp, ASM), axis=0)
-            h = g / (1.0 + tl.exp(-g)) * u  # ggml_swiglu_split
-        else:
-            h = tl.zeros([BRG], dtype=tl.float32)
-        tl.store(H + q.to(tl.int64) * F + r0 + tl.arange(0, BRG), h)
-        _fence(ASM)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(SYNC + (4 + q) * LINE, 1, sem="acq_rel", scope="gpu")
-        if arrived == TF - 1:  # the pair's last tile: quantize its h, count the pair ready
-            tl.atomic_xchg(SYNC + (4 + q) * LINE, 0, sem="relaxed", scope="gpu")
-            _fence(ASM)
-            for c in tl.static_range(NPH):  # loads of all chunks issue before the first store waits
-                _quant8(H, HQ, HD, HS, q, c, F // 32)
-            _publish(SYNC + 2 * LINE, ASM)
+@triton.jit
+def _down_tile(W32, SLOT, WT, HQ, HD, HS, Y, SYNC, do, j, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
+               BRD: tl.constexpr, NDN: tl.constexpr, ASM: tl.constexpr, NPAIRS: tl.constexpr, WAIT: tl.constexpr,
+               NAP: tl.constexpr):  # fmt: skip
+    """Down tile j (token-major): BRD rows of Y[t] over the token's K experts, experts × a row's blocks
+    on one axis (as triton_q4k_moe's down kernel); the last tile resets the counters."""
+    NBF: tl.constexpr = F // 256
+    t = j // (D // BRD)
+    r0 = (j % (D // BRD)) * BRD
+    rows = r0 + tl.arange(0, BRD)
+    RW: tl.constexpr = q4.BLOCK_WORDS * NBF  # words a row
+    NBP: tl.constexpr = triton.next_power_of_2(NBF)
+    e = tl.arange(0, K * NBP)
+    lane = e % NBP
+    lc = tl.minimum(lane, NBF - 1)
+    q = t * K + e // NBP
+    slot = tl.load(SLOT + q)
+    keep = (lane < NBF) & (slot >= 0)
+    wk = tl.load(WT + q)
+    P = W32 + (tl.multiple_of((tl.maximum(slot, 0) + do) // 4 + lc * q4.BLOCK_WORDS, 4)[:, None] + (rows * RW)[None, :])
+    blk = _load_block(P)
+    if WAIT // 2:
+        _await(SYNC + 2 * LINE, NPAIRS, ASM, NAP)  # every pair's ĥ
+    zp = tl.zeros([K * NBP, BRD], dtype=tl.int32)
+    Xp = HQ + (zp + (q * (64 * NBF) + lc * 64)[:, None])
+    XDp = HD + (zp + (q * (8 * NBF) + lc * 8)[:, None])
+    XSp = HS + (zp + (q * (16 * NBF) + lc * 16)[:, None])
+    v = _dot_block(blk, Xp, XDp, XSp, ASM)
+    y = tl.sum(tl.where(keep[:, None], v * wk[:, None], 0.0), axis=0)
+    tl.store(Y + t * D + rows, y)
+    _fence(ASM)
+    tl.debug_barrier()
+    done = tl.atomic_add(SYNC + 3 * LINE, 1, sem="acq_rel", scope="gpu")
+    if done == NDN - 1:  # every program has taken its ticket and passed its waits: reset
+        tl.atomic_xchg(SYNC, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(SYNC + LINE, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(SYNC + 2 * LINE, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(SYNC + 3 * LINE, 0, sem="relaxed", scope="gpu")
 
-    @triton.jit
-    def _down_tile(W32, SLOT, WT, HQ, HD, HS, Y, SYNC, do, j, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
-                   BRD: tl.constexpr, NDN: tl.constexpr, ASM: tl.constexpr, NPAIRS: tl.constexpr, WAIT: tl.constexpr,
-                   NAP: tl.constexpr):  # fmt: skip
-        """Down tile j (token-major): BRD rows of Y[t] over the token's K experts, experts × a row's blocks
-        on one axis (as triton_q4k_moe's down kernel); the last tile resets the counters."""
-        NBF: tl.constexpr = F // 256
-        t = j // (D // BRD)
-        r0 = (j % (D // BRD)) * BRD
-        rows = r0 + tl.arange(0, BRD)
-        RW: tl.constexpr = q4.BLOCK_WORDS * NBF  # words a row
-        NBP: tl.constexpr = triton.next_power_of_2(NBF)
-        e = tl.arange(0, K * NBP)
-        lane = e % NBP
-        lc = tl.minimum(lane, NBF - 1)
-        q = t * K + e // NBP
-        slot = tl.load(SLOT + q)
-        keep = (lane < NBF) & (slot >= 0)
-        wk = tl.load(WT + q)
-        P = W32 + (
-            tl.multiple_of((tl.maximum(slot, 0) + do) // 4 + lc * q4.BLOCK_WORDS, 4)[:, None] + (rows * RW)[None, :]
+
+@triton.jit
+def _moe_kernel(W32, SLOT, X, WT, XQ, XD, XS, H, HQ, HD, HS, Y, SYNC, go, uo, do,
+                T: tl.constexpr, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr, BRG: tl.constexpr,
+                BRD: tl.constexpr, NPX: tl.constexpr, NPH: tl.constexpr, ASM: tl.constexpr,
+                PDL: tl.constexpr, WAIT: tl.constexpr = 3, NAP: tl.constexpr = 32):  # fmt: skip
+    """Y[t] = Σ_k WT[t, k] · down_k · ĥ(SiLU(gate_k·x̂_t) · up_k·x̂_t) for the T·K pairs at byte offsets
+    SLOT of the pool (−1: skipped). Grid: 1 + NGU + NDN programs of one warp; see the module text.
+    SYNC: counters LINE words apart — 0 tickets, 1 x̂ ready, 2 pairs ready, 3 down tiles done, then
+    one per pair (its gate/up tiles arrived)."""
+    NXQ: tl.constexpr = T * NPX  # x̂ programs
+    NGU: tl.constexpr = T * K * (F // BRG)
+    NDN: tl.constexpr = T * (D // BRD)
+    qb.pdl_enter(PDL)  # x and SLOT come from the kernels before; so may the previous launch of this kernel,
+    me = tl.atomic_add(SYNC, 1, sem="relaxed", scope="gpu")  # whose last program resets the counters
+    if me < NXQ:  # 8 32-blocks of x̂
+        _quant8(X, XQ, XD, XS, me // NPX, me % NPX, D // 32)
+        _publish(SYNC + LINE, ASM)
+    elif me < NXQ + NGU:
+        _gate_up_tile(
+            W32, SLOT, XQ, XD, XS, H, HQ, HD, HS, SYNC, go, uo, me - NXQ, D, F, K, BRG, NPH, NXQ, ASM, WAIT, NAP
         )
-        blk = _load_block(P)
-        if WAIT // 2:
-            _await(SYNC + 2 * LINE, NPAIRS, ASM, NAP)  # every pair's ĥ
-        zp = tl.zeros([K * NBP, BRD], dtype=tl.int32)
-        Xp = HQ + (zp + (q * (64 * NBF) + lc * 64)[:, None])
-        XDp = HD + (zp + (q * (8 * NBF) + lc * 8)[:, None])
-        XSp = HS + (zp + (q * (16 * NBF) + lc * 16)[:, None])
-        v = _dot_block(blk, Xp, XDp, XSp, ASM)
-        y = tl.sum(tl.where(keep[:, None], v * wk[:, None], 0.0), axis=0)
-        tl.store(Y + t * D + rows, y)
-        _fence(ASM)
-        tl.debug_barrier()
-        done = tl.atomic_add(SYNC + 3 * LINE, 1, sem="acq_rel", scope="gpu")
-        if done == NDN - 1:  # every program has taken its ticket and passed its waits: reset
-            tl.atomic_xchg(SYNC, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(SYNC + LINE, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(SYNC + 2 * LINE, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(SYNC + 3 * LINE, 0, sem="relaxed", scope="gpu")
-
-    @triton.jit
-    def _moe_kernel(W32, SLOT, X, WT, XQ, XD, XS, H, HQ, HD, HS, Y, SYNC, go, uo, do,
-                    T: tl.constexpr, D: tl.constexpr, F: tl.constexpr, K: tl.constexpr, BRG: tl.constexpr,
-                    BRD: tl.constexpr, NPX: tl.constexpr, NPH: tl.constexpr, ASM: tl.constexpr,
-                    PDL: tl.constexpr, WAIT: tl.constexpr = 3, NAP: tl.constexpr = 32):  # fmt: skip
-        """Y[t] = Σ_k WT[t, k] · down_k · ĥ(SiLU(gate_k·x̂_t) · up_k·x̂_t) for the T·K pairs at byte offsets
-        SLOT of the pool (−1: skipped). Grid: 1 + NGU + NDN programs of one warp; see the module text.
-        SYNC: counters LINE words apart — 0 tickets, 1 x̂ ready, 2 pairs ready, 3 down tiles done, then
-        one per pair (its gate/up tiles arrived)."""
-        NXQ: tl.constexpr = T * NPX  # x̂ programs
-        NGU: tl.constexpr = T * K * (F // BRG)
-        NDN: tl.constexpr = T * (D // BRD)
-        qb.pdl_enter(PDL)  # x and SLOT come from the kernels before; so may the previous launch of this kernel,
-        me = tl.atomic_add(SYNC, 1, sem="relaxed", scope="gpu")  # whose last program resets the counters
-        if me < NXQ:  # 8 32-blocks of x̂
-            _quant8(X, XQ, XD, XS, me // NPX, me % NPX, D // 32)
-            _publish(SYNC + LINE, ASM)
-        elif me < NXQ + NGU:
-            _gate_up_tile(
-                W32, SLOT, XQ, XD, XS, H, HQ, HD, HS, SYNC, go, uo, me - NXQ, D, F, K, BRG, NPH, NXQ, ASM, WAIT, NAP
-            )
-        else:
-            _down_tile(W32, SLOT, WT, HQ, HD, HS, Y, SYNC, do, me - NXQ - NGU, D, F, K, BRD, NDN, ASM, T * K, WAIT, NAP)
+    else:
+        _down_tile(W32, SLOT, WT, HQ, HD, HS, Y, SYNC, do, me - NXQ - NGU, D, F, K, BRD, NDN, ASM, T * K, WAIT, NAP)
 
 
 def moe(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, roles: dict, K: int,
         cfg: dict) -> torch.Tensor:  # fmt: skip
     """Σ_k weights[t, k] · down_k · ĥ_{t·K+k} float32 [T, D], ĥ = SiLU(gate·x̂) · (up·x̂) through
     triton_q8's rounding, for the pairs at byte offsets ``slots`` [T·K] (−1: skipped) — what
-    ``triton_q4k_moe.down(gate_up(...))`` computes, in one launch (``applies(roles, T·K, device)``).
+    ``triton_q4k_moe.down(gate_up(...))`` computes, in one launch (all-Q4_K roles, T·K ≤ MAX_PAIRS).
     cfg: {"BRG": gate/up rows a tile, "BRD": down rows a tile}."""
     (go, _, F, D), (uo, _, _, _), (do, _, _, _) = (roles[r] for r in ("gate", "up", "down"))
     BRG, BRD = cfg["BRG"], cfg["BRD"]

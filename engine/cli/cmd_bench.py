@@ -53,6 +53,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     dk.add_argument("--workloads", default="moe,q,o,kv", help="comma-separated: moe (routed experts), q, o, kv")
     dk.add_argument("--tune", action="store_true", help="sweep launch settings; print the best per kernel/type/shape")
     dk.set_defaults(func=run_device_kernels)
+    sm = what.add_parser("sampler", help="host ms a token spends sampling, against a full-sort sampler")
+    sm.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    sm.add_argument("--reps", type=int, default=20, help="timed draws per row (mean reported)")
+    sm.set_defaults(func=run_sampler)
     cal = what.add_parser(
         "calibrate",
         help="measure the planner's device profile (bandwidths, fixed costs) on this machine; cached",
@@ -92,6 +96,14 @@ def run_kernels(args: argparse.Namespace) -> int:
     else:
         print(bench.format_table(report))
     return 0
+
+
+def run_sampler(args: argparse.Namespace) -> int:
+    from engine.bench import sampler
+
+    rows = sampler.run(reps=args.reps)
+    print(json.dumps(rows, indent=2) if args.json else sampler.format_table(rows))
+    return 0 if all(r["same_draws"] for r in rows) else 1
 
 
 def run_model(args: argparse.Namespace) -> int:

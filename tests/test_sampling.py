@@ -1,0 +1,80 @@
+"""The sampler's fast path (no full sort of the vocabulary) against the chain written with a full sort
+(Sampler.reference): the same head order, the same draws."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.generate.sampling import Sampler, SamplingParams, head_order
+
+
+def _cases():
+    rng = np.random.default_rng(7)
+    V = 5000
+    normal = rng.standard_normal(V).astype(np.float32) * 3
+    ties = np.round(rng.standard_normal(V) * 2).astype(np.float32)  # many equal values, at every cut
+    masked = normal.copy()
+    masked[rng.choice(V, V - 30, replace=False)] = -np.inf  # only 30 finite: k can pass them
+    close = 1.0 + np.arange(V, dtype=np.float64)[::-1] * 1e-12  # equal in float32, ordered in float64
+    nan = normal.astype(np.float64)
+    nan[rng.choice(V, 3, replace=False)] = np.nan
+    return {"normal": normal.astype(np.float64), "ties": ties.astype(np.float64), "masked": masked.astype(np.float64),
+            "close": close, "nan": nan}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["normal", "ties", "masked", "close", "nan"])
+@pytest.mark.parametrize("k", [1, 7, 40, 256, 4999, 5000, 6000])
+def test_head_order_is_the_stable_sorts_head(name, k):
+    x = _cases()[name]
+    want = np.argsort(-x, kind="stable")[:k]
+    np.testing.assert_array_equal(head_order(x, k), want)
+
+
+def _logits(kind: str, V: int, rng) -> np.ndarray:
+    x = (rng.standard_normal(V) * 3).astype(np.float32)
+    if kind == "peaked":  # a model's: a few tokens far above the rest
+        x[rng.choice(V, 5, replace=False)] = 14 + rng.standard_normal(5)
+    elif kind == "flat":  # the top-p mass spread over thousands of tokens: the head must grow
+        x = (rng.standard_normal(V) * 0.3).astype(np.float32)
+    elif kind == "ties":
+        x = np.round(x).astype(np.float32)
+    return x
+
+
+SETTINGS = [
+    SamplingParams(seed=3),
+    SamplingParams(repeat_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.1, seed=3),
+    SamplingParams(top_k=0, seed=3),
+    SamplingParams(top_k=0, top_p=0.5, min_p=0.0, seed=3),
+    SamplingParams(top_k=0, top_p=1.0, seed=3),
+    SamplingParams(top_k=0, top_p=1.0, min_p=0.0, temperature=1.5, seed=3),
+    SamplingParams(top_k=1, temperature=1.0, seed=3),
+    SamplingParams(top_k=3, top_p=0.2, min_p=0.0, seed=3),
+    SamplingParams(top_k=100000, seed=3),
+]
+
+
+@pytest.mark.parametrize("kind", ["peaked", "flat", "ties"])
+@pytest.mark.parametrize("i", range(len(SETTINGS)))
+def test_sampler_draws_what_the_full_sort_chain_draws(kind, i):
+    p = SETTINGS[i]
+    rng = np.random.default_rng(11)
+    fast, ref = Sampler(p), Sampler(p)
+    history = list(rng.integers(0, 3000, 80))
+    for V in (3000, 40000):
+        for _ in range(12):
+            x = _logits(kind, V, rng)
+            assert fast(x, history) == ref.reference(x, history)
+
+
+def test_the_head_grows_until_it_holds_the_top_p_mass():
+    """Flat logits put the 0.95 mass far past the first head (Sampler.HEAD): the head must grow, and the
+    kept set then equals the reference's (the draw over a too-short head would differ in what it can pick)."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(40000) * 0.3).astype(np.float32)
+    p = SamplingParams(top_k=0, top_p=0.95, min_p=0.0, temperature=1.0, seed=1)
+    fast, ref = Sampler(p), Sampler(p)
+    got = {fast(x) for _ in range(400)}
+    want = {ref.reference(x) for _ in range(400)}
+    assert got == want and len(got) > 300  # hundreds of distinct tokens: far past a head of 256

@@ -385,3 +385,56 @@ def test_bench_bound_is_device_memory_only_when_everything_is_on_cuda():
     assert _wholly_on_cuda(s("cuda", 4, "resident")) and _wholly_on_cuda(s("cuda", 4, "none"))
     assert not _wholly_on_cuda(s("cuda", 3, "resident")) and not _wholly_on_cuda(s("cuda", 4, "cache"))
     assert not _wholly_on_cuda(s("cpu", 4, "resident")) and not _wholly_on_cuda(NS(device=None, placement=None))
+
+
+def test_the_warm_up_before_a_capture_launches_what_the_capture_records(monkeypatch):
+    """GraphDecode warms a bucket up eagerly before capturing it; that warm-up must run under
+    triton_qblocks.graph_warmup, so it picks the kernel variants the capture records (PDL, q8
+    activations) and nothing is compiled while the stream captures. Checked with torch's CUDA stream
+    and graph calls stubbed out (no GPU), by what the step body sees in each phase."""
+    import contextlib
+
+    from engine.quant.formats import QType
+    from engine.runtime import triton_moe as tm
+    from engine.runtime import triton_qblocks as qb
+
+    monkeypatch.delenv("SHARPI_DEVICE_ACT", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    capturing = {"now": False}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
+    monkeypatch.setattr(qb, "_gdc_compiled", lambda: True)
+    monkeypatch.setattr(qb, "pdl_supported", lambda index=None: True)
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        capturing["now"] = True
+        yield
+        capturing["now"] = False
+
+    class Stream:
+        def __init__(self, *a):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
+    cuda = torch.device("cuda", 0)
+    q4k = {r: (o, QType.Q4_K, R, n) for r, o, R, n in (("gate", 0, 768, 2048), ("up", 884736, 768, 2048),
+                                                         ("down", 1769472, 2048, 768))}  # fmt: skip
+    seen = []
+
+    class Stub:
+        device, _pool, graphs = cuda, None, {}
+
+        def _body(self, length):
+            seen.append((qb.pdl(cuda), tm.decode_act(cuda, True, q4k), capturing["now"]))
+
+    GraphDecode._capture(Stub(), 16)
+    assert seen == [(1, "q8", False), (1, "q8", True)]  # the warm-up (not capturing) launches as the capture
+    assert (qb.pdl(cuda), tm.decode_act(cuda, True, q4k)) == (0, "f32")  # plain eager launches after it

@@ -109,9 +109,9 @@ def _graph_us(calls: list, reps: int = 20) -> tuple[float, float]:
     """(µs per call in a CUDA graph of all calls, µs per call launched eagerly)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
+    with torch.cuda.stream(s), qb.graph_warmup():
         for c in calls[:3]:
-            c()  # compile and warm outside the capture
+            c()  # compile and warm, as the capture will launch them, outside it
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()

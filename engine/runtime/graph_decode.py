@@ -33,6 +33,7 @@ from engine.models.layers import rope_tables
 from engine.plan.costmodel import ENV_CUDA_GRAPH as ENV_CUDA_GRAPH  # re-exported (tests)
 from engine.plan.costmodel import graph_setting
 from engine.runtime import step_kernels
+from engine.runtime import triton_qblocks as qblocks
 
 log = logging.getLogger(__name__)
 
@@ -151,13 +152,14 @@ class GraphDecode:
 
     def _capture(self, length: int) -> None:
         """Capture the step for attention length ``length`` (a bucket) into a graph of the shared
-        pool, after one eager warm-up of it on a side stream (Triton kernels compiled, cuBLAS and
-        lazy state created for these shapes; it computes exactly what the replay then does).
+        pool, after one eager warm-up of it on a side stream under ``triton_qblocks.graph_warmup``
+        (the kernel variants the capture records — PDL, q8 activations — compiled and loaded, cuBLAS
+        and lazy state created for these shapes; it computes exactly what the replay then does).
         Buckets are captured when a position first needs them, so the first token pays for one."""
         cur = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(cur)
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), qblocks.graph_warmup():
             self._body(length)
         cur.wait_stream(side)
         if self._pool is None:

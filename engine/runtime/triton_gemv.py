@@ -103,7 +103,7 @@ def trunk_act(
     (``q8_act``), ``"q8"`` for a Q4_K matrix (``triton_q4k_gemv``) on a compiled CUDA device *while a
     CUDA graph is being captured* — the decode step of a wholly-on-GPU placement (H100: q 6.1 → 3.8 µs
     with x̂ from the norm; docs/benchmarks-gpu.md, session 6); else ``"f32"``. Eager launches keep exact
-    float, as the routed experts do (``triton_moe.decode_act``). ``capturing``: default, ask torch.
+    float, as the routed experts do (``triton_moe.decode_act``). ``capturing``: default ``triton_qblocks.in_graph_step()``.
     ``own_quant_bytes``: the matrix's bytes when x̂ is not handed to it (the kernel call then quantizes
     x in a launch of its own): under ``triton_q4k_gemv.MIN_BYTES_OWN_QUANT`` that launch costs more than
     q8 saves, so exact float."""
@@ -114,7 +114,7 @@ def trunk_act(
     if own_quant_bytes is not None and own_quant_bytes < triton_q4k_gemv.MIN_BYTES_OWN_QUANT:
         return "f32"
     if capturing is None:
-        capturing = torch.cuda.is_current_stream_capturing()
+        capturing = qb.in_graph_step()
     return "q8" if capturing else "f32"
 
 

@@ -197,13 +197,13 @@ def decode_act(device: torch.device, q8_act: bool, roles: dict, capturing: bool 
     (docs/benchmarks-gpu.md, session 5); else ``"f32"``. Eager launches keep the exact-float kernels:
     the q8 path is two launches more a layer, and from Python (the 12 GiB cache placement) it measured
     no faster (7.1 against 8.2 tok/s over three noisy pairs); the general q8 kernels never beat them.
-    ``capturing``: whether the launch goes into a graph (default: ask torch about the current stream)."""
+    ``capturing``: whether the launch goes into a graph (default: ``triton_qblocks.in_graph_step()``: capturing, or the warm-up before a capture)."""
     if os.environ.get(ENV_ACT, "").strip():
         return act_mode(device, None)
     if not (q8_act and qb.compiled(device) and triton_q4k_moe.applies_gate_up(roles)):
         return "f32"
     if capturing is None:
-        capturing = torch.cuda.is_current_stream_capturing()
+        capturing = qb.in_graph_step()
     return "q8" if capturing else "f32"
 
 

@@ -17,6 +17,8 @@ conversion instruction) — exact for the small codes here.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from functools import cache
 
@@ -239,18 +241,41 @@ def _gdc_compiled() -> bool:
     return gdc_wait is not None and os.environ.get("TRITON_INTERPRET") != "1"
 
 
+_WARMUP = contextvars.ContextVar("sharpi_graph_warmup", default=False)
+
+
+@contextlib.contextmanager
+def graph_warmup():
+    """Launches inside run as they will inside the CUDA graph captured next: the eager warm-up of a
+    decode step (``graph_decode``) or of a benched chain. With it the warm-up compiles and loads the
+    very kernel variants the capture records (PDL on, q8 activations), so nothing is compiled while
+    the stream is capturing (on the H100 a capture with the PDL variants compiled inside it was once
+    invalidated, ``cudaErrorStreamCaptureInvalidated``), and the warm-up computes what a replay does."""
+    token = _WARMUP.set(True)
+    try:
+        yield
+    finally:
+        _WARMUP.reset(token)
+
+
+def in_graph_step() -> bool:
+    """Whether launches now go into a CUDA graph step: the current stream is capturing, or this is the
+    warm-up of one (:func:`graph_warmup`)."""
+    import torch
+
+    return _WARMUP.get() or torch.cuda.is_current_stream_capturing()
+
+
 def pdl(device) -> int:
     """1 where a kernel launched now on ``device`` uses programmatic dependent launch — compiled Triton
     on a CUDA device of compute capability ≥ 9 (Hopper), while a CUDA graph is being captured (the
-    decode step, the kernel bench), ``$SHARPI_PDL`` not ``0`` — else 0. With it each kernel of a
+    decode step, the kernel bench; or its warm-up: :func:`in_graph_step`), ``$SHARPI_PDL`` not ``0`` — else 0. With it each kernel of a
     chain starts launching, and prefetching its weights into L2, while the previous one runs: one
     launch of a trunk matrix alone cannot pass ~50 % of the memory bandwidth. Launches from Python
     (no graph) are far apart, so there it would change nothing but the launch path."""
-    import torch
-
     if device.type != "cuda" or not _gdc_compiled():
         return 0
-    if not torch.cuda.is_current_stream_capturing():  # eager launches (the common case): one query
+    if not in_graph_step():  # eager launches (the common case): one query
         return 0
     return int(pdl_supported(device.index if device.index is not None else 0))
 

@@ -1,0 +1,75 @@
+"""Decode tok/s of a chat on the Qwen3-30B-A3B-geometry file (whole trunk and every expert resident, CUDA
+graphs) with greedy picking, with the default chat sampling (top-k 40, top-p 0.95, min-p 0.05, T 0.8), and
+with that sampling done by the full-sort chain (Sampler.reference, the sampler before session 7) — beside the
+GPU time of a step (graph replays alone), so the host's share of a token shows. Then a cProfile of one greedy
+run: where the host time of a token goes.
+
+  PYTHONPATH=. python3 packaging/gpu_labs/chat_decode.py /tmp/qwen3-30b-a3b-random.gguf [ROUNDS]
+"""
+
+import cProfile
+import io
+import pstats
+import sys
+from unittest import mock
+
+import numpy as np
+import torch
+
+from engine.api import LoadOptions, Session
+from engine.generate.sampling import Sampler, SamplingParams
+from engine.plan import DeviceProfile, PlanRequest
+
+PROMPT, GEN = 16, 64
+
+
+def tok_s(s, params) -> float:
+    s.reset()
+    *_, last = s.generate(prompt_ids=list(range(1, PROMPT + 1)), params=params)
+    return last.decode_tok_s
+
+
+def main(path: str, rounds: int) -> None:
+    with Session.load(path, LoadOptions(n_ctx=PROMPT + GEN + 16, device="cuda")) as s:
+        L = s.args.n_layer
+        p = s.plan(PlanRequest(ctx=PROMPT + GEN + 16, kv_type="f32", n_gpu_layers=L, moe="resident"),
+                   DeviceProfile(vram_bytes=30 << 30, reserve_bytes=0))  # fmt: skip
+        s.apply(p)
+        greedy = SamplingParams.greedy(max_tokens=GEN)
+        chat = SamplingParams(max_tokens=GEN, seed=0)
+        tok_s(s, greedy)  # captures the buckets
+        g = s.model.decode_graph
+        graph = g.graphs[max(g.graphs)]
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        for _ in range(100):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        gpu_us = a.elapsed_time(b) * 10
+        print(
+            f"GPU step (graph replays alone, bucket {max(g.graphs)}): {gpu_us:.0f} us = {1e6 / gpu_us:.0f} tok/s",
+            flush=True,
+        )
+        got = {"greedy": [], "chat sampling": [], "chat sampling, full-sort sampler": []}
+        for _ in range(rounds):
+            got["greedy"].append(tok_s(s, greedy))
+            got["chat sampling"].append(tok_s(s, chat))
+            with mock.patch.object(Sampler, "__call__", Sampler.reference):
+                got["chat sampling, full-sort sampler"].append(tok_s(s, chat))
+        for k, v in got.items():
+            med = float(np.median(v))
+            print(f"{k}: {' / '.join(f'{x:.1f}' for x in v)} tok/s; median {med:.1f} = {1e6 / med:.0f} us a token, "
+                  f"host share {1 - gpu_us / (1e6 / med):.0%}", flush=True)  # fmt: skip
+        pr = cProfile.Profile()
+        pr.enable()
+        tok_s(s, greedy)
+        pr.disable()
+        out = io.StringIO()
+        pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(22)
+        print(out.getvalue()[-6000:], flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2)

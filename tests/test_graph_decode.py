@@ -195,6 +195,46 @@ def test_fused_route_kernel_matches_torch(device):
     _script(ROUTE_SCRIPT, device, interpret=device == "cpu")
 
 
+ATTEND_SCRIPT = r"""
+import sys, torch
+from engine.models.layers import attention_static
+from engine.runtime import step_attention as sa, triton_q8 as t8
+dev = sys.argv[1]
+g = torch.Generator().manual_seed(0)
+# (H, Hkv, hd, n_ctx, static length, position, cache dtype): one chunk and several, a chunk wholly past
+# the token, GQA groups of 8 / 1 / 4 / 16, bf16 caches, position 0 and the last position of the context
+cases = [(8, 2, 64, 64, 16, 5, torch.float32), (8, 1, 32, 300, 128, 100, torch.float32),
+         (4, 4, 64, 300, 300, 299, torch.bfloat16), (8, 2, 64, 64, 64, 0, torch.float32),
+         (32, 2, 128, 4096, 2048, 1500, torch.bfloat16)]
+if dev == "cuda":
+    cases.append((32, 4, 128, 32768, 32768, 20000, torch.float32))
+for H, Hkv, hd, n_ctx, L, pos, dt in cases:
+    q = torch.randn(1, H, hd, generator=g).to(dev)
+    kc = torch.randn(n_ctx, Hkv * hd, generator=g).to(dt).to(dev)
+    vc = torch.randn(n_ctx, Hkv * hd, generator=g).to(dt).to(dev)
+    kc[pos + 1 :] = float("nan")  # never read: later positions may hold anything
+    p = torch.tensor([pos], device=dev)
+    o, xq = sa.attend(q, kc, vc, p, L, H, Hkv, hd, q8=True)
+    assert torch.equal(sa.attend(q, kc, vc, p, L, H, Hkv, hd), o)
+    bias = torch.zeros(L, device=dev).masked_fill(torch.arange(L, device=dev) > pos, float("-inf"))
+    K, V = (c[:L].float().nan_to_num(0.0).reshape(L, Hkv, hd) for c in (kc, vc))
+    ref = attention_static(q, K, V, bias)
+    err = ((o - ref).norm() / ref.norm()).item()
+    assert err < 2e-6, (H, Hkv, hd, L, pos, dt, err)
+    assert all(torch.equal(a, b) for a, b in zip(xq, t8.quantize_act(o))), (H, Hkv, hd, L, pos, dt)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])
+def test_fused_attention_matches_torch(device):
+    """step_attention.attend (one launch, or chunks and a merge) against layers.attention_static — GQA
+    shapes, f32 and bf16 caches, positions past the token never read (NaN there) — and its q8 copy bit
+    for bit triton_q8.quantize_act of its output."""
+    pytest.importorskip("triton")
+    _script(ATTEND_SCRIPT, device, interpret=device == "cpu")
+
+
 ROPE_SCRIPT = r"""
 import sys, numpy as np, torch
 from engine.models.layers import rope_tables, rope_theta
@@ -298,6 +338,7 @@ import os, sys, numpy as np
 from engine.api import LoadOptions, Session
 from engine.models.blocks import Attention, MoE
 from engine.runtime import triton_gemv as tg, triton_q8 as t8
+from engine.runtime.device import DeviceLinear
 from tests.oracle import random_tokens
 from tests.test_graph_decode import _whole
 tokens = random_tokens(3, 1024, seed=2)
@@ -320,13 +361,14 @@ with Session.load(sys.argv[1], LoadOptions(n_ctx=64, device="cpu")) as s:
     got = s.logits(tokens, batch=False)
     with_norm = calls[0]
     MoE.wants_q8_input = Attention.wants_q8_input = lambda self: False  # each matrix quantizes x itself
+    DeviceLinear.takes_q8 = lambda self: False  # o too (not the attention launch)
     s.apply(_whole(s))
     calls[0] = 0
     ref = s.logits(tokens, batch=False)
     n = len(tokens) * len(moes)  # a token's layers
-    # a layer: x̂ from the norms; the MoE quantizes h, the output projection the attention's output —
-    # without: the MoE x and h, q, k, v, o each their own
-    assert with_norm == 2 * n and calls[0] == 6 * n, (with_norm, calls[0])
+    # a layer: x̂ from the norms and from the attention launch (o's); the MoE quantizes h — without: the
+    # MoE x and h, q, k, v, o each their own
+    assert with_norm == n and calls[0] == 6 * n, (with_norm, calls[0])
     assert np.array_equal(got, ref), np.abs(got - ref).max()
 print("ok")
 """
@@ -334,9 +376,10 @@ print("ok")
 
 def test_q8_inputs_come_from_the_norm_kernels(tmp_path):
     """Where the routed experts and the attention's q, k, v run the Q4_K kernels on q8 activations, the
-    norm launch before them also writes x̂ (step_kernels.add_rms_norm(q8=True)) and they skip their own
-    quantize launches: two quantize_act calls a layer a token instead of six, and the same logits bit
-    for bit (Triton's interpreter, the static step)."""
+    norm launch before them also writes x̂ (step_kernels.add_rms_norm(q8=True)), the attention launch
+    writes o's (step_attention.attend(q8=True)), and they skip their own quantize launches: one
+    quantize_act call a layer a token (the MoE's h) instead of six, and the same logits bit for bit
+    (Triton's interpreter, the static step)."""
     pytest.importorskip("triton")
     geo = dict(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=4, experts_used=2, expert_ff=256)
     # Q4_K routed experts and attention matrices, the rest F32 (the interpreter runs those quicker)

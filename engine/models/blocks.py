@@ -69,6 +69,10 @@ class StaticStep:
     # (x, y | None, w, eps, q8=False) -> (x + y, rms_norm(x + y)·w[, its q8 copy]):
     # ``runtime.step_kernels.add_rms_norm``'s.
     add_norm: Callable | None = None
+    # One token's attention over a float32/bfloat16 cache, optionally with its q8 copy
+    # (``runtime.step_attention.attend``'s signature; set where it applies), or None: torch's four
+    # kernels (``layers.attention_static``).
+    attend: Callable | None = None
 
     def add_rms_norm(self, x, y, w, eps):
         if self.add_norm is not None:
@@ -143,6 +147,11 @@ class Attention:
         if st.rope_kv is not None and sk.kv_type in ("f32", "bf16"):  # one launch
             norms = (self.q_norm, self.k_norm) if self.qk_norm == "head" else (None, None)
             q = st.rope_kv(q, k, v, *norms, a.rms_eps, st.cos, st.sin, st.perm, st.pos, sk.q, sv.q, H, Hkv, hd)
+            if st.attend is not None:  # one or two launches
+                if getattr(self.wo, "takes_q8", lambda: False)():  # o's x̂ from the attention launch
+                    o, oq = st.attend(q, sk.q, sv.q, st.pos, st.length, H, Hkv, hd, q8=True)
+                    return self.wo(o, oq)
+                return self.wo(st.attend(q, sk.q, sv.q, st.pos, st.length, H, Hkv, hd))
             shape = (st.length, Hkv, hd)
             K, V = sk.read(st.length).reshape(shape), sv.read(st.length).reshape(shape)
             return self.wo(attention_static(q, K, V, st.bias))

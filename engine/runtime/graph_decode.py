@@ -32,7 +32,7 @@ from engine.models.blocks import MoE, StaticStep
 from engine.models.layers import rope_tables
 from engine.plan.costmodel import ENV_CUDA_GRAPH as ENV_CUDA_GRAPH  # re-exported (tests)
 from engine.plan.costmodel import graph_setting
-from engine.runtime import step_kernels
+from engine.runtime import step_attention, step_kernels
 from engine.runtime import triton_qblocks as qblocks
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,8 @@ class GraphDecode:
         fused = step_kernels.enabled(device)  # few, larger launches for the glue between matrices
         self._rope_kv = step_kernels.qk_rope_kv if fused else None
         self._add_norm = step_kernels.add_rms_norm if fused else None
+        self._fused = fused
+        self._attend = None  # step_attention.attend where it applies to the bound cache (bind)
         self.cache = None  # the KV cache the graphs write (bound on first use)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -135,6 +137,9 @@ class GraphDecode:
         cos, sin = self.model._rope(np.arange(cache.n_ctx), self.device)  # [n_ctx, rope_dim/2]
         self.cos, self.sin, self.perm = rope_tables(cos, sin, a.head_dim, a.rope_neox)  # [n_ctx, hd] x2, [hd]
         self.kpos = torch.arange(cache.n_ctx, device=self.device)
+        dtypes = {s.q.dtype for s in stores}
+        ok = self._fused and len(dtypes) == 1 and step_attention.applies(a.head_dim, a.n_head, a.n_head_kv, *dtypes)
+        self._attend = step_attention.attend if ok else None
         self.cache = cache
         return True
 
@@ -144,7 +149,7 @@ class GraphDecode:
         m, pos = self.model, self.pos
         bias = torch.zeros(length, dtype=torch.float32, device=self.device).masked_fill(self.kpos[:length] > pos, -inf)
         cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)  # [1, hd]
-        st = StaticStep(pos, length, cos, sin, self.perm, bias, self.cache, self._rope_kv, self._add_norm)
+        st = StaticStep(pos, length, cos, sin, self.perm, bias, self.cache, self._rope_kv, self._add_norm, self._attend)
         x, y = self.x, None
         for i, layer in enumerate(m.layers):
             x, y = layer.decode_static(x, y, st, self._route_rows.get(i))

@@ -3,13 +3,13 @@
 probs·V GEMM, the mask's elementwise op); optionally also writing the output in ``triton_q8``'s
 activation format, so a Q4_K o projection on q8 activations needs no quantize launch of its own.
 
-:func:`attend`: grid (Hkv, S). A program takes one KV head's G = H / Hkv query heads (a [GP, hd] tile,
-GP = max(16, G) rows for ``tl.dot``) over one chunk of CH positions, walking only the positions up to
-the token's (a device scalar: later positions of the static length are never read), 32 at a time with
-an online softmax. With one chunk (S = 1) it writes the output; else each chunk writes its running
-max, sum and weighted V sum, and :func:`_combine_kernel` (grid H) merges them — flash-decoding.
-The reference is :func:`engine.models.layers.attention_static` (equal up to the order of float32
-sums; both dots run in IEEE float32, never TF32).
+:func:`attend`: grid (H, S). A program takes one query head over one chunk of CH positions, walking only
+the positions up to the token's (a device scalar: later positions of the static length are never read),
+32 at a time with an online softmax; scores and probs·V are float32 multiply-and-sum tiles (the G query
+heads of a KV head read its rows from L2 after the first). With one chunk (S = 1) it writes the output;
+else each chunk writes its running max, sum and weighted V sum, and :func:`_combine_kernel` (grid H)
+merges them — flash-decoding. The reference is :func:`engine.models.layers.attention_static` (equal up
+to the order of float32 sums).
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ if triton is not None:
         """Rows ``rows`` [BL] of the cache C (float32, or bfloat16 viewed as int16) [n_ctx, W], columns
         col … col + HD − 1, as float32 [BL, HD] (rows not ``valid``: 0)."""
         p = C + rows[:, None].to(tl.int64) * W + col + tl.arange(0, HD)[None, :]
-        if BF16:
-            b = tl.load(p, mask=valid[:, None], other=0).to(tl.int32)
-            return (b << 16).to(tl.float32, bitcast=True)
-        return tl.load(p, mask=valid[:, None], other=0.0)
+        if BF16:  # (both branches assign: the compiler types every return of a jit function)
+            t = (tl.load(p, mask=valid[:, None], other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            t = tl.load(p, mask=valid[:, None], other=0.0)
+        return t
 
     @triton.jit
     def _store_out(O, XQ, XD, XS, out, heads, hm, HD: tl.constexpr, NH: tl.constexpr, Q8: tl.constexpr):
@@ -56,41 +57,39 @@ if triton is not None:
 
     @triton.jit
     def _attend_kernel(Q, KC, VC, POS, O, PM, PL, PA, XQ, XD, XS, scale, H, W: tl.constexpr, G: tl.constexpr,
-                       GP: tl.constexpr, HD: tl.constexpr, CH: tl.constexpr, BLK: tl.constexpr,
-                       SPLIT: tl.constexpr, BF16: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-        kv = tl.program_id(0)
-        s = tl.program_id(1)
+                       HD: tl.constexpr, CH: tl.constexpr, BLK: tl.constexpr, SPLIT: tl.constexpr,
+                       BF16: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        i = tl.program_id(0)  # query head
+        s = tl.program_id(1)  # chunk
         qb.pdl_enter(PDL)
         pos = tl.load(POS)
-        gi = tl.arange(0, GP)
-        gm = gi < G
-        heads = kv * G + gi
+        kv = i // G
+        one = tl.arange(0, 1)
         d = tl.arange(0, HD)
-        q = tl.load(Q + heads[:, None] * HD + d[None, :], mask=gm[:, None], other=0.0)  # [GP, HD]
-        m = tl.full([GP], float("-inf"), tl.float32)
-        lsum = tl.zeros([GP], dtype=tl.float32)
-        acc = tl.zeros([GP, HD], dtype=tl.float32)
+        q = tl.load(Q + i * HD + d)
+        m = tl.full([1], float("-inf"), tl.float32)
+        lsum = tl.zeros([1], dtype=tl.float32)
+        acc = tl.zeros([HD], dtype=tl.float32)
         start = s * CH
         end = tl.minimum(start + CH, pos + 1)
         for j in range(start, end, BLK):
             rows = j + tl.arange(0, BLK)
             valid = rows < end
             k = _kv_tile(KC, rows, valid, kv * HD, W, HD, BF16)
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GP, BLK]
-            sc = tl.where(valid[None, :], sc, float("-inf"))
-            mn = tl.maximum(m, tl.max(sc, axis=1))
+            sc = tl.where(valid, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))  # [BLK]
+            mn = tl.maximum(m, tl.max(sc, axis=0))
             alpha = tl.exp(m - mn)  # m = -inf on the first step: 0
-            p = tl.exp(sc - mn[:, None])
-            lsum = lsum * alpha + tl.sum(p, axis=1)
+            p = tl.exp(sc - mn)
+            lsum = lsum * alpha + tl.sum(p, axis=0)
             v = _kv_tile(VC, rows, valid, kv * HD, W, HD, BF16)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             m = mn
         if SPLIT:  # this chunk's running max, sum and weighted V sum (a chunk past the token: -inf, 0, 0)
-            tl.store(PM + s * H + heads, m, mask=gm)
-            tl.store(PL + s * H + heads, lsum, mask=gm)
-            tl.store(PA + (s * H + heads)[:, None] * HD + d[None, :], acc, mask=gm[:, None])
+            tl.store(PM + s * H + i + one, m)
+            tl.store(PL + s * H + i + one, lsum)
+            tl.store(PA + (s * H + i) * HD + d, acc)
         else:
-            _store_out(O, XQ, XD, XS, acc / lsum[:, None], heads, gm, HD, GP, Q8)
+            _store_out(O, XQ, XD, XS, tl.reshape(acc / lsum, [1, HD]), i + one, one >= 0, HD, 1, Q8)
 
     @triton.jit
     def _combine_kernel(PM, PL, PA, O, XQ, XD, XS, S, H, HD: tl.constexpr, SP: tl.constexpr, Q8: tl.constexpr,
@@ -140,10 +139,9 @@ def attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tenso
         pm = pl = pa = o
     pdl = qb.pdl(dev)
     k_, v_ = (kc.view(torch.int16), vc.view(torch.int16)) if bf16 else (kc, vc)
-    _attend_kernel[(Hkv, S)](
-        q.contiguous(), k_, v_, pos, o, pm, pl, pa, *xq, 1.0 / float(hd) ** 0.5, H, W=Hkv * hd, G=G,
-        GP=max(16, triton.next_power_of_2(G)), HD=hd, CH=ch, BLK=BL, SPLIT=S > 1, BF16=bf16, Q8=q8 and S == 1,
-        PDL=pdl, num_warps=4, **qb.launch_kw(pdl),
+    _attend_kernel[(H, S)](
+        q.contiguous(), k_, v_, pos, o, pm, pl, pa, *xq, 1.0 / float(hd) ** 0.5, H, W=Hkv * hd, G=G, HD=hd, CH=ch,
+        BLK=BL, SPLIT=S > 1, BF16=bf16, Q8=q8 and S == 1, PDL=pdl, num_warps=4, **qb.launch_kw(pdl),
     )  # fmt: skip
     if S > 1:
         _combine_kernel[(H,)](

@@ -221,7 +221,8 @@ for H, Hkv, hd, n_ctx, L, pos, dt in cases:
     ref = attention_static(q, K, V, bias)
     err = ((o - ref).norm() / ref.norm()).item()
     assert err < 2e-6, (H, Hkv, hd, L, pos, dt, err)
-    assert all(torch.equal(a, b) for a, b in zip(xq, t8.quantize_act(o))), (H, Hkv, hd, L, pos, dt)
+    bad = [int((a != b).sum()) for a, b in zip(xq, t8.quantize_act(o))]  # XQ, XD, XS entries that differ
+    assert bad == [0, 0, 0], (H, Hkv, hd, L, pos, dt, bad)
 print("ok")
 """
 

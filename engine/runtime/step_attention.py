@@ -46,14 +46,19 @@ if triton is not None:
     @triton.jit
     def _store_out(O, XQ, XD, XS, out, heads, hm, HD: tl.constexpr, NH: tl.constexpr, Q8: tl.constexpr):
         """out [NH, HD] of query heads ``heads`` [NH] (mask hm) into O [1, H·HD], and with Q8 its
-        triton_q8 copy (HD % 32 == 0: a head is HD / 32 whole blocks)."""
-        tl.store(O + heads[:, None] * HD + tl.arange(0, HD)[None, :], out, mask=hm[:, None])
+        triton_q8 copy (HD % 32 == 0: a head is HD / 32 whole blocks), made from the values read back
+        from O — the compiler may recompute ``out`` in another layout for a second use, summing in
+        another order, and the copy must be quantize_act(O)'s bit for bit."""
+        off = heads[:, None] * HD + tl.arange(0, HD)[None, :]
+        tl.store(O + off, out, mask=hm[:, None])
         if Q8:
             NB: tl.constexpr = NH * HD // 32
-            words, d, s = t8.quant_tile(tl.reshape(out, [NB, 32]), NB)
-            blk = tl.reshape(heads[:, None] * (HD // 32) + tl.arange(0, HD // 32)[None, :], [NB])
+            tl.debug_barrier()  # the whole program's stores are visible to its loads
             bm = tl.reshape(hm[:, None] & (tl.arange(0, HD // 32) >= 0)[None, :], [NB])
-            t8.store_q8(XQ, XD, XS, tl.program_id(0) * 0, blk, bm, words, d, s, 0)  # one row: its blocks by index
+            x = tl.load(O + tl.reshape(off, [NB, 32]), mask=bm[:, None], other=0.0)
+            words, d, s = t8.quant_tile(x, NB)
+            blk = tl.reshape(heads[:, None] * (HD // 32) + tl.arange(0, HD // 32)[None, :], [NB])
+            t8.store_q8(XQ, XD, XS, tl.program_id(0) * 0, blk, bm, words, d, s, 0)  # one row: blocks by index
 
     @triton.jit
     def _attend_kernel(Q, KC, VC, POS, O, PM, PL, PA, XQ, XD, XS, scale, H, W: tl.constexpr, G: tl.constexpr,

@@ -22,7 +22,7 @@ from engine.runtime import triton_qblocks as qb
 triton, tl = qb.triton, qb.tl
 
 BL = 32  # positions a step of a program's walk
-SPLITS = 16  # chunks a KV head's positions are cut into at most (programs: Hkv · S)
+SPLITS = 16  # chunks a head's positions are cut into at most (programs: H · S)
 
 
 def chunk(length: int) -> int:

@@ -1,8 +1,11 @@
 """Persistent, software-pipelined Q4_K MoE kernels: a grid of P programs (a few per SM) that each walk
 several row tiles, the loads of tile i + 1 issued before tile i's arithmetic, against the engine's
 one-wave kernels (triton_q4k_moe: 768 gate/up programs, 512 down programs, every load issued at
-once and the arithmetic after). Same arithmetic (the engine's _load_half/_dot_half), so the results
-are bit for bit the engine's.
+once and the arithmetic after); and ``down_blocks_kernel``, the down without the engine's repeated
+lanes. Same arithmetic (the engine's _load_half/_dot_half): bit for bit the engine's in the interpreter,
+< 1e-6 compiled (ptxas contracts the float ops differently). Measured on the H100 (session 7,
+docs/benchmarks-gpu.md), not adopted: the best pipelined gate/up equals the one wave (7.94 against
+7.97 µs), every pipelined down is slower (5.9 against 5.4), and the block-loop down too (6.8–8.1).
 
   TRITON_INTERPRET=1 PYTHONPATH=. python3 packaging/gpu_labs/moe_pipe.py     # parity, no GPU
   PYTHONPATH=. python3 packaging/gpu_labs/moe_pipe.py                        # + H100 sweep

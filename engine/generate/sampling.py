@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from numba import njit
+
+NUMBA_MAX_K = 1024  # head sizes the one-pass selection serves (larger: numpy's partition)
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,40 @@ class SamplingParams:
         return cls(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, max_tokens=max_tokens, **kw)
 
 
+@njit(cache=True, nogil=True)
+def _at_least_kth(key: np.ndarray, k: int) -> np.ndarray:
+    """Indices i (ascending) with key[i] >= the k-th largest of key (NaN never counts), in two passes: a
+    k-slot min-heap finds that value, then a scan collects. Fewer than k entries back: NaN among the
+    k largest (the caller sorts instead)."""
+    heap = np.full(k, -np.inf, dtype=np.float32)
+    for v in key:
+        if v > heap[0]:  # replace the smallest of the k largest so far, sift down
+            heap[0] = v
+            i = 0
+            while True:
+                c = 2 * i + 1
+                if c >= k:
+                    break
+                if c + 1 < k and heap[c + 1] < heap[c]:
+                    c += 1
+                if heap[c] < heap[i]:
+                    heap[i], heap[c] = heap[c], heap[i]
+                    i = c
+                else:
+                    break
+    thr = heap[0]
+    n = 0
+    for v in key:
+        n += v >= thr
+    out = np.empty(n, dtype=np.int64)
+    j = 0
+    for i in range(len(key)):
+        if key[i] >= thr:
+            out[j] = i
+            j += 1
+    return out
+
+
 def head_order(x: np.ndarray, k: int) -> np.ndarray:
     """The first ``k`` of ``np.argsort(-x, kind="stable")`` (the k largest of x, larger first, equal
     values by index) without sorting all of x: the k-th largest float32 key bounds a candidate set that
@@ -44,8 +81,10 @@ def head_order(x: np.ndarray, k: int) -> np.ndarray:
     if k >= V:
         return np.argsort(-x, kind="stable")
     key = x.astype(np.float32)
-    thr = key[np.argpartition(-key, k - 1)[:k]].min()
-    cand = np.flatnonzero(key >= thr)
+    if k <= NUMBA_MAX_K:
+        cand = _at_least_kth(key, k)
+    else:
+        cand = np.flatnonzero(key >= key[np.argpartition(-key, k - 1)[:k]].min())
     if len(cand) < k:  # NaN among the largest
         return np.argsort(-x, kind="stable")[:k]
     return cand[np.lexsort((cand, -x[cand]))][:k]

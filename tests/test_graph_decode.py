@@ -184,27 +184,13 @@ for E, k in ((8, 2), (60, 4), (128, 8)):
             w_b, off_b = sk.route_reference(logits, k, renorm, table, ids_b)
             assert torch.equal(ids_a, ids_b) and torch.equal(off_a, off_b), (E, k, ids_a, ids_b)
             assert torch.allclose(w_a, w_b, rtol=1e-5, atol=1e-7), (E, k, w_a, w_b)
-    # the router matrix product in the same launch: rows over programs, the last one routes
-    for D in (64, 2048 if dev == "cuda" else 96):
-        wr = torch.from_numpy((rng.standard_normal((E, D)) / np.sqrt(D)).astype(np.float32)).to(dev)
-        for renorm in (True, False):
-            for rep in range(3):
-                x = torch.from_numpy(rng.standard_normal((1, D)).astype(np.float32) * 2).to(dev)
-                ids_a, ids_b = (torch.full((1, k), -1, dtype=torch.int64, device=dev) for _ in range(2))
-                w_a, off_a = sk.router_route(x, wr, k, renorm, table, ids_a)
-                w_b, off_b = sk.router_route_reference(x, wr, k, renorm, table, ids_b)
-                assert torch.equal(ids_a, ids_b) and torch.equal(off_a, off_b), (E, D, k, ids_a, ids_b)
-                assert torch.allclose(w_a, w_b, rtol=1e-5, atol=1e-7), (E, D, k, w_a, w_b)
-                assert int(sk._counter(torch.device(dev))[0]) == 0  # left at zero for the next launch
 print("ok")
 """
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])
 def test_fused_route_kernel_matches_torch(device):
-    """step_kernels.route (Triton: the interpreter on the CPU) against route_softmax_topk + lookup, and
-    router_route (the router matrix product in the same launch) against the matmul and that; its
-    program counter is back at zero after every launch."""
+    """step_kernels.route (Triton: the interpreter on the CPU) against route_softmax_topk + lookup."""
     pytest.importorskip("triton")
     _script(ROUTE_SCRIPT, device, interpret=device == "cpu")
 

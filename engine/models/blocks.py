@@ -239,13 +239,6 @@ class MoE:
         ``forward_static`` (the resident pool: slots looked up on the device). ``route`` int64 [K]:
         [1, K] where to write the chosen ids (the graph's profiler record). xq: x in triton_q8's
         format when the norm's launch wrote it (:meth:`wants_q8_input`), else None."""
-        wr = getattr(self.router, "f32_matrix", lambda: None)()
-        both = getattr(self.experts, "router_route_static", None)
-        if wr is not None and both is not None and route is not None:  # router matmul and routing: one launch
-            got = both(self.i, x, wr, self.k, self.renormalise, route)
-            if got is not None:
-                weights, off = got
-                return self._plus_shared(x, self.experts.forward_static(self.i, x, route, weights, off, xq))
         logits = self.router(x)  # [1, E]
         fused = getattr(self.experts, "route_static", None)
         got = fused(self.i, logits, self.k, self.renormalise, route) if fused and route is not None else None

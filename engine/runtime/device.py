@@ -104,13 +104,6 @@ class DeviceLinear:
     def out_features(self) -> int:
         return self.rows
 
-    def f32_matrix(self) -> torch.Tensor | None:
-        """W as float32 [rows, n] (a view of the device bytes) for a float32 matrix without bias (a MoE
-        router: ``step_kernels.router_route`` multiplies it inside its routing launch), else None."""
-        if QType(self.qtype) != QType.F32 or self.bias is not None:
-            return None
-        return self.raw.view(torch.float32)
-
     def takes_q8(self) -> bool:
         """Whether a call now would multiply one token on q8 activations with the Q4_K kernel, so x̂
         made by the norm before it saves a launch (``Attention.wants_q8_input``)."""

@@ -179,14 +179,6 @@ class CachedExperts(ExpertBackend):
             return None
         return step_kernels.route(logits, k, renormalise, self._slot_off[layer], ids_out)
 
-    def router_route_static(self, layer: int, x: torch.Tensor, wr: torch.Tensor, k: int, renormalise: bool,
-                            ids_out: torch.Tensor):  # fmt: skip
-        """:meth:`route_static` with the router matrix product in the same launch (``step_kernels.router_route``):
-        x float32 [1, D], wr float32 [E, D]; None where it does not apply."""
-        if not self._fused[layer] or layer not in self._slot_off or not step_kernels.enabled(self.device):
-            return None
-        return step_kernels.router_route(x.float(), wr, k, renormalise, self._slot_off[layer], ids_out)
-
     def static_q8(self, layer: int) -> bool:
         """Whether :meth:`forward_static` of ``layer`` would run the lean Q4_K kernels on q8 activations
         now (``triton_moe.decode_act``; inside a decode graph's capture) and so can take x already in

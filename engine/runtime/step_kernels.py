@@ -10,9 +10,7 @@ of GPU time, and a 48-layer step has thousands of them.
   quantize launch of its own.
 - :func:`route`: router logits → softmax → top-k → renormalised weights, the ids written into the
   graph's route record, and each chosen expert's slot byte offset from the resident pool's table:
-  one launch instead of six (softmax, topk's two, sum, divide, index). :func:`router_route` also
-  computes the logits from a float32 router matrix in the same launch (the last program to finish
-  routes): one launch instead of three.
+  one launch instead of six (softmax, topk's two, sum, divide, index).
 
 Each kernel has a torch reference with the same signature (``*_reference``) beside it; the tests
 (``tests/test_graph_decode.py``) hold them together under Triton's CPU interpreter.
@@ -47,10 +45,14 @@ def enabled(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _route_body(x, e, em, TABLE, W, IDS, OFF, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                    RENORM: tl.constexpr):  # fmt: skip
-        """Logits x [BE] (lanes e, valid em; -inf elsewhere): softmax, the K largest by repeated arg-max
-        (lowest id on ties), optionally renormalised; W[K] weights, IDS[K] ids, OFF[K] = TABLE[ids]."""
+    def _route_kernel(LOGITS, TABLE, W, IDS, OFF, E, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
+                      RENORM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        """One token: softmax over E logits, the K largest by repeated arg-max (lowest id on ties),
+        optionally renormalised; W[K] weights, IDS[K] ids, OFF[K] = TABLE[ids]."""
+        qb.pdl_enter(PDL)
+        e = tl.arange(0, BE)
+        em = e < E
+        x = tl.load(LOGITS + e, mask=em, other=-float("inf"))
         p = tl.exp(x - tl.max(x, 0))
         p = tl.where(em, p, 0.0)
         p = p / tl.sum(p, 0)
@@ -69,42 +71,6 @@ if triton is not None:
         tl.store(W + kk, wv, mask=km)
         tl.store(IDS + kk, iv, mask=km)
         tl.store(OFF + kk, tl.load(TABLE + iv, mask=km, other=0), mask=km)
-
-    @triton.jit
-    def _route_kernel(LOGITS, TABLE, W, IDS, OFF, E, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                      RENORM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-        """One token's routing from its E logits (:func:`_route_body`)."""
-        qb.pdl_enter(PDL)
-        e = tl.arange(0, BE)
-        em = e < E
-        x = tl.load(LOGITS + e, mask=em, other=-float("inf"))
-        _route_body(x, e, em, TABLE, W, IDS, OFF, K, KP, BE, RENORM)
-
-    @triton.jit
-    def _router_route_kernel(X, WR, LOGITS, CNT, TABLE, W, IDS, OFF, E, D: tl.constexpr, RB: tl.constexpr,
-                             BD: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                             RENORM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-        """The router matrix WR float32 [E, D] times x [D], RB rows a program, into LOGITS; the program
-        that finishes last (an atomic count, reset by it for the next launch) routes (:func:`_route_body`)."""
-        qb.pdl_enter(PDL)
-        rows = tl.program_id(0) * RB + tl.arange(0, RB)
-        rm = rows < E
-        acc = tl.zeros([RB, BD], dtype=tl.float32)
-        for d0 in tl.static_range(0, D, BD):
-            cols = d0 + tl.arange(0, BD)
-            cm = cols < D
-            xv = tl.load(X + cols, mask=cm, other=0.0)
-            wv = tl.load(WR + rows[:, None] * D + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
-            acc += wv * xv[None, :]
-        tl.store(LOGITS + rows, tl.sum(acc, axis=1), mask=rm)
-        tl.debug_barrier()  # every thread's logits stored before the count is released
-        done = tl.atomic_add(CNT, 1, sem="acq_rel")
-        if done == tl.num_programs(0) - 1:
-            tl.atomic_xchg(CNT, 0)
-            e = tl.arange(0, BE)
-            em = e < E
-            x = tl.load(LOGITS + e, mask=em, other=-float("inf"), cache_modifier=".cg")  # L2: the others' stores
-            _route_body(x, e, em, TABLE, W, IDS, OFF, K, KP, BE, RENORM)
 
     @triton.jit
     def _bf16_bits(x):
@@ -252,47 +218,6 @@ def route(
         **qb.launch_kw(pdl),
     )  # fmt: skip
     return w, off
-
-
-_COUNTERS: dict = {}
-
-
-def _counter(device: torch.device) -> torch.Tensor:
-    """A zeroed int32 counter of ``device`` for :func:`router_route` (one serves every layer: the launches
-    of a step run one after the other, and each leaves it at zero). Made outside any capture: the
-    warm-up before it (``triton_qblocks.graph_warmup``) runs the same calls."""
-    key = (device.type, device.index)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
-
-
-def router_route(
-    x: torch.Tensor, wr: torch.Tensor, k: int, renormalise: bool, table: torch.Tensor, ids_out: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`route` of the logits x [1, D] · wrᵀ (wr float32 [E, D], the router matrix) in one launch: the
-    matrix rows split over programs, the last to finish routes — instead of the router GEMV (two cuBLAS
-    kernels) and :func:`route`."""
-    E, D = wr.shape
-    dev = x.device
-    w = torch.empty((1, k), dtype=torch.float32, device=dev)
-    off = torch.empty((1, k), dtype=torch.int64, device=dev)
-    logits = torch.empty(E, dtype=torch.float32, device=dev)
-    RB = 8
-    pdl = qb.pdl(dev)
-    _router_route_kernel[(triton.cdiv(E, RB),)](
-        x.contiguous(), wr, logits, _counter(dev), table, w, ids_out, off, E, D=D, RB=RB,
-        BD=min(512, triton.next_power_of_2(D)), K=k, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(E),
-        RENORM=renormalise, num_warps=4, PDL=pdl, **qb.launch_kw(pdl),
-    )  # fmt: skip
-    return w, off
-
-
-def router_route_reference(
-    x: torch.Tensor, wr: torch.Tensor, k: int, renormalise: bool, table: torch.Tensor, ids_out: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`router_route` in torch (the router matmul, then :func:`route_reference`)."""
-    return route_reference(x @ wr.T, k, renormalise, table, ids_out)
 
 
 def route_reference(

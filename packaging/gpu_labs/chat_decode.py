@@ -15,10 +15,9 @@ from unittest import mock
 
 import numpy as np
 import torch
+from step_replay import resident_session  # the script's own folder is on sys.path
 
-from engine.api import LoadOptions, Session
 from engine.generate.sampling import Sampler, SamplingParams
-from engine.plan import DeviceProfile, PlanRequest
 
 PROMPT, GEN = 16, 64
 
@@ -30,11 +29,7 @@ def tok_s(s, params) -> float:
 
 
 def main(path: str, rounds: int) -> None:
-    with Session.load(path, LoadOptions(n_ctx=PROMPT + GEN + 16, device="cuda")) as s:
-        L = s.args.n_layer
-        p = s.plan(PlanRequest(ctx=PROMPT + GEN + 16, kv_type="f32", n_gpu_layers=L, moe="resident"),
-                   DeviceProfile(vram_bytes=30 << 30, reserve_bytes=0))  # fmt: skip
-        s.apply(p)
+    with resident_session(path, n_ctx=PROMPT + GEN + 16) as s:
         greedy = SamplingParams.greedy(max_tokens=GEN)
         chat = SamplingParams(max_tokens=GEN, seed=0)
         tok_s(s, greedy)  # captures the buckets

@@ -10,19 +10,14 @@ import collections
 import sys
 
 import torch
-
-from engine.api import LoadOptions, Session
-from engine.plan import DeviceProfile, PlanRequest
+from step_replay import resident_session  # the script's own folder is on sys.path
 
 REPS = 20
 
 
 def main(path: str, q8_act: bool) -> None:
-    with Session.load(path, LoadOptions(n_ctx=96, device="cuda", q8_act=q8_act)) as s:
+    with resident_session(path, q8_act) as s:
         L = s.args.n_layer
-        p = s.plan(PlanRequest(ctx=96, kv_type="f32", n_gpu_layers=L, moe="resident"),
-                   DeviceProfile(vram_bytes=30 << 30, reserve_bytes=0))  # fmt: skip
-        s.apply(p)
         s.logits(list(range(1, 9)), batch=False)  # captures the bucket of positions 0..15
         g = s.model.decode_graph
         graph = g.graphs[min(g.graphs)]

@@ -7,6 +7,7 @@ against --exact-float, alternating.
   PYTHONPATH=. python3 packaging/gpu_labs/step_replay.py /tmp/qwen3-30b-a3b-random.gguf [ROUNDS]
 """
 
+import contextlib
 import sys
 
 import numpy as np
@@ -16,12 +17,18 @@ from engine.api import LoadOptions, Session
 from engine.plan import DeviceProfile, PlanRequest
 
 
-def step_us(path: str, q8_act: bool, reps: int = 200) -> float:
-    with Session.load(path, LoadOptions(n_ctx=96, device="cuda", q8_act=q8_act)) as s:
-        L = s.args.n_layer
-        p = s.plan(PlanRequest(ctx=96, kv_type="f32", n_gpu_layers=L, moe="resident"),
+@contextlib.contextmanager
+def resident_session(path: str, q8_act: bool = True, n_ctx: int = 96):
+    """The file loaded on CUDA with the whole trunk and every expert resident (a 30 GiB budget), f32 KV."""
+    with Session.load(path, LoadOptions(n_ctx=n_ctx, device="cuda", q8_act=q8_act)) as s:
+        p = s.plan(PlanRequest(ctx=n_ctx, kv_type="f32", n_gpu_layers=s.args.n_layer, moe="resident"),
                    DeviceProfile(vram_bytes=30 << 30, reserve_bytes=0))  # fmt: skip
         s.apply(p)
+        yield s
+
+
+def step_us(path: str, q8_act: bool, reps: int = 200) -> float:
+    with resident_session(path, q8_act) as s:
         s.logits(list(range(1, 9)), batch=False)  # captures the bucket of positions 0..15
         g = s.model.decode_graph
         graph = g.graphs[min(g.graphs)]

@@ -5,6 +5,7 @@ GPU time of a step (graph replays alone), so the host's share of a token shows. 
 run: where the host time of a token goes.
 
   PYTHONPATH=. python3 packaging/gpu_labs/chat_decode.py /tmp/qwen3-30b-a3b-random.gguf [ROUNDS]
+  ... chat_decode.py FILE [ROUNDS] --small-card   # the 12 GiB placement, experts on the CPU
 """
 
 import cProfile
@@ -66,5 +67,32 @@ def main(path: str, rounds: int) -> None:
         print(out.getvalue()[-6000:], flush=True)
 
 
+def small_card(path: str, rounds: int, gen: int = 24) -> None:
+    """The same three pickings on the 12 GiB placement with the routed experts on the CPU (the product's
+    target machine; eager decode, no graphs): what the sampler is worth at its ~10 tok/s."""
+    from engine.api import LoadOptions, Session
+    from engine.plan import DeviceProfile, PlanRequest
+
+    n_ctx = PROMPT + gen + 16
+    with Session.load(path, LoadOptions(n_ctx=n_ctx, device="cuda")) as s:
+        p = s.plan(PlanRequest(ctx=n_ctx, kv_type="f32", n_gpu_layers=s.args.n_layer, moe="cpu"),
+                   DeviceProfile(vram_bytes=12 << 30))  # fmt: skip
+        s.apply(p)
+        greedy, chat = SamplingParams.greedy(max_tokens=gen), SamplingParams(max_tokens=gen, seed=0)
+        tok_s(s, greedy)  # warm
+        got = {"greedy": [], "chat sampling": [], "chat sampling, full-sort sampler": []}
+        for _ in range(rounds):
+            got["greedy"].append(tok_s(s, greedy))
+            got["chat sampling"].append(tok_s(s, chat))
+            with mock.patch.object(Sampler, "__call__", Sampler.reference):
+                got["chat sampling, full-sort sampler"].append(tok_s(s, chat))
+        print(f"12 GiB, experts on the CPU ({s.applied.describe()}):", flush=True)
+        for k, v in got.items():
+            print(f"  {k}: {' / '.join(f'{x:.2f}' for x in v)} tok/s", flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2)
+    if "--small-card" in sys.argv:
+        small_card(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2].isdigit() else 2)
+    else:
+        main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2)

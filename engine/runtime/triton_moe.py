@@ -26,8 +26,6 @@ each; ``tests/test_triton_moe.py`` holds them together.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from engine.models.layers import silu_mul
@@ -35,7 +33,7 @@ from engine.quant.formats import QType, block_format
 from engine.runtime import triton_q4k_moe, triton_q8_moe
 from engine.runtime import triton_qblocks as qb
 from engine.runtime.tdequant import dequantize_at
-from engine.runtime.triton_gemv import ENV_ACT, LAUNCH, UNROLL, act_mode, device_name, launch
+from engine.runtime.triton_gemv import LAUNCH, UNROLL, act_mode, device_name, graph_act, launch
 
 triton, tl = qb.triton, qb.tl
 
@@ -198,13 +196,8 @@ def decode_act(device: torch.device, q8_act: bool, roles: dict, capturing: bool 
     the q8 path is two launches more a layer, and from Python (the 12 GiB cache placement) it measured
     no faster (7.1 against 8.2 tok/s over three noisy pairs); the general q8 kernels never beat them.
     ``capturing``: whether the launch goes into a graph (default: ``triton_qblocks.in_graph_step()``: capturing, or the warm-up before a capture)."""
-    if os.environ.get(ENV_ACT, "").strip():
-        return act_mode(device, None)
-    if not (q8_act and qb.compiled(device) and triton_q4k_moe.applies_gate_up(roles)):
-        return "f32"
-    if capturing is None:
-        capturing = qb.in_graph_step()
-    return "q8" if capturing else "f32"
+    eligible = q8_act and qb.compiled(device) and triton_q4k_moe.applies_gate_up(roles)
+    return graph_act(device, eligible, capturing)
 
 
 def moe_decode(

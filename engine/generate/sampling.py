@@ -1,9 +1,9 @@
 """Token sampling: penalties → top-k → top-p → min-p → temperature → draw (llama.cpp's default chain).
 
 :meth:`Sampler.__call__` never sorts the whole vocabulary: the head of the order it needs (the top-k,
-or for top-p alone a head that holds the top-p mass) comes from :func:`head_order` in O(V) — on a
-151936-token vocabulary 0.5 ms against 14 ms for the full ``argsort`` the chain is written with, which
-capped a chat's decode at ~70 tok/s whatever the GPU (``sharpi bench sampler``). :meth:`Sampler.reference`
+or without top-k a head that holds what top-p / min-p keep) comes from :func:`head_order` in O(V) — on a
+151936-token vocabulary 0.31 ms against 13 ms for the full ``argsort`` the chain is written with, which
+held a chat on an H100 near 40 tok/s whatever the GPU (``sharpi bench sampler``; docs/benchmarks.md). :meth:`Sampler.reference`
 is that chain with the full sort, kept as the specification; the tests hold the two to the same draws.
 """
 
@@ -118,13 +118,7 @@ class Sampler:
             return int(np.argmax(x))
         V = len(x)
         if p.top_k > 0:
-            order = head_order(x, p.top_k)
-            z = x[order]
-            probs = np.exp(z - z[0])
-            probs /= probs.sum()
-            if p.top_p < 1.0:
-                keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
-                order, z, probs = order[:keep], z[:keep], probs[:keep]
+            order, z, probs = self._top_p(*self._softmax_head(x, head_order(x, p.top_k)))
         else:
             # no top-k: probabilities over the whole vocabulary, over a sorted head grown (×8) until it
             # holds every token the chain can keep — the top-p cut falls inside it, or its last token is
@@ -150,7 +144,15 @@ class Sampler:
                 m = m * 8 if m * 8 < V // 4 else V  # a head past a quarter: the full sort is cheaper
         return self._finish(order, z, probs)
 
+    @staticmethod
+    def _softmax_head(x, order):
+        """(order, its logits z, their softmax over the head)."""
+        z = x[order]
+        probs = np.exp(z - z[0])
+        return order, z, probs / probs.sum()
+
     def _top_p(self, order, z, probs):
+        """The head cut where its running probability reaches top_p (unchanged at top_p = 1)."""
         if self.p.top_p < 1.0:
             keep = int(np.searchsorted(np.cumsum(probs), self.p.top_p) + 1)
             order, z, probs = order[:keep], z[:keep], probs[:keep]
@@ -176,8 +178,4 @@ class Sampler:
         order = np.argsort(-x, kind="stable")
         if p.top_k > 0:
             order = order[: p.top_k]
-        z = x[order]
-        probs = np.exp(z - z[0])
-        probs /= probs.sum()
-        order, z, probs = self._top_p(order, z, probs)
-        return self._finish(order, z, probs)
+        return self._finish(*self._top_p(*self._softmax_head(x, order)))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
+from math import inf
 
 import numpy as np
 import torch
@@ -54,15 +56,15 @@ class StaticStep:
     """What a one-token static step (``decode_static``) needs besides x, all on the device.
 
     pos int64 [1]: the token's position; length: the static attention length L (≥ pos + 1);
-    cos, sin float32 [1, hd], perm int64 [hd]: rope rows (``layers.rope_tables``); bias float32
-    [L]: 0 up to pos, -inf after; cache: the KV cache written at pos."""
+    cos, sin float32 [1, hd], perm int64 [hd]: rope rows (``layers.rope_tables``); kpos int64
+    [≥ L]: 0, 1, 2, … (for :attr:`bias`); cache: the KV cache written at pos."""
 
     pos: torch.Tensor
     length: int
     cos: torch.Tensor
     sin: torch.Tensor
     perm: torch.Tensor
-    bias: torch.Tensor
+    kpos: torch.Tensor
     cache: KVCache
     # A fused q/k norm + rope + K/V write (``runtime.step_kernels.qk_rope_kv``'s signature), or None.
     rope_kv: Callable | None = None
@@ -73,6 +75,14 @@ class StaticStep:
     # (``runtime.step_attention.attend``'s signature; set where it applies), or None: torch's four
     # kernels (``layers.attention_static``).
     attend: Callable | None = None
+
+    @cached_property
+    def bias(self) -> torch.Tensor:
+        """float32 [L]: 0 up to pos, -inf after — the mask of torch's attention (``attention_static``),
+        made on its first use in a step: where ``attend`` serves every layer, never."""
+        return torch.zeros(self.length, dtype=torch.float32, device=self.pos.device).masked_fill(
+            self.kpos[: self.length] > self.pos, -inf
+        )
 
     def add_rms_norm(self, x, y, w, eps):
         if self.add_norm is not None:

@@ -23,7 +23,6 @@ without capturing, on any device (the CPU simulated device in CI: how the tests 
 from __future__ import annotations
 
 import logging
-from math import inf
 
 import numpy as np
 import torch
@@ -147,9 +146,9 @@ class GraphDecode:
     def _body(self, length: int) -> None:
         """The whole token on the device: reads ``x``, ``pos``; writes ``logits``, ``routes``, K/V."""
         m, pos = self.model, self.pos
-        bias = torch.zeros(length, dtype=torch.float32, device=self.device).masked_fill(self.kpos[:length] > pos, -inf)
         cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)  # [1, hd]
-        st = StaticStep(pos, length, cos, sin, self.perm, bias, self.cache, self._rope_kv, self._add_norm, self._attend)
+        st = StaticStep(pos, length, cos, sin, self.perm, self.kpos, self.cache, self._rope_kv, self._add_norm,
+                        self._attend)  # fmt: skip
         x, y = self.x, None
         for i, layer in enumerate(m.layers):
             x, y = layer.decode_static(x, y, st, self._route_rows.get(i))

@@ -29,11 +29,23 @@ def tok_s(s, params) -> float:
     return last.decode_tok_s
 
 
+def pickings(s, rounds: int, gen: int) -> dict[str, list[float]]:
+    """Decode tok/s of each picking, ``rounds`` runs each, interleaved (after one warm greedy run: in a
+    graph session it captures the buckets)."""
+    greedy, chat = SamplingParams.greedy(max_tokens=gen), SamplingParams(max_tokens=gen, seed=0)
+    tok_s(s, greedy)
+    got = {"greedy": [], "chat sampling": [], "chat sampling, full-sort sampler": []}
+    for _ in range(rounds):
+        got["greedy"].append(tok_s(s, greedy))
+        got["chat sampling"].append(tok_s(s, chat))
+        with mock.patch.object(Sampler, "__call__", Sampler.reference):
+            got["chat sampling, full-sort sampler"].append(tok_s(s, chat))
+    return got
+
+
 def main(path: str, rounds: int) -> None:
     with resident_session(path, n_ctx=PROMPT + GEN + 16) as s:
-        greedy = SamplingParams.greedy(max_tokens=GEN)
-        chat = SamplingParams(max_tokens=GEN, seed=0)
-        tok_s(s, greedy)  # captures the buckets
+        got = pickings(s, rounds, GEN)
         g = s.model.decode_graph
         graph = g.graphs[max(g.graphs)]
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -48,19 +60,13 @@ def main(path: str, rounds: int) -> None:
             f"GPU step (graph replays alone, bucket {max(g.graphs)}): {gpu_us:.0f} us = {1e6 / gpu_us:.0f} tok/s",
             flush=True,
         )
-        got = {"greedy": [], "chat sampling": [], "chat sampling, full-sort sampler": []}
-        for _ in range(rounds):
-            got["greedy"].append(tok_s(s, greedy))
-            got["chat sampling"].append(tok_s(s, chat))
-            with mock.patch.object(Sampler, "__call__", Sampler.reference):
-                got["chat sampling, full-sort sampler"].append(tok_s(s, chat))
         for k, v in got.items():
             med = float(np.median(v))
             print(f"{k}: {' / '.join(f'{x:.1f}' for x in v)} tok/s; median {med:.1f} = {1e6 / med:.0f} us a token, "
                   f"host share {1 - gpu_us / (1e6 / med):.0%}", flush=True)  # fmt: skip
         pr = cProfile.Profile()
         pr.enable()
-        tok_s(s, greedy)
+        tok_s(s, SamplingParams.greedy(max_tokens=GEN))
         pr.disable()
         out = io.StringIO()
         pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(22)
@@ -78,14 +84,7 @@ def small_card(path: str, rounds: int, gen: int = 24) -> None:
         p = s.plan(PlanRequest(ctx=n_ctx, kv_type="f32", n_gpu_layers=s.args.n_layer, moe="cpu"),
                    DeviceProfile(vram_bytes=12 << 30))  # fmt: skip
         s.apply(p)
-        greedy, chat = SamplingParams.greedy(max_tokens=gen), SamplingParams(max_tokens=gen, seed=0)
-        tok_s(s, greedy)  # warm
-        got = {"greedy": [], "chat sampling": [], "chat sampling, full-sort sampler": []}
-        for _ in range(rounds):
-            got["greedy"].append(tok_s(s, greedy))
-            got["chat sampling"].append(tok_s(s, chat))
-            with mock.patch.object(Sampler, "__call__", Sampler.reference):
-                got["chat sampling, full-sort sampler"].append(tok_s(s, chat))
+        got = pickings(s, rounds, gen)
         print(f"12 GiB, experts on the CPU ({s.applied.describe()}):", flush=True)
         for k, v in got.items():
             print(f"  {k}: {' / '.join(f'{x:.2f}' for x in v)} tok/s", flush=True)

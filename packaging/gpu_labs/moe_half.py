@@ -127,7 +127,10 @@ def parity(dev):
         print(f"parity T={T}: the half-block kernels match the whole-block ones (< 1e-6)", flush=True)
 
 
-def gpu():
+def chain_setup():
+    """The routed-expert chain these labs time (the bench's moe workload: Q4_K, 30B-A3B shapes, ≥ 1 GB of
+    distinct slots, 48+ layers' routes): (bw, K, F, D, nbytes, gate/up bytes, down bytes, pool, roles, the
+    layers' slot offsets, x, routing weights, x̂, a quantized h, frac(us, bytes), graph(calls) -> µs)."""
     import math
 
     from engine.bench import device_kernels as dk
@@ -150,6 +153,11 @@ def gpu():
     print(
         f"{torch.cuda.get_device_name()}: bw {bw:.0f} GB/s; gate/up {gu_bytes / 1e6:.1f} MB, down {dn_bytes / 1e6:.1f} MB"
     )
+    return bw, K, F, D, nbytes, gu_bytes, dn_bytes, pool, roles, offs, x, w, xq, hq, frac, graph
+
+
+def gpu():
+    bw, K, F, D, nbytes, gu_bytes, dn_bytes, pool, roles, offs, x, w, xq, hq, frac, graph = chain_setup()
     GU, DN = _cfgs("GU", "2,1 4,1 8,1 4,2 8,2"), _cfgs("DN", "1,1 2,1 1,2 4,1 2,2")
     us = graph([lambda o=o: whole_gate_up(pool, o, xq, roles, K) for o in offs])
     print(f"gate/up whole blocks (session 5), BR 8 warps 1: {frac(us, gu_bytes)}", flush=True)

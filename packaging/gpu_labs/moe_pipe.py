@@ -22,8 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.quant.formats import QType, block_format
-from engine.runtime import triton_q4k_moe as q4
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moe_half  # noqa: E402  (its chain_setup: the timed chain)
+
+from engine.quant.formats import QType  # noqa: E402
+from engine.runtime import triton_q4k_moe as q4  # noqa: E402
 from engine.runtime import triton_q8 as t8
 from engine.runtime import triton_qblocks as qb
 
@@ -266,29 +269,9 @@ def parity(dev):
 
 
 def gpu():
-    import math
-
-    from engine.bench import device_kernels as dk
     from engine.runtime import triton_moe as tm
 
-    bw = dk.measure_bandwidth()
-    K, F, D = dk.KE, dk.F, dk.D
-    nbytes = dk._moe_bytes(Q)
-    gu_bytes = K * 2 * F * block_format(Q).row_bytes(D)
-    dn_bytes = nbytes - gu_bytes
-    layers = max(48, math.ceil(dk.GB / nbytes))
-    pool, stride, roles = dk._slot_pool(Q, layers * K)
-    g = torch.Generator().manual_seed(0)
-    offs = [((torch.randperm(K, generator=g) + K * i).cuda() * stride).contiguous() for i in range(layers)]
-    x = torch.randn(1, D, device="cuda")
-    w = torch.rand(1, K, device="cuda")
-    xq = t8.quantize_act(x)
-    hq = t8.quantize_act(torch.randn(K, F, device="cuda"))
-    frac = lambda us, nb: f"{us:6.2f} us ({nb / us / 1e3 / bw:4.0%})"
-    graph = lambda calls: dk._graph_us(calls)[0]
-    print(
-        f"{torch.cuda.get_device_name()}: bw {bw:.0f} GB/s; gate/up {gu_bytes / 1e6:.1f} MB, down {dn_bytes / 1e6:.1f} MB"
-    )
+    _, K, F, D, nbytes, gu_bytes, dn_bytes, pool, roles, offs, x, w, xq, hq, frac, graph = moe_half.chain_setup()
     us = graph([lambda o=o: q4.gate_up(pool, o, x, roles, K, {"BR": 8, "num_warps": 2}, xq) for o in offs])
     print(f"gate/up engine (8 rows x 2 warps, one wave): {frac(us, gu_bytes)}", flush=True)
     best_g = (us, None)

@@ -60,14 +60,18 @@ class CpuExperts(ExpertBackend):
         return s
 
     def forward(self, layer, x, ids, weights):
-        from engine import ops
-
-        s = self.host_stacks(layer)
         # A device layer's experts on the host: hidden state and routing cross here, explicitly.
         X = np.ascontiguousarray(x.detach().cpu().numpy(), dtype=np.float32)
         I = np.ascontiguousarray(ids.cpu().numpy(), dtype=np.int64)
         W = np.ascontiguousarray(weights.detach().cpu().numpy(), dtype=np.float32)
+        return torch.from_numpy(self.forward_rows(layer, X, I, W)).to(x.device)
+
+    def forward_rows(self, layer: int, X: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """:meth:`forward` on host arrays: X float32 [T, D], ids int64 [T, K], weights float32 [T, K]
+        (contiguous) -> float32 [T, D]; the route goes to the profiler."""
+        from engine import ops
+
+        s = self.host_stacks(layer)
         if self.profiler is not None:
-            self.profiler.record_route(layer, I)
-        Y = ops.moe_ffn(s.gate, s.up, s.down, X, I, W, q8_act=self.q8_act)
-        return torch.from_numpy(Y).to(x.device)
+            self.profiler.record_route(layer, ids)
+        return ops.moe_ffn(s.gate, s.up, s.down, X, ids, weights, q8_act=self.q8_act)

@@ -104,6 +104,39 @@ def test_static_step_matches_the_eager_path(paths, name, monkeypatch):
             assert (st["hits"] == st["calls"]).all() and st["misses"].sum() == 0
 
 
+def _off_graph(s: Session, moe: str, n_cpu_moe: int = 0):
+    """Every layer's trunk and the KV cache on the device, routed experts ``moe`` (cpu | cache with
+    room for about half the experts | resident) with the first ``n_cpu_moe`` layers' on the CPU."""
+    spec, L = s.spec, s.args.n_layer
+    need = device_bytes(spec, n_gpu_layers=L, ctx=CTX, kv_type="f32", reserve=0).total
+    slots = {"cpu": 0, "cache": L * s.args.n_expert // 2, "resident": L * s.args.n_expert}[moe]
+    prof = DeviceProfile(vram_bytes=need + slots * expert_slot_layout(spec).stride, reserve_bytes=0)
+    p = s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe=moe, n_cpu_moe=n_cpu_moe), prof)
+    assert p.n_gpu_layers == L and p.moe_mode == moe and p.n_cpu_moe == n_cpu_moe, (p.layer_reason, p.moe_reason)
+    return p
+
+
+@pytest.mark.parametrize(("moe", "n_cpu_moe"), [("cpu", 0), ("cache", 0), ("resident", 1)])
+@pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "qwen2moe", "mixtral"])
+def test_step_with_experts_off_the_graph_matches_the_eager_path(paths, name, moe, n_cpu_moe, monkeypatch):
+    """Routed experts outside the graph (on the CPU, or in the expert cache with misses on the CPU)
+    cut the static step into segments at those MoE layers: the trunk runs in the segments, the
+    experts through their backend between them. Same logits, routes and profiler counts (hits and
+    misses too) as the eager path; the shared expert (qwen2moe) rides on the residual."""
+    tokens = random_tokens(N_TOKENS, 1024, seed=3)
+    with Session.load(str(paths[name]), LoadOptions(n_ctx=CTX, device="cpu")) as s:
+        p = _off_graph(s, moe, n_cpu_moe)
+        eager, static, g = _both(s, p, monkeypatch, tokens)
+        L = s.args.n_layer
+        host = L if moe != "resident" else n_cpu_moe
+        assert [seg.moe for seg in g.segments] == [*range(host), None]
+        assert list(g.moe_layers) == list(range(host, L))  # the resident pool's layers stay inside
+        assert np.abs(static[0] - eager[0]).max() <= 1e-5, np.abs(static[0] - eager[0]).max()
+        _same_routes_and_counts(eager, static)
+        if moe == "cache":
+            assert static[2]["misses"].sum() > 0 and static[2]["hits"].sum() > 0
+
+
 @pytest.mark.parametrize("kv_type", ["bf16", "q8_0"])
 @pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe"])
 def test_static_step_with_rounded_kv(paths, name, kv_type, monkeypatch):
@@ -132,13 +165,17 @@ def test_context_full_and_dispatch(paths, monkeypatch):
         # Prefill stays eager.
         s.model.forward([1, 2, 3], 0, s.cache)
         assert g.steps == 1
-        # Re-applying drops the graph decoder; placements it does not serve get none.
+        # Re-applying drops the graph decoder; a trunk not wholly on the device gets none; experts off
+        # the graph (cpu, cache) cut the step at every MoE layer.
         s.apply(whole)
         assert s.model.decode_graph is not None and s.model.decode_graph is not g
+        assert len(s.model.decode_graph.segments) == 1
         L = s.args.n_layer
-        for req in (dict(n_gpu_layers=L, moe="cache"), dict(n_gpu_layers=L, moe="cpu"), dict(n_gpu_layers=L - 1)):
+        for req, n_seg in ((dict(n_gpu_layers=L, moe="cache"), L + 1), (dict(n_gpu_layers=L, moe="cpu"), L + 1),
+                           (dict(n_gpu_layers=L - 1), None)):  # fmt: skip
             s.apply(s.plan(PlanRequest(ctx=CTX, **req), DeviceProfile(vram_bytes=1 << 30, reserve_bytes=0)))
-            assert s.model.decode_graph is None, req
+            g = s.model.decode_graph
+            assert (g is None) if n_seg is None else len(g.segments) == n_seg, req
         monkeypatch.setenv(graph_decode.ENV_CUDA_GRAPH, "0")
         s.apply(whole)
         assert s.model.decode_graph is None
@@ -407,6 +444,7 @@ def test_graph_replay_matches_eager_decode(tmp_path, weights, act, monkeypatch):
         ref = "0" if act == "f32" else "eager"
         eager, graph, g = _both(s, _whole(s), monkeypatch, tokens, mode="1", ref=ref)
         assert g.capture and g.replays == len(tokens) and sorted(g.graphs) == [16, 32]  # as positions need them
+        assert all(len(v) == 1 for v in g.graphs.values())  # one segment: everything on the device
         scale = max(1.0, float(np.abs(eager[0]).max()))
         tol = 1e-4 if ref == "0" else 1e-5
         assert np.abs(graph[0] - eager[0]).max() <= tol * scale, np.abs(graph[0] - eager[0]).max()
@@ -414,6 +452,28 @@ def test_graph_replay_matches_eager_decode(tmp_path, weights, act, monkeypatch):
         # Replays are deterministic: the same tokens give the same logits again.
         again = _decode(s, tokens)
         assert np.abs(again[0] - graph[0]).max() <= 1e-6 * scale
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("moe", ["cpu", "cache"])
+def test_segment_replays_with_experts_on_the_host_match_eager_decode(tmp_path, moe, monkeypatch):
+    """The 12 GiB-card placements on a real GPU: the trunk between two MoE layers as one graph replay,
+    the routed experts on the CPU or in the expert cache (misses on the CPU) between replays — against
+    the eager path over two buckets, with the Triton kernels; routes and cache counts equal."""
+    monkeypatch.setenv("SHARPI_DEVICE_ACT", "f32")
+    geo = dict(layers=3, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8, experts_used=2, expert_ff=256)
+    path = write_model(tmp_path / "m.gguf", "qwen3moe", seed=4, weight_type="Q4_K", type_overrides={"*ffn_down*": "Q6_K"},
+                       **geo).path  # fmt: skip
+    tokens = random_tokens(24, 1024, seed=8)
+    with Session.load(str(path), LoadOptions(n_ctx=CTX, device="cuda", q8_act=False)) as s:
+        eager, graph, g = _both(s, _off_graph(s, moe), monkeypatch, tokens, mode="1")
+        L = s.args.n_layer
+        assert g.capture and g.replays == len(tokens) and sorted(g.graphs) == [16, 32]
+        assert all(len(v) == L + 1 for v in g.graphs.values())  # a segment per MoE layer, and the output's
+        scale = max(1.0, float(np.abs(eager[0]).max()))
+        assert np.abs(graph[0] - eager[0]).max() <= 1e-4 * scale, np.abs(graph[0] - eager[0]).max()
+        _same_routes_and_counts(eager, graph)
 
 
 def test_bench_bound_is_device_memory_only_when_everything_is_on_cuda():
@@ -476,7 +536,7 @@ def test_the_warm_up_before_a_capture_launches_what_the_capture_records(monkeypa
     class Stub:
         device, _pool, graphs = cuda, None, {}
 
-        def _body(self, length):
+        def _segment(self, length, s):
             seen.append((qb.pdl(cuda), tm.decode_act(cuda, True, q4k), capturing["now"]))
 
     GraphDecode._capture(Stub(), 16)

@@ -260,13 +260,24 @@ class MoE:
             route.copy_(ids)
         return self._plus_shared(x, self.experts.forward_static(self.i, x, ids, weights, xq=xq))
 
+    def route_static(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Routing of one token on the device for routed experts that run outside the step (a decode
+        graph's host segment boundary): x [1, D] (normed) -> (ids int64 [1, K], weights float32
+        [1, K], the shared expert's output [1, D] or None). Graph-capturable."""
+        ids, weights = route_softmax_topk(self.router(x), self.k, self.renormalise)
+        return ids, weights, self._shared_out(x)
+
+    def _shared_out(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.shared is None:
+            return None
+        s = self.shared(x)
+        if self.shared_gate is not None:
+            s = s * torch.sigmoid(x @ self.shared_gate)[:, None]
+        return s
+
     def _plus_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.shared is not None:
-            s = self.shared(x)
-            if self.shared_gate is not None:
-                s = s * torch.sigmoid(x @ self.shared_gate)[:, None]
-            y = y + s
-        return y
+        s = self._shared_out(x)
+        return y if s is None else y + s
 
     def note_route(self, ids: np.ndarray) -> None:
         """The fused host step (``engine.models.host``) routed one token to ``ids`` int64 [K]:
@@ -322,14 +333,17 @@ class DecoderLayer:
         what a decode CUDA graph captures. Returns (x', y') whose sum is the layer's output — the
         last residual add is left to the next norm, so each add rides on a norm's launch.
         ``route`` int64 [1, K] receives a MoE layer's expert ids."""
-        # x̂ (q8) rides on a norm's launch where the matrices after it take it: q, k, v; the routed experts
+        moe = isinstance(self.ffn, MoE)
+        x, h, hq = self.decode_static_attn(x, y, st, q8_ffn=moe and self.ffn.wants_q8_input())
+        return x, (self.ffn.decode_static(h, route, hq) if moe else self.ffn(h))
+
+    def decode_static_attn(self, x: torch.Tensor, y: torch.Tensor | None, st: StaticStep, q8_ffn: bool = False):
+        """The attention half of :meth:`decode_static`: (x + y + attn(norm(x + y)), the ffn norm of
+        it, its q8 copy when ``q8_ffn`` and the fused norm serves, else None). x̂ (q8) rides on a
+        norm's launch where the matrices after it take it: q, k, v; the routed experts."""
         x, h, hq = st.add_rms_norm_q8(x, y, self.attn_norm, self.eps, self.attn.wants_q8_input())
         a = self.attn.decode_static(h, st, hq)
-        if isinstance(self.ffn, MoE):
-            x, h, hq = st.add_rms_norm_q8(x, a, self.ffn_norm, self.eps, self.ffn.wants_q8_input())
-            return x, self.ffn.decode_static(h, route, hq)
-        x, h = st.add_rms_norm(x, a, self.ffn_norm, self.eps)
-        return x, self.ffn(h)
+        return st.add_rms_norm_q8(x, a, self.ffn_norm, self.eps, q8_ffn)
 
     def forward_host(self, x: np.ndarray, start: int, cache: KVCache, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """x float32 [T, D] -> [T, D] through the numba host twins; cos, sin float32 [T, rope_dim/2]."""

@@ -93,5 +93,5 @@ def apply_placement(
         cached.preload(pin=True)
     # Everything of a decode step on the device: one-token steps replay a CUDA graph.
     model.decode_graph = g = graph_decode.for_placement(model, p, device, cached)
-    graph = "" if g is None else ("CUDA graphs" if g.capture else "static, not captured")
+    graph = "" if g is None else g.describe()
     return Applied(p, device, arena, cache, cached, graph)

@@ -23,10 +23,12 @@ without capturing, on any device (the CPU simulated device in CI: how the tests 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from engine.experts import CpuExperts
 from engine.models.blocks import MoE, StaticStep
 from engine.models.layers import rope_tables
 from engine.plan.costmodel import ENV_CUDA_GRAPH as ENV_CUDA_GRAPH  # re-exported (tests)
@@ -64,10 +66,32 @@ def _align8(n: int) -> int:
     return (n + 7) // 8 * 8
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One captured graph of a step: layers [first, stop) whole, then — ``moe`` set — layer ``moe``'s
+    attention, ffn norm and routing, whose routed experts run on the host after the replay; or —
+    ``moe`` None — the output norm and matrix (the step's last segment)."""
+
+    first: int
+    stop: int
+    moe: int | None
+
+
+def segments(n_layer: int, host_moe: list[int]) -> list[Segment]:
+    """The step cut at each MoE layer whose experts run outside the graph (ascending)."""
+    out, first = [], 0
+    for m in host_moe:
+        out.append(Segment(first, m, m))
+        first = m + 1
+    return out + [Segment(first, n_layer, None)]
+
+
 def for_placement(model, placement, device: torch.device | str, experts=None) -> GraphDecode | None:
     """The graph decoder for an applied placement, or None where it does not apply: not every
-    layer on the device, experts not resident (or some on the CPU), ``SHARPI_CUDA_GRAPH=0``, or a
-    device other than CUDA unless ``SHARPI_CUDA_GRAPH=eager``."""
+    layer's trunk on the device, ``SHARPI_CUDA_GRAPH=0``, or a device other than CUDA unless
+    ``SHARPI_CUDA_GRAPH=eager``. Routed experts resident in a pinned pool run inside the graph; any
+    others (``cpu`` and ``cache`` modes, layers below ``n_cpu_moe``) cut the step into segments and
+    run between the replays through their backend."""
     mode = graph_mode()
     device = torch.device(device)
     if mode == "off" or (mode == "graph" and device.type != "cuda"):
@@ -76,23 +100,31 @@ def for_placement(model, placement, device: torch.device | str, experts=None) ->
     if placement.n_gpu_layers < a.n_layer:
         return None
     moe = [i for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoE)]
-    if moe:
-        if placement.moe_mode != "resident" or placement.n_cpu_moe or experts is None:
-            return None
-        if any(model.experts_of(i) is not experts for i in moe) or not experts.pin_static():
-            return None
-    return GraphDecode(model, device, capture=mode == "graph", moe_layers=moe, resident=bool(moe))
+    pinned = placement.moe_mode == "resident" and experts is not None and experts.pin_static()
+    inside = [i for i in moe if pinned and model.experts_of(i) is experts]
+    host = [i for i in moe if i not in inside]
+    return GraphDecode(model, device, capture=mode == "graph", moe_layers=inside, resident=bool(inside), host_moe=host)
 
 
 class GraphDecode:
     """Static buffers, rope tables and captured graphs for one model placement and KV cache."""
 
-    def __init__(self, model, device: torch.device, *, capture: bool, moe_layers: list[int], resident: bool):
+    def __init__(
+        self,
+        model,
+        device: torch.device,
+        *,
+        capture: bool,
+        moe_layers: list[int],
+        resident: bool,
+        host_moe: list[int] = (),
+    ):
         a = model.args
         self.model, self.device, self.capture, self.resident = model, device, capture, resident
         self.moe_layers = np.asarray(moe_layers, np.int64)
+        self.segments = segments(a.n_layer, list(host_moe))
         D, V, K = a.n_embd, model.output.out_features, max(a.n_expert_used, 1)
-        self.D, self.V = D, V
+        self.D, self.V, self.K = D, V, K
         pin = device.type == "cuda"
         # One input buffer: the embedded row float32 [D], then the position int64 (8-aligned).
         self._xo = _align8(D * 4)
@@ -112,15 +144,39 @@ class GraphDecode:
         self._logits_h = self._out_h[: V * 4].view(torch.float32).view(1, V)
         self._routes_h = self._out_h[self._ro :].view(torch.int64).view(len(moe_layers), K)
         self._route_rows = {int(i): self.routes[j : j + 1] for j, i in enumerate(moe_layers)}  # [1, K] views
+        if len(self.segments) > 1:  # experts on the host between segments
+            # What a segment hands over: the normed row h float32 [D] | weights float32 [K] | ids int64
+            # [K] (one D2H copy); the residual stays on the device, in two buffers taken in turn so
+            # that a segment never writes what it reads (its capture's warm-up and its replay then
+            # compute the same); the experts' output y comes back into ``y_in`` [1, D].
+            self._io = _align8(D * 4 + K * 4)
+            self._hand = torch.zeros(self._io + 8 * K, dtype=torch.uint8, device=device)
+            self._hand_h = torch.zeros(self._io + 8 * K, dtype=torch.uint8, pin_memory=pin)
+            self.h, self.weights, self.ids = self._views(self._hand, D, K)
+            self._h_h, self._weights_h, self._ids_h = self._views(self._hand_h, D, K)
+            self._carry = torch.zeros((2, 1, D), dtype=torch.float32, device=device)
+            self.y_in = torch.zeros((1, D), dtype=torch.float32, device=device)
+            self._y_h = torch.zeros((1, D), dtype=torch.float32, pin_memory=pin)
         fused = step_kernels.enabled(device)  # few, larger launches for the glue between matrices
         self._rope_kv = step_kernels.qk_rope_kv if fused else None
         self._add_norm = step_kernels.add_rms_norm if fused else None
         self._fused = fused
         self._attend = None  # step_attention.attend where it applies to the bound cache (bind)
         self.cache = None  # the KV cache the graphs write (bound on first use)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # bucket -> a graph per segment
         self._pool = None
         self.steps = self.replays = 0  # counters (tests, diagnostics)
+
+    def _views(self, buf: torch.Tensor, D: int, K: int):
+        """(h [1, D], weights [1, K], ids [1, K]) over a hand-over buffer."""
+        h = buf[: D * 4].view(torch.float32).view(1, D)
+        w = buf[D * 4 : D * 4 + K * 4].view(torch.float32).view(1, K)
+        return h, w, buf[self._io :].view(torch.int64).view(1, K)
+
+    def describe(self) -> str:
+        n = len(self.segments)
+        how = "CUDA graphs" if self.capture else "static, not captured"
+        return how if n == 1 else f"{how}, {n} a token (routed experts on the host between them)"
 
     # -- binding ----------------------------------------------------------------------------------
     def bind(self, cache) -> bool:
@@ -135,6 +191,7 @@ class GraphDecode:
         a = self.model.args
         cos, sin = self.model._rope(np.arange(cache.n_ctx), self.device)  # [n_ctx, rope_dim/2]
         self.cos, self.sin, self.perm = rope_tables(cos, sin, a.head_dim, a.rope_neox)  # [n_ctx, hd] x2, [hd]
+        self._cs = torch.zeros((2, 1, self.cos.shape[1]), dtype=self.cos.dtype, device=self.device)  # this step's rows
         self.kpos = torch.arange(cache.n_ctx, device=self.device)
         dtypes = {s.q.dtype for s in stores}
         ok = self._fused and len(dtypes) == 1 and step_attention.applies(a.head_dim, a.n_head, a.n_head_kv, *dtypes)
@@ -143,35 +200,70 @@ class GraphDecode:
         return True
 
     # -- the step ---------------------------------------------------------------------------------
-    def _body(self, length: int) -> None:
-        """The whole token on the device: reads ``x``, ``pos``; writes ``logits``, ``routes``, K/V."""
-        m, pos = self.model, self.pos
-        cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)  # [1, hd]
-        st = StaticStep(pos, length, cos, sin, self.perm, self.kpos, self.cache, self._rope_kv, self._add_norm,
-                        self._attend)  # fmt: skip
-        x, y = self.x, None
-        for i, layer in enumerate(m.layers):
-            x, y = layer.decode_static(x, y, st, self._route_rows.get(i))
-        self.logits.copy_(m.output(st.add_rms_norm(x, y, m.out_norm, m.args.rms_eps)[1]))
+    def _segment(self, length: int, s: int) -> None:
+        """Segment ``s`` of the token on the device. The first reads ``x``, ``pos`` (and writes this
+        step's rope rows); the last writes ``logits``; every MoE layer of the graph writes its
+        ``routes`` row, every layer its K/V. A segment that ends at a host MoE layer writes the
+        hand-over (h, weights, ids) and the residual; the next one reads that residual and ``y_in``."""
+        m, seg = self.model, self.segments[s]
+        if s == 0:
+            torch.index_select(self.cos, 0, self.pos, out=self._cs[0])
+            torch.index_select(self.sin, 0, self.pos, out=self._cs[1])
+        st = StaticStep(self.pos, length, self._cs[0], self._cs[1], self.perm, self.kpos, self.cache, self._rope_kv,
+                        self._add_norm, self._attend)  # fmt: skip
+        x, y = (self.x, None) if s == 0 else (self._carry[(s - 1) % 2], self.y_in)
+        for i in range(seg.first, seg.stop):
+            x, y = m.layers[i].decode_static(x, y, st, self._route_rows.get(i))
+        if seg.moe is None:
+            self.logits.copy_(m.output(st.add_rms_norm(x, y, m.out_norm, m.args.rms_eps)[1]))
+            return
+        layer = m.layers[seg.moe]
+        x, h, _ = layer.decode_static_attn(x, y, st)
+        ids, weights, shared = layer.ffn.route_static(h)
+        self._carry[s % 2].copy_(x if shared is None else x + shared)
+        self.h.copy_(h)
+        self.weights.copy_(weights)
+        self.ids.copy_(ids)
 
-    def _capture(self, length: int) -> None:
-        """Capture the step for attention length ``length`` (a bucket) into a graph of the shared
+    def _capture(self, length: int, s: int = 0) -> None:
+        """Capture segment ``s`` for attention length ``length`` (a bucket) into a graph of the shared
         pool, after one eager warm-up of it on a side stream under ``triton_qblocks.graph_warmup``
         (the kernel variants the capture records — PDL, q8 activations — compiled and loaded, cuBLAS
-        and lazy state created for these shapes; it computes exactly what the replay then does).
-        Buckets are captured when a position first needs them, so the first token pays for one."""
+        and lazy state created for these shapes; it computes exactly what the replay then does: a
+        segment never writes what it reads). Buckets are captured when a position first needs them,
+        so the first token of a bucket pays for its segments."""
         cur = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(cur)
         with torch.cuda.stream(side), qblocks.graph_warmup():
-            self._body(length)
+            self._segment(length, s)
         cur.wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool):
-            self._body(length)
-        self.graphs[length] = g
+            self._segment(length, s)
+        self.graphs.setdefault(length, []).append(g)
+
+    def _run(self, length: int, s: int) -> None:
+        """Segment ``s``: replayed (captured first when this bucket reaches it), or run eagerly."""
+        if self.capture and len(self.graphs.get(length, ())) <= s:
+            try:
+                self._capture(length, s)
+            except Exception as e:  # a failed capture must not stop decoding: stay eager
+                log.warning("CUDA graph capture failed, decoding without graphs: %s", e)
+                self.capture, self.graphs, self._pool = False, {}, None
+                torch.cuda.synchronize(self.device)
+        if self.capture:
+            self.graphs[length][s].replay()
+        else:
+            self._segment(length, s)
+
+    def replay(self, length: int) -> None:
+        """Replay a captured bucket's segments in order, nothing on the host between them (labs: a
+        step's GPU time where no experts run on the host)."""
+        for g in self.graphs[length]:
+            g.replay()
 
     def step(self, row: torch.Tensor, pos: int, cache) -> torch.Tensor | None:
         """Decode one token: row float32 [1, D] (the embedded token, host), at position ``pos``
@@ -183,28 +275,44 @@ class GraphDecode:
         self._pos_h[0] = pos
         self._in.copy_(self._in_h, non_blocking=True)
         L = bucket(pos, cache.n_ctx)
-        if self.capture and L not in self.graphs:
-            try:
-                self._capture(L)
-            except Exception as e:  # a failed capture must not stop decoding: stay eager
-                log.warning("CUDA graph capture failed, decoding without graphs: %s", e)
-                self.capture, self.graphs, self._pool = False, {}, None
-                torch.cuda.synchronize(self.device)
+        for s, seg in enumerate(self.segments):
+            self._run(L, s)
+            if seg.moe is not None:
+                self._host_experts(seg.moe)
         if self.capture:
-            self.graphs[L].replay()
             self.replays += 1
-        else:
-            self._body(L)
         self._out_h.copy_(self._out, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        self._sync()
         self.steps += 1
         self._record(self._routes_h.numpy().copy())
+        for b in {id(b): b for b in (self.model.experts_of(g.moe) for g in self.segments[:-1])}.values():
+            b.end_step()
         return self._logits_h.clone()
 
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _host_experts(self, i: int) -> None:
+        """Layer ``i``'s routed experts between two segments, through its backend: the CPU kernels on
+        the handed-over row (one D2H copy, one H2D copy of the output), or the expert cache's
+        forward on the device (hits in the pool, misses on the CPU)."""
+        backend, ffn = self.model.experts_of(i), self.model.layers[i].ffn
+        if isinstance(backend, CpuExperts):
+            self._hand_h.copy_(self._hand, non_blocking=True)
+            self._sync()
+            ids = self._ids_h.numpy().copy()
+            y = backend.forward_rows(i, self._h_h.numpy(), ids, self._weights_h.numpy())
+            self._y_h.numpy()[:] = y
+            self.y_in.copy_(self._y_h, non_blocking=True)
+            ffn.last_ids = torch.from_numpy(ids)
+            return
+        self.y_in.copy_(backend.forward(i, self.h, self.ids, self.weights))
+        ffn.last_ids = self.ids.to("cpu", copy=True)  # the buffer is the next segment's
+
     def _record(self, routes: np.ndarray) -> None:
-        """The step's routes [n_moe, K] into the profiler (calls, heat; hits: the pool is resident)
-        and each MoE layer's ``last_ids`` [1, K]."""
+        """The step's in-graph routes [n_moe, K] into the profiler (calls, heat; hits: the pool is
+        resident) and each such MoE layer's ``last_ids`` [1, K]."""
         if not len(self.moe_layers):
             return
         self.model.profiler.record_routes(self.moe_layers, routes, hits=self.resident)

@@ -66,12 +66,15 @@ class CpuExperts(ExpertBackend):
         W = np.ascontiguousarray(weights.detach().cpu().numpy(), dtype=np.float32)
         return torch.from_numpy(self.forward_rows(layer, X, I, W)).to(x.device)
 
-    def forward_rows(self, layer: int, X: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    def forward_rows(
+        self, layer: int, X: np.ndarray, ids: np.ndarray, weights: np.ndarray, record: bool = True
+    ) -> np.ndarray:
         """:meth:`forward` on host arrays: X float32 [T, D], ids int64 [T, K], weights float32 [T, K]
-        (contiguous) -> float32 [T, D]; the route goes to the profiler."""
+        (contiguous) -> float32 [T, D]; the route goes to the profiler unless the caller records it
+        (``record=False``: a decode graph records a token's routes in one call)."""
         from engine import ops
 
         s = self.host_stacks(layer)
-        if self.profiler is not None:
+        if record and self.profiler is not None:
             self.profiler.record_route(layer, ids)
         return ops.moe_ffn(s.gate, s.up, s.down, X, ids, weights, q8_act=self.q8_act)

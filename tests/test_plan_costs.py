@@ -159,21 +159,26 @@ def test_describe_profile_marks_measured_fields():
 
 
 def test_graph_steps_only_where_the_runtime_captures_them(monkeypatch):
-    """graph_layer_us is charged only when every layer and every routed expert is on the device,
-    and not at all when $SHARPI_CUDA_GRAPH turns the graphs off."""
+    """graph_layer_us is charged for every device layer when every layer's trunk is on the device
+    (experts resident run inside the graph; experts on the CPU or in the cache cut it into segments and
+    keep their round trips), and not at all when $SHARPI_CUDA_GRAPH turns the graphs off."""
     from engine.plan.costmodel import graph_step
 
     spec = _spec(4)
     prof = DeviceProfile()
     kw = dict(kv_type="f32", position=50)
     assert graph_step(spec, "resident", 4) and not graph_step(spec, "resident", 3)
-    assert not graph_step(spec, "cache", 4) and not graph_step(spec, "resident", 4, n_cpu_moe=1)
+    assert graph_step(spec, "cache", 4) and graph_step(spec, "cpu", 4) and graph_step(spec, "resident", 4, n_cpu_moe=1)
     p = predict(spec, prof, mode="resident", n_gpu_layers=4, expert_slots=32, **kw)
     assert p.overhead_counts["graph_layer_us"] == 4 and p.overhead_counts["device_layer_us"] == 0
     assert p.overhead_counts["cache_layer_us"] == 0
-    for mode, n in (("cache", 4), ("resident", 3), ("cpu", 4)):
-        q = predict(spec, prof, mode=mode, n_gpu_layers=n, expert_slots=32 if mode != "cpu" else 0, **kw)
-        assert q.overhead_counts["graph_layer_us"] == 0 and q.overhead_counts["device_layer_us"] == n
+    q = predict(spec, prof, mode="resident", n_gpu_layers=3, expert_slots=32, **kw)
+    assert q.overhead_counts["graph_layer_us"] == 0 and q.overhead_counts["device_layer_us"] == 3
+    for mode in ("cache", "cpu"):
+        q = predict(spec, prof, mode=mode, n_gpu_layers=4, expert_slots=8 if mode != "cpu" else 0, **kw)
+        assert q.overhead_counts["graph_layer_us"] == 4 and q.overhead_counts["device_layer_us"] == 0
+        assert q.overhead_counts["cpu_experts_layer_us"] > 0  # the round trips between segments stay
+    assert q.overhead_counts["cpu_experts_layer_us"] == 4 and q.seconds > p.seconds
     monkeypatch.setenv("SHARPI_CUDA_GRAPH", "0")
     off = predict(spec, prof, mode="resident", n_gpu_layers=4, expert_slots=32, **kw)
     assert off.overhead_counts["graph_layer_us"] == 0 and off.overhead_counts["device_layer_us"] == 4

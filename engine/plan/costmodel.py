@@ -22,8 +22,9 @@ For one decoded token at context position ``p`` (docs/planner.md states it in fu
     count(cache_layer_us) = device MoE layers served by the slot pool (cache or resident)
     count(miss_us) = Σ cache layers K·(1 − h)                     (experts missed per token)
 
-    With ``graphs`` (a CUDA-graph step: every layer on the device, routed experts resident or
-    none), count(graph_layer_us) = n replaces device_layer_us and cache_layer_us.
+    With ``graphs`` (CUDA-graph steps: every layer's trunk on the device), count(graph_layer_us) = n
+    replaces device_layer_us, and resident layers (inside the graph) count no cache_layer_us;
+    experts off the graph keep their round trips (the step is cut into a replay per such layer).
 
 ``e`` is the layer's one-expert bytes, ``K`` the experts used per token, ``h`` the hit rate of
 :func:`hit_rate` at the pool's capacity fraction. Everything is charged serially (no overlap of
@@ -55,10 +56,11 @@ def graph_setting(environ=None) -> str:
 
 
 def graph_step(spec: ModelSpec, mode: str, n_gpu_layers: int, n_cpu_moe: int = 0) -> bool:
-    """Whether a decode step of this placement is one CUDA-graph replay (engine.runtime.graph_decode):
-    every layer on the device and the routed experts resident (or none)."""
-    L = spec.n_layer
-    return L > 0 and n_gpu_layers >= L and (not spec.is_moe or (mode == RESIDENT and n_cpu_moe == 0))
+    """Whether a decode step of this placement runs as CUDA-graph replays (engine.runtime.graph_decode):
+    every layer's trunk on the device. Routed experts resident in the pool run inside the graph; any
+    others cut the step into one replay per such MoE layer, their round trips priced as before
+    (``cpu_experts_layer_us``, ``cache_layer_us``, syncs)."""
+    return spec.n_layer > 0 and n_gpu_layers >= spec.n_layer
 
 
 @lru_cache(maxsize=64)

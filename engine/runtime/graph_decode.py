@@ -157,6 +157,12 @@ class GraphDecode:
             self._carry = torch.zeros((2, 1, D), dtype=torch.float32, device=device)
             self.y_in = torch.zeros((1, D), dtype=torch.float32, device=device)
             self._y_h = torch.zeros((1, D), dtype=torch.float32, pin_memory=pin)
+        # Host-run MoE layers whose backend is the CPU kernels: their routes of the step, recorded in one
+        # profiler call at its end (as the graph's own routes are).
+        self._cpu_moe = np.asarray([g.moe for g in self.segments[:-1] if isinstance(model.experts_of(g.moe), CpuExperts)],
+                                   np.int64)  # fmt: skip
+        self._cpu_routes = np.zeros((len(self._cpu_moe), K), np.int64)
+        self._cpu_row = {int(i): j for j, i in enumerate(self._cpu_moe)}
         fused = step_kernels.enabled(device)  # few, larger launches for the glue between matrices
         self._rope_kv = step_kernels.qk_rope_kv if fused else None
         self._add_norm = step_kernels.add_rms_norm if fused else None
@@ -285,6 +291,8 @@ class GraphDecode:
         self._sync()
         self.steps += 1
         self._record(self._routes_h.numpy().copy())
+        if len(self._cpu_moe):
+            self._record(self._cpu_routes.copy(), self._cpu_moe, hits=False)
         for b in {id(b): b for b in (self.model.experts_of(g.moe) for g in self.segments[:-1])}.values():
             b.end_step()
         return self._logits_h.clone()
@@ -301,20 +309,21 @@ class GraphDecode:
         if isinstance(backend, CpuExperts):
             self._hand_h.copy_(self._hand, non_blocking=True)
             self._sync()
-            ids = self._ids_h.numpy().copy()
-            y = backend.forward_rows(i, self._h_h.numpy(), ids, self._weights_h.numpy())
+            ids = self._cpu_routes[self._cpu_row[i]]
+            ids[:] = self._ids_h.numpy()[0]
+            y = backend.forward_rows(i, self._h_h.numpy(), ids[None], self._weights_h.numpy(), record=False)
             self._y_h.numpy()[:] = y
             self.y_in.copy_(self._y_h, non_blocking=True)
-            ffn.last_ids = torch.from_numpy(ids)
             return
         self.y_in.copy_(backend.forward(i, self.h, self.ids, self.weights))
         ffn.last_ids = self.ids.to("cpu", copy=True)  # the buffer is the next segment's
 
-    def _record(self, routes: np.ndarray) -> None:
-        """The step's in-graph routes [n_moe, K] into the profiler (calls, heat; hits: the pool is
-        resident) and each such MoE layer's ``last_ids`` [1, K]."""
-        if not len(self.moe_layers):
+    def _record(self, routes: np.ndarray, layers: np.ndarray | None = None, hits: bool | None = None) -> None:
+        """A step's routes [n, K] of MoE ``layers`` (default: the graph's own) into the profiler (calls,
+        heat; hits where the pool is resident) and each layer's ``last_ids`` [1, K]."""
+        layers = self.moe_layers if layers is None else layers
+        if not len(layers):
             return
-        self.model.profiler.record_routes(self.moe_layers, routes, hits=self.resident)
-        for j, i in enumerate(self.moe_layers):
+        self.model.profiler.record_routes(layers, routes, hits=self.resident if hits is None else hits)
+        for j, i in enumerate(layers):
             self.model.layers[i].ffn.last_ids = torch.from_numpy(routes[j : j + 1])

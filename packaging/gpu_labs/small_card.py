@@ -8,10 +8,14 @@ expert backend's calls (the CPU kernels; the cache's forward).
   PYTHONPATH=. python3 packaging/gpu_labs/small_card.py /tmp/qwen3-30b-a3b-random.gguf [ROUNDS]
 """
 
+import cProfile
+import io
 import os
+import pstats
 import sys
 import time
 
+import numba
 import numpy as np
 
 from engine.api import LoadOptions, Session
@@ -70,6 +74,26 @@ def main(path: str, rounds: int) -> None:
                 print(f"{moe:5s} graphs={graph}: {' / '.join(f'{t:.2f}' for t in tps)} tok/s (median {med:.2f} = "
                       f"{1e3 / med:.1f} ms a token); expert backend ~{exp_ms:.1f} ms a token; "
                       f"{s.applied.describe()}", flush=True)  # fmt: skip
+        # The CPU-experts graph step again: numba thread counts (memory-bound kernels on SMT cores), then
+        # a profile of the host's time.
+        os.environ["SHARPI_CUDA_GRAPH"] = "1"
+        s.apply(s.plan(PlanRequest(ctx=n_ctx, kv_type="f32", n_gpu_layers=s.args.n_layer, moe="cpu"),
+                       DeviceProfile(vram_bytes=12 << 30)))  # fmt: skip
+        run(s)
+        full = numba.get_num_threads()
+        for t in sorted({max(1, full // 2), full}):
+            numba.set_num_threads(t)
+            got = [run(s) for _ in range(rounds)]
+            print(f"cpu graphs=1, {t} numba threads: {' / '.join(f'{a:.2f}' for a, _ in got)} tok/s; expert backend "
+                  f"{' / '.join(f'{e * 1e3:.1f}' for _, e in got)} ms a token", flush=True)  # fmt: skip
+        numba.set_num_threads(full)
+        pr = cProfile.Profile()
+        pr.enable()
+        run(s)
+        pr.disable()
+        out = io.StringIO()
+        pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(18)
+        print(out.getvalue()[-5000:], flush=True)
 
 
 if __name__ == "__main__":

@@ -157,12 +157,14 @@ class GraphDecode:
             self._carry = torch.zeros((2, 1, D), dtype=torch.float32, device=device)
             self.y_in = torch.zeros((1, D), dtype=torch.float32, device=device)
             self._y_h = torch.zeros((1, D), dtype=torch.float32, pin_memory=pin)
+            self._np = (self._h_h.numpy(), self._weights_h.numpy(), self._ids_h.numpy(), self._y_h.numpy())
         # Host-run MoE layers whose backend is the CPU kernels: their routes of the step, recorded in one
         # profiler call at its end (as the graph's own routes are).
-        self._cpu_moe = np.asarray([g.moe for g in self.segments[:-1] if isinstance(model.experts_of(g.moe), CpuExperts)],
-                                   np.int64)  # fmt: skip
+        self._cpu_cut = {j for j, g in enumerate(self.segments[:-1]) if isinstance(model.experts_of(g.moe), CpuExperts)}
+        self._cpu_moe = np.asarray([self.segments[j].moe for j in sorted(self._cpu_cut)], np.int64)
         self._cpu_routes = np.zeros((len(self._cpu_moe), K), np.int64)
         self._cpu_row = {int(i): j for j, i in enumerate(self._cpu_moe)}
+        self._stream = None  # the stream a step runs on (looked up once a step: the lookup costs ~50 µs)
         fused = step_kernels.enabled(device)  # few, larger launches for the glue between matrices
         self._rope_kv = step_kernels.qk_rope_kv if fused else None
         self._add_norm = step_kernels.add_rms_norm if fused else None
@@ -217,6 +219,8 @@ class GraphDecode:
             torch.index_select(self.sin, 0, self.pos, out=self._cs[1])
         st = StaticStep(self.pos, length, self._cs[0], self._cs[1], self.perm, self.kpos, self.cache, self._rope_kv,
                         self._add_norm, self._attend)  # fmt: skip
+        if s and s - 1 in self._cpu_cut:  # the CPU experts' output, from pinned memory: a copy in the graph
+            self.y_in.copy_(self._y_h, non_blocking=True)
         x, y = (self.x, None) if s == 0 else (self._carry[(s - 1) % 2], self.y_in)
         for i in range(seg.first, seg.stop):
             x, y = m.layers[i].decode_static(x, y, st, self._route_rows.get(i))
@@ -230,6 +234,8 @@ class GraphDecode:
         self.h.copy_(h)
         self.weights.copy_(weights)
         self.ids.copy_(ids)
+        if s in self._cpu_cut:  # the hand-over to pinned memory for the CPU kernels: a copy in the graph
+            self._hand_h.copy_(self._hand, non_blocking=True)
 
     def _capture(self, length: int, s: int = 0) -> None:
         """Capture segment ``s`` for attention length ``length`` (a bucket) into a graph of the shared
@@ -281,6 +287,7 @@ class GraphDecode:
         self._pos_h[0] = pos
         self._in.copy_(self._in_h, non_blocking=True)
         L = bucket(pos, cache.n_ctx)
+        self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         for s, seg in enumerate(self.segments):
             self._run(L, s)
             if seg.moe is not None:
@@ -291,6 +298,7 @@ class GraphDecode:
         self._sync()
         self.steps += 1
         self._record(self._routes_h.numpy().copy())
+        self._stream = None
         if len(self._cpu_moe):
             self._record(self._cpu_routes.copy(), self._cpu_moe, hits=False)
         for b in {id(b): b for b in (self.model.experts_of(g.moe) for g in self.segments[:-1])}.values():
@@ -298,22 +306,20 @@ class GraphDecode:
         return self._logits_h.clone()
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def _host_experts(self, i: int) -> None:
         """Layer ``i``'s routed experts between two segments, through its backend: the CPU kernels on
-        the handed-over row (one D2H copy, one H2D copy of the output), or the expert cache's
-        forward on the device (hits in the pool, misses on the CPU)."""
+        the handed-over row (the segments' graphs copy it to pinned memory and the output back), or
+        the expert cache's forward on the device (hits in the pool, misses on the CPU)."""
         backend, ffn = self.model.experts_of(i), self.model.layers[i].ffn
-        if isinstance(backend, CpuExperts):
-            self._hand_h.copy_(self._hand, non_blocking=True)
+        if isinstance(backend, CpuExperts):  # the segment copied the hand-over out; the next copies y in
             self._sync()
+            h, weights, ids_h, y = self._np
             ids = self._cpu_routes[self._cpu_row[i]]
-            ids[:] = self._ids_h.numpy()[0]
-            y = backend.forward_rows(i, self._h_h.numpy(), ids[None], self._weights_h.numpy(), record=False)
-            self._y_h.numpy()[:] = y
-            self.y_in.copy_(self._y_h, non_blocking=True)
+            ids[:] = ids_h[0]
+            y[:] = backend.forward_rows(i, h, ids[None], weights, record=False)
             return
         self.y_in.copy_(backend.forward(i, self.h, self.ids, self.weights))
         ffn.last_ids = self.ids.to("cpu", copy=True)  # the buffer is the next segment's

@@ -5,7 +5,7 @@ the experts through their backend between replays). Greedy, 16-token prompt, GEN
 warm run (graph captures, first touches, the cache's warm-up); per run, the share of a token spent in the
 expert backend's calls (the CPU kernels; the cache's forward).
 
-  PYTHONPATH=. python3 packaging/gpu_labs/small_card.py /tmp/qwen3-30b-a3b-random.gguf [ROUNDS]
+  PYTHONPATH=. python3 packaging/gpu_labs/small_card.py /tmp/qwen3-30b-a3b-random.gguf [ROUNDS] [--threads]
 """
 
 import cProfile
@@ -81,7 +81,7 @@ def main(path: str, rounds: int) -> None:
                        DeviceProfile(vram_bytes=12 << 30)))  # fmt: skip
         run(s)
         full = numba.get_num_threads()
-        for t in sorted({max(1, full // 2), full}):
+        for t in sorted({max(1, full // 2), full}) if "--threads" in sys.argv else ():
             numba.set_num_threads(t)
             got = [run(s) for _ in range(rounds)]
             print(f"cpu graphs=1, {t} numba threads: {' / '.join(f'{a:.2f}' for a, _ in got)} tok/s; expert backend "
@@ -97,4 +97,4 @@ def main(path: str, rounds: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2)
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2].isdigit() else 2)

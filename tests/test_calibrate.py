@@ -172,9 +172,9 @@ def test_simulated_device_uses_defaults_even_with_a_cache_file(moe_path, measure
 
 def test_injected_profile_drives_the_auto_choice(moe_path, monkeypatch):
     monkeypatch.delenv("SHARPI_CPU_MOE", raising=False)
+    monkeypatch.setenv("SHARPI_CUDA_GRAPH", "0")  # eager steps: the device layers' cost is the same in every mode
     cheap_cache = DeviceProfile(cache_layer_us=0.0, miss_us=0.0, cpu_experts_layer_us=50_000.0, name="test")
-    # (all layers resident on the device is a CUDA-graph step: its per-layer cost is graph_layer_us)
-    dear_cache = replace(cheap_cache, cache_layer_us=50_000.0, graph_layer_us=50_000.0, cpu_experts_layer_us=0.0)
+    dear_cache = replace(cheap_cache, cache_layer_us=50_000.0, cpu_experts_layer_us=0.0)
     modes = {}
     for label, prof in (("cheap", cheap_cache), ("dear", dear_cache)):
         opts = LoadOptions(n_ctx=64, device="cpu", placement=PlanRequest(), vram_budget=1 << 30, device_profile=prof)

@@ -25,20 +25,20 @@ DEFAULT_CPU_EXPERT_GBPS = 20.0  # host reading quantized weights while computing
 DEFAULT_H2D_GBPS = 22.0  # PCIe 4.0 x16, expert-sized copies
 DEFAULT_DEVICE_GBPS = 400.0  # GDDR6X mid-range card, effective
 DEFAULT_SYNC_US = 10.0  # one host↔device round trip (launch + synchronise + small copy)
-# Fixed costs, microseconds. Defaults fitted to the one hybrid measurement we have (H100 box,
-# 16 cores, Qwen3-30B-A3B geometry Q4_K_M, 12 GiB, fused Triton GEMV; docs/benchmarks-gpu.md):
-# CPU experts 106 ms/token, cache 146 ms/token at a 91 % hit rate. A calibrated profile replaces them.
-DEFAULT_TOKEN_US = 1000.0  # per token: embedding, sampling, logits to the host, the loop's Python
-DEFAULT_HOST_LAYER_US = 100.0  # per host layer: torch ops on the CPU, kernel dispatch
-DEFAULT_DEVICE_LAYER_US = 500.0  # per device layer: Python and kernel launches of the trunk step
-DEFAULT_CPU_EXPERTS_LAYER_US = 450.0  # per device layer whose experts run on the host: round trip
-DEFAULT_CACHE_LAYER_US = 1800.0  # per device layer served by the slot pool: routing to the host, lookups, launches
-DEFAULT_MISS_US = 300.0  # per missed expert: host call, slot admission, staging an upload
-# Per device layer when the whole step is one CUDA-graph replay (every layer and expert on the
-# device; engine.runtime.graph_decode): no Python, ~22 kernels a layer whose launch gaps and
-# ramp-up cost more than their bytes. H100, 30B-A3B geometry, all resident: 5.9 ms a step for 48
-# layers, of which ~0.9 ms is bytes at the measured bandwidth -> ~100 µs a layer.
-DEFAULT_GRAPH_LAYER_US = 100.0
+# Fixed costs, microseconds: `sharpi bench calibrate` on the H100 box of session 8 (16 cores; two
+# calibrations, rounded means; docs/benchmarks-gpu.md), with the segmented CUDA-graph step. With that
+# box's measured links (CPU experts 59.4 GB/s, host→device 9.49, device 202, sync 23 µs) they predict
+# the Qwen3-30B-A3B geometry at 12 GiB within 15 % of its measured 34.0 (cpu) and 26.0 (cache) tok/s.
+# A calibrated profile replaces them.
+DEFAULT_TOKEN_US = 250.0  # per token: embedding, sampling, logits to the host, the loop's Python
+DEFAULT_HOST_LAYER_US = 250.0  # per host layer: numba/torch work on the CPU besides its bytes
+DEFAULT_DEVICE_LAYER_US = 1900.0  # per device layer run eagerly (graphs off, or a layer split): Python, launches
+DEFAULT_CPU_EXPERTS_LAYER_US = 135.0  # per device layer whose experts run on the host: the round trip
+DEFAULT_CACHE_LAYER_US = 20.0  # per device layer served by the cache outside a graph: routing to the host, lookups
+DEFAULT_MISS_US = 150.0  # per missed expert: host call, slot admission, staging an upload
+# Per device layer when the step runs as CUDA-graph replays (every layer's trunk on the device;
+# engine.runtime.graph_decode): no Python; launch gaps and ramp-up of the layer's kernels.
+DEFAULT_GRAPH_LAYER_US = 20.0
 # Zipf exponent of expert popularity used by the hit-rate model. 0.8 in the static hottest-n
 # formula reproduces an LRU cache (Che approximation) on a Zipf(1.0) stream, which is what the
 # published hit-rate anchors fit; see costmodel.hit_rate.
@@ -79,9 +79,9 @@ class DeviceProfile:
     cache_layer_us: extra cost of a device layer served by the slot pool (routing to the host,
         slot lookups, launches), hit or miss.
     miss_us: extra cost of one missed expert (host call, slot admission, staging its upload).
-    graph_layer_us: fixed cost of one device layer when the decode step is a CUDA-graph replay
-        (every layer and routed expert on the device); replaces device_layer_us and
-        cache_layer_us there.
+    graph_layer_us: fixed cost of one device layer when the decode step runs as CUDA-graph replays
+        (every layer's trunk on the device); replaces device_layer_us, and cache_layer_us for
+        layers whose experts are resident (inside the graph).
     expert_skew: Zipf exponent of expert popularity (0 = uniform) for the cache hit-rate model.
     measured: names of the fields above that were measured rather than defaulted.
     """

@@ -130,6 +130,7 @@ def test_step_with_experts_off_the_graph_matches_the_eager_path(paths, name, moe
         L = s.args.n_layer
         host = L if moe != "resident" else n_cpu_moe
         assert [seg.moe for seg in g.segments] == [*range(host), None]
+        assert g.cuts == ["cache" if moe == "cache" else "cpu"] * host  # the pool's hits run inside the graph
         assert list(g.moe_layers) == list(range(host, L))  # the resident pool's layers stay inside
         assert np.abs(static[0] - eager[0]).max() <= 1e-5, np.abs(static[0] - eager[0]).max()
         _same_routes_and_counts(eager, static)
@@ -459,8 +460,9 @@ def test_graph_replay_matches_eager_decode(tmp_path, weights, act, monkeypatch):
 @pytest.mark.parametrize("moe", ["cpu", "cache"])
 def test_segment_replays_with_experts_on_the_host_match_eager_decode(tmp_path, moe, monkeypatch):
     """The 12 GiB-card placements on a real GPU: the trunk between two MoE layers as one graph replay,
-    the routed experts on the CPU or in the expert cache (misses on the CPU) between replays — against
-    the eager path over two buckets, with the Triton kernels; routes and cache counts equal."""
+    the routed experts on the CPU between replays, or the expert cache's hits inside the replays (the
+    fused kernels skipping the misses) and its misses on the CPU between them — against the eager path
+    over two buckets, with the Triton kernels; routes and cache counts equal."""
     monkeypatch.setenv("SHARPI_DEVICE_ACT", "f32")
     geo = dict(layers=3, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8, experts_used=2, expert_ff=256)
     path = write_model(tmp_path / "m.gguf", "qwen3moe", seed=4, weight_type="Q4_K", type_overrides={"*ffn_down*": "Q6_K"},
@@ -471,6 +473,7 @@ def test_segment_replays_with_experts_on_the_host_match_eager_decode(tmp_path, m
         L = s.args.n_layer
         assert g.capture and g.replays == len(tokens) and sorted(g.graphs) == [16, 32]
         assert all(len(v) == L + 1 for v in g.graphs.values())  # a segment per MoE layer, and the output's
+        assert g.cuts == [moe] * L
         scale = max(1.0, float(np.abs(eager[0]).max()))
         assert np.abs(graph[0] - eager[0]).max() <= 1e-4 * scale, np.abs(graph[0] - eager[0]).max()
         _same_routes_and_counts(eager, graph)

@@ -62,6 +62,16 @@ class CachedExperts(ExpertBackend):
         self._fused = {
             i: all(fused_kernels(self.device, getattr(s, r).qtype) for r in ROLES) for i, s in stacks.items()
         }
+        # Expert -> slot of every cached layer (-1: not in the pool), kept with the SLRU by _upload; the
+        # decode graph gathers a token's slots from the device copy (hits_static), refreshed between
+        # tokens (refresh_table) after the uploads it points at.
+        n_exp = max((stacks[i].gate.n_experts for i in self.layers), default=0)
+        rows = max(self.layers, default=-1) + 1
+        pin = self.device.type == "cuda"
+        self._slots_pin = torch.full((rows, n_exp), -1, dtype=torch.int64, pin_memory=pin)
+        self._slots_h = self._slots_pin.numpy()
+        self._slots_dev = torch.full((rows, n_exp), -1, dtype=torch.int64, device=self.device)
+        self._table_dirty = False
 
     # -- slots ----------------------------------------------------------------------------------
     def _upload(self, layer: int, e: int, working: set) -> bool:
@@ -69,6 +79,10 @@ class CachedExperts(ExpertBackend):
         if got is None:
             return False  # every slot holds an expert this token needs, or a pinned one
         slot, evicted = got
+        self._slots_h[layer, e] = slot
+        if evicted is not None:
+            self._slots_h[evicted] = -1
+        self._table_dirty = True
         if evicted is not None and self.profiler is not None:
             self.profiler.set_resident(evicted[0], [evicted[1]], False)
         n = 0
@@ -114,6 +128,14 @@ class CachedExperts(ExpertBackend):
                 if pin:
                     self.slru.pin((i, e))
         self.sync()
+        self.refresh_table()
+
+    def refresh_table(self) -> None:
+        """Copy the expert -> slot table to the device when uploads changed it, on the current stream
+        (after :meth:`sync`: ordered after the uploads it points at; before the next token's graphs)."""
+        if self._table_dirty:
+            self._slots_dev.copy_(self._slots_pin, non_blocking=True)
+            self._table_dirty = False
 
     def sync(self) -> None:
         """Order later device work after the queued uploads (does not block the host)."""
@@ -214,6 +236,47 @@ class CachedExperts(ExpertBackend):
         out = self._pair_outputs(layer, slots, x.expand(slots.shape[0], -1))  # [K, D]
         return (out * weights[0][:, None]).sum(0, keepdim=True)
 
+    # -- a decode graph over a cache that misses: hits inside the graph, misses on the host ---------
+    def graph_hits(self, layer: int) -> bool:
+        """Whether a decode graph can compute ``layer``'s hits itself (:meth:`hits_static`) and leave
+        only the misses to the host (:meth:`host_misses`): misses computed on the CPU and uploaded
+        after the token (``upload="async"``), so the pool does not change inside a step."""
+        return self.upload_policy == "async" and layer in self.layers
+
+    def hits_static(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, xq=None):
+        """Σ over the token's experts in the pool of weight · expert output, with ids staying on the
+        device (graph-capturable): x float32 [1, D], ids int64 [1, K], weights float32 [1, K] -> [1, D];
+        pairs not in the pool contribute 0 (the host adds them: :meth:`host_misses`)."""
+        slots = self._slots_dev[layer].index_select(0, ids.reshape(-1)).reshape(ids.shape)  # [1, K], -1: absent
+        if self._fused[layer]:
+            off = torch.where(slots >= 0, slots * self.layout.stride, -1)  # the fused kernels skip -1
+            return self.forward_static(layer, x, ids, weights, slot_off=off, xq=xq)
+        hit = slots[0] >= 0
+        out = self._pair_outputs(layer, slots[0].clamp(min=0), x.expand(slots.shape[1], -1))  # [K, D]
+        out = torch.where(hit[:, None], out * weights[0][:, None], 0.0)  # slot 0 may hold anything: select
+        return out.sum(0, keepdim=True)
+
+    def host_misses(self, layer: int, X: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray | None:
+        """The host half of a graph step's cache layer: X float32 [1, D], ids int64 [K], weights float32
+        [1, K] (host copies) -> the missed experts' weighted sum [1, D] from the CPU kernels, or None
+        when every expert hit. Records calls, hits and misses, refreshes the hits' recency and queues
+        the misses for upload after the token — as :meth:`forward` does."""
+        if self.profiler is not None:
+            self.profiler.record_route(layer, ids[None])
+        experts = np.unique(ids)
+        hit = self._slots_h[layer, experts] >= 0
+        for e in experts[hit]:
+            self.slru.hit((layer, int(e)))
+        in_pool = self._slots_h[layer, ids] >= 0
+        if self.profiler is not None:
+            self.profiler.record_cache(layer, ids[in_pool], ids[~in_pool], {})
+        if in_pool.all():
+            return None
+        self.queue.extend((layer, int(e)) for e in experts[~hit])
+        s, ks = self.stacks[layer], np.flatnonzero(~in_pool)
+        I = np.ascontiguousarray(ids[ks][None])
+        return ops.moe_ffn(s.gate, s.up, s.down, X, I, np.ascontiguousarray(weights[:, ks]), q8_act=self.q8_act)
+
     def _device_outputs(self, layer, x, ids_h, weights, hit_set: set) -> torch.Tensor:
         """Σ over the (token, slot) pairs served from the pool of weight · expert output: [T, D]."""
         T, K = ids_h.shape
@@ -299,3 +362,4 @@ class CachedExperts(ExpertBackend):
             if (layer, e) not in self.slru:
                 self._upload(layer, e, set())
         self.sync()
+        self.refresh_table()

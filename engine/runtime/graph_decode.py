@@ -160,8 +160,14 @@ class GraphDecode:
             self._np = (self._h_h.numpy(), self._weights_h.numpy(), self._ids_h.numpy(), self._y_h.numpy())
         # Host-run MoE layers whose backend is the CPU kernels: their routes of the step, recorded in one
         # profiler call at its end (as the graph's own routes are).
-        self._cpu_cut = {j for j, g in enumerate(self.segments[:-1]) if isinstance(model.experts_of(g.moe), CpuExperts)}
-        self._cpu_moe = np.asarray([self.segments[j].moe for j in sorted(self._cpu_cut)], np.int64)
+        # How each cut's experts run: "cpu" (the CPU kernels on the handed-over row), "cache" (the pool's
+        # hits inside the graph, the misses on the CPU from the hand-over) or "eager" (the backend's
+        # forward on the device tensors). The first two hand over through pinned memory, copied by the graphs.
+        self._kind = {j: self._cut_kind(model.experts_of(g.moe), g.moe) for j, g in enumerate(self.segments[:-1])}
+        self._handed = {j for j, k in self._kind.items() if k != "eager"}
+        self._cpu_moe = np.asarray(
+            [g.moe for j, g in enumerate(self.segments[:-1]) if self._kind[j] == "cpu"], np.int64
+        )
         self._cpu_routes = np.zeros((len(self._cpu_moe), K), np.int64)
         self._cpu_row = {int(i): j for j, i in enumerate(self._cpu_moe)}
         self._stream = None  # the stream a step runs on (looked up once a step: the lookup costs ~50 µs)
@@ -181,10 +187,20 @@ class GraphDecode:
         w = buf[D * 4 : D * 4 + K * 4].view(torch.float32).view(1, K)
         return h, w, buf[self._io :].view(torch.int64).view(1, K)
 
+    @property
+    def cuts(self) -> list[str]:
+        """How the experts of each MoE layer that cuts the step run: "cpu", "cache" (hits inside the
+        graph, misses on the CPU) or "eager" (the backend's own forward between the replays)."""
+        return [self._kind[j] for j in range(len(self.segments) - 1)]
+
     def describe(self) -> str:
         n = len(self.segments)
         how = "CUDA graphs" if self.capture else "static, not captured"
-        return how if n == 1 else f"{how}, {n} a token (routed experts on the host between them)"
+        if n == 1:
+            return how
+        where = {"cpu": "routed experts on the CPU between them", "eager": "routed experts between them",
+                 "cache": "expert-cache hits inside them, misses on the CPU between them"}  # fmt: skip
+        return f"{how}, {n} a token ({'; '.join(where[k] for k in dict.fromkeys(self.cuts))})"
 
     # -- binding ----------------------------------------------------------------------------------
     def bind(self, cache) -> bool:
@@ -219,7 +235,7 @@ class GraphDecode:
             torch.index_select(self.sin, 0, self.pos, out=self._cs[1])
         st = StaticStep(self.pos, length, self._cs[0], self._cs[1], self.perm, self.kpos, self.cache, self._rope_kv,
                         self._add_norm, self._attend)  # fmt: skip
-        if s and s - 1 in self._cpu_cut:  # the CPU experts' output, from pinned memory: a copy in the graph
+        if s and s - 1 in self._handed:  # the host experts' output, from pinned memory: a copy in the graph
             self.y_in.copy_(self._y_h, non_blocking=True)
         x, y = (self.x, None) if s == 0 else (self._carry[(s - 1) % 2], self.y_in)
         for i in range(seg.first, seg.stop):
@@ -227,14 +243,16 @@ class GraphDecode:
         if seg.moe is None:
             self.logits.copy_(m.output(st.add_rms_norm(x, y, m.out_norm, m.args.rms_eps)[1]))
             return
-        layer = m.layers[seg.moe]
-        x, h, _ = layer.decode_static_attn(x, y, st)
+        layer, cache = m.layers[seg.moe], self._kind[s] == "cache"
+        x, h, hq = layer.decode_static_attn(x, y, st, q8_ffn=cache and layer.ffn.wants_q8_input())
         ids, weights, shared = layer.ffn.route_static(h)
+        if cache:  # the experts in the pool, here; the others on the host after the replay
+            x = x + m.experts_of(seg.moe).hits_static(seg.moe, h, ids, weights, hq)
         self._carry[s % 2].copy_(x if shared is None else x + shared)
         self.h.copy_(h)
         self.weights.copy_(weights)
         self.ids.copy_(ids)
-        if s in self._cpu_cut:  # the hand-over to pinned memory for the CPU kernels: a copy in the graph
+        if s in self._handed:  # the hand-over to pinned memory for the host: a copy in the graph
             self._hand_h.copy_(self._hand, non_blocking=True)
 
     def _capture(self, length: int, s: int = 0) -> None:
@@ -291,7 +309,7 @@ class GraphDecode:
         for s, seg in enumerate(self.segments):
             self._run(L, s)
             if seg.moe is not None:
-                self._host_experts(seg.moe)
+                self._host_experts(s, seg.moe)
         if self.capture:
             self.replays += 1
         self._out_h.copy_(self._out, non_blocking=True)
@@ -309,17 +327,29 @@ class GraphDecode:
         if self._stream is not None:
             self._stream.synchronize()
 
-    def _host_experts(self, i: int) -> None:
-        """Layer ``i``'s routed experts between two segments, through its backend: the CPU kernels on
-        the handed-over row (the segments' graphs copy it to pinned memory and the output back), or
-        the expert cache's forward on the device (hits in the pool, misses on the CPU)."""
-        backend, ffn = self.model.experts_of(i), self.model.layers[i].ffn
-        if isinstance(backend, CpuExperts):  # the segment copied the hand-over out; the next copies y in
+    @staticmethod
+    def _cut_kind(backend, layer: int) -> str:
+        if isinstance(backend, CpuExperts):
+            return "cpu"
+        return "cache" if getattr(backend, "graph_hits", lambda i: False)(layer) else "eager"
+
+    def _host_experts(self, s: int, i: int) -> None:
+        """Layer ``i``'s routed experts after segment ``s``, through its backend: the CPU kernels on the
+        handed-over row (the segments' graphs copy it to pinned memory and the output back); the cache's
+        misses on the CPU (its hits ran in the graph); or the backend's forward on the device."""
+        backend, ffn, kind = self.model.experts_of(i), self.model.layers[i].ffn, self._kind[s]
+        if kind != "eager":  # the segment copied the hand-over out; the next copies y in
             self._sync()
             h, weights, ids_h, y = self._np
-            ids = self._cpu_routes[self._cpu_row[i]]
-            ids[:] = ids_h[0]
-            y[:] = backend.forward_rows(i, h, ids[None], weights, record=False)
+            if kind == "cpu":
+                ids = self._cpu_routes[self._cpu_row[i]]
+                ids[:] = ids_h[0]
+                y[:] = backend.forward_rows(i, h, ids[None], weights, record=False)
+                return
+            ids = ids_h[0].copy()
+            got = backend.host_misses(i, h, ids, weights)
+            y[:] = 0.0 if got is None else got
+            ffn.last_ids = torch.from_numpy(ids[None])
             return
         self.y_in.copy_(backend.forward(i, self.h, self.ids, self.weights))
         ffn.last_ids = self.ids.to("cpu", copy=True)  # the buffer is the next segment's

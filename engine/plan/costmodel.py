@@ -14,7 +14,8 @@ For one decoded token at context position ``p`` (docs/planner.md states it in fu
     B_h2d = cache misses uploaded into the slot pool, (1−h)·K·e
     n_sync = 2 (embedding row in, logits/hidden out, when any layer is on the device)
            + 2 per device layer whose experts run on the host (always, or on a miss:
-             1 − h^K is the chance that at least one of its K experts misses)
+             1 − h^K is the chance that at least one of its K experts misses; always in a
+             graph step, which hands every cache layer's row and routes over to the host)
 
     count(token_us) = 1; count(host_layer_us) = L − n; count(device_layer_us) = n
     count(cpu_experts_layer_us) = device MoE layers whose experts run on the host
@@ -217,7 +218,7 @@ def predict(
             b_dev += h * read
             b_cpu += (1 - h) * read
             b_h2d += (1 - h) * read
-            n_sync += 2 * (1 - h**K)
+            n_sync += 2 if graph else 2 * (1 - h**K)  # a graph step hands every cache layer over to the host
             counts["cache_layer_us"] += 1
             counts["cpu_experts_layer_us"] += 1 - h**K
             counts["miss_us"] += K * (1 - h)

@@ -120,15 +120,18 @@ def test_auto_choice_follows_the_fixed_costs(q30):
     assert f"CPU experts {p.predicted_tok_s['cpu']:.1f}" in p.moe_reason
 
 
-def test_default_profile_reproduces_the_h100_choice(q30):
+def test_default_profile_reproduces_the_h100_measurement(q30):
     """The default fixed costs are the H100 box's calibration (session 8, docs/benchmarks-gpu.md). With
-    that box's measured links they must reproduce its 12 GiB measurement of the segmented graph step —
-    CPU experts 34.0 tok/s, cache 26.0 at 61 % capacity — within 25 %, and auto must pick CPU experts."""
+    that box's measured links they must reproduce its 12 GiB measurement of the segmented graph step
+    (`sharpi bench ... --vram 12GiB --compare-modes`): CPU experts 32.9 tok/s within 25 %; the cache, at
+    the hit rate it measured (98 %: 86.0 tok/s), below it (the model charges uploads serially: a floor)
+    but within a factor of two, and ranked above CPU experts as measured."""
     box = DeviceProfile(vram_bytes=12 * GiB, cpu_expert_gbps=59.4, h2d_gbps=9.49, device_gbps=202, sync_us=23)
-    p = plan(q30, box, PlanRequest(ctx=64, kv_type="f32"))
-    assert p.n_gpu_layers == 48 and p.moe_mode == "cpu"
-    assert p.predicted_tok_s["cpu"] == pytest.approx(34.0, rel=0.25)
-    assert p.predicted_tok_s["cache"] == pytest.approx(26.0, rel=0.25)
+    p = plan(q30, box, PlanRequest(ctx=96, kv_type="f32"))
+    assert p.n_gpu_layers == 48 and p.predicted_tok_s["cpu"] == pytest.approx(32.9, rel=0.25)
+    kw = dict(mode="cache", n_gpu_layers=48, kv_type="f32", position=48, expert_slots=p.expert_slots)
+    cache = predict(q30, box, observed_hit_rate=0.98, **kw).tok_s
+    assert 86.0 / 2 < cache <= 86.0 and cache > p.predicted_tok_s["cpu"]
 
 
 def test_tiny_model_prediction_is_bounded_by_the_fixed_costs():

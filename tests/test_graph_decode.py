@@ -537,7 +537,7 @@ def test_the_warm_up_before_a_capture_launches_what_the_capture_records(monkeypa
     seen = []
 
     class Stub:
-        device, _pool, graphs = cuda, None, {}
+        device, _pool, _side, graphs = cuda, None, None, {}
 
         def _segment(self, length, s):
             seen.append((qb.pdl(cuda), tm.decode_act(cuda, True, q4k), capturing["now"]))

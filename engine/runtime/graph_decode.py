@@ -179,6 +179,7 @@ class GraphDecode:
         self.cache = None  # the KV cache the graphs write (bound on first use)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # bucket -> a graph per segment
         self._pool = None
+        self._side = None  # the stream the captures warm up on
         self.steps = self.replays = 0  # counters (tests, diagnostics)
 
     def _views(self, buf: torch.Tensor, D: int, K: int):
@@ -263,7 +264,9 @@ class GraphDecode:
         segment never writes what it reads). Buckets are captured when a position first needs them,
         so the first token of a bucket pays for its segments."""
         cur = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
+        if self._side is None:  # one warm-up stream for every capture: the caching allocator and cuBLAS keep
+            self._side = torch.cuda.Stream(self.device)  # memory per stream (a 32 MiB workspace each)
+        side = self._side
         side.wait_stream(cur)
         with torch.cuda.stream(side), qblocks.graph_warmup():
             self._segment(length, s)

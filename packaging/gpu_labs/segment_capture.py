@@ -33,19 +33,20 @@ def main(path: str) -> None:
             pos = b - 1 if b > 16 else 0
             assert bucket(pos, N_CTX) == b
             torch.cuda.synchronize()
-            free0 = torch.cuda.mem_get_info()[0]
+            free0, res0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
             t = time.perf_counter()
             m.forward([7], pos, cache)
             first = time.perf_counter() - t
             torch.cuda.synchronize()
-            took = free0 - torch.cuda.mem_get_info()[0]
+            took, reserved = free0 - torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved() - res0
             total += took
             t = time.perf_counter()
             for _ in range(3):
                 m.forward([7], pos, cache)
             steady = (time.perf_counter() - t) / 3
             print(f"bucket {b:5d}: first token {first * 1e3:7.1f} ms ({len(g.graphs[b])} graphs captured), then "
-                  f"{steady * 1e3:5.1f} ms; device memory {took / 2**20:7.1f} MiB (all buckets so far "
+                  f"{steady * 1e3:5.1f} ms; device memory {took / 2**20:7.1f} MiB, of it torch's allocator "
+                  f"{reserved / 2**20:.1f} (all buckets so far "
                   f"{total / 2**20:.1f})", flush=True)  # fmt: skip
 
 

@@ -125,8 +125,10 @@ def test_step_with_experts_off_the_graph_matches_the_eager_path(paths, name, moe
     misses too) as the eager path; the shared expert (qwen2moe) rides on the residual."""
     tokens = random_tokens(N_TOKENS, 1024, seed=3)
     with Session.load(str(paths[name]), LoadOptions(n_ctx=CTX, device="cpu")) as s:
+        ref = s.logits(tokens, batch=False)  # the plain CPU engine
         p = _off_graph(s, moe, n_cpu_moe)
         eager, static, g = _both(s, p, monkeypatch, tokens)
+        assert np.abs(static[0] - ref).max() <= 1e-5, np.abs(static[0] - ref).max()
         L = s.args.n_layer
         host = L if moe != "resident" else n_cpu_moe
         assert [seg.moe for seg in g.segments] == [*range(host), None]

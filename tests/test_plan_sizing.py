@@ -239,16 +239,15 @@ def test_predict_by_hand():
     res = predict(spec, prof, mode="resident", expert_slots=8, **common)
     assert res.seconds == pytest.approx((dev_fixed + K * e) / 100e9 + cpu_fixed / 10e9 + 2 * 20e-6)
 
-    cache = predict(spec, prof, mode="cache", expert_slots=2, **common)  # 2 of 8, uniform: h = 1/4
+    # 2 of 8 slots, uniform: h = 1/4. Eager, the layer crosses to the host only when an expert misses;
+    # as graph replays it hands its row and routes over every token.
     h = 0.25
-    expect = (
-        (dev_fixed + h * K * e) / 100e9
-        + (cpu_fixed + (1 - h) * K * e) / 10e9
-        + (1 - h) * K * e / 5e9
-        + (2 + 2 * (1 - h**K)) * 20e-6
-    )
-    assert cache.hit_rate == pytest.approx(h) and cache.seconds == pytest.approx(expect)
-    assert cache.tok_s == pytest.approx(1 / expect)
+    links = (dev_fixed + h * K * e) / 100e9 + (cpu_fixed + (1 - h) * K * e) / 10e9 + (1 - h) * K * e / 5e9
+    for graphs, crossings in ((False, 2 + 2 * (1 - h**K)), (True, 2 + 2)):
+        cache = predict(spec, prof, mode="cache", expert_slots=2, graphs=graphs, **common)
+        expect = links + crossings * 20e-6
+        assert cache.hit_rate == pytest.approx(h) and cache.seconds == pytest.approx(expect)
+        assert cache.tok_s == pytest.approx(1 / expect)
 
 
 def test_profile_validation():

@@ -140,6 +140,43 @@ def test_step_with_experts_off_the_graph_matches_the_eager_path(paths, name, moe
             assert static[2]["misses"].sum() > 0 and static[2]["hits"].sum() > 0
 
 
+def test_a_capture_that_fails_mid_step_falls_back_to_the_same_logits(paths, monkeypatch):
+    """A capture runs its segment once eagerly (the warm-up) before recording it, and a replay runs it
+    again: a segment must never write what it reads, so running it twice changes nothing. And when a
+    capture fails in the middle of a step, the step goes on eagerly from that segment. Graphs stood in
+    for by re-running the segment (no GPU here); qwen2moe's shared expert rides on the residual."""
+    tokens = random_tokens(N_TOKENS, 1024, seed=5)
+    with Session.load(str(paths["qwen2moe"]), LoadOptions(n_ctx=CTX, device="cpu")) as s:
+        p = _off_graph(s, "cpu")
+        eager, *_ = _both(s, p, monkeypatch, tokens)
+        s.apply(p)  # SHARPI_CUDA_GRAPH=eager (set by _both): the static step, here made to "capture"
+        g = s.model.decode_graph
+        g.capture, seen = True, []
+
+        class Replay:
+            def __init__(self, length, seg):
+                self.length, self.seg = length, seg
+
+            def replay(self):
+                g._segment(self.length, self.seg)
+
+        def capture(length, seg):
+            seen.append((length, seg))
+            g._segment(length, seg)  # the warm-up
+            if (length, seg) == (32, 1):
+                raise RuntimeError("operation not permitted when stream is capturing")
+            g.graphs.setdefault(length, []).append(Replay(length, seg))
+
+        monkeypatch.setattr(g, "_capture", capture)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+        static = _decode(s, tokens)
+        L = s.args.n_layer
+        assert seen == [(16, j) for j in range(L + 1)] + [(32, 0), (32, 1)]  # then no more captures
+        assert not g.capture and g.graphs == {} and g.steps == N_TOKENS
+        assert np.abs(static[0] - eager[0]).max() <= 1e-5, np.abs(static[0] - eager[0]).max()
+        _same_routes_and_counts(eager, static)
+
+
 @pytest.mark.parametrize("kv_type", ["bf16", "q8_0"])
 @pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe"])
 def test_static_step_with_rounded_kv(paths, name, kv_type, monkeypatch):

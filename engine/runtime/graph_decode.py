@@ -1,17 +1,24 @@
-"""Decode of one token as the replay of a captured CUDA graph (issue #7: Python off the token path).
+"""Decode of one token as replays of captured CUDA graphs (issue #7: Python off the token path).
 
-Where every layer of a decode step sits on one device — the whole trunk, the KV cache and the
-output there, and the routed experts ``resident`` (every expert of every layer in the slot pool,
-pinned) or no routed experts at all — a token's step needs nothing from the host but its
-embedded row and its position. :class:`GraphDecode` then runs the step as:
+Where every layer's trunk sits on one device — attention, norms, routers, the KV cache and the
+output there — a token's step needs nothing from the host but its embedded row and its position.
+With the routed experts ``resident`` (every expert in the pinned slot pool) or no routed experts,
+:class:`GraphDecode` runs the step as:
 
     one H2D copy (x row | position, one buffer) → graph replay → one D2H copy (logits | routes)
 
 and everything else — attention with the K/V write at a device position, routing top-k, the
 experts' slots looked up on the device, the fused MoE kernels — runs inside the graph
 (``DecoderLayer.decode_static``: the same math as the eager path, written graph-friendly and
-usable eagerly too). Attention runs over a static length, one graph per power-of-two bucket of
-the context (positions past the token masked), all sharing one graph memory pool.
+usable eagerly too). Attention runs over a static length, one set of graphs per power-of-two
+bucket of the context (positions past the token masked), all sharing one graph memory pool.
+
+Routed experts that live elsewhere — on the CPU (``cpu`` mode, layers below ``n_cpu_moe``) or in
+the expert cache — cut the step into :class:`Segment`s, one graph each: a segment ends at such a
+MoE layer's routing, its graph copies the normed row, weights and ids to pinned memory, the host
+runs the experts (the CPU kernels; for the cache only its misses — its hits run inside the graph
+from a device expert → slot table), and the next segment's graph copies their output back in.
+The product's 12 GiB placement decodes this way (docs/benchmarks-gpu.md, session 8).
 
 The routes (expert ids per MoE layer) leave the graph with the logits, so the profiler's calls,
 hits and heat and ``MoE.last_ids`` stay true, recorded once per step.
@@ -158,13 +165,12 @@ class GraphDecode:
             self.y_in = torch.zeros((1, D), dtype=torch.float32, device=device)
             self._y_h = torch.zeros((1, D), dtype=torch.float32, pin_memory=pin)
             self._np = (self._h_h.numpy(), self._weights_h.numpy(), self._ids_h.numpy(), self._y_h.numpy())
-        # Host-run MoE layers whose backend is the CPU kernels: their routes of the step, recorded in one
-        # profiler call at its end (as the graph's own routes are).
         # How each cut's experts run: "cpu" (the CPU kernels on the handed-over row), "cache" (the pool's
         # hits inside the graph, the misses on the CPU from the hand-over) or "eager" (the backend's
         # forward on the device tensors). The first two hand over through pinned memory, copied by the graphs.
         self._kind = {j: self._cut_kind(model.experts_of(g.moe), g.moe) for j, g in enumerate(self.segments[:-1])}
         self._handed = {j for j, k in self._kind.items() if k != "eager"}
+        # The "cpu" cuts' routes of the step, recorded in one profiler call at its end (as the graph's own are).
         self._cpu_moe = np.asarray(
             [g.moe for j, g in enumerate(self.segments[:-1]) if self._kind[j] == "cpu"], np.int64
         )

@@ -134,6 +134,29 @@ def _wholly_on_cuda(session) -> bool:
     return dev.type == "cuda" and p.moe_mode in ("resident", "none")
 
 
+def _split_bytes(session, hit_rate: float | None) -> dict | None:
+    """Weight bytes a decode token reads from host and from device memory, {"host", "device"}, where
+    the placement puts layers on a CUDA device but not everything (the cost model's byte accounting
+    for this placement, at the measured cache hit rate); None elsewhere (CPU, the simulated device)."""
+    p, dev = getattr(session, "placement", None), getattr(session, "device", None)
+    if p is None or dev is None or dev.type != "cuda" or p.n_gpu_layers == 0:
+        return None
+    from engine.plan import predict
+
+    mode = "cpu" if p.moe_mode == "none" else p.moe_mode
+    slots = {"cache": p.expert_slots, "resident": p.expert_slots_needed}.get(mode, 0)
+    b = predict(session.spec, p.profile, mode=mode, n_gpu_layers=p.n_gpu_layers, kv_type=p.kv_type, position=0,
+                expert_slots=slots, n_cpu_moe=p.n_cpu_moe, observed_hit_rate=hit_rate if mode == "cache" else None,
+                ).bytes_by_link  # fmt: skip
+    return {"host": b["cpu"], "device": b["device"]}
+
+
+def hybrid_bound_tok_s(split: dict, host_gbps: float, device_gbps: float) -> float:
+    """tok/s if a token only read its weights, the host's bytes at ``host_gbps`` and then the device's at
+    ``device_gbps`` (a hybrid step runs them one after the other)."""
+    return 1.0 / (split["host"] / (host_gbps * 1e9) + split["device"] / (device_gbps * 1e9))
+
+
 def _llama_available() -> bool:
     try:
         import llama_cpp  # noqa: F401
@@ -238,9 +261,10 @@ def bench_session(
             report["ratio_decode"] = decode / lc["decode_tok_s"]
     if bandwidth:
         on_device = _wholly_on_cuda(session)
-        if on_device:  # every weight byte of a step is read from device memory
+        split = None if on_device else _split_bytes(session, report["hit_rate"])
+        if on_device or split:
             from engine.bench.device_kernels import measure_bandwidth as device_bandwidth
-
+        if on_device:  # every weight byte of a step is read from device memory
             bw = device_bandwidth()
         else:
             from engine.bench.kernels import measure_bandwidth
@@ -250,6 +274,11 @@ def bench_session(
         report["read_bandwidth_gb_s"] = bw
         report["decode_bound_tok_s"] = bw * 1e9 / bpt  # every weight byte of a token read once at bw
         report["decode_bw_fraction"] = report["decode_gb_s"] / bw
+        if split:  # the trunk (and the cache's hits) on a CUDA device, the rest from host memory
+            dev_bw = device_bandwidth()
+            report.update(bandwidth_of="host+device", device_bandwidth_gb_s=dev_bw, bytes_by_memory=split)
+            report["decode_bound_tok_s"] = hybrid_bound_tok_s(split, bw, dev_bw)
+            report["decode_bw_fraction"] = decode / report["decode_bound_tok_s"]
         if report.get("llama_cpp"):
             report["llama_cpp"]["decode_bw_fraction"] = report["llama_cpp"]["decode_gb_s"] / bw
     return report

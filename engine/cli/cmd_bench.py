@@ -143,7 +143,15 @@ def run_model(args: argparse.Namespace) -> int:
         f"decode     {report['decode_tok_s']:.2f} tok/s ({args.gen} tokens): "
         f"{report['bytes_per_token'] / 1e6:.0f} MB of weights per token = {report['decode_gb_s']:.1f} GB/s"
     )
-    if "read_bandwidth_gb_s" in report:
+    if report.get("bandwidth_of") == "host+device":
+        split = report["bytes_by_memory"]
+        print(
+            f"bandwidth  {report['read_bandwidth_gb_s']:.1f} GB/s host read, {report['device_bandwidth_gb_s']:.0f} GB/s "
+            f"device copy (measured): decode at {report['decode_bw_fraction']:.0%} of the bound "
+            f"({report['decode_bound_tok_s']:.1f} tok/s: {split['host'] / 1e6:.0f} MB from host memory, "
+            f"{split['device'] / 1e6:.0f} MB from device memory a token)"
+        )
+    elif "read_bandwidth_gb_s" in report:
         print(
             f"bandwidth  {report['read_bandwidth_gb_s']:.1f} GB/s measured "
             f"{'device copy' if report.get('bandwidth_of') == 'device' else 'read'}: decode at "

@@ -280,3 +280,45 @@ def test_bench_report_carries_the_prediction(moe_path):
     assert pr["predicted_decode_tok_s"] == pr["predicted_tok_s"]["cache"]
     assert pr["prediction_error"] == pytest.approx(pr["predicted_decode_tok_s"] / r["decode_tok_s"] - 1)
     assert pr["predicted_at_measured_hit_rate"] > 0
+
+
+def test_bench_prints_the_hybrid_bound_and_survives_a_full_device(moe_path, capsys, monkeypatch):
+    """`sharpi bench` on a hybrid CUDA placement (the device is stood in for: the simulated device's
+    placement, called CUDA for the byte split, and a stub for the device's copy bandwidth) bounds decode
+    by the host's bytes at the host's bandwidth plus the device's at the device's; when the device has
+    no room to measure, it keeps the host-only bound."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    import engine.bench.device_kernels as dk
+    from engine.bench import model
+
+    real = model._split_bytes
+    monkeypatch.setattr(
+        model,
+        "_split_bytes",
+        lambda s, hit: real(NS(placement=s.placement, device=torch.device("cuda"), spec=s.spec), hit),
+    )
+    monkeypatch.setattr(dk, "measure_bandwidth", lambda nbytes=1 << 30: 3000.0)
+    args = ["bench", "-m", str(moe_path), "--device", "cpu", "--vram", "1GiB", "--moe", "cache", "--prompt", "4",
+            "--gen", "4", "--repeat", "1"]  # fmt: skip
+    assert main([*args, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    split = r["bytes_by_memory"]
+    assert r["bandwidth_of"] == "host+device" and r["device_bandwidth_gb_s"] == 3000.0 and split["device"] > 0
+    bound = model.hybrid_bound_tok_s(split, r["read_bandwidth_gb_s"], 3000.0)
+    assert r["decode_bound_tok_s"] == pytest.approx(bound)
+    assert r["decode_bw_fraction"] == pytest.approx(r["decode_tok_s"] / bound)
+    assert main(args) == 0
+    assert "MB from host memory" in capsys.readouterr().out
+
+    def full(nbytes=1 << 30):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(dk, "measure_bandwidth", full)
+    assert main([*args, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["bandwidth_of"] == "host" and r["decode_bound_tok_s"] == pytest.approx(
+        r["read_bandwidth_gb_s"] * 1e9 / r["bytes_per_token"]
+    )

@@ -57,8 +57,7 @@ class CachedExperts(ExpertBackend):
         self._staged = 0  # staging rows in use since the last drain
         self._copies_done: torch.cuda.Event | None = None
         # Layers whose three roles the fused Triton GEMV can read in place.
-        self._slot_index: dict[int, torch.Tensor] = {}  # layer -> int64 [E] slot of each expert (pin_static)
-        self._slot_off: dict[int, torch.Tensor] = {}  # the same as byte offsets in the pool
+        self._slot_off: dict[int, torch.Tensor] = {}  # layer -> int64 [E] byte offset of each expert (pin_static)
         self._fused = {
             i: all(fused_kernels(self.device, getattr(s, r).qtype) for r in ROLES) for i, s in stacks.items()
         }
@@ -177,19 +176,18 @@ class CachedExperts(ExpertBackend):
 
     # -- the device-only step (CUDA graphs) ------------------------------------------------------
     def pin_static(self) -> bool:
-        """Prepare :meth:`forward_static`: a device table expert → slot per layer. Only when every
-        expert of every layer is in the pool and pinned (resident mode: no miss, no eviction, so
-        the table stays true); returns whether that holds."""
-        tables = {}
+        """Prepare :meth:`forward_static`: each layer's row of the device expert → slot table as byte
+        offsets. Only when every expert of every layer is in the pool and pinned (resident mode: no
+        miss, no eviction, so the table stays true); returns whether that holds."""
+        self.refresh_table()
+        offsets = {}
         for i in sorted(self.layers):
-            keys = [(i, e) for e in range(self.stacks[i].gate.n_experts)]
-            slots = [self.slru.slot(k) for k in keys]
-            if any(sl is None for sl in slots) or not self.slru.pinned.issuperset(keys):
-                self._slot_index, self._slot_off = {}, {}
+            E = self.stacks[i].gate.n_experts
+            if (self._slots_h[i, :E] < 0).any() or not self.slru.pinned.issuperset((i, e) for e in range(E)):
+                self._slot_off = {}
                 return False
-            tables[i] = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        self._slot_index = tables
-        self._slot_off = {i: t * self.layout.stride for i, t in tables.items()}
+            offsets[i] = self._slots_dev[i, :E] * self.layout.stride
+        self._slot_off = offsets
         return True
 
     def route_static(self, layer: int, logits: torch.Tensor, k: int, renormalise: bool, ids_out: torch.Tensor):
@@ -232,9 +230,14 @@ class CachedExperts(ExpertBackend):
             act = triton_moe.decode_act(self.device, self.q8_act, roles)
             y = triton_moe.moe_decode(self.pool, slot_off, x.float(), weights.float(), roles, act, xq=xq)
             return y.to(x.dtype)
-        slots = self._slot_index[layer][ids[0]]  # [K] slot indices
-        out = self._pair_outputs(layer, slots, x.expand(slots.shape[0], -1))  # [K, D]
-        return (out * weights[0][:, None]).sum(0, keepdim=True)
+        return self._weighted_pairs(layer, self._slots_dev[layer][ids[0]], x, weights)
+
+    def _weighted_pairs(self, layer: int, slots: torch.Tensor, x: torch.Tensor, weights: torch.Tensor):
+        """Reference kernels, on the device without a host sync: Σ_k weights[0, k] · the output of the
+        expert in slot ``slots[k]`` (int64 [K]; −1: not in the pool, contributes 0) for x [1, D] -> [1, D]."""
+        out = self._pair_outputs(layer, slots.clamp(min=0), x.expand(slots.shape[0], -1))  # [K, D]
+        out = torch.where((slots >= 0)[:, None], out * weights[0][:, None], 0.0)  # slot 0 may hold anything
+        return out.sum(0, keepdim=True)
 
     # -- a decode graph over a cache that misses: hits inside the graph, misses on the host ---------
     def graph_hits(self, layer: int) -> bool:
@@ -251,28 +254,22 @@ class CachedExperts(ExpertBackend):
         if self._fused[layer]:
             off = torch.where(slots >= 0, slots * self.layout.stride, -1)  # the fused kernels skip -1
             return self.forward_static(layer, x, ids, weights, slot_off=off, xq=xq)
-        hit = slots[0] >= 0
-        out = self._pair_outputs(layer, slots[0].clamp(min=0), x.expand(slots.shape[1], -1))  # [K, D]
-        out = torch.where(hit[:, None], out * weights[0][:, None], 0.0)  # slot 0 may hold anything: select
-        return out.sum(0, keepdim=True)
+        return self._weighted_pairs(layer, slots[0], x, weights)
 
     def host_misses(self, layer: int, X: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray | None:
         """The host half of a graph step's cache layer: X float32 [1, D], ids int64 [K], weights float32
         [1, K] (host copies) -> the missed experts' weighted sum [1, D] from the CPU kernels, or None
         when every expert hit. Records calls, hits and misses, refreshes the hits' recency and queues
         the misses for upload after the token — as :meth:`forward` does."""
+        in_pool = self._slots_h[layer, ids] >= 0  # one token's K experts are distinct
         if self.profiler is not None:
             self.profiler.record_route(layer, ids[None])
-        experts = np.unique(ids)
-        hit = self._slots_h[layer, experts] >= 0
-        for e in experts[hit]:
-            self.slru.hit((layer, int(e)))
-        in_pool = self._slots_h[layer, ids] >= 0
-        if self.profiler is not None:
             self.profiler.record_cache(layer, ids[in_pool], ids[~in_pool], {})
+        for e in np.sort(ids[in_pool]):  # recency in :meth:`forward`'s order
+            self.slru.hit((layer, int(e)))
         if in_pool.all():
             return None
-        self.queue.extend((layer, int(e)) for e in experts[~hit])
+        self.queue.extend((layer, int(e)) for e in np.sort(ids[~in_pool]))
         s, ks = self.stacks[layer], np.flatnonzero(~in_pool)
         I = np.ascontiguousarray(ids[ks][None])
         return ops.moe_ffn(s.gate, s.up, s.down, X, I, np.ascontiguousarray(weights[:, ks]), q8_act=self.q8_act)

@@ -110,28 +110,21 @@ def for_placement(model, placement, device: torch.device | str, experts=None) ->
     pinned = placement.moe_mode == "resident" and experts is not None and experts.pin_static()
     inside = [i for i in moe if pinned and model.experts_of(i) is experts]
     host = [i for i in moe if i not in inside]
-    return GraphDecode(model, device, capture=mode == "graph", moe_layers=inside, resident=bool(inside), host_moe=host)
+    return GraphDecode(model, device, capture=mode == "graph", moe_layers=inside, host_moe=host)
 
 
 class GraphDecode:
     """Static buffers, rope tables and captured graphs for one model placement and KV cache."""
 
-    def __init__(
-        self,
-        model,
-        device: torch.device,
-        *,
-        capture: bool,
-        moe_layers: list[int],
-        resident: bool,
-        host_moe: list[int] = (),
-    ):
+    def __init__(self, model, device: torch.device, *, capture: bool, moe_layers: list[int], host_moe: list[int] = ()):
+        """moe_layers: the MoE layers whose experts run inside the graph (the resident pool's);
+        host_moe: those whose experts run between replays (each cuts the step)."""
         a = model.args
-        self.model, self.device, self.capture, self.resident = model, device, capture, resident
+        self.model, self.device, self.capture = model, device, capture
         self.moe_layers = np.asarray(moe_layers, np.int64)
         self.segments = segments(a.n_layer, list(host_moe))
         D, V, K = a.n_embd, model.output.out_features, max(a.n_expert_used, 1)
-        self.D, self.V, self.K = D, V, K
+        self.D, self.V = D, V
         pin = device.type == "cuda"
         # One input buffer: the embedded row float32 [D], then the position int64 (8-aligned).
         self._xo = _align8(D * 4)
@@ -176,6 +169,7 @@ class GraphDecode:
         )
         self._cpu_routes = np.zeros((len(self._cpu_moe), K), np.int64)
         self._cpu_row = {int(i): j for j, i in enumerate(self._cpu_moe)}
+        self._cut_backends = list({id(b): b for b in (model.experts_of(g.moe) for g in self.segments[:-1])}.values())
         self._stream = None  # the stream a step runs on (looked up once a step: the lookup costs ~50 µs)
         fused = step_kernels.enabled(device)  # few, larger launches for the glue between matrices
         self._rope_kv = step_kernels.qk_rope_kv if fused else None
@@ -324,11 +318,10 @@ class GraphDecode:
         self._out_h.copy_(self._out, non_blocking=True)
         self._sync()
         self.steps += 1
-        self._record(self._routes_h.numpy().copy())
         self._stream = None
-        if len(self._cpu_moe):
-            self._record(self._cpu_routes.copy(), self._cpu_moe, hits=False)
-        for b in {id(b): b for b in (self.model.experts_of(g.moe) for g in self.segments[:-1])}.values():
+        self._record(self._routes_h.numpy().copy(), self.moe_layers, hits=True)  # the resident pool: all hits
+        self._record(self._cpu_routes.copy(), self._cpu_moe, hits=False)
+        for b in self._cut_backends:
             b.end_step()
         return self._logits_h.clone()
 
@@ -363,12 +356,11 @@ class GraphDecode:
         self.y_in.copy_(backend.forward(i, self.h, self.ids, self.weights))
         ffn.last_ids = self.ids.to("cpu", copy=True)  # the buffer is the next segment's
 
-    def _record(self, routes: np.ndarray, layers: np.ndarray | None = None, hits: bool | None = None) -> None:
-        """A step's routes [n, K] of MoE ``layers`` (default: the graph's own) into the profiler (calls,
-        heat; hits where the pool is resident) and each layer's ``last_ids`` [1, K]."""
-        layers = self.moe_layers if layers is None else layers
+    def _record(self, routes: np.ndarray, layers: np.ndarray, hits: bool) -> None:
+        """A step's routes [n, K] of MoE ``layers`` into the profiler (calls, heat; ``hits``: each was
+        served from the pool) and each layer's ``last_ids`` [1, K]."""
         if not len(layers):
             return
-        self.model.profiler.record_routes(layers, routes, hits=self.resident if hits is None else hits)
+        self.model.profiler.record_routes(layers, routes, hits=hits)
         for j, i in enumerate(layers):
             self.model.layers[i].ffn.last_ids = torch.from_numpy(routes[j : j + 1])

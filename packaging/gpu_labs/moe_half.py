@@ -94,8 +94,9 @@ def whole_down(pool, slots, hq, weights, roles, K):
     return moe_lean.down(flat, flat.view(torch.int32), slots, hq, weights, roles, K, 4, 1, kt=2)
 
 
-def _cfgs(var, default):
-    """(rows a program, warps) settings from $GU / $DN ("BR,warps ...")."""
+def cfgs(var, default):
+    """Launch settings from $var, else ``default``: "a,b,... a,b,..." -> [(a, b, ...), ...] (here: rows a
+    program, warps)."""
     return [tuple(map(int, a.split(","))) for a in (os.environ.get(var) or default).split()]
 
 
@@ -110,17 +111,17 @@ def parity(dev):
         slots = slot_off.reshape(-1).contiguous()
         xq = t8.quantize_act(x)
         ref_h = whole_gate_up(pool, slots, xq, roles, K)
-        for BR, wp in _cfgs("GU", "2,1 4,1 8,1 4,2"):
+        for BR, wp in cfgs("GU", "2,1 4,1 8,1 4,2"):
             h = gate_up(pool, slots, x, xq, roles, K, BR, wp)
             e = ((h - ref_h).norm() / ref_h.norm()).item()
             assert e < 1e-6, (BR, wp, e)
-        for BR, wp in _cfgs("GQ", "32,4"):
+        for BR, wp in cfgs("GQ", "32,4"):
             got = gate_up(pool, slots, x, xq, roles, K, BR, wp, qh=True)
             want = t8.quantize_act(gate_up(pool, slots, x, xq, roles, K, BR, wp))
             assert all(torch.equal(a, b) for a, b in zip(got, want)), ("QH", BR, wp)
         hq = t8.quantize_act(ref_h)
         ref_y = whole_down(pool, slots, hq, w, roles, K)
-        for BR, wp in _cfgs("DN", "1,1 2,1 1,2 4,1"):
+        for BR, wp in cfgs("DN", "1,1 2,1 1,2 4,1"):
             y = down(pool, slots, hq, w, roles, K, BR, wp)
             e = ((y - ref_y).norm() / ref_y.norm()).item()
             assert e < 1e-6, (BR, wp, e)
@@ -158,7 +159,7 @@ def chain_setup():
 
 def gpu():
     bw, K, F, D, nbytes, gu_bytes, dn_bytes, pool, roles, offs, x, w, xq, hq, frac, graph = chain_setup()
-    GU, DN = _cfgs("GU", "2,1 4,1 8,1 4,2 8,2"), _cfgs("DN", "1,1 2,1 1,2 4,1 2,2")
+    GU, DN = cfgs("GU", "2,1 4,1 8,1 4,2 8,2"), cfgs("DN", "1,1 2,1 1,2 4,1 2,2")
     us = graph([lambda o=o: whole_gate_up(pool, o, xq, roles, K) for o in offs])
     print(f"gate/up whole blocks (session 5), BR 8 warps 1: {frac(us, gu_bytes)}", flush=True)
     for BR, wp in GU:
@@ -171,14 +172,14 @@ def gpu():
             us = graph([lambda o=o: down(pool, o, hq, w, roles, K, BR, wp, pf) for o in offs])
             print(f"down halves BR {BR} warps {wp} PF {pf}: {frac(us, dn_bytes)}", flush=True)
 
-    for BR, wp in _cfgs("GQ", "32,4 32,8 64,8"):
+    for BR, wp in cfgs("GQ", "32,4 32,8 64,8"):
         us = graph([lambda o=o: gate_up(pool, o, x, xq, roles, K, BR, wp, qh=True) for o in offs])
         print(f"gate/up halves, h quantized, BR {BR} warps {wp}: {frac(us, gu_bytes)}", flush=True)
     # whole calls (21.2 MB)
     from engine.runtime import triton_moe as tm
 
-    g8, d4 = _cfgs("GBEST", "8,2")[0], _cfgs("DBEST", "4,1")[0]
-    gq = _cfgs("GQBEST", "32,8")[0]
+    g8, d4 = cfgs("GBEST", "8,2")[0], cfgs("DBEST", "4,1")[0]
+    gq = cfgs("GQBEST", "32,8")[0]
     calls = {
         "engine (moe_decode: quantize x, gate/up, quantize h, down)": lambda o: tm.moe_decode(
             pool, o.view(1, K), x, w, roles, act="q8"

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import moe_half  # noqa: E402  (its chain_setup: the timed chain)
+import moe_half  # noqa: E402  (its chain_setup: the timed chain; cfgs)
 
 from engine.quant.formats import QType  # noqa: E402
 from engine.runtime import triton_q4k_moe as q4  # noqa: E402
@@ -234,18 +234,14 @@ def down(pool, slots, hq, weights, roles, K, BR, warps, per_sm, db):
     return Y
 
 
-def _cfgs(var, default):
-    return [tuple(map(int, a.split(","))) for a in (os.environ.get(var) or default).split()]
-
-
 def parity(dev):
     from tests.triton_data import expert_pool, routing_case
 
     rng = np.random.default_rng(3)
     F, D, E, K = (512, 512, 3, 2) if dev == "cpu" else (768, 2048, 16, 8)
     pool, stride, roles = expert_pool((Q, Q, Q), F, D, E, dev, rng)
-    gcf = _cfgs("GP", "8,2,1,1 4,2,1,0") if dev == "cpu" else _cfgs("GP", "8,2,2,1 8,4,2,1 4,2,3,1 8,2,2,0")
-    dcf = _cfgs("DP", "4,2,1,1 2,1,1,0") if dev == "cpu" else _cfgs("DP", "4,4,2,1 4,2,2,1 2,2,2,0")
+    gcf = moe_half.cfgs("GP", "8,2,1,1 4,2,1,0") if dev == "cpu" else moe_half.cfgs("GP", "8,2,2,1 8,4,2,1 4,2,3,1 8,2,2,0")
+    dcf = moe_half.cfgs("DP", "4,2,1,1 2,1,1,0") if dev == "cpu" else moe_half.cfgs("DP", "4,4,2,1 4,2,2,1 2,2,2,0")
     for T in (1, 3):
         slot_off, x, w = routing_case(T, K, E, D, stride, dev, rng)
         slots = slot_off.reshape(-1).contiguous()
@@ -257,7 +253,7 @@ def parity(dev):
             assert e < 1e-6, ("gate/up", c, e)  # the two kernels' float ops differently
         ref_y = q4.down(pool, slots, ref_h, w, roles, K, {"BR": 4, "num_warps": 1, "PF": 0})
         hq = t8.quantize_act(ref_h)
-        for c in _cfgs("DB", "4,1 8,2") if dev == "cpu" else _cfgs("DB", "4,1 8,2 2,1 16,4"):
+        for c in moe_half.cfgs("DB", "4,1 8,2") if dev == "cpu" else moe_half.cfgs("DB", "4,1 8,2 2,1 16,4"):
             y = down_blocks(pool, slots, hq, w.to(torch.float32).contiguous(), roles, K, *c)
             e = ((y - ref_y).norm() / ref_y.norm()).item()
             assert e < 1e-6, ("down blocks", c, e)
@@ -275,7 +271,7 @@ def gpu():
     us = graph([lambda o=o: q4.gate_up(pool, o, x, roles, K, {"BR": 8, "num_warps": 2}, xq) for o in offs])
     print(f"gate/up engine (8 rows x 2 warps, one wave): {frac(us, gu_bytes)}", flush=True)
     best_g = (us, None)
-    for c in _cfgs("GP", "8,2,3,1"):
+    for c in moe_half.cfgs("GP", "8,2,3,1"):
         try:
             us = graph([lambda o=o: gate_up(pool, o, xq, roles, K, *c) for o in offs])
         except Exception as ex:  # noqa: BLE001  (a setting that does not compile: report and go on)
@@ -287,11 +283,11 @@ def gpu():
     us = graph([lambda o=o: down_engine(pool, o, hq, wf, roles, K) for o in offs])
     print(f"down engine (4 rows x 1 warp, one wave): {frac(us, dn_bytes)}", flush=True)
     best_d = (us, None)
-    for c in _cfgs("DB", "4,1 2,1 8,1 8,2 4,2 16,2 16,4 8,4 32,4"):
+    for c in moe_half.cfgs("DB", "4,1 2,1 8,1 8,2 4,2 16,2 16,4 8,4 32,4"):
         us = graph([lambda o=o: down_blocks(pool, o, hq, wf, roles, K, *c) for o in offs])
         print(f"down blocks-loop BR,warps {c}: {frac(us, dn_bytes)}", flush=True)
         best_d = min(best_d, (us, ("blocks",) + c), key=lambda z: z[0])
-    for c in _cfgs("DP", "4,2,2,1"):
+    for c in moe_half.cfgs("DP", "4,2,2,1"):
         try:
             us = graph([lambda o=o: down(pool, o, hq, wf, roles, K, *c) for o in offs])
         except Exception as ex:  # noqa: BLE001

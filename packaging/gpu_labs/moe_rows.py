@@ -1,0 +1,292 @@
+"""Rows on the slow axis of the Q4_K MoE tiles: the engine's kernels (triton_q4k_moe) lay a tile out as
+[half-blocks, rows], so Triton's blocked layout gives the *rows* the fast thread axis — a row's 16 half-blocks
+land on 4 lanes × 2 warps (the row sum goes through shared memory, 3 barriers a program), and a thread's two
+tile elements are two different half-blocks, so it loads the q8 activations of both (11 loads an element
+beside the 10 weight loads). Here the tiles are [rows, half-blocks]: the half-blocks get the lanes (a row's
+sum stays in its warp: shuffles) and a thread's repeated elements are *rows* at one half-block, whose
+activations it loads once ([1, half-blocks] pointers, broadcast). Same arithmetic, same results.
+
+  TRITON_INTERPRET=1 PYTHONPATH=. python3 packaging/gpu_labs/moe_rows.py      # parity, no GPU
+  PYTHONPATH=. python3 packaging/gpu_labs/moe_rows.py                         # + H100 timings
+  PYTHONPATH=. python3 packaging/gpu_labs/moe_rows.py --sass                  # sm_90 SASS counts, no GPU
+  (GU / DN = "BR,warps ..." settings swept)
+"""
+# ruff: noqa: E731, B023
+
+import os
+import sys
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from engine.quant.formats import QType  # noqa: E402
+from engine.runtime import triton_q4k_moe as q4  # noqa: E402
+from engine.runtime import triton_q8 as t8  # noqa: E402
+from engine.runtime import triton_qblocks as qb  # noqa: E402
+
+Q = QType.Q4_K
+BW = tl.constexpr(36)  # int32 words a Q4_K block
+
+
+@triton.jit
+def _bc(x, like):
+    """x broadcast to the shape of ``like``."""
+    return tl.broadcast_to(x, like.shape)
+
+
+@triton.jit
+def _chain_b(w, x, acc, ASM: tl.constexpr):
+    """q4._chain with x [1, B, 4] broadcast over w's rows [A, B, 4]."""
+    w0, w1, w2, w3 = q4._w4(w)
+    x0, x1, x2, x3 = q4._w4(x)
+    d = q4._dp4a(w3, _bc(x3, w3), acc, ASM)
+    d = q4._dp4a(w2, _bc(x2, w2), d, ASM)
+    d = q4._dp4a(w1, _bc(x1, w1), d, ASM)
+    return q4._dp4a(w0, _bc(x0, w0), d, ASM)
+
+
+@triton.jit
+def _dot_half_b(blk, hs, X, XDp, XSp, ASM: tl.constexpr):
+    """q4._dot_half with the activation pointers X, XDp, XSp [1, B] (shared by the tile's rows)."""
+    m = tl.arange(0, 4)[None, None, :]
+    hdr0, s0, s1, s2 = q4._w4(blk[0])
+    scw = tl.where(hs == 0, s0 & 0x3F3F3F3F, (s2 & 0x0F0F0F0F) | ((s0 >> 2) & 0x30303030))
+    mnw = tl.where(hs == 0, s1 & 0x3F3F3F3F, ((s2 >> 4) & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030))
+    d = (hdr0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((hdr0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dx = q4._w4(tl.load(XDp[:, :, None] + m))
+    ps = XSp[:, :, None] + m
+    sa = q4._w4(tl.load(ps))
+    sz = q4._w4(tl.load(ps + 4))
+    px = X[:, :, None] + m
+    zi = tl.zeros(d.shape, dtype=tl.int32)
+    alo = tl.zeros(d.shape, dtype=tl.float32)
+    ahi = tl.zeros(d.shape, dtype=tl.float32)
+    amn = tl.zeros(d.shape, dtype=tl.float32)
+    for c in tl.static_range(2):
+        qa = blk[1 + 2 * c]
+        qz = blk[2 + 2 * c]
+        ia = _chain_b(qa & 0x0F0F0F0F, tl.load(px + 16 * c), zi, ASM)
+        ia = _chain_b(qz & 0x0F0F0F0F, tl.load(px + (16 * c + 4)), ia, ASM)
+        ib = _chain_b(qa & -0x0F0F0F10, tl.load(px + (16 * c + 8)), zi, ASM)
+        ib = _chain_b(qz & -0x0F0F0F10, tl.load(px + (16 * c + 12)), ib, ASM)
+        sca = q4._byte(scw, 2 * c, ASM)
+        scb = q4._byte(scw, 2 * c + 1, ASM)
+        mna = q4._byte(mnw, 2 * c, ASM)
+        mnb = q4._byte(mnw, 2 * c + 1, ASM)
+        alo += (ia * sca).to(tl.float32) * _bc(dx[2 * c], d)
+        ahi += (ib * scb).to(tl.float32) * _bc(dx[2 * c + 1], d)
+        # sv[4c] + sv[4c+1] etc.: the 16-sums of sub-blocks 2c, 2c+1 (q4._dot_half's sv order)
+        if c == 0:
+            s_a = sa[0] + sa[1]
+            s_b = sa[2] + sa[3]
+        else:
+            s_a = sz[0] + sz[1]
+            s_b = sz[2] + sz[3]
+        amn += mna.to(tl.float32) * _bc(s_a, d) + mnb.to(tl.float32) * _bc(s_b, d)
+    return d * (alo + ahi * 0.0625) - dmin * amn
+
+
+@triton.jit
+def gate_up_kernel(W32, SLOT, XQ, XD, XS, H, go, uo, F: tl.constexpr, K: tl.constexpr, NB: tl.constexpr,
+                   BR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """triton_q4k_moe._gate_up_kernel with [rows, half-blocks] tiles."""
+    qb.pdl_enter(PDL)
+    q = tl.program_id(1)
+    r0 = tl.program_id(0) * BR
+    slot = tl.load(SLOT + q)
+    rows = r0 + tl.arange(0, BR)
+    if slot >= 0:
+        t = q // K
+        e = tl.arange(0, 2 * NB)[None, :]
+        b = e // 2
+        hs = e % 2
+        off = tl.multiple_of(rows[:, None] * (BW * NB) + b * BW, [4, 4])
+        gb = q4._load_half(W32 + tl.multiple_of((slot + go) // 4, 4) + off, _bc(hs, off))
+        ub = q4._load_half(W32 + tl.multiple_of((slot + uo) // 4, 4) + off, _bc(hs, off))
+        X = XQ + t * (64 * NB) + b * 64 + hs * 32
+        XDp = XD + t * (8 * NB) + b * 8 + hs * 4
+        XSp = XS + t * (16 * NB) + b * 16 + hs * 8
+        g = tl.sum(_dot_half_b(gb, hs, X, XDp, XSp, ASM), axis=1)
+        u = tl.sum(_dot_half_b(ub, hs, X, XDp, XSp, ASM), axis=1)
+        h = g / (1.0 + tl.exp(-g)) * u
+    else:
+        h = tl.zeros([BR], dtype=tl.float32)
+    tl.store(H + q.to(tl.int64) * F + rows, h)
+
+
+@triton.jit
+def down_kernel(W32, SLOT, HQ, HD, HS, WT, Y, do, D: tl.constexpr, K: tl.constexpr, NBF: tl.constexpr,
+                BR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """triton_q4k_moe._down_kernel with [rows, experts × half-block lanes] tiles."""
+    qb.pdl_enter(PDL)
+    t = tl.program_id(1)
+    r0 = tl.program_id(0) * BR
+    RW: tl.constexpr = BW * NBF
+    rows = r0 + tl.arange(0, BR)
+    NL: tl.constexpr = triton.next_power_of_2(2 * NBF)
+    e = tl.arange(0, K * NL)[None, :]
+    lane = e % NL
+    lc = tl.minimum(lane, 2 * NBF - 1)
+    b = lc // 2
+    hv = lc % 2
+    q = t * K + e // NL
+    slot = tl.load(SLOT + q)
+    keep = (lane < 2 * NBF) & (slot >= 0)
+    wk = tl.load(WT + q)
+    P = W32 + (tl.multiple_of((tl.maximum(slot, 0) + do) // 4 + b * BW, [1, 4]) + rows[:, None] * RW)
+    X = HQ + q * (64 * NBF) + b * 64 + hv * 32
+    XDp = HD + q * (8 * NBF) + b * 8 + hv * 4
+    XSp = HS + q * (16 * NBF) + b * 16 + hv * 8
+    v = _dot_half_b(q4._load_half(P, _bc(hv, P)), hv, X, XDp, XSp, ASM)
+    y = tl.sum(tl.where(keep, v * wk, 0.0), axis=1)
+    tl.store(Y + t * D + rows, y)
+
+
+def gate_up(pool, slots, xq, roles, K, BR, warps):
+    (go, _, F, D), (uo, _, _, _) = roles["gate"], roles["up"]
+    XQ, XD, XS = xq
+    dev = XQ.device
+    pdl = qb.pdl(dev)
+    H = torch.empty((slots.numel(), F), dtype=torch.float32, device=dev)
+    gate_up_kernel[(F // BR, slots.numel())](
+        pool.reshape(-1).view(torch.int32), slots, XQ, XD, XS, H, go, uo, F=F, K=K, NB=D // 256, BR=BR,
+        ASM=t8.use_asm(dev), PDL=pdl, num_warps=warps, **qb.launch_kw(pdl),
+    )  # fmt: skip
+    return H
+
+
+def down(pool, slots, hq, weights, roles, K, BR, warps):
+    do, _, D, F = roles["down"]
+    HQ, HD, HS = hq
+    dev = HQ.device
+    pdl = qb.pdl(dev)
+    T = slots.numel() // K
+    Y = torch.empty((T, D), dtype=torch.float32, device=dev)
+    down_kernel[(D // BR, T)](
+        pool.reshape(-1).view(torch.int32), slots, HQ, HD, HS, weights.reshape(-1).contiguous(), Y, do, D=D, K=K,
+        NBF=F // 256, BR=BR, ASM=t8.use_asm(dev), PDL=pdl, num_warps=warps, **qb.launch_kw(pdl),
+    )  # fmt: skip
+    return Y
+
+
+def cfgs(var, default):
+    return [tuple(map(int, a.split(","))) for a in (os.environ.get(var) or default).split()]
+
+
+def parity(dev):
+    from tests.triton_data import expert_pool, routing_case
+
+    rng = np.random.default_rng(7)
+    F, D, E, K = (256, 512, 3, 2) if dev == "cpu" else (768, 2048, 16, 8)
+    pool, stride, roles = expert_pool((Q, Q, Q), F, D, E, dev, rng)
+    gu_cfg, dn_cfg = q4_cfg(dev)
+    for T in (1, 3):
+        slot_off, x, w = routing_case(T, K, E, D, stride, dev, rng)
+        slots = slot_off.reshape(-1).contiguous()
+        xq = t8.quantize_act(x)
+        ref_h = q4.gate_up(pool, slots, x, roles, K, gu_cfg, xq)
+        for BR, wp in cfgs("GU", "8,2 4,1" if dev == "cpu" else "8,2 16,4 32,4 16,2 32,8"):
+            h = gate_up(pool, slots, xq, roles, K, BR, wp)
+            e = ((h - ref_h).norm() / ref_h.norm()).item()
+            assert e < 1e-6, ("gate/up", BR, wp, e)
+        hq = t8.quantize_act(ref_h)
+        ref_y = q4.down(pool, slots, ref_h, w, roles, K, dn_cfg)
+        for BR, wp in cfgs("DN", "4,1 2,2" if dev == "cpu" else "4,1 4,2 8,2 8,4 16,4"):
+            y = down(pool, slots, hq, w, roles, K, BR, wp)
+            e = ((y - ref_y).norm() / ref_y.norm()).item()
+            assert e < 1e-6, ("down", BR, wp, e)
+        print(f"parity T={T}: [rows, half-blocks] tiles match the engine's kernels (< 1e-6)", flush=True)
+
+
+def q4_cfg(dev):
+    return ({"BR": 8, "num_warps": 2}, {"BR": 4, "num_warps": 1, "PF": 0}) if dev == "cuda" else (
+        {"BR": 8, "num_warps": 1}, {"BR": 4, "num_warps": 1, "PF": 0})  # fmt: skip
+
+
+def gpu():
+    import moe_half
+
+    bw, K, F, D, nbytes, gu_bytes, dn_bytes, pool, roles, offs, x, w, xq, hq, frac, graph = moe_half.chain_setup()
+    gu_cfg, dn_cfg = q4_cfg("cuda")
+    us = graph([lambda o=o: q4.gate_up(pool, o, x, roles, K, gu_cfg, xq) for o in offs])
+    print(f"engine gate/up {gu_cfg}: {frac(us, gu_bytes)}", flush=True)
+    best = {}
+    for BR, wp in cfgs("GU", "8,2 16,4 32,4 16,2 32,8 8,1 16,1 32,2"):
+        us = graph([lambda o=o: gate_up(pool, o, xq, roles, K, BR, wp) for o in offs])
+        best["gu"] = min(best.get("gu", (1e9, None)), (us, (BR, wp)))
+        print(f"rows gate/up BR {BR} warps {wp}: {frac(us, gu_bytes)}", flush=True)
+    h = torch.randn(K, F, device="cuda")
+    us = graph([lambda o=o: q4.down(pool, o, h, w, roles, K, dn_cfg) for o in offs])
+    print(f"engine quantize h + down {dn_cfg}: {frac(us, dn_bytes)}", flush=True)
+    for BR, wp in cfgs("DN", "4,1 4,2 8,2 8,4 16,4 2,1 16,8"):
+        us = graph([lambda o=o: down(pool, o, hq, w, roles, K, BR, wp) for o in offs])
+        best["dn"] = min(best.get("dn", (1e9, None)), (us, (BR, wp)))
+        print(f"rows down (h̃ given) BR {BR} warps {wp}: {frac(us, dn_bytes)}", flush=True)
+    g, dn = best["gu"][1], best["dn"][1]
+    for label, fn in {
+        "engine (x̂ given): gate/up, quantize h, down": lambda o: q4.down(
+            pool, o, q4.gate_up(pool, o, x, roles, K, gu_cfg, xq), w, roles, K, dn_cfg),
+        f"rows (x̂ given): gate/up {g}, quantize h, down {dn}": lambda o: down(
+            pool, o, t8.quantize_act(gate_up(pool, o, xq, roles, K, *g)), w, roles, K, *dn),
+    }.items():  # fmt: skip
+        us = graph([lambda o=o: fn(o) for o in offs])
+        print(f"{label}: {frac(us, nbytes)}", flush=True)
+
+
+def sass():
+    """Registers, loads, barriers and dp4a of each kernel at sm_90 (offline: Triton's own ptxas)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    nv = os.path.dirname(triton.__file__) + "/backends/nvidia/bin/"
+    pk = dict(ASM=True, PDL=1)
+
+    def show(label, fn, sig, const, warps):
+        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+        k = triton.compile(ASTSource(fn, sig, const | pk, attrs), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps})  # fmt: skip
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            res = subprocess.run([nv + "cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
+            s = subprocess.run([nv + "nvdisasm", "-c", f.name], capture_output=True, text=True).stdout
+        ins = [ln for ln in s.splitlines() if re.match(r"\s+/\*[0-9a-f]+\*/", ln)]
+        n = lambda op: sum(op in ln for ln in ins)
+        reg = re.search(r"REG:(\d+)", res).group(1)
+        print(f"{label:<34} regs {reg:>3}  SASS {len(ins):4d}  LDG {n('LDG'):3d}  BAR {n('BAR'):2d}  "
+              f"LDS/STS {n('LDS') + n('STS'):2d}  SHFL {n('SHFL'):2d}  IDP {n('IDP'):3d}")  # fmt: skip
+
+    s_gu = {"W32": "*i32", "SLOT": "*i64", "XQ": "*i32", "XD": "*fp32", "XS": "*fp32", "H": "*fp32", "go": "i32",
+            "uo": "i32"}  # fmt: skip
+    s_dn = {"W32": "*i32", "SLOT": "*i64", "HQ": "*i32", "HD": "*fp32", "HS": "*fp32", "WT": "*fp32", "Y": "*fp32",
+            "do": "i32"}  # fmt: skip
+    c = lambda sig, **kw: ({**sig, **{k: "constexpr" for k in kw}, "ASM": "constexpr", "PDL": "constexpr"}, kw)
+    for BR, wp in cfgs("GU", "8,2 16,4 32,4 16,2 32,8"):
+        show(f"engine gate/up BR {BR} warps {wp}", q4._gate_up_kernel, *c(s_gu, F=768, K=8, NB=8, BR=BR), wp)
+        show(f"rows gate/up BR {BR} warps {wp}", gate_up_kernel, *c(s_gu, F=768, K=8, NB=8, BR=BR), wp)
+    s_dn_e = {"W": "*u8", **s_dn}
+    for BR, wp in cfgs("DN", "4,1 4,2 8,2 8,4 16,4"):
+        sig, kw = c(s_dn_e, D=2048, K=8, NBF=3, BR=BR)
+        sig.update(PF="constexpr", NT="constexpr")
+        show(f"engine down BR {BR} warps {wp}", q4._down_kernel, sig, {**kw, "PF": 0, "NT": 32 * wp}, wp)
+        show(f"rows down BR {BR} warps {wp}", down_kernel, *c(s_dn, D=2048, K=8, NBF=3, BR=BR), wp)
+
+
+if __name__ == "__main__":
+    if "--sass" in sys.argv:
+        sass()
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        parity("cpu")
+    else:
+        parity("cuda")
+        gpu()
+    sys.exit(0)

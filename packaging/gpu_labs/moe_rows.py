@@ -1,10 +1,17 @@
-"""Rows on the slow axis of the Q4_K MoE tiles: the engine's kernels (triton_q4k_moe) lay a tile out as
-[half-blocks, rows], so Triton's blocked layout gives the *rows* the fast thread axis — a row's 16 half-blocks
-land on 4 lanes × 2 warps (the row sum goes through shared memory, 3 barriers a program), and a thread's two
-tile elements are two different half-blocks, so it loads the q8 activations of both (11 loads an element
-beside the 10 weight loads). Here the tiles are [rows, half-blocks]: the half-blocks get the lanes (a row's
-sum stays in its warp: shuffles) and a thread's repeated elements are *rows* at one half-block, whose
-activations it loads once ([1, half-blocks] pointers, broadcast). Same arithmetic, same results.
+"""The Q4_K MoE tiles the other way round: [rows, half-blocks] instead of the engine's [half-blocks, rows]
+(triton_q4k_moe). Triton picks the blocked layout of a tile from its shape, and the two orientations swap
+between Triton versions (``--sass`` counts the sm_90 code offline with Triton's own ptxas):
+
+- Triton 3.6 (the H100 boxes): the engine's tiles give a thread several *rows* at one half-block — the q8
+  activations loaded once for them, a row's sum in its warp (gate/up 8 × 2 warps: 78 registers, 32 loads,
+  1 barrier) — and these tiles give it several half-blocks, a row's sum across warps through shared
+  memory (164 registers, 32 loads, 27 barriers).
+- Triton 3.9 (this repository's CPU venv): the reverse — the engine's tiles compile to 86 registers,
+  43 loads and 3 barriers, these to 80 / 32 / 1 at 16 × 4 warps.
+
+Measured on the H100 (Triton 3.6, 2026-11-22, docs/benchmarks-gpu.md "Session 9"): these tiles lose there
+(gate/up 8.27 µs at best against 8.01, down 6.97 against 5.45, whole call 16.49 against 14.21 µs).
+Same arithmetic, same results (parity < 1e-6 with the engine's kernels).
 
   TRITON_INTERPRET=1 PYTHONPATH=. python3 packaging/gpu_labs/moe_rows.py      # parity, no GPU
   PYTHONPATH=. python3 packaging/gpu_labs/moe_rows.py                         # + H100 timings

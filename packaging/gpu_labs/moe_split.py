@@ -10,6 +10,12 @@ and 32 quant bytes of every down row (L2 serves the siblings' share; HBM reads e
 Y must be zero before the launch: the launch zeroes the *next* call's buffer (after its PDL wait), the
 engine's form of which is "the consumer zeroes what it read".
 
+Measured on the H100 (2026-11-22, docs/benchmarks-gpu.md "Session 9"): slower. Best 16.49 µs (R 2, 8 warps)
+against the engine's 14.17 µs for the same 21.2 MB; plain stores instead of the atomics change nothing
+(18.49 against 18.67 µs at R 2, 16 warps), so the loss is each program's down phase waiting behind its own
+gate/up phase — and one 21.2 MB read launch reaches 82 % of the copy bandwidth, the same as the two
+launches (81 %), so the launch count was not what held the engine's call at 50 %.
+
   TRITON_INTERPRET=1 PYTHONPATH=. python3 packaging/gpu_labs/moe_split.py     # parity, no GPU
   PYTHONPATH=. python3 packaging/gpu_labs/moe_split.py                        # + H100 timings
   (SP = "R,warps,RC,PF,ATOM ..." settings swept: R sub-blocks a program, rows a phase-2 chunk, the down

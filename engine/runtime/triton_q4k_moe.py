@@ -24,6 +24,10 @@ gate/up kernel):
 - dp4a runs as chains through its accumulate operand (inline PTX; the interpreter runs the same
   arithmetic in plain Triton); the integer sum of a sub-block is scaled by its integer scale
   before it becomes a float, and d and dmin come in once a half.
+The tile orientation ([half-blocks, rows]) was chosen under Triton 3.6, whose blocked layout then gives
+a thread several rows at one half-block (activations loaded once, a row's sum in its warp: 78 registers,
+32 loads, 1 barrier at 8 rows × 2 warps). Triton 3.9 lays the same tiles out the other way (43 loads, 3–7
+barriers); ``packaging/gpu_labs/moe_rows.py --sass`` counts both offline (docs/benchmarks-gpu.md, session 9).
 A skipped pair (slot offset −1) gets h = 0 from the gate/up kernel; the down kernel reads slot 0's
 rows for it and drops that half's product with a select (never multiplied: slot 0 may hold junk).
 """

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_half import cfgs  # noqa: E402  ("a,b,... a,b,..." launch settings from $var)
 
 from engine.quant.formats import QType  # noqa: E402
 from engine.runtime import triton_q4k_moe as q4  # noqa: E402
@@ -179,10 +180,6 @@ def down(pool, slots, hq, weights, roles, K, BR, warps):
         NBF=F // 256, BR=BR, ASM=t8.use_asm(dev), PDL=pdl, num_warps=warps, **qb.launch_kw(pdl),
     )  # fmt: skip
     return Y
-
-
-def cfgs(var, default):
-    return [tuple(map(int, a.split(","))) for a in (os.environ.get(var) or default).split()]
 
 
 def parity(dev):

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_half import cfgs  # noqa: E402  ("a,b,... a,b,..." launch settings from $var)
 
 from engine.quant.formats import QType  # noqa: E402
 from engine.runtime import triton_q4k_moe as q4  # noqa: E402
@@ -159,10 +160,6 @@ class Split:
         return y
 
 
-def cfgs(default):
-    return [tuple(map(int, a.split(","))) for a in (os.environ.get("SP") or default).split()]
-
-
 def parity(dev):
     from engine.runtime.triton_q8_moe import moe_decode_q8_reference
     from tests.triton_data import expert_pool, routing_case
@@ -175,7 +172,9 @@ def parity(dev):
         slots = slot_off.reshape(-1).contiguous()
         want = moe_decode_q8_reference(pool, slot_off, x, w, roles)
         xq = t8.quantize_act(x)
-        for R, wp, RC, _pf, _at in cfgs("1,8,2048,0,1 2,8,256,0,1" if dev == "cpu" else "1,8,2048,0,1 2,16,512,1,1"):
+        for R, wp, RC, _pf, _at in cfgs(
+            "SP", "1,8,2048,0,1 2,8,256,0,1" if dev == "cpu" else "1,8,2048,0,1 2,16,512,1,1"
+        ):
             sp = Split(T, K, F, D, dev)
             for _ in range(3):  # the zeroing of the other buffer, round and round
                 got = sp(pool, slots, xq, w, roles, R, wp, RC).clone()
@@ -199,8 +198,9 @@ def gpu():
     print(f"engine moe_decode (x̂ given: gate/up, quantize h, down): {frac(us, nbytes)}", flush=True)
     sp = Split(1, K, F, D, "cuda")
     for R, wp, RC, pf, at in cfgs(
+        "SP",
         "1,8,2048,0,1 1,8,2048,1,1 1,8,512,1,1 1,4,2048,1,1 2,8,2048,1,1 2,16,2048,1,1 2,16,512,1,1 "
-        "1,8,2048,1,0 2,16,2048,1,0"
+        "1,8,2048,1,0 2,16,2048,1,0",
     ):
         try:
             us = graph([lambda o=o: sp(pool, o, xq, w, roles, R, wp, RC, pf, at) for o in offs])

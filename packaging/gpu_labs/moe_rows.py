@@ -242,8 +242,10 @@ def gpu():
         print(f"{label}: {frac(us, nbytes)}", flush=True)
 
 
-def sass():
-    """Registers, loads, barriers and dp4a of each kernel at sm_90 (offline: Triton's own ptxas)."""
+def show_sass(label, fn, sig, const, warps):
+    """Compile ``fn`` for sm_90 offline (Triton's own ptxas; pointer arguments 16-byte aligned as the JIT
+    assumes) and print its registers and counts of loads (16-byte ones apart), barriers, shared-memory ops,
+    shuffles and dp4a."""
     import re
     import subprocess
     import tempfile
@@ -252,22 +254,25 @@ def sass():
     from triton.compiler import ASTSource
 
     nv = os.path.dirname(triton.__file__) + "/backends/nvidia/bin/"
-    pk = dict(ASM=True, PDL=1)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+    k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps})  # fmt: skip
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        res = subprocess.run([nv + "cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
+        s = subprocess.run([nv + "nvdisasm", "-c", f.name], capture_output=True, text=True).stdout
+    ins = [ln for ln in s.splitlines() if re.match(r"\s+/\*[0-9a-f]+\*/", ln)]
+    n = lambda op: sum(op in ln for ln in ins)
+    reg = re.search(r"REG:(\d+)", res).group(1)
+    print(f"{label:<34} regs {reg:>3}  SASS {len(ins):4d}  LDG {n('LDG'):3d} (128-bit {n('LDG.E.128'):3d})  "
+          f"BAR {n('BAR'):2d}  LDS/STS {n('LDS') + n('STS'):2d}  SHFL {n('SHFL'):2d}  IDP {n('IDP'):3d}")  # fmt: skip
 
-    def show(label, fn, sig, const, warps):
-        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
-        k = triton.compile(ASTSource(fn, sig, const | pk, attrs), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": warps})  # fmt: skip
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            res = subprocess.run([nv + "cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
-            s = subprocess.run([nv + "nvdisasm", "-c", f.name], capture_output=True, text=True).stdout
-        ins = [ln for ln in s.splitlines() if re.match(r"\s+/\*[0-9a-f]+\*/", ln)]
-        n = lambda op: sum(op in ln for ln in ins)
-        reg = re.search(r"REG:(\d+)", res).group(1)
-        print(f"{label:<34} regs {reg:>3}  SASS {len(ins):4d}  LDG {n('LDG'):3d}  BAR {n('BAR'):2d}  "
-              f"LDS/STS {n('LDS') + n('STS'):2d}  SHFL {n('SHFL'):2d}  IDP {n('IDP'):3d}")  # fmt: skip
+
+def sass():
+    """Registers, loads, barriers and dp4a of each kernel at sm_90 (offline: Triton's own ptxas)."""
+    pk = dict(ASM=True, PDL=1)
+    show = lambda label, fn, sig, const, warps: show_sass(label, fn, sig, const | pk, warps)
 
     s_gu = {"W32": "*i32", "SLOT": "*i64", "XQ": "*i32", "XD": "*fp32", "XS": "*fp32", "H": "*fp32", "go": "i32",
             "uo": "i32"}  # fmt: skip

@@ -374,7 +374,7 @@ def gpu():
     hqt = (transpose_act(hq[0], F // 128), *hq[1:])
     for name, kw in XVARIANTS.items():
         kw = dict(kw)
-        xt = kw.pop("xt")
+        xt = kw.pop("xt", 0)
         a, b = (xqt, hqt) if xt else (xq, hq)
         for BR, wp in moe_half.cfgs("GU", "8,2 16,4"):
             us = graph([lambda o=o: gate_up_x(pool, o, a, roles, K, BR, wp, **kw) for o in offs])

@@ -1,0 +1,156 @@
+"""Where the down matrices' bytes should leave HBM in the Q4_K routed-expert chain (gate/up, quantize h, down;
+triton_q4k_moe). The read floor that reaches 81 % on these bytes (engine/bench/read_floor.py) lets each launch
+prefetch its *successor's* bytes into L2; the engine's chain does not: the down reads its 7.1 MB from HBM in
+its own launch, after the gate/up's stream has drained (moe_probe.py: its weights alone read at 49 %).
+
+Variants, each a whole call with x̂ given (bit for bit the engine's arithmetic — only prefetches move):
+  engine        gate/up, quantize h, down (PF 0: no prefetch anywhere)
+  gu-pf         the gate/up kernel, after its PDL wait (the slots are known then), bulk-prefetches each pair's
+                down matrix into L2, a 1/(F/BR) share a program (cp.async.bulk.prefetch.L2)
+  q-pf          the quantize-h kernel prefetches them before its own wait (it starts while the gate/up runs)
+  gu-pf+q-pf    half the bytes each
+
+  TRITON_INTERPRET=1 PYTHONPATH=. python3 packaging/gpu_labs/moe_prefetch.py    # parity (no GPU, no prefetch)
+  PYTHONPATH=. python3 packaging/gpu_labs/moe_prefetch.py                       # + H100 chain timings
+"""
+# ruff: noqa: E731, B023
+
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moe_half  # noqa: E402
+
+from engine.runtime import triton_q4k_moe as q4  # noqa: E402
+from engine.runtime import triton_q8 as t8  # noqa: E402
+from engine.runtime import triton_qblocks as qb  # noqa: E402
+
+
+@triton.jit
+def _prefetch_share(W, SLOT, q, do, nbytes, part, parts, lo, hi, NT: tl.constexpr):
+    """Prefetch share ``part`` of ``parts`` of the byte range [lo, hi)·nbytes of pair q's down matrix (at byte
+    do of its slot; slot −1: nothing)."""
+    slot = tl.load(SLOT + q)
+    a = nbytes * lo
+    n = nbytes * (hi - lo)
+    share = (n // parts + 15) // 16 * 16
+    start = part.to(tl.int64) * share
+    qb.prefetch_l2(W, slot + do + a + start, tl.where(slot >= 0, tl.minimum(share, n - start), 0), NT)
+
+
+@triton.jit
+def gate_up_pf_kernel(W, W32, SLOT, XQ, XD, XS, H, go, uo, do, down_bytes, F: tl.constexpr, K: tl.constexpr,
+                      NB: tl.constexpr, BR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, LO: tl.constexpr,
+                      HI: tl.constexpr, NT: tl.constexpr, PF: tl.constexpr):  # fmt: skip
+    """The engine's gate/up kernel; after the wait it prefetches its share of bytes [LO, HI)/2 of pair q's down."""
+    qb.pdl_enter(PDL)
+    q = tl.program_id(1)
+    r0 = tl.program_id(0) * BR
+    if HI > LO and PF:
+        _prefetch_share(W, SLOT, q, do, down_bytes // 2, tl.program_id(0), F // BR, LO, HI, NT)
+    h = q4._gate_up_rows(W32, SLOT, XQ, XD, XS, go, uo, q, r0, K, NB, BR, ASM)
+    tl.store(H + q.to(tl.int64) * F + r0 + tl.arange(0, BR), h)
+
+
+@triton.jit
+def quant_pf_kernel(X, XQ, XD, XS, n32, W, SLOT, do, down_bytes, NBLK: tl.constexpr, PDL: tl.constexpr,
+                    LO: tl.constexpr, HI: tl.constexpr, PF: tl.constexpr):  # fmt: skip
+    """triton_q8's quantize kernel over h rows (a row a pair); before its wait it prefetches its share of bytes
+    [LO, HI)/2 of the pair's down matrix (the slots were final before the gate/up kernel released this one)."""
+    r = tl.program_id(1)
+    if HI > LO and PF:
+        _prefetch_share(W, SLOT, r, do, down_bytes // 2, tl.program_id(0), tl.num_programs(0), LO, HI, 32)
+    qb.pdl_enter(PDL)
+    blk = tl.program_id(0) * NBLK + tl.arange(0, NBLK)
+    bm = blk < n32
+    x = tl.load(X + r.to(tl.int64) * (32 * n32) + blk[:, None] * 32 + tl.arange(0, 32)[None, :], mask=bm[:, None],
+                other=0.0)  # fmt: skip
+    words, d, s = t8.quant_tile(x, NBLK)
+    t8.store_q8(XQ, XD, XS, r, blk, bm, words, d, s, n32)
+
+
+def gate_up(pool, slots, xq, roles, K, lo=0, hi=0, BR=8, warps=2):
+    (go, _, F, D), (uo, _, _, _), (do, _, Dd, Fd) = roles["gate"], roles["up"], roles["down"]
+    XQ, XD, XS = xq
+    pdl = qb.pdl(XQ.device)
+    flat = pool.reshape(-1)
+    H = torch.empty((slots.numel(), F), dtype=torch.float32, device=XQ.device)
+    gate_up_pf_kernel[(F // BR, slots.numel())](
+        flat, flat.view(torch.int32), slots, XQ, XD, XS, H, go, uo, do, Dd * (Fd // 256) * 144, F=F, K=K, NB=D // 256,
+        BR=BR, ASM=t8.use_asm(XQ.device), PDL=pdl, LO=lo, HI=hi, NT=32 * warps, PF=qb.prefetch(pdl), num_warps=warps, **qb.launch_kw(pdl),
+    )  # fmt: skip
+    return H
+
+
+def quantize_h(H, pool, slots, roles, lo=0, hi=0, nblk=8):
+    """triton_q8.quantize_act(H) with the down prefetch share [lo, hi)/2 -> (HQ, HD, HS)."""
+    do, _, Dd, Fd = roles["down"]
+    R, n = H.shape
+    n32 = n // 32
+    XQ = torch.empty((R, n // 4), dtype=torch.int32, device=H.device)
+    XD = torch.empty((R, n32), dtype=torch.float32, device=H.device)
+    XS = torch.empty((R, 2 * n32), dtype=torch.float32, device=H.device)
+    pdl = qb.pdl(H.device)
+    quant_pf_kernel[(triton.cdiv(n32, nblk), R)](
+        H, XQ, XD, XS, n32, pool.reshape(-1), slots, do, Dd * (Fd // 256) * 144, NBLK=nblk, PDL=pdl, LO=lo, HI=hi,
+        PF=qb.prefetch(pdl), num_warps=1, **qb.launch_kw(pdl),
+    )  # fmt: skip
+    return XQ, XD, XS
+
+
+# (gate/up share, quantize share) of the down bytes, in halves
+VARIANTS = {"engine": ((0, 0), (0, 0)), "gu-pf": ((0, 2), (0, 0)), "q-pf": ((0, 0), (0, 2)),
+            "gu-pf+q-pf": ((0, 1), (1, 2))}  # fmt: skip
+
+
+def call(pool, slots, xq, w, roles, K, v, gu=(8, 2), dn=(4, 1)):
+    (glo, ghi), (qlo, qhi) = VARIANTS[v]
+    H = gate_up(pool, slots, xq, roles, K, glo, ghi, *gu)
+    hq = quantize_h(H, pool, slots, roles, qlo, qhi)
+    return moe_half.down(pool, slots, hq, w, roles, K, *dn, pf=0)
+
+
+def parity(dev):
+    import numpy as np
+
+    from engine.runtime import triton_moe as tm
+    from tests.triton_data import expert_pool, routing_case
+
+    rng = np.random.default_rng(5)
+    F, D, E, K = (256, 512, 3, 2) if dev == "cpu" else (768, 2048, 16, 8)
+    pool, stride, roles = expert_pool((moe_half.Q,) * 3, F, D, E, dev, rng)
+    for T in (1, 2):
+        slot_off, x, w = routing_case(T, K, E, D, stride, dev, rng)
+        slots = slot_off.reshape(-1).contiguous()
+        ref = tm.moe_decode(pool, slot_off, x, w, roles, act="q8") if dev != "cpu" else None
+        xq = t8.quantize_act(x)
+        want = moe_half.down(pool, slots, t8.quantize_act(q4.gate_up(pool, slots, x, roles, K, {"BR": 8, "num_warps": 2},
+                                                                      xq)), w, roles, K, 4, 1)  # fmt: skip
+        for v in VARIANTS:
+            y = call(pool, slots, xq, w, roles, K, v)
+            assert torch.equal(y, want), v
+            if ref is not None:
+                assert ((y - ref).norm() / ref.norm()).item() < 1e-6, v
+        print(f"parity T={T}: every prefetch placement gives the engine's result bit for bit", flush=True)
+
+
+def gpu():
+    parity("cuda")
+    bw, K, F, D, nbytes, gu_bytes, dn_bytes, pool, roles, offs, x, w, xq, hq, frac, graph = moe_half.chain_setup()
+    for gu in moe_half.cfgs("GU", "8,2 16,4"):
+        for v in VARIANTS:
+            us = graph([lambda o=o: call(pool, o, xq, w, roles, K, v, gu) for o in offs])
+            print(f"call gate/up {gu} {v:12s} {frac(us, nbytes)}", flush=True)
+    # where the time goes in the best placement: each launch alone (its predecessor's prefetch done or not)
+    for v in ("engine", "gu-pf"):
+        (glo, ghi), _ = VARIANTS[v]
+        us = graph([lambda o=o: gate_up(pool, o, xq, roles, K, glo, ghi) for o in offs])
+        print(f"gate/up alone {v:12s} {frac(us, gu_bytes)}", flush=True)
+
+
+if __name__ == "__main__":
+    parity("cpu") if os.environ.get("TRITON_INTERPRET") == "1" else gpu()

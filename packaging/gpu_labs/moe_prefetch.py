@@ -57,10 +57,11 @@ def gate_up_pf_kernel(W, W32, SLOT, XQ, XD, XS, H, go, uo, do, down_bytes, F: tl
 
 
 @triton.jit
-def quant_pf_kernel(X, XQ, XD, XS, n32, W, SLOT, do, down_bytes, NBLK: tl.constexpr, PDL: tl.constexpr,
-                    LO: tl.constexpr, HI: tl.constexpr, PF: tl.constexpr):  # fmt: skip
+def quant_pf_kernel(X, XQ, XD, XS, n32, W, SLOT, do, down_bytes, Y, NY, NBLK: tl.constexpr, PDL: tl.constexpr,
+                    LO: tl.constexpr, HI: tl.constexpr, PF: tl.constexpr, ZY: tl.constexpr):  # fmt: skip
     """triton_q8's quantize kernel over h rows (a row a pair); before its wait it prefetches its share of bytes
-    [LO, HI)/2 of the pair's down matrix (the slots were final before the gate/up kernel released this one)."""
+    [LO, HI)/2 of the pair's down matrix (the slots were final before the gate/up kernel released this one).
+    ZY: it also zeroes the NY floats of Y (the down kernel that adds into them runs after this one)."""
     r = tl.program_id(1)
     if HI > LO and PF:
         _prefetch_share(W, SLOT, r, do, down_bytes // 2, tl.program_id(0), tl.num_programs(0), LO, HI, 32)
@@ -71,6 +72,58 @@ def quant_pf_kernel(X, XQ, XD, XS, n32, W, SLOT, do, down_bytes, NBLK: tl.conste
                 other=0.0)  # fmt: skip
     words, d, s = t8.quant_tile(x, NBLK)
     t8.store_q8(XQ, XD, XS, r, blk, bm, words, d, s, n32)
+    if ZY:
+        p = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        share = tl.cdiv(NY, tl.num_programs(0) * tl.num_programs(1))
+        i = p * share + tl.arange(0, 256)
+        for j in range(0, share, 256):
+            tl.store(Y + i + j, tl.zeros([256], dtype=tl.float32), mask=(i + j < NY) & (j + tl.arange(0, 256) < share))
+
+
+@triton.jit
+def down_kg_kernel(W32, SLOT, HQ, HD, HS, WT, Y, do, D: tl.constexpr, K: tl.constexpr, NBF: tl.constexpr,
+                   BR: tl.constexpr, KG: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """The engine's down kernel (PF 0) over K/KG of the token's experts a program (grid axis 2 picks which),
+    its rows' partial sums added into Y (zeroed by the quantize-h launch) with float atomics: KG times the
+    warps, a KG-th of the serial work a thread."""
+    qb.pdl_enter(PDL)
+    t = tl.program_id(1)
+    r0 = tl.program_id(0) * BR
+    KP: tl.constexpr = K // KG
+    RW: tl.constexpr = q4.BLOCK_WORDS * NBF
+    rows = r0 + tl.arange(0, BR)
+    NL: tl.constexpr = triton.next_power_of_2(2 * NBF)
+    e = tl.arange(0, KP * NL)
+    lane = e % NL
+    lc = tl.minimum(lane, 2 * NBF - 1)
+    b = lc // 2
+    hv = lc % 2
+    q = t * K + tl.program_id(2) * KP + e // NL
+    slot = tl.load(SLOT + q)
+    keep = (lane < 2 * NBF) & (slot >= 0)
+    wk = tl.load(WT + q)
+    zp = tl.zeros([KP * NL, BR], dtype=tl.int32)
+    P = W32 + (tl.multiple_of((tl.maximum(slot, 0) + do) // 4 + b * q4.BLOCK_WORDS, 4)[:, None] + (rows * RW)[None, :])
+    hs = hv[:, None] + zp
+    X = HQ + (zp + (q * (64 * NBF) + b * 64 + hv * 32)[:, None])
+    XDp = HD + (zp + (q * (8 * NBF) + b * 8 + hv * 4)[:, None])
+    XSp = HS + (zp + (q * (16 * NBF) + b * 16 + hv * 8)[:, None])
+    v = q4._dot_half(q4._load_half(P, hs), hs, X, XDp, XSp, ASM)
+    y = tl.sum(tl.where(keep[:, None], v * wk[:, None], 0.0), axis=0)
+    tl.atomic_add(Y + t * D + rows, y, sem="relaxed")
+
+
+def down_kg(pool, slots, hq, weights, roles, K, Y, KG, BR=4, warps=1):
+    """down_kg_kernel into Y (already zero) -> Y."""
+    do, _, D, F = roles["down"]
+    HQ, HD, HS = hq
+    pdl = qb.pdl(HQ.device)
+    T = slots.numel() // K
+    down_kg_kernel[(D // BR, T, KG)](
+        pool.reshape(-1).view(torch.int32), slots, HQ, HD, HS, weights, Y, do, D=D, K=K, NBF=F // 256, BR=BR, KG=KG,
+        ASM=t8.use_asm(HQ.device), PDL=pdl, num_warps=warps, **qb.launch_kw(pdl),
+    )  # fmt: skip
+    return Y
 
 
 def gate_up(pool, slots, xq, roles, K, lo=0, hi=0, BR=8, warps=2):
@@ -86,8 +139,8 @@ def gate_up(pool, slots, xq, roles, K, lo=0, hi=0, BR=8, warps=2):
     return H
 
 
-def quantize_h(H, pool, slots, roles, lo=0, hi=0, nblk=8):
-    """triton_q8.quantize_act(H) with the down prefetch share [lo, hi)/2 -> (HQ, HD, HS)."""
+def quantize_h(H, pool, slots, roles, lo=0, hi=0, nblk=8, Y=None):
+    """triton_q8.quantize_act(H) with the down prefetch share [lo, hi)/2 -> (HQ, HD, HS); Y: zeroed too."""
     do, _, Dd, Fd = roles["down"]
     R, n = H.shape
     n32 = n // 32
@@ -96,8 +149,9 @@ def quantize_h(H, pool, slots, roles, lo=0, hi=0, nblk=8):
     XS = torch.empty((R, 2 * n32), dtype=torch.float32, device=H.device)
     pdl = qb.pdl(H.device)
     quant_pf_kernel[(triton.cdiv(n32, nblk), R)](
-        H, XQ, XD, XS, n32, pool.reshape(-1), slots, do, Dd * (Fd // 256) * 144, NBLK=nblk, PDL=pdl, LO=lo, HI=hi,
-        PF=qb.prefetch(pdl), num_warps=1, **qb.launch_kw(pdl),
+        H, XQ, XD, XS, n32, pool.reshape(-1), slots, do, Dd * (Fd // 256) * 144, XD if Y is None else Y,
+        0 if Y is None else Y.numel(), NBLK=nblk, PDL=pdl, LO=lo, HI=hi, PF=qb.prefetch(pdl), ZY=Y is not None,
+        num_warps=1, **qb.launch_kw(pdl),
     )  # fmt: skip
     return XQ, XD, XS
 
@@ -107,7 +161,15 @@ VARIANTS = {"engine": ((0, 0), (0, 0)), "gu-pf": ((0, 2), (0, 0)), "q-pf": ((0, 
             "gu-pf+q-pf": ((0, 1), (1, 2))}  # fmt: skip
 
 
+SPLITS = ("down-kg2", "down-kg4", "down-kg8")
+
+
 def call(pool, slots, xq, w, roles, K, v, gu=(8, 2), dn=(4, 1)):
+    if v.startswith("down-kg"):  # the split down: quantize h zeroes y
+        KG = int(v[7:])
+        H = gate_up(pool, slots, xq, roles, K, 0, 0, *gu)
+        Y = torch.empty((slots.numel() // K, roles["down"][2]), dtype=torch.float32, device=H.device)
+        return down_kg(pool, slots, quantize_h(H, pool, slots, roles, Y=Y), w, roles, K, Y, KG, *dn)
     (glo, ghi), (qlo, qhi) = VARIANTS[v]
     H = gate_up(pool, slots, xq, roles, K, glo, ghi, *gu)
     hq = quantize_h(H, pool, slots, roles, qlo, qhi)
@@ -133,6 +195,10 @@ def parity(dev):
         for v in VARIANTS:
             y = call(pool, slots, xq, w, roles, K, v)
             assert torch.equal(y, want), v
+        for v in (v for v in SPLITS if int(v[7:]) <= K):
+            y = call(pool, slots, xq, w, roles, K, v)
+            e = ((y - want).norm() / want.norm()).item()
+            assert e < 1e-6, (v, e)  # atomics sum in another order
             if ref is not None:
                 assert ((y - ref).norm() / ref.norm()).item() < 1e-6, v
         print(f"parity T={T}: every prefetch placement gives the engine's result bit for bit", flush=True)
@@ -141,7 +207,11 @@ def parity(dev):
 def gpu():
     parity("cuda")
     bw, K, F, D, nbytes, gu_bytes, dn_bytes, pool, roles, offs, x, w, xq, hq, frac, graph = moe_half.chain_setup()
-    for gu in moe_half.cfgs("GU", "8,2 16,4"):
+    for dn in moe_half.cfgs("DN", "4,1 8,1 8,2"):
+        for v in SPLITS:
+            us = graph([lambda o=o: call(pool, o, xq, w, roles, K, v, dn=dn) for o in offs])
+            print(f"call down {dn} {v:12s} {frac(us, nbytes)}", flush=True)
+    for gu in moe_half.cfgs("GU", "8,2"):
         for v in VARIANTS:
             us = graph([lambda o=o: call(pool, o, xq, w, roles, K, v, gu) for o in offs])
             print(f"call gate/up {gu} {v:12s} {frac(us, nbytes)}", flush=True)

@@ -1,0 +1,159 @@
+"""The routed-expert kernels as another Triton compiles them, timed on a GPU that has a different Triton.
+
+The lent GPU boxes carry torch 2.11 + Triton 3.6; a GPU user who installs today's torch gets Triton 3.9, whose
+blocked layouts give the Q4_K MoE tiles the other orientation (``moe_rows.py --sass``, session 9). A Triton
+wheel is too large to carry to the box, but its output is not: ``export`` compiles the kernels for sm_90 here
+(Triton's own ptxas, no GPU) into ``.devwheels/cubins/`` (cubin + launch facts), and ``run`` loads those
+cubins on the box with CuPy and launches them on torch's stream, so the bench's CUDA-graph chain timer
+(moe_half.chain_setup) times them beside the box's own JIT build of the same source. Everything runs without
+programmatic dependent launch (``SHARPI_PDL=0``; a CuPy launch cannot ask for it), so the figures compare
+the compilers and tile orientations, not the engine's PDL chain.
+
+  PYTHONPATH=. python3 packaging/gpu_labs/cubin_lab.py export     # here: the local Triton's sm_90 cubins
+  PYTHONPATH=. python3 packaging/gpu_labs/cubin_lab.py run        # on the GPU box (CuPy, torch): parity, timings
+"""
+# ruff: noqa: E731, B023
+
+import json
+import os
+import re
+import sys
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".devwheels", "cubins")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+S_GU = {"W32": "*i32", "SLOT": "*i64", "XQ": "*i32", "XD": "*fp32", "XS": "*fp32", "H": "*fp32", "go": "i32",
+        "uo": "i32"}  # fmt: skip
+S_DN = {"W32": "*i32", "SLOT": "*i64", "HQ": "*i32", "HD": "*fp32", "HS": "*fp32", "WT": "*fp32", "Y": "*fp32",
+        "do": "i32"}  # fmt: skip
+# label -> (module, kernel, signature, constexprs, warps); the shapes of the bench's moe workload (30B-A3B)
+GU_CFGS = ((8, 2), (16, 4))
+DN_CFGS = ((4, 1), (8, 4))
+
+
+def kernels():
+    import moe_rows
+
+    from engine.runtime import triton_q4k_moe as q4
+
+    out = {}
+    for br, wp in GU_CFGS:
+        c = dict(F=768, K=8, NB=8, BR=br, ASM=True, PDL=0)
+        out[f"engine_gu_{br}_{wp}"] = (q4._gate_up_kernel, S_GU, c, wp)
+        out[f"rows_gu_{br}_{wp}"] = (moe_rows.gate_up_kernel, S_GU, c, wp)
+    for br, wp in DN_CFGS:
+        c = dict(D=2048, K=8, NBF=3, BR=br, ASM=True, PDL=0)
+        out[f"engine_dn_{br}_{wp}"] = (q4._down_kernel, {"W": "*u8", **S_DN}, {**c, "PF": 0, "NT": 32 * wp}, wp)
+        out[f"rows_dn_{br}_{wp}"] = (moe_rows.down_kernel, S_DN, c, wp)
+    return out
+
+
+def export():
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    os.makedirs(OUT, exist_ok=True)
+    for label, (fn, sig, const, warps) in kernels().items():
+        full = {**sig, **{k: "constexpr" for k in const}}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(full.values()) if t.startswith("*")}
+        k = triton.compile(ASTSource(fn, full, const, attrs), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps})  # fmt: skip
+        ptx = k.asm["ptx"]
+        entry = re.search(r"\.entry (\w+)\(([^)]*)\)", ptx)
+        nparams = entry.group(2).count(".param")
+        with open(os.path.join(OUT, label + ".cubin"), "wb") as f:
+            f.write(k.asm["cubin"])
+        facts = {"name": entry.group(1), "warps": warps, "shared": k.metadata.shared, "params": nparams,
+                 "user_params": len(sig), "triton": triton.__version__}  # fmt: skip
+        with open(os.path.join(OUT, label + ".json"), "w") as f:
+            json.dump(facts, f)
+        print(label, facts, flush=True)
+
+
+class Cubin:
+    """One exported kernel, launched by CuPy on torch's current stream (so torch's graph capture records it)."""
+
+    def __init__(self, label):
+        import cupy
+
+        self.cupy = cupy
+        with open(os.path.join(OUT, label + ".json")) as f:
+            self.facts = json.load(f)
+        self.fn = cupy.RawModule(path=os.path.join(OUT, label + ".cubin")).get_function(self.facts["name"])
+
+    def __call__(self, grid, *args):
+        import numpy as np
+        import torch
+
+        a = [np.uint64(x.data_ptr()) if isinstance(x, torch.Tensor) else np.int32(x) for x in args]
+        a += [np.uint64(0)] * (self.facts["params"] - len(a))  # Triton's global / profile scratch: unused here
+        with self.cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            self.fn(grid, (32 * self.facts["warps"],), tuple(a), shared_mem=self.facts["shared"])
+
+
+def run():
+    os.environ["SHARPI_PDL"] = "0"
+    import moe_half
+    import moe_rows
+    import torch
+
+    from engine.runtime import triton_q4k_moe as q4
+
+    bw, K, F, D, nbytes, gu_bytes, dn_bytes, pool, roles, offs, x, w, xq, hq, frac, graph = moe_half.chain_setup()
+    (go, _, _, _), (uo, _, _, _), (do, _, _, _) = roles["gate"], roles["up"], roles["down"]
+    flat = pool.reshape(-1)
+    w32 = flat.view(torch.int32)
+    wt = w.reshape(-1).contiguous()
+    built = {label: Cubin(label) for label in kernels()}
+    print("cubins from Triton", {c.facts["triton"] for c in built.values()}, "; this box's Triton",
+          __import__("triton").__version__, flush=True)  # fmt: skip
+
+    def gu39(label, o, br):
+        H = torch.empty((o.numel(), F), dtype=torch.float32, device="cuda")
+        built[label]((F // br, o.numel()), w32, o, *xq, H, go, uo)
+        return H
+
+    def dn39(label, o, br):
+        Y = torch.empty((1, D), dtype=torch.float32, device="cuda")
+        pre = (flat,) if label.startswith("engine") else ()
+        built[label]((D // br, 1), *pre, w32, o, *hq, wt, Y, do)
+        return Y
+
+    # parity against the box's JIT build of the engine's kernels (the same arithmetic; < 1e-6)
+    o = offs[0]
+    ref_h = q4.gate_up(pool, o, x, roles, K, {"BR": 8, "num_warps": 2}, xq)
+    ref_y = moe_half.down(pool, o, hq, w, roles, K, 4, 1)
+    for br, wp in GU_CFGS:
+        for kind in ("engine", "rows"):
+            h = gu39(f"{kind}_gu_{br}_{wp}", o, br)
+            assert ((h - ref_h).norm() / ref_h.norm()).item() < 1e-6, (kind, br, wp)
+    for br, wp in DN_CFGS:
+        for kind in ("engine", "rows"):
+            y = dn39(f"{kind}_dn_{br}_{wp}", o, br)
+            assert ((y - ref_y).norm() / ref_y.norm()).item() < 1e-6, (kind, br, wp)
+    torch.cuda.synchronize()
+    print("parity: every exported kernel matches the box's build of the engine's (< 1e-6)", flush=True)
+
+    for br, wp in GU_CFGS:
+        us = graph([lambda o=o: moe_half.gate_up(pool, o, x, xq, roles, K, br, wp) for o in offs])
+        print(f"gate/up {br},{wp} engine tiles, box JIT      {frac(us, gu_bytes)}", flush=True)
+        us = graph([lambda o=o: moe_rows.gate_up(pool, o, xq, roles, K, br, wp) for o in offs])
+        print(f"gate/up {br},{wp} turned tiles, box JIT      {frac(us, gu_bytes)}", flush=True)
+        for kind in ("engine", "rows"):
+            us = graph([lambda o=o: gu39(f"{kind}_gu_{br}_{wp}", o, br) for o in offs])
+            print(f"gate/up {br},{wp} {'engine' if kind == 'engine' else 'turned'} tiles, exported  {frac(us, gu_bytes)}",
+                  flush=True)  # fmt: skip
+    for br, wp in DN_CFGS:
+        us = graph([lambda o=o: moe_half.down(pool, o, hq, w, roles, K, br, wp) for o in offs])
+        print(f"down {br},{wp} engine tiles, box JIT         {frac(us, dn_bytes)}", flush=True)
+        us = graph([lambda o=o: moe_rows.down(pool, o, hq, w, roles, K, br, wp) for o in offs])
+        print(f"down {br},{wp} turned tiles, box JIT         {frac(us, dn_bytes)}", flush=True)
+        for kind in ("engine", "rows"):
+            us = graph([lambda o=o: dn39(f"{kind}_dn_{br}_{wp}", o, br) for o in offs])
+            print(f"down {br},{wp} {'engine' if kind == 'engine' else 'turned'} tiles, exported     {frac(us, dn_bytes)}",
+                  flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    {"export": export, "run": run}[sys.argv[1]]()

@@ -10,6 +10,7 @@ programmatic dependent launch (``SHARPI_PDL=0``; a CuPy launch cannot ask for it
 the compilers and tile orientations, not the engine's PDL chain.
 
   PYTHONPATH=. python3 packaging/gpu_labs/cubin_lab.py export     # here: the local Triton's sm_90 cubins
+  PYTHONPATH=<an unpacked triton wheel>:. python3 packaging/gpu_labs/cubin_lab.py export   # another version's
   PYTHONPATH=. python3 packaging/gpu_labs/cubin_lab.py run        # on the GPU box (CuPy, torch): parity, timings
 """
 # ruff: noqa: E731, B023
@@ -27,8 +28,8 @@ S_GU = {"W32": "*i32", "SLOT": "*i64", "XQ": "*i32", "XD": "*fp32", "XS": "*fp32
 S_DN = {"W32": "*i32", "SLOT": "*i64", "HQ": "*i32", "HD": "*fp32", "HS": "*fp32", "WT": "*fp32", "Y": "*fp32",
         "do": "i32"}  # fmt: skip
 # label -> (module, kernel, signature, constexprs, warps); the shapes of the bench's moe workload (30B-A3B)
-GU_CFGS = ((8, 2), (16, 4))
-DN_CFGS = ((4, 1), (8, 4))
+GU_CFGS = ((8, 2), (16, 4), (16, 2), (32, 4), (8, 4))
+DN_CFGS = ((4, 1), (4, 2), (8, 2), (8, 4), (2, 1), (16, 4))
 
 
 def kernels():
@@ -53,7 +54,8 @@ def export():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    os.makedirs(OUT, exist_ok=True)
+    out = os.path.join(OUT, triton.__version__)
+    os.makedirs(out, exist_ok=True)
     for label, (fn, sig, const, warps) in kernels().items():
         full = {**sig, **{k: "constexpr" for k in const}}
         attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(full.values()) if t.startswith("*")}
@@ -62,11 +64,11 @@ def export():
         ptx = k.asm["ptx"]
         entry = re.search(r"\.entry (\w+)\(([^)]*)\)", ptx)
         nparams = entry.group(2).count(".param")
-        with open(os.path.join(OUT, label + ".cubin"), "wb") as f:
+        with open(os.path.join(out, label + ".cubin"), "wb") as f:
             f.write(k.asm["cubin"])
         facts = {"name": entry.group(1), "warps": warps, "shared": k.metadata.shared, "params": nparams,
                  "user_params": len(sig), "triton": triton.__version__}  # fmt: skip
-        with open(os.path.join(OUT, label + ".json"), "w") as f:
+        with open(os.path.join(out, label + ".json"), "w") as f:
             json.dump(facts, f)
         print(label, facts, flush=True)
 
@@ -74,13 +76,13 @@ def export():
 class Cubin:
     """One exported kernel, launched by CuPy on torch's current stream (so torch's graph capture records it)."""
 
-    def __init__(self, label):
+    def __init__(self, version, label):
         import cupy
 
         self.cupy = cupy
-        with open(os.path.join(OUT, label + ".json")) as f:
+        with open(os.path.join(OUT, version, label + ".json")) as f:
             self.facts = json.load(f)
-        self.fn = cupy.RawModule(path=os.path.join(OUT, label + ".cubin")).get_function(self.facts["name"])
+        self.fn = cupy.RawModule(path=os.path.join(OUT, version, label + ".cubin")).get_function(self.facts["name"])
 
     def __call__(self, grid, *args):
         import numpy as np
@@ -105,54 +107,54 @@ def run():
     flat = pool.reshape(-1)
     w32 = flat.view(torch.int32)
     wt = w.reshape(-1).contiguous()
-    built = {label: Cubin(label) for label in kernels()}
-    print("cubins from Triton", {c.facts["triton"] for c in built.values()}, "; this box's Triton",
-          __import__("triton").__version__, flush=True)  # fmt: skip
+    versions = sorted(os.listdir(OUT))
+    built = {(v, label): Cubin(v, label) for v in versions for label in kernels()}
+    print("cubins from Triton", versions, "; this box's Triton", __import__("triton").__version__, flush=True)
 
-    def gu39(label, o, br):
+    def gu(v, kind, o, br, wp):
         H = torch.empty((o.numel(), F), dtype=torch.float32, device="cuda")
-        built[label]((F // br, o.numel()), w32, o, *xq, H, go, uo)
+        built[v, f"{kind}_gu_{br}_{wp}"]((F // br, o.numel()), w32, o, *xq, H, go, uo)
         return H
 
-    def dn39(label, o, br):
+    def dn(v, kind, o, br, wp):
         Y = torch.empty((1, D), dtype=torch.float32, device="cuda")
-        pre = (flat,) if label.startswith("engine") else ()
-        built[label]((D // br, 1), *pre, w32, o, *hq, wt, Y, do)
+        pre = (flat,) if kind == "engine" else ()
+        built[v, f"{kind}_dn_{br}_{wp}"]((D // br, 1), *pre, w32, o, *hq, wt, Y, do)
         return Y
 
     # parity against the box's JIT build of the engine's kernels (the same arithmetic; < 1e-6)
     o = offs[0]
     ref_h = q4.gate_up(pool, o, x, roles, K, {"BR": 8, "num_warps": 2}, xq)
     ref_y = moe_half.down(pool, o, hq, w, roles, K, 4, 1)
-    for br, wp in GU_CFGS:
+    for v in versions:
         for kind in ("engine", "rows"):
-            h = gu39(f"{kind}_gu_{br}_{wp}", o, br)
-            assert ((h - ref_h).norm() / ref_h.norm()).item() < 1e-6, (kind, br, wp)
-    for br, wp in DN_CFGS:
-        for kind in ("engine", "rows"):
-            y = dn39(f"{kind}_dn_{br}_{wp}", o, br)
-            assert ((y - ref_y).norm() / ref_y.norm()).item() < 1e-6, (kind, br, wp)
+            for br, wp in GU_CFGS:
+                h = gu(v, kind, o, br, wp)
+                assert ((h - ref_h).norm() / ref_h.norm()).item() < 1e-6, (v, kind, br, wp)
+            for br, wp in DN_CFGS:
+                y = dn(v, kind, o, br, wp)
+                assert ((y - ref_y).norm() / ref_y.norm()).item() < 1e-6, (v, kind, br, wp)
     torch.cuda.synchronize()
     print("parity: every exported kernel matches the box's build of the engine's (< 1e-6)", flush=True)
 
-    for br, wp in GU_CFGS:
-        us = graph([lambda o=o: moe_half.gate_up(pool, o, x, xq, roles, K, br, wp) for o in offs])
-        print(f"gate/up {br},{wp} engine tiles, box JIT      {frac(us, gu_bytes)}", flush=True)
-        us = graph([lambda o=o: moe_rows.gate_up(pool, o, xq, roles, K, br, wp) for o in offs])
-        print(f"gate/up {br},{wp} turned tiles, box JIT      {frac(us, gu_bytes)}", flush=True)
+    us = graph([lambda o=o: moe_half.gate_up(pool, o, x, xq, roles, K, 8, 2) for o in offs])
+    print(f"box JIT: gate/up 8,2 engine tiles {frac(us, gu_bytes)}", flush=True)
+    us = graph([lambda o=o: moe_half.down(pool, o, hq, w, roles, K, 4, 1) for o in offs])
+    print(f"box JIT: down 4,1 engine tiles    {frac(us, dn_bytes)}", flush=True)
+    tiles = {"engine": "halves×rows", "rows": "rows×halves"}
+    for v in versions:
         for kind in ("engine", "rows"):
-            us = graph([lambda o=o: gu39(f"{kind}_gu_{br}_{wp}", o, br) for o in offs])
-            print(f"gate/up {br},{wp} {'engine' if kind == 'engine' else 'turned'} tiles, exported  {frac(us, gu_bytes)}",
-                  flush=True)  # fmt: skip
-    for br, wp in DN_CFGS:
-        us = graph([lambda o=o: moe_half.down(pool, o, hq, w, roles, K, br, wp) for o in offs])
-        print(f"down {br},{wp} engine tiles, box JIT         {frac(us, dn_bytes)}", flush=True)
-        us = graph([lambda o=o: moe_rows.down(pool, o, hq, w, roles, K, br, wp) for o in offs])
-        print(f"down {br},{wp} turned tiles, box JIT         {frac(us, dn_bytes)}", flush=True)
+            line = []
+            for br, wp in GU_CFGS:
+                us = graph([lambda o=o: gu(v, kind, o, br, wp) for o in offs])
+                line.append(f"{br},{wp} {us:5.2f}")
+            print(f"Triton {v} gate/up {tiles[kind]}: " + " | ".join(line), flush=True)
         for kind in ("engine", "rows"):
-            us = graph([lambda o=o: dn39(f"{kind}_dn_{br}_{wp}", o, br) for o in offs])
-            print(f"down {br},{wp} {'engine' if kind == 'engine' else 'turned'} tiles, exported     {frac(us, dn_bytes)}",
-                  flush=True)  # fmt: skip
+            line = []
+            for br, wp in DN_CFGS:
+                us = graph([lambda o=o: dn(v, kind, o, br, wp) for o in offs])
+                line.append(f"{br},{wp} {us:5.2f}")
+            print(f"Triton {v} down {tiles[kind]}: " + " | ".join(line), flush=True)
 
 
 if __name__ == "__main__":

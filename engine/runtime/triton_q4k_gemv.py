@@ -63,16 +63,40 @@ if triton is not None:
         tl.store(Y + rows, y, mask=rm)
 
 
+    @triton.jit
+    def _gemv_kernel_t(W, W32, XQ, XD, XS, Y, R, NB: tl.constexpr, BR: tl.constexpr, ASM: tl.constexpr,
+                       PDL: tl.constexpr, PF: tl.constexpr, NT: tl.constexpr):  # fmt: skip
+        """:func:`_gemv_kernel` with [rows, half-blocks] tiles (launch setting ``TILE: "rows"``; the
+        activation pointers [1, 2·NB] shared by the tile's rows — triton_q4k_moe's docstring says when)."""
+        r0 = tl.program_id(0) * BR
+        if PF:
+            qb.prefetch_rows(W, 0, r0, R, BR, 144 * NB, NT)
+        qb.pdl_enter(PDL)
+        rows = r0 + tl.arange(0, BR)
+        rm = rows < R
+        rr = tl.where(rm, rows, 0)
+        e = tl.arange(0, 2 * NB)[None, :]
+        b = e // 2
+        hs = e % 2
+        off = tl.multiple_of(rr[:, None].to(tl.int64) * (q4.BLOCK_WORDS * NB) + b * q4.BLOCK_WORDS, [4, 4])
+        X = XQ + b * 64 + hs * 32
+        XDp = XD + b * 8 + hs * 4
+        XSp = XS + b * 16 + hs * 8
+        y = tl.sum(q4._dot_half(q4._load_half(W32 + off, q4._bc(hs, off)), hs, X, XDp, XSp, ASM), axis=1)
+        tl.store(Y + rows, y, mask=rm)
+
+
 def gemv(raw: torch.Tensor, x: torch.Tensor, rows: int, n: int, cfg: dict, xq: tuple | None = None) -> torch.Tensor:
     """raw uint8 [rows, row_bytes] Q4_K (16-byte aligned) times x float32 [1, n] rounded by triton_q8's
     rule -> float32 [1, rows]. xq: x̂ already made (``quantize_act(x)``'s tensors), else one launch here.
-    cfg: {"BR", "num_warps", "PF"} (triton_gemv.LAUNCH "gemv_q4k")."""
+    cfg: {"BR", "num_warps", "PF", "TILE"} (triton_gemv.LAUNCH "gemv_q4k")."""
     dev = x.device
     XQ, XD, XS = xq if xq is not None else t8.quantize_act(x.contiguous())
     pdl = qb.pdl(dev)
     Y = torch.empty((1, rows), dtype=torch.float32, device=dev)
     flat = raw.reshape(-1)
-    _gemv_kernel[(triton.cdiv(rows, cfg["BR"]),)](
+    kernel = _gemv_kernel_t if cfg.get("TILE") == "rows" else _gemv_kernel
+    kernel[(triton.cdiv(rows, cfg["BR"]),)](
         flat, flat.view(torch.int32), XQ, XD, XS, Y, rows, NB=n // 256, BR=cfg["BR"], ASM=t8.use_asm(dev), PDL=pdl,
         PF=qb.prefetch(pdl) * cfg.get("PF", 1), NT=32 * cfg["num_warps"], num_warps=cfg["num_warps"],
         **qb.launch_kw(pdl),

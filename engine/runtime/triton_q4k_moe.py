@@ -82,11 +82,20 @@ if triton is not None:
         return a0, b0, a1, b1
 
     @triton.jit
+    def _bc(x, like):
+        """x broadcast to the shape of ``like`` (nothing to do when they match)."""
+        return tl.broadcast_to(x, like.shape)
+
+    @triton.jit
     def _chain(w, x, acc, ASM: tl.constexpr):
-        """acc + dp4a over the 4 words of w, x [A, B, 4], one chain through the accumulate operand."""
+        """acc + dp4a over the 4 words of w [A, B, 4] and x (the same shape, or [1, B, 4]: activations shared by
+        the tile's rows), one chain through the accumulate operand."""
         w0, w1, w2, w3 = _w4(w)
         x0, x1, x2, x3 = _w4(x)
-        return _dp4a(w0, x0, _dp4a(w1, x1, _dp4a(w2, x2, _dp4a(w3, x3, acc, ASM), ASM), ASM), ASM)
+        d = _dp4a(w3, _bc(x3, w3), acc, ASM)
+        d = _dp4a(w2, _bc(x2, w2), d, ASM)
+        d = _dp4a(w1, _bc(x1, w1), d, ASM)
+        return _dp4a(w0, _bc(x0, w0), d, ASM)
 
     @triton.jit
     def _byte(w, J: tl.constexpr, ASM: tl.constexpr):
@@ -114,8 +123,9 @@ if triton is not None:
     @triton.jit
     def _dot_half(blk, hs, X, XDp, XSp, ASM: tl.constexpr):
         """Dot products [A, B] of the loaded halves blk (_load_half, halves hs) with their q8 activations:
-        X (int32 pointers [A, B] to the half's 32 XQ words), XDp (its 4 sub-block scales), XSp (its 8
-        16-sums). The two halves of a block sum to the whole block's product."""
+        X (int32 pointers to the half's 32 XQ words), XDp (its 4 sub-block scales), XSp (its 8 16-sums) —
+        pointers [A, B], or [1, B] when the tile's A rows share them (the [rows, half-blocks] tiles: loaded
+        once a thread). The two halves of a block sum to the whole block's product."""
         m = tl.arange(0, 4)[None, None, :]
         hdr0, s0, s1, s2 = _w4(blk[0])
         # get_scale_min_k4 of 4 sub-blocks at once: byte j of a word is sub-block j's (or 4 + j's) value
@@ -125,7 +135,8 @@ if triton is not None:
         dmin = ((hdr0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         dx = _w4(tl.load(XDp[:, :, None] + m))  # the 4 sub-blocks' activation scales
         ps = XSp[:, :, None] + m
-        sv = _w4(tl.load(ps)) + _w4(tl.load(ps + 4))  # their 8 16-sums
+        sa = _w4(tl.load(ps))  # the 16-sums of sub-blocks 0, 1 (two each) …
+        sz = _w4(tl.load(ps + 4))  # … and of sub-blocks 2, 3
         px = X[:, :, None] + m
         zi = tl.zeros(d.shape, dtype=tl.int32)
         alo = tl.zeros(d.shape, dtype=tl.float32)
@@ -143,11 +154,15 @@ if triton is not None:
             scb = _byte(scw, 2 * c + 1, ASM)
             mna = _byte(mnw, 2 * c, ASM)
             mnb = _byte(mnw, 2 * c + 1, ASM)
-            alo += (ia * sca).to(tl.float32) * dx[2 * c]
-            ahi += (ib * scb).to(tl.float32) * dx[2 * c + 1]
-            amn += mna.to(tl.float32) * (sv[4 * c] + sv[4 * c + 1]) + mnb.to(tl.float32) * (
-                sv[4 * c + 2] + sv[4 * c + 3]
-            )
+            alo += (ia * sca).to(tl.float32) * _bc(dx[2 * c], d)
+            ahi += (ib * scb).to(tl.float32) * _bc(dx[2 * c + 1], d)
+            if c == 0:
+                s_a = sa[0] + sa[1]
+                s_b = sa[2] + sa[3]
+            else:
+                s_a = sz[0] + sz[1]
+                s_b = sz[2] + sz[3]
+            amn += mna.to(tl.float32) * _bc(s_a, d) + mnb.to(tl.float32) * _bc(s_b, d)
         return d * (alo + ahi * 0.0625) - dmin * amn
 
     @triton.jit
@@ -225,6 +240,64 @@ if triton is not None:
         tl.store(Y + t * D + rows, y)
 
 
+    @triton.jit
+    def _gate_up_kernel_t(W32, SLOT, XQ, XD, XS, H, go, uo, F: tl.constexpr, K: tl.constexpr, NB: tl.constexpr,
+                          BR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        """:func:`_gate_up_kernel` with [rows, half-blocks] tiles (launch setting ``TILE: "rows"``): the
+        activation pointers [1, 2·NB] are shared by the tile's rows."""
+        qb.pdl_enter(PDL)
+        q = tl.program_id(1)
+        r0 = tl.program_id(0) * BR
+        slot = tl.load(SLOT + q)
+        rows = r0 + tl.arange(0, BR)
+        if slot >= 0:
+            t = q // K
+            e = tl.arange(0, 2 * NB)[None, :]
+            b = e // 2
+            hs = e % 2
+            off = tl.multiple_of(rows[:, None] * (BLOCK_WORDS * NB) + b * BLOCK_WORDS, [4, 4])
+            gb = _load_half(W32 + tl.multiple_of((slot + go) // 4, 4) + off, _bc(hs, off))
+            ub = _load_half(W32 + tl.multiple_of((slot + uo) // 4, 4) + off, _bc(hs, off))
+            X = XQ + t * (64 * NB) + b * 64 + hs * 32
+            XDp = XD + t * (8 * NB) + b * 8 + hs * 4
+            XSp = XS + t * (16 * NB) + b * 16 + hs * 8
+            g = tl.sum(_dot_half(gb, hs, X, XDp, XSp, ASM), axis=1)
+            u = tl.sum(_dot_half(ub, hs, X, XDp, XSp, ASM), axis=1)
+            h = g / (1.0 + tl.exp(-g)) * u  # ggml_swiglu_split
+        else:
+            h = tl.zeros([BR], dtype=tl.float32)
+        tl.store(H + q.to(tl.int64) * F + rows, h)
+
+    @triton.jit
+    def _down_kernel_t(W, W32, SLOT, HQ, HD, HS, WT, Y, do, D: tl.constexpr, K: tl.constexpr, NBF: tl.constexpr,
+                       BR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, NT: tl.constexpr):  # fmt: skip
+        """:func:`_down_kernel` with [rows, experts × half-block lanes] tiles (``TILE: "rows"``)."""
+        t = tl.program_id(1)
+        r0 = tl.program_id(0) * BR
+        RW: tl.constexpr = BLOCK_WORDS * NBF
+        if PF:
+            qb.prefetch_pairs(W, SLOT, t, 0, D, r0, do, RW * 4, K, K, BR, NT)
+        qb.pdl_enter(PDL)
+        rows = r0 + tl.arange(0, BR)
+        NL: tl.constexpr = triton.next_power_of_2(2 * NBF)
+        e = tl.arange(0, K * NL)[None, :]
+        lane = e % NL
+        lc = tl.minimum(lane, 2 * NBF - 1)
+        b = lc // 2
+        hv = lc % 2
+        q = t * K + e // NL
+        slot = tl.load(SLOT + q)
+        keep = (lane < 2 * NBF) & (slot >= 0)
+        wk = tl.load(WT + q)
+        P = W32 + (tl.multiple_of((tl.maximum(slot, 0) + do) // 4 + b * BLOCK_WORDS, [1, 4]) + rows[:, None] * RW)
+        X = HQ + q * (64 * NBF) + b * 64 + hv * 32
+        XDp = HD + q * (8 * NBF) + b * 8 + hv * 4
+        XSp = HS + q * (16 * NBF) + b * 16 + hv * 8
+        v = _dot_half(_load_half(P, _bc(hv, P)), hv, X, XDp, XSp, ASM)
+        y = tl.sum(tl.where(keep, v * wk, 0.0), axis=1)
+        tl.store(Y + t * D + rows, y)
+
+
 def gate_up(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, roles: dict, K: int, cfg: dict,
             xq: tuple | None = None) -> torch.Tensor:  # fmt: skip
     """h = SiLU(gate·x̂) · (up·x̂) float32 [T·K, F] of the pairs at byte offsets ``slots`` [T·K] (−1: h = 0),
@@ -237,7 +310,8 @@ def gate_up(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, roles: dic
     pdl = qb.pdl(dev)
     XQ, XD, XS = xq if xq is not None else t8.quantize_act(x.contiguous())
     H = torch.empty((slots.numel(), F), dtype=torch.float32, device=dev)
-    _gate_up_kernel[(F // cfg["BR"], slots.numel())](
+    kernel = _gate_up_kernel_t if cfg.get("TILE") == "rows" else _gate_up_kernel
+    kernel[(F // cfg["BR"], slots.numel())](
         pool.reshape(-1).view(torch.int32), slots, XQ, XD, XS, H, go, uo, F=F, K=K, NB=D // QK, BR=cfg["BR"],
         ASM=t8.use_asm(dev), PDL=pdl, num_warps=cfg["num_warps"], **qb.launch_kw(pdl),
     )  # fmt: skip
@@ -257,7 +331,8 @@ def down(pool: torch.Tensor, slots: torch.Tensor, H: torch.Tensor, weights: torc
     HQ, HD, HS = t8.quantize_act(H)
     pool = pool.reshape(-1)
     Y = torch.empty((T, D), dtype=torch.float32, device=dev)
-    _down_kernel[(D // cfg["BR"], T)](
+    kernel = _down_kernel_t if cfg.get("TILE") == "rows" else _down_kernel
+    kernel[(D // cfg["BR"], T)](
         pool, pool.view(torch.int32), slots, HQ, HD, HS, weights.to(torch.float32).contiguous(), Y, do, D=D, K=K,
         NBF=F // QK, BR=cfg["BR"], ASM=t8.use_asm(dev), PDL=pdl, PF=qb.prefetch(pdl) * cfg.get("PF", 1), NT=32 * cfg["num_warps"],
         num_warps=cfg["num_warps"], **qb.launch_kw(pdl),

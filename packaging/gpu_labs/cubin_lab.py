@@ -25,27 +25,33 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 S_GU = {"W32": "*i32", "SLOT": "*i64", "XQ": "*i32", "XD": "*fp32", "XS": "*fp32", "H": "*fp32", "go": "i32",
         "uo": "i32"}  # fmt: skip
-S_DN = {"W32": "*i32", "SLOT": "*i64", "HQ": "*i32", "HD": "*fp32", "HS": "*fp32", "WT": "*fp32", "Y": "*fp32",
-        "do": "i32"}  # fmt: skip
-# label -> (module, kernel, signature, constexprs, warps); the shapes of the bench's moe workload (30B-A3B)
+S_DN = {"W": "*u8", "W32": "*i32", "SLOT": "*i64", "HQ": "*i32", "HD": "*fp32", "HS": "*fp32", "WT": "*fp32",
+        "Y": "*fp32", "do": "i32"}  # fmt: skip
+S_GV = {"W": "*u8", "W32": "*i32", "XQ": "*i32", "XD": "*fp32", "XS": "*fp32", "Y": "*fp32", "R": "i32"}
+# the engine's kernels, both tile orientations (TILE "halves": [half-blocks, rows]; "rows": [rows, half-blocks]),
+# at the bench's shapes (30B-A3B: experts F 768, D 2048; trunk q [4096, 2048], o [2048, 4096])
 GU_CFGS = ((8, 2), (16, 4), (16, 2), (32, 4), (8, 4))
 DN_CFGS = ((4, 1), (4, 2), (8, 2), (8, 4), (2, 1), (16, 4))
+GV_CFGS = ((8, 2), (16, 4), (8, 4), (16, 2), (4, 1))
+TRUNK = {"q": (4096, 2048), "o": (2048, 4096)}
 
 
 def kernels():
-    import moe_rows
-
+    from engine.runtime import triton_q4k_gemv as g4
     from engine.runtime import triton_q4k_moe as q4
 
     out = {}
-    for br, wp in GU_CFGS:
-        c = dict(F=768, K=8, NB=8, BR=br, ASM=True, PDL=0)
-        out[f"engine_gu_{br}_{wp}"] = (q4._gate_up_kernel, S_GU, c, wp)
-        out[f"rows_gu_{br}_{wp}"] = (moe_rows.gate_up_kernel, S_GU, c, wp)
-    for br, wp in DN_CFGS:
-        c = dict(D=2048, K=8, NBF=3, BR=br, ASM=True, PDL=0)
-        out[f"engine_dn_{br}_{wp}"] = (q4._down_kernel, {"W": "*u8", **S_DN}, {**c, "PF": 0, "NT": 32 * wp}, wp)
-        out[f"rows_dn_{br}_{wp}"] = (moe_rows.down_kernel, S_DN, c, wp)
+    for kind, gu, dn, gv in (("halves", q4._gate_up_kernel, q4._down_kernel, g4._gemv_kernel),
+                             ("rows", q4._gate_up_kernel_t, q4._down_kernel_t, g4._gemv_kernel_t)):  # fmt: skip
+        for br, wp in GU_CFGS:
+            out[f"{kind}_gu_{br}_{wp}"] = (gu, S_GU, dict(F=768, K=8, NB=8, BR=br, ASM=True, PDL=0), wp)
+        for br, wp in DN_CFGS:
+            c = dict(D=2048, K=8, NBF=3, BR=br, ASM=True, PDL=0, PF=0, NT=32 * wp)
+            out[f"{kind}_dn_{br}_{wp}"] = (dn, S_DN, c, wp)
+        for m, (rows, n) in TRUNK.items():
+            for br, wp in GV_CFGS:
+                c = dict(NB=n // 256, BR=br, ASM=True, PDL=0, PF=0, NT=32 * wp)
+                out[f"{kind}_{m}_{br}_{wp}"] = (gv, S_GV, c, wp)
     return out
 
 
@@ -58,7 +64,8 @@ def export():
     os.makedirs(out, exist_ok=True)
     for label, (fn, sig, const, warps) in kernels().items():
         full = {**sig, **{k: "constexpr" for k in const}}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(full.values()) if t.startswith("*")}
+        # what the JIT specialises for the bench's arguments: pointers and integers divisible by 16
+        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(full.values()) if t[0] in "*i"}
         k = triton.compile(ASTSource(fn, full, const, attrs), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": warps})  # fmt: skip
         ptx = k.asm["ptx"]
@@ -70,7 +77,7 @@ def export():
                  "user_params": len(sig), "triton": triton.__version__}  # fmt: skip
         with open(os.path.join(out, label + ".json"), "w") as f:
             json.dump(facts, f)
-        print(label, facts, flush=True)
+    print(f"Triton {triton.__version__}: {len(kernels())} kernels exported to {out}", flush=True)
 
 
 class Cubin:
@@ -97,10 +104,13 @@ class Cubin:
 def run():
     os.environ["SHARPI_PDL"] = "0"
     import moe_half
-    import moe_rows
     import torch
 
+    from engine.bench import device_kernels as dk
+    from engine.quant.formats import QType
+    from engine.runtime import triton_q4k_gemv as g4
     from engine.runtime import triton_q4k_moe as q4
+    from engine.runtime import triton_q8 as t8
 
     bw, K, F, D, nbytes, gu_bytes, dn_bytes, pool, roles, offs, x, w, xq, hq, frac, graph = moe_half.chain_setup()
     (go, _, _, _), (uo, _, _, _), (do, _, _, _) = roles["gate"], roles["up"], roles["down"]
@@ -118,43 +128,75 @@ def run():
 
     def dn(v, kind, o, br, wp):
         Y = torch.empty((1, D), dtype=torch.float32, device="cuda")
-        pre = (flat,) if kind == "engine" else ()
-        built[v, f"{kind}_dn_{br}_{wp}"]((D // br, 1), *pre, w32, o, *hq, wt, Y, do)
+        built[v, f"{kind}_dn_{br}_{wp}"]((D // br, 1), flat, w32, o, *hq, wt, Y, do)
         return Y
 
-    # parity against the box's JIT build of the engine's kernels (the same arithmetic; < 1e-6)
+    def gv(v, kind, m, raw, xqm, br, wp):
+        rows = TRUNK[m][0]
+        Y = torch.empty((1, rows), dtype=torch.float32, device="cuda")
+        f = raw.reshape(-1)
+        built[v, f"{kind}_{m}_{br}_{wp}"](((rows + br - 1) // br,), f, f.view(torch.int32), *xqm, Y, rows)
+        return Y
+
+    trunk = {}
+    for m, (rows, n) in TRUNK.items():
+        copies = max(48, -(-dk.GB // (rows * n // 256 * 144)))
+        xm = torch.randn(1, n, device="cuda")
+        trunk[m] = (dk.random_matrix(QType.Q4_K, rows, n, copies), t8.quantize_act(xm), xm)
+
+    # parity against the box's JIT build of the engine's halves kernels (the same arithmetic; < 1e-6)
     o = offs[0]
     ref_h = q4.gate_up(pool, o, x, roles, K, {"BR": 8, "num_warps": 2}, xq)
     ref_y = moe_half.down(pool, o, hq, w, roles, K, 4, 1)
+    ref_t = {m: g4.gemv(mats[0], xm, *TRUNK[m], {"BR": 8, "num_warps": 2, "PF": 0}, xqm)
+             for m, (mats, xqm, xm) in trunk.items()}  # fmt: skip
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
     for v in versions:
-        for kind in ("engine", "rows"):
+        for kind in ("halves", "rows"):
             for br, wp in GU_CFGS:
-                h = gu(v, kind, o, br, wp)
-                assert ((h - ref_h).norm() / ref_h.norm()).item() < 1e-6, (v, kind, br, wp)
+                assert rel(gu(v, kind, o, br, wp), ref_h) < 1e-6, (v, kind, "gu", br, wp)
             for br, wp in DN_CFGS:
-                y = dn(v, kind, o, br, wp)
-                assert ((y - ref_y).norm() / ref_y.norm()).item() < 1e-6, (v, kind, br, wp)
+                assert rel(dn(v, kind, o, br, wp), ref_y) < 1e-6, (v, kind, "dn", br, wp)
+            for m, (mats, xqm, _) in trunk.items():
+                for br, wp in GV_CFGS:
+                    assert rel(gv(v, kind, m, mats[0], xqm, br, wp), ref_t[m]) < 1e-6, (v, kind, m, br, wp)
+    # and the box's JIT of the engine's rows kernels (this checkout's triton_q4k_moe / _gemv)
+    assert rel(q4.gate_up(pool, o, x, roles, K, {"BR": 16, "num_warps": 4, "TILE": "rows"}, xq), ref_h) < 1e-6
+    want = q4.down(pool, o, ref_h, w, roles, K, {"BR": 4, "num_warps": 1, "PF": 0})
+    assert rel(q4.down(pool, o, ref_h, w, roles, K, {"BR": 8, "num_warps": 4, "PF": 0, "TILE": "rows"}), want) < 1e-6
+    for m, (mats, xqm, xm) in trunk.items():
+        got = g4.gemv(mats[0], xm, *TRUNK[m], {"BR": 16, "num_warps": 4, "PF": 1, "TILE": "rows"}, xqm)
+        assert rel(got, ref_t[m]) < 1e-6, m
     torch.cuda.synchronize()
-    print("parity: every exported kernel matches the box's build of the engine's (< 1e-6)", flush=True)
+    print("parity: every exported kernel and the box's rows kernels match the engine's halves kernels (< 1e-6)",
+          flush=True)  # fmt: skip
 
-    us = graph([lambda o=o: moe_half.gate_up(pool, o, x, xq, roles, K, 8, 2) for o in offs])
-    print(f"box JIT: gate/up 8,2 engine tiles {frac(us, gu_bytes)}", flush=True)
-    us = graph([lambda o=o: moe_half.down(pool, o, hq, w, roles, K, 4, 1) for o in offs])
-    print(f"box JIT: down 4,1 engine tiles    {frac(us, dn_bytes)}", flush=True)
-    tiles = {"engine": "halves×rows", "rows": "rows×halves"}
-    for v in versions:
-        for kind in ("engine", "rows"):
-            line = []
-            for br, wp in GU_CFGS:
-                us = graph([lambda o=o: gu(v, kind, o, br, wp) for o in offs])
-                line.append(f"{br},{wp} {us:5.2f}")
-            print(f"Triton {v} gate/up {tiles[kind]}: " + " | ".join(line), flush=True)
-        for kind in ("engine", "rows"):
-            line = []
-            for br, wp in DN_CFGS:
-                us = graph([lambda o=o: dn(v, kind, o, br, wp) for o in offs])
-                line.append(f"{br},{wp} {us:5.2f}")
-            print(f"Triton {v} down {tiles[kind]}: " + " | ".join(line), flush=True)
+    reps = int(os.environ.get("REPS", "1"))
+    for rep in range(reps):
+        us = graph([lambda o=o: moe_half.gate_up(pool, o, x, xq, roles, K, 8, 2) for o in offs])
+        print(f"[{rep}] box JIT: gate/up 8,2 halves {frac(us, gu_bytes)}", flush=True)
+        us = graph([lambda o=o: moe_half.down(pool, o, hq, w, roles, K, 4, 1) for o in offs])
+        print(f"[{rep}] box JIT: down 4,1 halves    {frac(us, dn_bytes)}", flush=True)
+        for v in versions:
+            for kind in ("halves", "rows"):
+                line = []
+                for br, wp in GU_CFGS:
+                    us = graph([lambda o=o: gu(v, kind, o, br, wp) for o in offs])
+                    line.append(f"{br},{wp} {us:5.2f}")
+                print(f"[{rep}] Triton {v} gate/up {kind:6s}: " + " | ".join(line), flush=True)
+            for kind in ("halves", "rows"):
+                line = []
+                for br, wp in DN_CFGS:
+                    us = graph([lambda o=o: dn(v, kind, o, br, wp) for o in offs])
+                    line.append(f"{br},{wp} {us:5.2f}")
+                print(f"[{rep}] Triton {v} down {kind:6s}: " + " | ".join(line), flush=True)
+            for m, (mats, xqm, _) in trunk.items():
+                for kind in ("halves", "rows"):
+                    line = []
+                    for br, wp in GV_CFGS:
+                        us = graph([lambda r=r: gv(v, kind, m, r, xqm, br, wp) for r in mats])
+                        line.append(f"{br},{wp} {us:5.2f}")
+                    print(f"[{rep}] Triton {v} {m} {kind:6s}: " + " | ".join(line), flush=True)
 
 
 if __name__ == "__main__":

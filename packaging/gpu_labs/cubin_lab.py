@@ -140,7 +140,7 @@ def run():
 
     trunk = {}
     for m, (rows, n) in TRUNK.items():
-        copies = max(48, -(-dk.GB // (rows * n // 256 * 144)))
+        copies = max(48, int(-(-dk.GB // (rows * n // 256 * 144))))
         xm = torch.randn(1, n, device="cuda")
         trunk[m] = (dk.random_matrix(QType.Q4_K, rows, n, copies), t8.quantize_act(xm), xm)
 

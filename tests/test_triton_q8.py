@@ -243,3 +243,61 @@ def test_trunk_act_and_the_small_matrix_rule(monkeypatch):
     lin(x)
     lin(x, (x, x, x))
     assert seen == [lin.raw.numel(), None]
+
+
+TILE_SCRIPT = r"""
+import numpy as np, torch
+from engine.quant import QType
+from engine.runtime import triton_q4k_gemv as g4, triton_q4k_moe as m4, triton_q8 as t8, triton_q8_moe as m8
+from engine.runtime import triton_q8_gemv as q8g
+from tests.triton_data import blocks, expert_pool, routing_case
+rng = np.random.default_rng(21)
+Q = QType.Q4_K
+rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+pool, stride, roles = expert_pool((Q, Q, Q), 256, 512, 3, "cpu", rng)
+for T in (1, 2):
+    slot_off, x, w = routing_case(T, 2, 3, 512, stride, "cpu", rng)
+    slot_off[0, 1] = -1  # a skipped pair
+    slots = slot_off.reshape(-1).contiguous()
+    ref = m8.moe_decode_q8_reference(pool, slot_off, x, w, roles)
+    for tile in ("halves", "rows"):
+        H = m4.gate_up(pool, slots, x, roles, 2, {"BR": 64, "num_warps": 4, "TILE": tile})
+        assert (H[1] == 0).all(), (tile, "skipped pair")
+        y = m4.down(pool, slots, H, w, roles, 2, {"BR": 64, "num_warps": 4, "PF": 0, "TILE": tile})
+        assert rel(y, ref) < 1e-5, (tile, T, rel(y, ref))
+raw = blocks(Q, 40, 512, "cpu", rng)  # 40 rows: the last tile is partial
+x = torch.from_numpy(rng.standard_normal((1, 512)).astype(np.float32))
+ref = q8g.matmul_q8_reference(raw, x, Q, 40, 512)
+for tile in ("halves", "rows"):
+    y = g4.gemv(raw, x, 40, 512, {"BR": 16, "num_warps": 4, "PF": 0, "TILE": tile})
+    assert rel(y, ref) < 1e-5, (tile, "gemv", rel(y, ref))
+print("ok")
+"""
+
+
+def test_q4k_tiles_of_both_orientations_match_the_reference_in_the_interpreter():
+    """triton_q4k_moe / triton_q4k_gemv take [half-blocks, rows] or [rows, half-blocks] tiles (launch setting
+    TILE; which one is fast depends on the Triton that compiles them): both give the q8 reference's result,
+    skipped pairs and a partial last row tile included."""
+    assert run_script(TILE_SCRIPT, [], dict(os.environ, TRITON_INTERPRET="1")).strip().endswith("ok")
+
+
+def test_launch_settings_follow_the_installed_triton(monkeypatch):
+    """LAUNCH_BY_TRITON: the newest entry not newer than the installed Triton applies, none before 3.7; a GPU's
+    own table still comes first and the default fills what the version table leaves out."""
+    from engine.quant.formats import QType
+    from engine.runtime import triton_gemv as tg
+    from engine.runtime import triton_moe  # noqa: F401  (registers the MoE kernels' defaults)
+
+    assert tg.triton_table((3, 6)) == {}
+    assert tg.triton_table((3, 7)) is tg.LAUNCH_BY_TRITON[(3, 7)]
+    assert tg.triton_table((3, 10)) is tg.LAUNCH_BY_TRITON[max(tg.LAUNCH_BY_TRITON)]
+    assert tg.triton_table((4, 0)) is tg.LAUNCH_BY_TRITON[max(tg.LAUNCH_BY_TRITON)]
+    monkeypatch.setattr(tg, "triton_version", lambda: (3, 6))
+    assert "TILE" not in tg.launch("moe_q4k_gate_up", QType.Q4_K, 6144)
+    monkeypatch.setattr(tg, "triton_version", lambda: (3, 9))
+    assert tg.launch("moe_q4k_gate_up", QType.Q4_K, 6144)["TILE"] == "rows"
+    assert tg.launch("gemv_q4k", QType.Q4_K, 4096) == tg.LAUNCH_BY_TRITON[(3, 9)]["gemv_q4k:*:M"]
+    assert tg.launch("gemv_q4k", QType.Q4_K, 512) == tg.LAUNCH["default"]["gemv_q4k:*:*"]  # no S entry
+    monkeypatch.setitem(tg.LAUNCH, "Some GPU", {"moe_q4k_gate_up:*:*": {"BR": 4, "num_warps": 1}})
+    assert tg.launch("moe_q4k_gate_up", QType.Q4_K, 6144, "Some GPU") == {"BR": 4, "num_warps": 1}

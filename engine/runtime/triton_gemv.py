@@ -73,6 +73,45 @@ LAUNCH: dict[str, dict[str, dict[str, int]]] = {
 }
 LAUNCH.update(json.loads((Path(__file__).with_name("triton_launch.json")).read_text()))
 
+# Settings that depend on the Triton that compiles the kernels, over LAUNCH["default"] (a GPU's own table still
+# comes first): the newest entry not newer than the installed Triton applies; none below 3.7, whose layouts the
+# default was tuned under. Triton 3.7 swapped the blocked layouts the Q4_K half-block kernels' tiles get
+# (triton_q4k_moe's docstring), so from 3.7 the MoE gate/up takes the [rows, half-blocks] tiles ("TILE": "rows")
+# and the down and trunk settings move. H100, each version's sm_90 build of these kernels launched from its
+# cubin beside the others (packaging/gpu_labs/cubin_lab.py, no PDL; docs/benchmarks-gpu.md, session 10).
+LAUNCH_BY_TRITON: dict[tuple[int, int], dict[str, dict]] = {
+    (3, 7): {
+        "moe_q4k_gate_up:*:*": {"BR": 16, "num_warps": 4, "TILE": "rows"},  # 8.3 µs against 9.4 (8 × 2 halves)
+        "moe_q4k_down:*:*": {"BR": 8, "num_warps": 2, "PF": 0},  # 6.55 against 6.8 (4 × 1)
+        "gemv_q4k:*:M": {"BR": 8, "num_warps": 4, "PF": 1},  # q 4.7 against 4.9, o 5.0 against 6.3
+    },
+    (3, 8): {
+        "moe_q4k_gate_up:*:*": {"BR": 16, "num_warps": 4, "TILE": "rows"},  # 8.3 against 8.9
+        "moe_q4k_down:*:*": {"BR": 4, "num_warps": 2, "PF": 0, "TILE": "rows"},  # 6.3 against 6.8
+        "gemv_q4k:*:M": {"BR": 8, "num_warps": 4, "PF": 1},  # q 4.6 against 4.6, o 4.7 against 5.9
+    },
+    (3, 9): {
+        "moe_q4k_gate_up:*:*": {"BR": 16, "num_warps": 4, "TILE": "rows"},  # 8.0 against 9.2
+        "moe_q4k_down:*:*": {"BR": 16, "num_warps": 4, "PF": 0, "TILE": "rows"},  # 6.5 against 6.9
+        "gemv_q4k:*:M": {"BR": 8, "num_warps": 4, "PF": 1},  # q 4.6 against 4.6, o 4.7 against 5.9
+    },
+}
+
+
+def triton_version() -> tuple[int, int]:
+    """(major, minor) of the installed Triton; (0, 0) without one."""
+    if triton is None:
+        return (0, 0)
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def triton_table(version: tuple[int, int] | None = None) -> dict[str, dict]:
+    """The LAUNCH_BY_TRITON entry for ``version`` (default: the installed Triton's), or {}."""
+    v = triton_version() if version is None else version
+    known = [k for k in LAUNCH_BY_TRITON if k <= v]
+    return LAUNCH_BY_TRITON[max(known)] if known else {}
+
 
 ENV_ACT = "SHARPI_DEVICE_ACT"
 ACT_MODES = ("q8", "f32")
@@ -134,10 +173,11 @@ def shape_class(out_rows: int) -> str:
 
 
 def launch(kernel: str, qtype: QType, out_rows: int, device_name: str = "") -> dict[str, int]:
-    """The launch settings for ``kernel`` on ``qtype`` computing ``out_rows`` rows (see LAUNCH)."""
+    """The launch settings for ``kernel`` on ``qtype`` computing ``out_rows`` rows (see LAUNCH): the GPU's
+    table, then the installed Triton's (LAUNCH_BY_TRITON), then the default."""
     cls, name = shape_class(out_rows), QType(qtype).name
     keys = (f"{kernel}:{name}:{cls}", f"{kernel}:{name}:*", f"{kernel}:*:{cls}", f"{kernel}:*:*")
-    for table in (LAUNCH.get(device_name, {}), LAUNCH["default"]):
+    for table in (LAUNCH.get(device_name, {}), triton_table(), LAUNCH["default"]):
         for k in keys:
             if k in table:
                 return dict(table[k])

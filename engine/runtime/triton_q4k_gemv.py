@@ -11,7 +11,8 @@ H100 (``packaging/gpu_labs/q4k_half_gemv.py``, x̂ given): q [4096, 2048] 3.8 µ
 exact-float GEMV, o [2048, 4096] 4.1 against 6.6, k/v [512, 2048] 2.0 against 2.2.
 
 Grid (rows / BR,): a program walks whole rows, [2·NB, BR] tiles with a row's half-blocks on the fastest
-lanes (the row's sum stays in the warp). PF: the program's rows are prefetched into L2 before the PDL
+lanes (the row's sum stays in the warp); ``TILE: "rows"`` takes [BR, 2·NB] tiles (:func:`_gemv_kernel_t`,
+the orientation triton_q4k_moe's docstring explains). PF: the program's rows are prefetched into L2 before the PDL
 wait (a trunk matrix's bytes are constant).
 """
 
@@ -61,7 +62,6 @@ if triton is not None:
         XSp = XS + (zp + (b * 16 + (e % 2) * 8)[:, None])
         y = tl.sum(q4._dot_half(q4._load_half(W32 + off, hs), hs, X, XDp, XSp, ASM), axis=0)
         tl.store(Y + rows, y, mask=rm)
-
 
     @triton.jit
     def _gemv_kernel_t(W, W32, XQ, XD, XS, Y, R, NB: tl.constexpr, BR: tl.constexpr, ASM: tl.constexpr,

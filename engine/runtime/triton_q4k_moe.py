@@ -24,10 +24,14 @@ gate/up kernel):
 - dp4a runs as chains through its accumulate operand (inline PTX; the interpreter runs the same
   arithmetic in plain Triton); the integer sum of a sub-block is scaled by its integer scale
   before it becomes a float, and d and dmin come in once a half.
-The tile orientation ([half-blocks, rows]) was chosen under Triton 3.6, whose blocked layout then gives
-a thread several rows at one half-block (activations loaded once, a row's sum in its warp: 78 registers,
-32 loads, 1 barrier at 8 rows × 2 warps). Triton 3.9 lays the same tiles out the other way (43 loads, 3–7
-barriers); ``packaging/gpu_labs/moe_rows.py --sass`` counts both offline (docs/benchmarks-gpu.md, session 9).
+Two tile orientations, the launch setting ``TILE``: [half-blocks, rows] (the default, :func:`_gate_up_kernel`,
+:func:`_down_kernel`) and [rows, half-blocks] (``"rows"``: :func:`_gate_up_kernel_t`, :func:`_down_kernel_t`).
+Triton picks a tile's blocked layout, and Triton 3.7 swapped it for these tiles: under 3.6 the first gives a
+thread several rows at one half-block (activations loaded once, a row's sum in its warp: 78 registers, 32
+loads, 1 barrier at 8 rows × 2 warps); from 3.7 the second does (80 / 32 / 1 at 16 × 4) and the first
+compiles to 43 loads and 3–7 barriers. ``triton_gemv.LAUNCH_BY_TRITON`` picks by the installed Triton,
+measured on the H100 with each version's cubins (``packaging/gpu_labs/cubin_lab.py``; docs/benchmarks-gpu.md,
+session 10); ``packaging/gpu_labs/moe_rows.py --sass`` counts what a Triton compiles, offline.
 A skipped pair (slot offset −1) gets h = 0 from the gate/up kernel; the down kernel reads slot 0's
 rows for it and drops that half's product with a select (never multiplied: slot 0 may hold junk).
 """
@@ -238,7 +242,6 @@ if triton is not None:
         v = _dot_half(_load_half(P, hs), hs, X, XDp, XSp, ASM)
         y = tl.sum(tl.where(keep[:, None], v * wk[:, None], 0.0), axis=0)
         tl.store(Y + t * D + rows, y)
-
 
     @triton.jit
     def _gate_up_kernel_t(W32, SLOT, XQ, XD, XS, H, go, uo, F: tl.constexpr, K: tl.constexpr, NB: tl.constexpr,

@@ -48,7 +48,7 @@ def kernels():
         for br, wp in DN_CFGS:
             c = dict(D=2048, K=8, NBF=3, BR=br, ASM=True, PDL=0, PF=0, NT=32 * wp)
             out[f"{kind}_dn_{br}_{wp}"] = (dn, S_DN, c, wp)
-        for m, (rows, n) in TRUNK.items():
+        for m, (_, n) in TRUNK.items():
             for br, wp in GV_CFGS:
                 c = dict(NB=n // 256, BR=br, ASM=True, PDL=0, PF=0, NT=32 * wp)
                 out[f"{kind}_{m}_{br}_{wp}"] = (gv, S_GV, c, wp)

@@ -10,7 +10,8 @@ between Triton versions (``--sass`` counts the sm_90 code offline with Triton's 
   43 loads and 3 barriers, these to 80 / 32 / 1 at 16 × 4 warps.
 
 Measured on the H100 (Triton 3.6, 2026-11-22, docs/benchmarks-gpu.md "Session 9"): these tiles lose there
-(gate/up 8.27 µs at best against 8.01, down 6.97 against 5.45, whole call 16.49 against 14.21 µs).
+(gate/up 8.27 µs at best against 8.01, down 6.97 against 5.45, whole call 16.49 against 14.21 µs). Under
+Triton 3.7–3.9 they win (session 10, cubin_lab.py) and are the engine's default there.
 Same arithmetic, same results (parity < 1e-6 with the engine's kernels).
 
   TRITON_INTERPRET=1 PYTHONPATH=. python3 packaging/gpu_labs/moe_rows.py      # parity, no GPU
@@ -26,7 +27,6 @@ import sys
 import numpy as np
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_half import cfgs  # noqa: E402  ("a,b,... a,b,..." launch settings from $var)
@@ -37,122 +37,12 @@ from engine.runtime import triton_q8 as t8  # noqa: E402
 from engine.runtime import triton_qblocks as qb  # noqa: E402
 
 Q = QType.Q4_K
-BW = tl.constexpr(36)  # int32 words a Q4_K block
 
 
-@triton.jit
-def _bc(x, like):
-    """x broadcast to the shape of ``like``."""
-    return tl.broadcast_to(x, like.shape)
-
-
-@triton.jit
-def _chain_b(w, x, acc, ASM: tl.constexpr):
-    """q4._chain with x [1, B, 4] broadcast over w's rows [A, B, 4]."""
-    w0, w1, w2, w3 = q4._w4(w)
-    x0, x1, x2, x3 = q4._w4(x)
-    d = q4._dp4a(w3, _bc(x3, w3), acc, ASM)
-    d = q4._dp4a(w2, _bc(x2, w2), d, ASM)
-    d = q4._dp4a(w1, _bc(x1, w1), d, ASM)
-    return q4._dp4a(w0, _bc(x0, w0), d, ASM)
-
-
-@triton.jit
-def _dot_half_b(blk, hs, X, XDp, XSp, ASM: tl.constexpr):
-    """q4._dot_half with the activation pointers X, XDp, XSp [1, B] (shared by the tile's rows)."""
-    m = tl.arange(0, 4)[None, None, :]
-    hdr0, s0, s1, s2 = q4._w4(blk[0])
-    scw = tl.where(hs == 0, s0 & 0x3F3F3F3F, (s2 & 0x0F0F0F0F) | ((s0 >> 2) & 0x30303030))
-    mnw = tl.where(hs == 0, s1 & 0x3F3F3F3F, ((s2 >> 4) & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030))
-    d = (hdr0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    dmin = ((hdr0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    dx = q4._w4(tl.load(XDp[:, :, None] + m))
-    ps = XSp[:, :, None] + m
-    sa = q4._w4(tl.load(ps))
-    sz = q4._w4(tl.load(ps + 4))
-    px = X[:, :, None] + m
-    zi = tl.zeros(d.shape, dtype=tl.int32)
-    alo = tl.zeros(d.shape, dtype=tl.float32)
-    ahi = tl.zeros(d.shape, dtype=tl.float32)
-    amn = tl.zeros(d.shape, dtype=tl.float32)
-    for c in tl.static_range(2):
-        qa = blk[1 + 2 * c]
-        qz = blk[2 + 2 * c]
-        ia = _chain_b(qa & 0x0F0F0F0F, tl.load(px + 16 * c), zi, ASM)
-        ia = _chain_b(qz & 0x0F0F0F0F, tl.load(px + (16 * c + 4)), ia, ASM)
-        ib = _chain_b(qa & -0x0F0F0F10, tl.load(px + (16 * c + 8)), zi, ASM)
-        ib = _chain_b(qz & -0x0F0F0F10, tl.load(px + (16 * c + 12)), ib, ASM)
-        sca = q4._byte(scw, 2 * c, ASM)
-        scb = q4._byte(scw, 2 * c + 1, ASM)
-        mna = q4._byte(mnw, 2 * c, ASM)
-        mnb = q4._byte(mnw, 2 * c + 1, ASM)
-        alo += (ia * sca).to(tl.float32) * _bc(dx[2 * c], d)
-        ahi += (ib * scb).to(tl.float32) * _bc(dx[2 * c + 1], d)
-        # sv[4c] + sv[4c+1] etc.: the 16-sums of sub-blocks 2c, 2c+1 (q4._dot_half's sv order)
-        if c == 0:
-            s_a = sa[0] + sa[1]
-            s_b = sa[2] + sa[3]
-        else:
-            s_a = sz[0] + sz[1]
-            s_b = sz[2] + sz[3]
-        amn += mna.to(tl.float32) * _bc(s_a, d) + mnb.to(tl.float32) * _bc(s_b, d)
-    return d * (alo + ahi * 0.0625) - dmin * amn
-
-
-@triton.jit
-def gate_up_kernel(W32, SLOT, XQ, XD, XS, H, go, uo, F: tl.constexpr, K: tl.constexpr, NB: tl.constexpr,
-                   BR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """triton_q4k_moe._gate_up_kernel with [rows, half-blocks] tiles."""
-    qb.pdl_enter(PDL)
-    q = tl.program_id(1)
-    r0 = tl.program_id(0) * BR
-    slot = tl.load(SLOT + q)
-    rows = r0 + tl.arange(0, BR)
-    if slot >= 0:
-        t = q // K
-        e = tl.arange(0, 2 * NB)[None, :]
-        b = e // 2
-        hs = e % 2
-        off = tl.multiple_of(rows[:, None] * (BW * NB) + b * BW, [4, 4])
-        gb = q4._load_half(W32 + tl.multiple_of((slot + go) // 4, 4) + off, _bc(hs, off))
-        ub = q4._load_half(W32 + tl.multiple_of((slot + uo) // 4, 4) + off, _bc(hs, off))
-        X = XQ + t * (64 * NB) + b * 64 + hs * 32
-        XDp = XD + t * (8 * NB) + b * 8 + hs * 4
-        XSp = XS + t * (16 * NB) + b * 16 + hs * 8
-        g = tl.sum(_dot_half_b(gb, hs, X, XDp, XSp, ASM), axis=1)
-        u = tl.sum(_dot_half_b(ub, hs, X, XDp, XSp, ASM), axis=1)
-        h = g / (1.0 + tl.exp(-g)) * u
-    else:
-        h = tl.zeros([BR], dtype=tl.float32)
-    tl.store(H + q.to(tl.int64) * F + rows, h)
-
-
-@triton.jit
-def down_kernel(W32, SLOT, HQ, HD, HS, WT, Y, do, D: tl.constexpr, K: tl.constexpr, NBF: tl.constexpr,
-                BR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """triton_q4k_moe._down_kernel with [rows, experts × half-block lanes] tiles."""
-    qb.pdl_enter(PDL)
-    t = tl.program_id(1)
-    r0 = tl.program_id(0) * BR
-    RW: tl.constexpr = BW * NBF
-    rows = r0 + tl.arange(0, BR)
-    NL: tl.constexpr = triton.next_power_of_2(2 * NBF)
-    e = tl.arange(0, K * NL)[None, :]
-    lane = e % NL
-    lc = tl.minimum(lane, 2 * NBF - 1)
-    b = lc // 2
-    hv = lc % 2
-    q = t * K + e // NL
-    slot = tl.load(SLOT + q)
-    keep = (lane < 2 * NBF) & (slot >= 0)
-    wk = tl.load(WT + q)
-    P = W32 + (tl.multiple_of((tl.maximum(slot, 0) + do) // 4 + b * BW, [1, 4]) + rows[:, None] * RW)
-    X = HQ + q * (64 * NBF) + b * 64 + hv * 32
-    XDp = HD + q * (8 * NBF) + b * 8 + hv * 4
-    XSp = HS + q * (16 * NBF) + b * 16 + hv * 8
-    v = _dot_half_b(q4._load_half(P, _bc(hv, P)), hv, X, XDp, XSp, ASM)
-    y = tl.sum(tl.where(keep, v * wk, 0.0), axis=1)
-    tl.store(Y + t * D + rows, y)
+# The kernels are the engine's now (session 10): triton_q4k_moe._gate_up_kernel_t / _down_kernel_t, launch
+# setting TILE "rows" — the default from Triton 3.7 on (triton_gemv.LAUNCH_BY_TRITON).
+gate_up_kernel = q4._gate_up_kernel_t
+down_kernel = q4._down_kernel_t
 
 
 def gate_up(pool, slots, xq, roles, K, BR, warps):
@@ -175,9 +65,10 @@ def down(pool, slots, hq, weights, roles, K, BR, warps):
     pdl = qb.pdl(dev)
     T = slots.numel() // K
     Y = torch.empty((T, D), dtype=torch.float32, device=dev)
+    flat = pool.reshape(-1)
     down_kernel[(D // BR, T)](
-        pool.reshape(-1).view(torch.int32), slots, HQ, HD, HS, weights.reshape(-1).contiguous(), Y, do, D=D, K=K,
-        NBF=F // 256, BR=BR, ASM=t8.use_asm(dev), PDL=pdl, num_warps=warps, **qb.launch_kw(pdl),
+        flat, flat.view(torch.int32), slots, HQ, HD, HS, weights.reshape(-1).contiguous(), Y, do, D=D, K=K,
+        NBF=F // 256, BR=BR, ASM=t8.use_asm(dev), PDL=pdl, PF=0, NT=32 * warps, num_warps=warps, **qb.launch_kw(pdl),
     )  # fmt: skip
     return Y
 
@@ -287,7 +178,7 @@ def sass():
         sig, kw = c(s_dn_e, D=2048, K=8, NBF=3, BR=BR)
         sig.update(PF="constexpr", NT="constexpr")
         show(f"engine down BR {BR} warps {wp}", q4._down_kernel, sig, {**kw, "PF": 0, "NT": 32 * wp}, wp)
-        show(f"rows down BR {BR} warps {wp}", down_kernel, *c(s_dn, D=2048, K=8, NBF=3, BR=BR), wp)
+        show(f"rows down BR {BR} warps {wp}", down_kernel, sig, {**kw, "PF": 0, "NT": 32 * wp}, wp)
 
 
 if __name__ == "__main__":

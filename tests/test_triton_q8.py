@@ -301,3 +301,14 @@ def test_launch_settings_follow_the_installed_triton(monkeypatch):
     assert tg.launch("gemv_q4k", QType.Q4_K, 512) == tg.LAUNCH["default"]["gemv_q4k:*:*"]  # no S entry
     monkeypatch.setitem(tg.LAUNCH, "Some GPU", {"moe_q4k_gate_up:*:*": {"BR": 4, "num_warps": 1}})
     assert tg.launch("moe_q4k_gate_up", QType.Q4_K, 6144, "Some GPU") == {"BR": 4, "num_warps": 1}
+
+
+def test_device_kernels_report_names_the_triton_and_its_table():
+    pytest.importorskip("torch")
+    from engine.bench import device_kernels as dk
+
+    rep = {"device": "GPU", "bandwidth_gb_s": 3000.0, "types": {}}
+    lines = dk.report_lines({**rep, "triton": "3.9.0", "triton_table": (3, 9)})
+    assert any("Triton 3.9.0" in ln and "LAUNCH_BY_TRITON[3.9]" in ln for ln in lines)
+    lines = dk.report_lines({**rep, "triton": "3.6.0", "triton_table": None})
+    assert any("Triton 3.6.0" in ln and "LAUNCH_BY_TRITON" not in ln for ln in lines)

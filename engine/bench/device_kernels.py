@@ -265,7 +265,9 @@ def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS, extra: bool = True) ->
     with PDL off (``nopdl_us``), the exact-float kernels (``f32_us``) and the integer q8 kernels
     (``q8_us``) — one of the two is the main column again — and the read floor of the same launches."""
     bw = measure_bandwidth()
-    rep = {"device": torch.cuda.get_device_name(), "bandwidth_gb_s": bw, "pdl": qb.pdl_supported(), "types": {}}
+    rep = {"device": torch.cuda.get_device_name(), "bandwidth_gb_s": bw, "pdl": qb.pdl_supported(), "types": {},
+           "triton": qb.triton.__version__, "triton_table": max((k for k in triton_gemv.LAUNCH_BY_TRITON
+                                                                 if k <= triton_gemv.triton_version()), default=None)}  # fmt: skip
     for q in types:
         q = QType(q)
         r = {}
@@ -295,6 +297,10 @@ def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS, extra: bool = True) ->
 
 def report_lines(rep: dict) -> list[str]:
     lines = [f"{rep['device']}: measured copy bandwidth {rep['bandwidth_gb_s']:.0f} GB/s (read + write)"]
+    if "triton" in rep:
+        t = rep["triton_table"]
+        table = f"triton_gemv.LAUNCH_BY_TRITON[{t[0]}.{t[1]}], then " if t else ""
+        lines.append(f"Triton {rep['triton']}: launch settings from the GPU's table, then {table}the defaults")
     lines.append(
         "graph us: the kernels a default session runs (act: q8 = activations rounded like llama.cpp, integer "
         "kernels; f32 = exact float) in a CUDA graph, one call per distinct weight set, "

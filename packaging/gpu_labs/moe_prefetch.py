@@ -10,6 +10,11 @@ Variants, each a whole call with x̂ given (bit for bit the engine's arithmetic 
   q-pf          the quantize-h kernel prefetches them before its own wait (it starts while the gate/up runs)
   gu-pf+q-pf    half the bytes each
 
+  down-kgN      (SPLITS) the down over N expert groups, float atomics into y zeroed by the quantize launch
+
+Measured on the H100 (session 10, docs/benchmarks-gpu.md): every placement is slower than none (15.1–15.5 µs a
+call against 14.2–14.3); the down takes ~5 µs from L2 as from HBM; the expert-group downs 14.6–16.8. Not adopted.
+
   TRITON_INTERPRET=1 PYTHONPATH=. python3 packaging/gpu_labs/moe_prefetch.py    # parity (no GPU, no prefetch)
   PYTHONPATH=. python3 packaging/gpu_labs/moe_prefetch.py                       # + H100 chain timings
 """

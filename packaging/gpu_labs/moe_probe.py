@@ -12,6 +12,10 @@ of the token's K experts a program):
   coalesced   the same bytes a program read as consecutive 16-byte words (a warp: 512 contiguous bytes)
   coalesced+x coalesced, plus the activation loads of the pattern
 
+Measured on the H100 (session 10, docs/benchmarks-gpu.md): the arithmetic costs ~0.2 µs a kernel, the activation
+loads 1.2 µs (gate/up) and 0.8 µs (down), the weights' strided pattern nothing; x̂ chunk-major wins 0.1–0.2 µs a
+kernel and nothing on the call. Not adopted.
+
   TRITON_INTERPRET=1 PYTHONPATH=. python3 packaging/gpu_labs/moe_probe.py     # runs every probe once
   PYTHONPATH=. python3 packaging/gpu_labs/moe_probe.py                        # H100 chain timings
   PYTHONPATH=. python3 packaging/gpu_labs/moe_probe.py --sass                 # sm_90 counts, no GPU

@@ -293,8 +293,15 @@ def test_launch_settings_follow_the_installed_triton(monkeypatch):
     assert tg.triton_table((3, 7)) is tg.LAUNCH_BY_TRITON[(3, 7)]
     assert tg.triton_table((3, 10)) is tg.LAUNCH_BY_TRITON[max(tg.LAUNCH_BY_TRITON)]
     assert tg.triton_table((4, 0)) is tg.LAUNCH_BY_TRITON[max(tg.LAUNCH_BY_TRITON)]
+    monkeypatch.delenv(tg.ENV_TRITON_TABLE, raising=False)
     monkeypatch.setattr(tg, "triton_version", lambda: (3, 6))
     assert "TILE" not in tg.launch("moe_q4k_gate_up", QType.Q4_K, 6144)
+    monkeypatch.setenv(tg.ENV_TRITON_TABLE, "3.8")  # another version's settings, on purpose
+    assert tg.triton_table() is tg.LAUNCH_BY_TRITON[(3, 8)]
+    monkeypatch.setenv(tg.ENV_TRITON_TABLE, "none")
+    monkeypatch.setattr(tg, "triton_version", lambda: (3, 9))
+    assert tg.triton_table() == {}
+    monkeypatch.delenv(tg.ENV_TRITON_TABLE)
     monkeypatch.setattr(tg, "triton_version", lambda: (3, 9))
     assert tg.launch("moe_q4k_gate_up", QType.Q4_K, 6144)["TILE"] == "rows"
     assert tg.launch("gemv_q4k", QType.Q4_K, 4096) == tg.LAUNCH_BY_TRITON[(3, 9)]["gemv_q4k:*:M"]

@@ -266,8 +266,8 @@ def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS, extra: bool = True) ->
     (``q8_us``) — one of the two is the main column again — and the read floor of the same launches."""
     bw = measure_bandwidth()
     rep = {"device": torch.cuda.get_device_name(), "bandwidth_gb_s": bw, "pdl": qb.pdl_supported(), "types": {},
-           "triton": qb.triton.__version__, "triton_table": max((k for k in triton_gemv.LAUNCH_BY_TRITON
-                                                                 if k <= triton_gemv.triton_version()), default=None)}  # fmt: skip
+           "triton": qb.triton.__version__,
+           "triton_table": next((k for k, t in triton_gemv.LAUNCH_BY_TRITON.items() if t is triton_gemv.triton_table()), None)}  # fmt: skip
     for q in types:
         q = QType(q)
         r = {}

@@ -106,8 +106,15 @@ def triton_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+ENV_TRITON_TABLE = "SHARPI_TRITON_TABLE"
+
+
 def triton_table(version: tuple[int, int] | None = None) -> dict[str, dict]:
-    """The LAUNCH_BY_TRITON entry for ``version`` (default: the installed Triton's), or {}."""
+    """The LAUNCH_BY_TRITON entry for ``version`` (default: ``$SHARPI_TRITON_TABLE`` as "3.9", or "none" for
+    the defaults — to run another version's settings on this one —, else the installed Triton's), or {}."""
+    env = os.environ.get(ENV_TRITON_TABLE, "")
+    if version is None and env:
+        version = (0, 0) if env == "none" else tuple(int(p) for p in env.split(".")[:2])
     v = triton_version() if version is None else version
     known = [k for k in LAUNCH_BY_TRITON if k <= v]
     return LAUNCH_BY_TRITON[max(known)] if known else {}

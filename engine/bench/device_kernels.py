@@ -332,12 +332,17 @@ def _candidates(kernel: str, qtype: QType, cls: str) -> list[dict]:
     of the two-matrix gate/up kernel take ptxas tens of seconds)."""
     small = qtype in (QType.Q4_0, QType.Q8_0)  # 32-element blocks: 8× more blocks per row
     f = 4 if small else 1
+    tiles = ("halves", "rows")  # triton_q4k_*'s two tile orientations: which is fast depends on the Triton
     if kernel == "gemv_q4k":  # triton_q4k_gemv: whole rows a program
-        return [{"BR": br, "num_warps": w, "PF": pf} for br, w in ((8, 1), (8, 2), (16, 4), (32, 8)) for pf in (0, 1)]
+        return [{"BR": br, "num_warps": w, "PF": pf, "TILE": t} for br, w in ((4, 1), (8, 1), (8, 2), (8, 4), (16, 4), (32, 8))
+                for pf in (0, 1) for t in tiles]  # fmt: skip
     if kernel == "moe_q4k_gate_up":  # triton_q4k_moe: more, smaller programs lose (docs/benchmarks-gpu.md)
-        return [{"BR": br, "num_warps": w} for br, w in ((4, 1), (8, 1), (8, 2), (16, 2), (16, 4))]
+        return [
+            {"BR": br, "num_warps": w, "TILE": t} for br, w in ((4, 1), (8, 1), (8, 2), (16, 2), (16, 4)) for t in tiles
+        ]
     if kernel == "moe_q4k_down":
-        return [{"BR": br, "num_warps": w, "PF": pf} for br, w in ((2, 1), (4, 1), (4, 2), (8, 4)) for pf in (0, 1)]
+        return [{"BR": br, "num_warps": w, "PF": pf, "TILE": t} for br, w in ((2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (16, 4))
+                for pf in (0, 1) for t in tiles]  # fmt: skip
     if kernel == "moe_q8_gate_up":  # BR: whole 32-blocks of h
         return [
             {"BR": br, "NB": nb * f, "num_warps": w} for br, nb, w in ((32, 4, 4), (32, 4, 8), (32, 8, 8), (64, 4, 8))

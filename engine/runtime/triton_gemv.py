@@ -61,7 +61,7 @@ LAUNCH: dict[str, dict[str, dict[str, int]]] = {
         "gemv:Q8_0:S": {"BR": 2, "NB": 32, "num_warps": 4, "SPLIT": 1},
         # q8 kernels: a thread should hold ≥ 4 words of a tile (BR·NB·8 ≥ 512 at 4 warps)
         # triton_q4k_gemv (Q4_K, q8 mode, one token): H100 sweep, gpu_labs/q4k_half_gemv.py
-        "gemv_q4k:*:*": {"BR": 8, "num_warps": 2, "PF": 1},
+        "gemv_q4k:*:*": {"BR": 8, "num_warps": 2, "PF": 1, "TILE": "halves"},
         "gemv_q8:*:*": {"BR": 16, "NB": 8, "num_warps": 4, "SPLIT": 1},
         "gemv_q8:*:S": {"BR": 4, "NB": 8, "num_warps": 4, "SPLIT": 1},
         "gemv_q8:Q6_K:*": {"BR": 8, "NB": 8, "num_warps": 4, "SPLIT": 1},
@@ -82,18 +82,18 @@ LAUNCH.update(json.loads((Path(__file__).with_name("triton_launch.json")).read_t
 LAUNCH_BY_TRITON: dict[tuple[int, int], dict[str, dict]] = {
     (3, 7): {
         "moe_q4k_gate_up:*:*": {"BR": 16, "num_warps": 4, "TILE": "rows"},  # 8.3 µs against 9.4 (8 × 2 halves)
-        "moe_q4k_down:*:*": {"BR": 8, "num_warps": 2, "PF": 0},  # 6.55 against 6.8 (4 × 1)
-        "gemv_q4k:*:M": {"BR": 8, "num_warps": 4, "PF": 1},  # q 4.7 against 4.9, o 5.0 against 6.3
+        "moe_q4k_down:*:*": {"BR": 8, "num_warps": 2, "PF": 0, "TILE": "halves"},  # 6.55 against 6.8 (4 × 1)
+        "gemv_q4k:*:M": {"BR": 8, "num_warps": 4, "PF": 1, "TILE": "halves"},  # q 4.7 against 4.9, o 5.0 against 6.3
     },
     (3, 8): {
         "moe_q4k_gate_up:*:*": {"BR": 16, "num_warps": 4, "TILE": "rows"},  # 8.3 against 8.9
         "moe_q4k_down:*:*": {"BR": 4, "num_warps": 2, "PF": 0, "TILE": "rows"},  # 6.3 against 6.8
-        "gemv_q4k:*:M": {"BR": 8, "num_warps": 4, "PF": 1},  # q 4.6 against 4.6, o 4.7 against 5.9
+        "gemv_q4k:*:M": {"BR": 8, "num_warps": 4, "PF": 1, "TILE": "halves"},  # q 4.6 against 4.6, o 4.7 against 5.9
     },
     (3, 9): {
         "moe_q4k_gate_up:*:*": {"BR": 16, "num_warps": 4, "TILE": "rows"},  # 8.0 against 9.2
         "moe_q4k_down:*:*": {"BR": 16, "num_warps": 4, "PF": 0, "TILE": "rows"},  # 6.5 against 6.9
-        "gemv_q4k:*:M": {"BR": 8, "num_warps": 4, "PF": 1},  # q 4.6 against 4.6, o 4.7 against 5.9
+        "gemv_q4k:*:M": {"BR": 8, "num_warps": 4, "PF": 1, "TILE": "halves"},  # q 4.6 against 4.6, o 4.7 against 5.9
     },
 }
 

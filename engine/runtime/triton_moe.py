@@ -56,8 +56,14 @@ LAUNCH["default"].update(
         "moe_q8_down:Q8_0:*": {"BR": 8, "NB": 32, "num_warps": 4, "KSPLIT": 2},
         # triton_q4k_moe (all-Q4_K experts, q8 mode): whole rows a program; H100 sweep, gpu_labs/moe_half.py;
         # PF: 1 prefetches the program's rows into L2 before its PDL wait (the other kernels always do)
-        "moe_q4k_gate_up:*:*": {"BR": 8, "num_warps": 2},
-        "moe_q4k_down:*:*": {"BR": 4, "num_warps": 1, "PF": 0},  # its L2 prefetch before the PDL wait costs 0.6 µs
+        # TILE: the tile orientation (triton_q4k_moe's docstring); Triton ≥ 3.7: triton_gemv.LAUNCH_BY_TRITON
+        "moe_q4k_gate_up:*:*": {"BR": 8, "num_warps": 2, "TILE": "halves"},
+        "moe_q4k_down:*:*": {
+            "BR": 4,
+            "num_warps": 1,
+            "PF": 0,
+            "TILE": "halves",
+        },  # its L2 prefetch before the PDL wait costs 0.6 µs
         "grouped:*:*": {"BR": 32, "NB": 1, "BT": 16, "num_warps": 4},  # larger tiles spill (sm_90 report)
         "grouped:Q4_0:*": {"BR": 32, "NB": 2, "BT": 16, "num_warps": 4},
         "grouped:Q8_0:*": {"BR": 32, "NB": 1, "BT": 16, "num_warps": 4},

@@ -12,6 +12,13 @@ the compilers and tile orientations, not the engine's PDL chain.
   PYTHONPATH=. python3 packaging/gpu_labs/cubin_lab.py export     # here: the local Triton's sm_90 cubins
   PYTHONPATH=<an unpacked triton wheel>:. python3 packaging/gpu_labs/cubin_lab.py export   # another version's
   PYTHONPATH=. python3 packaging/gpu_labs/cubin_lab.py run        # on the GPU box (CuPy, torch): parity, timings
+  PYTHONPATH=. python3 packaging/gpu_labs/cubin_lab.py export-pdl # here: the kernels that PDL chains (PDL=1)
+  PYTHONPATH=. python3 packaging/gpu_labs/cubin_lab.py run-pdl    # on the box: each cubin launched by the box's
+                                                                  # own Triton launcher, with PDL, in the chain
+
+``run-pdl`` compiles each kernel with the box's Triton (``launch_pdl``), then swaps the loaded function for the
+exported cubin's (same signature, same parameters), so the box's launcher starts another Triton's code with
+programmatic dependent launch — the decode graph's conditions.
 """
 # ruff: noqa: E731, B023
 
@@ -55,19 +62,46 @@ def kernels():
     return out
 
 
-def export():
+def pdl_kernels():
+    """The settings compared in the PDL chain (the engine's constexprs: PDL on; trunk rows prefetched)."""
+    from engine.runtime import triton_q4k_gemv as g4
+    from engine.runtime import triton_q4k_moe as q4
+
+    fns = {"halves": (q4._gate_up_kernel, q4._down_kernel, g4._gemv_kernel),
+           "rows": (q4._gate_up_kernel_t, q4._down_kernel_t, g4._gemv_kernel_t)}  # fmt: skip
+    out = {}
+    for kind, br, wp in (("halves", 8, 2), ("rows", 16, 4), ("rows", 8, 2)):
+        out[f"{kind}_gu_{br}_{wp}"] = (fns[kind][0], S_GU, dict(F=768, K=8, NB=8, BR=br, ASM=True, PDL=1), wp)
+    for kind, br, wp in (("halves", 4, 1), ("halves", 8, 2), ("rows", 4, 2), ("rows", 8, 4), ("rows", 16, 4)):
+        c = dict(D=2048, K=8, NBF=3, BR=br, ASM=True, PDL=1, PF=0, NT=32 * wp)
+        out[f"{kind}_dn_{br}_{wp}"] = (fns[kind][1], S_DN, c, wp)
+    for m, (_, n) in TRUNK.items():
+        for kind, br, wp in (("halves", 8, 2), ("halves", 8, 4), ("halves", 4, 1), ("rows", 8, 4)):
+            c = dict(NB=n // 256, BR=br, ASM=True, PDL=1, PF=1, NT=32 * wp)
+            out[f"{kind}_{m}_{br}_{wp}"] = (fns[kind][2], S_GV, c, wp)
+    return out
+
+
+def _compile(fn, sig, const, warps, pdl=False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    out = os.path.join(OUT, triton.__version__)
+    full = {**sig, **{k: "constexpr" for k in const}}
+    # what the JIT specialises for the bench's arguments: pointers and integers divisible by 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(full.values()) if t[0] in "*i"}
+    opts = {"num_warps": warps, **({"launch_pdl": True} if pdl else {})}
+    return triton.compile(ASTSource(fn, full, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def export(which="run"):
+    import triton
+
+    out = os.path.join(OUT + ("_pdl" if which == "pdl" else ""), triton.__version__)
     os.makedirs(out, exist_ok=True)
-    for label, (fn, sig, const, warps) in kernels().items():
-        full = {**sig, **{k: "constexpr" for k in const}}
-        # what the JIT specialises for the bench's arguments: pointers and integers divisible by 16
-        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(full.values()) if t[0] in "*i"}
-        k = triton.compile(ASTSource(fn, full, const, attrs), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": warps})  # fmt: skip
+    ks = pdl_kernels() if which == "pdl" else kernels()
+    for label, (fn, sig, const, warps) in ks.items():
+        k = _compile(fn, sig, const, warps)
         ptx = k.asm["ptx"]
         entry = re.search(r"\.entry (\w+)\(([^)]*)\)", ptx)
         nparams = entry.group(2).count(".param")
@@ -77,7 +111,7 @@ def export():
                  "user_params": len(sig), "triton": triton.__version__}  # fmt: skip
         with open(os.path.join(out, label + ".json"), "w") as f:
             json.dump(facts, f)
-    print(f"Triton {triton.__version__}: {len(kernels())} kernels exported to {out}", flush=True)
+    print(f"Triton {triton.__version__}: {len(ks)} kernels exported to {out}", flush=True)
 
 
 class Cubin:
@@ -199,5 +233,104 @@ def run():
                     print(f"[{rep}] Triton {v} {m} {kind:6s}: " + " | ".join(line), flush=True)
 
 
+def run_pdl():
+    """Each exported PDL cubin launched by this box's Triton launcher with PDL, in the bench's chain timer."""
+    import moe_half
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime import driver
+
+    from engine.bench import device_kernels as dk
+    from engine.quant.formats import QType
+    from engine.runtime import triton_q4k_gemv as g4
+    from engine.runtime import triton_q4k_moe as q4
+    from engine.runtime import triton_q8 as t8
+
+    bw, K, F, D, nbytes, gu_bytes, dn_bytes, pool, roles, offs, x, w, xq, hq, frac, graph = moe_half.chain_setup()
+    (go, _, _, _), (uo, _, _, _), (do, _, _, _) = roles["gate"], roles["up"], roles["down"]
+    flat = pool.reshape(-1)
+    w32 = flat.view(torch.int32)
+    wt = w.reshape(-1).contiguous()
+    root = OUT + "_pdl"
+    versions = sorted(os.listdir(root))
+    dev = torch.cuda.current_device()
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    built = {}
+    for label, (fn, sig, const, warps) in pdl_kernels().items():
+        for v in versions:
+            k = _compile(fn, sig, const, warps, pdl=True)  # this box's build: its launcher, PDL attribute on
+            k._init_handles()
+            with open(os.path.join(root, v, label + ".json")) as f:
+                facts = json.load(f)
+            assert facts["params"] == len(re.search(r"\.entry \w+\(([^)]*)\)", k.asm["ptx"]).group(1).split(","))
+            if v != triton.__version__:
+                with open(os.path.join(root, v, label + ".cubin"), "rb") as f:
+                    cubin = f.read()
+                shared = max(facts["shared"], k.metadata.shared)
+                k.module, k.function, *_ = driver.active.utils.load_binary(facts["name"], cubin, shared, dev)
+                k.metadata = k.metadata._replace(shared=shared)
+                k.packed_metadata = backend.pack_metadata(k.metadata)
+            built[v, label] = k
+    print("PDL chain: cubins from Triton", versions, "launched by Triton", triton.__version__, flush=True)
+
+    def gu(v, kind, o, br, wp):
+        H = torch.empty((o.numel(), F), dtype=torch.float32, device="cuda")
+        built[v, f"{kind}_gu_{br}_{wp}"][(F // br, o.numel(), 1)](w32, o, *xq, H, go, uo)
+        return H
+
+    def dn(v, kind, o, br, wp):
+        Y = torch.empty((1, D), dtype=torch.float32, device="cuda")
+        built[v, f"{kind}_dn_{br}_{wp}"][(D // br, 1, 1)](flat, w32, o, *hq, wt, Y, do)
+        return Y
+
+    def gv(v, kind, m, raw, xqm, br, wp):
+        rows = TRUNK[m][0]
+        Y = torch.empty((1, rows), dtype=torch.float32, device="cuda")
+        f = raw.reshape(-1)
+        built[v, f"{kind}_{m}_{br}_{wp}"][((rows + br - 1) // br, 1, 1)](f, f.view(torch.int32), *xqm, Y, rows)
+        return Y
+
+    trunk = {}
+    for m, (rows, n) in TRUNK.items():
+        copies = max(48, int(-(-dk.GB // (rows * n // 256 * 144))))
+        xm = torch.randn(1, n, device="cuda")
+        trunk[m] = (dk.random_matrix(QType.Q4_K, rows, n, copies), t8.quantize_act(xm), xm)
+    o = offs[0]
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+    ref_h = q4.gate_up(pool, o, x, roles, K, {"BR": 8, "num_warps": 2}, xq)
+    ref_y = moe_half.down(pool, o, hq, w, roles, K, 4, 1)
+    ref_t = {m: g4.gemv(mats[0], xm, *TRUNK[m], {"BR": 8, "num_warps": 2, "PF": 0}, xqm)
+             for m, (mats, xqm, xm) in trunk.items()}  # fmt: skip
+    for v, label in built:
+        kind, what, br, wp = label.split("_")
+        br, wp = int(br), int(wp)
+        if what == "gu":
+            e = rel(gu(v, kind, o, br, wp), ref_h)
+        elif what == "dn":
+            e = rel(dn(v, kind, o, br, wp), ref_y)
+        else:
+            e = rel(gv(v, kind, what, trunk[what][0][0], trunk[what][1], br, wp), ref_t[what])
+        assert e < 1e-6, (v, label, e)
+    torch.cuda.synchronize()
+    print("parity: every swapped-in cubin matches the engine's kernels (< 1e-6)", flush=True)
+    for rep in range(int(os.environ.get("REPS", "1"))):
+        for v in versions:
+            line = []
+            for label in pdl_kernels():
+                kind, what, br, wp = label.split("_")
+                br, wp = int(br), int(wp)
+                if what == "gu":
+                    us = graph([lambda o=o: gu(v, kind, o, br, wp) for o in offs])
+                elif what == "dn":
+                    us = graph([lambda o=o: dn(v, kind, o, br, wp) for o in offs])
+                else:
+                    mats, xqm, _ = trunk[what]
+                    us = graph([lambda r=r: gv(v, kind, what, r, xqm, br, wp) for r in mats])
+                line.append(f"{label} {us:5.2f}")
+            print(f"[{rep}] PDL, Triton {v}: " + " | ".join(line), flush=True)
+
+
 if __name__ == "__main__":
-    {"export": export, "run": run}[sys.argv[1]]()
+    {"export": export, "run": run, "export-pdl": lambda: export("pdl"), "run-pdl": run_pdl}[sys.argv[1]]()

@@ -272,24 +272,24 @@ def run_pdl():
                 k.module, k.function, *_ = driver.active.utils.load_binary(facts["name"], cubin, shared, dev)
                 k.metadata = k.metadata._replace(shared=shared)
                 k.packed_metadata = backend.pack_metadata(k.metadata)
-            built[v, label] = k
+            built[v, label] = lambda grid, *a, k=k, c=tuple(const.values()): k[grid](*a, *c)  # constexprs last
     print("PDL chain: cubins from Triton", versions, "launched by Triton", triton.__version__, flush=True)
 
     def gu(v, kind, o, br, wp):
         H = torch.empty((o.numel(), F), dtype=torch.float32, device="cuda")
-        built[v, f"{kind}_gu_{br}_{wp}"][(F // br, o.numel(), 1)](w32, o, *xq, H, go, uo)
+        built[v, f"{kind}_gu_{br}_{wp}"]((F // br, o.numel(), 1), w32, o, *xq, H, go, uo)
         return H
 
     def dn(v, kind, o, br, wp):
         Y = torch.empty((1, D), dtype=torch.float32, device="cuda")
-        built[v, f"{kind}_dn_{br}_{wp}"][(D // br, 1, 1)](flat, w32, o, *hq, wt, Y, do)
+        built[v, f"{kind}_dn_{br}_{wp}"]((D // br, 1, 1), flat, w32, o, *hq, wt, Y, do)
         return Y
 
     def gv(v, kind, m, raw, xqm, br, wp):
         rows = TRUNK[m][0]
         Y = torch.empty((1, rows), dtype=torch.float32, device="cuda")
         f = raw.reshape(-1)
-        built[v, f"{kind}_{m}_{br}_{wp}"][((rows + br - 1) // br, 1, 1)](f, f.view(torch.int32), *xqm, Y, rows)
+        built[v, f"{kind}_{m}_{br}_{wp}"](((rows + br - 1) // br, 1, 1), f, f.view(torch.int32), *xqm, Y, rows)
         return Y
 
     trunk = {}

@@ -62,6 +62,9 @@ LAUNCH: dict[str, dict[str, dict[str, int]]] = {
         # q8 kernels: a thread should hold ≥ 4 words of a tile (BR·NB·8 ≥ 512 at 4 warps)
         # triton_q4k_gemv (Q4_K, q8 mode, one token): H100 sweep, gpu_labs/q4k_half_gemv.py
         "gemv_q4k:*:*": {"BR": 8, "num_warps": 2, "PF": 1, "TILE": "halves"},
+        # q, o (2048–4096 rows): one warp a program, 4 rows (PDL chain, gpu_labs/cubin_lab.py run-pdl): q 3.3 µs
+        # against 3.9 at 8 × 2, o 4.0 against 4.0
+        "gemv_q4k:*:M": {"BR": 4, "num_warps": 1, "PF": 1, "TILE": "halves"},
         "gemv_q8:*:*": {"BR": 16, "NB": 8, "num_warps": 4, "SPLIT": 1},
         "gemv_q8:*:S": {"BR": 4, "NB": 8, "num_warps": 4, "SPLIT": 1},
         "gemv_q8:Q6_K:*": {"BR": 8, "NB": 8, "num_warps": 4, "SPLIT": 1},
@@ -78,22 +81,23 @@ LAUNCH.update(json.loads((Path(__file__).with_name("triton_launch.json")).read_t
 # default was tuned under. Triton 3.7 swapped the blocked layouts the Q4_K half-block kernels' tiles get
 # (triton_q4k_moe's docstring), so from 3.7 the MoE gate/up takes the [rows, half-blocks] tiles ("TILE": "rows")
 # and the down and trunk settings move. H100, each version's sm_90 build of these kernels launched from its
-# cubin beside the others (packaging/gpu_labs/cubin_lab.py, no PDL; docs/benchmarks-gpu.md, session 10).
+# cubin by the box's Triton launcher with PDL, in the bench's CUDA-graph chain (packaging/gpu_labs/cubin_lab.py
+# run-pdl; docs/benchmarks-gpu.md, session 10). µs against the default's settings under the same Triton:
 LAUNCH_BY_TRITON: dict[tuple[int, int], dict[str, dict]] = {
     (3, 7): {
-        "moe_q4k_gate_up:*:*": {"BR": 16, "num_warps": 4, "TILE": "rows"},  # 8.3 µs against 9.4 (8 × 2 halves)
-        "moe_q4k_down:*:*": {"BR": 8, "num_warps": 2, "PF": 0, "TILE": "halves"},  # 6.55 against 6.8 (4 × 1)
-        "gemv_q4k:*:M": {"BR": 8, "num_warps": 4, "PF": 1, "TILE": "halves"},  # q 4.7 against 4.9, o 5.0 against 6.3
+        "moe_q4k_gate_up:*:*": {"BR": 16, "num_warps": 4, "TILE": "rows"},  # 7.9 against 8.7
+        "moe_q4k_down:*:*": {"BR": 8, "num_warps": 2, "PF": 0, "TILE": "halves"},  # 6.1 against 6.5
+        "gemv_q4k:*:M": {"BR": 4, "num_warps": 1, "PF": 1, "TILE": "halves"},  # (the default's) q 3.7, o 4.2
     },
     (3, 8): {
-        "moe_q4k_gate_up:*:*": {"BR": 16, "num_warps": 4, "TILE": "rows"},  # 8.3 against 8.9
-        "moe_q4k_down:*:*": {"BR": 4, "num_warps": 2, "PF": 0, "TILE": "rows"},  # 6.3 against 6.8
-        "gemv_q4k:*:M": {"BR": 8, "num_warps": 4, "PF": 1, "TILE": "halves"},  # q 4.6 against 4.6, o 4.7 against 5.9
+        "moe_q4k_gate_up:*:*": {"BR": 16, "num_warps": 4, "TILE": "rows"},  # 7.7 against 8.4
+        "moe_q4k_down:*:*": {"BR": 8, "num_warps": 4, "PF": 0, "TILE": "rows"},  # 6.0 against 6.3
+        "gemv_q4k:*:M": {"BR": 8, "num_warps": 4, "PF": 1, "TILE": "halves"},  # q 3.7 against 3.8, o 4.1 against 4.1
     },
     (3, 9): {
-        "moe_q4k_gate_up:*:*": {"BR": 16, "num_warps": 4, "TILE": "rows"},  # 8.0 against 9.2
-        "moe_q4k_down:*:*": {"BR": 16, "num_warps": 4, "PF": 0, "TILE": "rows"},  # 6.5 against 6.9
-        "gemv_q4k:*:M": {"BR": 8, "num_warps": 4, "PF": 1, "TILE": "halves"},  # q 4.6 against 4.6, o 4.7 against 5.9
+        "moe_q4k_gate_up:*:*": {"BR": 16, "num_warps": 4, "TILE": "rows"},  # 7.6 against 11.1
+        "moe_q4k_down:*:*": {"BR": 16, "num_warps": 4, "PF": 0, "TILE": "rows"},  # 6.0 against 6.6
+        "gemv_q4k:*:M": {"BR": 4, "num_warps": 1, "PF": 1, "TILE": "halves"},  # (the default's) q 3.4, o 4.1
     },
 }
 

@@ -16,6 +16,10 @@ the compilers and tile orientations, not the engine's PDL chain.
   PYTHONPATH=. python3 packaging/gpu_labs/cubin_lab.py run-pdl    # on the box: each cubin launched by the box's
                                                                   # own Triton launcher, with PDL, in the chain
 
+Measured on the H100 (session 10, docs/benchmarks-gpu.md): from Triton 3.7 the [rows, half-blocks] gate/up wins
+(under 3.9 with PDL: 7.6 µs against 11.1 for the old default), and the down and trunk settings move; the adopted
+settings are triton_gemv.LAUNCH_BY_TRITON.
+
 ``run-pdl`` compiles each kernel with the box's Triton (``launch_pdl``), then swaps the loaded function for the
 exported cubin's (same signature, same parameters), so the box's launcher starts another Triton's code with
 programmatic dependent launch — the decode graph's conditions.

@@ -304,8 +304,16 @@ def test_launch_settings_follow_the_installed_triton(monkeypatch):
     monkeypatch.delenv(tg.ENV_TRITON_TABLE)
     monkeypatch.setattr(tg, "triton_version", lambda: (3, 9))
     assert tg.launch("moe_q4k_gate_up", QType.Q4_K, 6144)["TILE"] == "rows"
-    assert tg.launch("gemv_q4k", QType.Q4_K, 4096) == tg.LAUNCH_BY_TRITON[(3, 9)]["gemv_q4k:*:M"]
+    assert tg.launch("gemv_q4k", QType.Q4_K, 4096) == tg.LAUNCH["default"]["gemv_q4k:*:M"]  # 3.9 keeps it
     assert tg.launch("gemv_q4k", QType.Q4_K, 512) == tg.LAUNCH["default"]["gemv_q4k:*:*"]  # no S entry
+    monkeypatch.setattr(tg, "triton_version", lambda: (3, 8))
+    assert tg.launch("gemv_q4k", QType.Q4_K, 4096) == tg.LAUNCH_BY_TRITON[(3, 8)]["gemv_q4k:*:M"]
+    assert tg.triton_table_version() == (3, 8)
+    monkeypatch.setenv(tg.ENV_TRITON_TABLE, "three")
+    with pytest.raises(ValueError, match="SHARPI_TRITON_TABLE"):
+        tg.launch("gemv_q4k", QType.Q4_K, 4096)
+    monkeypatch.delenv(tg.ENV_TRITON_TABLE)
+    monkeypatch.setattr(tg, "triton_version", lambda: (3, 9))
     monkeypatch.setitem(tg.LAUNCH, "Some GPU", {"moe_q4k_gate_up:*:*": {"BR": 4, "num_warps": 1}})
     assert tg.launch("moe_q4k_gate_up", QType.Q4_K, 6144, "Some GPU") == {"BR": 4, "num_warps": 1}
 

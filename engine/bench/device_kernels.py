@@ -265,9 +265,14 @@ def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS, extra: bool = True) ->
     with PDL off (``nopdl_us``), the exact-float kernels (``f32_us``) and the integer q8 kernels
     (``q8_us``) — one of the two is the main column again — and the read floor of the same launches."""
     bw = measure_bandwidth()
-    rep = {"device": torch.cuda.get_device_name(), "bandwidth_gb_s": bw, "pdl": qb.pdl_supported(), "types": {},
-           "triton": qb.triton.__version__,
-           "triton_table": next((k for k, t in triton_gemv.LAUNCH_BY_TRITON.items() if t is triton_gemv.triton_table()), None)}  # fmt: skip
+    rep = {
+        "device": torch.cuda.get_device_name(),
+        "bandwidth_gb_s": bw,
+        "pdl": qb.pdl_supported(),
+        "types": {},
+        "triton": qb.triton.__version__,
+        "triton_table": triton_gemv.triton_table_version(),
+    }
     for q in types:
         q = QType(q)
         r = {}

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -84,24 +85,23 @@ LAUNCH.update(json.loads((Path(__file__).with_name("triton_launch.json")).read_t
 # cubin by the box's Triton launcher with PDL, in the bench's CUDA-graph chain (packaging/gpu_labs/cubin_lab.py
 # run-pdl; docs/benchmarks-gpu.md, session 10). µs against the default's settings under the same Triton:
 LAUNCH_BY_TRITON: dict[tuple[int, int], dict[str, dict]] = {
-    (3, 7): {
+    (3, 7): {  # q, o keep the default's 4 × 1 halves: q 3.7, o 4.2
         "moe_q4k_gate_up:*:*": {"BR": 16, "num_warps": 4, "TILE": "rows"},  # 7.9 against 8.7
         "moe_q4k_down:*:*": {"BR": 8, "num_warps": 2, "PF": 0, "TILE": "halves"},  # 6.1 against 6.5
-        "gemv_q4k:*:M": {"BR": 4, "num_warps": 1, "PF": 1, "TILE": "halves"},  # (the default's) q 3.7, o 4.2
     },
     (3, 8): {
         "moe_q4k_gate_up:*:*": {"BR": 16, "num_warps": 4, "TILE": "rows"},  # 7.7 against 8.4
         "moe_q4k_down:*:*": {"BR": 8, "num_warps": 4, "PF": 0, "TILE": "rows"},  # 6.0 against 6.3
         "gemv_q4k:*:M": {"BR": 8, "num_warps": 4, "PF": 1, "TILE": "halves"},  # q 3.7 against 3.8, o 4.1 against 4.1
     },
-    (3, 9): {
+    (3, 9): {  # q, o keep the default's 4 × 1 halves: q 3.4, o 4.1
         "moe_q4k_gate_up:*:*": {"BR": 16, "num_warps": 4, "TILE": "rows"},  # 7.6 against 11.1
         "moe_q4k_down:*:*": {"BR": 16, "num_warps": 4, "PF": 0, "TILE": "rows"},  # 6.0 against 6.6
-        "gemv_q4k:*:M": {"BR": 4, "num_warps": 1, "PF": 1, "TILE": "halves"},  # (the default's) q 3.4, o 4.1
     },
 }
 
 
+@cache
 def triton_version() -> tuple[int, int]:
     """(major, minor) of the installed Triton; (0, 0) without one."""
     if triton is None:
@@ -113,15 +113,24 @@ def triton_version() -> tuple[int, int]:
 ENV_TRITON_TABLE = "SHARPI_TRITON_TABLE"
 
 
-def triton_table(version: tuple[int, int] | None = None) -> dict[str, dict]:
-    """The LAUNCH_BY_TRITON entry for ``version`` (default: ``$SHARPI_TRITON_TABLE`` as "3.9", or "none" for
-    the defaults — to run another version's settings on this one —, else the installed Triton's), or {}."""
+def triton_table_version(version: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """The LAUNCH_BY_TRITON key that applies to ``version`` — the newest not newer than it — or None. Default:
+    ``$SHARPI_TRITON_TABLE`` ("3.9"; "none" for the defaults alone — to run another version's settings on this
+    one), else the installed Triton."""
     env = os.environ.get(ENV_TRITON_TABLE, "")
     if version is None and env:
-        version = (0, 0) if env == "none" else tuple(int(p) for p in env.split(".")[:2])
+        try:
+            version = (0, 0) if env == "none" else tuple(int(p) for p in env.split(".")[:2])
+        except ValueError:
+            raise ValueError(f"{ENV_TRITON_TABLE}={env!r}: expected a Triton version such as 3.9, or none") from None
     v = triton_version() if version is None else version
-    known = [k for k in LAUNCH_BY_TRITON if k <= v]
-    return LAUNCH_BY_TRITON[max(known)] if known else {}
+    return max((k for k in LAUNCH_BY_TRITON if k <= v), default=None)
+
+
+def triton_table(version: tuple[int, int] | None = None) -> dict[str, dict]:
+    """The LAUNCH_BY_TRITON entry :func:`triton_table_version` picks, or {}."""
+    key = triton_table_version(version)
+    return LAUNCH_BY_TRITON[key] if key else {}
 
 
 ENV_ACT = "SHARPI_DEVICE_ACT"

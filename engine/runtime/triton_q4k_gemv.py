@@ -8,7 +8,8 @@ trunk matrices of a decode step's CUDA graph (``triton_gemv.trunk_act``). Same a
 x̂ comes from the norm kernel before the matrix where there is one (``step_kernels.add_rms_norm(q8=True)``:
 the attention's q, k and v), else from one ``triton_q8.quantize_act`` launch (the output projection).
 H100 (``packaging/gpu_labs/q4k_half_gemv.py``, x̂ given): q [4096, 2048] 3.8 µs against 6.1 for the
-exact-float GEMV, o [2048, 4096] 4.1 against 6.6, k/v [512, 2048] 2.0 against 2.2.
+exact-float GEMV, o [2048, 4096] 4.1 against 6.6, k/v [512, 2048] 2.0 against 2.2; q 3.3 µs at 4 rows ×
+1 warp, the default for q and o since session 10 (``cubin_lab.py run-pdl``, docs/benchmarks-gpu.md).
 
 Grid (rows / BR,): a program walks whole rows, [2·NB, BR] tiles with a row's half-blocks on the fastest
 lanes (the row's sum stays in the warp); ``TILE: "rows"`` takes [BR, 2·NB] tiles (:func:`_gemv_kernel_t`,

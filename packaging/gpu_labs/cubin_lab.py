@@ -139,124 +139,127 @@ class Cubin:
             self.fn(grid, (32 * self.facts["warps"],), tuple(a), shared_mem=self.facts["shared"])
 
 
+class Harness:
+    """The bench's data (moe_half.chain_setup's routed-expert chain; q- and o-sized trunk matrices over ≥ 1 GB)
+    and the engine's halves kernels' results on it, to launch, check and time the kernels named like
+    ``"rows_dn_8_4"`` (tile, kernel gu / dn / q / o, rows, warps) through ``call(version, label, grid, *args)``."""
+
+    def __init__(self, call):
+        import moe_half
+        import torch
+
+        from engine.bench import device_kernels as dk
+        from engine.quant.formats import QType
+        from engine.runtime import triton_q4k_gemv as g4
+        from engine.runtime import triton_q4k_moe as q4
+        from engine.runtime import triton_q8 as t8
+
+        self.call = call
+        (self.bw, self.K, self.F, self.D, _, self.gu_bytes, self.dn_bytes, self.pool, self.roles, self.offs, self.x,
+         self.w, self.xq, self.hq, self.frac, self.graph) = moe_half.chain_setup()  # fmt: skip
+        self.flat = self.pool.reshape(-1)
+        self.wt = self.w.reshape(-1).contiguous()
+        self.trunk = {}
+        for m, (rows, n) in TRUNK.items():
+            copies = max(48, int(-(-dk.GB // (rows * n // 256 * 144))))
+            xm = torch.randn(1, n, device="cuda")
+            self.trunk[m] = (dk.random_matrix(QType.Q4_K, rows, n, copies), t8.quantize_act(xm), xm)
+        o = self.offs[0]
+        self.ref = {
+            "gu": q4.gate_up(self.pool, o, self.x, self.roles, self.K, {"BR": 8, "num_warps": 2}, self.xq),
+            "dn": moe_half.down(self.pool, o, self.hq, self.w, self.roles, self.K, 4, 1),
+            **{m: g4.gemv(mats[0], xm, *TRUNK[m], {"BR": 8, "num_warps": 2, "PF": 0}, xqm)
+               for m, (mats, xqm, xm) in self.trunk.items()},
+        }  # fmt: skip
+
+    def launch(self, v, label, w):
+        """One call of kernel ``label`` of Triton ``v`` on weight set ``w`` (slot offsets, or a trunk matrix)."""
+        import torch
+
+        _, what, br, _ = label.split("_")
+        br = int(br)
+        (go, _, _, _), (uo, _, _, _), (do, _, _, _) = (self.roles[r] for r in ("gate", "up", "down"))
+        if what == "gu":
+            out = torch.empty((w.numel(), self.F), dtype=torch.float32, device="cuda")
+            self.call(v, label, (self.F // br, w.numel(), 1), self.flat.view(torch.int32), w, *self.xq, out, go, uo)
+        elif what == "dn":
+            out = torch.empty((1, self.D), dtype=torch.float32, device="cuda")
+            self.call(v, label, (self.D // br, 1, 1), self.flat, self.flat.view(torch.int32), w, *self.hq, self.wt,
+                      out, do)  # fmt: skip
+        else:
+            rows = TRUNK[what][0]
+            out = torch.empty((1, rows), dtype=torch.float32, device="cuda")
+            f = w.reshape(-1)
+            self.call(v, label, ((rows + br - 1) // br, 1, 1), f, f.view(torch.int32), *self.trunk[what][1], out, rows)
+        return out
+
+    def weight_sets(self, label):
+        what = label.split("_")[1]
+        return self.offs if what in ("gu", "dn") else list(self.trunk[what][0])
+
+    def check(self, v, label):
+        """The kernel's result against the engine's halves kernels' (the same arithmetic: < 1e-6)."""
+        what = label.split("_")[1]
+        got, want = self.launch(v, label, self.weight_sets(label)[0]), self.ref[what]
+        e = ((got - want).norm() / want.norm()).item()
+        assert e < 1e-6, (v, label, e)
+
+    def us(self, v, label):
+        """µs a call in the bench's CUDA-graph chain over distinct weight sets."""
+        return self.graph([lambda w=w: self.launch(v, label, w) for w in self.weight_sets(label)])
+
+
 def run():
+    """Each exported cubin launched by CuPy (no PDL), beside the box's JIT build of the engine's kernels."""
     os.environ["SHARPI_PDL"] = "0"
+    import itertools
+
     import moe_half
     import torch
 
-    from engine.bench import device_kernels as dk
-    from engine.quant.formats import QType
     from engine.runtime import triton_q4k_gemv as g4
     from engine.runtime import triton_q4k_moe as q4
-    from engine.runtime import triton_q8 as t8
 
-    bw, K, F, D, nbytes, gu_bytes, dn_bytes, pool, roles, offs, x, w, xq, hq, frac, graph = moe_half.chain_setup()
-    (go, _, _, _), (uo, _, _, _), (do, _, _, _) = roles["gate"], roles["up"], roles["down"]
-    flat = pool.reshape(-1)
-    w32 = flat.view(torch.int32)
-    wt = w.reshape(-1).contiguous()
     versions = sorted(os.listdir(OUT))
     built = {(v, label): Cubin(v, label) for v in versions for label in kernels()}
+    h = Harness(lambda v, label, grid, *a: built[v, label](grid, *a))
     print("cubins from Triton", versions, "; this box's Triton", __import__("triton").__version__, flush=True)
-
-    def gu(v, kind, o, br, wp):
-        H = torch.empty((o.numel(), F), dtype=torch.float32, device="cuda")
-        built[v, f"{kind}_gu_{br}_{wp}"]((F // br, o.numel()), w32, o, *xq, H, go, uo)
-        return H
-
-    def dn(v, kind, o, br, wp):
-        Y = torch.empty((1, D), dtype=torch.float32, device="cuda")
-        built[v, f"{kind}_dn_{br}_{wp}"]((D // br, 1), flat, w32, o, *hq, wt, Y, do)
-        return Y
-
-    def gv(v, kind, m, raw, xqm, br, wp):
-        rows = TRUNK[m][0]
-        Y = torch.empty((1, rows), dtype=torch.float32, device="cuda")
-        f = raw.reshape(-1)
-        built[v, f"{kind}_{m}_{br}_{wp}"](((rows + br - 1) // br,), f, f.view(torch.int32), *xqm, Y, rows)
-        return Y
-
-    trunk = {}
-    for m, (rows, n) in TRUNK.items():
-        copies = max(48, int(-(-dk.GB // (rows * n // 256 * 144))))
-        xm = torch.randn(1, n, device="cuda")
-        trunk[m] = (dk.random_matrix(QType.Q4_K, rows, n, copies), t8.quantize_act(xm), xm)
-
-    # parity against the box's JIT build of the engine's halves kernels (the same arithmetic; < 1e-6)
-    o = offs[0]
-    ref_h = q4.gate_up(pool, o, x, roles, K, {"BR": 8, "num_warps": 2}, xq)
-    ref_y = moe_half.down(pool, o, hq, w, roles, K, 4, 1)
-    ref_t = {m: g4.gemv(mats[0], xm, *TRUNK[m], {"BR": 8, "num_warps": 2, "PF": 0}, xqm)
-             for m, (mats, xqm, xm) in trunk.items()}  # fmt: skip
-    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
-    for v in versions:
-        for kind in ("halves", "rows"):
-            for br, wp in GU_CFGS:
-                assert rel(gu(v, kind, o, br, wp), ref_h) < 1e-6, (v, kind, "gu", br, wp)
-            for br, wp in DN_CFGS:
-                assert rel(dn(v, kind, o, br, wp), ref_y) < 1e-6, (v, kind, "dn", br, wp)
-            for m, (mats, xqm, _) in trunk.items():
-                for br, wp in GV_CFGS:
-                    assert rel(gv(v, kind, m, mats[0], xqm, br, wp), ref_t[m]) < 1e-6, (v, kind, m, br, wp)
+    for v, label in built:
+        h.check(v, label)
     # and the box's JIT of the engine's rows kernels (this checkout's triton_q4k_moe / _gemv)
-    assert rel(q4.gate_up(pool, o, x, roles, K, {"BR": 16, "num_warps": 4, "TILE": "rows"}, xq), ref_h) < 1e-6
-    want = q4.down(pool, o, ref_h, w, roles, K, {"BR": 4, "num_warps": 1, "PF": 0})
-    assert rel(q4.down(pool, o, ref_h, w, roles, K, {"BR": 8, "num_warps": 4, "PF": 0, "TILE": "rows"}), want) < 1e-6
-    for m, (mats, xqm, xm) in trunk.items():
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+    o, K = h.offs[0], h.K
+    got = q4.gate_up(h.pool, o, h.x, h.roles, K, {"BR": 16, "num_warps": 4, "TILE": "rows"}, h.xq)
+    assert rel(got, h.ref["gu"]) < 1e-6
+    want = q4.down(h.pool, o, h.ref["gu"], h.w, h.roles, K, {"BR": 4, "num_warps": 1, "PF": 0})
+    got = q4.down(h.pool, o, h.ref["gu"], h.w, h.roles, K, {"BR": 8, "num_warps": 4, "PF": 0, "TILE": "rows"})
+    assert rel(got, want) < 1e-6
+    for m, (mats, xqm, xm) in h.trunk.items():
         got = g4.gemv(mats[0], xm, *TRUNK[m], {"BR": 16, "num_warps": 4, "PF": 1, "TILE": "rows"}, xqm)
-        assert rel(got, ref_t[m]) < 1e-6, m
+        assert rel(got, h.ref[m]) < 1e-6, m
     torch.cuda.synchronize()
     print("parity: every exported kernel and the box's rows kernels match the engine's halves kernels (< 1e-6)",
           flush=True)  # fmt: skip
 
-    reps = int(os.environ.get("REPS", "1"))
-    for rep in range(reps):
-        us = graph([lambda o=o: moe_half.gate_up(pool, o, x, xq, roles, K, 8, 2) for o in offs])
-        print(f"[{rep}] box JIT: gate/up 8,2 halves {frac(us, gu_bytes)}", flush=True)
-        us = graph([lambda o=o: moe_half.down(pool, o, hq, w, roles, K, 4, 1) for o in offs])
-        print(f"[{rep}] box JIT: down 4,1 halves    {frac(us, dn_bytes)}", flush=True)
+    for rep in range(int(os.environ.get("REPS", "1"))):
+        us = h.graph([lambda o=o: moe_half.gate_up(h.pool, o, h.x, h.xq, h.roles, K, 8, 2) for o in h.offs])
+        print(f"[{rep}] box JIT: gate/up 8,2 halves {h.frac(us, h.gu_bytes)}", flush=True)
+        us = h.graph([lambda o=o: moe_half.down(h.pool, o, h.hq, h.w, h.roles, K, 4, 1) for o in h.offs])
+        print(f"[{rep}] box JIT: down 4,1 halves    {h.frac(us, h.dn_bytes)}", flush=True)
         for v in versions:
-            for kind in ("halves", "rows"):
-                line = []
-                for br, wp in GU_CFGS:
-                    us = graph([lambda o=o: gu(v, kind, o, br, wp) for o in offs])
-                    line.append(f"{br},{wp} {us:5.2f}")
-                print(f"[{rep}] Triton {v} gate/up {kind:6s}: " + " | ".join(line), flush=True)
-            for kind in ("halves", "rows"):
-                line = []
-                for br, wp in DN_CFGS:
-                    us = graph([lambda o=o: dn(v, kind, o, br, wp) for o in offs])
-                    line.append(f"{br},{wp} {us:5.2f}")
-                print(f"[{rep}] Triton {v} down {kind:6s}: " + " | ".join(line), flush=True)
-            for m, (mats, xqm, _) in trunk.items():
-                for kind in ("halves", "rows"):
-                    line = []
-                    for br, wp in GV_CFGS:
-                        us = graph([lambda r=r: gv(v, kind, m, r, xqm, br, wp) for r in mats])
-                        line.append(f"{br},{wp} {us:5.2f}")
-                    print(f"[{rep}] Triton {v} {m} {kind:6s}: " + " | ".join(line), flush=True)
+            for (kind, what), labels in itertools.groupby(kernels(), key=lambda lb: tuple(lb.split("_")[:2])):
+                line = [f"{'_'.join(lb.split('_')[2:])} {h.us(v, lb):5.2f}" for lb in labels]
+                print(f"[{rep}] Triton {v} {what} {kind:6s}: " + " | ".join(line), flush=True)
 
 
 def run_pdl():
     """Each exported PDL cubin launched by this box's Triton launcher with PDL, in the bench's chain timer."""
-    import moe_half
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
     from triton.runtime import driver
 
-    from engine.bench import device_kernels as dk
-    from engine.quant.formats import QType
-    from engine.runtime import triton_q4k_gemv as g4
-    from engine.runtime import triton_q4k_moe as q4
-    from engine.runtime import triton_q8 as t8
-
-    bw, K, F, D, nbytes, gu_bytes, dn_bytes, pool, roles, offs, x, w, xq, hq, frac, graph = moe_half.chain_setup()
-    (go, _, _, _), (uo, _, _, _), (do, _, _, _) = roles["gate"], roles["up"], roles["down"]
-    flat = pool.reshape(-1)
-    w32 = flat.view(torch.int32)
-    wt = w.reshape(-1).contiguous()
     root = OUT + "_pdl"
     versions = sorted(os.listdir(root))
     dev = torch.cuda.current_device()
@@ -276,63 +279,17 @@ def run_pdl():
                 k.module, k.function, *_ = driver.active.utils.load_binary(facts["name"], cubin, shared, dev)
                 k.metadata = k.metadata._replace(shared=shared)
                 k.packed_metadata = backend.pack_metadata(k.metadata)
-            built[v, label] = lambda grid, *a, k=k, c=tuple(const.values()): k[grid](*a, *c)  # constexprs last
+            consts = tuple(const.values())  # the launcher takes them too, last
+            built[v, label] = lambda grid, *a, k=k, c=consts: k[grid](*a, *c)
+    h = Harness(lambda v, label, grid, *a: built[v, label](grid, *a))
     print("PDL chain: cubins from Triton", versions, "launched by Triton", triton.__version__, flush=True)
-
-    def gu(v, kind, o, br, wp):
-        H = torch.empty((o.numel(), F), dtype=torch.float32, device="cuda")
-        built[v, f"{kind}_gu_{br}_{wp}"]((F // br, o.numel(), 1), w32, o, *xq, H, go, uo)
-        return H
-
-    def dn(v, kind, o, br, wp):
-        Y = torch.empty((1, D), dtype=torch.float32, device="cuda")
-        built[v, f"{kind}_dn_{br}_{wp}"]((D // br, 1, 1), flat, w32, o, *hq, wt, Y, do)
-        return Y
-
-    def gv(v, kind, m, raw, xqm, br, wp):
-        rows = TRUNK[m][0]
-        Y = torch.empty((1, rows), dtype=torch.float32, device="cuda")
-        f = raw.reshape(-1)
-        built[v, f"{kind}_{m}_{br}_{wp}"](((rows + br - 1) // br, 1, 1), f, f.view(torch.int32), *xqm, Y, rows)
-        return Y
-
-    trunk = {}
-    for m, (rows, n) in TRUNK.items():
-        copies = max(48, int(-(-dk.GB // (rows * n // 256 * 144))))
-        xm = torch.randn(1, n, device="cuda")
-        trunk[m] = (dk.random_matrix(QType.Q4_K, rows, n, copies), t8.quantize_act(xm), xm)
-    o = offs[0]
-    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
-    ref_h = q4.gate_up(pool, o, x, roles, K, {"BR": 8, "num_warps": 2}, xq)
-    ref_y = moe_half.down(pool, o, hq, w, roles, K, 4, 1)
-    ref_t = {m: g4.gemv(mats[0], xm, *TRUNK[m], {"BR": 8, "num_warps": 2, "PF": 0}, xqm)
-             for m, (mats, xqm, xm) in trunk.items()}  # fmt: skip
     for v, label in built:
-        kind, what, br, wp = label.split("_")
-        br, wp = int(br), int(wp)
-        if what == "gu":
-            e = rel(gu(v, kind, o, br, wp), ref_h)
-        elif what == "dn":
-            e = rel(dn(v, kind, o, br, wp), ref_y)
-        else:
-            e = rel(gv(v, kind, what, trunk[what][0][0], trunk[what][1], br, wp), ref_t[what])
-        assert e < 1e-6, (v, label, e)
+        h.check(v, label)
     torch.cuda.synchronize()
     print("parity: every swapped-in cubin matches the engine's kernels (< 1e-6)", flush=True)
     for rep in range(int(os.environ.get("REPS", "1"))):
         for v in versions:
-            line = []
-            for label in pdl_kernels():
-                kind, what, br, wp = label.split("_")
-                br, wp = int(br), int(wp)
-                if what == "gu":
-                    us = graph([lambda o=o: gu(v, kind, o, br, wp) for o in offs])
-                elif what == "dn":
-                    us = graph([lambda o=o: dn(v, kind, o, br, wp) for o in offs])
-                else:
-                    mats, xqm, _ = trunk[what]
-                    us = graph([lambda r=r: gv(v, kind, what, r, xqm, br, wp) for r in mats])
-                line.append(f"{label} {us:5.2f}")
+            line = [f"{label} {h.us(v, label):5.2f}" for label in pdl_kernels()]
             print(f"[{rep}] PDL, Triton {v}: " + " | ".join(line), flush=True)
 
 

@@ -1,8 +1,9 @@
 // LAB, NOT ADOPTED (packaging/gpu_labs/moe_cuda.py builds and times it; its docstring and docs/benchmarks-gpu.md,
 // session 11, have the figures: 20.6 µs a call for moe_fused, 20.9 for moe_splitf, against the engine's 15.9).
-// The Q4_K routed experts of one decode token, and a Q4_K trunk GEMV, written with the control Triton does not give — every weight byte a program needs is asked
-// for at its start with bulk asynchronous copies (cp.async.bulk, sm_90) into shared memory, so the whole
-// 21.2 MB stream is in flight from the first microsecond, whatever the arithmetic is doing.
+// The Q4_K routed experts of one decode token, and a Q4_K trunk GEMV, written with the control Triton does not give
+// — every weight byte a program needs is asked for at its start with bulk asynchronous copies (cp.async.bulk,
+// sm_90) into shared memory, so the whole 21.2 MB stream is in flight from the first microsecond, whatever the
+// arithmetic is doing.
 //
 // moe_fused: one persistent launch of G programs (G ≤ what fits at once). Program c
 //   1. issues bulk copies of its gate/up rows (h rows [c·KF/G, (c+1)·KF/G) of the K·F of the token's K pairs,

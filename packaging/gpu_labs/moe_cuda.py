@@ -9,6 +9,9 @@ of the memory system? The Q4_K routed experts of one decode token, and Q4_K trun
   moe_splitf  no grid barrier: program (j, k) makes pair k's ĥ block j (32 rows, its gate/up rows by cp.async)
               and adds the matching 32 down columns into y with float atomics (PF: its down slice prefetched
               into L2 at its start).
+  moe_plain   moe_fused's one launch and grid barrier, but the gate/up half-blocks loaded straight into registers
+              by plain 16-byte loads before anything waits (the Triton kernels' way), the down rows by cp.async
+              after them, and each program's ĥ block made before the barrier (192 programs, 2 an SM).
   gemv_q/o    a Q4_K trunk GEMV, a program's rows bulk-copied at its start.
 
 Triton cannot express the first (no shared-memory staging or bulk copies under the programmer's control). Every
@@ -23,15 +26,18 @@ kernels have it; line = 70 % of the measured bandwidth = 10.2 µs for the 21.2 M
     … no dot products / + no rounding of h / + no barrier                 19.3 / 14.4 / 12.2
     … only the gate/up bulk copies (14.2 MB)                               9.9
   moe_splitf, 16 warps, PF 0 (PF 1 is 5 µs slower)                      20.9 µs (34 %); neither dots nor atomics 18.5
+  moe_plain, 16 warps (8: 19.7, 4: 20.5)                                19.1 µs (37 %); no dots 15.8, no barrier 16.6,
+                                                                         neither 13.5 (53 %)
   trunk q [4096, 2048] / o [2048, 4096], best                            4.8 / 4.4 µs (engine 3.3 / 4.0)
 
 So the stream itself is the wall: bulk copies of the whole 21.2 MB with nothing else in the launch take 12.2 µs
-(58 %), the grid barrier adds 2.1 µs, and a token's h must be whole before any down row is final.
+(58 %), plain loads with the launch's own bookkeeping 13.5 µs; the grid barrier adds 2.1–2.5 µs, and a token's h
+must be whole before any down row is final.
 
   python3 packaging/gpu_labs/moe_cuda.py export               # here: NVRTC (pip download nvidia-cuda-nvrtc-cu12,
                                                                # unzip, NVRTC=<libnvrtc.so.12>) -> .devwheels/cuda
   PYTHONPATH=. python3 packaging/gpu_labs/moe_cuda.py run      # on the GPU box (CuPy, torch): parity, timings
-  (FUSED="16,1 8,8" picks moe_fused's (warps, CH) settings; TRUNK=0 skips the GEMVs)
+  (FUSED="16,1 8,8" picks moe_fused's (warps, CH) settings, FUSED="" none; SPLITF=0 / TRUNK=0 skip those)
 """
 # ruff: noqa: E731, B023
 
@@ -188,7 +194,9 @@ def run():
         print(f"moe fused nw {nw:2d} G {G:3d} ch {ch:2d} ({per} an SM, {moe_smem(G) // 1024} KB), parity {e:.1e}: "
               + " | ".join(line), flush=True)  # fmt: skip
 
-    split_f(kern, flat, K, F, D, offs, XQ, XD, XS, wt, go, uo, do, ref, rel, graph, frac, nbytes)
+    if os.environ.get("SPLITF", "1") == "1":
+        split_f(kern, flat, K, F, D, offs, XQ, XD, XS, wt, go, uo, do, ref, rel, graph, frac, nbytes)
+    plain(kern, flat, K, F, D, offs, XQ, XD, XS, wt, go, uo, do, ref, rel, graph, frac, nbytes, sync)
     if os.environ.get("TRUNK", "1") == "0":
         return
     for m, (R, n) in {"q": (4096, 2048), "o": (2048, 4096)}.items():
@@ -242,6 +250,35 @@ def split_f(kern, flat, K, F, D, offs, XQ, XD, XS, wt, go, uo, do, ref, rel, gra
                 line.append(f"{label} {frac(us, nbytes)}")
             print(f"moe split-F nw {nw:2d} PF {pf} ({per} an SM, {smem // 1024} KB), parity {e:.1e}: " + " | ".join(line),
                   flush=True)  # fmt: skip
+
+
+def plain(kern, flat, K, F, D, offs, XQ, XD, XS, wt, go, uo, do, ref, rel, graph, frac, nbytes, sync):
+    """moe_plain: one launch, gate/up bytes first as plain loads, ĥ made before the grid barrier."""
+    import torch
+
+    G = K * F // 32
+    smem = 13312 + K * (-(-D // G) * 432 + 48)
+    hq = torch.zeros(G * 8, dtype=torch.int32, device="cuda")
+    hd = torch.zeros(G, dtype=torch.float32, device="cuda")
+    hs = torch.zeros(2 * G, dtype=torch.float32, device="cuda")
+    ys = [torch.zeros(D, dtype=torch.float32, device="cuda") for _ in offs]
+
+    def call(nw, i, mode):
+        kern("moe_plain", nw, G, smem, flat, offs[i], XQ, XD, XS, wt, hq, hd, hs, ys[i], sync, go, uo, do, mode)
+
+    for nw in (8, 16, 4):
+        ok, per = kern.fits("moe_plain", nw, G, smem)
+        if not ok:
+            print(f"moe plain nw {nw}: {per} an SM, does not fit", flush=True)
+            continue
+        call(nw, 0, 0)
+        e = rel(ys[0].view(1, D), ref)
+        line = []
+        for mode, label in ((0, "whole"), (1, "no dot"), (2, "no barrier"), (3, "neither")):
+            us = graph([lambda i=i: call(nw, i, mode) for i in range(len(offs))])
+            line.append(f"{label} {frac(us, nbytes)}")
+        print(f"moe plain nw {nw:2d} ({per} an SM, {smem // 1024} KB), parity {e:.1e}: " + " | ".join(line), flush=True)
+        assert e < 1e-3, e
 
 
 if __name__ == "__main__":

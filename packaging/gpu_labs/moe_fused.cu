@@ -1,5 +1,6 @@
 // LAB, NOT ADOPTED (packaging/gpu_labs/moe_cuda.py builds and times it; its docstring and docs/benchmarks-gpu.md,
-// session 11, have the figures: 20.6 µs a call for moe_fused, 20.9 for moe_splitf, against the engine's 15.9).
+// session 11, have the figures: 20.6 µs a call for moe_fused, 20.9 for moe_splitf, 19.1 for moe_plain, against
+// the engine's 15.9).
 // The Q4_K routed experts of one decode token, and a Q4_K trunk GEMV, written with the control Triton does not give
 // — every weight byte a program needs is asked for at its start with bulk asynchronous copies (cp.async.bulk,
 // sm_90) into shared memory, so the whole 21.2 MB stream is in flight from the first microsecond, whatever the
@@ -78,15 +79,14 @@ __device__ __forceinline__ void bar_wait(u32 bar) {
     }
 }
 
-// One Q4_K half-block (header at `blk`, sub-blocks 4·hv … 4·hv + 3) · its q8 activations: xw (its 32 words),
+// One Q4_K half-block (header hdr, its 64 quant bytes qp[0..3]: sub-blocks 4·hv … 4·hv + 3) · its q8
+// activations: xw (its 32 words),
 // xd (its 4 sub-block scales), xs (its 8 16-sums) — triton_q4k_moe._dot_half's arithmetic.
-__device__ __forceinline__ float dot_half(const unsigned char* blk, int hv, const int* xw, const float* xd,
-                                          const float* xs) {
-    const uint4 hdr = *(const uint4*)blk;
+__device__ __forceinline__ float dot_half_v(const uint4 hdr, const uint4* qp, int hv, const int* xw, const float* xd,
+                                            const float* xs) {
     const float d = h2f(hdr.x & 0xFFFF), dmin = h2f(hdr.x >> 16);
     const u32 scw = hv ? ((hdr.w & 0x0F0F0F0Fu) | ((hdr.y >> 2) & 0x30303030u)) : (hdr.y & 0x3F3F3F3Fu);
     const u32 mnw = hv ? (((hdr.w >> 4) & 0x0F0F0F0Fu) | ((hdr.z >> 2) & 0x30303030u)) : (hdr.z & 0x3F3F3F3Fu);
-    const uint4* qp = (const uint4*)(blk + 16 + 64 * hv);
     const int4* xp = (const int4*)xw;
     float acc = 0.f, mn = 0.f;
 #pragma unroll
@@ -115,6 +115,12 @@ __device__ __forceinline__ float dot_half(const unsigned char* blk, int hv, cons
         mn += (float)mna * (xs[4 * c] + xs[4 * c + 1]) + (float)mnb * (xs[4 * c + 2] + xs[4 * c + 3]);
     }
     return d * acc - dmin * mn;
+}
+
+// dot_half_v of the half-block at `blk` (its header and quant bytes read from where they are: shared memory here)
+__device__ __forceinline__ float dot_half(const unsigned char* blk, int hv, const int* xw, const float* xd,
+                                          const float* xs) {
+    return dot_half_v(*(const uint4*)blk, (const uint4*)(blk + 16 + 64 * hv), hv, xw, xd, xs);
 }
 
 // x̂ (XQ words, XD scales, XS 16-sums; `halves` half-blocks) into shared memory, a half-block's words XSTR apart
@@ -438,5 +444,114 @@ extern "C" __global__ void __launch_bounds__(NT)
             atomicAdd(Y + r, part);
         else if (part == 12345.f)
             Y[r] = part;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// moe_plain: moe_fused's one launch and grid barrier with the gate/up bytes in flight first, as plain loads.
+// Program c = 24·k + j (G = 192, all resident: ≤ 2 an SM) owns pair k's h rows 32j … 32j + 31 — one q8 block,
+// which it rounds itself into ĥ (global) before the barrier — and output rows [c·D/G, (c+1)·D/G).
+//   1. every lane loads its gate/up half-blocks of all its warp's rows into registers (16-byte loads, issued
+//      before anything waits), then the program's down rows of all 8 experts go to shared memory by cp.async;
+//   2. h from the registers (a warp a row: lanes 0–15 the gate's half-blocks, 16–31 the up's), ĥ block c;
+//   3. grid barrier; all 192 ĥ blocks into shared memory (one L2 round trip); the down from shared memory.
+// MODE bits (timing only): 1 no dot products, 2 no grid barrier.
+#define RPW (32 / NW)  // gate/up rows a warp
+
+__device__ __forceinline__ void q8_round32(float v, int lane, int* words, float* d_out, float* s_out) {
+    float amax = fabsf(v);
+    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+    const float d = __fdiv_rn(amax, 127.0f);
+    const float t = __fdiv_rn(v, d > 0.f ? d : 1.0f);
+    const int q = d > 0.f ? (int)(t + (t >= 0.f ? 0.5f : -0.5f)) : 0;
+    const u32 byte = (u32)q & 0xFFu;
+    const u32 word = byte | (__shfl_down_sync(0xFFFFFFFFu, byte, 1) << 8) |
+                     (__shfl_down_sync(0xFFFFFFFFu, byte, 2) << 16) | (__shfl_down_sync(0xFFFFFFFFu, byte, 3) << 24);
+    if ((lane & 3) == 0) words[lane >> 2] = (int)word;
+    int sq = q;
+    for (int o = 8; o; o >>= 1) sq += __shfl_xor_sync(0xFFFFFFFFu, sq, o);
+    if (lane == 0) *d_out = d;
+    if ((lane & 15) == 0) s_out[lane >> 4] = (float)sq * d;
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 2)
+    moe_plain(const unsigned char* __restrict__ pool, const long long* __restrict__ slot, const int* __restrict__ XQ,
+              const float* __restrict__ XD, const float* __restrict__ XS, const float* __restrict__ WT,
+              int* HQg, float* HDg, float* HSg, float* __restrict__ Y, u32* sync, int go, int uo, int dno, int MODE) {
+    const int G = gridDim.x, c = blockIdx.x, k = c / 24, j = c % 24, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int MAXD = (D_ + G - 1) / G, d0 = c * D_ / G, nd = (c + 1) * D_ / G - d0;
+    const int DNS = MAXD * DN_ROW + 48;
+    unsigned char* dn = sm + OFF_GU;
+    const long long s = slot[k];
+    // 1. the gate/up half-blocks of this warp's rows, all loads in flight
+    const int mat = lane >> 4, hb = lane & 15, b = hb >> 1, hv = hb & 1;
+    uint4 wv[RPW][5];
+    if (s >= 0) {
+        const unsigned char* base = pool + s + (mat ? uo : go) + b * 144;
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+            const uint4* p = (const uint4*)(base + (long long)(32 * j + w + NW * r) * GU_ROW);
+            wv[r][0] = __ldcs(p);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) wv[r][1 + q] = __ldcs(p + 1 + 4 * hv + q);
+        }
+    }
+    // then the down rows of all 8 experts into shared memory
+    for (int i = tid; i < K_ * nd * (DN_ROW / 16); i += NT) {
+        const int e = i / (nd * (DN_ROW / 16)), o = i % (nd * (DN_ROW / 16));
+        const long long se = slot[e];
+        if (se >= 0) cp16(smem(dn + e * DNS + 16 * o), pool + se + dno + (long long)d0 * DN_ROW + 16 * o);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    stage_x(sm, XQ, XD, XS, 16);
+    long long* sslot = (long long*)(sm + 512);
+    float* swt = (float*)(sm + 576);
+    float* sh = (float*)(sm + 640);  // h of the 32 rows
+    if (tid < K_) {
+        sslot[tid] = slot[tid];
+        swt[tid] = WT[tid];
+    }
+    __syncthreads();
+    // 2. h, then ĥ block c
+    const int* sxq = (const int*)(sm + OFF_XQ);
+    const float* sxd = (const float*)(sm + OFF_XD);
+    const float* sxs = (const float*)(sm + OFF_XS);
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+        float v = 0.f;
+        if (s >= 0 && !(MODE & 1)) v = dot_half_v(wv[r][0], &wv[r][1], hv, sxq + hb * XSTR, sxd + hb * 4, sxs + hb * 8);
+        v += __shfl_xor_sync(0xFFFFFFFFu, v, 8);
+        v += __shfl_xor_sync(0xFFFFFFFFu, v, 4);
+        v += __shfl_xor_sync(0xFFFFFFFFu, v, 2);
+        v += __shfl_xor_sync(0xFFFFFFFFu, v, 1);
+        const float u = __shfl_sync(0xFFFFFFFFu, v, 16);
+        if (lane == 0) sh[w + NW * r] = s >= 0 ? v / (1.0f + expf(-v)) * u : 0.f;
+    }
+    __syncthreads();
+    if (w == 0) q8_round32(sh[lane], lane, HQg + 8 * c, HDg + c, HSg + 2 * c);
+    if (!(MODE & 2)) grid_sync(sync, (u32)G);
+    // 3. every ĥ block into shared memory (pair k's sub-block sb: half-block k·6 + sb / 4, words XSTR apart)
+    int* shq = (int*)(sm + OFF_HQ);
+    float* shd = (float*)(sm + OFF_HD);
+    float* shs = (float*)(sm + OFF_HS);
+    for (int i = tid; i < 192 * 8; i += NT) {
+        const int blk = i >> 3, half = (blk / 24) * 6 + (blk % 24) / 4;
+        shq[half * XSTR + ((blk % 24) % 4) * 8 + (i & 7)] = __ldcg(HQg + i);
+    }
+    for (int i = tid; i < 192; i += NT) shd[i] = __ldcg(HDg + i);
+    for (int i = tid; i < 384; i += NT) shs[i] = __ldcg(HSg + i);
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
+    for (int rr = w; rr < nd; rr += NW) {
+        float acc = 0.f;
+        if (!(MODE & 1))
+            for (int e = lane; e < K_ * 2 * NBF_; e += 32) {
+                const int ke = e / (2 * NBF_), h6 = e % (2 * NBF_);
+                if (sslot[ke] >= 0)
+                    acc += swt[ke] * dot_half(dn + ke * DNS + rr * DN_ROW + (h6 >> 1) * 144, h6 & 1, shq + e * XSTR,
+                                              shd + e * 4, shs + e * 8);
+            }
+        for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, o);
+        if (lane == 0) Y[d0 + rr] = acc;
     }
 }

@@ -108,20 +108,27 @@ def moe_ffn(
     weights: np.ndarray,
     *,
     q8_act: bool,
+    skip: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Routed experts for T tokens: X float32 [T, D], ids int64 [T, K], weights float32 [T, K] -> [T, D]."""
+    """Routed experts for T tokens: X float32 [T, D], ids int64 [T, K], weights float32 [T, K] -> [T, D];
+    skip bool [T, K] or None: pairs left out (computed elsewhere: the expert cache's hits)."""
+    if skip is not None and not np.any(skip):
+        skip = None
     if _use_reference:
-        E = gate.n_experts
-        g, u, d = (w.raw.reshape(E, w.rows, -1) for w in (gate, up, down))
-        qts = (gate.qtype, up.qtype, down.qtype)
-        return np.stack([ref.moe_ffn_ref(qts, g, u, d, X[t], ids[t], weights[t], q8_act=q8_act) for t in range(len(X))])
-    if X.shape[0] == 1:  # decode: the fused per-token kernel
+        from engine.kernels.grouped import grouped_moe_ffn_ref
+
+        return grouped_moe_ffn_ref(gate, up, down, X, ids, weights, q8_act=q8_act, skip=skip)
+    if X.shape[0] == 1:  # decode: the fused per-token kernel over the kept pairs
         from engine.kernels.moe import moe_ffn as moe_ffn_token
 
-        return moe_ffn_token(gate, up, down, X[0], ids[0], weights[0], q8_act=q8_act)[None, :]
+        ks = slice(None) if skip is None else np.flatnonzero(~np.asarray(skip, bool)[0])
+        if skip is not None and ks.size == 0:
+            return np.zeros((1, down.rows), np.float32)
+        I, W = np.ascontiguousarray(ids[0][ks]), np.ascontiguousarray(weights[0][ks])
+        return moe_ffn_token(gate, up, down, X[0], I, W, q8_act=q8_act)[None, :]
     from engine.kernels.grouped import grouped_moe_ffn  # prefill: each selected expert once
 
-    return grouped_moe_ffn(gate, up, down, X, ids, weights, q8_act=q8_act)
+    return grouped_moe_ffn(gate, up, down, X, ids, weights, q8_act=q8_act, skip=skip)
 
 
 PROMPT_SCRATCH_TOKENS = 32  # forward passes this long used prompt-sized scratch

@@ -98,6 +98,70 @@ def test_grouped_matches_numpy_reference(qtype):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+def _per_token_kept(gate, up, down, X, ids, w, skip, q8_act=True):
+    """The per-token kernel over each token's pairs not in ``skip`` (0 where none is left)."""
+    out = np.zeros((len(X), down.rows), np.float32)
+    for t in range(len(X)):
+        keep = ~skip[t]
+        if keep.any():
+            out[t] = moe_ffn(gate, up, down, X[t], ids[t][keep], w[t][keep], q8_act=q8_act)
+    return out
+
+
+def _skip_mask(ids, seed):
+    """Drop about half of the pairs, every pair of token 0 and none of token 1."""
+    skip = np.random.default_rng(seed).random(ids.shape) < 0.5
+    skip[0] = True
+    skip[1] = False
+    return skip
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K, QType.Q8_0])
+def test_grouped_skip_is_bit_identical_to_per_token_over_the_kept_pairs(qtype):
+    """The expert cache's host half of a prompt: hits left out, the misses grouped by expert."""
+    gate, up, down = _stacks(qtype, qtype, seed=11)
+    for T, K, seed in [(9, 3, 1), (70, 4, 2)]:
+        X, ids, w = _routing(T, K, seed)
+        skip = _skip_mask(ids, seed)
+        got = grouped_moe_ffn(gate, up, down, X, ids, w, q8_act=True, skip=skip)
+        assert np.array_equal(got, _per_token_kept(gate, up, down, X, ids, w, skip)), qtype.name
+        assert not got[0].any()
+        whole = grouped_moe_ffn(gate, up, down, X, ids, w, q8_act=True)
+        assert np.array_equal(got[1], whole[1])  # nothing dropped: the token's sum unchanged
+
+
+def test_grouped_skip_gather_path_and_reference():
+    gate, up, down = _stacks(QType.F16, QType.F16, seed=12)
+    X, ids, w = _routing(10, 3, seed=5)
+    skip = _skip_mask(ids, 5)
+    got = grouped_moe_ffn(gate, up, down, X, ids, w, q8_act=True, skip=skip)
+    want = _per_token_kept(gate, up, down, X, ids, w, skip)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    gq, uq, dq = _stacks(QType.Q4_K, QType.Q4_K, seed=13)
+    ref = grouped_moe_ffn_ref(gq, uq, dq, X, ids, w, q8_act=True, skip=skip)
+    got = grouped_moe_ffn(gq, uq, dq, X, ids, w, q8_act=True, skip=skip)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    assert not ref[0].any()
+    with pytest.raises(ValueError):
+        grouped_moe_ffn(gq, uq, dq, X, ids, w, q8_act=True, skip=skip[:, :2])
+
+
+def test_ops_moe_ffn_skip_one_token_and_all_kept():
+    """ops.moe_ffn: one token takes the fused per-token kernel over its kept pairs; an all-False mask is
+    the call without one."""
+    from engine import ops
+
+    gate, up, down = _stacks(QType.Q4_K, QType.Q4_K, seed=14)
+    X, ids, w = _routing(3, 3, seed=6)
+    skip = np.array([[False, True, False]])
+    got = ops.moe_ffn(gate, up, down, X[:1], ids[:1], w[:1], q8_act=True, skip=skip)
+    assert np.array_equal(got, _per_token_kept(gate, up, down, X[:1], ids[:1], w[:1], skip))
+    none = ops.moe_ffn(gate, up, down, X[:1], ids[:1], w[:1], q8_act=True, skip=np.ones((1, 3), bool))
+    assert none.shape == (1, D) and not none.any()
+    kept = ops.moe_ffn(gate, up, down, X, ids, w, q8_act=True, skip=np.zeros(ids.shape, bool))
+    assert np.array_equal(kept, ops.moe_ffn(gate, up, down, X, ids, w, q8_act=True))
+
+
 def test_grouped_rejects_bad_ids():
     gate, up, down = _stacks(QType.Q8_0, QType.Q8_0)
     X, ids, w = _routing(3, 2, seed=0)

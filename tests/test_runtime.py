@@ -130,6 +130,46 @@ def test_small_cache_evicts_and_stays_correct(paths, device):
         assert int(s.stats().resident.sum()) == 3
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("threshold", [0, 1, 3])
+def test_prompt_uploads_its_experts_and_stays_correct(paths, device, threshold, monkeypatch):
+    """A prompt's missed experts with ≥ SHARPI_PROMPT_UPLOAD_MIN of its tokens are uploaded before the
+    layer runs and computed on the device; the rest run on the CPU (0: all of them); same logits."""
+    from engine.runtime.expert_cache import CachedExperts
+
+    monkeypatch.setenv("SHARPI_PROMPT_UPLOAD_MIN", str(threshold))
+    host_pairs = []
+    real = CachedExperts._host_outputs
+
+    def spy(self, layer, x, ids_h, weights, miss):
+        host_pairs.append(int(np.isin(ids_h, list(miss)).sum()))
+        return real(self, layer, x, ids_h, weights, miss)
+
+    monkeypatch.setattr(CachedExperts, "_host_outputs", spy)
+    tokens = random_tokens(20, 1024, seed=9)
+    with _session(paths["qwen3moe"], device) as s:
+        ref = s.logits(tokens, batch=True)
+        L, E, K = s.args.n_layer, s.args.n_expert, s.args.n_expert_used
+        s.apply(s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe="cache"), _profile_for(s, n_gpu_layers=L, slots=L * E)))
+        assert s.applied.experts.prompt_upload_min == threshold
+        s.reset_stats()
+        got = s.logits(tokens, batch=True)
+        assert np.abs(got - ref).max() <= 1e-5
+        routes = s.stats()
+        if threshold == 0:  # every pair of the cold prompt on the CPU
+            assert sum(host_pairs) == len(tokens) * L * K
+        elif threshold == 1:  # every expert uploaded before its layer ran: nothing on the CPU
+            assert sum(host_pairs) == 0 and int(routes.resident.sum()) == int((routes.calls > 0).sum())
+        else:  # experts with 1–2 of the prompt's tokens on the CPU, the others on the device
+            rare = int(((routes.calls > 0) & (routes.calls < threshold)).sum())
+            assert rare > 0 and 0 < sum(host_pairs) < len(tokens) * L * K
+    with pytest.raises(ValueError, match="SHARPI_PROMPT_UPLOAD_MIN"):
+        monkeypatch.setenv("SHARPI_PROMPT_UPLOAD_MIN", "many")
+        from engine.runtime.expert_cache import prompt_upload_threshold
+
+        prompt_upload_threshold()
+
+
 def test_apply_out_of_memory_keeps_the_previous_placement(paths):
     tokens = random_tokens(10, 1024, seed=7)
     with _session(paths["qwen3moe"]) as s:

@@ -13,7 +13,10 @@ h quantized row by row exactly as there, and the weighted sum taken per token in
 Public entry points::
 
     bucket_by_expert(ids int64 [T, K], n_experts) -> (offsets int64 [E+1], pairs int64 [T·K])
-    grouped_moe_ffn(gate, up, down, X [T, D], ids [T, K], weights [T, K], *, q8_act) -> [T, D]
+    grouped_moe_ffn(gate, up, down, X [T, D], ids [T, K], weights [T, K], *, q8_act, skip=None) -> [T, D]
+
+``skip`` (bool [T, K]) leaves pairs out: they are bucketed apart, never computed, and add nothing —
+the expert cache's host half of a prompt, whose other pairs run on the device.
 
 with numpy references ``bucket_by_expert_ref`` and ``grouped_moe_ffn_ref`` beside them.
 """
@@ -273,20 +276,33 @@ def grouped_moe_ffn(
     weights: np.ndarray,
     *,
     q8_act: bool,
+    skip: np.ndarray | None = None,
 ) -> np.ndarray:
     """Y[t] = Σ_k weights[t, k] · down[ids[t, k]] · (SiLU(gate[·]·X[t]) ⊙ up[·]·X[t]), grouped.
 
     gate, up: stacks [E, F, D]; down: [E, D, F]; X float32 [T, D]; ids int [T, K];
-    weights float32 [T, K]. Returns float32 [T, D], bit-identical to ``moe.moe_ffn`` per token
-    for the fused types (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K with ``q8_act``). Other types run
-    each selected expert once over its tokens through ``dispatch.gemv_acts``.
+    weights float32 [T, K]; skip bool [T, K] or None: pairs left out of the sum. Returns float32
+    [T, D], bit-identical to ``moe.moe_ffn`` per token (over each token's kept pairs) for the fused
+    types (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K with ``q8_act``) where no expert has enough tokens for
+    the bf16 units. Other types run each selected expert once over its tokens through
+    ``dispatch.gemv_acts``.
     """
     X = np.ascontiguousarray(X, dtype=np.float32)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     weights = np.ascontiguousarray(weights, dtype=np.float32)
     _check(gate, up, down, X, ids, weights)
     T, K = ids.shape
-    offsets, pairs = bucket_by_expert(ids, gate.n_experts)
+    E = gate.n_experts
+    if skip is None:
+        offsets, pairs = bucket_by_expert(ids, E)
+        dropped = pairs[:0]
+    else:
+        skip = np.asarray(skip, dtype=bool)
+        if skip.shape != ids.shape:
+            raise ValueError(f"skip {skip.shape} must be the shape of ids {ids.shape}")
+        weights = np.where(skip, np.float32(0.0), weights)  # a dropped pair's row of o is 0: it adds +0
+        offsets, pairs = bucket_by_expert(np.where(skip, E, ids), E + 1)  # bucket E: the dropped pairs
+        dropped, pairs, offsets = pairs[offsets[E] :], pairs[: offsets[E]], offsets[: E + 1]
     if fused_grouped(gate, up, down, q8_act):
         o = scratch.buffer("pairs", T * K * down.rows).reshape(T * K, down.rows)  # o[t·K + k]: pair (t, k)'s output
         counts = np.diff(offsets)
@@ -302,8 +318,9 @@ def grouped_moe_ffn(
             grouped_down_q8(qd, down.raw, down.scales, offsets, pairs, *qh, down.rows, o, big)
         if big.any():
             _bf16_experts(gate, up, down, X, offsets, pairs, K, np.flatnonzero(big), o)
+        o[dropped] = 0.0
         return reduce_pairs(o, weights)
-    return _grouped_gather(gate, up, down, X, offsets, pairs, weights, q8_act)
+    return _grouped_gather(gate, up, down, X, offsets, pairs, weights, q8_act, dropped)
 
 
 def _bf16_experts(gate, up, down, X, offsets, pairs, K, experts, o) -> None:
@@ -327,8 +344,9 @@ def _bf16_experts(gate, up, down, X, offsets, pairs, K, experts, o) -> None:
             o[p] = (h @ torch.from_numpy(dn).T).numpy()
 
 
-def _grouped_gather(gate, up, down, X, offsets, pairs, weights, q8_act) -> np.ndarray:
-    """Any weight type: per selected expert, three gather GEMVs over its contiguous token rows."""
+def _grouped_gather(gate, up, down, X, offsets, pairs, weights, q8_act, dropped) -> np.ndarray:
+    """Any weight type: per selected expert, three gather GEMVs over its contiguous token rows
+    (the pairs ``dropped`` add nothing)."""
     from engine.kernels.dispatch import gemv_acts, prepare_activations
 
     T, K = weights.shape
@@ -347,6 +365,7 @@ def _grouped_gather(gate, up, down, X, offsets, pairs, weights, q8_act) -> np.nd
             h[p0 : p0 + n] = (g / (np.float32(1.0) + np.exp(-g)) * u).T
     ad = prepare_activations(down.qtype, h, q8_act=q8_act)
     o = np.empty((T * K, D), np.float32)
+    o[dropped] = 0.0
     for e, p0, n in groups:
         rows = np.arange(e * D, (e + 1) * D, dtype=np.int64)
         o[pairs[p0 : p0 + n]] = gemv_acts(down, ad, rows, np.full(D, p0, np.int64), n, q8_act=q8_act).T
@@ -366,11 +385,18 @@ def grouped_moe_ffn_ref(
     weights: np.ndarray,
     *,
     q8_act: bool,
+    skip: np.ndarray | None = None,
 ) -> np.ndarray:
-    """numpy reference of :func:`grouped_moe_ffn`: ``reference.moe_ffn_ref`` token by token."""
+    """numpy reference of :func:`grouped_moe_ffn`: ``reference.moe_ffn_ref`` token by token, over
+    each token's pairs not in ``skip``."""
     from engine.kernels.reference import moe_ffn_ref
 
     E = gate.n_experts
     g, u, d = (w.raw.reshape(E, w.rows, -1) for w in (gate, up, down))
     qts = (gate.qtype, up.qtype, down.qtype)
-    return np.stack([moe_ffn_ref(qts, g, u, d, X[t], ids[t], weights[t], q8_act=q8_act) for t in range(len(X))])
+    keep = np.ones(ids.shape, bool) if skip is None else ~np.asarray(skip, bool)
+    y = np.zeros((len(X), down.rows), np.float32)
+    for t in range(len(X)):
+        if keep[t].any():
+            y[t] = moe_ffn_ref(qts, g, u, d, X[t], ids[t][keep[t]], weights[t][keep[t]], q8_act=q8_act)
+    return y

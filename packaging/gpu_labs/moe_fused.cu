@@ -123,6 +123,24 @@ __device__ __forceinline__ float dot_half(const unsigned char* blk, int hv, cons
     return dot_half_v(*(const uint4*)blk, (const uint4*)(blk + 16 + 64 * hv), hv, xw, xd, xs);
 }
 
+// h (one value a lane) through triton_q8's rule as one q8 block: its 8 words (words[lane / 4]), scale (*d_out)
+// and two 16-sums d·Σq (s_out[0..1])
+__device__ __forceinline__ void q8_round32(float v, int lane, int* words, float* d_out, float* s_out) {
+    float amax = fabsf(v);
+    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+    const float d = __fdiv_rn(amax, 127.0f);
+    const float t = __fdiv_rn(v, d > 0.f ? d : 1.0f);
+    const int q = d > 0.f ? (int)(t + (t >= 0.f ? 0.5f : -0.5f)) : 0;
+    const u32 byte = (u32)q & 0xFFu;
+    const u32 word = byte | (__shfl_down_sync(0xFFFFFFFFu, byte, 1) << 8) |
+                     (__shfl_down_sync(0xFFFFFFFFu, byte, 2) << 16) | (__shfl_down_sync(0xFFFFFFFFu, byte, 3) << 24);
+    if ((lane & 3) == 0) words[lane >> 2] = (int)word;
+    int sq = q;
+    for (int o = 8; o; o >>= 1) sq += __shfl_xor_sync(0xFFFFFFFFu, sq, o);
+    if (lane == 0) *d_out = d;
+    if ((lane & 15) == 0) s_out[lane >> 4] = (float)sq * d;
+}
+
 // x̂ (XQ words, XD scales, XS 16-sums; `halves` half-blocks) into shared memory, a half-block's words XSTR apart
 __device__ __forceinline__ void stage_x(unsigned char* sm, const int* XQ, const float* XD, const float* XS,
                                         int halves) {
@@ -130,6 +148,25 @@ __device__ __forceinline__ void stage_x(unsigned char* sm, const int* XQ, const 
     for (int i = threadIdx.x; i < halves * 32; i += NT) sxq[(i >> 5) * XSTR + (i & 31)] = XQ[i];
     for (int i = threadIdx.x; i < halves * 4; i += NT) ((float*)(sm + OFF_XD))[i] = XD[i];
     for (int i = threadIdx.x; i < halves * 8; i += NT) ((float*)(sm + OFF_XS))[i] = XS[i];
+}
+
+// a warp's gate (lanes 0–15) and up (lanes 16–31) half-block products -> SiLU(gate)·up, valid on lane 0
+__device__ __forceinline__ float swiglu_lanes(float v) {
+    v += __shfl_xor_sync(0xFFFFFFFFu, v, 8);
+    v += __shfl_xor_sync(0xFFFFFFFFu, v, 4);
+    v += __shfl_xor_sync(0xFFFFFFFFu, v, 2);
+    v += __shfl_xor_sync(0xFFFFFFFFu, v, 1);
+    const float u = __shfl_sync(0xFFFFFFFFu, v, 16);
+    return v / (1.0f + expf(-v)) * u;
+}
+
+// the token's K slot offsets and routing weights into shared memory at bytes 512 and 576 (after the mbarriers)
+__device__ __forceinline__ const long long* stage_routes(const long long* slot, const float* WT) {
+    if (threadIdx.x < K_) {
+        ((long long*)(sm + 512))[threadIdx.x] = slot[threadIdx.x];
+        ((float*)(sm + 576))[threadIdx.x] = WT[threadIdx.x];
+    }
+    return (const long long*)(sm + 512);
 }
 
 __device__ __forceinline__ void grid_sync(u32* sync, u32 G) {
@@ -196,12 +233,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
         }
     }
     stage_x(sm, XQ, XD, XS, 16);
-    long long* sslot = (long long*)(sm + 512);  // after the barriers (G ≥ 100: at most 62 rows)
-    float* swt = (float*)(sm + 576);
-    if (tid < K_) {
-        sslot[tid] = slot[tid];
-        swt[tid] = WT[tid];
-    }
+    const long long* sslot = stage_routes(slot, WT);  // after the barriers (G ≥ 100: at most 62 rows)
+    const float* swt = (const float*)(sm + 576);
     __syncthreads();
 
     // gate/up: a warp a row
@@ -217,12 +250,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
             if (!(MODE & 1))
                 v = dot_half(gu + mat * (MAXR * GU_ROW) + i * GU_ROW + b * 144, hv, sxq + hb * XSTR, sxd + hb * 4,
                              sxs + hb * 8);
-            v += __shfl_xor_sync(0xFFFFFFFFu, v, 8);
-            v += __shfl_xor_sync(0xFFFFFFFFu, v, 4);
-            v += __shfl_xor_sync(0xFFFFFFFFu, v, 2);
-            v += __shfl_xor_sync(0xFFFFFFFFu, v, 1);
-            const float u = __shfl_sync(0xFFFFFFFFu, v, 16);
-            if (lane == 0) H[g] = sslot[g / F_] >= 0 ? v / (1.0f + expf(-v)) * u : 0.f;
+            const float h = swiglu_lanes(v);
+            if (lane == 0) H[g] = sslot[g / F_] >= 0 ? h : 0.f;
         }
     }
     if (!(MODE & 2)) grid_sync(sync, (u32)G);  // MODE 2: no barrier (wrong sums; what it costs)
@@ -237,25 +266,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     for (int j = 0; j < PER; ++j) hv_[j] = __ldcg(H + (w + NW * j) * 32 + lane);
 #pragma unroll
     for (int j = 0; j < (MODE & 4 ? 0 : PER); ++j) {  // MODE 4: no rounding (timing only)
-        const int blk = w + NW * j;
-        const float v = hv_[j];
-        float amax = fabsf(v);
-        for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-        const float d = __fdiv_rn(amax, 127.0f);
-        const float t = __fdiv_rn(v, d > 0.f ? d : 1.0f);
-        const int q = d > 0.f ? (int)(t + (t >= 0.f ? 0.5f : -0.5f)) : 0;
-        const u32 byte = (u32)q & 0xFFu;
-        const u32 word = byte | (__shfl_down_sync(0xFFFFFFFFu, byte, 1) << 8) |
-                         (__shfl_down_sync(0xFFFFFFFFu, byte, 2) << 16) | (__shfl_down_sync(0xFFFFFFFFu, byte, 3) << 24);
-        const int half = (blk / 24) * 6 + (blk % 24) / 4;  // pair k = blk / 24, sub-block blk % 24
-        if ((lane & 3) == 0) shq[half * XSTR + ((blk % 24) % 4) * 8 + (lane >> 2)] = (int)word;
-        int s = q;
-        for (int o = 8; o; o >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
-        if (lane == 0) {
-            shd[blk] = d;
-            shs[2 * blk] = (float)s * d;
-        }
-        if (lane == 16) shs[2 * blk + 1] = (float)s * d;
+        const int blk = w + NW * j, half = (blk / 24) * 6 + (blk % 24) / 4;  // pair blk / 24, sub-block blk % 24
+        q8_round32(hv_[j], lane, shq + half * XSTR + ((blk % 24) % 4) * 8, shd + blk, shs + 2 * blk);
     }
     __syncthreads();
     if (!(MODE & 8)) bar_wait(bars);
@@ -347,7 +359,7 @@ extern "C" __global__ void __launch_bounds__(NT)
     const long long s = slot[k];
     if (s < 0) return;
     unsigned char* gu = sm + OFF_GU;  // gate rows 0..31, then up rows 0..31
-    float* sh = (float*)(sm + OFF_HD);  // h of the 32 rows, then its q8 block (words at OFF_HQ)
+    float* sh = (float*)(sm + OFF_HD);  // h of the 32 rows, then its q8 scale and 16-sums (words at OFF_HQ)
     const unsigned char* gsrc = pool + s + go + (long long)(32 * j) * GU_ROW;
     const unsigned char* usrc = pool + s + uo + (long long)(32 * j) * GU_ROW;
     constexpr int N16 = 32 * GU_ROW / 16;  // 16-byte pieces a matrix
@@ -376,40 +388,17 @@ extern "C" __global__ void __launch_bounds__(NT)
             if (!(MODE & 1))
                 v = dot_half(gu + mat * (32 * GU_ROW) + i * GU_ROW + bb * 144, hv, sxq + hb * XSTR, sxd + hb * 4,
                              sxs + hb * 8);
-            v += __shfl_xor_sync(0xFFFFFFFFu, v, 8);
-            v += __shfl_xor_sync(0xFFFFFFFFu, v, 4);
-            v += __shfl_xor_sync(0xFFFFFFFFu, v, 2);
-            v += __shfl_xor_sync(0xFFFFFFFFu, v, 1);
-            const float u = __shfl_sync(0xFFFFFFFFu, v, 16);
-            if (lane == 0) sh[i] = v / (1.0f + expf(-v)) * u;
+            const float h = swiglu_lanes(v);
+            if (lane == 0) sh[i] = h;
         }
     }
     __syncthreads();
     // ĥ: the 32 values through triton_q8's rule (warp 0), as 8 words, the scale and the sum d·Σq
     int* hq = (int*)(sm + OFF_HQ);
-    if (w == 0) {
-        const float v = sh[lane];
-        float amax = fabsf(v);
-        for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-        const float d = __fdiv_rn(amax, 127.0f);
-        const float t = __fdiv_rn(v, d > 0.f ? d : 1.0f);
-        const int q = d > 0.f ? (int)(t + (t >= 0.f ? 0.5f : -0.5f)) : 0;
-        const u32 byte = (u32)q & 0xFFu;
-        const u32 word = byte | (__shfl_down_sync(0xFFFFFFFFu, byte, 1) << 8) |
-                         (__shfl_down_sync(0xFFFFFFFFu, byte, 2) << 16) | (__shfl_down_sync(0xFFFFFFFFu, byte, 3) << 24);
-        if ((lane & 3) == 0) hq[lane >> 2] = (int)word;
-        int sq = q;
-        for (int o = 8; o; o >>= 1) sq += __shfl_xor_sync(0xFFFFFFFFu, sq, o);  // 16-sums, as triton_q8 keeps them
-        const float s16 = (float)sq * d;
-        const float s_other = __shfl_xor_sync(0xFFFFFFFFu, s16, 16);
-        if (lane == 0) {
-            sh[32] = d;
-            sh[33] = s16 + s_other;
-        }
-    }
+    if (w == 0) q8_round32(sh[lane], lane, hq, sh + 32, sh + 34);
     __syncthreads();
     int4 x0 = ((const int4*)hq)[0], x1 = ((const int4*)hq)[1];
-    const float dh = sh[32], sumh = sh[33], wk = WT[k];
+    const float dh = sh[32], sumh = sh[34] + sh[35], wk = WT[k];
     // each thread: rows tid, tid + NT, … ; a row: header (d, dmin, 6-bit scale and min of sub-block j & 7) and the
     // chunk's 32 quant bytes (this sub-block's nibbles)
     constexpr int RPT = D_ / NT;
@@ -458,22 +447,6 @@ extern "C" __global__ void __launch_bounds__(NT)
 // MODE bits (timing only): 1 no dot products, 2 no grid barrier.
 #define RPW (32 / NW)  // gate/up rows a warp
 
-__device__ __forceinline__ void q8_round32(float v, int lane, int* words, float* d_out, float* s_out) {
-    float amax = fabsf(v);
-    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-    const float d = __fdiv_rn(amax, 127.0f);
-    const float t = __fdiv_rn(v, d > 0.f ? d : 1.0f);
-    const int q = d > 0.f ? (int)(t + (t >= 0.f ? 0.5f : -0.5f)) : 0;
-    const u32 byte = (u32)q & 0xFFu;
-    const u32 word = byte | (__shfl_down_sync(0xFFFFFFFFu, byte, 1) << 8) |
-                     (__shfl_down_sync(0xFFFFFFFFu, byte, 2) << 16) | (__shfl_down_sync(0xFFFFFFFFu, byte, 3) << 24);
-    if ((lane & 3) == 0) words[lane >> 2] = (int)word;
-    int sq = q;
-    for (int o = 8; o; o >>= 1) sq += __shfl_xor_sync(0xFFFFFFFFu, sq, o);
-    if (lane == 0) *d_out = d;
-    if ((lane & 15) == 0) s_out[lane >> 4] = (float)sq * d;
-}
-
 extern "C" __global__ void __launch_bounds__(NT, 2)
     moe_plain(const unsigned char* __restrict__ pool, const long long* __restrict__ slot, const int* __restrict__ XQ,
               const float* __restrict__ XD, const float* __restrict__ XS, const float* __restrict__ WT,
@@ -504,13 +477,9 @@ extern "C" __global__ void __launch_bounds__(NT, 2)
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
     stage_x(sm, XQ, XD, XS, 16);
-    long long* sslot = (long long*)(sm + 512);
-    float* swt = (float*)(sm + 576);
+    const long long* sslot = stage_routes(slot, WT);
+    const float* swt = (const float*)(sm + 576);
     float* sh = (float*)(sm + 640);  // h of the 32 rows
-    if (tid < K_) {
-        sslot[tid] = slot[tid];
-        swt[tid] = WT[tid];
-    }
     __syncthreads();
     // 2. h, then ĥ block c
     const int* sxq = (const int*)(sm + OFF_XQ);
@@ -520,12 +489,8 @@ extern "C" __global__ void __launch_bounds__(NT, 2)
     for (int r = 0; r < RPW; ++r) {
         float v = 0.f;
         if (s >= 0 && !(MODE & 1)) v = dot_half_v(wv[r][0], &wv[r][1], hv, sxq + hb * XSTR, sxd + hb * 4, sxs + hb * 8);
-        v += __shfl_xor_sync(0xFFFFFFFFu, v, 8);
-        v += __shfl_xor_sync(0xFFFFFFFFu, v, 4);
-        v += __shfl_xor_sync(0xFFFFFFFFu, v, 2);
-        v += __shfl_xor_sync(0xFFFFFFFFu, v, 1);
-        const float u = __shfl_sync(0xFFFFFFFFu, v, 16);
-        if (lane == 0) sh[w + NW * r] = s >= 0 ? v / (1.0f + expf(-v)) * u : 0.f;
+        const float h = swiglu_lanes(v);
+        if (lane == 0) sh[w + NW * r] = s >= 0 ? h : 0.f;
     }
     __syncthreads();
     if (w == 0) q8_round32(sh[lane], lane, HQg + 8 * c, HDg + c, HSg + 2 * c);

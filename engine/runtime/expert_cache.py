@@ -211,12 +211,9 @@ class CachedExperts(ExpertBackend):
             self.sync()
         hit_set, miss = set(hit) | set(loaded), [e for e in miss if e not in loaded]
         if self.profiler is not None:
-            self.profiler.record_cache(
-                layer,
-                [e for e in ids_h.reshape(-1) if e in set(hit)],
-                [e for e in ids_h.reshape(-1) if e not in set(hit)],
-                {},
-            )
+            flat = ids_h.reshape(-1)
+            was_hit = np.isin(flat, np.asarray(hit, np.int64))
+            self.profiler.record_cache(layer, flat[was_hit], flat[~was_hit], {})
         y = self._device_outputs(layer, x, ids_h, weights, hit_set)
         if miss:
             y = y + self._host_outputs(layer, x, ids_h, weights, set(miss)).to(x.device)
@@ -330,14 +327,13 @@ class CachedExperts(ExpertBackend):
         if not hit_set:
             return y
         w = weights.to(x.device)
-        t_idx, k_idx = np.nonzero(np.isin(ids_h, list(hit_set)))  # pairs, token-major
         if self._fused[layer]:
             # Fused Triton kernels read each pair's slot bytes in place: decode in two launches
             # (gate·up·SiLU, then down weighted over the k experts), prefill grouped by expert.
-            off = np.full((T, K), -1, dtype=np.int64)
-            off[t_idx, k_idx] = [self.slru.slot((layer, int(ids_h[t, k]))) for t, k in zip(t_idx, k_idx)]
-            off[t_idx, k_idx] *= self.layout.stride
-            slot_off = torch.from_numpy(off).to(self.device)
+            slot_of = np.full(int(ids_h.max()) + 1, -1, dtype=np.int64)  # expert -> byte offset of its slot
+            for e in hit_set:
+                slot_of[e] = self.slru.slot((layer, e)) * self.layout.stride
+            slot_off = torch.from_numpy(slot_of[ids_h]).to(self.device)  # −1: not served here
             roles = self._roles(layer)
             if T <= TRITON_MAX_T:
                 act = triton_moe.decode_act(self.device, self.q8_act, roles)
@@ -345,6 +341,7 @@ class CachedExperts(ExpertBackend):
             else:
                 y = triton_moe.moe_prefill(self.pool, slot_off, x.float(), w.float(), roles)
             return y.to(x.dtype)
+        t_idx, k_idx = np.nonzero(np.isin(ids_h, list(hit_set)))  # pairs, token-major
         if len(t_idx) <= 64:
             # Decode, reference: gather the pairs' slots and run one batched matmul per role.
             slots = torch.tensor([self.slru.slot((layer, int(ids_h[t, k]))) for t, k in zip(t_idx, k_idx)])

@@ -208,6 +208,21 @@ if triton is not None:
         tl.store(H + q.to(tl.int64) * F + r0 + tl.arange(0, BR), h)
 
     @triton.jit
+    def _down_lanes(SLOT, WT, t, e, K: tl.constexpr, NBF: tl.constexpr):
+        """Token t's experts × half-block lanes e (indices 0 … K·NL − 1 along either tile axis, NL =
+        next_power_of_2(2·NBF)) -> (block b, half hv, pair q, its slot, keep, routing weight wk): lanes ≥ 2·NBF
+        repeat the last half and are not kept, nor are skipped pairs (slot −1)."""
+        NL: tl.constexpr = triton.next_power_of_2(2 * NBF)
+        lane = e % NL
+        lc = tl.minimum(lane, 2 * NBF - 1)
+        b = lc // 2
+        hv = lc % 2
+        q = t * K + e // NL
+        slot = tl.load(SLOT + q)
+        keep = (lane < 2 * NBF) & (slot >= 0)
+        return b, hv, q, slot, keep, tl.load(WT + q)
+
+    @triton.jit
     def _down_kernel(W, W32, SLOT, HQ, HD, HS, WT, Y, do, D: tl.constexpr, K: tl.constexpr, NBF: tl.constexpr,
                      BR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, NT: tl.constexpr):  # fmt: skip
         """Y[t, rows] = Σ_k WT[t, k] · down_{t,k}[rows] · hq[t·K + k], down at byte offset do of the slot, NBF
@@ -224,15 +239,7 @@ if triton is not None:
         qb.pdl_enter(PDL)
         rows = r0 + tl.arange(0, BR)
         NL: tl.constexpr = triton.next_power_of_2(2 * NBF)
-        e = tl.arange(0, K * NL)
-        lane = e % NL
-        lc = tl.minimum(lane, 2 * NBF - 1)
-        b = lc // 2
-        hv = lc % 2
-        q = t * K + e // NL
-        slot = tl.load(SLOT + q)
-        keep = (lane < 2 * NBF) & (slot >= 0)
-        wk = tl.load(WT + q)
+        b, hv, q, slot, keep, wk = _down_lanes(SLOT, WT, t, tl.arange(0, K * NL), K, NBF)
         zp = tl.zeros([K * NL, BR], dtype=tl.int32)
         P = W32 + (tl.multiple_of((tl.maximum(slot, 0) + do) // 4 + b * BLOCK_WORDS, 4)[:, None] + (rows * RW)[None, :])
         hs = hv[:, None] + zp
@@ -283,15 +290,7 @@ if triton is not None:
         qb.pdl_enter(PDL)
         rows = r0 + tl.arange(0, BR)
         NL: tl.constexpr = triton.next_power_of_2(2 * NBF)
-        e = tl.arange(0, K * NL)[None, :]
-        lane = e % NL
-        lc = tl.minimum(lane, 2 * NBF - 1)
-        b = lc // 2
-        hv = lc % 2
-        q = t * K + e // NL
-        slot = tl.load(SLOT + q)
-        keep = (lane < 2 * NBF) & (slot >= 0)
-        wk = tl.load(WT + q)
+        b, hv, q, slot, keep, wk = _down_lanes(SLOT, WT, t, tl.arange(0, K * NL)[None, :], K, NBF)
         P = W32 + (tl.multiple_of((tl.maximum(slot, 0) + do) // 4 + b * BLOCK_WORDS, [1, 4]) + rows[:, None] * RW)
         X = HQ + q * (64 * NBF) + b * 64 + hv * 32
         XDp = HD + q * (8 * NBF) + b * 8 + hv * 4

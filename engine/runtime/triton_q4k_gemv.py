@@ -43,16 +43,22 @@ def applies(qtype: QType, n: int, T: int) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(W, W32, XQ, XD, XS, Y, R, NB: tl.constexpr, BR: tl.constexpr, ASM: tl.constexpr,
-                     PDL: tl.constexpr, PF: tl.constexpr, NT: tl.constexpr):  # fmt: skip
-        """Y[rows] = W[rows]·x̂ for rows r0 … r0 + BR − 1 (< R) of the Q4_K matrix W (NB blocks a row)."""
+    def _rows(W, R, NB: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, NT: tl.constexpr):
+        """The program's rows r0 … r0 + BR − 1 (their L2 prefetch, PF, before the PDL wait): (rows, rows < R,
+        rows to read — past R, row 0, not stored)."""
         r0 = tl.program_id(0) * BR
         if PF:
             qb.prefetch_rows(W, 0, r0, R, BR, 144 * NB, NT)
         qb.pdl_enter(PDL)
         rows = r0 + tl.arange(0, BR)
         rm = rows < R
-        rr = tl.where(rm, rows, 0)  # rows past R read row 0 and are not stored
+        return rows, rm, tl.where(rm, rows, 0)
+
+    @triton.jit
+    def _gemv_kernel(W, W32, XQ, XD, XS, Y, R, NB: tl.constexpr, BR: tl.constexpr, ASM: tl.constexpr,
+                     PDL: tl.constexpr, PF: tl.constexpr, NT: tl.constexpr):  # fmt: skip
+        """Y[rows] = W[rows]·x̂ for rows r0 … r0 + BR − 1 (< R) of the Q4_K matrix W (NB blocks a row)."""
+        rows, rm, rr = _rows(W, R, NB, BR, PDL, PF, NT)
         e = tl.arange(0, 2 * NB)
         b = e // 2
         zp = tl.zeros([2 * NB, BR], dtype=tl.int32)
@@ -69,13 +75,7 @@ if triton is not None:
                        PDL: tl.constexpr, PF: tl.constexpr, NT: tl.constexpr):  # fmt: skip
         """:func:`_gemv_kernel` with [rows, half-blocks] tiles (launch setting ``TILE: "rows"``; the
         activation pointers [1, 2·NB] shared by the tile's rows — triton_q4k_moe's docstring says when)."""
-        r0 = tl.program_id(0) * BR
-        if PF:
-            qb.prefetch_rows(W, 0, r0, R, BR, 144 * NB, NT)
-        qb.pdl_enter(PDL)
-        rows = r0 + tl.arange(0, BR)
-        rm = rows < R
-        rr = tl.where(rm, rows, 0)
+        rows, rm, rr = _rows(W, R, NB, BR, PDL, PF, NT)
         e = tl.arange(0, 2 * NB)[None, :]
         b = e // 2
         hs = e % 2

@@ -98,15 +98,8 @@ def down_kg_kernel(W32, SLOT, HQ, HD, HS, WT, Y, do, D: tl.constexpr, K: tl.cons
     RW: tl.constexpr = q4.BLOCK_WORDS * NBF
     rows = r0 + tl.arange(0, BR)
     NL: tl.constexpr = triton.next_power_of_2(2 * NBF)
-    e = tl.arange(0, KP * NL)
-    lane = e % NL
-    lc = tl.minimum(lane, 2 * NBF - 1)
-    b = lc // 2
-    hv = lc % 2
-    q = t * K + tl.program_id(2) * KP + e // NL
-    slot = tl.load(SLOT + q)
-    keep = (lane < 2 * NBF) & (slot >= 0)
-    wk = tl.load(WT + q)
+    # this program's KP experts: lanes KP·NL·g … of the token's K·NL
+    b, hv, q, slot, keep, wk = q4._down_lanes(SLOT, WT, t, tl.program_id(2) * (KP * NL) + tl.arange(0, KP * NL), K, NBF)
     zp = tl.zeros([KP * NL, BR], dtype=tl.int32)
     P = W32 + (tl.multiple_of((tl.maximum(slot, 0) + do) // 4 + b * q4.BLOCK_WORDS, 4)[:, None] + (rows * RW)[None, :])
     hs = hv[:, None] + zp

@@ -264,15 +264,8 @@ def down_x_kernel(W32, SLOT, HQ, HD, HS, WT, Y, do, D: tl.constexpr, K: tl.const
     RW: tl.constexpr = BW * NBF
     rows = r0 + tl.arange(0, BR)
     NL: tl.constexpr = triton.next_power_of_2(2 * NBF)
-    e = tl.arange(0, K * NL)
-    lane = e % NL
-    lc = tl.minimum(lane, 2 * NBF - 1)
-    b = lc // 2
-    hv = lc % 2
-    q = t * K + e // NL
-    slot = tl.load(SLOT + q)
-    keep = (lane < 2 * NBF) & (slot >= 0)
-    wk = tl.load(WT + q)
+    b, hv, q, slot, keep, wk = q4._down_lanes(SLOT, WT, t, tl.arange(0, K * NL), K, NBF)
+    lc = 2 * b + hv
     zp = tl.zeros([K * NL, BR], dtype=tl.int32)
     P = W32 + (tl.multiple_of((tl.maximum(slot, 0) + do) // 4 + b * BW, 4)[:, None] + (rows * RW)[None, :])
     hs = hv[:, None] + zp

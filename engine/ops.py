@@ -121,10 +121,12 @@ def moe_ffn(
     if X.shape[0] == 1:  # decode: the fused per-token kernel over the kept pairs
         from engine.kernels.moe import moe_ffn as moe_ffn_token
 
-        ks = slice(None) if skip is None else np.flatnonzero(~np.asarray(skip, bool)[0])
-        if skip is not None and ks.size == 0:
-            return np.zeros((1, down.rows), np.float32)
-        I, W = np.ascontiguousarray(ids[0][ks]), np.ascontiguousarray(weights[0][ks])
+        if skip is not None:
+            keep = ~np.asarray(skip, bool)[0]
+            if not keep.any():
+                return np.zeros((1, down.rows), np.float32)
+            ids, weights = ids[:, keep], weights[:, keep]
+        I, W = np.ascontiguousarray(ids[0]), np.ascontiguousarray(weights[0])
         return moe_ffn_token(gate, up, down, X[0], I, W, q8_act=q8_act)[None, :]
     from engine.kernels.grouped import grouped_moe_ffn  # prefill: each selected expert once
 

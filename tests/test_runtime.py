@@ -135,7 +135,7 @@ def test_small_cache_evicts_and_stays_correct(paths, device):
 def test_prompt_uploads_its_experts_and_stays_correct(paths, device, threshold, monkeypatch):
     """A prompt's missed experts with ≥ SHARPI_PROMPT_UPLOAD_MIN of its tokens are uploaded before the
     layer runs and computed on the device; the rest run on the CPU (0: all of them); same logits."""
-    from engine.runtime.expert_cache import CachedExperts
+    from engine.runtime.expert_cache import CachedExperts, prompt_upload_threshold
 
     monkeypatch.setenv("SHARPI_PROMPT_UPLOAD_MIN", str(threshold))
     host_pairs = []
@@ -163,11 +163,22 @@ def test_prompt_uploads_its_experts_and_stays_correct(paths, device, threshold, 
         else:  # experts with 1–2 of the prompt's tokens on the CPU, the others on the device
             rare = int(((routes.calls > 0) & (routes.calls < threshold)).sum())
             assert rare > 0 and 0 < sum(host_pairs) < len(tokens) * L * K
-    with pytest.raises(ValueError, match="SHARPI_PROMPT_UPLOAD_MIN"):
-        monkeypatch.setenv("SHARPI_PROMPT_UPLOAD_MIN", "many")
-        from engine.runtime.expert_cache import prompt_upload_threshold
+    for bad in ("many", "-1"):
+        monkeypatch.setenv("SHARPI_PROMPT_UPLOAD_MIN", bad)
+        with pytest.raises(ValueError, match="SHARPI_PROMPT_UPLOAD_MIN"):
+            prompt_upload_threshold()
 
-        prompt_upload_threshold()
+
+def test_host_copy_in_slices_equals_the_source():
+    """Uploads' host copy: large copies go in ≥ 1 MiB slices on threads, small ones in one; the bytes match."""
+    from engine.runtime.expert_cache import host_copy
+
+    rng = np.random.default_rng(4)
+    for n in (1000, (1 << 20) + 7, 5 * (1 << 20) + 3):
+        src = rng.integers(0, 256, n, dtype=np.uint8)
+        dst = np.zeros(n, np.uint8)
+        host_copy(dst, src)
+        assert np.array_equal(dst, src), n
 
 
 def test_apply_out_of_memory_keeps_the_previous_placement(paths):

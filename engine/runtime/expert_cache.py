@@ -204,9 +204,11 @@ class CachedExperts(ExpertBackend):
             (hit if self.slru.hit((layer, int(e))) is not None else miss).append(int(e))
         if self.upload_policy == "sync":
             eager = miss
-        else:  # a prompt: experts with enough of its tokens are uploaded now and run on the device
+        elif T > 1 and self.prompt_upload_min > 0:  # a prompt: experts with enough of its tokens go up now
             counts = np.bincount(ids_h.reshape(-1))
-            eager = [e for e in miss if T > 1 and counts[e] >= self.prompt_upload_min > 0]
+            eager = [e for e in miss if counts[e] >= self.prompt_upload_min]
+        else:
+            eager = []
         loaded = [e for e in eager if self._upload(layer, e, working)]
         if loaded:
             self.sync()

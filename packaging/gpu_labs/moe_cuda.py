@@ -105,10 +105,14 @@ class Kernels:
                      for nw in NWS for ch in CHS}  # fmt: skip
         self.sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
 
-    def fits(self, name, nw, G, smem, ch=1):
-        """Whether G programs are resident at once (a grid barrier needs it)."""
+    def _fn(self, name, nw, ch, smem):
         fn = self.mods[nw, ch].get_function(name)
         fn.max_dynamic_shared_size_bytes = smem
+        return fn
+
+    def fits(self, name, nw, G, smem, ch=1):
+        """Whether G programs are resident at once (a grid barrier needs it)."""
+        fn = self._fn(name, nw, ch, smem)
         per = self.cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, 32 * nw, smem)
         return per * self.sms >= G, per
 
@@ -116,8 +120,7 @@ class Kernels:
         import numpy as np
         import torch
 
-        fn = self.mods[nw, ch].get_function(name)
-        fn.max_dynamic_shared_size_bytes = smem
+        fn = self._fn(name, nw, ch, smem)
         a = tuple(np.uint64(x.data_ptr()) if isinstance(x, torch.Tensor) else np.int32(x) for x in args)
         with self.cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
             fn(G if isinstance(G, tuple) else (G,), (32 * nw,), a, shared_mem=smem)

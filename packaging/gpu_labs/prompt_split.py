@@ -32,17 +32,19 @@ spent: dict[str, float] = defaultdict(float)
 count: dict[str, int] = defaultdict(int)
 
 
-def timed(name, fn):
-    """Time calls of a CachedExperts method with more than one token, the device synchronized around them."""
+def timed(name, fn, before=True, after=True):
+    """Time calls of a CachedExperts method under ``name``, the device synchronized before and after the call
+    (not for the uploads' host copies and issue, whose copies land in the wait's part)."""
 
     def wrapper(self, *a, **k):
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda and before:
             torch.cuda.synchronize(self.device)
         t = time.perf_counter()
         try:
             return fn(self, *a, **k)
         finally:
-            if self.device.type == "cuda":
+            if cuda and after:
                 torch.cuda.synchronize(self.device)
             spent[name] += time.perf_counter() - t
             count[name] += 1
@@ -50,34 +52,12 @@ def timed(name, fn):
     return wrapper
 
 
-def upload_wrapper(fn):
-    def wrapper(self, layer, e, working):
-        t = time.perf_counter()
-        try:
-            return fn(self, layer, e, working)
-        finally:
-            spent["upload (host copy, issue)"] += time.perf_counter() - t
-            count["upload (host copy, issue)"] += 1
-
-    return wrapper
-
-
-def sync_wrapper(fn):
-    def wrapper(self):
-        t = time.perf_counter()
-        fn(self)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        spent["upload (wait)"] += time.perf_counter() - t
-
-    return wrapper
-
-
+# generate(max_tokens=1) runs the prompt's forward passes only: every call below is a prompt's
 CachedExperts.forward = timed("expert call", CachedExperts.forward)
 CachedExperts._device_outputs = timed("device experts", CachedExperts._device_outputs)
 CachedExperts._host_outputs = timed("CPU experts", CachedExperts._host_outputs)
-CachedExperts._upload = upload_wrapper(CachedExperts._upload)
-CachedExperts.sync = sync_wrapper(CachedExperts.sync)
+CachedExperts._upload = timed("upload (host copy, issue)", CachedExperts._upload, before=False, after=False)
+CachedExperts.sync = timed("upload (wait)", CachedExperts.sync, before=False)
 
 
 def main(path: str, prompts: list[int]) -> None:

@@ -4,7 +4,6 @@ fixed costs, and how Session and the CLI choose a profile."""
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -35,13 +34,11 @@ def cache_env(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def measured(cache_env):
-    t = time.perf_counter()
-    c = cal.calibrate("cpu", TINY, use_cache=False)
-    return c, time.perf_counter() - t
+    return cal.calibrate("cpu", TINY, use_cache=False)
 
 
-def test_calibration_measures_every_speed_field_quickly(measured):
-    c, secs = measured
+def test_calibration_measures_every_speed_field(measured):
+    c = measured
     p = c.profile
     assert set(p.measured) == {"cpu_expert_gbps", *cal.COMMON_FIELDS}
     assert p.name == cal.SIMULATED and not c.cached
@@ -54,11 +51,10 @@ def test_calibration_measures_every_speed_field_quickly(measured):
     assert host["qwen3moex6 host"] > host["qwen3moex2 host"]  # more layers, more time
     miss = next(r for r in runs if "4-slot" in r["label"])
     assert miss["hit_rate"] is not None and miss["hit_rate"] < 0.5  # 4 slots for 8 experts a token
-    assert secs < 60  # "a few seconds" on a quiet machine; generous for a shared 2-core box
 
 
-def test_cache_file_is_reused_and_keyed(measured, cache_env):
-    c, _ = measured
+def test_cache_file_is_reused_and_keyed(measured, cache_env, monkeypatch):
+    c = measured
     key = cal.machine_key("cpu")
     assert set(key) == {"version", "device", "cpu", "threads", "code"} and key["version"] == cal.VERSION
     assert key["code"] == cal.code_fingerprint() and len(key["code"]) == 12
@@ -66,9 +62,10 @@ def test_cache_file_is_reused_and_keyed(measured, cache_env):
     assert path.parent == cache_env and str(path) == c.path and path.is_file()
     data = json.loads(path.read_text())
     assert data["key"] == key and TINY.key in data["cpu_expert_gbps"]
-    t = time.perf_counter()
+    for probe in ("measure_cpu_experts", "measure_h2d", "measure_device_gemv", "measure_sync", "measure_fixed_costs"):
+        monkeypatch.setattr(cal, probe, lambda *a, _p=probe, **k: pytest.fail(f"{_p} ran: the cache was not used"))
     again = cal.calibrate("cpu", TINY)
-    assert again.cached and again.profile == c.profile and time.perf_counter() - t < 1.0
+    assert again.cached and again.profile == c.profile and again.seconds == 0.0
     assert cal.load_cached("cpu", TINY) == c.profile
     # Another thread count is another machine key, hence another file: nothing cached for it.
     other = dict(key, threads=key["threads"] + 1)
@@ -80,7 +77,7 @@ def test_cache_file_is_reused_and_keyed(measured, cache_env):
 
 
 def test_new_expert_shape_measures_only_the_cpu_experts(measured, monkeypatch):
-    c, _ = measured
+    c = measured
     calls = []
     monkeypatch.setattr(cal, "measure_fixed_costs", lambda *a, **k: calls.append(a) or pytest.fail("re-measured"))
     other = replace(TINY, used=2)

@@ -1,12 +1,11 @@
 """The desktop app as a whole (pytest-qt, offscreen): every window and dialog opens, every menu
-action runs, the UI thread never stalls over 50 ms while a model loads and generates, the theme
+action runs, the UI thread leaves loading and generating to the engine thread, the theme
 follows the system, settings persist, and the PySide6 6.12.0 refcount guard holds."""
 
 from __future__ import annotations
 
 import os
 import sys
-import time
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -14,7 +13,7 @@ import pytest
 
 pytest.importorskip("pytestqt")
 
-from PySide6.QtCore import QObject, Qt, QTimer, Signal  # noqa: E402
+from PySide6.QtCore import QObject, Qt, Signal  # noqa: E402
 from PySide6.QtGui import QGuiApplication, QPalette  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
 
@@ -25,9 +24,6 @@ from sharpi_gui.testing import GEN_TIMEOUT_MS, load, make_window, patch_dialogs,
 from sharpi_gui.theme import DARK, LIGHT, ThemeManager  # noqa: E402
 from sharpi_gui.views import dialogs  # noqa: E402
 from sharpi_gui.views.model_card import ModelCardDialog  # noqa: E402
-
-STALL_LIMIT_S = 0.050
-TICK_MS = 5
 
 
 @pytest.fixture(scope="module")
@@ -117,49 +113,48 @@ def test_settings_persist(tmp_path):
     assert t.placement is None  # a damaged value falls back to the default
 
 
-def _worst_stalls(qtbot, window, model_path) -> tuple[list[tuple[float, float]], float]:
-    """Open ``model_path`` and stream a reply while a 5 ms UI-thread timer ticks; returns the three
-    longest gaps between ticks as (gap s, at s) and when the load finished (s)."""
-    window.settings.sampling = {"temperature": 0.0, "max_tokens": 96}  # a window of several hundred ms
-    ticks: list[float] = []
-    timer = QTimer()
-    timer.setTimerType(Qt.TimerType.PreciseTimer)
-    timer.timeout.connect(lambda: ticks.append(time.perf_counter()))
-    timer.start(TICK_MS)
-    qtbot.waitUntil(lambda: len(ticks) >= 3, timeout=2000)  # the new window's first paint is done
-    ticks.clear()
-    t0 = time.perf_counter()
-    load(qtbot, window, model_path)
-    t_loaded = time.perf_counter() - t0
-    # The views show the new model (as before anyone could type), then a reply streams.
+# What the UI thread may call on a Session (cheap and thread-safe, see sharpi_gui/bridge.py); every
+# other Session method (loading, tokenizing, generating, applying a placement, calibrating) runs on
+# the engine's worker thread, so the window keeps painting whatever the engine is doing.
+UI_THREAD_CALLS = {"cancel", "stats", "plan"}
+SESSION_CALLS = (
+    "load", "tokenize", "detokenize", "render_chat", "generate", "cancel", "reset", "device_profile",
+    "plan", "apply", "stats", "export_stats", "reset_stats", "logits", "close",
+)  # fmt: skip
+
+
+def test_engine_work_stays_off_the_ui_thread(qtbot, tmp_path, big_model_path, monkeypatch):
+    """While a model loads and a reply streams, the UI thread calls only the cheap Session methods;
+    everything else runs on the engine thread (counted per call, not timed)."""
+    import threading
+
+    from engine.api import Session
+
+    calls: list[tuple[str, bool]] = []  # (method, on the UI thread)
+    ui = threading.main_thread()
+    for name in SESSION_CALLS:
+        orig = Session.__dict__[name]
+        fn = orig.__func__ if isinstance(orig, classmethod) else orig
+
+        def wrapped(*a, _fn=fn, _name=name, **k):
+            calls.append((_name, threading.current_thread() is ui))
+            return _fn(*a, **k)
+
+        monkeypatch.setattr(Session, name, classmethod(wrapped) if isinstance(orig, classmethod) else wrapped)
+    w = make_window(qtbot, tmp_path)
+    w.settings.sampling = {"temperature": 0.0, "max_tokens": 32}
+    load(qtbot, w, big_model_path)
     qtbot.waitUntil(
-        lambda: window.ctx.placement.preview is not None and window.ctx.experts.frame is not None, timeout=2000
+        lambda: w.ctx.placement.preview is not None and w.ctx.experts.frame is not None, timeout=GEN_TIMEOUT_MS
     )
-    with qtbot.waitSignal(window.bridge.finished, timeout=GEN_TIMEOUT_MS) as done:
-        assert window.ctx.chat.send("Write a long answer please")
-    timer.stop()
-    assert done.args[1].n_generated > 0 and window.ctx.experts.frames >= 2 and len(ticks) > 50
-    ticks.insert(0, t0)
-    gaps = sorted(((b - a, a - t0) for a, b in zip(ticks, ticks[1:])), reverse=True)
-    return gaps[:3], t_loaded
-
-
-def test_no_ui_stall_over_50ms_while_loading_and_generating(qtbot, tmp_path, big_model_path):
-    """Up to three runs, one must pass: on 2 cores the OS alone can hold the UI thread back for
-    50 ms while the engine's threads and other programs run (a CI box right after heavy tests, a
-    shared dev box); a stall the app causes fails every run."""
-    report = []
-    for attempt in range(3):
-        w = make_window(qtbot, tmp_path / f"run{attempt}")
-        worst, t_loaded = _worst_stalls(qtbot, w, big_model_path)
-        report.append(
-            ", ".join(f"{g * 1000:.0f} ms at {a * 1000:.0f}" for g, a in worst)
-            + f" (loaded at {t_loaded * 1000:.0f} ms; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
-        )
-        w.close()
-        if worst[0][0] < STALL_LIMIT_S:
-            return
-    raise AssertionError("UI stalls over 50 ms in every run: " + " | ".join(report))
+    with qtbot.waitSignal(w.bridge.finished, timeout=GEN_TIMEOUT_MS) as done:
+        assert w.ctx.chat.send("Write a long answer please")
+    assert done.args[1].n_generated > 0 and w.ctx.experts.frames >= 1
+    w.close()
+    on_ui = {name for name, ui_thread in calls if ui_thread}
+    off_ui = {name for name, ui_thread in calls if not ui_thread}
+    assert {"load", "generate"} <= off_ui, calls
+    assert on_ui <= UI_THREAD_CALLS, sorted(on_ui - UI_THREAD_CALLS)
 
 
 def test_theme_follows_the_system(qtbot, monkeypatch):

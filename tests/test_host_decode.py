@@ -138,7 +138,7 @@ def test_matmuls_equal_matmul(q8_act, monkeypatch):
     matmul for every type family, for one token and for a batch."""
     from engine.kernels import bf16
 
-    monkeypatch.setattr(bf16, "ENABLED", False)  # the q8 kernels at every T (bf16 prefill: test_bf16_prefill)
+    monkeypatch.setattr(bf16, "MODE", bf16.OFF)  # the q8 kernels at every T (bf16 prefill: test_bf16_prefill)
     from engine import ops
     from engine.kernels import dispatch
     from engine.kernels.prepare import prepare_weight

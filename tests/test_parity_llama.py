@@ -103,7 +103,7 @@ def test_one_quantized_group_is_close(tmp_path, group, monkeypatch):
     (Prompts on the bf16 units round differently: test_bf16_prefill_statistically_equal.)"""
     from engine.kernels import bf16
 
-    monkeypatch.setattr(bf16, "ENABLED", False)
+    monkeypatch.setattr(bf16, "MODE", bf16.OFF)
     path = write_model(tmp_path / "one.gguf", "qwen3moe", seed=13, type_overrides={group: "Q4_K"}).path
     tokens = random_tokens(48, 1024, seed=2)
     ref = llama_logits(path, tokens)
@@ -111,15 +111,16 @@ def test_one_quantized_group_is_close(tmp_path, group, monkeypatch):
     assert mean <= 1e-3, (group, mean)
 
 
+@pytest.mark.parametrize("mode", ["fpmath", "bf16"])
 @pytest.mark.parametrize("q", ["Q4_0", "Q5_0", "Q4_K", "Q5_K", "mix"])
-def test_bf16_prefill_statistically_equal(quant_models, q, monkeypatch):
-    """Prompt products on the bf16 matrix units (engine.kernels.bf16, forced on here with a low
+def test_bf16_prefill_statistically_equal(quant_models, q, mode, monkeypatch):
+    """Prompt products on the bf16 units (engine.kernels.bf16, each mode forced on here with a low
     token threshold so every matrix of the 4/5-bit types takes it). Their activations are rounded
     to bf16, not to llama.cpp's q8 blocks, so they sit as far from llama.cpp as the exact-float
     mode does (mean |Δ| ~0.012, argmax 94-100 % here) and are held to its bounds."""
     from engine.kernels import bf16
 
-    monkeypatch.setattr(bf16, "ENABLED", True)
+    monkeypatch.setattr(bf16, "MODE", mode)
     monkeypatch.setattr(bf16, "MIN_TOKENS", 8)
     path = quant_models[q]
     tokens = random_tokens(64, 1024, seed=9)

@@ -1,19 +1,21 @@
-"""Prefill matrix products on the CPU's bf16 matrix units (oneDNN through torch).
+"""Prefill matrix products on the CPU's bf16 units (oneDNN through torch).
 
 A prompt of many tokens multiplies every weight row by many activation rows, so the work is
-arithmetic, not memory traffic. The integer kernels (``engine.kernels.kquants``/``legacy``)
-reach ~100 GMAC/s on 2 cores of this machine; oneDNN's GEMM with bf16 inputs and float32
-accumulation and output (AMX or AVX512-BF16) reaches 400-950 GMAC/s on the same cores.
-Dequantizing a matrix costs ~0.2 ns per element, so it pays once a weight row meets ~30 tokens
-(:func:`applies` decides; :mod:`engine.ops` and :mod:`engine.kernels.grouped` ask it).
+arithmetic, not memory traffic. On 2 cores the integer kernels (``engine.kernels.kquants`` /
+``legacy``) reach ~35-100 GMAC/s; oneDNN's bf16 GEMM reaches 400-950 GMAC/s on AMX and ~2x the
+integer kernels on AVX512-BF16 (``vdpbf16ps``). Dequantizing a matrix costs ~0.2 ns per element,
+so it pays once a weight row meets ~30 tokens (:func:`applies` decides; :mod:`engine.ops` and
+:mod:`engine.kernels.grouped` ask it).
 
 ``dequant_rows(w, r0, r1) -> float32 [r1 - r0, n]``: rows r0..r1 of a prepared weight, each value
 exactly what the reference dequantizer gives (``engine.quant.dequantize``, same operation
-order), one block at a time, rows in parallel. :func:`matmul` then multiplies with
-``torch.backends.mkldnn.matmul.fp32_precision = "bf16"`` in force: both operands rounded to
-bf16 (nearest even), products accumulated in float32, a float32 result. Versus the q8 kernels
-this trades the activations' per-block int8 rounding (llama.cpp's) for bf16 rounding: finer for
-activations, and the dequantized weights are rounded to bf16 too (see PREFILL_TYPES).
+order), one block at a time, rows in parallel. :func:`mm` multiplies in the process's
+:func:`mode`: both operands rounded to bf16 (nearest even), products summed in float32, and a
+float32 result (FPMATH, AMX) or one rounded to bf16 (BF16, AVX512-BF16 without AMX). Versus the
+q8 kernels this trades the activations' per-block int8 rounding (llama.cpp's) for bf16 rounding:
+finer for activations, and the dequantized weights are rounded to bf16 too (see PREFILL_TYPES).
+Either mode keeps prompt logits closer to an exact float64 reference than llama.cpp's own
+(tests/test_prompt_accuracy.py holds that on every quantized type, on both processor kinds).
 """
 
 from __future__ import annotations
@@ -171,32 +173,76 @@ def dequant_rows(w: PreparedWeight, r0: int, r1: int, out: np.ndarray | None = N
 MIN_TOKENS = 32  # activation rows per weight row from which dequantize + bf16 GEMM beats the q8 kernels
 ROW_BLOCK = 4096  # weight rows dequantized at a time (a few MB: stays in L2/L3 for the GEMM)
 
+# How products go through the bf16 units (:func:`mode` picks one per process):
+FPMATH = "fpmath"  # float32 tensors under oneDNN's bf16 fpmath mode: bf16 products, f32 sums, f32 result
+BF16 = "bf16"  # bf16 tensors: bf16 products, f32 sums, the result rounded to bf16
+OFF = "off"  # the q8 kernels for every product (llama.cpp's arithmetic)
+MODE: str | None = None  # the chosen mode; None until :func:`mode` first runs (tests set it)
 
-def _cpu_has_fast_bf16() -> bool:
+
+def _cpu_features() -> set[str]:
     import llvmlite.binding as llvm
 
-    features = set(llvm.get_host_cpu_features().flatten().split(","))
-    return bool({"+amx-bf16", "+avx512bf16"} & features)
+    return set(llvm.get_host_cpu_features().flatten().split(","))
 
 
-def _enabled_from_env() -> bool:
-    import os
+def fpmath_rounds() -> bool:
+    """Whether oneDNN really rounds to bf16 under the fpmath mode on this CPU.
 
-    flag = os.environ.get("SHARPI_BF16", "").strip()
-    if flag in ("0", "1"):
-        return flag == "1"
-    return _cpu_has_fast_bf16()
+    It does where it runs the product on AMX (``brg_matmul:avx512_core_amx``). On AVX512-BF16
+    without AMX (AMD Zen 4) it picks its plain float32 kernel (``brg_matmul:avx512_core``) and the
+    mode changes nothing, so it is no faster than float32 and slower than the q8 kernels; the same
+    happens where ``ONEDNN_MAX_CPU_ISA`` masks AMX. A 2 x 2 product tells the two apart: 1 + 2^-10
+    is not a bf16 value, so rounded inputs give exactly 1 where float32 gives 1 + 2^-10.
+    """
+    import torch
+
+    a = torch.full((2, 2), 1.0 + 2.0**-10)
+    b = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    with bf16_products():
+        y = float((a @ b)[0, 0])
+    return y == 1.0
 
 
-ENABLED = _enabled_from_env()
+def detect_mode(flag: str = "") -> str:
+    """The mode for this CPU (``flag``: the ``SHARPI_BF16`` value; "0" off, "1" on even without
+    native bf16 units, "fpmath"/"bf16" a mode by name, "" or "auto" by the CPU):
+
+    * oneDNN rounds under the fpmath mode (AMX): FPMATH, float32 results, 400-950 GMAC/s on 2 cores;
+    * else AVX512-BF16 (or AMX masked): BF16, bf16 tensors on ``vdpbf16ps`` (~2x the q8 kernels on
+      2 Zen 4 cores); their bf16-rounded results keep prompt logits about twice as close to an
+      exact float64 reference as llama.cpp's q8 arithmetic (tests/test_prompt_accuracy.py);
+    * else OFF: without native bf16 units a bf16 product is emulated and slower than the q8 kernels.
+    """
+    flag = flag.strip().lower()
+    if flag == "0":
+        return OFF
+    if flag in (FPMATH, BF16):
+        return flag
+    if flag not in ("", "auto", "1"):
+        raise ValueError(f"SHARPI_BF16={flag!r}: expected 0, 1, auto, {FPMATH} or {BF16}")
+    if fpmath_rounds():
+        return FPMATH
+    if flag == "1" or {"+amx-bf16", "+avx512bf16"} & _cpu_features():
+        return BF16
+    return OFF
+
+
+def mode() -> str:
+    """The process's mode (:func:`detect_mode` with ``$SHARPI_BF16``, decided on first use)."""
+    global MODE
+    if MODE is None:
+        import os
+
+        MODE = detect_mode(os.environ.get("SHARPI_BF16", ""))
+    return MODE
 
 
 def usable(qtype: QType, q8_act: bool) -> bool:
     """Whether products with a ``qtype`` matrix may go through bf16 at all: the rounded-activation
     mode (``q8_act``; the exact-float mode keeps its exact kernels), a type this module
-    dequantizes for prompts (PREFILL_TYPES), and a CPU with bf16 matrix units (env ``SHARPI_BF16=0`` or ``1`` overrides the
-    CPU check)."""
-    return ENABLED and q8_act and qtype in PREFILL_TYPES
+    dequantizes for prompts (PREFILL_TYPES), and a mode other than OFF (:func:`mode`)."""
+    return q8_act and qtype in PREFILL_TYPES and mode() != OFF
 
 
 def applies(qtype: QType, n_tokens: int, q8_act: bool) -> bool:
@@ -206,7 +252,7 @@ def applies(qtype: QType, n_tokens: int, q8_act: bool) -> bool:
 
 @contextmanager
 def bf16_products():
-    """float32 torch matmuls inside run on bf16 inputs with float32 accumulation (oneDNN)."""
+    """float32 torch matmuls inside run under oneDNN's bf16 fpmath mode (see :func:`fpmath_rounds`)."""
     import torch
 
     m = torch.backends.mkldnn.matmul
@@ -218,9 +264,21 @@ def bf16_products():
         m.fp32_precision = before
 
 
+def mm(X, W):
+    """torch float32 X [T, n] times W [R, n]ᵀ -> float32 [T, R] on the bf16 units in :func:`mode`:
+    FPMATH, bf16-rounded inputs, float32 sums and result (where oneDNN does round, else plain
+    float32); BF16, the same products and sums with the result rounded to bf16."""
+    import torch
+
+    if mode() == BF16:
+        return torch.nn.functional.linear(X.to(torch.bfloat16), W.to(torch.bfloat16)).float()
+    with bf16_products():
+        return X @ W.T
+
+
 def matmul(w: PreparedWeight, X: np.ndarray) -> np.ndarray:
-    """X float32 [T, n] times ``w``ᵀ -> float32 [T, R] (bf16 products, see the module docstring),
-    the weight dequantized ROW_BLOCK rows at a time."""
+    """X float32 [T, n] times ``w``ᵀ -> float32 [T, R] through :func:`mm`, the weight dequantized
+    ROW_BLOCK rows at a time."""
     import torch
 
     R = w.raw.shape[0]
@@ -228,8 +286,7 @@ def matmul(w: PreparedWeight, X: np.ndarray) -> np.ndarray:
     y = np.empty((X.shape[0], R), np.float32)
     Y = torch.from_numpy(y)
     buf = scratch.buffer("dequant", min(R, ROW_BLOCK) * w.n).reshape(-1, w.n)
-    with bf16_products():
-        for r0 in range(0, R, ROW_BLOCK):
-            r1 = min(R, r0 + ROW_BLOCK)
-            Y[:, r0:r1] = Xt @ torch.from_numpy(dequant_rows(w, r0, r1, buf[: r1 - r0])).T
+    for r0 in range(0, R, ROW_BLOCK):
+        r1 = min(R, r0 + ROW_BLOCK)
+        Y[:, r0:r1] = mm(Xt, torch.from_numpy(dequant_rows(w, r0, r1, buf[: r1 - r0])))
     return y

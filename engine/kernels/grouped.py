@@ -332,16 +332,15 @@ def _bf16_experts(gate, up, down, X, offsets, pairs, K, experts, o) -> None:
     Xt = torch.from_numpy(X)
     gu = scratch.buffer("gate_up", 2 * F * gate.n).reshape(2 * F, gate.n)
     dn = scratch.buffer("down", D * down.n).reshape(D, down.n)
-    with bf16.bf16_products():
-        for e in experts:
-            p = pairs[offsets[e] : offsets[e + 1]]
-            xe = Xt[torch.from_numpy(p // K)]  # [n, D]
-            bf16.dequant_rows(gate, e * F, (e + 1) * F, gu[:F])
-            bf16.dequant_rows(up, e * F, (e + 1) * F, gu[F:])
-            g, u = (xe @ torch.from_numpy(gu).T).split(F, dim=1)  # [n, F] x2
-            h = torch.nn.functional.silu(g) * u
-            bf16.dequant_rows(down, e * D, (e + 1) * D, dn)
-            o[p] = (h @ torch.from_numpy(dn).T).numpy()
+    for e in experts:
+        p = pairs[offsets[e] : offsets[e + 1]]
+        xe = Xt[torch.from_numpy(p // K)]  # [n, D]
+        bf16.dequant_rows(gate, e * F, (e + 1) * F, gu[:F])
+        bf16.dequant_rows(up, e * F, (e + 1) * F, gu[F:])
+        g, u = bf16.mm(xe, torch.from_numpy(gu)).split(F, dim=1)  # [n, F] x2
+        h = torch.nn.functional.silu(g) * u
+        bf16.dequant_rows(down, e * D, (e + 1) * D, dn)
+        o[p] = bf16.mm(h, torch.from_numpy(dn)).numpy()
 
 
 def _grouped_gather(gate, up, down, X, offsets, pairs, weights, q8_act, dropped) -> np.ndarray:

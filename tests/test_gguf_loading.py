@@ -21,8 +21,8 @@ from engine.errors import (
     UnsupportedVersionError,
 )
 from engine.gguf import open_gguf
-from engine.models import check_model_file, read_args
 from engine.modelinfo import describe
+from engine.models import check_model_file, read_args
 
 ARCH = "qwen3moe"
 D, H, HKV, HD, E, K, F, V, L = 64, 4, 2, 16, 4, 2, 32, 40, 2
@@ -157,12 +157,12 @@ def test_unsupported_architecture_lists_supported(tmp_path, tiny):
 
 
 def test_missing_and_misshaped_tensors(tmp_path):
-    with open_gguf(_write_tiny(tmp_path / "a.gguf", drop="blk.1.attn_k_norm.weight")) as gf:
-        with pytest.raises(MissingTensorError, match="blk.1.attn_k_norm.weight"):
-            check_model_file(gf)
-    with open_gguf(_write_tiny(tmp_path / "b.gguf", reshape="blk.0.attn_q.weight")) as gf:
-        with pytest.raises(TensorShapeError, match="blk.0.attn_q.weight"):
-            check_model_file(gf)
+    a = _write_tiny(tmp_path / "a.gguf", drop="blk.1.attn_k_norm.weight")
+    with open_gguf(a) as gf, pytest.raises(MissingTensorError, match="blk.1.attn_k_norm.weight"):
+        check_model_file(gf)
+    b = _write_tiny(tmp_path / "b.gguf", reshape="blk.0.attn_q.weight")
+    with open_gguf(b) as gf, pytest.raises(TensorShapeError, match="blk.0.attn_q.weight"):
+        check_model_file(gf)
 
 
 def test_unsupported_quant_type_names_the_tensor(tmp_path):

@@ -121,7 +121,7 @@ def test_auto_choice_follows_the_fixed_costs(q30):
 
 
 def test_default_profile_reproduces_the_h100_measurement(q30):
-    """The default fixed costs are the H100 box's calibration (session 8, docs/benchmarks-gpu.md). With
+    """The default fixed costs are the H100 box's calibration (f30374a, docs/benchmarks-gpu.md). With
     that box's measured links they must reproduce its 12 GiB measurement of the segmented graph step
     (`sharpi bench ... --vram 12GiB --compare-modes`): CPU experts 32.9 tok/s within 25 %; the cache, at
     the hit rate it measured (98 %: 86.0 tok/s), below it (the model charges uploads serially: a floor)

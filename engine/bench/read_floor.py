@@ -1,10 +1,9 @@
 """The read floor of a decode step's kernel chain: what a kernel that only *reads* its weights reaches
-in a CUDA graph with programmatic dependent launch (PDL), the best arrangement measured
-(``packaging/gpu_labs/chain_floors.py``): each launch first prefetches its successor's bytes into
-L2, loads its own before the PDL wait, then waits and releases the next launch
-(``triton_qblocks.pdl_enter``). No GEMV over the same bytes can beat it, so
-``sharpi bench device-kernels`` prints it beside each workload: on the H100 one q-sized (4.7 MB)
-launch reads at ~63 % of the copy bandwidth this way, against ~97 % when the bytes sit in L2.
+in a CUDA graph with programmatic dependent launch (PDL), in the best arrangement found: each launch
+first prefetches its successor's bytes into L2, loads its own before the PDL wait, then waits and
+releases the next launch (``triton_qblocks.pdl_enter``). No GEMV over the same bytes can beat it, so
+``sharpi bench device-kernels`` prints it beside each workload (the arrangements compared:
+docs/lab-notebook.md, "Read floors").
 """
 
 from __future__ import annotations

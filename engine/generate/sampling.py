@@ -2,8 +2,8 @@
 
 :meth:`Sampler.__call__` never sorts the whole vocabulary: the head of the order it needs (the top-k,
 or without top-k a head that holds what top-p / min-p keep) comes from :func:`head_order` in O(V) — on a
-151936-token vocabulary 0.31 ms against 13 ms for the full ``argsort`` the chain is written with, which
-held a chat on an H100 near 40 tok/s whatever the GPU (``sharpi bench sampler``; docs/benchmarks.md). :meth:`Sampler.reference`
+151936-token vocabulary 0.31 ms against 13 ms for the full ``argsort`` the chain is written with
+(``sharpi bench sampler``; docs/benchmarks.md). :meth:`Sampler.reference`
 is that chain with the full sort, kept as the specification; the tests hold the two to the same draws.
 """
 

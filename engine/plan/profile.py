@@ -25,8 +25,8 @@ DEFAULT_CPU_EXPERT_GBPS = 20.0  # host reading quantized weights while computing
 DEFAULT_H2D_GBPS = 22.0  # PCIe 4.0 x16, expert-sized copies
 DEFAULT_DEVICE_GBPS = 400.0  # GDDR6X mid-range card, effective
 DEFAULT_SYNC_US = 10.0  # one host↔device round trip (launch + synchronise + small copy)
-# Fixed costs, microseconds: `sharpi bench calibrate` on the H100 box of session 8 (16 cores; two
-# calibrations, rounded means; docs/benchmarks-gpu.md), with the segmented CUDA-graph step. With that
+# Fixed costs, microseconds: `sharpi bench calibrate` on an H100 box (16 cores; two calibrations, rounded
+# means; 2026-11-22, f30374a; docs/benchmarks-gpu.md), with the segmented CUDA-graph step. With that
 # box's measured links (CPU experts 59.4 GB/s, host→device 9.49, device 202, sync 23 µs) they predict
 # the Qwen3-30B-A3B geometry at 12 GiB within 15 % of its measured 34.0 (cpu) and 26.0 (cache) tok/s.
 # A calibrated profile replaces them.

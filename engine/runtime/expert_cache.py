@@ -30,10 +30,8 @@ from engine.runtime.slru import SegmentedLRU
 from engine.runtime.tdequant import dequantize
 
 ROLES = ("gate", "up", "down")
-# A prompt's missed expert with this many of its tokens is uploaded, not run on the CPU. Measured on an H100 box
-# (16 cores, 12 GiB cache placement of the 30B-A3B-geometry file; docs/benchmarks.md, session 11), a 512-token
-# prompt after another (packaging/gpu_labs/prompt_split.py): 1 → 162 tok/s, 4 → 313, 16 → 404; 2048 tokens:
-# 192, 343, 579. Lower thresholds upload more than the cache keeps: a pass's layers evict each other's experts.
+# A prompt's missed expert with this many of its tokens is uploaded, not run on the CPU. Lower thresholds upload
+# more than the cache keeps: a pass's layers evict each other's experts (docs/lab-notebook.md, "Prompt uploads").
 PROMPT_UPLOAD_MIN = 16
 
 

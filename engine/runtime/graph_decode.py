@@ -18,7 +18,8 @@ the expert cache — cut the step into :class:`Segment`s, one graph each: a segm
 MoE layer's routing, its graph copies the normed row, weights and ids to pinned memory, the host
 runs the experts (the CPU kernels; for the cache only its misses — its hits run inside the graph
 from a device expert → slot table), and the next segment's graph copies their output back in.
-The product's 12 GiB placement decodes this way (docs/benchmarks-gpu.md, session 8).
+The product's 12 GiB placement decodes this way (docs/benchmarks-gpu.md, "The 12 GiB placement as
+CUDA-graph segments").
 
 The routes (expert ids per MoE layer) leave the graph with the logits, so the profiler's calls,
 hits and heat and ``MoE.last_ids`` stay true, recorded once per step.
@@ -293,8 +294,8 @@ class GraphDecode:
             self._segment(length, s)
 
     def replay(self, length: int) -> None:
-        """Replay a captured bucket's segments in order, nothing on the host between them (labs: a
-        step's GPU time where no experts run on the host)."""
+        """Replay a captured bucket's segments in order, nothing on the host between them: a step's GPU
+        time where no experts run on the host (``labs/step_replay.py`` times it)."""
         for g in self.graphs[length]:
             g.replay()
 

@@ -16,17 +16,18 @@ Launch settings are data: :data:`LAUNCH` maps ``"<kernel>:<qtype>:<shape class>"
 ``{"BR", "NB", "num_warps", "SPLIT"}``; ``LAUNCH["default"]`` is the documented default and
 ``LAUNCH[<torch.cuda.get_device_name()>]`` overrides it key by key (filled from
 ``sharpi bench device-kernels --tune``). Missing keys fall back to ``"<kernel>:*:<class>"``, then
-``"<kernel>:*:*"``. The per-GPU tables live in ``triton_launch.json`` beside this file (the
-H100's from a sweep, 2026-11-22); the default is the H100's winners generalised by block family.
+``"<kernel>:*:*"``. The per-GPU tables live in ``triton_launch.json`` beside this file; the default
+generalises the H100's sweep by block family (docs/lab-notebook.md, "Launch settings").
 An optional ``"UNROLL"`` caps the unrolled K walk (:data:`UNROLL`).
 
 Two kinds of kernels (:func:`act_mode`): ``"f32"`` — the exact-float kernels below (dequantize each
 element, float FMAs), the default — and ``"q8"`` — integer dp4a products with the activations
 rounded to 8-bit blocks (``triton_q8``, ``triton_q8_gemv``; launch keys ``gemv_q8:…``), chosen by
-``SHARPI_DEVICE_ACT=q8`` or ``act="q8"``. On the H100 the q8 kernels measured slower than the float
-ones for every single-matrix workload (one more launch to quantize x, and no faster per byte: the
-kernels are latency-bound, not instruction-bound), so :data:`DEFAULT_ACT` is f32;
-:func:`matmul_many` in q8 mode (q, k, v in one launch) is the one place they win.
+``SHARPI_DEVICE_ACT=q8`` or ``act="q8"``. :data:`DEFAULT_ACT` is f32: a single-matrix q8 call needs one
+more launch to quantize x and is no faster per byte (the kernels are bound by memory latency, not by
+instruction issue); :func:`matmul_many` in q8 mode (q, k, v in one launch) is the one place they win
+(docs/lab-notebook.md, "Activation modes"). Inside a decode step's CUDA graph a default session takes
+the lean Q4_K kernels instead (:func:`graph_act`).
 """
 
 from __future__ import annotations
@@ -61,10 +62,9 @@ LAUNCH: dict[str, dict[str, dict[str, int]]] = {
         "gemv:Q4_0:S": {"BR": 2, "NB": 32, "num_warps": 4, "SPLIT": 1},
         "gemv:Q8_0:S": {"BR": 2, "NB": 32, "num_warps": 4, "SPLIT": 1},
         # q8 kernels: a thread should hold ≥ 4 words of a tile (BR·NB·8 ≥ 512 at 4 warps)
-        # triton_q4k_gemv (Q4_K, q8 mode, one token): H100 sweep, gpu_labs/q4k_half_gemv.py
+        # triton_q4k_gemv (Q4_K, q8 mode, one token); settings and their figures: docs/lab-notebook.md
         "gemv_q4k:*:*": {"BR": 8, "num_warps": 2, "PF": 1, "TILE": "halves"},
-        # q, o (2048–4096 rows): one warp a program, 4 rows (PDL chain, gpu_labs/cubin_lab.py run-pdl): q 3.3 µs
-        # against 3.9 at 8 × 2, o 4.0 against 4.0
+        # q, o (2048–4096 rows): one warp a program, 4 rows (timed in a PDL chain)
         "gemv_q4k:*:M": {"BR": 4, "num_warps": 1, "PF": 1, "TILE": "halves"},
         "gemv_q8:*:*": {"BR": 16, "NB": 8, "num_warps": 4, "SPLIT": 1},
         "gemv_q8:*:S": {"BR": 4, "NB": 8, "num_warps": 4, "SPLIT": 1},
@@ -81,9 +81,8 @@ LAUNCH.update(json.loads((Path(__file__).with_name("triton_launch.json")).read_t
 # comes first): the newest entry not newer than the installed Triton applies; none below 3.7, whose layouts the
 # default was tuned under. Triton 3.7 swapped the blocked layouts the Q4_K half-block kernels' tiles get
 # (triton_q4k_moe's docstring), so from 3.7 the MoE gate/up takes the [rows, half-blocks] tiles ("TILE": "rows")
-# and the down and trunk settings move. H100, each version's sm_90 build of these kernels launched from its
-# cubin by the box's Triton launcher with PDL, in the bench's CUDA-graph chain (packaging/gpu_labs/cubin_lab.py
-# run-pdl; docs/benchmarks-gpu.md, session 10). µs against the default's settings under the same Triton:
+# and the down and trunk settings move. Comments: µs a call on an H100 in a PDL graph chain against the default's
+# settings under the same Triton (docs/lab-notebook.md, "Launch settings by Triton version"):
 LAUNCH_BY_TRITON: dict[tuple[int, int], dict[str, dict]] = {
     (3, 7): {  # q, o keep the default's 4 × 1 halves: q 3.7, o 4.2
         "moe_q4k_gate_up:*:*": {"BR": 16, "num_warps": 4, "TILE": "rows"},  # 7.9 against 8.7
@@ -154,8 +153,8 @@ def graph_act(device: torch.device, eligible: bool, capturing: bool | None = Non
     when set; else ``"q8"`` where ``eligible`` (the caller's test: a model that rounds its activations
     like llama.cpp, a compiled CUDA device, a kernel that applies) and the launch goes into a CUDA graph
     step (``capturing``, default ``triton_qblocks.in_graph_step()``: capturing, or the warm-up before a
-    capture); else ``"f32"``. Eager launches keep exact float: from Python the q8 path measured no
-    faster (``triton_moe.decode_act``)."""
+    capture); else ``"f32"``. Eager launches keep exact float: from Python the q8 path is no faster
+    (``triton_moe.decode_act``)."""
     if os.environ.get(ENV_ACT, "").strip():
         return act_mode(device, None)
     if not eligible:
@@ -175,7 +174,7 @@ def trunk_act(
 ) -> str:
     """:func:`graph_act` for a trunk matrix multiplying one token: eligible for a model that rounds its
     activations like llama.cpp (``q8_act``) and a Q4_K matrix (``triton_q4k_gemv``) on a compiled CUDA
-    device (H100: q 6.1 → 3.8 µs with x̂ from the norm; docs/benchmarks-gpu.md, session 6).
+    device.
     ``own_quant_bytes``: the matrix's bytes when x̂ is not handed to it (the kernel call then quantizes
     x in a launch of its own): under ``triton_q4k_gemv.MIN_BYTES_OWN_QUANT`` that launch costs more than
     q8 saves, so exact float."""

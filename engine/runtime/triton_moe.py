@@ -54,11 +54,11 @@ LAUNCH["default"].update(
         "moe_q8_down:*:*": {"BR": 16, "NB": 4, "num_warps": 4, "KSPLIT": 2},
         "moe_q8_down:Q4_0:*": {"BR": 8, "NB": 32, "num_warps": 4, "KSPLIT": 2},
         "moe_q8_down:Q8_0:*": {"BR": 8, "NB": 32, "num_warps": 4, "KSPLIT": 2},
-        # triton_q4k_moe (all-Q4_K experts, q8 mode): whole rows a program; H100 sweep, gpu_labs/moe_half.py;
+        # triton_q4k_moe (all-Q4_K experts, q8 mode): whole rows a program (sweeps: docs/lab-notebook.md);
         # PF: 1 prefetches the program's rows into L2 before its PDL wait (the other kernels always do)
         # TILE: the tile orientation (triton_q4k_moe's docstring); Triton ≥ 3.7: triton_gemv.LAUNCH_BY_TRITON
         "moe_q4k_gate_up:*:*": {"BR": 8, "num_warps": 2, "TILE": "halves"},
-        # PF 0: the down's L2 prefetch before the PDL wait costs 0.6 µs
+        # PF 0: the down's L2 prefetch before the PDL wait costs more than it saves
         "moe_q4k_down:*:*": {"BR": 4, "num_warps": 1, "PF": 0, "TILE": "halves"},
         "grouped:*:*": {"BR": 32, "NB": 1, "BT": 16, "num_warps": 4},  # larger tiles spill (sm_90 report)
         "grouped:Q4_0:*": {"BR": 32, "NB": 2, "BT": 16, "num_warps": 4},
@@ -193,10 +193,9 @@ def decode_act(device: torch.device, q8_act: bool, roles: dict, capturing: bool 
     when set; else, for a model that rounds its activations like llama.cpp (``q8_act``, the default),
     ``"q8"`` where the lean Q4_K gate/up kernel applies (triton_q4k_moe) on a compiled CUDA device
     *while a CUDA graph is being captured* — the decode step of a wholly-on-GPU placement, where the
-    whole MoE on the H100 takes 1/1.63 of the exact-float kernels' time and decode runs 1.11–1.15× faster
-    (docs/benchmarks-gpu.md, session 5); else ``"f32"``. Eager launches keep the exact-float kernels:
-    the q8 path is two launches more a layer, and from Python (the 12 GiB cache placement) it measured
-    no faster (7.1 against 8.2 tok/s over three noisy pairs); the general q8 kernels never beat them.
+    lean kernels make the whole MoE faster; else ``"f32"``. Eager launches keep the exact-float kernels:
+    the q8 path is two launches more a layer, and launched from Python (the 12 GiB cache placement) it is
+    no faster; the general q8 kernels never beat them (figures: docs/lab-notebook.md, "Activation modes").
     ``capturing``: whether the launch goes into a graph (default: ``triton_qblocks.in_graph_step()``: capturing, or the warm-up before a capture)."""
     eligible = q8_act and qb.compiled(device) and triton_q4k_moe.applies_gate_up(roles)
     return graph_act(device, eligible, capturing)

@@ -5,11 +5,12 @@ trunk matrices of a decode step's CUDA graph (``triton_gemv.trunk_act``). Same a
 ``triton_q8_gemv`` (x rounded by ``triton_q8``'s rule, dp4a products), so
 :func:`engine.runtime.triton_q8_gemv.matmul_q8_reference` is its reference.
 
+Contract (:func:`gemv`): raw uint8 [rows, 144·n/256] (Q4_K blocks, ggml's ``block_q4_K``; 16-byte aligned),
+x float32 [1, n] (n a multiple of 256) -> float32 [1, rows] = W · x̂, x̂ = x through ``triton_q8``'s rounding.
 x̂ comes from the norm kernel before the matrix where there is one (``step_kernels.add_rms_norm(q8=True)``:
 the attention's q, k and v), else from one ``triton_q8.quantize_act`` launch (the output projection).
-H100 (``packaging/gpu_labs/q4k_half_gemv.py``, x̂ given): q [4096, 2048] 3.8 µs against 6.1 for the
-exact-float GEMV, o [2048, 4096] 4.1 against 6.6, k/v [512, 2048] 2.0 against 2.2; q 3.3 µs at 4 rows ×
-1 warp, the default for q and o since session 10 (``cubin_lab.py run-pdl``, docs/benchmarks-gpu.md).
+Each thread decodes half Q4_K blocks with ``triton_q4k_moe``'s decoder; the kernels' figures against the
+exact-float GEMV are in docs/lab-notebook.md ("Trunk Q4_K GEMV on q8 activations").
 
 Grid (rows / BR,): a program walks whole rows, [2·NB, BR] tiles with a row's half-blocks on the fastest
 lanes (the row's sum stays in the warp); ``TILE: "rows"`` takes [BR, 2·NB] tiles (:func:`_gemv_kernel_t`,
@@ -29,9 +30,9 @@ from engine.runtime import triton_qblocks as qb
 triton, tl = qb.triton, qb.tl
 
 
-# A matrix smaller than this takes the exact-float kernel when x̂ would need its own quantize launch
-# (~1.3 µs in a graph on the H100): q8 saves ~0.5 µs a MB (o, 4.7 MB: 1.3 + 4.1 against 6.6 µs; k, 0.6 MB:
-# 1.3 + 2.0 against 2.2). triton_gemv.trunk_act applies it.
+# A matrix smaller than this takes the exact-float kernel when x̂ would need its own quantize launch: below it
+# the launch costs more than q8 saves (docs/lab-notebook.md, "Trunk Q4_K GEMV on q8 activations").
+# triton_gemv.trunk_act applies it.
 MIN_BYTES_OWN_QUANT = 3 << 20
 
 

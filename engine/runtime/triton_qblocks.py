@@ -249,8 +249,8 @@ def graph_warmup():
     """Launches inside run as they will inside the CUDA graph captured next: the eager warm-up of a
     decode step (``graph_decode``) or of a benched chain. With it the warm-up compiles and loads the
     very kernel variants the capture records (PDL on, q8 activations), so nothing is compiled while
-    the stream is capturing (on the H100 a capture with the PDL variants compiled inside it was once
-    invalidated, ``cudaErrorStreamCaptureInvalidated``), and the warm-up computes what a replay does."""
+    the stream is capturing (a compile there can invalidate the capture:
+    ``cudaErrorStreamCaptureInvalidated``), and the warm-up computes what a replay does."""
     token = _WARMUP.set(True)
     try:
         yield

@@ -2,7 +2,7 @@
 # End-to-end decode of the Qwen3-30B-A3B-geometry random Q4_K_M file on the lent GPU machine under
 # a 12 GiB budget (docs/benchmarks-gpu.md): both expert modes with the Triton kernels and with the
 # torch reference kernels, then the calibrated planner's auto choice against measured modes.
-# Usage (on the GPU machine, from the repo root): bash packaging/gpu_modes_check.sh OUTDIR
+# Usage (on the GPU machine, from the repo root): bash labs/gpu_modes_check.sh OUTDIR
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

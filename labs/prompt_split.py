@@ -1,20 +1,14 @@
 """Where a prompt's time goes on the product's target placement: a 12 GiB card, the whole trunk on it, the routed
-experts in the GPU expert cache. Each layer's expert call is split (the device synchronized around each part):
-the prompt uploads (``_upload`` of the experts with enough tokens, and the wait for them), the hits and uploaded
-experts on the device (``_device_outputs``), the rare misses on the CPU (``_host_outputs``); the rest of the
+experts in the GPU expert cache. Each layer's expert call (``CachedExperts.forward``) is timed with the device
+synchronized around it, and so are its parts listed in ``PARTS``: the prompt's uploads (host copy and issue, then
+the wait for them), the hits and uploaded experts on the device, the rare misses on the CPU; the rest of the
 prompt is the trunk (attention, norms, routing) and the hand-overs. Per prompt length: one warm run, then one
 measured run of another prompt (a fresh KV cache; the expert cache as the warm run left it).
 SHARPI_PROMPT_UPLOAD_MIN sets the upload threshold as in the engine.
 
-  PYTHONPATH=. python3 packaging/gpu_labs/prompt_split.py F [PROMPTS ...]     # F: the 30B-A3B-geometry file
+  PYTHONPATH=. python3 labs/prompt_split.py F [PROMPTS ...]     # F: the 30B-A3B-geometry file
 
-Measured on an H100 box (session 11, docs/benchmarks.md). The first split showed 2.1 of a 2048-token prompt's
-5.9 s inside the expert calls but in none of their parts: the cache's bookkeeping in Python (a set built per
-pair for the profiler, a slot looked up per pair), since done with numpy. After it (threshold 16 / 4 / 1):
-  512 tokens   404 / 313 / 162 tok/s — CPU experts 0.43 s, device 0.22, uploads 0.39 (814) at 16
-  2048 tokens  579 / 343 / 192 tok/s — CPU experts 1.15 s, device 0.92, uploads 0.45 (778), trunk 0.91 at 16
-Lower thresholds upload more than the 60 % cache keeps (3724 / 16330 uploads for 2048 tokens): the layers
-evict each other's experts within a pass.
+Results (H100 box, 2026-11-23, 4eadf83): docs/benchmarks.md, "A prompt on the 12 GiB expert-cache placement".
 """
 
 import sys
@@ -28,13 +22,21 @@ from engine.generate.sampling import SamplingParams
 from engine.plan import DeviceProfile, PlanRequest
 from engine.runtime.expert_cache import CachedExperts
 
+# The parts of an expert call: label -> (method of CachedExperts, sync before, sync after). These are the cache's
+# internals, named here and nowhere else in the lab: a method the engine no longer has is reported and skipped.
+PARTS = {
+    "device experts": ("_device_outputs", True, True),
+    "CPU experts": ("_host_outputs", True, True),
+    "upload (host copy, issue)": ("_upload", False, False),  # its copies land in the wait's part
+    "upload (wait)": ("sync", False, True),
+}
+
 spent: dict[str, float] = defaultdict(float)
 count: dict[str, int] = defaultdict(int)
 
 
 def timed(name, fn, before=True, after=True):
-    """Time calls of a CachedExperts method under ``name``, the device synchronized before and after the call
-    (not for the uploads' host copies and issue, whose copies land in the wait's part)."""
+    """Time calls of a CachedExperts method under ``name``, the device synchronized before and after the call."""
 
     def wrapper(self, *a, **k):
         cuda = self.device.type == "cuda"
@@ -52,15 +54,19 @@ def timed(name, fn, before=True, after=True):
     return wrapper
 
 
-# generate(max_tokens=1) runs the prompt's forward passes only: every call below is a prompt's
-CachedExperts.forward = timed("expert call", CachedExperts.forward)
-CachedExperts._device_outputs = timed("device experts", CachedExperts._device_outputs)
-CachedExperts._host_outputs = timed("CPU experts", CachedExperts._host_outputs)
-CachedExperts._upload = timed("upload (host copy, issue)", CachedExperts._upload, before=False, after=False)
-CachedExperts.sync = timed("upload (wait)", CachedExperts.sync, before=False)
+def instrument() -> None:
+    # generate(max_tokens=1) runs the prompt's forward passes only: every call timed is a prompt's
+    CachedExperts.forward = timed("expert call", CachedExperts.forward)
+    for label, (method, before, after) in PARTS.items():
+        fn = getattr(CachedExperts, method, None)
+        if fn is None:
+            print(f"note: CachedExperts has no {method!r} any more; '{label}' is not split out", flush=True)
+            continue
+        setattr(CachedExperts, method, timed(label, fn, before, after))
 
 
 def main(path: str, prompts: list[int]) -> None:
+    instrument()
     n_ctx = max(prompts) + 16
     with Session.load(path, LoadOptions(n_ctx=n_ctx, device="cuda")) as s:
         s.apply(s.plan(PlanRequest(ctx=n_ctx, kv_type="f32", n_gpu_layers=s.args.n_layer, moe="cache"),

@@ -4,7 +4,10 @@ path): numba's threading layer, the cost of an empty parallel region, and the fu
 Q4_K gate/up and Q4_K or Q6_K down, against the machine's read bandwidth. Experts cycle through the
 stacks, so the bytes come from DRAM. Then whether torch captures pinned host copies in a CUDA graph.
 
-  PYTHONPATH=. python3 packaging/gpu_labs/cpu_moe_probe.py
+  PYTHONPATH=. python3 labs/cpu_moe_probe.py
+
+Results (H100 box, 16 cores, 2026-11-22, 0f94f2c): docs/benchmarks-gpu.md, "The 12 GiB placement as CUDA-graph
+segments".
 """
 
 import time

@@ -4,7 +4,10 @@ attention bucket, the first token there (it captures the bucket's segments) agai
 (replays), and the device memory the captures took (free memory before and after, as the driver
 reports it; the graphs' pool is not charged to the planner's arena).
 
-  PYTHONPATH=. python3 packaging/gpu_labs/segment_capture.py /tmp/qwen3-30b-a3b-random.gguf
+  PYTHONPATH=. python3 labs/segment_capture.py /tmp/qwen3-30b-a3b-random.gguf
+
+Results (H100 box, 2026-11-22, 3bb62f5 and 4c7de29): docs/benchmarks-gpu.md, "The 12 GiB placement as CUDA-graph
+segments".
 """
 
 import sys

@@ -5,7 +5,10 @@ the experts through their backend between replays). Greedy, 16-token prompt, GEN
 warm run (graph captures, first touches, the cache's warm-up); per run, the share of a token spent in the
 expert backend's calls (the CPU kernels; the cache's forward).
 
-  PYTHONPATH=. python3 packaging/gpu_labs/small_card.py /tmp/qwen3-30b-a3b-random.gguf [ROUNDS] [--threads]
+  PYTHONPATH=. python3 labs/small_card.py /tmp/qwen3-30b-a3b-random.gguf [ROUNDS] [--threads]
+
+Results (H100 boxes, 2026-11-22, cabcf91 to 96e162a): docs/benchmarks-gpu.md, "The 12 GiB placement as CUDA-graph
+segments".
 """
 
 import cProfile

@@ -3,7 +3,7 @@
 # expert resident on the GPU (--vram 30GiB --moe resident; issue #7): one-token steps as CUDA graph
 # replays (engine.runtime.graph_decode), the same without graphs (SHARPI_CUDA_GRAPH=0), and with the
 # torch reference kernels (SHARPI_DEVICE_KERNELS=reference, graphs on; then off too if time allows).
-# Usage (on the GPU machine, from the repo root): bash packaging/gpu_resident_check.sh OUTDIR [RUNS]
+# Usage (on the GPU machine, from the repo root): bash labs/gpu_resident_check.sh OUTDIR [RUNS]
 #   RUNS: space-separated subset of "graph nograph reference reference_nograph" (default: the first 3)
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"

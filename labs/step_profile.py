@@ -3,16 +3,31 @@ expert resident) replayed under torch.profiler (CUPTI), its kernels grouped by n
 step, largest first — so the share of the quantized matrices against the glue (attention, norms, routing,
 copies) shows.
 
-  PYTHONPATH=. python3 packaging/gpu_labs/step_profile.py /tmp/qwen3-30b-a3b-random.gguf [--exact-float]
+  PYTHONPATH=. python3 labs/step_profile.py /tmp/qwen3-30b-a3b-random.gguf [--exact-float]
+
+Results (H100 box, 2026-11-22, 04e3977 and f43ccfb): docs/benchmarks-gpu.md, "The decode step".
 """
 
 import collections
+import contextlib
 import sys
 
 import torch
-from step_replay import resident_session  # the script's own folder is on sys.path
+
+from engine.api import LoadOptions, Session
+from engine.plan import DeviceProfile, PlanRequest
 
 REPS = 20
+
+
+@contextlib.contextmanager
+def resident_session(path: str, q8_act: bool = True, n_ctx: int = 96):
+    """The file loaded on CUDA with the whole trunk and every expert resident (a 30 GiB budget), f32 KV."""
+    with Session.load(path, LoadOptions(n_ctx=n_ctx, device="cuda", q8_act=q8_act)) as s:
+        p = s.plan(PlanRequest(ctx=n_ctx, kv_type="f32", n_gpu_layers=s.args.n_layer, moe="resident"),
+                   DeviceProfile(vram_bytes=30 << 30, reserve_bytes=0))  # fmt: skip
+        s.apply(p)
+        yield s
 
 
 def main(path: str, q8_act: bool) -> None:

@@ -8,7 +8,7 @@
 #      and read floors);
 #   3. `--tune`: compile every candidate setting in parallel processes first (Triton's disk cache),
 #      then time them one process at a time, and re-run the bench with the winners.
-# Usage (on the GPU machine, from the repo root): bash packaging/device_kernels_check.sh OUTDIR
+# Usage (on the GPU machine, from the repo root): bash labs/device_kernels_check.sh OUTDIR
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

@@ -1,13 +1,16 @@
 """Decode tok/s of a chat on the Qwen3-30B-A3B-geometry file (whole trunk and every expert resident, CUDA
 graphs) with greedy picking, with the default chat sampling (top-k 40, top-p 0.95, min-p 0.05, T 0.8), and
-with that sampling done by the full-sort chain (Sampler.reference, the sampler before session 7) — beside the
+with that sampling done by the full-sort chain (Sampler.reference, the sampler before 0f0e3c6) — beside the
 GPU time of a step (graph replays alone), so the host's share of a token shows. Then a cProfile of one greedy
 run: where the host time of a token goes.
 
-  PYTHONPATH=. python3 packaging/gpu_labs/chat_decode.py /tmp/qwen3-30b-a3b-random.gguf [ROUNDS]
+  PYTHONPATH=. python3 labs/chat_decode.py /tmp/qwen3-30b-a3b-random.gguf [ROUNDS]
   ... chat_decode.py FILE [ROUNDS] --small-card   # the 12 GiB placement, experts on the CPU
+
+Results (H100 boxes, 2026-11-22, 1af0956 to 8f0cae3): docs/benchmarks.md, "Sampling a token".
 """
 
+import contextlib
 import cProfile
 import io
 import pstats
@@ -16,11 +19,22 @@ from unittest import mock
 
 import numpy as np
 import torch
-from step_replay import resident_session  # the script's own folder is on sys.path
 
+from engine.api import LoadOptions, Session
 from engine.generate.sampling import Sampler, SamplingParams
+from engine.plan import DeviceProfile, PlanRequest
 
 PROMPT, GEN = 16, 64
+
+
+@contextlib.contextmanager
+def resident_session(path: str, q8_act: bool = True, n_ctx: int = 96):
+    """The file loaded on CUDA with the whole trunk and every expert resident (a 30 GiB budget), f32 KV."""
+    with Session.load(path, LoadOptions(n_ctx=n_ctx, device="cuda", q8_act=q8_act)) as s:
+        p = s.plan(PlanRequest(ctx=n_ctx, kv_type="f32", n_gpu_layers=s.args.n_layer, moe="resident"),
+                   DeviceProfile(vram_bytes=30 << 30, reserve_bytes=0))  # fmt: skip
+        s.apply(p)
+        yield s
 
 
 def tok_s(s, params) -> float:
@@ -76,9 +90,6 @@ def main(path: str, rounds: int) -> None:
 def small_card(path: str, rounds: int, gen: int = 24) -> None:
     """The same three pickings on the 12 GiB placement with the routed experts on the CPU (the product's
     target machine; eager decode, no graphs): what the sampler is worth at its ~10 tok/s."""
-    from engine.api import LoadOptions, Session
-    from engine.plan import DeviceProfile, PlanRequest
-
     n_ctx = PROMPT + gen + 16
     with Session.load(path, LoadOptions(n_ctx=n_ctx, device="cuda")) as s:
         p = s.plan(PlanRequest(ctx=n_ctx, kv_type="f32", n_gpu_layers=s.args.n_layer, moe="cpu"),

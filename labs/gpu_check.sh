@@ -4,7 +4,7 @@
 #   2. a random-weight Qwen3-30B-A3B-geometry Q4_K_M file (48 layers, 128 experts x 768, top-8,
 #      vocab 151936) under a 12 GiB budget: decode tok/s with experts on the CPU and in the GPU
 #      cache, the cache's hit rate and upload GB/s, and what auto would pick.
-# Usage (on the GPU machine, from the repo root): bash packaging/gpu_check.sh OUTDIR
+# Usage (on the GPU machine, from the repo root): bash labs/gpu_check.sh OUTDIR
 set -uo pipefail
 OUT=${1:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

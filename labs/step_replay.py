@@ -4,7 +4,9 @@ route bookkeeping between steps, so the figure does not move with the host's noi
 tok/s does on a shared machine. Default session (activations rounded like llama.cpp: q8 kernels in graphs)
 against --exact-float, alternating.
 
-  PYTHONPATH=. python3 packaging/gpu_labs/step_replay.py /tmp/qwen3-30b-a3b-random.gguf [ROUNDS]
+  PYTHONPATH=. python3 labs/step_replay.py /tmp/qwen3-30b-a3b-random.gguf [ROUNDS]
+
+Results (H100 boxes, 2026-11-22, 23b3d83 to f43ccfb): docs/benchmarks-gpu.md, "The decode step".
 """
 
 import contextlib

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it (the README's test command). Four steps, each must pass:
+#   1. lint: ruff check and ruff format --check (ruff is pinned in the test extra);
+#   2. the tests (pytest's testpaths; the Triton kernel tests skip here without CUDA);
+#   3. the Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET is read when Triton is
+#      imported, so they need an interpreter of their own);
+#   4. the tests whose code path depends on the processor (marker cpu_paths) again with its
+#      features masked — no VNNI, no bf16 prompt path, oneDNN capped below AMX — so both paths
+#      run on whichever processor this is.
+# Everyday loop instead: QT_QPA_PLATFORM=offscreen python -m pytest -m "not slow"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export QT_QPA_PLATFORM=${QT_QPA_PLATFORM:-offscreen}
+
+echo "== lint"
+ruff check .
+ruff format --check .
+
+echo "== tests"
+python -m pytest -q
+
+echo "== Triton kernels in the interpreter"
+TRITON_INTERPRET=1 python -m pytest -q tests/triton
+
+echo "== processor-dependent tests with the features masked"
+SHARPI_NO_VNNI=1 SHARPI_BF16=0 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python -m pytest -q -m cpu_paths

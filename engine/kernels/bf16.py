@@ -179,16 +179,16 @@ def _cpu_has_fast_bf16() -> bool:
     return bool({"+amx-bf16", "+avx512bf16"} & features)
 
 
-def _enabled_from_env() -> bool:
-    import os
+def _enabled() -> bool:
+    """``EngineOptions.bf16_prefill`` (``SHARPI_BF16``; read at import from ``engine.config.current()``),
+    else whether the CPU has bf16 matrix units."""
+    from engine import config
 
-    flag = os.environ.get("SHARPI_BF16", "").strip()
-    if flag in ("0", "1"):
-        return flag == "1"
-    return _cpu_has_fast_bf16()
+    flag = config.current().bf16_prefill
+    return _cpu_has_fast_bf16() if flag is None else flag
 
 
-ENABLED = _enabled_from_env()
+ENABLED = _enabled()
 
 
 def usable(qtype: QType, q8_act: bool) -> bool:

@@ -2,7 +2,7 @@
 the fast path of :func:`engine.runtime.triton_moe.moe_decode` in q8 mode when gate and up are Q4_K
 (a Q4_K_M file's experts; its down is Q4_K or, on a third to a half of the layers, Q6_K). The same
 arithmetic as :mod:`engine.runtime.triton_q8_moe` — activations rounded by ``triton_q8``'s rule,
-integer dp4a products — so :func:`engine.runtime.triton_q8_moe.moe_decode_q8_reference` is the
+integer dp4a products — so :func:`engine.runtime.references.moe_decode_q8_reference` is the
 reference (with ``round_h=False`` when the down is not Q4_K and h goes to the exact-float down kernel).
 
 :func:`gate_up`: ``triton_q8.quantize_act(x)``, then :func:`_gate_up_kernel`, grid (F/BR, T·K), writes
@@ -16,7 +16,7 @@ gate/up kernel):
 - a thread owns *half* a 144-byte block — its 16-byte header and 64 quant bytes (4 sub-blocks), five
   16-byte loads. Whole blocks a thread (session 5) took twice the registers and left 1–1.5 warps a
   scheduler; halves run the gate/up in 7.7 µs instead of 8.3 and the down in 5.4 instead of 6.0
-  (docs/benchmarks-gpu.md, session 6). Smaller programs than the settings in triton_moe's LAUNCH
+  (docs/benchmarks-gpu.md, session 6). Smaller programs than the settings in the launch tables
   lose again: a launch of many one-warp programs pays for dispatching them;
 - the 6-bit scales and mins of the half's 4 sub-blocks come out of the header words at once with
   masks and shifts, one byte each by a ``prmt``;
@@ -29,7 +29,7 @@ Two tile orientations, the launch setting ``TILE``: [half-blocks, rows] (the def
 Triton picks a tile's blocked layout, and Triton 3.7 swapped it for these tiles: under 3.6 the first gives a
 thread several rows at one half-block (activations loaded once, a row's sum in its warp: 78 registers, 32
 loads, 1 barrier at 8 rows × 2 warps); from 3.7 the second does (80 / 32 / 1 at 16 × 4) and the first
-compiles to 43 loads and 3–7 barriers. ``triton_gemv.LAUNCH_BY_TRITON`` picks by the installed Triton,
+compiles to 43 loads and 3–7 barriers. ``kernel_select``'s ``triton=<version>.json`` tables pick by the installed Triton,
 measured on the H100 with each version's cubins (``packaging/gpu_labs/cubin_lab.py``; docs/benchmarks-gpu.md,
 session 10); ``packaging/gpu_labs/moe_rows.py --sass`` counts what a Triton compiles, offline.
 A skipped pair (slot offset −1) gets h = 0 from the gate/up kernel; the down kernel reads slot 0's

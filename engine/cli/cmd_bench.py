@@ -234,9 +234,8 @@ def run_device_kernels(args: argparse.Namespace) -> int:
     if args.tune:
         best = device_kernels.tune(types)
         print(json.dumps({torch.cuda.get_device_name(): best}, indent=1))
-    with config.overriding(
-        launch_table={**(config.current().launch_table or {}), **best}
-    ):  # the winners, for the run below
+    winners = {**(config.current().launch_table or {}), **best}  # the tuned settings, for the run below
+    with config.overriding(launch_table=winners):
         rep = device_kernels.run(types, [w.strip() for w in args.workloads.split(",") if w.strip()])
     if args.json:
         print(json.dumps(rep, indent=2))

@@ -24,6 +24,14 @@ import numpy as np
 import pytest
 
 
+def pytest_configure(config) -> None:
+    """The test process is an entry point too: the engine's process settings before any kernel runs
+    (engine.config.apply_process_settings; before, importing engine.ops made them)."""
+    from engine import config as engine_config
+
+    engine_config.apply_process_settings()
+
+
 def _digest(value) -> str:
     """A stable description of fixture arguments (arrays by content) for cache keys."""
     if isinstance(value, np.ndarray):

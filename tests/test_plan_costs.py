@@ -192,3 +192,9 @@ def test_graph_steps_only_where_the_runtime_captures_them():
     off = predict(spec, prof, mode="resident", n_gpu_layers=4, expert_slots=32, graphs=False, **kw)
     assert off.overhead_counts["graph_layer_us"] == 0 and off.overhead_counts["device_layer_us"] == 4
     assert off.seconds > p.seconds  # the defaults price a graph layer below a Python-driven one
+    # the planner: PlanRequest.cuda_graphs (None: with graphs, as the runtime's default)
+    req = PlanRequest(ctx=64, kv_type="f32", n_gpu_layers=4, moe="resident", position=50)
+    roomy = replace(prof, vram_bytes=1 << 40)
+    for graphs, counted in ((None, 4), (True, 4), (False, 0)):
+        got = plan(spec, roomy, replace(req, cuda_graphs=graphs)).predictions["resident"]
+        assert got.overhead_counts["graph_layer_us"] == counted, graphs

@@ -152,7 +152,7 @@ def test_a_capture_that_fails_mid_step_falls_back_to_the_same_logits(paths, monk
     with Session.load(str(paths["qwen2moe"]), LoadOptions(n_ctx=CTX, device="cpu")) as s:
         p = _off_graph(s, "cpu")
         eager, *_ = _both(s, p, tokens)
-        s.apply(p)  # SHARPI_CUDA_GRAPH=eager (set by _both): the static step, here made to "capture"
+        s.apply(p, _graphs(s, "eager"))  # the static step, here made to "capture"
         g = s.model.decode_graph
         g.capture, seen = True, []
 

@@ -317,7 +317,7 @@ def test_fused_attention_matches_torch(device):
 ROPE_SCRIPT = r"""
 import sys, numpy as np, torch
 from engine.models.layers import rope_tables, rope_theta
-from engine.runtime import step_kernels as sk, triton_q8 as t8
+from engine.runtime import references as refs, step_kernels as sk, triton_q8 as t8
 dev = sys.argv[1]
 rng = np.random.default_rng(0)
 t = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(dev)

@@ -9,17 +9,18 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
+from engine import config
+from engine.config import EngineOptions
 from engine.errors import DeviceMemoryError, UsageError
 from engine.generate import CacheState, GenerationEvent, SamplingParams, generate
 from engine.gguf import open_gguf
-from engine.kv_cache import resolve_kv_type
 from engine.modelinfo import ModelInfo, describe
-from engine.plan import AUTO, DeviceProfile, ModelSpec, Placement, PlanRequest, plan
+from engine.plan import AUTO, DeviceProfile, ModelSpec, Placement, PlanRequest, plan, resolve_kv_type
 from engine.profiler import ProfilerSnapshot
 from engine.profiler import export as export_profile
 from engine.runtime.apply import Applied, apply_placement
@@ -32,7 +33,7 @@ Progress = Callable[[int, int, str], None]  # (done, total, what)
 @dataclass(frozen=True)
 class LoadOptions:
     n_ctx: int = 4096  # context size in tokens
-    kv_type: str | None = None  # f32 | bf16 | q8_0; None = $SHARPI_KV_DTYPE or f32
+    kv_type: str | None = None  # f32 | bf16 | q8_0; None = engine.kv_type ($SHARPI_KV_DTYPE) or f32
     q8_act: bool = True  # quantize activations like llama.cpp before quantized dot products
     device: str | None = None  # "cuda" | "cpu" (the simulated device); None = cuda if available
     placement: PlanRequest | None = None  # None = everything on the CPU
@@ -40,6 +41,9 @@ class LoadOptions:
     # The machine's speeds for the planner (bandwidths, fixed costs); None = the calibrated profile
     # of a CUDA device (measured on the first auto choice, then cached), else the defaults.
     device_profile: DeviceProfile | None = None
+    # The engine's knobs (kernel choice, CUDA graphs, calibration, ...: engine.config); default: the
+    # process environment's, read once (engine.config.current()).
+    engine: EngineOptions = field(default_factory=config.current)
 
 
 class Session:
@@ -53,6 +57,8 @@ class Session:
         if options.n_ctx < 8:
             raise UsageError(f"context size {options.n_ctx} is too small (at least 8)")
         self.options = options
+        self.engine_options = options.engine  # handed to the planner's request and every apply
+        config.apply_process_settings()
         report = progress or (lambda d, t, w: None)
         report(0, 4, "reading header")
         self.gf = open_gguf(path)
@@ -65,7 +71,7 @@ class Session:
             self.tokenizer = load_tokenizer(self.gf)
             self.chat_template = ChatTemplate.from_gguf(self.gf, self.tokenizer)
             report(3, 4, "placing the model")
-            self.kv_type = resolve_kv_type(options.kv_type)
+            self.kv_type = resolve_kv_type(options.kv_type, options.engine.kv_type)
             self.n_ctx = options.n_ctx
             self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
             self._spec: ModelSpec | None = None
@@ -148,8 +154,9 @@ class Session:
         budget is given) and its speeds — an injected profile (``LoadOptions.device_profile``,
         :meth:`set_device_profile`), else on CUDA the calibrated one (``engine.plan.calibrate``:
         read from the cache, or measured now — a few seconds, once per machine — when
-        ``calibrate`` is true), else the documented defaults. ``SHARPI_NO_CALIBRATE=1`` keeps
-        the defaults. The simulated device always uses the defaults unless a profile is injected."""
+        ``calibrate`` is true), else the documented defaults. ``EngineOptions.calibrate`` False
+        (``SHARPI_NO_CALIBRATE=1``) keeps the defaults. The simulated device always uses the
+        defaults unless a profile is injected."""
         if vram_budget is None and self.device.type == "cuda":
             vram_budget = torch.cuda.mem_get_info(self.device)[1]
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "simulated device (CPU)"
@@ -166,20 +173,21 @@ class Session:
             return self._speeds
         from engine.plan import calibrate as cal
 
-        if self.device.type != "cuda" or cal.calibration_disabled():
+        o = self.engine_options
+        if self.device.type != "cuda" or cal.calibration_disabled(o):
             return DeviceProfile()
         shape = cal.ExpertShape.from_gguf(self.gf) or cal.DEFAULT_SHAPE
-        prof = cal.load_cached(self.device, shape)
+        prof = cal.load_cached(self.device, shape, options=o)
         if prof is None and run:
             try:
-                prof = cal.calibrate(self.device, shape, trunk_qtype=self._trunk_qtype()).profile
+                prof = cal.calibrate(self.device, shape, trunk_qtype=self._trunk_qtype(), options=o).profile
             except Exception as e:  # measuring must never stop a model from loading
                 log.warning("device calibration failed, using the default profile: %s", e)
                 prof = DeviceProfile()
                 self._speeds = prof
                 return prof
         if prof is None:  # not measuring now: the device figures of another model's calibration
-            return cal.load_cached(self.device, shape, partial=True) or DeviceProfile()
+            return cal.load_cached(self.device, shape, partial=True, options=o) or DeviceProfile()
         self._speeds = prof
         return prof
 
@@ -191,17 +199,23 @@ class Session:
 
     def plan(self, request: PlanRequest, profile: DeviceProfile | None = None) -> Placement:
         """The planner's placement for this model (pure and fast: no allocation, except that the
-        first ``moe="auto"`` request on CUDA may calibrate the device, see :meth:`device_profile`)."""
+        first ``moe="auto"`` request on CUDA may calibrate the device, see :meth:`device_profile`).
+        A request's ``cuda_graphs`` left None follows the session's options (``cuda_graph``)."""
+        if request.cuda_graphs is None:
+            request = replace(request, cuda_graphs=self.engine_options.cuda_graph != "off")
         return plan(self.spec, profile or self.device_profile(calibrate=request.moe == AUTO), request)
 
-    def apply(self, placement: Placement) -> None:
-        """Re-place the loaded model (the file is not re-read) and start a fresh KV cache.
+    def apply(self, placement: Placement, engine: EngineOptions | None = None) -> None:
+        """Re-place the loaded model (the file is not re-read) and start a fresh KV cache. ``engine``: the
+        engine options this placement runs with (default: the session's, ``LoadOptions.engine``; e.g.
+        calibration applies a probe with CUDA graphs off); they stay with it until the next apply.
 
         If the device runs out of memory, the previous placement is restored and the error says so.
         """
         previous = self.applied
+        engine = engine if engine is not None else self.engine_options
         try:
-            self.applied = apply_placement(self.model, self.spec, placement, self.device)
+            self.applied = apply_placement(self.model, self.spec, placement, self.device, options=engine)
         except DeviceMemoryError as e:
             self._restore(previous)
             raise DeviceMemoryError(f"{e}; the previous placement stays in force") from None
@@ -213,14 +227,16 @@ class Session:
     def _restore(self, previous: Applied | None) -> None:
         self.applied = None
         if previous is not None:
-            self.applied = apply_placement(self.model, self.spec, previous.placement, self.device)
+            self.applied = apply_placement(
+                self.model, self.spec, previous.placement, self.device, options=previous.options
+            )
             self.cache = self.applied.cache
         else:
             cpu_only = plan(
                 self.spec, replace(DeviceProfile(), vram_bytes=0), PlanRequest(ctx=self.n_ctx, kv_type=self.kv_type)
             )
             self.applied = None
-            apply_placement(self.model, self.spec, cpu_only, self.device)
+            apply_placement(self.model, self.spec, cpu_only, self.device, options=self.engine_options)
             self.cache = self.model.new_cache(self.n_ctx, self.kv_type)
         self.state = CacheState()
 

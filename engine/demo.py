@@ -3,27 +3,31 @@
 The file is committed at ``resources/models/`` in the repository (trained by
 ``packaging/train_demo.py``). A wheel installs it as data under ``<prefix>/share/sharpi/models/``
 (``[tool.setuptools.data-files]`` in ``pyproject.toml``). :func:`demo_model_path` looks in
-``$SHARPI_DEMO_MODEL``, then the checkout this module sits in, then the install prefixes.
+``$SHARPI_DEMO_MODEL`` (``EngineOptions.demo_model``), then the checkout this module sits in, then the
+install prefixes.
 """
 
 from __future__ import annotations
 
-import os
 import site
 import sys
 from pathlib import Path
 
+from engine import config
+from engine.config import EngineOptions
+
 DEMO_FILE = "sharpi-demo-q8_0.gguf"
 DATA_DIR = Path("share") / "sharpi" / "models"  # under an install prefix
 REPO_DIR = Path("resources") / "models"  # under the repository root
-ENV = "SHARPI_DEMO_MODEL"
+ENV = config.ENV["demo_model"]
 
 
-def candidate_paths() -> list[Path]:
-    """Every place :func:`demo_model_path` looks, in order."""
+def candidate_paths(options: EngineOptions | None = None) -> list[Path]:
+    """Every place :func:`demo_model_path` looks, in order (``options``: default ``config.current()``)."""
     out = []
-    if os.environ.get(ENV):
-        out.append(Path(os.environ[ENV]).expanduser())
+    given = (options if options is not None else config.current()).demo_model
+    if given is not None:
+        out.append(Path(given))
     out.append(Path(__file__).resolve().parent.parent / REPO_DIR / DEMO_FILE)  # a checkout / editable install
     prefixes = [sys.prefix, sys.base_prefix, site.getuserbase()]
     for prefix in dict.fromkeys(p for p in prefixes if p):
@@ -31,9 +35,9 @@ def candidate_paths() -> list[Path]:
     return out
 
 
-def demo_model_path() -> Path:
+def demo_model_path(options: EngineOptions | None = None) -> Path:
     """Path of the bundled demo GGUF; :class:`FileNotFoundError` naming the places looked in."""
-    paths = candidate_paths()
+    paths = candidate_paths(options)
     for p in paths:
         if p.is_file():
             return p

@@ -6,20 +6,11 @@ planner prices); values are rounded like ggml's ``quantize_row_q8_0_ref`` (d = a
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from engine.errors import UsageError
-from engine.plan.planner import resolve_kv_type as planner_resolve_kv_type
+from engine.plan.planner import resolve_kv_type
 from engine.plan.sizing import check_kv_geometry, kv_layer_bytes
-
-ENV_KV_DTYPE = "SHARPI_KV_DTYPE"
-
-
-def resolve_kv_type(kv_type: str | None) -> str:
-    """The KV dtype to use: the argument, else $SHARPI_KV_DTYPE, else f32 (the planner's rule)."""
-    return planner_resolve_kv_type(kv_type, os.environ)
 
 
 def _q8_0_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +80,7 @@ class KVCache:
         kv_type: str | dict[int, str] | None = None,
         charge=None,
     ):
-        """kv_type: one dtype for every layer, or per layer; charge(layer, nbytes) is called before
+        """kv_type: one dtype for every layer (None: f32), or per layer; charge(layer, nbytes) is called before
         each layer's K and V are allocated (the runtime's device arena)."""
         types = kv_type if isinstance(kv_type, dict) else dict.fromkeys(layers, resolve_kv_type(kv_type))
         for t in set(types.values()):

@@ -1,30 +1,22 @@
 """The kernel entry points the model math calls, in one visible place.
 
-``matmul``, ``matmuls`` and ``moe_ffn`` route to the numba kernels; ``SHARPI_KERNELS=reference`` (or
+``matmul``, ``matmuls`` and ``moe_ffn`` route to the numba kernels; ``SHARPI_KERNELS=reference``
+(``EngineOptions.host_kernels``, read at import from ``engine.config.current()``; or
 ``use_reference(True)``) selects the numpy reference models with the same signatures.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 
+from engine import config
 from engine.kernels import reference as ref
 from engine.kernels.prepare import PreparedWeight
 from engine.quant.formats import QType
 
-_use_reference = os.environ.get("SHARPI_KERNELS", "").lower() == "reference"
-
-# numba's OpenMP workers (libgomp) spin ~300,000 pause loops (~15 ms) after each parallel loop
-# before they sleep. A decode step runs ~100 short loops; when another process wants a core, the
-# spinning worker steals it from the thread doing the serial steps and each loop then waits for a
-# descheduled thread (measured, qwen3moe bench file, 2 cores, one busy process beside us: 383 ms
-# per token). 10,000 spins (~0.5 ms) still bridge the gaps between a step's loops (quiet machine:
-# 36.9 -> 37.7 ms per token) and leave contention at 101 ms. libgomp reads this when numba starts
-# its pool (the first parallel call), so it is set here, at import; a value already set wins.
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+_use_reference = config.current().host_kernels == "reference"
 
 
 def use_reference(flag: bool) -> None:

@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.t
 S=$(date +%s)
 timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W ignore::DeprecationWarning \
   tests/test_triton_gemv.py tests/test_triton_moe.py tests/test_triton_q8.py tests/test_runtime.py tests/test_pdl.py \
-  tests/test_read_floor.py -k "(cuda and (triton or moe or quantized or q8)) or pdl or decode_act or trunk_act or read or tuner" \
+  tests/test_read_floor.py -k "(cuda and (triton or moe or quantized or q8)) or pdl or moe_act or trunk_act or read or tuner" \
   --durations=0 2>&1 | tail -25 | tee "$OUT/tests.txt"
 echo "tests: $(( $(date +%s) - S )) s"
 timeout 420 python3 -m engine.cli.main bench device-kernels 2>&1 | tee "$OUT/bench_default.txt"

@@ -8,6 +8,9 @@ Use them from any test module::
 
     def test_oracle(synth_model, open_llama):
         llm = open_llama(synth_model("llama", experts=4).path)     # closed after the test
+
+    def test_knob(engine_env):
+        engine_env({"SHARPI_CPU_MOE": "1"})   # engine.config.current() with that variable, this test only
 """
 
 from __future__ import annotations
@@ -19,6 +22,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+
+def pytest_configure(config) -> None:
+    """The test process is an entry point too: the engine's process settings before any kernel runs
+    (engine.config.apply_process_settings; before, importing engine.ops made them)."""
+    from engine import config as engine_config
+
+    engine_config.apply_process_settings()
 
 
 def _digest(value) -> str:
@@ -129,3 +140,24 @@ def open_llama() -> Iterator[Callable]:
     yield make
     for llm in opened:
         llm.close()
+
+
+def set_engine_env(mp: pytest.MonkeyPatch, changes: dict):
+    """``engine.config.current()`` with the variables in ``changes`` parsed over it (None: the default),
+    until ``mp`` is undone: the one way tests change the engine's process-wide options. Tests use the
+    ``engine_env`` fixture; a module-scoped fixture calls this with its own MonkeyPatch."""
+    from engine import config
+
+    opts = config.current().with_env(changes)
+    mp.setattr(config, "_current", opts)
+    return opts
+
+
+@pytest.fixture
+def engine_env(monkeypatch) -> Callable:
+    """Factory ``engine_env({"SHARPI_X": "value" | None, ...}) -> EngineOptions`` (:func:`set_engine_env` for
+    this test): changes ``engine.config.current()`` — what ``options=None`` and ``LoadOptions()`` mean, and
+    what the CLI runs with. Where an API takes options (``LoadOptions.engine``, ``Session.apply``,
+    ``kernel_select``'s functions), pass them instead. Choices made at import (engine.ops,
+    engine.kernels.simd/bf16) do not follow: set those variables in a child interpreter's environment."""
+    return lambda changes: set_engine_env(monkeypatch, changes)

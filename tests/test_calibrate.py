@@ -12,9 +12,11 @@ import pytest
 
 from engine.api import LoadOptions, Session
 from engine.cli.main import main
+from engine.config import EngineOptions
 from engine.plan import DeviceProfile, ModelSpec, PlanRequest, predict
 from engine.plan import calibrate as cal
 from engine.plan.profile import OVERHEAD_FIELDS
+from tests.conftest import set_engine_env
 from tests.test_plan_sizing import _q4k_except_vectors, _qwen3_args
 
 TINY = cal.ExpertShape("Q4_K", "Q4_K", "Q6_K", 256, 256, 4)  # quick to build and time
@@ -25,8 +27,7 @@ def cache_env(tmp_path_factory):
     """A private calibration cache dir and a small CPU-expert working set for the whole module."""
     mp = pytest.MonkeyPatch()
     d = tmp_path_factory.mktemp("calibration")
-    mp.setenv(cal.ENV_DIR, str(d))
-    mp.delenv(cal.ENV_NO_CALIBRATE, raising=False)
+    set_engine_env(mp, {"SHARPI_CALIBRATION_DIR": str(d), "SHARPI_NO_CALIBRATE": None})
     mp.setattr(cal, "CPU_WORKING_SET", 32 << 20)
     yield d
     mp.undo()
@@ -149,8 +150,9 @@ def test_random_blocks_kernel_ready():
 
 
 def test_disabled_by_environment():
-    assert cal.calibration_disabled({cal.ENV_NO_CALIBRATE: "1"})
-    assert not cal.calibration_disabled({cal.ENV_NO_CALIBRATE: "0"}) and not cal.calibration_disabled({})
+    env = EngineOptions.from_env
+    assert cal.calibration_disabled(env({"SHARPI_NO_CALIBRATE": "1"}))
+    assert not cal.calibration_disabled(env({"SHARPI_NO_CALIBRATE": "0"})) and not cal.calibration_disabled(env({}))
 
 
 # -- Session: which profile plans ------------------------------------------------------------------
@@ -167,9 +169,9 @@ def test_simulated_device_uses_defaults_even_with_a_cache_file(moe_path, measure
         assert p.measured == () and p.token_us == DeviceProfile().token_us and p.vram_bytes == 1 << 30
 
 
-def test_injected_profile_drives_the_auto_choice(moe_path, monkeypatch):
-    monkeypatch.delenv("SHARPI_CPU_MOE", raising=False)
-    monkeypatch.setenv("SHARPI_CUDA_GRAPH", "0")  # eager steps: the device layers' cost is the same in every mode
+def test_injected_profile_drives_the_auto_choice(moe_path, engine_env):
+    # eager steps: the device layers' cost is the same in every mode
+    engine_env({"SHARPI_CPU_MOE": None, "SHARPI_CUDA_GRAPH": "0"})
     cheap_cache = DeviceProfile(cache_layer_us=0.0, miss_us=0.0, cpu_experts_layer_us=50_000.0, name="test")
     dear_cache = replace(cheap_cache, cache_layer_us=50_000.0, cpu_experts_layer_us=0.0)
     modes = {}
@@ -191,7 +193,7 @@ class _FakeCal:
     def __init__(self, cached=None, fail=False):
         self.cached, self.fail, self.runs = cached, fail, 0
 
-    def load_cached(self, device, shape, partial=False):
+    def load_cached(self, device, shape, partial=False, options=None):
         return self.cached
 
     def calibrate(self, device, shape, **kw):
@@ -211,11 +213,11 @@ class _FakeCal:
         (None, False, True, True, DeviceProfile().token_us, 1),  # measuring failed: defaults, no error
     ],
 )
-def test_cuda_profile_policy(moe_path, monkeypatch, cached, disabled, run, fail, want_token, want_runs):
+def test_cuda_profile_policy(moe_path, monkeypatch, engine_env, cached, disabled, run, fail, want_token, want_runs):
     fake = _FakeCal(cached, fail)
     monkeypatch.setattr(cal, "load_cached", fake.load_cached)
     monkeypatch.setattr(cal, "calibrate", fake.calibrate)
-    monkeypatch.setenv(cal.ENV_NO_CALIBRATE, "1" if disabled else "")
+    engine_env({"SHARPI_NO_CALIBRATE": "1" if disabled else None})
     with Session.load(str(moe_path), LoadOptions(n_ctx=64, device="cpu")) as s:
         s.device = SimpleNamespace(type="cuda")  # only the policy runs: no CUDA call is made below
         prof = s._speed_profile(run)
@@ -246,8 +248,8 @@ def test_cli_bench_calibrate_json_is_a_plan_profile(measured, moe_path, capsys, 
 
 
 # -- the bench's validation hook -------------------------------------------------------------------
-def test_bench_compare_modes_reports_predictions_and_the_verdict(moe_path, capsys, monkeypatch):
-    monkeypatch.delenv("SHARPI_CPU_MOE", raising=False)
+def test_bench_compare_modes_reports_predictions_and_the_verdict(moe_path, capsys, engine_env):
+    engine_env({"SHARPI_CPU_MOE": None})
     args = ["bench", "-m", str(moe_path), "--device", "cpu", "--vram", "1GiB", "--prompt", "4", "--gen", "4"]
     assert main([*args, "--repeat", "1", "--compare-modes", "--json"]) == 0
     c = json.loads(capsys.readouterr().out)

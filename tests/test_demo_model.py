@@ -116,17 +116,17 @@ def test_file_is_small_and_tracked(demo_path):
     assert (demo_path.parent / "MODEL_CARD.md").is_file()
 
 
-def test_demo_model_path_search_order(tmp_path, monkeypatch):
+def test_demo_model_path_search_order(tmp_path, monkeypatch, engine_env):
     import engine.demo as demo
 
     shipped = ROOT / demo.REPO_DIR / demo.DEMO_FILE
-    monkeypatch.delenv(demo.ENV, raising=False)
+    engine_env({demo.ENV: None})
     assert demo.demo_model_path() == shipped  # a checkout finds the committed file
     fake = tmp_path / "other.gguf"
     fake.write_bytes(b"GGUF")
-    monkeypatch.setenv(demo.ENV, str(fake))
+    engine_env({demo.ENV: str(fake)})
     assert demo.demo_model_path() == fake  # the environment wins
-    monkeypatch.delenv(demo.ENV)
+    engine_env({demo.ENV: None})
     # An installed wheel: the data-files copy under the prefix.
     installed = tmp_path / demo.DATA_DIR / demo.DEMO_FILE
     installed.parent.mkdir(parents=True)
@@ -312,6 +312,6 @@ def test_sharpi_run_without_a_demo_model_says_so(monkeypatch, tmp_path, capsys):
     import engine.demo as demo
     from engine.cli.main import main
 
-    monkeypatch.setattr(demo, "candidate_paths", lambda: [tmp_path / "missing.gguf"])
+    monkeypatch.setattr(demo, "candidate_paths", lambda options=None: [tmp_path / "missing.gguf"])
     assert main(["run", "-p", "x", "-n", "1"]) != 0
     assert "no -m/--model given" in capsys.readouterr().err

@@ -41,10 +41,15 @@ def test_kv_narrowing_is_argmax_stable_and_really_applied(qwen3moe_path, kv_type
     assert 0 < delta < bound, delta
 
 
-def test_kv_type_from_environment(qwen3moe_path, monkeypatch):
-    monkeypatch.setenv("SHARPI_KV_DTYPE", "bf16")
+def test_kv_type_from_environment(qwen3moe_path):
+    from engine.api import LoadOptions, Session
+    from engine.config import EngineOptions
+
+    engine = EngineOptions.from_env({"SHARPI_KV_DTYPE": "bf16"})  # what the process environment would give
+    with Session.load(str(qwen3moe_path), LoadOptions(n_ctx=16, engine=engine)) as s:
+        assert s.kv_type == "bf16" and s.cache.storage_dtype() == torch.bfloat16
     with open_gguf(qwen3moe_path) as gf:
-        assert build_model(gf).new_cache(16).storage_dtype() == torch.bfloat16
+        assert build_model(gf).new_cache(16).storage_dtype() == torch.float32  # a bare cache: f32 unless told
 
 
 def test_q8_0_kv_needs_width_multiple_of_32(tmp_path):

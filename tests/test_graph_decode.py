@@ -1,6 +1,6 @@
 """The one-token decode step wholly on the device (engine.runtime.graph_decode).
 
-On the CPU simulated device ``SHARPI_CUDA_GRAPH=eager`` runs the graph's static step without
+On the CPU simulated device ``SHARPI_CUDA_GRAPH=eager`` (``EngineOptions.cuda_graph``) runs the graph's static step without
 capturing it: the same math a CUDA graph replays (K/V written at a device position, attention over
 a power-of-two bucket, routing and slot lookup on the device). It must give the existing eager
 path's logits, routes and profiler counts. The CUDA tests (skipped without a GPU) replay real
@@ -25,7 +25,7 @@ from engine.runtime import graph_decode
 from engine.runtime.graph_decode import GraphDecode
 from engine.synth.writer import write_model
 from tests.oracle import random_tokens
-from tests.triton_data import die_with_parent
+from tests.triton_data import die_with_parent, launch_table
 
 ARCHS = [
     ("qwen3moe", "qwen3moe", {}),
@@ -67,15 +67,18 @@ def _decode(s: Session, tokens) -> tuple[np.ndarray, list, dict]:
     return logits, routes, {"calls": st.calls, "hits": st.hits, "misses": st.misses}
 
 
-def _both(s: Session, placement, monkeypatch, tokens, mode: str = "eager", ref: str = "0"):
+def _graphs(s: Session, mode: str | None):
+    """The session's engine options with ``SHARPI_CUDA_GRAPH=mode`` (None: the default)."""
+    return s.engine_options.with_env({"SHARPI_CUDA_GRAPH": mode})
+
+
+def _both(s: Session, placement, tokens, mode: str = "eager", ref: str = "0"):
     """(reference, graph path) decodes of ``tokens`` under ``placement``: the reference is the
     eager path (``ref="0"``) or the static step uncaptured (``ref="eager"``)."""
-    monkeypatch.setenv(graph_decode.ENV_CUDA_GRAPH, ref)
-    s.apply(placement)
+    s.apply(placement, _graphs(s, ref))
     assert (s.model.decode_graph is None) == (ref == "0")
     eager = _decode(s, tokens)
-    monkeypatch.setenv(graph_decode.ENV_CUDA_GRAPH, mode)
-    s.apply(placement)
+    s.apply(placement, _graphs(s, mode))
     g = s.model.decode_graph
     assert isinstance(g, GraphDecode)
     static = _decode(s, tokens)
@@ -90,11 +93,11 @@ def _same_routes_and_counts(eager, static):
 
 
 @pytest.mark.parametrize("name", [a[0] for a in ARCHS])
-def test_static_step_matches_the_eager_path(paths, name, monkeypatch):
+def test_static_step_matches_the_eager_path(paths, name):
     tokens = random_tokens(N_TOKENS, 1024, seed=1)
     with Session.load(str(paths[name]), LoadOptions(n_ctx=CTX, device="cpu")) as s:
         ref = s.logits(tokens, batch=False)  # the CPU engine
-        eager, static, _ = _both(s, _whole(s), monkeypatch, tokens)
+        eager, static, _ = _both(s, _whole(s), tokens)
         assert np.abs(eager[0] - ref).max() <= 1e-5
         assert np.abs(static[0] - eager[0]).max() <= 1e-5, np.abs(static[0] - eager[0]).max()
         _same_routes_and_counts(eager, static)
@@ -118,7 +121,7 @@ def _off_graph(s: Session, moe: str, n_cpu_moe: int = 0):
 
 @pytest.mark.parametrize(("moe", "n_cpu_moe"), [("cpu", 0), ("cache", 0), ("resident", 1)])
 @pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "qwen2moe", "mixtral"])
-def test_step_with_experts_off_the_graph_matches_the_eager_path(paths, name, moe, n_cpu_moe, monkeypatch):
+def test_step_with_experts_off_the_graph_matches_the_eager_path(paths, name, moe, n_cpu_moe):
     """Routed experts outside the graph (on the CPU, or in the expert cache with misses on the CPU)
     cut the static step into segments at those MoE layers: the trunk runs in the segments, the
     experts through their backend between them. Same logits, routes and profiler counts (hits and
@@ -127,7 +130,7 @@ def test_step_with_experts_off_the_graph_matches_the_eager_path(paths, name, moe
     with Session.load(str(paths[name]), LoadOptions(n_ctx=CTX, device="cpu")) as s:
         ref = s.logits(tokens, batch=False)  # the plain CPU engine
         p = _off_graph(s, moe, n_cpu_moe)
-        eager, static, g = _both(s, p, monkeypatch, tokens)
+        eager, static, g = _both(s, p, tokens)
         assert np.abs(static[0] - ref).max() <= 1e-5, np.abs(static[0] - ref).max()
         L = s.args.n_layer
         host = L if moe != "resident" else n_cpu_moe
@@ -148,8 +151,8 @@ def test_a_capture_that_fails_mid_step_falls_back_to_the_same_logits(paths, monk
     tokens = random_tokens(N_TOKENS, 1024, seed=5)
     with Session.load(str(paths["qwen2moe"]), LoadOptions(n_ctx=CTX, device="cpu")) as s:
         p = _off_graph(s, "cpu")
-        eager, *_ = _both(s, p, monkeypatch, tokens)
-        s.apply(p)  # SHARPI_CUDA_GRAPH=eager (set by _both): the static step, here made to "capture"
+        eager, *_ = _both(s, p, tokens)
+        s.apply(p, _graphs(s, "eager"))  # the static step, here made to "capture"
         g = s.model.decode_graph
         g.capture, seen = True, []
 
@@ -179,17 +182,17 @@ def test_a_capture_that_fails_mid_step_falls_back_to_the_same_logits(paths, monk
 
 @pytest.mark.parametrize("kv_type", ["bf16", "q8_0"])
 @pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe"])
-def test_static_step_with_rounded_kv(paths, name, kv_type, monkeypatch):
+def test_static_step_with_rounded_kv(paths, name, kv_type):
     tokens = random_tokens(N_TOKENS, 1024, seed=2)
     with Session.load(str(paths[name]), LoadOptions(n_ctx=CTX, device="cpu")) as s:
-        eager, static, g = _both(s, _whole(s, kv_type), monkeypatch, tokens)
+        eager, static, g = _both(s, _whole(s, kv_type), tokens)
         assert g.cache.storage_dtype() == {"bf16": torch.bfloat16, "q8_0": torch.int8}[kv_type]
         assert np.abs(static[0] - eager[0]).max() <= 1e-5
         _same_routes_and_counts(eager, static)
 
 
-def test_context_full_and_dispatch(paths, monkeypatch):
-    monkeypatch.setenv(graph_decode.ENV_CUDA_GRAPH, "eager")
+def test_context_full_and_dispatch(paths, engine_env):
+    engine_env({"SHARPI_CUDA_GRAPH": "eager"})
     with Session.load(str(paths["qwen3moe"]), LoadOptions(n_ctx=CTX, device="cpu")) as s:
         whole = _whole(s)
         s.apply(whole)
@@ -216,11 +219,9 @@ def test_context_full_and_dispatch(paths, monkeypatch):
             s.apply(s.plan(PlanRequest(ctx=CTX, **req), DeviceProfile(vram_bytes=1 << 30, reserve_bytes=0)))
             g = s.model.decode_graph
             assert (g is None) if n_seg is None else len(g.segments) == n_seg, req
-        monkeypatch.setenv(graph_decode.ENV_CUDA_GRAPH, "0")
-        s.apply(whole)
+        s.apply(whole, _graphs(s, "0"))
         assert s.model.decode_graph is None
-        monkeypatch.delenv(graph_decode.ENV_CUDA_GRAPH)
-        s.apply(whole)
+        s.apply(whole, _graphs(s, None))
         assert s.model.decode_graph is None  # the default captures on CUDA only
 
 
@@ -248,7 +249,7 @@ def test_attention_static_masks_past_the_position():
 
 ROUTE_SCRIPT = r"""
 import sys, numpy as np, torch
-from engine.runtime import step_kernels as sk, triton_q8 as t8
+from engine.runtime import references as refs, step_kernels as sk
 dev = sys.argv[1]
 rng = np.random.default_rng(0)
 for E, k in ((8, 2), (60, 4), (128, 8)):
@@ -258,7 +259,7 @@ for E, k in ((8, 2), (60, 4), (128, 8)):
             logits = torch.from_numpy(rng.standard_normal((1, E)).astype(np.float32) * 3).to(dev)
             ids_a, ids_b = (torch.full((1, k), -1, dtype=torch.int64, device=dev) for _ in range(2))
             w_a, off_a = sk.route(logits, k, renorm, table, ids_a)
-            w_b, off_b = sk.route_reference(logits, k, renorm, table, ids_b)
+            w_b, off_b = refs.route_reference(logits, k, renorm, table, ids_b)
             assert torch.equal(ids_a, ids_b) and torch.equal(off_a, off_b), (E, k, ids_a, ids_b)
             assert torch.allclose(w_a, w_b, rtol=1e-5, atol=1e-7), (E, k, w_a, w_b)
 print("ok")
@@ -316,7 +317,7 @@ def test_fused_attention_matches_torch(device):
 ROPE_SCRIPT = r"""
 import sys, numpy as np, torch
 from engine.models.layers import rope_tables, rope_theta
-from engine.runtime import step_kernels as sk, triton_q8 as t8
+from engine.runtime import references as refs, step_kernels as sk, triton_q8 as t8
 dev = sys.argv[1]
 rng = np.random.default_rng(0)
 t = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(dev)
@@ -330,7 +331,7 @@ for H, Hkv, hd, rd, neox, norm, kv in ((8, 2, 64, 64, True, True, torch.float32)
     caches = [torch.zeros(20, Hkv * hd, dtype=kv, device=dev) for _ in range(4)]
     args = (1e-6, C[13:14], S[13:14], perm, pos)
     qa = sk.qk_rope_kv(q, k, v, qn, kn, *args, caches[0], caches[1], H, Hkv, hd)
-    qb = sk.qk_rope_kv_reference(q, k, v, qn, kn, *args, caches[2], caches[3], H, Hkv, hd)
+    qb = refs.qk_rope_kv_reference(q, k, v, qn, kn, *args, caches[2], caches[3], H, Hkv, hd)
     assert torch.allclose(qa, qb, rtol=1e-5, atol=1e-5), (H, hd, (qa - qb).abs().max())
     assert torch.equal(caches[1], caches[3]), "v"
     err = (caches[0].float() - caches[2].float()).abs().max().item()
@@ -339,15 +340,15 @@ for H, Hkv, hd, rd, neox, norm, kv in ((8, 2, 64, 64, True, True, torch.float32)
 for D in (100, 256, 2048):
     x, y, w = t(1, D), t(1, D), t(D)
     for yy in (y, None):
-        (xa, ha), (xb, hb) = sk.add_rms_norm(x, yy, w, 1e-6), sk.add_rms_norm_reference(x, yy, w, 1e-6)
+        (xa, ha), (xb, hb) = sk.add_rms_norm(x, yy, w, 1e-6), refs.add_rms_norm_reference(x, yy, w, 1e-6)
         assert torch.equal(xa, xb) and torch.allclose(ha, hb, rtol=1e-5, atol=1e-6), (D, (ha - hb).abs().max())
         if D % 32 == 0:  # the q8 copy: bit for bit quantize_act of the kernel's own h, and its specification
             xq, hq, q8 = sk.add_rms_norm(x, yy, w, 1e-6, q8=True)
             assert torch.equal(xq, xa) and torch.equal(hq, ha)
             assert all(torch.equal(a, b) for a, b in zip(q8, t8.quantize_act(ha))), D
-            q, d, s = t8.quantize_act_reference(ha)
+            q, d, s = refs.quantize_act_reference(ha)
             assert torch.equal(t8.unpack_words(q8[0]), q) and torch.equal(q8[1], d) and torch.equal(q8[2], s), D
-            spec, (q, d, s) = sk.add_rms_norm_reference(x, yy, w, 1e-6, q8=True)[2], t8.quantize_act_reference(hb)
+            spec, (q, d, s) = refs.add_rms_norm_reference(x, yy, w, 1e-6, q8=True)[2], refs.quantize_act_reference(hb)
             assert torch.equal(t8.unpack_words(spec[0]), q) and torch.equal(spec[1], d) and torch.equal(spec[2], s), D
 print("ok")
 """
@@ -362,11 +363,9 @@ for path in sys.argv[1:]:
   for kv in ("f32", "bf16"):
     with Session.load(path, LoadOptions(n_ctx=64, device="cpu")) as s:
         placement = _whole(s, kv)
-        os.environ["SHARPI_CUDA_GRAPH"] = "0"
-        s.apply(placement)
+        s.apply(placement, s.engine_options.with_env({"SHARPI_CUDA_GRAPH": "0"}))
         ref = s.logits(tokens, batch=False)
-        os.environ["SHARPI_CUDA_GRAPH"] = "eager"
-        s.apply(placement)
+        s.apply(placement, s.engine_options.with_env({"SHARPI_CUDA_GRAPH": "eager"}))
         g = s.model.decode_graph
         assert g._rope_kv is not None
         got = s.logits(tokens, batch=False)
@@ -378,8 +377,8 @@ print("ok")
 """
 
 
-def _script(script: str, *args: str, interpret: bool) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
+def _script(script: str, *args: str, interpret: bool, env: dict | None = None) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0", **(env or {}))
     out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
                          timeout=300, check=False, preexec_fn=die_with_parent)  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
@@ -412,26 +411,24 @@ def test_buckets():
 
 
 NORM_Q8_SCRIPT = r"""
-import os, sys, numpy as np
+import sys, numpy as np
+from engine import config
 from engine.api import LoadOptions, Session
 from engine.models.blocks import Attention, MoE
-from engine.runtime import triton_gemv as tg, triton_q8 as t8
+from engine.runtime import triton_q8 as t8
 from engine.runtime.device import DeviceLinear
 from tests.oracle import random_tokens
 from tests.test_graph_decode import _whole
 tokens = random_tokens(3, 1024, seed=2)
-# the interpreter runs programs one by one: fewer, larger tiles keep it quick
-tg.LAUNCH[""] = {"moe_q4k_gate_up:*:*": {"BR": 64, "num_warps": 4}, "moe_q4k_down:*:*": {"BR": 64, "num_warps": 4},
-                 "gemv_q4k:*:*": {"BR": 64, "num_warps": 4}}
 calls = [0]
 quantize = t8.quantize_act
 def counting(X, *a):
     calls[0] += 1
     return quantize(X, *a)
 t8.quantize_act = counting
-os.environ["SHARPI_CUDA_GRAPH"] = "eager"
-os.environ["SHARPI_DEVICE_ACT"] = "q8"  # as inside a capture: the lean Q4_K kernels on q8 activations
-with Session.load(sys.argv[1], LoadOptions(n_ctx=64, device="cpu")) as s:
+# the static step, uncaptured; q8 as inside a capture: the lean Q4_K kernels on q8 activations
+opts = config.current().with_env({"SHARPI_CUDA_GRAPH": "eager", "SHARPI_DEVICE_ACT": "q8"})
+with Session.load(sys.argv[1], LoadOptions(n_ctx=64, device="cpu", engine=opts)) as s:
     s.apply(_whole(s))
     moes = [layer.ffn for layer in s.model.layers if isinstance(layer.ffn, MoE)]
     assert moes and all(m.wants_q8_input() for m in moes)
@@ -464,25 +461,28 @@ def test_q8_inputs_come_from_the_norm_kernels(tmp_path):
     over = {"*_exps*": "Q4_K", "*attn_q.weight": "Q4_K", "*attn_k.weight": "Q4_K", "*attn_v.weight": "Q4_K",
             "*attn_output.weight": "Q4_K"}  # fmt: skip
     path = write_model(tmp_path / "q4k.gguf", "qwen3moe", seed=5, weight_type="F32", type_overrides=over, **geo).path
-    _script(NORM_Q8_SCRIPT, str(path), interpret=True)
+    # the interpreter runs programs one by one: fewer, larger tiles keep it quick
+    tiles = {"moe_q4k_gate_up:*:*": {"BR": 64, "num_warps": 4}, "moe_q4k_down:*:*": {"BR": 64, "num_warps": 4},
+             "gemv_q4k:*:*": {"BR": 64, "num_warps": 4}}  # fmt: skip
+    _script(NORM_Q8_SCRIPT, str(path), interpret=True, env=launch_table(tmp_path, tiles))
 
 
 # -- CUDA: real graphs ------------------------------------------------------------------------------
 @pytest.mark.cuda
 @CUDA
 @pytest.mark.parametrize(("weights", "act"), [("F32", "f32"), ("Q4_K", "f32"), ("Q4_K", "q8")])
-def test_graph_replay_matches_eager_decode(tmp_path, weights, act, monkeypatch):
+def test_graph_replay_matches_eager_decode(tmp_path, weights, act, engine_env):
     """Graph replays over 24 positions (buckets 16 and 32) against the eager path with the exact-float
     Triton kernels; with q8 activations (rounding flips on tiny differences) against the same static
     step run uncaptured, which must agree to float noise."""
-    monkeypatch.setenv("SHARPI_DEVICE_ACT", act)
+    engine_env({"SHARPI_DEVICE_ACT": act})
     geo = dict(layers=3, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8, experts_used=2, expert_ff=256)
     over = {"*ffn_down*": "Q6_K"} if weights != "F32" else None
     path = write_model(tmp_path / "m.gguf", "qwen3moe", seed=4, weight_type=weights, type_overrides=over, **geo).path
     tokens = random_tokens(24, 1024, seed=8)  # positions 0..23: buckets 16 and 32
     with Session.load(str(path), LoadOptions(n_ctx=CTX, device="cuda", q8_act=False)) as s:
         ref = "0" if act == "f32" else "eager"
-        eager, graph, g = _both(s, _whole(s), monkeypatch, tokens, mode="1", ref=ref)
+        eager, graph, g = _both(s, _whole(s), tokens, mode="1", ref=ref)
         assert g.capture and g.replays == len(tokens) and sorted(g.graphs) == [16, 32]  # as positions need them
         assert all(len(v) == 1 for v in g.graphs.values())  # one segment: everything on the device
         scale = max(1.0, float(np.abs(eager[0]).max()))
@@ -497,18 +497,18 @@ def test_graph_replay_matches_eager_decode(tmp_path, weights, act, monkeypatch):
 @pytest.mark.cuda
 @CUDA
 @pytest.mark.parametrize("moe", ["cpu", "cache"])
-def test_segment_replays_with_experts_on_the_host_match_eager_decode(tmp_path, moe, monkeypatch):
+def test_segment_replays_with_experts_on_the_host_match_eager_decode(tmp_path, moe, engine_env):
     """The 12 GiB-card placements on a real GPU: the trunk between two MoE layers as one graph replay,
     the routed experts on the CPU between replays, or the expert cache's hits inside the replays (the
     fused kernels skipping the misses) and its misses on the CPU between them — against the eager path
     over two buckets, with the Triton kernels; routes and cache counts equal."""
-    monkeypatch.setenv("SHARPI_DEVICE_ACT", "f32")
+    engine_env({"SHARPI_DEVICE_ACT": "f32"})
     geo = dict(layers=3, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8, experts_used=2, expert_ff=256)
     path = write_model(tmp_path / "m.gguf", "qwen3moe", seed=4, weight_type="Q4_K", type_overrides={"*ffn_down*": "Q6_K"},
                        **geo).path  # fmt: skip
     tokens = random_tokens(24, 1024, seed=8)
     with Session.load(str(path), LoadOptions(n_ctx=CTX, device="cuda", q8_act=False)) as s:
-        eager, graph, g = _both(s, _off_graph(s, moe), monkeypatch, tokens, mode="1")
+        eager, graph, g = _both(s, _off_graph(s, moe), tokens, mode="1")
         L = s.args.n_layer
         assert g.capture and g.replays == len(tokens) and sorted(g.graphs) == [16, 32]
         assert all(len(v) == L + 1 for v in g.graphs.values())  # a segment per MoE layer, and the output's
@@ -558,7 +558,7 @@ def test_bench_bound_of_a_hybrid_placement_splits_host_and_device_bytes(paths):
         assert hybrid_bound_tok_s({"host": 2e9, "device": 3e9}, 100, 3000) == pytest.approx(1 / 0.021)
 
 
-def test_the_warm_up_before_a_capture_launches_what_the_capture_records(monkeypatch):
+def test_the_warm_up_before_a_capture_launches_what_the_capture_records(monkeypatch, engine_env):
     """GraphDecode warms a bucket up eagerly before capturing it; that warm-up must run under
     triton_qblocks.graph_warmup, so it picks the kernel variants the capture records (PDL, q8
     activations) and nothing is compiled while the stream captures. Checked with torch's CUDA stream
@@ -566,11 +566,10 @@ def test_the_warm_up_before_a_capture_launches_what_the_capture_records(monkeypa
     import contextlib
 
     from engine.quant.formats import QType
-    from engine.runtime import triton_moe as tm
+    from engine.runtime import kernel_select as ks
     from engine.runtime import triton_qblocks as qb
 
-    monkeypatch.delenv("SHARPI_DEVICE_ACT", raising=False)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    engine_env({"SHARPI_DEVICE_ACT": None, "TRITON_INTERPRET": None})
     capturing = {"now": False}
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
     monkeypatch.setattr(qb, "_gdc_compiled", lambda: True)
@@ -604,8 +603,8 @@ def test_the_warm_up_before_a_capture_launches_what_the_capture_records(monkeypa
         device, _pool, _side, graphs = cuda, None, None, {}
 
         def _segment(self, length, s):
-            seen.append((qb.pdl(cuda), tm.decode_act(cuda, True, q4k), capturing["now"]))
+            seen.append((qb.pdl(cuda), ks.moe_act(cuda, True, q4k), capturing["now"]))
 
     GraphDecode._capture(Stub(), 16)
     assert seen == [(1, "q8", False), (1, "q8", True)]  # the warm-up (not capturing) launches as the capture
-    assert (qb.pdl(cuda), tm.decode_act(cuda, True, q4k)) == (0, "f32")  # plain eager launches after it
+    assert (qb.pdl(cuda), ks.moe_act(cuda, True, q4k)) == (0, "f32")  # plain eager launches after it

@@ -13,28 +13,28 @@ pytest.importorskip("triton")
 from engine.runtime import triton_qblocks as qb  # noqa: E402
 
 
-def test_pdl_is_off_without_a_captured_cuda_stream(monkeypatch):
+def test_pdl_is_off_without_a_captured_cuda_stream(engine_env):
     assert qb.pdl(torch.device("cpu")) == 0
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    engine_env({"TRITON_INTERPRET": "1"})
     assert qb.pdl(torch.device("cuda", 0)) == 0  # the interpreter has no grid dependency control
     assert qb.launch_kw(0) == {}
     assert qb.launch_kw(1) == {"launch_pdl": True}
 
 
-def test_prefetch_follows_pdl_unless_turned_off(monkeypatch):
-    monkeypatch.delenv(qb.ENV_PREFETCH, raising=False)
+def test_prefetch_follows_pdl_unless_turned_off(engine_env):
+    engine_env({"SHARPI_PDL_PREFETCH": None})
     assert (qb.prefetch(0), qb.prefetch(1)) == (0, 1)
-    monkeypatch.setenv(qb.ENV_PREFETCH, "0")
+    engine_env({"SHARPI_PDL_PREFETCH": "0"})
     assert qb.prefetch(1) == 0
 
 
-def test_pdl_is_off_outside_graph_capture_and_when_disabled(monkeypatch):
+def test_pdl_is_off_outside_graph_capture_and_when_disabled(engine_env):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    engine_env({"TRITON_INTERPRET": None})
     dev = torch.device("cuda", 0)
     assert qb.pdl(dev) == 0  # eager launches: never
-    monkeypatch.setenv(qb.ENV_PDL, "0")
+    engine_env({"SHARPI_PDL": "0"})
     g = torch.cuda.CUDAGraph()
     x = torch.zeros(1, device=dev)
     with torch.cuda.graph(g):

@@ -16,6 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.cli.main import main
+from engine.config import EngineOptions
+from engine.errors import UsageError
 from engine.gguf import open_gguf
 from engine.models import qwen3moe
 from engine.plan import DeviceProfile, ModelSpec, PlanError, PlanRequest, format_size, plan, resolve_moe
@@ -263,7 +265,9 @@ def test_overrides_win(geo, flags, env, vram, want):
     g = geo(QWEN3)
     auto = _plan(g.spec, vram, overheads=False, ctx=32768, kv_type="q8_0")  # bytes only: auto differs
     assert auto.moe_mode != want or want == "resident"
-    mode, source = resolve_moe(flags.get("moe", "auto"), flags.get("cpu_moe", False), env)
+    mode, source = resolve_moe(
+        flags.get("moe", "auto"), flags.get("cpu_moe", False), EngineOptions.from_env(env).cpu_moe
+    )
     p = _plan(g.spec, vram, ctx=32768, kv_type="q8_0", moe=mode, moe_source=source)
     assert p.moe_mode == want and source in p.moe_reason
     assert p.expert_slots_allocated == {"cpu": 0, "cache": p.expert_slots, "resident": p.expert_slots_needed}[want]
@@ -279,9 +283,9 @@ def test_impossible_overrides(geo):
     p = _plan(g.spec, 100 * MiB, ctx=4096, moe="cache", moe_source="SHARPI_CPU_MOE=0")
     assert p.moe_mode == "cpu" and "SHARPI_CPU_MOE=0" in p.moe_reason
     with pytest.raises(PlanError, match="contradicts"):
-        resolve_moe("cache", True, {})
-    with pytest.raises(PlanError, match="must be 0 or 1"):
-        resolve_moe("auto", False, {"SHARPI_CPU_MOE": "yes"})
+        resolve_moe("cache", True, None)
+    with pytest.raises(UsageError, match="SHARPI_CPU_MOE must be 0 or 1"):
+        EngineOptions.from_env({"SHARPI_CPU_MOE": "yes"})
 
 
 def test_n_cpu_moe_keeps_first_layers_experts_on_cpu(geo):
@@ -337,9 +341,8 @@ def test_plan_is_pure(geo, monkeypatch):
     assert all(plan(g.spec, prof, req) == first for _ in range(3))
 
 
-def test_cli_summary_and_json(geo, capsys, monkeypatch):
-    monkeypatch.delenv("SHARPI_CPU_MOE", raising=False)
-    monkeypatch.delenv("SHARPI_KV_DTYPE", raising=False)
+def test_cli_summary_and_json(geo, capsys, engine_env):
+    engine_env({"SHARPI_CPU_MOE": None, "SHARPI_KV_DTYPE": None})
     path = geo("olmoe-1b-7b").path  # a small vocabulary: quick to open
     assert main(["plan", "-m", path, "--vram", "2.5GiB", "-c", "4096", "--kv-type", "q8_0", "-g", "-1"]) == 0
     out = capsys.readouterr().out
@@ -348,8 +351,7 @@ def test_cli_summary_and_json(geo, capsys, monkeypatch):
     assert main(["plan", "-m", path, "--vram", "2.5GiB", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["n_gpu_layers"] == 16 and d["kv_type"] == "f32" and d["moe_mode"] in ("cpu", "cache")
-    monkeypatch.setenv("SHARPI_CPU_MOE", "1")
-    monkeypatch.setenv("SHARPI_KV_DTYPE", "q8_0")
+    engine_env({"SHARPI_CPU_MOE": "1", "SHARPI_KV_DTYPE": "q8_0"})
     assert main(["plan", "-m", path, "--vram", "2.5GiB", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["moe_mode"] == "cpu" and d["moe_source"] == "SHARPI_CPU_MOE=1" and d["kv_type"] == "q8_0"

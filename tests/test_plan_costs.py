@@ -167,10 +167,11 @@ def test_describe_profile_marks_measured_fields():
     assert profile_source(p) == "partly measured" and profile_source(DeviceProfile()) == "defaults"
 
 
-def test_graph_steps_only_where_the_runtime_captures_them(monkeypatch):
+def test_graph_steps_only_where_the_runtime_captures_them():
     """graph_layer_us is charged for every device layer when every layer's trunk is on the device
     (experts resident run inside the graph; experts on the CPU or in the cache cut it into segments and
-    keep their round trips), and not at all when $SHARPI_CUDA_GRAPH turns the graphs off."""
+    keep their round trips), and not at all when $SHARPI_CUDA_GRAPH turns the graphs off (the caller
+    says so: ``graphs=False``; ``PlanRequest.cuda_graphs``, which Session fills from its options)."""
     from engine.plan.costmodel import graph_step
 
     spec = _spec(4)
@@ -188,7 +189,12 @@ def test_graph_steps_only_where_the_runtime_captures_them(monkeypatch):
         assert q.overhead_counts["graph_layer_us"] == 4 and q.overhead_counts["device_layer_us"] == 0
         assert q.overhead_counts["cpu_experts_layer_us"] > 0  # the round trips between segments stay
     assert q.overhead_counts["cpu_experts_layer_us"] == 4 and q.seconds > p.seconds
-    monkeypatch.setenv("SHARPI_CUDA_GRAPH", "0")
-    off = predict(spec, prof, mode="resident", n_gpu_layers=4, expert_slots=32, **kw)
+    off = predict(spec, prof, mode="resident", n_gpu_layers=4, expert_slots=32, graphs=False, **kw)
     assert off.overhead_counts["graph_layer_us"] == 0 and off.overhead_counts["device_layer_us"] == 4
     assert off.seconds > p.seconds  # the defaults price a graph layer below a Python-driven one
+    # the planner: PlanRequest.cuda_graphs (None: with graphs, as the runtime's default)
+    req = PlanRequest(ctx=64, kv_type="f32", n_gpu_layers=4, moe="resident", position=50)
+    roomy = replace(prof, vram_bytes=1 << 40)
+    for graphs, counted in ((None, 4), (True, 4), (False, 0)):
+        got = plan(spec, roomy, replace(req, cuda_graphs=graphs)).predictions["resident"]
+        assert got.overhead_counts["graph_layer_us"] == counted, graphs

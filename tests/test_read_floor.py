@@ -51,6 +51,7 @@ def test_the_tuner_sweeps_the_kernels_each_type_runs():
     knobs as the default launch table's entry for that key, and at the shape class the workloads use."""
     from engine.bench import device_kernels as dk
     from engine.quant.formats import QType
+    from engine.runtime import kernel_select as ks
     from engine.runtime import triton_gemv as tg
 
     rows = {"gemv_q4k": (4096, 512), "gemv_q8": (4096, 512, 4096 + 1024), "moe_q4k_gate_up": (dk.F * dk.KE,),
@@ -62,7 +63,7 @@ def test_the_tuner_sweeps_the_kernels_each_type_runs():
                            {"gemv_q8", "moe_q8_gate_up", "moe_q8_down"}), (q, kernels)  # fmt: skip
         for key in keys:
             kernel, _, cls = key.split(":")
-            assert cls in {tg.shape_class(r) for r in rows[kernel]}, key
-            default = tg.launch(kernel, QType(q), next(r for r in rows[kernel] if tg.shape_class(r) == cls))
+            assert cls in {ks.shape_class(r) for r in rows[kernel]}, key
+            default = ks.launch(kernel, QType(q), next(r for r in rows[kernel] if ks.shape_class(r) == cls))
             cands = dk._candidates(kernel, QType(q), cls)
             assert cands and all(set(c) == set(default) for c in cands), (key, default, cands[0])

@@ -132,12 +132,14 @@ def test_small_cache_evicts_and_stays_correct(paths, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("threshold", [0, 1, 3])
-def test_prompt_uploads_its_experts_and_stays_correct(paths, device, threshold, monkeypatch):
+def test_prompt_uploads_its_experts_and_stays_correct(paths, device, threshold, monkeypatch, engine_env):
     """A prompt's missed experts with ≥ SHARPI_PROMPT_UPLOAD_MIN of its tokens are uploaded before the
     layer runs and computed on the device; the rest run on the CPU (0: all of them); same logits."""
+    from engine.config import EngineOptions
+    from engine.errors import UsageError
     from engine.runtime.expert_cache import CachedExperts, prompt_upload_threshold
 
-    monkeypatch.setenv("SHARPI_PROMPT_UPLOAD_MIN", str(threshold))
+    engine_env({"SHARPI_PROMPT_UPLOAD_MIN": str(threshold)})
     host_pairs = []
     real = CachedExperts._host_outputs
 
@@ -163,10 +165,11 @@ def test_prompt_uploads_its_experts_and_stays_correct(paths, device, threshold, 
         else:  # experts with 1–2 of the prompt's tokens on the CPU, the others on the device
             rare = int(((routes.calls > 0) & (routes.calls < threshold)).sum())
             assert rare > 0 and 0 < sum(host_pairs) < len(tokens) * L * K
+    assert prompt_upload_threshold() == threshold
+    assert prompt_upload_threshold(EngineOptions()) == 16  # unset: expert_cache.PROMPT_UPLOAD_MIN
     for bad in ("many", "-1"):
-        monkeypatch.setenv("SHARPI_PROMPT_UPLOAD_MIN", bad)
-        with pytest.raises(ValueError, match="SHARPI_PROMPT_UPLOAD_MIN"):
-            prompt_upload_threshold()
+        with pytest.raises(UsageError, match="SHARPI_PROMPT_UPLOAD_MIN"):
+            EngineOptions.from_env({"SHARPI_PROMPT_UPLOAD_MIN": bad})
 
 
 def test_host_copy_in_slices_equals_the_source():

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 SCRIPT = r"""
 import sys, numpy as np, torch
 from engine.quant import QType
-from engine.runtime import triton_gemv as tg
+from engine.runtime import references as refs, triton_gemv as tg
 dev, big = sys.argv[1], sys.argv[2] == "big"
 rng = np.random.default_rng(0)
 
@@ -35,14 +35,14 @@ for name in ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
         rb = raw.shape[1]
         X = torch.from_numpy(rng.standard_normal((3, n)).astype(np.float32)).to(dev)
         offs = torch.tensor([0, rows * rb, 0], dtype=torch.int64, device=dev)  # matrix 0, 1, 0
-        ref = tg.gemv_reference(pool, offs, X, q, rows, n)
-        for cfg in configs + (None,):  # None: the LAUNCH table's settings
+        ref = refs.gemv_reference(pool, offs, X, q, rows, n)
+        for cfg in configs + (None,):  # None: the launch tables' settings (kernel_select)
             Y = tg.gemv(pool, offs, X, q, rows, n, cfg, act="f32")
             err = ((Y - ref).norm() / ref.norm()).item()
             assert err < 1e-5, (name, rows, n, cfg, err)
         X3 = X[:3] if not big else torch.from_numpy(rng.standard_normal((7, n)).astype(np.float32)).to(dev)
         Y = tg.matmul(pool[: rows * rb].view(rows, rb), X3, q, rows, n, configs[1], act="f32")
-        ref = tg.gemv_reference(pool, torch.zeros(len(X3), dtype=torch.int64, device=dev), X3, q, rows, n)
+        ref = refs.gemv_reference(pool, torch.zeros(len(X3), dtype=torch.int64, device=dev), X3, q, rows, n)
         err = ((Y - ref).norm() / ref.norm()).item()
         assert err < 1e-5, (name, rows, n, "matmul", err)
         print(name, rows, n, f"{err:.1e}", flush=True)

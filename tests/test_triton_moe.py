@@ -9,19 +9,17 @@ import os
 
 import pytest
 
-from tests.triton_data import run_script
+from tests.triton_data import launch_table, run_script
 
 pytest.importorskip("triton")
 
 KERNELS = r"""
 import sys, numpy as np, torch
 from engine.quant import QType
-from engine.runtime import triton_moe as tm, triton_gemv as tg
-from engine.runtime.tdequant import dequantize
+from engine.runtime import references as refs, triton_moe as tm
+from engine.runtime.references import dequantize
 dev, big = sys.argv[1], sys.argv[2] == "big"
 rng = np.random.default_rng(1)
-if dev == "cpu":  # the interpreter runs programs one by one: fewer, larger tiles keep it quick
-    tg.LAUNCH[""] = {"moe_gate_up:*:*": {"BR": 16, "NB": 4, "num_warps": 4}}
 
 from tests.triton_data import blocks, expert_pool, routing_case
 
@@ -36,7 +34,7 @@ for types, F, D in cases:
     pool, stride, roles = expert_pool(types, F, D, E, dev, rng)
     for T in ((1, 3) if not big else (1, 4, 40)):
         slot_off, x, w = routing_case(T, K, E, D, stride, dev, rng)
-        ref = tm.moe_decode_reference(pool, slot_off, x, w, roles)
+        ref = refs.moe_decode_reference(pool, slot_off, x, w, roles)
         errs = []
         decode = lambda *a: tm.moe_decode(*a, act="f32")  # the q8 kernels: tests/test_triton_q8.py
         for fn in ((decode, tm.moe_prefill) if T <= 8 else (tm.moe_prefill,)):
@@ -92,8 +90,13 @@ def _cuda():
         pytest.skip("no CUDA")
 
 
-def test_moe_kernels_match_reference_in_the_interpreter():
-    assert run_script(KERNELS, ["cpu", "small"], dict(os.environ, TRITON_INTERPRET="1")).strip().endswith("ok")
+# The interpreter runs programs one by one: fewer, larger tiles keep it quick.
+INTERPRETER_LAUNCH = {"moe_gate_up:*:*": {"BR": 16, "NB": 4, "num_warps": 4}}
+
+
+def test_moe_kernels_match_reference_in_the_interpreter(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", **launch_table(tmp_path, INTERPRETER_LAUNCH))
+    assert run_script(KERNELS, ["cpu", "small"], env).strip().endswith("ok")
 
 
 @pytest.mark.cuda

@@ -77,3 +77,15 @@ def routing_case(T: int, K: int, E: int, D: int, stride: int, dev, gen: np.rando
     x = torch.from_numpy(gen.standard_normal((T, D)).astype(np.float32)).to(dev)
     w = torch.from_numpy(gen.random((T, K)).astype(np.float32)).to(dev)
     return slot_off, x, w
+
+
+def launch_table(directory, table: dict) -> dict:
+    """``{"SHARPI_LAUNCH_TABLE": path}`` of ``table`` ({"<kernel>:<qtype>:<class>": settings}) written as
+    JSON under ``directory``: for a child interpreter's environment, whose launches then take these
+    settings before the packaged tables' (engine.config, engine/runtime/launch/README.md)."""
+    import json
+    from pathlib import Path
+
+    path = Path(directory) / "launch_table.json"
+    path.write_text(json.dumps(table))
+    return {"SHARPI_LAUNCH_TABLE": str(path)}

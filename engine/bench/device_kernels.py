@@ -16,30 +16,30 @@ The main columns time the kernels a default session runs (:func:`default_act`: t
 q8 activations where the lean all-Q4_K kernels apply, exact float elsewhere) as a decode step's CUDA
 graph runs them: with programmatic dependent launch on a GPU that has it (``triton_qblocks.pdl``), so
 each call starts launching and prefetching its weights while the previous one runs. Beside them: the
-same kernels with PDL off (``SHARPI_PDL=0``), the exact-float and the integer q8-activation kernels,
+same kernels with PDL off (``SHARPI_PDL=0``: ``engine.config.overriding(pdl=False)``), the exact-float and the integer q8-activation kernels,
 the copy floor and the read floor (:mod:`engine.bench.read_floor`: the same launches reading the same
 bytes and nothing else — no kernel over those bytes can pass it).
 
 Times are CUDA-event medians over replays of a CUDA graph holding one call per distinct weight set
 (device time, launch gaps closed), and over the same calls launched eagerly (what Python adds).
 Random blocks get the fixed, realistic scale fields of ``engine.synth.fill``.
-``tune`` sweeps launch settings per (kernel, qtype, shape class) and returns the best of each.
+``tune`` sweeps launch settings per (kernel, qtype, shape class) and returns the best of each (a launch
+table: ``engine/runtime/launch/README.md``).
 """
 
 from __future__ import annotations
 
 import math
-import os
-from unittest import mock
 
 import numpy as np
 import torch
 
+from engine import config
 from engine.bench import read_floor
 from engine.quant.formats import QType, block_format
-from engine.runtime import triton_gemv, triton_moe, triton_q4k_gemv, triton_q4k_moe, triton_q8
+from engine.runtime import kernel_select, triton_gemv, triton_moe, triton_q4k_gemv, triton_q4k_moe, triton_q8
 from engine.runtime import triton_qblocks as qb
-from engine.runtime.tdequant import dequantize
+from engine.runtime.references import dequantize
 
 GB = 1e9
 F, D, KE = 768, 2048, 8  # expert width, hidden, experts per token
@@ -242,21 +242,20 @@ def launch_bytes(qtype: QType, wl: str) -> list[int]:
 
 
 def _without_pdl(fn):
-    """fn() with programmatic dependent launch off (``$SHARPI_PDL=0``)."""
-    with mock.patch.dict(os.environ, {qb.ENV_PDL: "0"}):
+    """fn() with programmatic dependent launch off (``SHARPI_PDL=0``)."""
+    with config.overriding(pdl=False):
         return fn()
 
 
 def default_act(qtype: QType, wl: str) -> str:
     """The activation mode a default session (``q8_act``: activations rounded like llama.cpp) runs a
-    workload with in a decode step's CUDA graph on this GPU: the routed experts per
-    ``triton_moe.decode_act`` for a captured launch, trunk matrices exact float
-    (``triton_gemv.act_mode``)."""
+    workload with in a decode step's CUDA graph on this GPU: ``kernel_select.moe_act`` / ``trunk_act`` for a
+    captured step."""
     dev = torch.device("cuda", torch.cuda.current_device())
     if wl == "moe":
         roles = {"gate": (0, qtype, F, D), "up": (0, qtype, F, D), "down": (0, qtype, D, F)}
-        return triton_moe.decode_act(dev, True, roles, capturing=True)
-    return triton_gemv.trunk_act(dev, True, qtype, (TRUNK.get(wl) or QKV[0])[1], capturing=True)
+        return kernel_select.moe_act(dev, True, roles, kernel_select.CAPTURED)
+    return kernel_select.trunk_act(dev, True, qtype, (TRUNK.get(wl) or QKV[0])[1], kernel_select.CAPTURED)
 
 
 def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS, extra: bool = True) -> dict:
@@ -271,7 +270,7 @@ def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS, extra: bool = True) ->
         "pdl": qb.pdl_supported(),
         "types": {},
         "triton": qb.triton.__version__,
-        "triton_table": triton_gemv.triton_table_version(),
+        "triton_table": kernel_select.triton_table_version(),
     }
     for q in types:
         q = QType(q)
@@ -304,7 +303,7 @@ def report_lines(rep: dict) -> list[str]:
     lines = [f"{rep['device']}: measured copy bandwidth {rep['bandwidth_gb_s']:.0f} GB/s (read + write)"]
     if "triton" in rep:
         t = rep["triton_table"]
-        table = f"triton_gemv.LAUNCH_BY_TRITON[{t[0]}.{t[1]}], then " if t else ""
+        table = f"launch/triton={t[0]}.{t[1]}.json, then " if t else ""
         lines.append(f"Triton {rep['triton']}: launch settings from the GPU's table, then {table}the defaults")
     lines.append(
         "graph us: the kernels a default session runs (act: q8 = activations rounded like llama.cpp, integer "
@@ -365,7 +364,7 @@ def _candidates(kernel: str, qtype: QType, cls: str) -> list[dict]:
 
 
 def _tune_targets(qtype: QType) -> list[tuple[str, callable]]:
-    """(LAUNCH key, timing function) per tuned kernel: for Q4_K the kernels q8 mode runs it with at one
+    """(launch-table key, timing function) per tuned kernel: for Q4_K the kernels q8 mode runs it with at one
     token (triton_q4k_gemv, triton_q4k_moe), for the other types the general q8 kernels."""
     name = qtype.name
     if qtype == QType.Q4_K:
@@ -385,11 +384,12 @@ def _tune_targets(qtype: QType) -> list[tuple[str, callable]]:
 
 
 def tune(types=triton_gemv.SUPPORTED, log=print, only: str = "") -> dict[str, dict]:
-    """Try each candidate launch setting per (kernel, qtype, shape class); return the best of each
-    (to paste into LAUNCH[device name]). Timed on the workloads above (CUDA graphs). ``only``: keys
-    containing this string."""
-    dev = torch.cuda.get_device_name()
-    table = triton_gemv.LAUNCH.setdefault(dev, {})
+    """Try each candidate launch setting per (kernel, qtype, shape class); return the best of each (a
+    table to save as ``engine/runtime/launch/device=<name>.json``, or to try through
+    ``SHARPI_LAUNCH_TABLE``). Timed on the workloads above (CUDA graphs), each candidate over the
+    winners so far (``config.overriding(launch_table=...)``: the packaged tables stay as they are).
+    ``only``: keys containing this string."""
+    table = dict(config.current().launch_table or {})
     best = {}
     for q in types:
         q = QType(q)
@@ -401,7 +401,8 @@ def tune(types=triton_gemv.SUPPORTED, log=print, only: str = "") -> dict[str, di
             for cfg in _candidates(kernel, q, cls):
                 table[key] = cfg
                 try:
-                    results.append((timed(), cfg))
+                    with config.overriding(launch_table=table):
+                        results.append((timed(), cfg))
                 except Exception as e:  # noqa: BLE001 - a setting that fails to compile just loses
                     log(f"  {key} {cfg}: {type(e).__name__}: {str(e)[:200]}")
             results.sort(key=lambda r: r[0])

@@ -330,6 +330,7 @@ def predicted_at(session, placement, mode: str, position: int, observed_hit_rate
         expert_slots=slots,
         n_cpu_moe=p.n_cpu_moe,
         observed_hit_rate=observed_hit_rate if mode == "cache" else None,
+        graphs=session.engine_options.cuda_graph != "off",  # as the session's steps run
     )
     return pred.tok_s
 

@@ -221,18 +221,22 @@ def format_comparison(c: dict) -> str:
 def run_device_kernels(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.runtime import triton_gemv
+    from engine import config
+    from engine.runtime import kernel_select, triton_gemv
 
-    if not torch.cuda.is_available() or not triton_gemv.available():
+    if not torch.cuda.is_available() or not kernel_select.available():
         raise UsageError("sharpi bench device-kernels needs a CUDA GPU and Triton")
     from engine.bench import device_kernels
     from engine.quant.formats import QType
 
     types = [QType[t.strip()] for t in args.types.split(",") if t.strip()] or list(triton_gemv.SUPPORTED)
+    best = {}
     if args.tune:
-        best = device_kernels.tune(types)  # also installs the winners in LAUNCH for the run below
+        best = device_kernels.tune(types)
         print(json.dumps({torch.cuda.get_device_name(): best}, indent=1))
-    rep = device_kernels.run(types, [w.strip() for w in args.workloads.split(",") if w.strip()])
+    winners = {**(config.current().launch_table or {}), **best}  # the tuned settings, for the run below
+    with config.overriding(launch_table=winners):
+        rep = device_kernels.run(types, [w.strip() for w in args.workloads.split(",") if w.strip()])
     if args.json:
         print(json.dumps(rep, indent=2))
         return 0

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 
+from engine import config
 from engine.errors import UsageError
 from engine.plan import (
     KV_TYPES,
@@ -168,14 +168,16 @@ def run(args: argparse.Namespace) -> int:
     from engine.gguf import open_gguf
 
     profile = _profile(args)
-    mode, source = resolve_moe(args.moe, args.cpu_moe, os.environ)
+    opts = config.current()
+    mode, source = resolve_moe(args.moe, args.cpu_moe, opts.cpu_moe)
     request = PlanRequest(
         ctx=args.ctx,
-        kv_type=resolve_kv_type(args.kv_type, os.environ),
+        kv_type=resolve_kv_type(args.kv_type, opts.kv_type),
         n_gpu_layers=args.n_gpu_layers,
         moe=mode,
         moe_source=source,
         n_cpu_moe=args.n_cpu_moe,
+        cuda_graphs=opts.cuda_graph != "off",
     )
     with open_gguf(args.model) as gf:
         spec = ModelSpec.from_gguf(gf)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from engine import config
 from engine.api import LoadOptions, Session
 from engine.errors import UsageError
 from engine.generate import SamplingParams
@@ -57,8 +58,6 @@ def _size(text: str) -> int:
 
 def placement_request(a: argparse.Namespace):
     """The PlanRequest the flags ask for, or None for the plain CPU engine."""
-    import os
-
     import torch
 
     from engine.plan import PlanRequest, resolve_moe
@@ -69,7 +68,7 @@ def placement_request(a: argparse.Namespace):
         g = -1 if device == "cuda" or a.vram is not None else 0
     if g == 0:
         return None
-    mode, source = resolve_moe(a.moe, a.cpu_moe, os.environ)
+    mode, source = resolve_moe(a.moe, a.cpu_moe, config.current().cpu_moe)
     return PlanRequest(ctx=a.ctx_size, n_gpu_layers=g, moe=mode, moe_source=source, n_cpu_moe=a.n_cpu_moe)
 
 

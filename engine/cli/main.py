@@ -11,6 +11,7 @@ import importlib
 import logging
 import sys
 
+from engine import config
 from engine.errors import SharpIError
 
 # Subcommand modules, in the order ``sharpi --help`` lists them.
@@ -31,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:  # the environment's options, read once (engine.config): a malformed variable is a usage error
+        config.current()
+    except SharpIError as e:
+        print(f"sharpi: error: {e}", file=sys.stderr)
+        return 2
+    config.apply_process_settings()
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO

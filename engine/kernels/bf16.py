@@ -204,9 +204,9 @@ def fpmath_rounds() -> bool:
     return y == 1.0
 
 
-def detect_mode(flag: str = "") -> str:
-    """The mode for this CPU (``flag``: the ``SHARPI_BF16`` value; "0" off, "1" on even without
-    native bf16 units, "fpmath"/"bf16" a mode by name, "" or "auto" by the CPU):
+def detect_mode(flag: str = "auto") -> str:
+    """The mode for this CPU (``flag``: ``EngineOptions.bf16_prefill``, from ``SHARPI_BF16``: "0" off,
+    "1" on even without native bf16 units, "fpmath"/"bf16" a mode by name, "auto" by the CPU):
 
     * oneDNN rounds under the fpmath mode (AMX): FPMATH, float32 results, 400-950 GMAC/s on 2 cores;
     * else AVX512-BF16 (or AMX masked): BF16, bf16 tensors on ``vdpbf16ps`` (~2x the q8 kernels on
@@ -214,12 +214,12 @@ def detect_mode(flag: str = "") -> str:
       exact float64 reference as llama.cpp's q8 arithmetic (tests/test_prompt_accuracy.py);
     * else OFF: without native bf16 units a bf16 product is emulated and slower than the q8 kernels.
     """
-    flag = flag.strip().lower()
+    flag = flag.strip().lower() or "auto"
     if flag == "0":
         return OFF
     if flag in (FPMATH, BF16):
         return flag
-    if flag not in ("", "auto", "1"):
+    if flag not in ("auto", "1"):
         raise ValueError(f"SHARPI_BF16={flag!r}: expected 0, 1, auto, {FPMATH} or {BF16}")
     if fpmath_rounds():
         return FPMATH
@@ -229,12 +229,13 @@ def detect_mode(flag: str = "") -> str:
 
 
 def mode() -> str:
-    """The process's mode (:func:`detect_mode` with ``$SHARPI_BF16``, decided on first use)."""
+    """The process's mode (:func:`detect_mode` of ``engine.config.current().bf16_prefill``, decided
+    on first use)."""
     global MODE
     if MODE is None:
-        import os
+        from engine import config
 
-        MODE = detect_mode(os.environ.get("SHARPI_BF16", ""))
+        MODE = detect_mode(config.current().bf16_prefill)
     return MODE
 
 

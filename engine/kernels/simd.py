@@ -17,14 +17,14 @@ Every intrinsic is a pure function of its arguments; vectors are values, never a
 
 from __future__ import annotations
 
-import os
-
 import llvmlite.binding as llvm_binding
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic, models, register_model
+
+from engine import config
 
 
 class Vec(types.Type):
@@ -60,9 +60,9 @@ _FEATURES = llvm_binding.get_host_cpu_features().flatten().split(",")
 HAS_AVX2 = "+avx2" in _FEATURES
 # VNNI dot steps on 256-bit vectors: AVX-VNNI, or AVX512-VNNI with AVX512VL (LLVM names both
 # ``llvm.x86.avx512.vpdp*.256`` and picks the encoding). SHARPI_NO_VNNI=1 turns them off (tests
-# hold the two paths together).
+# hold the two paths together; EngineOptions.vnni, read here at import from engine.config.current()).
 HAS_VNNI = HAS_AVX2 and ("+avxvnni" in _FEATURES or {"+avx512vnni", "+avx512vl"} <= set(_FEATURES))
-if os.environ.get("SHARPI_NO_VNNI"):
+if not config.current().vnni:
     HAS_VNNI = False
 
 

@@ -20,20 +20,18 @@ Measured (each marked in ``DeviceProfile.measured``):
   probes are tiny, so their time is Python, launches, round trips and bookkeeping: the per-layer
   work a large model does besides moving its bytes.
 
-Results are cached as JSON under the user cache dir (``platformdirs``; ``$SHARPI_CALIBRATION_DIR``
-overrides), keyed by device name, CPU model, numba thread count, :data:`VERSION` and a hash of the
+Results are cached as JSON under the user cache dir (``platformdirs``; ``EngineOptions.calibration_dir``,
+``$SHARPI_CALIBRATION_DIR``, overrides), keyed by device name, CPU model, numba thread count, :data:`VERSION` and a hash of the
 engine code being timed (:func:`code_fingerprint`: new kernels are measured again), so the next run
 reuses them; CPU expert rates are kept per expert shape in the same file. No Qt.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
 import logging
-import os
 import statistics
 import tempfile
 import time
@@ -44,15 +42,14 @@ from typing import Any
 
 import numpy as np
 
-from engine.plan.costmodel import ENV_CUDA_GRAPH, graph_setting
+from engine import config
+from engine.config import EngineOptions
 from engine.plan.profile import OVERHEAD_FIELDS, DeviceProfile
 from engine.quant.formats import QType, block_format
 
 log = logging.getLogger(__name__)
 
 VERSION = 1  # bump when what is measured, or how, changes: old files are then ignored
-ENV_NO_CALIBRATE = "SHARPI_NO_CALIBRATE"
-ENV_DIR = "SHARPI_CALIBRATION_DIR"
 MiB = 1 << 20
 SIMULATED = "simulated device (CPU)"
 COMMON_FIELDS = ("h2d_gbps", "device_gbps", "sync_us", *OVERHEAD_FIELDS)
@@ -60,10 +57,13 @@ COMMON_FIELDS = ("h2d_gbps", "device_gbps", "sync_us", *OVERHEAD_FIELDS)
 Progress = Callable[[str], None]
 
 
-def calibration_disabled(environ: dict | None = None) -> bool:
-    """``SHARPI_NO_CALIBRATE=1`` (any value but empty/0): never measure, never read the cache."""
-    v = (os.environ if environ is None else environ).get(ENV_NO_CALIBRATE, "").strip()
-    return v not in ("", "0")
+def _opts(options: EngineOptions | None) -> EngineOptions:
+    return config.current() if options is None else options
+
+
+def calibration_disabled(options: EngineOptions | None = None) -> bool:
+    """``EngineOptions.calibrate`` False (``SHARPI_NO_CALIBRATE=1``): never measure, never read the cache."""
+    return not _opts(options).calibrate
 
 
 # -- what is measured for ----------------------------------------------------------------------------
@@ -157,22 +157,23 @@ def machine_key(device) -> dict[str, Any]:
 
 
 # -- the cache file ----------------------------------------------------------------------------------
-def cache_dir() -> Path:
-    d = os.environ.get(ENV_DIR, "").strip()
-    if d:
+def cache_dir(options: EngineOptions | None = None) -> Path:
+    """``EngineOptions.calibration_dir`` if set, else the user cache dir's ``calibration``."""
+    d = _opts(options).calibration_dir
+    if d is not None:
         return Path(d)
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("sharpi")) / "calibration"
 
 
-def cache_path(key: dict[str, Any]) -> Path:
+def cache_path(key: dict[str, Any], options: EngineOptions | None = None) -> Path:
     h = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / f"v{VERSION}-{h}.json"
+    return cache_dir(options) / f"v{VERSION}-{h}.json"
 
 
-def _read(key: dict[str, Any]) -> dict | None:
-    p = cache_path(key)
+def _read(key: dict[str, Any], options: EngineOptions | None = None) -> dict | None:
+    p = cache_path(key, options)
     try:
         d = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -182,8 +183,8 @@ def _read(key: dict[str, Any]) -> dict | None:
     return d
 
 
-def _write(key: dict[str, Any], data: dict) -> Path:
-    p = cache_path(key)
+def _write(key: dict[str, Any], data: dict, options: EngineOptions | None = None) -> Path:
+    p = cache_path(key, options)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(".tmp")
     tmp.write_text(json.dumps({**data, "key": key}, indent=2), encoding="utf-8")
@@ -205,10 +206,13 @@ def _profile_from(data: dict, shape: ExpertShape, partial: bool = False) -> Devi
     return DeviceProfile(measured=tuple(measured), name=data["key"]["device"], **vals)
 
 
-def load_cached(device, shape: ExpertShape = DEFAULT_SHAPE, *, partial: bool = False) -> DeviceProfile | None:
+def load_cached(
+    device, shape: ExpertShape = DEFAULT_SHAPE, *, partial: bool = False, options: EngineOptions | None = None
+) -> DeviceProfile | None:
     """The cached calibration for ``device`` on this machine and thread count, or None. With
-    ``partial``, a file measured for other expert shapes still gives its device figures."""
-    data = _read(machine_key(device))
+    ``partial``, a file measured for other expert shapes still gives its device figures. ``options``:
+    where the cache lives (``calibration_dir``; default ``config.current()``)."""
+    data = _read(machine_key(device), options)
     return _profile_from(data, shape, partial) if data else None
 
 
@@ -309,7 +313,7 @@ def measure_h2d(device, nbytes: int = 3 * MiB, copies: int = 24) -> dict:
     return {"gbps": copies * nbytes / sec / 1e9, "bytes": nbytes}
 
 
-def measure_device_gemv(device, qtype: str = "Q4_K", n: int = 2048) -> dict:
+def measure_device_gemv(device, qtype: str = "Q4_K", n: int = 2048, options: EngineOptions | None = None) -> dict:
     """Device GB/s of ``DeviceLinear`` (the runtime's trunk GEMV) for ``qtype``: the slope of the
     time over a small and a large matrix (launch cost cancels), T = 1."""
     import torch
@@ -325,7 +329,7 @@ def measure_device_gemv(device, qtype: str = "Q4_K", n: int = 2048) -> dict:
     x = torch.randn(1, n, device=device)
     res = {}
     for rows in (256, big_rows):
-        lin = DeviceLinear(prepare_weight(q, random_blocks(q, rows, n, rng)), arena, "trunk")
+        lin = DeviceLinear(prepare_weight(q, random_blocks(q, rows, n, rng)), arena, "trunk", options=options)
         reps = 50 if device.type == "cuda" else 8
         lin(x)
         _sync(device)
@@ -422,11 +426,14 @@ class _Run:
     hit_rate: float | None = None
 
 
-def measure_fixed_costs(device, speeds: DeviceProfile, progress: Progress | None = None) -> dict:
+def measure_fixed_costs(
+    device, speeds: DeviceProfile, progress: Progress | None = None, options: EngineOptions | None = None
+) -> dict:
     """Fit the fixed costs (µs) from decode steps of tiny probe models on ``device``.
 
     speeds: the measured bandwidths and sync (overheads ignored), used to subtract what the cost
-    model prices for the probes' bytes. Returns {"fields": {name: µs}, "runs": [...]}.
+    model prices for the probes' bytes. options: the engine options the probes run with (default
+    ``config.current()``). Returns {"fields": {name: µs}, "runs": [...]}.
     """
     import torch
 
@@ -435,6 +442,8 @@ def measure_fixed_costs(device, speeds: DeviceProfile, progress: Progress | None
     from engine.plan.sizing import expert_slot_layout
 
     device = torch.device(device)
+    opts = _opts(options)
+    captures = device.type == "cuda" and opts.cuda_graph == "graph"  # where the runtime captures
     bytes_only = speeds.without_overheads()
     runs: list[_Run] = []
     say = progress or (lambda s: None)
@@ -446,9 +455,8 @@ def measure_fixed_costs(device, speeds: DeviceProfile, progress: Progress | None
         Python-driven device layer from the graph layer when both could apply)."""
         req = PlanRequest(ctx=PROBE_CTX, kv_type="f32", n_gpu_layers=n, moe=mode, moe_source="calibration")
         p = s.plan(req, prof)
-        with _graphs_env(graphs):
-            s.apply(p)
-            sec, h = decode_seconds(s)
+        s.apply(p, None if graphs else replace(opts, cuda_graph="off"))
+        sec, h = decode_seconds(s)
         kw = dict(
             mode=p.moe_mode if p.moe_mode != "none" else "cpu",
             n_gpu_layers=p.n_gpu_layers,
@@ -456,7 +464,7 @@ def measure_fixed_costs(device, speeds: DeviceProfile, progress: Progress | None
             position=pos,
             expert_slots=p.expert_slots_allocated,
             n_cpu_moe=0,
-            graphs=graphs and device.type == "cuda" and graph_setting() == "graph",  # where the runtime captures
+            graphs=graphs and captures,
         )
         if kw["mode"] == "cache":
             kw["observed_hit_rate"] = h if h is not None else 0.0
@@ -467,12 +475,13 @@ def measure_fixed_costs(device, speeds: DeviceProfile, progress: Progress | None
         for arch, layers in (("qwen3moe", 2), ("qwen3moe", 6), ("qwen3", 6)):
             say(f"probe {arch} x{layers}")
             path = write_probe(Path(d) / f"{arch}-{layers}.gguf", arch, layers)
-            with Session.load(str(path), LoadOptions(n_ctx=PROBE_CTX, kv_type="f32", device=str(device))) as s:
+            probe = LoadOptions(n_ctx=PROBE_CTX, kv_type="f32", device=str(device), engine=opts)
+            with Session.load(str(path), probe) as s:
                 tag = f"{arch}x{layers}"
                 measure(s, f"{tag} host", "auto", 0, roomy)
                 if arch == "qwen3":
                     measure(s, f"{tag} device", "auto", -1, roomy)
-                    if device.type == "cuda" and graph_setting() == "graph":
+                    if captures:
                         measure(s, f"{tag} device, no graphs", "auto", -1, roomy, graphs=False)
                     continue
                 measure(s, f"{tag} device, CPU experts", "cpu", -1, roomy)
@@ -491,23 +500,6 @@ def measure_fixed_costs(device, speeds: DeviceProfile, progress: Progress | None
             for r, f in zip(runs, fitted)
         ],
     }
-
-
-@contextlib.contextmanager
-def _graphs_env(on: bool):
-    """$SHARPI_CUDA_GRAPH=0 inside the block when ``on`` is False (the runtime reads it at apply)."""
-    if on:
-        yield
-        return
-    old = os.environ.get(ENV_CUDA_GRAPH)
-    os.environ[ENV_CUDA_GRAPH] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(ENV_CUDA_GRAPH, None)
-        else:
-            os.environ[ENV_CUDA_GRAPH] = old
 
 
 def fit_fixed_costs(
@@ -561,11 +553,13 @@ def calibrate(
     trunk_qtype: str = "Q4_K",
     use_cache: bool = True,
     progress: Progress | None = None,
+    options: EngineOptions | None = None,
 ) -> Calibration:
     """Measure (or, with ``use_cache``, reuse) this machine's profile for ``device`` and ``shape``.
 
     A cache file missing only ``shape``'s CPU expert rate measures just that. The returned profile
-    has the default VRAM budget; callers set theirs (``DeviceProfile.with_budget``).
+    has the default VRAM budget; callers set theirs (``DeviceProfile.with_budget``). ``options``: the
+    engine options the measurements run with and where the cache lives (default ``config.current()``).
     """
     import torch
 
@@ -573,11 +567,11 @@ def calibrate(
     say = progress or (lambda s: None)
     key = machine_key(device)
     t0 = time.perf_counter()
-    data = (_read(key) if use_cache else None) or {}
+    data = (_read(key, options) if use_cache else None) or {}
     if use_cache and data:
         prof = _profile_from(data, shape)
         if prof is not None:
-            return Calibration(prof, data.get("details", {}), 0.0, True, str(cache_path(key)))
+            return Calibration(prof, data.get("details", {}), 0.0, True, str(cache_path(key, options)))
     details = dict(data.get("details", {}))
     rates = dict(data.get("cpu_expert_gbps", {}))
     say(f"CPU experts {shape.key}")
@@ -589,12 +583,12 @@ def calibrate(
         say("host→device copies")
         h2d = measure_h2d(device)
         say("device GEMV")
-        gemv = measure_device_gemv(device, trunk_qtype)
+        gemv = measure_device_gemv(device, trunk_qtype, options=options)
         sync = measure_sync(device)
         speeds = DeviceProfile(
             cpu_expert_gbps=cpu["gbps"], h2d_gbps=h2d["gbps"], device_gbps=gemv["gbps"], sync_us=sync["us"]
         )
-        fixed = measure_fixed_costs(device, speeds, say)
+        fixed = measure_fixed_costs(device, speeds, say, options)
         common = {"h2d_gbps": h2d["gbps"], "device_gbps": gemv["gbps"], "sync_us": sync["us"], **fixed["fields"]}
         details.update(
             {
@@ -606,7 +600,7 @@ def calibrate(
             }
         )
     out = {"profile": common, "cpu_expert_gbps": rates, "details": details, "measured_at": time.time()}
-    path = _write(key, out)
+    path = _write(key, out, options)
     prof = _profile_from({**out, "key": key}, shape)
     assert prof is not None
     secs = time.perf_counter() - t0

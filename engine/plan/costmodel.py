@@ -34,7 +34,6 @@ uploads with host compute), so the prediction is a floor on tok/s for a given se
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -44,16 +43,6 @@ from engine.plan.spec import ModelSpec
 
 CPU, CACHE, RESIDENT = "cpu", "cache", "resident"
 MODES: tuple[str, ...] = (CPU, CACHE, RESIDENT)
-ENV_CUDA_GRAPH = "SHARPI_CUDA_GRAPH"  # 0/off/false/no: one-token steps never run as CUDA graphs
-
-
-def graph_setting(environ=None) -> str:
-    """``off`` | ``graph`` (the default: capture on CUDA) | ``eager`` (the graph's static step,
-    run uncaptured), from $SHARPI_CUDA_GRAPH."""
-    v = (os.environ if environ is None else environ).get(ENV_CUDA_GRAPH, "1").strip().lower()
-    if v in ("0", "off", "false", "no"):
-        return "off"
-    return "eager" if v == "eager" else "graph"
 
 
 def graph_step(spec: ModelSpec, mode: str, n_gpu_layers: int, n_cpu_moe: int = 0) -> bool:
@@ -146,7 +135,7 @@ def predict(
     expert_slots: int = 0,
     n_cpu_moe: int = 0,
     observed_hit_rate: float | None = None,
-    graphs: bool | None = None,
+    graphs: bool = True,
 ) -> Prediction:
     """Cost of decoding one token at ``position`` for the placement described by the arguments.
 
@@ -154,8 +143,8 @@ def predict(
     ``cache`` (a pool of ``expert_slots`` device slots, misses computed on the host and uploaded)
     or ``resident`` (all on the device). observed_hit_rate: in mode cache, this hit rate (e.g.
     the profiler's) for every cache layer instead of the Zipf model's. graphs: whether the runtime
-    runs one-token steps as CUDA graphs where :func:`graph_step` holds (None: unless
-    $SHARPI_CUDA_GRAPH turns them off; the planner plans for a CUDA device).
+    runs one-token steps as CUDA graphs where :func:`graph_step` holds (the default; off when
+    ``EngineOptions.cuda_graph`` is "off" — the caller says so; the planner plans for a CUDA device).
     """
     L = spec.n_layer
     n = max(0, min(n_gpu_layers, L))
@@ -178,8 +167,6 @@ def predict(
     counts = dict.fromkeys(OVERHEAD_FIELDS, 0.0)
     counts["token_us"] = 1.0
     counts["host_layer_us"] = float(L - n)
-    if graphs is None:
-        graphs = graph_setting() != "off"
     graph = graphs and graph_step(spec, mode, n, n_cpu_moe)
     counts["graph_layer_us" if graph else "device_layer_us"] = float(n)
 

@@ -1,7 +1,8 @@
 """plan(): a pure function from (ModelSpec, DeviceProfile, PlanRequest) to a Placement.
 
 No GPU, no allocation, no environment reads (``resolve_moe`` / ``resolve_kv_type`` turn flags and
-environment into a request first), so a dragging slider can call it on every movement.
+the environment's options, ``engine.config.EngineOptions``, into a request first), so a dragging
+slider can call it on every movement.
 
 Steps: (1) the device layer prefix — the most layers whose trunk + KV + output + reserve + scratch
 fit (``-g -1``), or exactly ``-g N``; (2) the expert-cache budget — what is left, in bytes and in
@@ -12,9 +13,9 @@ the override if one was given, else the fastest prediction (a cache must beat CP
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
+from engine.config import ENV_CPU_MOE, KV_ALIASES
 from engine.plan.costmodel import CACHE, CPU, MODES, RESIDENT, Prediction, predict
 from engine.plan.placement import LayerPlacement, Placement
 from engine.plan.profile import DeviceProfile
@@ -40,9 +41,6 @@ MOE_CHOICES: tuple[str, ...] = (AUTO, *MODES)
 # experts need no warm-up and do not depend on the prompt's routing, the cache does.
 AUTO_CACHE_MARGIN = 1.10
 CTX_STEP = 256  # recommended contexts are multiples of this
-ENV_CPU_MOE = "SHARPI_CPU_MOE"
-ENV_KV_DTYPE = "SHARPI_KV_DTYPE"
-_KV_ALIASES = {"fp32": "f32", "float32": "f32", "q8": "q8_0"}
 
 
 @dataclass(frozen=True)
@@ -55,6 +53,9 @@ class PlanRequest:
     reason; an environment override falls back quietly when impossible, a flag is an error).
     n_cpu_moe: routed experts of layers 0..N-1 stay on the host whatever the mode.
     position: decode position the tok/s prediction is for (None = ctx // 2).
+    cuda_graphs: whether one-token steps run as CUDA graphs where every layer is on the device (the
+    runtime's default; False when ``EngineOptions.cuda_graph`` is "off" — ``Session.plan`` fills it in
+    from its options when None); None plans with graphs.
     """
 
     ctx: int = 4096
@@ -64,10 +65,12 @@ class PlanRequest:
     moe_source: str = ""
     n_cpu_moe: int = 0
     position: int | None = None
+    cuda_graphs: bool | None = None
 
 
-def resolve_moe(moe: str = AUTO, cpu_moe: bool = False, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
-    """(mode, source) from ``--moe``, ``--cpu-moe`` and ``SHARPI_CPU_MOE``.
+def resolve_moe(moe: str = AUTO, cpu_moe: bool = False, env_cpu_moe: bool | None = None) -> tuple[str, str]:
+    """(mode, source) from ``--moe``, ``--cpu-moe`` and ``SHARPI_CPU_MOE`` (``env_cpu_moe``:
+    ``EngineOptions.cpu_moe``).
 
     Precedence: an explicit ``--moe`` mode or ``--cpu-moe`` (they must agree), then the
     environment (``1`` → cpu, ``0`` → cache), then auto. Raises :class:`PlanError` for a conflict
@@ -81,20 +84,16 @@ def resolve_moe(moe: str = AUTO, cpu_moe: bool = False, environ: Mapping[str, st
         return CPU, "--cpu-moe"
     if moe != AUTO:
         return moe, "--moe"
-    env = (environ or {}).get(ENV_CPU_MOE, "").strip()
-    if env == "":
+    if env_cpu_moe is None:
         return AUTO, ""
-    if env == "1":
-        return CPU, f"{ENV_CPU_MOE}=1"
-    if env == "0":
-        return CACHE, f"{ENV_CPU_MOE}=0"
-    raise PlanError(f"{ENV_CPU_MOE} must be 0 or 1, got {env!r}")
+    return (CPU, f"{ENV_CPU_MOE}=1") if env_cpu_moe else (CACHE, f"{ENV_CPU_MOE}=0")
 
 
-def resolve_kv_type(kv_type: str | None = None, environ: Mapping[str, str] | None = None) -> str:
-    """``--kv-type`` if given, else ``SHARPI_KV_DTYPE``, else f32; checked."""
-    value = (kv_type or (environ or {}).get(ENV_KV_DTYPE, "").strip() or "f32").lower()
-    value = _KV_ALIASES.get(value, value)  # the same spellings engine.kv_cache accepts
+def resolve_kv_type(kv_type: str | None = None, default: str | None = None) -> str:
+    """``--kv-type`` if given, else ``default`` (``EngineOptions.kv_type``: ``SHARPI_KV_DTYPE``), else
+    f32; checked."""
+    value = (kv_type or default or "f32").lower()
+    value = KV_ALIASES.get(value, value)  # the spellings SHARPI_KV_DTYPE accepts
     check_kv_type(value)
     return value
 
@@ -194,6 +193,7 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
             position=position,
             expert_slots=slots,
             n_cpu_moe=n_cpu_moe,
+            graphs=request.cuda_graphs is not False,
         )
 
     if not spec.is_moe:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import EngineOptions
 from engine.experts import CpuExperts
 from engine.kv_cache import KVCache
 from engine.models.base import HOST, DecoderModel
@@ -34,6 +35,7 @@ class Applied:
     cache: KVCache
     experts: CachedExperts | None
     graph: str = ""  # one-token steps wholly on the device: "CUDA graphs", "static, not captured" or ""
+    options: EngineOptions | None = None  # the engine options it was applied with (None: config.current())
 
     def describe(self) -> str:
         p = self.placement
@@ -44,9 +46,16 @@ class Applied:
 
 
 def apply_placement(
-    model: DecoderModel, spec: ModelSpec, placement: Placement, device: torch.device | str, upload: str = "async"
+    model: DecoderModel,
+    spec: ModelSpec,
+    placement: Placement,
+    device: torch.device | str,
+    upload: str = "async",
+    options: EngineOptions | None = None,
 ) -> Applied:
-    """Reconfigure ``model`` for ``placement`` on ``device`` and return a fresh KV cache.
+    """Reconfigure ``model`` for ``placement`` on ``device`` and return a fresh KV cache. ``options``: the
+    engine options the device pieces follow (kernel choice, CUDA graphs, prompt uploads; default
+    ``config.current()``).
 
     Raises :class:`~engine.errors.DeviceMemoryError` when the device cannot hold it; the model is
     then left in an unspecified state and the caller re-applies the previous placement.
@@ -61,12 +70,12 @@ def apply_placement(
         model.configure([w] * L, [HOST] * L, {i: host_experts for i in range(L)} if host_experts else {}, w)
         cache = KVCache({i: HOST for i in range(L)}, p.ctx, a.kv_dim, p.kv_type)
         model.profiler.clear_resident()
-        return Applied(p, device, None, cache, None)
+        return Applied(p, device, None, cache, None, options=options)
 
     arena = DeviceArena(device, p.budget_bytes)
     arena.charge("reserve", p.device.reserve)  # driver/context slack and activations: priced, not
     arena.charge("scratch", p.device.scratch)  # allocated as tensors (torch's allocator holds them)
-    trunk = DeviceWeights(w, arena, "trunk")
+    trunk = DeviceWeights(w, arena, "trunk", options)
     layer_w = [trunk if i < G else w for i in range(L)]
     devices = [device if i < G else HOST for i in range(L)]
     backends = {i: host_experts for i in range(L)} if host_experts else {}
@@ -81,17 +90,18 @@ def apply_placement(
             p.expert_slots_allocated,
             q8_act=w.q8_act,
             upload=upload,
+            options=options,
         )
         backends.update({i: cached for i in cache_layers})
     kv_layers = {i: (device if i < G else HOST) for i in range(L)}
     kv_types = {i: (p.kv_type if i < G else HOST_KV_TYPE) for i in range(L)}
     cache = KVCache(kv_layers, p.ctx, a.kv_dim, kv_types, charge=lambda i, n: arena.charge("kv", n) if i < G else None)
     model.profiler.clear_resident()
-    globals_w = DeviceWeights(w, arena, "globals")
+    globals_w = DeviceWeights(w, arena, "globals", options)
     model.configure(layer_w, devices, backends, globals_w if G >= L else w, rope_weights=globals_w)
     if cached is not None and p.moe_mode == "resident":
         cached.preload(pin=True)
     # Everything of a decode step on the device: one-token steps replay a CUDA graph.
-    model.decode_graph = g = graph_decode.for_placement(model, p, device, cached)
+    model.decode_graph = g = graph_decode.for_placement(model, p, device, cached, options)
     graph = "" if g is None else g.describe()
-    return Applied(p, device, arena, cache, cached, graph)
+    return Applied(p, device, arena, cache, cached, graph, options)

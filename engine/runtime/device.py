@@ -8,29 +8,28 @@ placement's byte budget, so a test can pin what the runtime allocates to what th
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 
 import numpy as np
 import torch
 
+from engine import config
+from engine.config import EngineOptions
 from engine.errors import DeviceMemoryError
 from engine.kernels.prepare import PreparedWeight
 from engine.models.weights import Weights
 from engine.quant.formats import QType
+from engine.runtime import kernel_select as ks
 from engine.runtime import triton_gemv, triton_moe, triton_q4k_gemv
-from engine.runtime.tdequant import dequantize
+from engine.runtime.kernel_select import TRITON_MAX_T as TRITON_MAX_T  # (expert_cache imports it from here)
+from engine.runtime.references import dequantize
 
-TRITON_MAX_T = 8  # rows of X up to which the GEMV kernel serves; beyond, the tiled (tl.dot) kernel
 
-
-def fused_kernels(device: torch.device, qtype: QType) -> bool:
-    """Whether the Triton GEMV serves ``qtype`` on ``device`` (``SHARPI_DEVICE_KERNELS=reference``
-    forces the torch reference; ``TRITON_INTERPRET=1`` runs Triton on the CPU, for tests)."""
-    if os.environ.get("SHARPI_DEVICE_KERNELS", "").lower() == "reference" or not triton_gemv.available():
-        return False
-    on = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    return on and QType(qtype) in triton_gemv.SUPPORTED
+def fused_kernels(device: torch.device, qtype: QType, options: EngineOptions | None = None) -> bool:
+    """Whether the Triton GEMV serves ``qtype`` on ``device`` (``kernel_select.fused``:
+    ``SHARPI_DEVICE_KERNELS=reference`` forces the torch reference; ``TRITON_INTERPRET=1`` runs Triton on
+    the CPU, for tests)."""
+    return ks.fused(device, qtype, options)
 
 
 KINDS = ("reserve", "scratch", "trunk", "kv", "globals", "experts")
@@ -85,7 +84,8 @@ def raw_bytes(w: PreparedWeight) -> np.ndarray:
 class DeviceLinear:
     """y = x·Wᵀ (+ b) with W's raw quantized bytes on the device: Triton kernels straight from the
     blocks where :func:`fused_kernels` allows (GEMV up to TRITON_MAX_T rows of x, tiled beyond),
-    else the torch reference (dequantize, then matmul)."""
+    else the torch reference (dequantize, then matmul). ``options``: the engine options the kernel
+    choice follows (``kernel_select``; default ``config.current()``)."""
 
     def __init__(
         self,
@@ -94,11 +94,14 @@ class DeviceLinear:
         kind: str,
         bias: torch.Tensor | None = None,
         q8_act: bool = False,
+        options: EngineOptions | None = None,
     ):
         self.qtype, self.rows, self.n = w.qtype, w.rows, w.n
         self.raw = arena.upload(kind, raw_bytes(w))  # uint8 [rows, row_bytes]
         self.bias = bias
-        self.q8_act = q8_act  # the model rounds its activations like llama.cpp (triton_gemv.trunk_act)
+        self.q8_act = q8_act  # the model rounds its activations like llama.cpp (kernel_select.trunk_act)
+        self.options = options if options is not None else config.current()
+        self.fused = fused_kernels(self.raw.device, self.qtype, self.options)
 
     @property
     def out_features(self) -> int:
@@ -108,30 +111,33 @@ class DeviceLinear:
         """Whether a call now would multiply one token on q8 activations with the Q4_K kernel, so x̂
         made by the norm before it saves a launch (``Attention.wants_q8_input``)."""
         dev = self.raw.device
-        if not fused_kernels(dev, self.qtype) or not triton_q4k_gemv.applies(self.qtype, self.n, 1):
+        if not self.fused or not triton_q4k_gemv.applies(self.qtype, self.n, 1):
             return False
-        return triton_gemv.trunk_act(dev, self.q8_act, self.qtype, self.n) == "q8"
+        return ks.trunk_act(dev, self.q8_act, self.qtype, self.n, options=self.options) == "q8"
 
     def __call__(self, x: torch.Tensor, xq: tuple | None = None) -> torch.Tensor:
         """y = x·Wᵀ (+ b); xq: x in triton_q8's format when the caller has it (:meth:`takes_q8`)."""
         x = x.to(self.raw.device)
-        if fused_kernels(self.raw.device, self.qtype):
-            if x.shape[0] <= TRITON_MAX_T:
+        if self.fused:
+            o = self.options
+            if ks.decode_kernels(x.shape[0]):
                 own = self.raw.numel() if xq is None else None  # x̂ to be made by the call itself
-                act = triton_gemv.trunk_act(self.raw.device, self.q8_act, self.qtype, self.n, own_quant_bytes=own)
-                y = triton_gemv.matmul(self.raw, x.float(), self.qtype, self.rows, self.n, act=act, xq=xq)
+                act = ks.trunk_act(self.raw.device, self.q8_act, self.qtype, self.n, own_quant_bytes=own, options=o)
+                y = triton_gemv.matmul(self.raw, x.float(), self.qtype, self.rows, self.n, act=act, xq=xq, options=o)
             else:  # prefill: weight tiles read once per tile of tokens, never a float copy of W
-                y = triton_moe.one_matrix(self.raw, x.float(), self.qtype, self.rows, self.n)
+                y = triton_moe.one_matrix(self.raw, x.float(), self.qtype, self.rows, self.n, options=o)
         else:
             y = x @ dequantize(self.raw, self.qtype, self.n).T  # reference: [rows, n] f32, then matmul
         return y + self.bias if self.bias is not None else y
 
 
 class DeviceWeights:
-    """The ``Weights`` interface for tensors that live on a device, allocated through an arena."""
+    """The ``Weights`` interface for tensors that live on a device, allocated through an arena;
+    its matrices choose their kernels by ``options`` (default ``config.current()``)."""
 
-    def __init__(self, host: Weights, arena: DeviceArena, kind: str = "trunk"):
+    def __init__(self, host: Weights, arena: DeviceArena, kind: str = "trunk", options: EngineOptions | None = None):
         self.host, self.arena, self.kind = host, arena, kind
+        self.options = options
         self.q8_act = host.q8_act
         self.gf = host.gf
 
@@ -146,7 +152,7 @@ class DeviceWeights:
 
     def linear(self, name: str, bias: str | None = None) -> DeviceLinear:
         b = self.vector(bias) if bias and self.has(bias) else None
-        return DeviceLinear(self.host.prepared(name), self.arena, self.kind, b, self.q8_act)
+        return DeviceLinear(self.host.prepared(name), self.arena, self.kind, b, self.q8_act, self.options)
 
     def prepared(self, name: str) -> PreparedWeight:
         return self.host.prepared(name)

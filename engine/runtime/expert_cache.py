@@ -20,14 +20,16 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from engine import ops
+from engine import config, ops
+from engine.config import EngineOptions
 from engine.experts import ExpertBackend, ExpertStacks
 from engine.models.layers import silu_mul
 from engine.plan.sizing import SlotLayout
+from engine.runtime import kernel_select as ks
 from engine.runtime import step_kernels, triton_moe, triton_q4k_moe
 from engine.runtime.device import TRITON_MAX_T, DeviceArena, fused_kernels, raw_bytes
+from engine.runtime.references import dequantize
 from engine.runtime.slru import SegmentedLRU
-from engine.runtime.tdequant import dequantize
 
 ROLES = ("gate", "up", "down")
 # A prompt's missed expert with this many of its tokens is uploaded, not run on the CPU. Lower thresholds upload
@@ -55,17 +57,11 @@ def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
         f.result()
 
 
-def prompt_upload_threshold() -> int:
+def prompt_upload_threshold(options: EngineOptions | None = None) -> int:
     """Tokens of a prompt a missed expert needs to be uploaded and run on the device
-    (``SHARPI_PROMPT_UPLOAD_MIN``, 0: never; default :data:`PROMPT_UPLOAD_MIN`)."""
-    raw = os.environ.get("SHARPI_PROMPT_UPLOAD_MIN", "")
-    try:
-        n = int(raw) if raw else PROMPT_UPLOAD_MIN
-    except ValueError:
-        raise ValueError(f"SHARPI_PROMPT_UPLOAD_MIN must be a whole number of tokens, not {raw!r}") from None
-    if n < 0:
-        raise ValueError(f"SHARPI_PROMPT_UPLOAD_MIN must be ≥ 0, not {n}")
-    return n
+    (``EngineOptions.prompt_upload_min``: ``SHARPI_PROMPT_UPLOAD_MIN``, 0: never; default :data:`PROMPT_UPLOAD_MIN`)."""
+    n = (options if options is not None else config.current()).prompt_upload_min
+    return PROMPT_UPLOAD_MIN if n is None else n
 
 
 class CachedExperts(ExpertBackend):
@@ -83,13 +79,17 @@ class CachedExperts(ExpertBackend):
         upload: str = "async",
         max_uploads: int = 64,
         prompt_upload_min: int | None = None,
+        options: EngineOptions | None = None,
     ):
         if upload not in ("async", "sync"):
             raise ValueError(upload)
         self.stacks, self.layers, self.layout = stacks, set(layers), layout
         self.device = arena.device
         self.q8_act, self.upload_policy, self.max_uploads = q8_act, upload, max_uploads
-        self.prompt_upload_min = prompt_upload_threshold() if prompt_upload_min is None else prompt_upload_min
+        self.options = options if options is not None else config.current()  # kernel choice (kernel_select)
+        self.prompt_upload_min = (
+            prompt_upload_threshold(self.options) if prompt_upload_min is None else prompt_upload_min
+        )
         self.pool = arena.empty("experts", (n_slots, layout.stride), torch.uint8)
         self.slru = SegmentedLRU(n_slots)
         self.queue: list[tuple[int, int]] = []  # (layer, expert) to upload at the end of the step
@@ -104,7 +104,8 @@ class CachedExperts(ExpertBackend):
         # Layers whose three roles the fused Triton GEMV can read in place.
         self._slot_off: dict[int, torch.Tensor] = {}  # layer -> int64 [E] byte offset of each expert (pin_static)
         self._fused = {
-            i: all(fused_kernels(self.device, getattr(s, r).qtype) for r in ROLES) for i, s in stacks.items()
+            i: all(fused_kernels(self.device, getattr(s, r).qtype, self.options) for r in ROLES)
+            for i, s in stacks.items()
         }
         # Expert -> slot of every cached layer (-1: not in the pool), kept with the SLRU by _upload; the
         # decode graph gathers a token's slots from the device copy (hits_static), refreshed between
@@ -242,18 +243,19 @@ class CachedExperts(ExpertBackend):
         run in the fused MoE kernels: logits float32 [1, E] -> (weights float32 [1, k], slot byte
         offsets int64 [1, k]), the ids written into ``ids_out`` [1, k]; None where it does not apply
         (the caller routes in torch)."""
-        if not self._fused[layer] or layer not in self._slot_off or not step_kernels.enabled(self.device):
+        if not self._fused[layer] or layer not in self._slot_off or not ks.step_kernels(self.device, self.options):
             return None
         return step_kernels.route(logits, k, renormalise, self._slot_off[layer], ids_out)
 
     def static_q8(self, layer: int) -> bool:
         """Whether :meth:`forward_static` of ``layer`` would run the lean Q4_K kernels on q8 activations
-        now (``triton_moe.decode_act``; inside a decode graph's capture) and so can take x already in
+        now (``kernel_select.moe_act``; inside a decode graph's capture) and so can take x already in
         triton_q8's format from the norm kernel before it (``MoE.wants_q8_input``)."""
         if not self._fused[layer]:
             return False
         roles = self._roles(layer)
-        return triton_moe.decode_act(self.device, self.q8_act, roles) == "q8" and triton_q4k_moe.applies_gate_up(roles)
+        act = ks.moe_act(self.device, self.q8_act, roles, options=self.options)
+        return act == "q8" and triton_q4k_moe.applies_gate_up(roles)
 
     def forward_static(
         self,
@@ -274,8 +276,8 @@ class CachedExperts(ExpertBackend):
             if slot_off is None:
                 slot_off = self._slot_off[layer][ids]  # [1, K] byte offsets, looked up on the device
             roles = self._roles(layer)
-            act = triton_moe.decode_act(self.device, self.q8_act, roles)
-            y = triton_moe.moe_decode(self.pool, slot_off, x.float(), weights.float(), roles, act, xq=xq)
+            act = ks.moe_act(self.device, self.q8_act, roles, options=self.options)
+            y = triton_moe.moe_decode(self.pool, slot_off, x.float(), weights.float(), roles, act, xq, self.options)
             return y.to(x.dtype)
         return self._weighted_pairs(layer, self._slots_dev[layer][ids[0]], x, weights)
 
@@ -337,10 +339,10 @@ class CachedExperts(ExpertBackend):
             slot_off = torch.from_numpy(slot_of[ids_h]).to(self.device)  # −1: not served here
             roles = self._roles(layer)
             if T <= TRITON_MAX_T:
-                act = triton_moe.decode_act(self.device, self.q8_act, roles)
-                y = triton_moe.moe_decode(self.pool, slot_off, x.float(), w.float(), roles, act)
+                act = ks.moe_act(self.device, self.q8_act, roles, options=self.options)
+                y = triton_moe.moe_decode(self.pool, slot_off, x.float(), w.float(), roles, act, options=self.options)
             else:
-                y = triton_moe.moe_prefill(self.pool, slot_off, x.float(), w.float(), roles)
+                y = triton_moe.moe_prefill(self.pool, slot_off, x.float(), w.float(), roles, self.options)
             return y.to(x.dtype)
         t_idx, k_idx = np.nonzero(np.isin(ids_h, list(hit_set)))  # pairs, token-major
         if len(t_idx) <= 64:

@@ -24,8 +24,8 @@ CUDA-graph segments").
 The routes (expert ids per MoE layer) leave the graph with the logits, so the profiler's calls,
 hits and heat and ``MoE.last_ids`` stay true, recorded once per step.
 
-``SHARPI_CUDA_GRAPH=0`` turns it off; ``SHARPI_CUDA_GRAPH=eager`` runs the same static step
-without capturing, on any device (the CPU simulated device in CI: how the tests check it).
+``EngineOptions.cuda_graph`` (``SHARPI_CUDA_GRAPH``): ``off`` turns it off; ``eager`` runs the same
+static step without capturing, on any device (the CPU simulated device in CI: how the tests check it).
 """
 
 from __future__ import annotations
@@ -36,22 +36,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine import config
+from engine.config import EngineOptions
 from engine.experts import CpuExperts
 from engine.models.blocks import MoE, StaticStep
 from engine.models.layers import rope_tables
-from engine.plan.costmodel import ENV_CUDA_GRAPH as ENV_CUDA_GRAPH  # re-exported (tests)
-from engine.plan.costmodel import graph_setting
-from engine.runtime import step_attention, step_kernels
+from engine.runtime import kernel_select, step_attention, step_kernels
 from engine.runtime import triton_qblocks as qblocks
 
 log = logging.getLogger(__name__)
 
 MIN_BUCKET = 16  # the shortest static attention length
-
-
-def graph_mode() -> str:
-    """``off`` | ``graph`` (capture on CUDA; the default) | ``eager`` (the static step, not captured)."""
-    return graph_setting()
 
 
 def bucket(pos: int, n_ctx: int) -> int:
@@ -94,13 +89,16 @@ def segments(n_layer: int, host_moe: list[int]) -> list[Segment]:
     return out + [Segment(first, n_layer, None)]
 
 
-def for_placement(model, placement, device: torch.device | str, experts=None) -> GraphDecode | None:
+def for_placement(
+    model, placement, device: torch.device | str, experts=None, options: EngineOptions | None = None
+) -> GraphDecode | None:
     """The graph decoder for an applied placement, or None where it does not apply: not every
-    layer's trunk on the device, ``SHARPI_CUDA_GRAPH=0``, or a device other than CUDA unless
-    ``SHARPI_CUDA_GRAPH=eager``. Routed experts resident in a pinned pool run inside the graph; any
-    others (``cpu`` and ``cache`` modes, layers below ``n_cpu_moe``) cut the step into segments and
-    run between the replays through their backend."""
-    mode = graph_mode()
+    layer's trunk on the device, ``options.cuda_graph`` "off" (default options: ``config.current()``),
+    or a device other than CUDA unless it is "eager". Routed experts resident in a pinned pool run
+    inside the graph; any others (``cpu`` and ``cache`` modes, layers below ``n_cpu_moe``) cut the step
+    into segments and run between the replays through their backend."""
+    options = options if options is not None else config.current()
+    mode = options.cuda_graph
     device = torch.device(device)
     if mode == "off" or (mode == "graph" and device.type != "cuda"):
         return None
@@ -111,15 +109,17 @@ def for_placement(model, placement, device: torch.device | str, experts=None) ->
     pinned = placement.moe_mode == "resident" and experts is not None and experts.pin_static()
     inside = [i for i in moe if pinned and model.experts_of(i) is experts]
     host = [i for i in moe if i not in inside]
-    return GraphDecode(model, device, capture=mode == "graph", moe_layers=inside, host_moe=host)
+    return GraphDecode(model, device, capture=mode == "graph", moe_layers=inside, host_moe=host, options=options)
 
 
 class GraphDecode:
     """Static buffers, rope tables and captured graphs for one model placement and KV cache."""
 
-    def __init__(self, model, device: torch.device, *, capture: bool, moe_layers: list[int], host_moe: list[int] = ()):
+    def __init__(self, model, device: torch.device, *, capture: bool, moe_layers: list[int], host_moe: list[int] = (),
+                 options: EngineOptions | None = None):  # fmt: skip
         """moe_layers: the MoE layers whose experts run inside the graph (the resident pool's);
-        host_moe: those whose experts run between replays (each cuts the step)."""
+        host_moe: those whose experts run between replays (each cuts the step); options: the engine
+        options the step kernels' choice follows (default ``config.current()``)."""
         a = model.args
         self.model, self.device, self.capture = model, device, capture
         self.moe_layers = np.asarray(moe_layers, np.int64)
@@ -172,7 +172,7 @@ class GraphDecode:
         self._cpu_row = {int(i): j for j, i in enumerate(self._cpu_moe)}
         self._cut_backends = list({id(b): b for b in (model.experts_of(g.moe) for g in self.segments[:-1])}.values())
         self._stream = None  # the stream a step runs on (looked up once a step: the lookup costs ~50 µs)
-        fused = step_kernels.enabled(device)  # few, larger launches for the glue between matrices
+        fused = kernel_select.step_kernels(device, options)  # few, larger launches for the glue between matrices
         self._rope_kv = step_kernels.qk_rope_kv if fused else None
         self._add_norm = step_kernels.add_rms_norm if fused else None
         self._fused = fused

@@ -12,17 +12,17 @@ of GPU time, and a 48-layer step has thousands of them.
   graph's route record, and each chosen expert's slot byte offset from the resident pool's table:
   one launch instead of six (softmax, topk's two, sum, divide, index).
 
-Each kernel has a torch reference with the same signature (``*_reference``) beside it; the tests
-(``tests/test_graph_decode.py``) hold them together under Triton's CPU interpreter.
+Whether they serve a device is ``kernel_select.step_kernels``'s choice.
+
+Each kernel has a torch reference with the same signature in ``engine.runtime.references``
+(``*_reference``); the tests (``tests/test_graph_decode.py``) hold them together under Triton's CPU
+interpreter.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from engine.models.layers import apply_rope_table, rms_norm_fused, route_softmax_topk
 from engine.runtime import triton_q8 as t8
 from engine.runtime import triton_qblocks as qb
 
@@ -32,14 +32,6 @@ try:
 except ImportError:  # pragma: no cover - triton is optional
     triton = None
     tl = None
-
-
-def enabled(device: torch.device) -> bool:
-    """Whether the fused step kernels serve ``device``: Triton present, a CUDA device (or Triton's
-    CPU interpreter, for tests), and not ``SHARPI_DEVICE_KERNELS=reference``."""
-    if triton is None or os.environ.get("SHARPI_DEVICE_KERNELS", "").lower() == "reference":
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
@@ -160,18 +152,6 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: 
     return (xo, h, hq) if q8 else (xo, h)
 
 
-def add_rms_norm_reference(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: float, q8: bool = False):
-    """:func:`add_rms_norm` in torch (the q8 copy by ``triton_q8.quantize_act_reference``, its codes packed
-    four to a little-endian int32 word)."""
-    if y is not None:
-        x = x + y
-    h = rms_norm_fused(x, w, eps)
-    if not q8:
-        return x, h
-    q, d, s = t8.quantize_act_reference(h)
-    return x, h, (q.contiguous().view(torch.int32), d, s)
-
-
 def qk_rope_kv(q, k, v, q_norm, k_norm, eps, cos, sin, perm, pos, kc, vc, n_head, n_head_kv, head_dim):
     """q [1, H·hd], k, v [1, Hkv·hd] float32 -> q normed (per head, when ``q_norm``/``k_norm`` [hd]
     are given) and rotated [1, H, hd]; k normed and rotated and v written at row ``pos`` (int64 [1])
@@ -190,18 +170,6 @@ def qk_rope_kv(q, k, v, q_norm, k_norm, eps, cos, sin, perm, pos, kc, vc, n_head
     return qo
 
 
-def qk_rope_kv_reference(q, k, v, q_norm, k_norm, eps, cos, sin, perm, pos, kc, vc, n_head, n_head_kv, head_dim):
-    """:func:`qk_rope_kv` in torch (the static step's own ops)."""
-    qk = torch.cat([q, k], dim=1).reshape(1, n_head + n_head_kv, head_dim)
-    if q_norm is not None:
-        w = torch.cat([q_norm.expand(n_head, head_dim), k_norm.expand(n_head_kv, head_dim)])
-        qk = rms_norm_fused(qk, None, eps) * w
-    qk = apply_rope_table(qk, cos, sin, perm)
-    kc.index_copy_(0, pos, qk[:, n_head:].reshape(1, -1).to(kc.dtype))
-    vc.index_copy_(0, pos, v.to(vc.dtype))
-    return qk[:, :n_head]
-
-
 def route(
     logits: torch.Tensor, k: int, renormalise: bool, table: torch.Tensor, ids_out: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,12 +186,3 @@ def route(
         **qb.launch_kw(pdl),
     )  # fmt: skip
     return w, off
-
-
-def route_reference(
-    logits: torch.Tensor, k: int, renormalise: bool, table: torch.Tensor, ids_out: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`route` in torch (``route_softmax_topk`` and a table lookup)."""
-    ids, w = route_softmax_topk(logits, k, renormalise)
-    ids_out.copy_(ids)
-    return w, table[ids]

@@ -16,55 +16,27 @@ Prefill (many tokens), tokens sorted by expert:
   multiplies with ``tl.dot`` (tf32×3 on CUDA: float32 accuracy). :func:`moe_prefill` builds the
   MoE from it; the trunk uses it for matrices with more than a few tokens (``one_matrix``).
 
-:func:`moe_decode` runs the integer (dp4a, q8-activation) kernels of ``triton_q8_moe`` where
-``triton_gemv.act_mode`` says so (``SHARPI_DEVICE_ACT=q8`` or ``act="q8"``; the default is the
-exact-float kernels below).
+:func:`moe_decode` runs the integer (dp4a, q8-activation) kernels of ``triton_q4k_moe`` /
+``triton_q8_moe`` in q8 mode (``act="q8"``, ``SHARPI_DEVICE_ACT=q8``, or a captured step's choice:
+``kernel_select.moe_act``), else the exact-float kernels below; ``kernel_select.moe_kernels`` names the
+launches and ``kernel_select.launch`` gives their settings.
 
-References with the same signatures (``*_reference``: torch dequantize-then-matmul) sit beside
-each; ``tests/test_triton_moe.py`` holds them together.
+The reference with the same signature (torch dequantize-then-matmul) is
+``engine.runtime.references.moe_decode_reference``; ``tests/test_triton_moe.py`` holds them together.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.config import EngineOptions
 from engine.models.layers import silu_mul
 from engine.quant.formats import QType, block_format
+from engine.runtime import kernel_select as ks
 from engine.runtime import triton_q4k_moe, triton_q8_moe
 from engine.runtime import triton_qblocks as qb
-from engine.runtime.tdequant import dequantize_at
-from engine.runtime.triton_gemv import LAUNCH, UNROLL, act_mode, device_name, graph_act, launch
 
 triton, tl = qb.triton, qb.tl
-
-LAUNCH["default"].update(
-    {
-        "moe_gate_up:*:*": {"BR": 8, "NB": 8, "num_warps": 4},
-        "moe_gate_up:Q6_K:*": {"BR": 4, "NB": 2, "num_warps": 4},
-        "moe_gate_up:Q4_0:*": {"BR": 8, "NB": 8, "num_warps": 4},
-        "moe_gate_up:Q8_0:*": {"BR": 4, "NB": 16, "num_warps": 4},
-        "moe_down:*:*": {"BR": 8, "NB": 4, "num_warps": 4, "KSPLIT": 8},
-        "moe_down:Q6_K:*": {"BR": 8, "NB": 1, "num_warps": 4, "KSPLIT": 8},
-        "moe_down:Q4_0:*": {"BR": 8, "NB": 8, "num_warps": 4, "KSPLIT": 4},
-        "moe_down:Q8_0:*": {"BR": 8, "NB": 8, "num_warps": 4, "KSPLIT": 1},
-        # BR a multiple of 32: h quantized in the gate/up tile; else (more, smaller programs) one more launch
-        "moe_q8_gate_up:*:*": {"BR": 8, "NB": 4, "num_warps": 4},
-        "moe_q8_gate_up:Q4_0:*": {"BR": 8, "NB": 16, "num_warps": 4},
-        "moe_q8_gate_up:Q8_0:*": {"BR": 8, "NB": 16, "num_warps": 4},
-        "moe_q8_down:*:*": {"BR": 16, "NB": 4, "num_warps": 4, "KSPLIT": 2},
-        "moe_q8_down:Q4_0:*": {"BR": 8, "NB": 32, "num_warps": 4, "KSPLIT": 2},
-        "moe_q8_down:Q8_0:*": {"BR": 8, "NB": 32, "num_warps": 4, "KSPLIT": 2},
-        # triton_q4k_moe (all-Q4_K experts, q8 mode): whole rows a program (sweeps: docs/lab-notebook.md);
-        # PF: 1 prefetches the program's rows into L2 before its PDL wait (the other kernels always do)
-        # TILE: the tile orientation (triton_q4k_moe's docstring); Triton ≥ 3.7: triton_gemv.LAUNCH_BY_TRITON
-        "moe_q4k_gate_up:*:*": {"BR": 8, "num_warps": 2, "TILE": "halves"},
-        # PF 0: the down's L2 prefetch before the PDL wait costs more than it saves
-        "moe_q4k_down:*:*": {"BR": 4, "num_warps": 1, "PF": 0, "TILE": "halves"},
-        "grouped:*:*": {"BR": 32, "NB": 1, "BT": 16, "num_warps": 4},  # larger tiles spill (sm_90 report)
-        "grouped:Q4_0:*": {"BR": 32, "NB": 2, "BT": 16, "num_warps": 4},
-        "grouped:Q8_0:*": {"BR": 32, "NB": 1, "BT": 16, "num_warps": 4},
-    }
-)
 
 
 def _geo(qtype: QType, suffix: str = "") -> dict:
@@ -188,19 +160,6 @@ if triton is not None:
 
 
 # -- decode ------------------------------------------------------------------------------------
-def decode_act(device: torch.device, q8_act: bool, roles: dict, capturing: bool | None = None) -> str:
-    """The activation mode a model's routed experts decode with on ``device`` now: ``$SHARPI_DEVICE_ACT``
-    when set; else, for a model that rounds its activations like llama.cpp (``q8_act``, the default),
-    ``"q8"`` where the lean Q4_K gate/up kernel applies (triton_q4k_moe) on a compiled CUDA device
-    *while a CUDA graph is being captured* — the decode step of a wholly-on-GPU placement, where the
-    lean kernels make the whole MoE faster; else ``"f32"``. Eager launches keep the exact-float kernels:
-    the q8 path is two launches more a layer, and launched from Python (the 12 GiB cache placement) it is
-    no faster; the general q8 kernels never beat them (figures: docs/lab-notebook.md, "Activation modes").
-    ``capturing``: whether the launch goes into a graph (default: ``triton_qblocks.in_graph_step()``: capturing, or the warm-up before a capture)."""
-    eligible = q8_act and qb.compiled(device) and triton_q4k_moe.applies_gate_up(roles)
-    return graph_act(device, eligible, capturing)
-
-
 def moe_decode(
     pool: torch.Tensor,
     slot_off: torch.Tensor,
@@ -209,63 +168,56 @@ def moe_decode(
     roles: dict[str, tuple[int, QType, int, int]],
     act: str | None = None,
     xq: tuple | None = None,
+    options: EngineOptions | None = None,
 ) -> torch.Tensor:
     """Σ_k weights[t, k] · down(SiLU(gate·x_t) · up·x_t) over the experts whose slot is given.
 
     pool uint8 [n_slots·stride] (flat or [n_slots, stride]); slot_off int64 [T, K] byte offset of
     each pair's slot (−1: skip the pair); x float32 [T, D]; weights float32 [T, K];
     roles: {"gate"|"up"|"down": (byte offset in the slot, qtype, rows, n)} -> float32 [T, D].
-    act: "q8" | "f32" | None (triton_gemv.act_mode). In q8 mode, gate and up Q4_K: the lean kernels of
-    triton_q4k_moe (down Q4_K: all lean; else h in float into the exact-float down kernel, i.e.
-    triton_q8_moe.moe_decode_q8_reference(..., round_h=False)); other types: triton_q8_moe.
+    act: "q8" | "f32" | None (``kernel_select.act_mode``). The launches are ``kernel_select.moe_kernels``':
+    in q8 mode, gate and up Q4_K, the lean kernels of triton_q4k_moe (down Q4_K: all lean; else h in float
+    into the exact-float down kernel, i.e. ``references.moe_decode_q8_reference(..., round_h=False)``);
+    other types triton_q8_moe; f32 the exact-float kernels below.
     xq: x already in triton_q8's format (``triton_q8.quantize_act(x)``'s three tensors, e.g. from the
     norm kernel before: ``step_kernels.add_rms_norm(..., q8=True)``), used by the lean kernels.
+    options: the engine options (launch tables; default ``config.current()``).
     """
     T, K = slot_off.shape
     (go, gq, F, D), (uo, uq, _, _), (do, dq, _, _) = (roles[r] for r in ("gate", "up", "down"))
     gq, uq, dq = QType(gq), QType(uq), QType(dq)
-    name = device_name(x.device)
+    name = ks.device_name(x.device)
     pdl = qb.pdl(x.device)
     slots = slot_off.reshape(-1).contiguous()
-    q8 = act_mode(x.device, act) == "q8"
-    if q8 and triton_q4k_moe.applies_gate_up(roles):  # the lean Q4_K kernels: h in float
-        H = triton_q4k_moe.gate_up(pool, slots, x, roles, K, launch("moe_q4k_gate_up", gq, F * T * K, name), xq)
-        if triton_q4k_moe.applies(roles):
-            return triton_q4k_moe.down(pool, slots, H, weights, roles, K, launch("moe_q4k_down", dq, D * T, name))
+    k_gate_up, k_down = ks.moe_kernels(roles, ks.act_mode(x.device, act, options))
+    c = ks.launch(k_gate_up, gq, F * T * K, name, options)
+    if k_gate_up == "moe_q4k_gate_up":  # the lean Q4_K kernels: h in float
+        H = triton_q4k_moe.gate_up(pool, slots, x, roles, K, c, xq)
+        if k_down == "moe_q4k_down":
+            return triton_q4k_moe.down(pool, slots, H, weights, roles, K, ks.launch(k_down, dq, D * T, name, options))
         # else: h in float into the exact-float down kernel below (no q8 down beats it for these types)
-    elif q8 and F % 32 == 0:
-        c = launch("moe_q8_gate_up", gq, F * T * K, name)
-        return triton_q8_moe.moe_decode_q8(pool, slot_off, x, weights, roles, c, launch("moe_q8_down", dq, D * T, name))
+    elif k_gate_up == "moe_q8_gate_up":
+        cd = ks.launch(k_down, dq, D * T, name, options)
+        return triton_q8_moe.moe_decode_q8(pool, slot_off, x, weights, roles, c, cd)
     else:
         H = torch.empty((T * K, F), dtype=torch.float32, device=x.device)
-        c = launch("moe_gate_up", gq, F * T * K, name)
-        g_nb, u_nb, lim = D // qb.GEOMETRY[gq][1], D // qb.GEOMETRY[uq][1], c.get("UNROLL", UNROLL)
+        g_nb, u_nb, lim = D // qb.GEOMETRY[gq][1], D // qb.GEOMETRY[uq][1], c.get("UNROLL", ks.UNROLL)
         _gate_up_kernel[(triton.cdiv(F, c["BR"]), T * K)](
             pool, slots, x.contiguous(), H, F, D, K, go, uo, block_format(gq).row_bytes(D),
             block_format(uq).row_bytes(D), g_nb, u_nb, BR=c["BR"], NB=c["NB"], STEPS=qb.steps(g_nb, c["NB"], lim),
             STEPSu=qb.steps(u_nb, c["NB"], lim), PDL=pdl, num_warps=c["num_warps"], **_geo(gq), **_geo(uq, "u"),
             **qb.launch_kw(pdl),
         )  # fmt: skip
-    c = launch("moe_down", dq, D * T, name)
-    ks = max(1, min(c.get("KSPLIT", 1), K))
-    Y = torch.empty((ks, T, D), dtype=torch.float32, device=x.device)
+    c = ks.launch(k_down, dq, D * T, name, options)
+    nks = max(1, min(c.get("KSPLIT", 1), K))
+    Y = torch.empty((nks, T, D), dtype=torch.float32, device=x.device)
     d_nb = F // qb.GEOMETRY[dq][1]
-    _down_kernel[(triton.cdiv(D, c["BR"]), T, ks)](
+    _down_kernel[(triton.cdiv(D, c["BR"]), T, nks)](
         pool, slots, H, weights.to(torch.float32).contiguous(), Y, D, F, do, block_format(dq).row_bytes(F), d_nb,
-        K=K, BR=c["BR"], NB=c["NB"], KSPLIT=ks, STEPS=qb.steps(d_nb, c["NB"], c.get("UNROLL", UNROLL)),
+        K=K, BR=c["BR"], NB=c["NB"], KSPLIT=nks, STEPS=qb.steps(d_nb, c["NB"], c.get("UNROLL", ks.UNROLL)),
         PDL=pdl, PF=qb.prefetch(pdl), NT=32 * c["num_warps"], num_warps=c["num_warps"], **_geo(dq), **qb.launch_kw(pdl),
     )  # fmt: skip
-    return Y[0] if ks == 1 else Y.sum(0)
-
-
-def moe_decode_reference(pool, slot_off, x, weights, roles) -> torch.Tensor:
-    """:func:`moe_decode` by torch dequantize-then-matmul, pair by pair (the specification)."""
-    y = torch.zeros_like(x, dtype=torch.float32)
-    for t, k in zip(*torch.nonzero(slot_off >= 0, as_tuple=True)):
-        s = int(slot_off[t, k])
-        g, u, d = (dequantize_at(pool, s + roles[r][0], *roles[r][1:]) for r in ("gate", "up", "down"))
-        y[t] += weights[t, k] * (d @ silu_mul(g @ x[t], u @ x[t]))
-    return y
+    return Y[0] if nks == 1 else Y.sum(0)
 
 
 # -- prefill -----------------------------------------------------------------------------------
@@ -280,6 +232,7 @@ def grouped_matmul(
     n: int,
     max_group: int,
     cfg: dict | None = None,
+    options: EngineOptions | None = None,
 ) -> torch.Tensor:
     """Y [J, rows] with Y[j] = W_g · X[tok[j]] for the entries of group g (starts[g] ≤ j < starts[g+1]).
 
@@ -288,7 +241,7 @@ def grouped_matmul(
     """
     qtype = QType(qtype)
     G, J = offsets.shape[0], tok.shape[0]
-    c = cfg or launch("grouped", qtype, rows, device_name(X.device))
+    c = cfg or ks.launch("grouped", qtype, rows, ks.device_name(X.device), options)
     Y = torch.empty((J, rows), dtype=torch.float32, device=X.device)
     prec = "tf32x3" if X.device.type == "cuda" else "ieee"
     grid = (triton.cdiv(rows, c["BR"]), G, triton.cdiv(max(max_group, 1), c["BT"]))
@@ -300,13 +253,15 @@ def grouped_matmul(
     return Y
 
 
-def one_matrix(raw: torch.Tensor, X: torch.Tensor, qtype: QType, rows: int, n: int) -> torch.Tensor:
+def one_matrix(
+    raw: torch.Tensor, X: torch.Tensor, qtype: QType, rows: int, n: int, options: EngineOptions | None = None
+) -> torch.Tensor:
     """raw uint8 [rows, row_bytes] times X float32 [T, n] -> [T, rows], tile by tile (any T)."""
     T, dev = X.shape[0], X.device
     zero = torch.zeros(1, dtype=torch.int64, device=dev)
     starts = torch.tensor([0, T], dtype=torch.int64, device=dev)
     tok = torch.arange(T, dtype=torch.int64, device=dev)
-    return grouped_matmul(raw.reshape(-1), zero, starts, tok, X, qtype, rows, n, T)
+    return grouped_matmul(raw.reshape(-1), zero, starts, tok, X, qtype, rows, n, T, options=options)
 
 
 def moe_prefill(
@@ -315,6 +270,7 @@ def moe_prefill(
     x: torch.Tensor,
     weights: torch.Tensor,
     roles: dict[str, tuple[int, QType, int, int]],
+    options: EngineOptions | None = None,
 ) -> torch.Tensor:
     """:func:`moe_decode`'s contract for many tokens: pairs sorted by slot, each expert's weight
     tiles read once per BT of its tokens (three grouped launches and a deterministic combine)."""
@@ -332,11 +288,11 @@ def moe_prefill(
     pool = pool.reshape(-1)
     (go, gq, F, D), (uo, uq, _, _), (do, dq, _, _) = (roles[r] for r in ("gate", "up", "down"))
     tok = order // K
-    g = grouped_matmul(pool, uniq + go, starts, tok, x, gq, F, D, mg)
-    u = grouped_matmul(pool, uniq + uo, starts, tok, x, uq, F, D, mg)
+    g = grouped_matmul(pool, uniq + go, starts, tok, x, gq, F, D, mg, options=options)
+    u = grouped_matmul(pool, uniq + uo, starts, tok, x, uq, F, D, mg, options=options)
     h = silu_mul(g, u)  # [J, F], sorted order
     ident = torch.arange(order.numel(), dtype=torch.int64, device=x.device)
-    d = grouped_matmul(pool, uniq + do, starts, ident, h, dq, D, F, mg)  # [J, D]
+    d = grouped_matmul(pool, uniq + do, starts, ident, h, dq, D, F, mg, options=options)  # [J, D]
     out = torch.zeros((T * K, D), dtype=torch.float32, device=x.device)
     out[order] = d * weights.reshape(-1)[order, None].to(torch.float32)
     return out.view(T, K, D).sum(1)

@@ -8,7 +8,7 @@ d = 0) as int8, packed 4 a word (little-endian) → ``XQ int32 [R, n/4]``, ``XD 
 and the sums ``XS float32 [R, n/16]`` = ``d · Σ q`` over each 16 elements — the *dequantized*
 activations' sums, so the weights' offsets (Q4_0's −8, Q6_K's −32, the K-quants' mins) come out as
 ``offset · XS`` and the kernels compute exactly ``dequantize(W) · dequantize_act(X)`` (up to float
-summation order). :func:`quantize_act_reference` is the specification (torch).
+summation order). ``engine.runtime.references.quantize_act_reference`` is the specification (torch).
 
 Weights: :func:`q8_block` walks a tile of ``BR`` rows × ``NB`` blocks, loads each 32-byte (Q4_0: 16)
 run of quants as int32 words ``[BR, NB, NW]`` (Q4_K/Q5_K 4-byte aligned: vector loads; the
@@ -305,31 +305,6 @@ def quantize_act(X: torch.Tensor, nblk: int = 8) -> tuple[torch.Tensor, torch.Te
         X.contiguous(), XQ, XD, XS, n32, NBLK=nblk, PDL=pdl, num_warps=1, **qb.launch_kw(pdl)
     )
     return XQ, XD, XS
-
-
-def quantize_act_reference(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The specification of :func:`quantize_act`: (q int8 [R, n], d float32 [R, n/32], s float32 [R, n/16])."""
-    R, n = X.shape
-    x = X.to(torch.float32).reshape(R, n // QBLK, QBLK)
-    amax = x.abs().amax(-1)
-    d = amax / torch.full_like(amax, 127.0)  # tensor / tensor: IEEE division (CUDA torch multiplies by 1/scalar)
-    v = x / d[..., None]
-    q = torch.trunc(v + torch.where(v >= 0, 0.5, -0.5))
-    q = torch.where(d[..., None] > 0, q, 0.0).to(torch.int8)
-    s = q.reshape(R, n // 16, 16).sum(-1, dtype=torch.int32).to(torch.float32) * d.repeat_interleave(2, -1)
-    return q.reshape(R, n), d, s
-
-
-def dequantize_act(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """q int8 [R, n], d [R, n/32] -> the activations the q8 kernels multiply by, float32 [R, n]."""
-    R, n = q.shape
-    return (q.reshape(R, -1, QBLK).to(torch.float32) * d[..., None]).reshape(R, n)
-
-
-def q8_round_trip(X: torch.Tensor) -> torch.Tensor:
-    """X float32 [R, n] -> dequantize_act(quantize_act_reference(X)) (what the reference multiplies by)."""
-    q, d, _ = quantize_act_reference(X)
-    return dequantize_act(q, d)
 
 
 def unpack_words(XQ: torch.Tensor) -> torch.Tensor:

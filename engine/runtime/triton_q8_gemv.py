@@ -2,13 +2,14 @@
 
 ``gemv_q8(pool, offsets, X, qtype, rows, n)`` and ``matmul_q8(raw, X, qtype, rows, n)`` have the
 contracts of :func:`engine.runtime.triton_gemv.gemv` / ``matmul`` (which call them in q8
-mode, ``triton_gemv.act_mode``); ``matmul_many_q8(raws, X, qtype, rows, n)`` multiplies several matrices of one qtype and
+mode, ``kernel_select.act_mode``); ``matmul_many_q8(raws, X, qtype, rows, n)`` multiplies several matrices of one qtype and
 width n (a layer's q, k and v) by the same X in one launch — one trunk matrix per launch cannot
 pass ~50-60 % of the bandwidth even for a plain copy (launch, ramp-up, tail).
 
 Each call quantizes X once (``triton_q8.quantize_act``: one small launch). The references
-(``*_reference``) dequantize the weights (``tdequant``) and multiply by the *dequantized q8
-activations* (``triton_q8.q8_round_trip``), so the kernels meet them to float rounding.
+(``engine.runtime.references.gemv_q8_reference`` / ``matmul_q8_reference``) dequantize the weights and
+multiply by the *dequantized q8 activations* (``references.q8_round_trip``), so the kernels meet them
+to float rounding.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import torch
 from engine.quant.formats import QType, block_format
 from engine.runtime import triton_q8 as t8
 from engine.runtime import triton_qblocks as qb
-from engine.runtime.tdequant import dequantize
 
 triton, tl = qb.triton, qb.tl
 
@@ -143,15 +143,3 @@ def matmul_many_q8(raws, X, qtype, rows, n, cfg) -> torch.Tensor:
     return _launch(
         raws[0], meta, Xq, QType(qtype), 0, n, T, triton.next_power_of_2(T), 1, cfg, len(raws), sum(rows), True
     )
-
-
-def gemv_q8_reference(pool, offsets, X, qtype, rows, n) -> torch.Tensor:
-    """:func:`gemv_q8` by torch: dequantized weights times the dequantized q8 activations."""
-    from engine.runtime.triton_gemv import gemv_reference  # (triton_gemv imports this module)
-
-    return gemv_reference(pool, offsets, t8.q8_round_trip(X), qtype, rows, n)
-
-
-def matmul_q8_reference(raw, X, qtype, rows, n) -> torch.Tensor:
-    """:func:`matmul_q8` by torch (X [T, n] -> [T, rows])."""
-    return t8.q8_round_trip(X) @ dequantize(raw.reshape(rows, -1), qtype, n).T

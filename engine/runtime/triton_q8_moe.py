@@ -5,18 +5,16 @@ it in q8 mode): x is quantized once (``triton_q8.quantize_act``), ``_q8_gate_up_
 computes ``h = SiLU(gate·x) · (up·x)`` for a tile of 32·j rows of one (token, expert) pair and
 quantizes it on the spot (a tile holds whole 32-blocks of h), ``_q8_down_kernel`` sums
 ``w_k · down_k · h_k`` over the token's experts. Deterministic (no atomics); slot offset −1 skips
-the pair. :func:`moe_decode_q8_reference`: torch, with x and h rounded through the same q8 rule.
+the pair. ``engine.runtime.references.moe_decode_q8_reference``: torch, with x and h rounded through the same q8 rule.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.models.layers import silu_mul
 from engine.quant.formats import QType, block_format
 from engine.runtime import triton_q8 as t8
 from engine.runtime import triton_qblocks as qb
-from engine.runtime.tdequant import dequantize_at
 
 triton, tl = qb.triton, qb.tl
 
@@ -151,17 +149,3 @@ def moe_decode_q8(pool, slot_off, x, weights, roles, cfg_gate_up: dict, cfg_down
         num_warps=c["num_warps"], **geo(dq), **qb.launch_kw(pdl),
     )  # fmt: skip
     return Y[0] if ks == 1 else Y.sum(0)
-
-
-def moe_decode_q8_reference(pool, slot_off, x, weights, roles, round_h: bool = True) -> torch.Tensor:
-    """:func:`moe_decode_q8` by torch: dequantized weights, x and h through the q8 rounding rule (h in
-    float with ``round_h=False``: triton_moe's q8 mode for a Q4_K gate/up over another down type)."""
-    y = torch.zeros_like(x, dtype=torch.float32)
-    xq = t8.q8_round_trip(x)
-    for t, k in zip(*torch.nonzero(slot_off >= 0, as_tuple=True)):
-        s = int(slot_off[t, k])
-        g, u, d = (dequantize_at(pool, s + roles[r][0], *roles[r][1:]) for r in ("gate", "up", "down"))
-        h = silu_mul(g @ xq[t], u @ xq[t])
-        h = t8.q8_round_trip(h[None])[0] if round_h else h
-        y[t] += weights[t, k] * (d @ h)
-    return y

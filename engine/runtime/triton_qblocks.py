@@ -10,7 +10,7 @@ multiplies it with the matching activations ``x[b·QK + i·PW + l]``. Loads run 
 bytes (contiguous 16- or 32-byte runs per block), so a warp's loads coalesce.
 
 The decoders follow ggml's ``dequantize_row_q4_0 / q8_0 / q4_K / q5_K / q6_K`` (the same rules as
-``engine.quant.reference`` and the torch reference ``engine.runtime.tdequant``). Integers become
+``engine.quant.reference`` and the torch reference ``engine.runtime.references``). Integers become
 floats with the exponent trick (``bits(2²³ + q) − 2²³``: an OR and a subtract, no int→float
 conversion instruction) — exact for the small codes here.
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from functools import cache
 
 try:
@@ -33,6 +32,7 @@ try:  # grid dependency control (programmatic dependent launch), Triton >= 3.4
 except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
+from engine import config
 from engine.quant.formats import QType
 
 SUPPORTED = (QType.Q4_0, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K)
@@ -221,9 +221,6 @@ if triton is not None:
         return acc3
 
 
-ENV_PDL = "SHARPI_PDL"
-
-
 @cache
 def _pdl_device(index: int) -> bool:
     import torch
@@ -231,14 +228,15 @@ def _pdl_device(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def compiled(device) -> bool:
-    """Triton compiles for ``device``: a CUDA device, not Triton's interpreter (``TRITON_INTERPRET=1``)."""
-    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+def compiled(device, options: config.EngineOptions | None = None) -> bool:
+    """Triton compiles for ``device``: a CUDA device, not Triton's interpreter (``TRITON_INTERPRET=1``;
+    ``options`` default: ``config.current()``)."""
+    return device.type == "cuda" and not (options or config.current()).triton_interpret
 
 
 def _gdc_compiled() -> bool:
     """Triton has grid dependency control and compiles (its interpreter has none)."""
-    return gdc_wait is not None and os.environ.get("TRITON_INTERPRET") != "1"
+    return gdc_wait is not None and not config.current().triton_interpret
 
 
 _WARMUP = contextvars.ContextVar("sharpi_graph_warmup", default=False)
@@ -288,18 +286,15 @@ def pdl_supported(index: int | None = None) -> bool:
 
     if not _gdc_compiled() or not torch.cuda.is_available():
         return False
-    if os.environ.get(ENV_PDL, "1").strip() == "0":
+    if not config.current().pdl:
         return False
     return _pdl_device(torch.cuda.current_device() if index is None else index)
-
-
-ENV_PREFETCH = "SHARPI_PDL_PREFETCH"
 
 
 def prefetch(pdl_flag: int) -> int:
     """1 where a PDL kernel also prefetches its weights into L2 before its wait (the default);
     ``$SHARPI_PDL_PREFETCH=0`` keeps PDL without the prefetches (to tell the two apart)."""
-    return int(bool(pdl_flag) and os.environ.get(ENV_PREFETCH, "1").strip() != "0")
+    return int(bool(pdl_flag) and config.current().pdl_prefetch)
 
 
 def launch_kw(flag: int) -> dict:

@@ -1,0 +1,335 @@
+"""The engine's environment, read in one place into a frozen :class:`EngineOptions`.
+
+Every ``SHARPI_*`` variable the engine honours (and ``TRITON_INTERPRET``) is parsed here, once, by
+:meth:`EngineOptions.from_env`; a malformed value raises :class:`~engine.errors.UsageError` naming
+the variable. No other engine module reads ``os.environ`` (the CLI's argument defaults aside) and
+none writes it: the one process setting the engine makes, ``GOMP_SPINCOUNT``, is written by
+:func:`apply_process_settings`, which the entry points call (``sharpi``'s ``main`` and
+``Session``, i.e. the CLI, the desktop app and API users).
+
+How the options travel:
+
+- Explicitly, where a caller can hand them on: ``LoadOptions.engine`` → ``Session`` →
+  ``apply_placement`` → the runtime objects (``DeviceWeights``/``DeviceLinear``, ``CachedExperts``,
+  ``graph_decode.for_placement``) → the kernel wrappers' ``options=`` argument →
+  :mod:`engine.runtime.kernel_select`, which turns them into kernels, activation rounding and
+  launch settings. The planner stays pure: it is handed what it needs as plain request fields
+  (``PlanRequest.cuda_graphs``; ``resolve_moe``/``resolve_kv_type`` take the option values).
+- From :func:`current`, the snapshot of the process environment taken on first use, where
+  threading an argument through would be absurd: choices made once at import (``engine.ops``'s
+  numba-or-reference switch, ``engine.kernels.simd``'s VNNI codegen, ``engine.kernels.bf16``'s
+  prompt path — numba compiles against them), and the launch plumbing inside the Triton wrappers
+  (``triton_qblocks``: programmatic dependent launch and its prefetch, whether Triton compiles or
+  interprets). It is also every ``options=None`` default, e.g. ``LoadOptions()``'s.
+
+Tests pass options explicitly where an API takes them. Where a test must change the process-wide
+snapshot (the CLI, import-time choices in a child interpreter) it uses the ``engine_env`` fixture
+of ``tests/conftest.py`` (which monkeypatches :func:`current`'s snapshot) or, in a child
+interpreter, sets the variables before importing the engine. Tools that need a scoped change
+(the kernel bench: PDL off, candidate launch settings) use :func:`overriding`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from types import MappingProxyType
+
+from engine.errors import UsageError
+
+# The variables, by field of EngineOptions. GUI-only variables (SHARPI_DATA_DIR, SHARPI_ENGINE_NICE)
+# stay with the app (sharpi_gui.store, sharpi_gui.bridge): the app may not import engine internals.
+ENV = MappingProxyType(
+    {
+        "host_kernels": "SHARPI_KERNELS",
+        "bf16_prefill": "SHARPI_BF16",
+        "vnni": "SHARPI_NO_VNNI",
+        "device_kernels": "SHARPI_DEVICE_KERNELS",
+        "device_act": "SHARPI_DEVICE_ACT",
+        "pdl": "SHARPI_PDL",
+        "pdl_prefetch": "SHARPI_PDL_PREFETCH",
+        "triton_table": "SHARPI_TRITON_TABLE",
+        "launch_table": "SHARPI_LAUNCH_TABLE",
+        "triton_interpret": "TRITON_INTERPRET",
+        "cuda_graph": "SHARPI_CUDA_GRAPH",
+        "prompt_upload_min": "SHARPI_PROMPT_UPLOAD_MIN",
+        "kv_type": "SHARPI_KV_DTYPE",
+        "cpu_moe": "SHARPI_CPU_MOE",
+        "calibrate": "SHARPI_NO_CALIBRATE",
+        "calibration_dir": "SHARPI_CALIBRATION_DIR",
+        "demo_model": "SHARPI_DEMO_MODEL",
+    }
+)
+ENV_CPU_MOE = ENV["cpu_moe"]  # named in plan reasons ("set by SHARPI_CPU_MOE=1")
+
+KV_TYPES = ("f32", "bf16", "q8_0")  # engine.plan.sizing.KV_TYPES (tests/test_config.py holds them equal)
+KV_ALIASES = MappingProxyType({"fp32": "f32", "float32": "f32", "q8": "q8_0"})
+CUDA_GRAPH_MODES = ("graph", "eager", "off")
+ACT_MODES = ("q8", "f32")
+
+# numba's OpenMP workers (libgomp) spin ~300,000 pause loops (~15 ms) after each parallel loop
+# before they sleep. A decode step runs ~100 short loops; when another process wants a core, the
+# spinning worker steals it from the thread doing the serial steps and each loop then waits for a
+# descheduled thread (measured, qwen3moe bench file, 2 cores, one busy process beside us: 383 ms
+# per token). 10,000 spins (~0.5 ms) still bridge the gaps between a step's loops (quiet machine:
+# 36.9 -> 37.7 ms per token) and leave contention at 101 ms. libgomp reads it when numba starts
+# its pool (the first parallel call), so apply_process_settings must run before that.
+GOMP_SPINCOUNT = "10000"
+
+_TRUE = ("1", "on", "true", "yes")
+_FALSE = ("0", "off", "false", "no")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine's knobs (each field's variable in :data:`ENV`). Defaults are what an empty
+    environment gives; ``EngineOptions()`` is a valid, documented configuration."""
+
+    # -- host (CPU) kernels ------------------------------------------------------------------------
+    # SHARPI_KERNELS: "numba" (the default) or "reference" — engine.ops routes matmul / moe_ffn to
+    # the numpy reference models (slow; the specification). Read once, at engine.ops's import.
+    host_kernels: str = "numba"
+    # SHARPI_BF16: auto | 0 | 1 | fpmath | bf16. How long prompts' products use the CPU's bf16 units
+    # (engine.kernels.bf16.detect_mode): auto (unset) by what oneDNN does on this CPU, 0 never (the
+    # q8 kernels), 1 even without native bf16 units, fpmath / bf16 that mode. Read at first use.
+    bf16_prefill: str = "auto"
+    # SHARPI_NO_VNNI: 1 turns the VNNI dot steps of engine.kernels.simd off (tests hold the two
+    # paths together); unset/0 = use them where the CPU has them. Read once, at import.
+    vnni: bool = True
+
+    # -- device kernels (engine.runtime.kernel_select) ------------------------------------------------
+    # SHARPI_DEVICE_KERNELS: "triton" (the default: the Triton kernels where Triton and the device
+    # allow) or "reference" — the torch dequantize-then-matmul references everywhere.
+    device_kernels: str = "triton"
+    # SHARPI_DEVICE_ACT: "q8" or "f32" forces the activation rounding of every device launch (q8:
+    # integer kernels on activations rounded like llama.cpp; f32: exact float); None (unset) =
+    # kernel_select's choice (q8 only for the lean Q4_K kernels inside a CUDA-graph step).
+    device_act: str | None = None
+    # SHARPI_PDL: 0 turns programmatic dependent launch off inside CUDA graphs (default on where the
+    # GPU has it, compute capability ≥ 9).
+    pdl: bool = True
+    # SHARPI_PDL_PREFETCH: 0 keeps PDL but drops the L2 prefetch before each kernel's wait.
+    pdl_prefetch: bool = True
+    # SHARPI_TRITON_TABLE: which Triton version's launch table applies — "3.9" (major.minor; the
+    # newest table not newer than it), "none" (the default table alone; stored as (0, 0)); None
+    # (unset) = the installed Triton's.
+    triton_table: tuple[int, int] | None = None
+    # SHARPI_LAUNCH_TABLE: path of a JSON object {"<kernel>:<qtype>:<class>": {settings}} consulted
+    # before every packaged table (engine/runtime/launch/README.md), on every device — to try
+    # settings without editing the package; loaded when the options are built. None: none.
+    launch_table: Mapping[str, Mapping[str, int | str]] | None = None
+    # TRITON_INTERPRET: 1 = Triton runs on the CPU through its interpreter (tests: "the simulated
+    # device" then runs the Triton kernels). Triton itself reads it when kernels are decorated.
+    triton_interpret: bool = False
+
+    # -- runtime ----------------------------------------------------------------------------------------
+    # SHARPI_CUDA_GRAPH: "graph" (default; also 1/on/true/yes) — one-token steps with every layer on
+    # a CUDA device replay captured CUDA graphs; "eager" — the same static step, not captured, on any
+    # device (the simulated device in tests); "off" (also 0/false/no) — the eager path.
+    cuda_graph: str = "graph"
+    # SHARPI_PROMPT_UPLOAD_MIN: tokens of a prompt a missed cached expert needs to be uploaded and run
+    # on the device (whole number ≥ 0; 0: never); None (unset) = expert_cache.PROMPT_UPLOAD_MIN (16).
+    prompt_upload_min: int | None = None
+    # SHARPI_KV_DTYPE: the KV cache dtype when neither --kv-type nor LoadOptions.kv_type says:
+    # f32 | bf16 | q8_0 (aliases fp32, float32, q8); None (unset) = f32.
+    kv_type: str | None = None
+    # SHARPI_CPU_MOE: 1 = routed experts on the CPU, 0 = in a GPU cache, unless --moe/--cpu-moe say
+    # otherwise (an environment choice falls back quietly when impossible); None (unset) = auto.
+    cpu_moe: bool | None = None
+
+    # -- calibration (engine.plan.calibrate) -----------------------------------------------------------
+    # SHARPI_NO_CALIBRATE: 1 = never measure the device, never read the calibration cache (the
+    # planner's documented defaults). Stored as calibrate = not that.
+    calibrate: bool = True
+    # SHARPI_CALIBRATION_DIR: where calibrations are cached; None = the user cache dir.
+    calibration_dir: Path | None = None
+
+    # -- files ------------------------------------------------------------------------------------------
+    # SHARPI_DEMO_MODEL: the demo GGUF `sharpi run` and the app use without -m (engine.demo).
+    demo_model: Path | None = None
+
+    def __post_init__(self):
+        _check(self)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> EngineOptions:
+        """The options ``environ`` (default: ``os.environ``) asks for; unset or empty variables keep
+        the defaults. Raises :class:`UsageError` naming the variable for a malformed value."""
+        env = os.environ if environ is None else environ
+        got = {}
+        for name, var in ENV.items():
+            raw = env.get(var, "").strip()
+            if raw:
+                got[name] = _PARSE[name](var, raw)
+        return cls(**got)
+
+    def with_env(self, changes: Mapping[str, str | None]) -> EngineOptions:
+        """These options with the variables in ``changes`` parsed over them (None or "": the default)."""
+        out = replace(self)
+        for var, raw in changes.items():
+            name = _FIELD_OF.get(var)
+            if name is None:
+                raise UsageError(f"{var} is not an engine variable (known: {', '.join(ENV.values())})")
+            value = (raw or "").strip()
+            out = replace(out, **{name: _PARSE[name](var, value) if value else _DEFAULTS[name]})
+        return out
+
+
+_FIELD_OF = {var: name for name, var in ENV.items()}
+
+
+def _bad(var: str, raw: str, want: str) -> UsageError:
+    return UsageError(f"{var}={raw!r}: expected {want}")
+
+
+def _flag(var: str, raw: str) -> bool:
+    v = raw.lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise _bad(var, raw, "1 or 0 (on/off, true/false, yes/no)")
+
+
+def _choice(choices: tuple[str, ...], aliases: Mapping[str, str] | None = None):
+    def parse(var: str, raw: str) -> str:
+        v = raw.lower()
+        v = (aliases or {}).get(v, v)
+        if v not in choices:
+            raise _bad(var, raw, "one of " + ", ".join(choices))
+        return v
+
+    return parse
+
+
+def _cuda_graph(var: str, raw: str) -> str:
+    v = raw.lower()
+    if v in _FALSE:
+        return "off"
+    if v in _TRUE:
+        return "graph"
+    return _choice(CUDA_GRAPH_MODES)(var, raw)
+
+
+def _triton_table(var: str, raw: str) -> tuple[int, int]:
+    if raw.lower() == "none":
+        return (0, 0)
+    try:
+        major, minor = (int(p) for p in raw.split(".")[:2])
+    except ValueError:
+        raise _bad(var, raw, "a Triton version such as 3.9, or none") from None
+    return (major, minor)
+
+
+def _launch_table(var: str, raw: str) -> Mapping:
+    path = Path(raw).expanduser()
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise _bad(var, raw, f"a readable JSON launch table ({e})") from None
+    return _freeze_table(var, table)
+
+
+def _freeze_table(var: str, table) -> Mapping:
+    """A launch table {key: {setting: int | str}} as read-only mappings; checked."""
+    if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
+        raise UsageError(f"{var}: a launch table is a JSON object of objects, keyed '<kernel>:<qtype>:<class>'")
+    for key, settings in table.items():
+        if key.count(":") != 2 or not all(isinstance(v, (int, str)) for v in settings.values()):
+            raise UsageError(f"{var}: entry {key!r} is not '<kernel>:<qtype>:<class>': {{setting: number or name}}")
+    return MappingProxyType({k: MappingProxyType(dict(v)) for k, v in table.items()})
+
+
+def _whole(var: str, raw: str) -> int:
+    try:
+        n = int(raw)
+    except ValueError:
+        raise _bad(var, raw, "a whole number of tokens") from None
+    if n < 0:
+        raise _bad(var, raw, "a number ≥ 0")
+    return n
+
+
+def _cpu_moe(var: str, raw: str) -> bool:
+    if raw not in ("0", "1"):
+        raise UsageError(f"{var} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+_PARSE = {
+    "host_kernels": _choice(("numba", "reference")),
+    "bf16_prefill": _choice(("auto", "0", "1", "fpmath", "bf16")),
+    "vnni": lambda var, raw: not _flag(var, raw),  # the variable says "no VNNI"
+    "device_kernels": _choice(("triton", "reference")),
+    "device_act": _choice(ACT_MODES),
+    "pdl": _flag,
+    "pdl_prefetch": _flag,
+    "triton_table": _triton_table,
+    "launch_table": _launch_table,
+    "triton_interpret": _flag,
+    "cuda_graph": _cuda_graph,
+    "prompt_upload_min": _whole,
+    "kv_type": _choice(KV_TYPES, KV_ALIASES),
+    "cpu_moe": _cpu_moe,
+    "calibrate": lambda var, raw: not _flag(var, raw),  # the variable says "no calibration"
+    "calibration_dir": lambda var, raw: Path(raw).expanduser(),
+    "demo_model": lambda var, raw: Path(raw).expanduser(),
+}
+_DEFAULTS = {f.name: f.default for f in fields(EngineOptions)}
+assert set(_PARSE) == set(ENV) == set(_DEFAULTS)
+
+
+def _check(o: EngineOptions) -> None:
+    """Fields given directly (not through from_env) obey the same rules."""
+    choices = {
+        "host_kernels": ("numba", "reference"),
+        "device_kernels": ("triton", "reference"),
+        "cuda_graph": CUDA_GRAPH_MODES,
+    }
+    for name, allowed in choices.items():
+        if getattr(o, name) not in allowed:
+            raise UsageError(f"EngineOptions.{name}={getattr(o, name)!r}: expected one of {', '.join(allowed)}")
+    if o.device_act not in (None, *ACT_MODES):
+        raise UsageError(f"EngineOptions.device_act={o.device_act!r}: expected None, q8 or f32")
+    if o.kv_type not in (None, *KV_TYPES):
+        raise UsageError(f"EngineOptions.kv_type={o.kv_type!r}: expected None or one of {', '.join(KV_TYPES)}")
+    if o.prompt_upload_min is not None and (not isinstance(o.prompt_upload_min, int) or o.prompt_upload_min < 0):
+        raise UsageError(f"EngineOptions.prompt_upload_min={o.prompt_upload_min!r}: expected None or a number ≥ 0")
+    if o.launch_table is not None and not isinstance(o.launch_table, MappingProxyType):
+        object.__setattr__(o, "launch_table", _freeze_table("EngineOptions.launch_table", dict(o.launch_table)))
+
+
+# -- the process snapshot ------------------------------------------------------------------------------
+_current: EngineOptions | None = None
+
+
+def current() -> EngineOptions:
+    """The options of this process: ``EngineOptions.from_env()`` taken on first use and kept (a
+    variable changed later is not seen; see the module docstring for who reads this)."""
+    global _current
+    if _current is None:
+        _current = EngineOptions.from_env()
+    return _current
+
+
+@contextlib.contextmanager
+def overriding(**changes) -> Iterator[EngineOptions]:
+    """Inside the block :func:`current` returns itself with ``changes`` (field names) applied; restored
+    after. For single-threaded tools (the kernel bench's PDL-off runs and launch-settings sweep)."""
+    global _current
+    before = current()
+    _current = replace(before, **changes)
+    try:
+        yield _current
+    finally:
+        _current = before
+
+
+def apply_process_settings() -> None:
+    """Process settings the engine wants before its first parallel call: ``GOMP_SPINCOUNT`` (see
+    :data:`GOMP_SPINCOUNT`), unless the user set it. Called by the entry points; idempotent."""
+    os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)

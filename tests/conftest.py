@@ -161,3 +161,30 @@ def engine_env(monkeypatch) -> Callable:
     ``kernel_select``'s functions), pass them instead. Choices made at import (engine.ops,
     engine.kernels.simd/bf16) do not follow: set those variables in a child interpreter's environment."""
     return lambda changes: set_engine_env(monkeypatch, changes)
+
+
+# -- markers by file: the everyday loop (-m "not slow") and the masked re-run (-m cpu_paths) ----------
+# slow: seconds to minutes each — device calibration, the llama.cpp parity matrix and the prompt
+# accuracy matrix (tests/triton marks itself: the Triton kernels in the interpreter).
+SLOW_FILES = {"test_calibrate.py", "test_parity_llama.py", "test_prompt_accuracy.py"}
+# cpu_paths: kernels and prompt paths whose code depends on the processor (VNNI dot steps, the bf16
+# units, oneDNN's ISA). tests/suite.sh runs them again with SHARPI_NO_VNNI=1 SHARPI_BF16=0
+# ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16, so both paths are tested on whichever processor runs CI.
+CPU_PATH_FILES = {
+    "test_kernels.py",
+    "test_kernels_q8.py",
+    "test_kernels_moe.py",
+    "test_grouped_prefill.py",
+    "test_bf16_prefill.py",
+    "test_host_decode.py",
+    "test_engine_cpu.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.path.name
+        if name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+        if name in CPU_PATH_FILES:
+            item.add_marker(pytest.mark.cpu_paths)

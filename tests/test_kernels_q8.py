@@ -168,6 +168,23 @@ def _vnni_steps(u, s, p, q):
     return got, want
 
 
+def test_vnni_switch_reaches_the_compiler():
+    """SHARPI_NO_VNNI=1 (tests/suite.sh's masked run) compiles for the CPU without VNNI: no VNNI
+    steps from simd and none from LLVM, and numba caches those builds apart from the VNNI ones (its
+    cache key holds the feature string, not the switch)."""
+    from numba.core.registry import cpu_target
+
+    from engine import config
+
+    compiled_for = cpu_target.target_context.codegen()._get_host_cpu_features()
+    if config.current().vnni:
+        cpu_has = bool(simd.HAS_AVX2 and {"+avxvnni", "+avx512vnni"} & set(simd._FEATURES))
+        assert cpu_has == simd.HAS_VNNI
+    else:
+        assert not simd.HAS_VNNI
+        assert "+avx512vnni" not in compiled_for.split(",") and "+avxvnni" not in compiled_for.split(",")
+
+
 @pytest.mark.parametrize("vnni", [simd.HAS_VNNI], ids=lambda v: f"vnni={v}")
 def test_fused_dot_steps_equal_their_compositions(vnni):
     """madd_acc / dot_ub_sb / dot_sb_sb (vpdpwssd / vpdpbusd where the CPU has VNNI) equal the

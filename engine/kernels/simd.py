@@ -18,6 +18,7 @@ Every intrinsic is a pure function of its arguments; vectors are values, never a
 from __future__ import annotations
 
 import llvmlite.binding as llvm_binding
+import numba
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -64,6 +65,10 @@ HAS_AVX2 = "+avx2" in _FEATURES
 HAS_VNNI = HAS_AVX2 and ("+avxvnni" in _FEATURES or {"+avx512vnni", "+avx512vl"} <= set(_FEATURES))
 if not config.current().vnni:
     HAS_VNNI = False
+    # numba keys its on-disk cache by signature and the CPU's feature string, not by this switch:
+    # compile for the CPU without VNNI, so LLVM emits none either and the two builds are cached apart.
+    _FEATURES = [{"+avxvnni": "-avxvnni", "+avx512vnni": "-avx512vnni"}.get(f, f) for f in _FEATURES if f]
+    numba.config.CPU_FEATURES = ",".join(_FEATURES)
 
 
 # --- helpers used inside codegen ------------------------------------------------------------

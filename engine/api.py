@@ -20,7 +20,7 @@ from engine.errors import DeviceMemoryError, UsageError
 from engine.generate import CacheState, GenerationEvent, SamplingParams, generate
 from engine.gguf import open_gguf
 from engine.modelinfo import ModelInfo, describe
-from engine.plan import AUTO, DeviceProfile, ModelSpec, Placement, PlanRequest, plan, resolve_kv_type
+from engine.plan import DeviceProfile, ModelSpec, Placement, PlanRequest, plan, resolve_kv_type
 from engine.profiler import ProfilerSnapshot
 from engine.profiler import export as export_profile
 from engine.runtime.apply import Applied, apply_placement
@@ -38,8 +38,8 @@ class LoadOptions:
     device: str | None = None  # "cuda" | "cpu" (the simulated device); None = cuda if available
     placement: PlanRequest | None = None  # None = everything on the CPU
     vram_budget: int | None = None  # device bytes the planner may use; None = the detected VRAM
-    # The machine's speeds for the planner (bandwidths, fixed costs); None = the calibrated profile
-    # of a CUDA device (measured on the first auto choice, then cached), else the defaults.
+    # The machine's speeds for the planner (bandwidths, fixed costs); None = the documented defaults.
+    # On CUDA the CLI and the app pass this machine's calibration (engine.bench.calibrate.speed_profile).
     device_profile: DeviceProfile | None = None
     # The engine's knobs (kernel choice, CUDA graphs, calibration, ...: engine.config); default: the
     # process environment's, read once (engine.config.current()).
@@ -80,10 +80,7 @@ class Session:
             self.cache = self.model.new_cache(self.n_ctx, self.kv_type)
             if options.placement is not None:
                 req = replace(options.placement, ctx=self.n_ctx, kv_type=self.kv_type)
-                if req.moe == AUTO:
-                    report(3, 4, "placing the model (measuring the device once if needed)")
-                prof = self.device_profile(options.vram_budget, calibrate=req.moe == AUTO)
-                self.apply(self.plan(req, prof))
+                self.apply(self.plan(req, self.device_profile(options.vram_budget)))
         except BaseException:
             self.gf.close()
             raise
@@ -149,61 +146,28 @@ class Session:
         """The placement in force (None: everything on the CPU, as loaded)."""
         return self.applied.placement if self.applied else None
 
-    def device_profile(self, vram_budget: int | None = None, *, calibrate: bool = False) -> DeviceProfile:
+    def device_profile(self, vram_budget: int | None = None) -> DeviceProfile:
         """The device to plan for: its memory (the GPU's when CUDA is used, else 12 GiB unless a
-        budget is given) and its speeds — an injected profile (``LoadOptions.device_profile``,
-        :meth:`set_device_profile`), else on CUDA the calibrated one (``engine.plan.calibrate``:
-        read from the cache, or measured now — a few seconds, once per machine — when
-        ``calibrate`` is true), else the documented defaults. ``EngineOptions.calibrate`` False
-        (``SHARPI_NO_CALIBRATE=1``) keeps the defaults. The simulated device always uses the
-        defaults unless a profile is injected."""
+        budget is given) and its speeds — the profile given (``LoadOptions.device_profile``,
+        :meth:`set_device_profile`: on CUDA, the CLI and the app pass this machine's calibration,
+        ``engine.bench.calibrate.speed_profile``), else the documented defaults. No measuring here."""
         if vram_budget is None and self.device.type == "cuda":
             vram_budget = torch.cuda.mem_get_info(self.device)[1]
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "simulated device (CPU)"
-        base = self._speed_profile(calibrate)
+        base = self._speeds or DeviceProfile()
         vram = vram_budget if vram_budget is not None else DeviceProfile().vram_bytes
         return replace(base, vram_bytes=vram, name=base.name or name)
 
     def set_device_profile(self, profile: DeviceProfile | None) -> None:
-        """Use ``profile``'s speeds for later plans (None: back to calibrated or default)."""
+        """Use ``profile``'s speeds for later plans (None: back to the defaults)."""
         self._speeds = profile
 
-    def _speed_profile(self, run: bool) -> DeviceProfile:
-        if self._speeds is not None:
-            return self._speeds
-        from engine.plan import calibrate as cal
-
-        o = self.engine_options
-        if self.device.type != "cuda" or cal.calibration_disabled(o):
-            return DeviceProfile()
-        shape = cal.ExpertShape.from_gguf(self.gf) or cal.DEFAULT_SHAPE
-        prof = cal.load_cached(self.device, shape, options=o)
-        if prof is None and run:
-            try:
-                prof = cal.calibrate(self.device, shape, trunk_qtype=self._trunk_qtype(), options=o).profile
-            except Exception as e:  # measuring must never stop a model from loading
-                log.warning("device calibration failed, using the default profile: %s", e)
-                prof = DeviceProfile()
-                self._speeds = prof
-                return prof
-        if prof is None:  # not measuring now: the device figures of another model's calibration
-            return cal.load_cached(self.device, shape, partial=True, options=o) or DeviceProfile()
-        self._speeds = prof
-        return prof
-
-    def _trunk_qtype(self) -> str:
-        try:
-            return self.gf.tensor("blk.0.attn_q.weight").qtype.name
-        except Exception:
-            return "Q4_K"
-
     def plan(self, request: PlanRequest, profile: DeviceProfile | None = None) -> Placement:
-        """The planner's placement for this model (pure and fast: no allocation, except that the
-        first ``moe="auto"`` request on CUDA may calibrate the device, see :meth:`device_profile`).
+        """The planner's placement for this model (pure and fast: no allocation, no measuring).
         A request's ``cuda_graphs`` left None follows the session's options (``cuda_graph``)."""
         if request.cuda_graphs is None:
             request = replace(request, cuda_graphs=self.engine_options.cuda_graph != "off")
-        return plan(self.spec, profile or self.device_profile(calibrate=request.moe == AUTO), request)
+        return plan(self.spec, profile or self.device_profile(), request)
 
     def apply(self, placement: Placement, engine: EngineOptions | None = None) -> None:
         """Re-place the loaded model (the file is not re-read) and start a fresh KV cache. ``engine``: the

@@ -141,7 +141,7 @@ class EngineOptions:
     # otherwise (an environment choice falls back quietly when impossible); None (unset) = auto.
     cpu_moe: bool | None = None
 
-    # -- calibration (engine.plan.calibrate) -----------------------------------------------------------
+    # -- calibration (engine.bench.calibrate) -----------------------------------------------------------
     # SHARPI_NO_CALIBRATE: 1 = never measure the device, never read the calibration cache (the
     # planner's documented defaults). Stored as calibrate = not that.
     calibrate: bool = True

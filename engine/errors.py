@@ -55,6 +55,10 @@ class UsageError(SharpIError):
     """A command-line or API argument is malformed or impossible."""
 
 
+class PlanError(UsageError):
+    """A placement request that cannot be satisfied (or is malformed)."""
+
+
 class ChatTemplateError(SharpIError):
     """The model's chat template does not compile, or failed on the given conversation."""
 

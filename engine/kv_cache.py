@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 
 from engine.errors import UsageError
-from engine.plan.planner import resolve_kv_type
-from engine.plan.sizing import check_kv_geometry, kv_layer_bytes
+from engine.kv_layout import check_kv_geometry, kv_layer_bytes, resolve_kv_type
 
 
 def _q8_0_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,6 +29,7 @@ import numpy as np
 from PySide6.QtCore import QCoreApplication, QObject, QThread, Signal, Slot
 
 from engine.api import LoadOptions, Session
+from engine.bench.calibrate import speed_profile
 from engine.errors import (
     DeviceMemoryError,
     GGUFError,
@@ -309,7 +310,10 @@ def _limits(
 def _device_profile(session: Session) -> DeviceProfile:
     """The GPU's memory and its calibrated speeds (measured once per machine, a few seconds, on
     the first load with CUDA; cached after), or the simulated device's default budget and speeds."""
-    return session.device_profile(calibrate=True)
+    speeds = speed_profile(session.device, session.gf, measure=True, options=session.engine_options)
+    if speeds is not None:
+        session.set_device_profile(speeds)
+    return session.device_profile()
 
 
 def _plan(loaded: _Loaded, settings: D.PlanSettings):

@@ -1,4 +1,4 @@
-"""Device calibration (engine.plan.calibrate) on the simulated device, its cache file, the fit of the
+"""Device calibration (engine.bench.calibrate) on the simulated device, its cache file, the fit of the
 fixed costs, and how Session and the CLI choose a profile."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from engine.api import LoadOptions, Session
+from engine.bench import calibrate as cal
 from engine.cli.main import main
 from engine.config import EngineOptions
 from engine.plan import DeviceProfile, ModelSpec, PlanRequest, predict
-from engine.plan import calibrate as cal
 from engine.plan.profile import OVERHEAD_FIELDS
 from tests.conftest import set_engine_env
 from tests.test_plan_sizing import _q4k_except_vectors, _qwen3_args
@@ -165,7 +165,8 @@ def test_simulated_device_uses_defaults_even_with_a_cache_file(moe_path, measure
     """A simulated-device calibration is cached (measured above) but never used unasked."""
     assert cal.load_cached("cpu", TINY) is not None
     with Session.load(str(moe_path), LoadOptions(n_ctx=64, device="cpu")) as s:
-        p = s.device_profile(1 << 30, calibrate=True)
+        assert cal.speed_profile(s.device, s.gf, measure=True) is None
+        p = s.device_profile(1 << 30)
         assert p.measured == () and p.token_us == DeviceProfile().token_us and p.vram_bytes == 1 << 30
 
 
@@ -188,7 +189,7 @@ def test_injected_profile_drives_the_auto_choice(moe_path, engine_env):
 
 
 class _FakeCal:
-    """Stands in for engine.plan.calibrate's cache and measurement (a CUDA device is not here)."""
+    """Stands in for engine.bench.calibrate's cache and measurement (a CUDA device is not here)."""
 
     def __init__(self, cached=None, fail=False):
         self.cached, self.fail, self.runs = cached, fail, 0
@@ -200,7 +201,8 @@ class _FakeCal:
         self.runs += 1
         if self.fail:
             raise RuntimeError("no GPU today")
-        return SimpleNamespace(profile=DeviceProfile(token_us=123.0, measured=("token_us",), name="fake GPU"))
+        self.cached = DeviceProfile(token_us=123.0, measured=("token_us",), name="fake GPU")  # written to the cache
+        return SimpleNamespace(profile=self.cached)
 
 
 @pytest.mark.parametrize(
@@ -214,16 +216,29 @@ class _FakeCal:
     ],
 )
 def test_cuda_profile_policy(moe_path, monkeypatch, engine_env, cached, disabled, run, fail, want_token, want_runs):
+    """speed_profile: what the CLI and the app hand a CUDA session (a Session never measures)."""
+    from engine.gguf import open_gguf
+
     fake = _FakeCal(cached, fail)
+    monkeypatch.setattr(cal, "_FAILED", set())
     monkeypatch.setattr(cal, "load_cached", fake.load_cached)
     monkeypatch.setattr(cal, "calibrate", fake.calibrate)
-    engine_env({"SHARPI_NO_CALIBRATE": "1" if disabled else None})
-    with Session.load(str(moe_path), LoadOptions(n_ctx=64, device="cpu")) as s:
-        s.device = SimpleNamespace(type="cuda")  # only the policy runs: no CUDA call is made below
-        prof = s._speed_profile(run)
+    opts = engine_env({"SHARPI_NO_CALIBRATE": "1" if disabled else None})
+    with open_gguf(moe_path) as gf:
+        assert cal.speed_profile("cpu", gf, measure=True, options=opts) is None  # no CUDA: the defaults
+        prof = cal.speed_profile("cuda", gf, measure=run, options=opts) or DeviceProfile()
         assert prof.token_us == want_token and fake.runs == want_runs
-        s._speed_profile(run)  # remembered: never measured twice
+        cal.speed_profile("cuda", gf, measure=run, options=opts)  # cached (or failed) once: never measured twice
         assert fake.runs == want_runs
+
+
+def test_a_session_never_measures(moe_path, monkeypatch):
+    """Loading and planning (auto included) use the profile given, else the defaults: no probe runs."""
+    for probe in ("calibrate", "load_cached", "measure_cpu_experts"):
+        monkeypatch.setattr(cal, probe, lambda *a, _p=probe, **k: pytest.fail(f"{_p} ran inside Session"))
+    req = PlanRequest(ctx=64, moe="auto")
+    with Session.load(str(moe_path), LoadOptions(n_ctx=64, device="cpu", placement=req)) as s:
+        assert s.plan(req).profile.token_us == DeviceProfile().token_us
 
 
 def test_cli_bench_calibrate_json_is_a_plan_profile(measured, moe_path, capsys, tmp_path):

@@ -74,3 +74,117 @@ def test_the_engine_runs_without_qt():
     code = "import sys, engine.api, engine.plan, engine.profiler\nprint(sorted(set(sys.modules) & {'PySide6', 'pyqtgraph', 'sharpi_gui'}))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+# -- inside the engine: layers and cycles ----------------------------------------------------------
+# Each engine package (or top-level module) may import only packages of a lower rank: the
+# dependency order gguf/quant ← kernels ← models ← runtime ← api ← cli/bench, with the pure planner
+# (plan) beside the runtime, importing only what models a model (PLAN_MAY_IMPORT). Every import
+# counts, also one inside a function (a lazy import is still a dependency).
+RANK = {
+    "errors": 0,
+    "config": 1,
+    "quant": 2,
+    "demo": 2,
+    "gguf": 3,
+    "generate": 3,
+    "kernels": 4,
+    "kv_layout": 4,
+    "profiler": 4,
+    "synth": 4,
+    "tokenizer": 4,
+    "ops": 5,
+    "kv_cache": 5,
+    "experts": 6,
+    "models": 7,
+    "modelinfo": 8,
+    "plan": 8,
+    "runtime": 9,
+    "api": 10,
+    "bench": 11,
+    "cli": 12,
+}
+PLAN_MAY_IMPORT = {"models", "quant", "gguf", "kv_layout", "config", "errors"}
+
+
+def _engine_modules() -> dict[str, Path]:
+    mods = {}
+    for f in sorted((ROOT / "engine").rglob("*.py")):
+        name = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+        mods[name.removesuffix(".__init__")] = f
+    return mods
+
+
+def _engine_edges() -> dict[str, set[str]]:
+    """module -> the engine modules it imports (``from a import b`` names module a.b where it is one)."""
+    mods = _engine_modules()
+
+    def resolve(name: str) -> str | None:
+        parts = name.split(".")
+        return next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in mods), None)
+
+    edges = {}
+    for name, f in mods.items():
+        out = set()
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                out.update(resolve(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                out.update(resolve(f"{node.module}.{a.name}") or resolve(node.module) for a in node.names)
+        edges[name] = {m for m in out if m and m != name}
+    return edges
+
+
+def _package(module: str) -> str:
+    return module.split(".")[1] if module != "engine" else "engine"
+
+
+def test_every_engine_package_has_a_rank():
+    packages = {_package(m) for m in _engine_modules()} - {"engine"}
+    assert packages == set(RANK), packages ^ set(RANK)
+
+
+def test_engine_imports_go_down_the_layers():
+    bad = []
+    for a, bs in _engine_edges().items():
+        pa = _package(a)
+        for b in bs:
+            pb = _package(b)
+            if pa == pb or pb == "engine":
+                continue
+            if RANK[pb] >= RANK[pa] or (pa == "plan" and pb not in PLAN_MAY_IMPORT):
+                bad.append(f"{a} -> {b}")
+    assert bad == []
+
+
+def test_no_import_cycles_inside_the_engine():
+    """Tarjan's strongly connected components over the module graph: every one a single module."""
+    edges = _engine_edges()
+    index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    assert cycles == []

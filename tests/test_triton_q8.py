@@ -217,9 +217,9 @@ def test_trunk_act_and_the_small_matrix_rule(monkeypatch):
     import numpy as np
 
     torch = pytest.importorskip("torch")
+    from engine.bench.calibrate import random_blocks
     from engine.config import EngineOptions
     from engine.kernels.prepare import prepare_weight
-    from engine.plan.calibrate import random_blocks
     from engine.quant.formats import QType
     from engine.runtime import device as dv
     from engine.runtime import kernel_select as ks

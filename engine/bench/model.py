@@ -391,7 +391,12 @@ def compare_modes(session, prompt: int, gen: int, repeat: int, *, threads: int =
         moe_source="--compare-modes",
     )
     # The profile an auto choice plans with (on CUDA: calibrated, measuring once if need be).
-    profile = session.device_profile(base.budget_bytes, calibrate=True)
+    from engine.bench.calibrate import speed_profile
+
+    speeds = speed_profile(session.device, session.gf, measure=True, options=session.engine_options)
+    if speeds is not None:
+        session.set_device_profile(speeds)
+    profile = session.device_profile(base.budget_bytes)
     auto = session.plan(replace(req, moe="auto"), profile)
     rows = []
     for mode in ("cpu", "cache", "resident"):

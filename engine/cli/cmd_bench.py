@@ -250,7 +250,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     import numba
     import torch
 
-    from engine.plan import calibrate as cal
+    from engine.bench import calibrate as cal
     from engine.plan.profile import describe_profile
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

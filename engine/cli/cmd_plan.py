@@ -116,8 +116,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _calibrated(device: str, model: str) -> dict:
     """The cached calibration of ``device`` on this machine, for ``model``'s experts, as a dict."""
+    from engine.bench import calibrate as cal
     from engine.gguf import open_gguf
-    from engine.plan import calibrate as cal
 
     with open_gguf(model) as gf:
         shape = cal.ExpertShape.from_gguf(gf) or cal.DEFAULT_SHAPE

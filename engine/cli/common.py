@@ -9,6 +9,7 @@ from engine import config
 from engine.api import LoadOptions, Session
 from engine.errors import UsageError
 from engine.generate import SamplingParams
+from engine.plan import AUTO, DeviceProfile
 from engine.plan.sizing import KV_TYPES
 
 
@@ -99,6 +100,23 @@ def sampling_from_args(a: argparse.Namespace) -> SamplingParams:
     )
 
 
+def _speeds(model: str, device: str | None, req) -> DeviceProfile | None:
+    """This machine's calibrated speeds for a placement on CUDA (measured now, once per machine,
+    when the request chooses the expert mode automatically), else None (the planner's defaults)."""
+    import torch
+
+    from engine.bench.calibrate import speed_profile
+    from engine.gguf import open_gguf
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if req is None or device != "cuda":
+        return None
+    if req.moe == AUTO:
+        print("sharpi: measuring the device (once per machine)", file=sys.stderr)
+    with open_gguf(model) as gf:
+        return speed_profile(device, gf, measure=req.moe == AUTO)
+
+
 def load_session(a: argparse.Namespace) -> Session:
     if a.model is None:
         from engine.demo import demo_model_path
@@ -115,13 +133,15 @@ def load_session(a: argparse.Namespace) -> Session:
             print(f"\rloading {a.model}: [{'#' * done}{'.' * (total - done)}] {what:<24}", end=end, file=sys.stderr)
 
     req = placement_request(a) if hasattr(a, "n_gpu_layers") else None
+    device = getattr(a, "device", None)
     opts = LoadOptions(
         n_ctx=a.ctx_size,
         kv_type=a.kv_type,
         q8_act=not a.exact_float,
-        device=getattr(a, "device", None),
+        device=device,
         placement=req,
         vram_budget=getattr(a, "vram", None),
+        device_profile=_speeds(a.model, device, req),
     )
     session = Session.load(a.model, opts, progress)
     if not getattr(a, "quiet", False):

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import ENV_CPU_MOE, KV_ALIASES
+from engine.config import ENV_CPU_MOE
+from engine.kv_layout import resolve_kv_type  # noqa: F401  (re-exported by engine.plan)
 from engine.plan.costmodel import CACHE, CPU, MODES, RESIDENT, Prediction, predict
 from engine.plan.placement import LayerPlacement, Placement
 from engine.plan.profile import DeviceProfile
@@ -87,15 +88,6 @@ def resolve_moe(moe: str = AUTO, cpu_moe: bool = False, env_cpu_moe: bool | None
     if env_cpu_moe is None:
         return AUTO, ""
     return (CPU, f"{ENV_CPU_MOE}=1") if env_cpu_moe else (CACHE, f"{ENV_CPU_MOE}=0")
-
-
-def resolve_kv_type(kv_type: str | None = None, default: str | None = None) -> str:
-    """``--kv-type`` if given, else ``default`` (``EngineOptions.kv_type``: ``SHARPI_KV_DTYPE``), else
-    f32; checked."""
-    value = (kv_type or default or "f32").lower()
-    value = KV_ALIASES.get(value, value)  # the spellings SHARPI_KV_DTYPE accepts
-    check_kv_type(value)
-    return value
 
 
 def _check_request(req: PlanRequest) -> None:

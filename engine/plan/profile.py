@@ -4,7 +4,7 @@ and the fixed costs of a decode step.
 Bandwidths are *effective* rates (bytes a kernel or copy actually moves per second, not the
 datasheet peak). Fixed costs (``*_us``) are the time a step spends regardless of bytes: Python,
 kernel launches, host round trips, cache bookkeeping. Unmeasured fields take the documented
-defaults below; a profile built from measurements (:mod:`engine.plan.calibrate`) lists the
+defaults below; a profile built from measurements (:mod:`engine.bench.calibrate`) lists the
 measured fields in ``measured`` so the UI can say which numbers are guesses.
 """
 

@@ -19,48 +19,19 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from engine.errors import UsageError
+from engine.errors import PlanError
+from engine.kv_layout import (  # noqa: F401  (re-exported: the planner's sizing vocabulary)
+    HOST_KV_TYPE,
+    KV_TYPES,
+    check_kv_geometry,
+    check_kv_type,
+    kv_layer_bytes,
+    kv_row_bytes,
+)
 from engine.plan.spec import ROLES, ModelSpec
-from engine.quant.formats import QType, block_format, tensor_bytes
 
-KV_TYPES: tuple[str, ...] = ("f32", "bf16", "q8_0")
-_KV_QTYPE = {"f32": QType.F32, "bf16": QType.BF16, "q8_0": QType.Q8_0}
-HOST_KV_TYPE = "f32"  # host-resident layers keep an f32 cache (narrowing KV is a device saving)
 SLOT_ALIGN = 256  # bytes; each role's matrix in a slot starts on this boundary
 DEFAULT_UBATCH = 512  # tokens per prefill micro-batch the scratch estimate covers
-
-
-class PlanError(UsageError):
-    """A placement request that cannot be satisfied (or is malformed)."""
-
-
-def check_kv_type(kv_type: str) -> QType:
-    """The ggml type of a KV cache dtype name; :class:`PlanError` for an unknown one."""
-    try:
-        return _KV_QTYPE[kv_type]
-    except KeyError:
-        raise PlanError(f"unknown KV type {kv_type!r} (choose one of: {', '.join(KV_TYPES)})") from None
-
-
-def check_kv_geometry(kv_type: str, kv_dim: int) -> None:
-    """A q8_0 cache quantizes each K/V row in blocks of 32: the row width must divide."""
-    block = block_format(check_kv_type(kv_type)).block_size
-    if kv_dim % block:
-        raise PlanError(
-            f"--kv-type {kv_type} needs the KV width (kv_heads × head_dim = {kv_dim}) to be a multiple of "
-            f"{block} for device-resident layers; use bf16 or f32, or -g 0"
-        )
-
-
-def kv_row_bytes(kv_type: str, kv_dim: int) -> int:
-    """Bytes of one position's K (or V) row of width ``kv_dim`` (f32 4 B/elem, bf16 2, q8_0 34/32)."""
-    check_kv_geometry(kv_type, kv_dim)
-    return tensor_bytes(check_kv_type(kv_type), (kv_dim,))
-
-
-def kv_layer_bytes(kv_type: str, kv_dim: int, ctx: int) -> int:
-    """One layer's cache: K and V, each ``[ctx, kv_dim]`` of ``kv_type``."""
-    return 2 * ctx * kv_row_bytes(kv_type, kv_dim)
 
 
 @dataclass(frozen=True)

@@ -606,3 +606,38 @@ def calibrate(
     secs = time.perf_counter() - t0
     log.info("calibrated %s in %.1f s (%s)", key["device"], secs, path)
     return Calibration(prof, details, secs, False, str(path))
+
+
+# -- the profile a session plans with ---------------------------------------------------------------
+def speed_profile(device, gf, *, measure: bool, options: EngineOptions | None = None) -> DeviceProfile | None:
+    """This machine's calibrated speeds for ``device`` and the model in the open GGUF ``gf`` (its
+    expert shape and trunk type), for ``Session``/``LoadOptions.device_profile``: the cached
+    calibration; else, with ``measure`` (an ``auto`` choice is coming), measured now — a few
+    seconds, once per machine; else the device figures another model's calibration left. None
+    where calibration does not apply (not CUDA, or ``SHARPI_NO_CALIBRATE=1``): plan with the
+    defaults. A failed measurement is logged and gives the defaults: it must never stop a load."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or calibration_disabled(options):
+        return None
+    shape = ExpertShape.from_gguf(gf) or DEFAULT_SHAPE
+    prof = load_cached(device, shape, options=options)
+    if prof is None and measure and (str(device), shape) not in _FAILED:
+        try:
+            prof = calibrate(device, shape, trunk_qtype=_trunk_qtype(gf), options=options).profile
+        except Exception as e:
+            log.warning("device calibration failed, using the default profile: %s", e)
+            _FAILED.add((str(device), shape))  # not again in this process
+            return DeviceProfile()
+    return prof or load_cached(device, shape, partial=True, options=options)
+
+
+_FAILED: set = set()  # (device, ExpertShape) whose measurement failed in this process
+
+
+def _trunk_qtype(gf) -> str:
+    try:
+        return gf.tensor("blk.0.attn_q.weight").qtype.name
+    except Exception:
+        return "Q4_K"

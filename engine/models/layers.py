@@ -7,6 +7,8 @@ host (``*_host`` / ``*_rows`` in :mod:`engine.models.host`) follow the same ops.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -135,3 +137,25 @@ def route_softmax_topk(logits: torch.Tensor, k: int, renormalise: bool) -> tuple
     if renormalise:
         w = w / w.sum(dim=-1, keepdim=True)
     return ids, w
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a MoE layer picks its experts: data on the layer, read by :func:`route`. Fast paths (the numba
+    host step, the fused Triton route kernel) serve the kinds they name and leave the others to it."""
+
+    k: int  # experts per token
+    renormalise: bool  # the k weights rescaled to sum 1 (Qwen3, Mixtral) or not (OLMoE, Qwen2-MoE)
+    kind: str = "softmax"  # a key of ROUTERS
+
+
+# One function per routing kind: (logits [T, E], routing) -> (ids int64 [T, k], weights float32 [T, k]).
+ROUTERS = {
+    "softmax": lambda logits, r: route_softmax_topk(logits, r.k, r.renormalise),
+}
+
+
+def route(logits: torch.Tensor, r: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (ids int64 [T, k], weights float32 [T, k]) by ``r``'s kind: the reference
+    every placement routes with (or equals, where a fast path serves the kind)."""
+    return ROUTERS[r.kind](logits, r)

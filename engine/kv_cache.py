@@ -121,16 +121,6 @@ class KVCache:
         self.write(layer, start, k, v)
         return self.read(layer, start + k.shape[0])
 
-    def update_at(
-        self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [T, kv_dim] at the device positions ``pos`` int64 [T] and return the first
-        ``length`` positions of K and V [length, kv_dim] (f32). No bounds check against the host
-        position (the caller checks the context before a graph replay)."""
-        self.k[layer].write_at(pos, k)
-        self.v[layer].write_at(pos, v)
-        return self.k[layer].read(length), self.v[layer].read(length)
-
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.k.values()) + sum(s.nbytes for s in self.v.values())

@@ -9,6 +9,8 @@ torch reference (≤ 1e-5), and :class:`HostMoEStep` bit for bit to them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -23,10 +25,12 @@ from engine.kernels.host_layers import (
     route_rows,
 )
 from engine.kernels.moe_fused import FUSED_TYPES
-from engine.kv_cache import KVCache
 from engine.models.layers import route
 from engine.models.ops import Route
 from engine.quant.formats import QType
+
+if TYPE_CHECKING:
+    from engine.kv_cache import KVCache
 
 __all__ = ["HostMoEStep", "HostOps", "attention_rows", "qk_norm_rope_rows", "rms_norm_rows", "route_rows"]
 

@@ -2,7 +2,7 @@
 
 Shapes: T tokens in the batch, D model width, H query heads, Hkv KV heads, hd head dim.
 Each function says which llama.cpp graph op it must agree with. Their numba twins for the
-host (``*_host`` / ``*_rows`` in :mod:`engine.models.host`) follow the same ops.
+host (``*_host`` / ``*_rows`` in :mod:`engine.kernels.host_layers`) follow the same ops.
 """
 
 from __future__ import annotations

@@ -19,12 +19,14 @@ and returns it or None; a matrix that takes it gets it through :meth:`Ops.linear
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
-from engine.kv_cache import KVCache
 from engine.models.layers import apply_rope, attention, rms_norm, route, silu_mul
+
+if TYPE_CHECKING:
+    from engine.kv_cache import KVCache
 
 Array = Any  # torch.Tensor or np.ndarray [T, width], per implementation
 Q8 = Any  # x̂: (XQ int32 [T, w/4], XD float32 [T, w/32], XS float32 [T, w/16]) on the device, or None

@@ -92,6 +92,6 @@ def apply_placement(
     if cached is not None and p.moe_mode == "resident":
         cached.preload(pin=True)
     # Everything of a decode step on the device: one-token steps replay a CUDA graph.
-    model.decode_graph = g = graph_decode.for_placement(model, p, device, cached)
+    model.decode_graph = g = graph_decode.for_placement(model, p, device)
     graph = "" if g is None else g.describe()
     return Applied(p, device, arena, cache, cached, graph)

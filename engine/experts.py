@@ -1,13 +1,25 @@
-"""Routed-expert backends: the one call models make, ``forward(layer, x, ids, weights) -> y``.
+"""Routed-expert backends: the declared interface every MoE layer calls, and the CPU backend.
 
-Models never see where experts live. ``CpuExperts`` computes on the CPU from the memory-mapped
-quantized stacks; the hybrid runtime adds device-resident and cached backends behind the same call.
+Models never see where experts live. :class:`ExpertBackend` is the whole interface:
+
+- ``forward``: T tokens eagerly (prefill, eager decode), host syncs allowed — everything, with the
+  bookkeeping (routes, cache hits and misses, uploads);
+- a one-token step (a decode CUDA graph) in two halves, declared per layer by :meth:`step_plan`:
+  ``device_part`` inside the step, with no host sync (the resident pool computes every expert, the
+  cache its hits, the CPU nothing), and ``host_part`` on the host after it (the CPU every expert, the
+  cache its misses, the resident pool nothing). A decode graph cuts its step wherever a host half can
+  return work;
+- ``end_step``: once after each forward pass (uploads).
+
+:class:`CpuExperts` computes on the CPU from the memory-mapped quantized stacks; the hybrid runtime
+adds the device slot pool behind the same interface (``engine.runtime.expert_cache.CachedExperts``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -29,22 +41,64 @@ class ExpertStacks:
     resident: Callable[[], ExpertStacks] | None = None
 
 
-class ExpertBackend:
-    """Interface: routed-expert FFN for a batch of tokens. Every backend feeds ``profiler``."""
+@dataclass(frozen=True)
+class StepPlan:
+    """How a one-token step runs one layer's routed experts (:meth:`ExpertBackend.step_plan`)."""
 
-    profiler: ExpertProfiler | None = None
+    device: bool  # device_part computes some of them (resident: all; cache: its hits)
+    host: bool  # host_part can return work (CPU: all; cache: its misses): a decode graph cuts its step here
+    q8: bool = False  # device_part takes x's q8 copy (x̂ from the norm kernel before it) now
+    # int64 [E] on the device: each expert's slot byte offset, for a routing kernel that looks the chosen
+    # experts' slots up as it routes (a pinned pool under the fused kernels), else None.
+    slot_table: torch.Tensor | None = None
+
+
+class ExpertBackend(Protocol):
+    """Routed-expert FFN of the MoE layers it serves. Every backend feeds ``profiler``.
+
+    The experts' math: y_t = Σ_k weights[t, k] · down[e](silu(gate[e]·x_t) ⊙ up[e]·x_t), e = ids[t, k]."""
+
+    profiler: ExpertProfiler | None
 
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x float32 [T, D]; ids int64 [T, K]; weights float32 [T, K] -> float32 [T, D]:
-        Σ_k weights[t,k] · down[e](silu(gate[e]·x_t) ⊙ up[e]·x_t) with e = ids[t,k]."""
-        raise NotImplementedError
+        """Every routed expert of T tokens, eagerly: x float32 [T, D]; ids int64 [T, K]; weights float32
+        [T, K] (x's device) -> float32 [T, D]. Records the routes (and hits, misses, uploads)."""
+        ...
+
+    def step_plan(self, layer: int) -> StepPlan:
+        """Which halves of a one-token step compute ``layer``'s experts now, and what the device half takes."""
+        ...
+
+    def device_part(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        xq: tuple | None = None,
+        slot_off: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """The device half of one token, no host sync (graph-capturable): x float32 [1, D], ids int64 [1, K],
+        weights float32 [1, K] -> the weighted sum of the experts it serves [1, D] (None: none). xq: x's q8
+        copy (``StepPlan.q8``); slot_off int64 [1, K]: the slots the routing looked up (``slot_table``)."""
+        ...
+
+    def host_part(self, layer: int, X: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray | None:
+        """The host half of one token, after the device half: X float32 [1, D], ids int64 [1, K], weights
+        float32 [1, K] (host arrays) -> the weighted sum of the experts the device half left [1, D], or None
+        when it left none. Records hits and misses; the caller records the routes (a decode graph, once a step)."""
+        ...
 
     def end_step(self) -> None:
         """Called once per forward pass after the last layer (uploads, prefetch)."""
+        ...
 
 
 class CpuExperts(ExpertBackend):
-    """Experts computed by the numba kernels straight from the quantized memory map."""
+    """Experts computed by the numba kernels straight from the quantized memory map: a one-token step's
+    host half does everything."""
+
+    profiler: ExpertProfiler | None = None
 
     def __init__(self, stacks: dict[int, ExpertStacks], q8_act: bool = True):
         self.stacks = stacks
@@ -64,17 +118,22 @@ class CpuExperts(ExpertBackend):
         X = np.ascontiguousarray(x.detach().cpu().numpy(), dtype=np.float32)
         I = np.ascontiguousarray(ids.cpu().numpy(), dtype=np.int64)
         W = np.ascontiguousarray(weights.detach().cpu().numpy(), dtype=np.float32)
-        return torch.from_numpy(self.forward_rows(layer, X, I, W)).to(x.device)
+        if self.profiler is not None:
+            self.profiler.record_route(layer, I)
+        return torch.from_numpy(self.host_part(layer, X, I, W)).to(x.device)
 
-    def forward_rows(
-        self, layer: int, X: np.ndarray, ids: np.ndarray, weights: np.ndarray, record: bool = True
-    ) -> np.ndarray:
-        """:meth:`forward` on host arrays: X float32 [T, D], ids int64 [T, K], weights float32 [T, K]
-        (contiguous) -> float32 [T, D]; the route goes to the profiler unless the caller records it
-        (``record=False``: a decode graph records a token's routes in one call)."""
+    def step_plan(self, layer: int) -> StepPlan:
+        return StepPlan(device=False, host=True)
+
+    def device_part(self, layer, x, ids, weights, xq=None, slot_off=None):
+        return None
+
+    def host_part(self, layer, X, ids, weights):
+        """Every expert of the rows X [T, D] (ids, weights [T, K], contiguous) on the CPU -> float32 [T, D]."""
         from engine import ops
 
         s = self.host_stacks(layer)
-        if record and self.profiler is not None:
-            self.profiler.record_route(layer, ids)
         return ops.moe_ffn(s.gate, s.up, s.down, X, ids, weights, q8_act=self.q8_act)
+
+    def end_step(self) -> None:
+        pass

@@ -94,24 +94,22 @@ class KVCache:
             self.k[i] = _Store(n_ctx, kv_dim, types[i], dev)
             self.v[i] = _Store(n_ctx, kv_dim, types[i], dev)
 
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [T, kv_dim] at positions start.. and return all K, V [start+T, kv_dim] (f32)."""
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [T, kv_dim] at positions start … start+T−1."""
         end = start + k.shape[0]
         if end > self.n_ctx:
             raise UsageError(f"context full: position {end} exceeds the context of {self.n_ctx}")
         self.k[layer].write(start, k)
         self.v[layer].write(start, v)
+
+    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of positions 0 … end−1 [end, kv_dim] (f32)."""
         return self.k[layer].read(end), self.v[layer].read(end)
 
-    def update_at(
-        self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [T, kv_dim] at the device positions ``pos`` int64 [T] and return the first
-        ``length`` positions of K and V [length, kv_dim] (f32). No bounds check against the host
-        position (the caller checks the context before a graph replay)."""
-        self.k[layer].write_at(pos, k)
-        self.v[layer].write_at(pos, v)
-        return self.k[layer].read(length), self.v[layer].read(length)
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [T, kv_dim] at positions start.. and return all K, V [start+T, kv_dim] (f32)."""
+        self.write(layer, start, k, v)
+        return self.read(layer, start + k.shape[0])
 
     @property
     def nbytes(self) -> int:

@@ -367,7 +367,7 @@ for path in sys.argv[1:]:
         ref = s.logits(tokens, batch=False)
         s.apply(placement, s.engine_options.with_env({"SHARPI_CUDA_GRAPH": "eager"}))
         g = s.model.decode_graph
-        assert g._rope_kv is not None
+        assert g._fused  # the fused step kernels serve (qk_rope_kv among them)
         got = s.logits(tokens, batch=False)
         assert g.steps == len(tokens)
         # bf16: a k differing in its last float32 bit may round to the other bf16 neighbour

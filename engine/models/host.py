@@ -1,528 +1,142 @@
-"""The decoder math on the host in numba: the twins of :mod:`engine.models.layers`, and one
-decode step of a whole MoE layer in a single call.
+"""The layer step's ops on the host (:class:`HostOps`): numpy arrays through the numba twins of the
+torch math (``engine.kernels.host_layers``), and the whole-layer fast path (:class:`HostMoEStep`).
 
-The torch functions of ``layers`` are the math for every placement. On the host, torch's per-op
-dispatch (~60 small ops per layer) and a second OpenMP pool beside numba's cost more than the
-arithmetic, so host layers (``DecoderLayer.forward_host``) run these instead: the same ggml ops,
-on rows ``[T, ...]`` (T = 1 for decode, the prompt chunk for prefill), tests/test_host_decode.py
-holding each to its torch twin.
-
-:func:`decode_moe_layer` goes further for the common decode case — every matrix of the layer in
-a type the fused q8 kernels serve, an F32 router, routed experts on the CPU, no shared expert, an
-F32 KV cache on the host — and runs the whole layer inside numba: RMS norm, q/k/v GEMVs, q/k
-norm and RoPE, the KV write, attention, the output projection, routing and the two fused expert
-kernels, with no Python between them. The GEMVs are the kernels' own drivers
-(``engine.kernels.kquants``/``legacy``/``floats``), the expert steps ``engine.kernels.moe_fused``,
-so the result is bit-identical to the step-by-step host path.
+A host layer — every matrix a host ``Linear`` — runs ``DecoderLayer.step`` on these ops instead of
+:class:`~engine.models.ops.TorchOps`: torch's per-op dispatch (~60 small ops per layer) and a second
+OpenMP pool beside numba's cost more than the arithmetic. tests/test_host_decode.py holds them to the
+torch reference (≤ 1e-5), and :class:`HostMoEStep` bit for bit to them.
 """
 
 from __future__ import annotations
 
-import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from typing import TYPE_CHECKING
 
-from engine.kernels import floats, kquants, legacy
-from engine.kernels.moe_fused import FUSED_TYPES, _row_q8, moe_down_q8, moe_gate_up_q8, quantize_for
-from engine.kernels.simd import (
-    F32x8,
-    hsum_f32,
-    load_f32x8,
-    prefetch,
-    prefetch_array,
-    prefetch_distance,
-    vadd,
-    vfma,
-    vfma_s,
-    zero_f32,
+import numpy as np
+import torch
+
+from engine import ops
+from engine.errors import UsageError
+from engine.kernels.host_layers import (
+    QK_NORM,
+    attention_rows,
+    decode_moe_layer,
+    qk_norm_rope_rows,
+    rms_norm_rows,
+    route_rows,
 )
+from engine.kernels.moe_fused import FUSED_TYPES
+from engine.models.layers import route
+from engine.models.ops import Route
 from engine.quant.formats import QType
 
+if TYPE_CHECKING:
+    from engine.kv_cache import KVCache
 
-@intrinsic
-def _store_f32x8(typingctx, arr, off, v):
-    """arr[off:off+8] = v (F32x8) for a 1-D float32 array; no bounds check."""
-    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.float32 and v == F32x8):
+__all__ = ["HostMoEStep", "HostOps", "attention_rows", "qk_norm_rope_rows", "rms_norm_rows", "route_rows"]
+
+_EMPTY = np.zeros(0, np.float32)
+
+
+def host_array(t: torch.Tensor | None) -> np.ndarray:
+    """A host float32 vector as numpy (no weight: an empty array, the numba kernels' "absent")."""
+    return _EMPTY if t is None else np.ascontiguousarray(t.detach().cpu().numpy(), dtype=np.float32)
+
+
+def host_kv(cache: KVCache, i: int, start: int, T: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Layer i's K and V stores [n_ctx, kv_dim] as numpy when they are float32 on the host (written in
+    place), else None (then the cache's own write and read convert)."""
+    if cache.kv_types.get(i) != "f32" or cache.k[i].q.device.type != "cpu":
         return None
-
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.PointerType(ir.VectorType(ir.FloatType(), 8)))
-        builder.store(args[2], ptr, align=4)
-        return context.get_dummy_value()
-
-    return types.none(arr, off, v), codegen
+    if start + T > cache.n_ctx:
+        raise UsageError(f"context full: position {start + T} exceeds the context of {cache.n_ctx}")
+    return cache.k[i].q.numpy(), cache.v[i].q.numpy()
 
 
-# --- the twins of engine.models.layers ------------------------------------------------------------
+class HostOps:
+    """:class:`~engine.models.ops.Ops` on numpy float32 rows [T, width] for host layers, at positions
+    start … start+T−1 of ``cache``; cos, sin float32 [T, rope_dim/2]."""
 
+    q8 = False
 
-@njit(cache=True, nogil=True)
-def rms_norm_host(x, w, eps):
-    """x float32 [n], w float32 [n] (or [0]: no weight) -> float32 [n] (ggml_rms_norm, ggml_mul).
+    def __init__(self, start: int, cache: KVCache, cos: np.ndarray, sin: np.ndarray):
+        self.start, self.cache, self.cos, self.sin = start, cache, cos, sin
 
-    As ggml: the sum of squares in float64, mean and scale in float32."""
-    n = x.shape[0]
-    s = 0.0
-    for i in range(n):
-        s += np.float64(x[i] * x[i])
-    scale = np.float32(1.0) / np.sqrt(np.float32(s / n) + np.float32(eps))
-    y = np.empty(n, np.float32)
-    if w.shape[0]:
-        for i in range(n):
-            y[i] = x[i] * scale * w[i]
-    else:
-        for i in range(n):
-            y[i] = x[i] * scale
-    return y
+    def add_norm(self, x, y, w, eps, q8=False):
+        x = x if y is None else x + y
+        return x, rms_norm_rows(x, host_array(w), eps), None
 
+    def rms_norm(self, x, w, eps):
+        return rms_norm_rows(x, host_array(w), eps)
 
-@njit(cache=True, nogil=True, parallel=True)
-def rms_norm_rows(X, w, eps):
-    """``rms_norm`` of each row: X float32 [T, n] -> [T, n] (rows in parallel)."""
-    Y = np.empty_like(X)
-    for t in prange(X.shape[0]):
-        Y[t] = rms_norm_host(X[t], w, eps)
-    return Y
+    def linears(self, ws, x, xq=None):
+        ys = ops.matmuls(tuple(w.w for w in ws), x, q8_act=ws[0].q8_act)  # x rounded once per weight type
+        for y, w in zip(ys, ws):
+            if w.bias is not None:
+                y += host_array(w.bias)
+        return ys
 
-
-@njit(cache=True, nogil=True)
-def _norm_heads(x, w, heads, hd, eps):
-    """In place: RMS norm of each of ``heads`` slices of length hd (weights w [hd])."""
-    for h in range(heads):
-        x[h * hd : (h + 1) * hd] = rms_norm_host(x[h * hd : (h + 1) * hd], w, eps)
-
-
-@njit(cache=True, nogil=True)
-def _rope_heads(x, heads, hd, cos, sin, neox):
-    """In place: rotate the first 2·len(cos) dims of each head (apply_rope for one position)."""
-    half = cos.shape[0]
-    for h in range(heads):
-        o = h * hd
-        for i in range(half):
-            if neox:
-                a, b = o + i, o + i + half
-            else:
-                a, b = o + 2 * i, o + 2 * i + 1
-            x0, x1 = x[a], x[b]
-            x[a] = x0 * cos[i] - x1 * sin[i]
-            x[b] = x0 * sin[i] + x1 * cos[i]
-
-
-@njit(cache=True, nogil=True)
-def qk_norm_rope_one(q, k, q_norm, k_norm, qk_norm, eps, cos, sin, neox, H, Hkv, hd):
-    """In place on one position's q [H·hd] and k [Hkv·hd]: optional RMS norm (qk_norm 0 none,
-    1 per head "head", 2 whole projection "proj"), then RoPE with cos, sin float32 [rope_dim/2]."""
-    if qk_norm == 2:
-        q[:] = rms_norm_host(q, q_norm, eps)
-        k[:] = rms_norm_host(k, k_norm, eps)
-    elif qk_norm == 1:
-        _norm_heads(q, q_norm, H, hd, eps)
-        _norm_heads(k, k_norm, Hkv, hd, eps)
-    _rope_heads(q, H, hd, cos, sin, neox)
-    _rope_heads(k, Hkv, hd, cos, sin, neox)
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def qk_norm_rope_rows(q, k, q_norm, k_norm, qk_norm, eps, cos, sin, neox, H, Hkv, hd):
-    """``qk_norm_rope_one`` for q [T, H·hd], k [T, Hkv·hd], cos, sin [T, rope_dim/2] (rows in
-    parallel)."""
-    for t in prange(q.shape[0]):
-        qk_norm_rope_one(q[t], k[t], q_norm, k_norm, qk_norm, eps, cos[t], sin[t], neox, H, Hkv, hd)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _dot_f32(a, ao, b, bo, n):
-    """Σ a[ao:ao+n]·b[bo:bo+n] (n a multiple of 16) on two 8-lane accumulators."""
-    a0 = zero_f32()
-    a1 = zero_f32()
-    for d in range(0, n, 16):
-        a0 = vfma(load_f32x8(a, ao + d), load_f32x8(b, bo + d), a0)
-        a1 = vfma(load_f32x8(a, ao + d + 8), load_f32x8(b, bo + d + 8), a1)
-    return hsum_f32(vadd(a0, a1))
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _pv64(Vf, kvd, o, P, sa, out, oo):
-    """out[oo:oo+64] = Σ_p sa[p]·Vf[o + p·kvd : +64] on eight 8-lane accumulators."""
-    a0 = zero_f32()
-    a1 = zero_f32()
-    a2 = zero_f32()
-    a3 = zero_f32()
-    a4 = zero_f32()
-    a5 = zero_f32()
-    a6 = zero_f32()
-    a7 = zero_f32()
-    for p in range(P):
-        w = sa[p]
-        a0 = vfma_s(load_f32x8(Vf, o), w, a0)
-        a1 = vfma_s(load_f32x8(Vf, o + 8), w, a1)
-        a2 = vfma_s(load_f32x8(Vf, o + 16), w, a2)
-        a3 = vfma_s(load_f32x8(Vf, o + 24), w, a3)
-        a4 = vfma_s(load_f32x8(Vf, o + 32), w, a4)
-        a5 = vfma_s(load_f32x8(Vf, o + 40), w, a5)
-        a6 = vfma_s(load_f32x8(Vf, o + 48), w, a6)
-        a7 = vfma_s(load_f32x8(Vf, o + 56), w, a7)
-        o += kvd
-    _store_f32x8(out, oo, a0)
-    _store_f32x8(out, oo + 8, a1)
-    _store_f32x8(out, oo + 16, a2)
-    _store_f32x8(out, oo + 24, a3)
-    _store_f32x8(out, oo + 32, a4)
-    _store_f32x8(out, oo + 40, a5)
-    _store_f32x8(out, oo + 48, a6)
-    _store_f32x8(out, oo + 56, a7)
-
-
-SPLIT = 256  # decode: positions per attention work item (more items than KV heads for many cores)
-
-
-@njit(cache=True, nogil=True)
-def _attend(q, out, t0, o0, B, Kf, Vf, kvd, p0, P, kh, g, hd, scale, ml):
-    """The g query heads of KV head kh for the B tokens q[t0:t0+B] (rows [H·hd]) -> out[o0:o0+B].
-
-    Token t0+b sees positions p0 .. p0+P-B+b (causal: the block's last token sees P of them).
-    Kf, Vf: the caches flattened, row p at p·kvd; each K/V row is loaded once for the whole
-    block and all g heads. With ml [H, 2] empty ([0, 2]) out gets the attention output; else
-    (B = 1) out gets Σ_p exp(s_p − m)·V[p] and ml[h] = (m, Σ_p exp(s_p − m)), a partial result
-    that ``_attend_split`` merges with the other position ranges."""
-    ko = kh * hd
-    R = B * g  # score rows r = b·g + j
-    s = np.empty((R, P), np.float32)
-    ahead = 8 * kvd  # in decode K, V come from DRAM (the weights' stream evicts them): prefetch
-    for i in range(P):
-        p = p0 + i
-        o = p * kvd + ko + ahead
-        if o + hd <= Kf.shape[0]:
-            for c in range(0, hd, 16):
-                prefetch(Kf, o + c)
-                prefetch(Vf, o + c)
-        for b in range(max(0, i - (P - B)), B):  # the tokens that see position p
-            qb = q[t0 + b]
-            for j in range(g):
-                s[b * g + j, i] = _dot_f32(qb, (kh * g + j) * hd, Kf, p * kvd + ko, hd) * scale
-    for r in range(R):
-        n = P - B + 1 + r // g  # positions this row sees
-        m = s[r, 0]
-        for i in range(1, n):
-            m = max(m, s[r, i])
-        tot = np.float32(0.0)
-        for i in range(n):
-            e = np.exp(s[r, i] - m)
-            s[r, i] = e
-            tot += e
-        if ml.shape[0]:
-            ml[kh * g + r, 0] = m
-            ml[kh * g + r, 1] = tot
+    def rope_store(self, attn, q, k, v, head_norms):
+        a, T, i = attn.a, q.shape[0], attn.i
+        qn, kn = (host_array(head_norms[0]), host_array(head_norms[1])) if head_norms is not None else (_EMPTY, _EMPTY)
+        mode = QK_NORM["head" if head_norms is not None else None]
+        qk_norm_rope_rows(
+            q, k, qn, kn, mode, a.rms_eps, self.cos, self.sin, a.rope_neox, a.n_head, a.n_head_kv, a.head_dim
+        )
+        kv = host_kv(self.cache, i, self.start, T)
+        if kv is not None:
+            kv[0][self.start : self.start + T] = k
+            kv[1][self.start : self.start + T] = v
         else:
-            inv = np.float32(1.0) / tot
-            for i in range(n):
-                s[r, i] *= inv
-        for i in range(n, P):
-            s[r, i] = 0.0  # unseen positions weigh nothing in a paired P·V pass
-    Vp = Vf[p0 * kvd :]  # the P·V loops below count positions from p0
-    # out_r = Σ_p s[r, p]·V[p] in registers: two rows × 32 lanes share each load of V
-    r = 0
-    while r < R:
-        r2 = r + 1 if r + 1 < R else r  # an odd last row pairs with itself ...
-        outa, outb = out[o0 + r // g], out[o0 + r2 // g]
-        oa, ob = (kh * g + r % g) * hd, (kh * g + r2 % g) * hd
-        sa, sb = s[r], s[r2]
-        n = P - B + 1 + r2 // g  # positions the pair needs
-        d0 = 0
-        if r2 == r:  # ... after 64 lanes at a time on its own
-            d0 = hd - hd % 64
-            for dc in range(0, d0, 64):
-                _pv64(Vp, kvd, ko + dc, n, sa, outa, oa + dc)
-        d32 = hd - hd % 32
-        for dc in range(d0, d32, 32):
-            a0 = zero_f32()
-            a1 = zero_f32()
-            a2 = zero_f32()
-            a3 = zero_f32()
-            b0 = zero_f32()
-            b1 = zero_f32()
-            b2 = zero_f32()
-            b3 = zero_f32()
-            o = ko + dc
-            for p in range(n):
-                v0 = load_f32x8(Vp, o)
-                v1 = load_f32x8(Vp, o + 8)
-                v2 = load_f32x8(Vp, o + 16)
-                v3 = load_f32x8(Vp, o + 24)
-                wa, wb = sa[p], sb[p]
-                a0 = vfma_s(v0, wa, a0)
-                a1 = vfma_s(v1, wa, a1)
-                a2 = vfma_s(v2, wa, a2)
-                a3 = vfma_s(v3, wa, a3)
-                b0 = vfma_s(v0, wb, b0)
-                b1 = vfma_s(v1, wb, b1)
-                b2 = vfma_s(v2, wb, b2)
-                b3 = vfma_s(v3, wb, b3)
-                o += kvd
-            _store_f32x8(outa, oa + dc, a0)
-            _store_f32x8(outa, oa + dc + 8, a1)
-            _store_f32x8(outa, oa + dc + 16, a2)
-            _store_f32x8(outa, oa + dc + 24, a3)
-            _store_f32x8(outb, ob + dc, b0)
-            _store_f32x8(outb, ob + dc + 8, b1)
-            _store_f32x8(outb, ob + dc + 16, b2)
-            _store_f32x8(outb, ob + dc + 24, b3)
-        if d32 < hd:  # hd % 32 == 16: the last 16 lanes
-            a0 = zero_f32()
-            a1 = zero_f32()
-            b0 = zero_f32()
-            b1 = zero_f32()
-            o = ko + d32
-            for p in range(n):
-                v0 = load_f32x8(Vp, o)
-                v1 = load_f32x8(Vp, o + 8)
-                a0 = vfma_s(v0, sa[p], a0)
-                a1 = vfma_s(v1, sa[p], a1)
-                b0 = vfma_s(v0, sb[p], b0)
-                b1 = vfma_s(v1, sb[p], b1)
-                o += kvd
-            _store_f32x8(outa, oa + d32, a0)
-            _store_f32x8(outa, oa + d32 + 8, a1)
-            _store_f32x8(outb, ob + d32, b0)
-            _store_f32x8(outb, ob + d32 + 8, b1)
-        r += 2
+            self.cache.write(i, self.start, torch.from_numpy(k), torch.from_numpy(v))
+        return q
 
+    def attend(self, attn, q, q8=False):
+        a, T, i = attn.a, q.shape[0], attn.i
+        kv = host_kv(self.cache, i, self.start, T)
+        if kv is None:
+            kv = tuple(t.numpy() for t in self.cache.read(i, self.start + T))
+        return attention_rows(q, kv[0], kv[1], self.start, a.n_head, a.n_head_kv, a.head_dim), None  # [T, H·hd]
 
-QUERY_ROWS = 8  # prefill: about this many (token, head) score rows share each K/V row load
+    def silu_mul(self, g, u):
+        with np.errstate(over="ignore"):
+            return g / (np.float32(1.0) + np.exp(-g)) * u
 
+    def sigmoid_gate(self, s, x, w):
+        return s * (np.float32(1.0) / (np.float32(1.0) + np.exp(-(x @ host_array(w)))))[:, None]
 
-@njit(cache=True, nogil=True, parallel=True)
-def attention_rows(q, K, V, start, H, Hkv, hd):
-    """Causal GQA attention (``attention``): q float32 [T, H·hd] at positions start..start+T-1;
-    K, V float32 [≥start+T, Hkv·hd] (the cache) -> float32 [T, H·hd]. Softmax of q·k/sqrt(hd) in
-    float32. Each K/V row is read once for the g = H/Hkv query heads sharing it; (token, KV head)
-    pairs run in parallel, early and late tokens interleaved so threads get equal work. hd % 16 == 0."""
-    T = q.shape[0]
-    g = H // Hkv
-    scale = np.float32(1.0 / np.sqrt(np.float64(hd)))
-    out = np.empty((T, H * hd), np.float32)
-    kvd = K.shape[1]
-    Kf = K.reshape(K.shape[0] * kvd)
-    Vf = V.reshape(V.shape[0] * kvd)
-    nc = (start + T + SPLIT - 1) // SPLIT if T == 1 else 1
-    if nc > 1:  # one token, a long context: equal position ranges, merged after
-        return _attend_split(q, Kf, Vf, kvd, start + 1, nc, H, Hkv, hd, scale)
-    none = np.empty((0, 2), np.float32)
-    B = max(2, QUERY_ROWS // g) if T > 1 else 1  # measured: g = 8 -> 2 tokens, g = 1 -> 8
-    nb = (T + B - 1) // B
-    for item in prange(nb * Hkv):
-        i = item // Hkv
-        blk = i // 2 if i % 2 == 0 else nb - 1 - i // 2  # early and late blocks alternate
-        t0 = blk * B
-        Bt = min(B, T - t0)
-        _attend(q, out, t0, t0, Bt, Kf, Vf, kvd, 0, start + t0 + Bt, item % Hkv, g, hd, scale, none)
-    return out
+    def route(self, moe, logits):
+        r = moe.routing
+        if r.kind == "softmax":  # the numba twin of layers.route_softmax_topk
+            return Route(*route_rows(logits, r.k, r.renormalise))
+        ids, w = route(torch.from_numpy(logits), r)
+        return Route(ids.numpy(), w.numpy())
 
-
-@njit(cache=True, nogil=True, parallel=True)
-def _attend_split(q, Kf, Vf, kvd, P, nc, H, Hkv, hd, scale):
-    """One token (q [1, H·hd]) over P positions in nc ranges × Hkv heads of parallel work, the
-    partial softmax sums merged as flash-decoding does -> float32 [1, H·hd]."""
-    g = H // Hkv
-    chunk = (P + nc - 1) // nc
-    parts = np.empty((nc, H * hd), np.float32)
-    ml = np.empty((nc, H, 2), np.float32)
-    for item in prange(nc * Hkv):
-        c = item // Hkv
-        p0 = c * chunk
-        _attend(q, parts, 0, c, 1, Kf, Vf, kvd, p0, min(P, p0 + chunk) - p0, item % Hkv, g, hd, scale, ml[c])
-    out = np.empty((1, H * hd), np.float32)
-    for h in range(H):
-        m = ml[0, h, 0]
-        for c in range(1, nc):
-            m = max(m, ml[c, h, 0])
-        tot = np.float32(0.0)
-        for c in range(nc):
-            tot += np.exp(ml[c, h, 0] - m) * ml[c, h, 1]
-        for d in range(hd):
-            acc = np.float32(0.0)
-            for c in range(nc):
-                acc += np.exp(ml[c, h, 0] - m) * parts[c, h * hd + d]
-            out[0, h * hd + d] = acc / tot
-    return out
-
-
-@njit(cache=True, nogil=True)
-def route_rows(logits, k, renormalise):
-    """Router logits float32 [T, E] -> (ids int64 [T, k], weights float32 [T, k]): softmax, top-k
-    by probability (descending; lower id first on ties), optionally renormalised
-    (``route_softmax_topk``)."""
-    T, E = logits.shape
-    ids = np.empty((T, k), np.int64)
-    w = np.empty((T, k), np.float32)
-    p = np.empty(E, np.float32)
-    for t in range(T):
-        m = logits[t].max()
-        tot = np.float32(0.0)
-        for e in range(E):
-            p[e] = np.exp(logits[t, e] - m)
-            tot += p[e]
-        for e in range(E):
-            p[e] = p[e] / tot
-        order = np.argsort(-p, kind="mergesort")  # stable: ties keep the lower id first
-        for j in range(k):
-            ids[t, j] = order[j]
-            w[t, j] = p[order[j]]
-        if renormalise:
-            sw = np.float32(0.0)
-            for j in range(k):
-                sw += w[t, j]
-            for j in range(k):
-                w[t, j] = w[t, j] / sw
-    return ids, w
-
-
-# --- one decode step of a whole MoE layer -------------------------------------------------------
-
-_QK_NORM = {None: 0, "head": 1, "proj": 2}
-
-
-@njit(cache=True, nogil=True)
-def gemv_q8(qt, raw, s, qa, da, asum, bsums):
-    """W·x for one token: raw uint8 [R, row_bytes] of ggml type ``qt`` (a fused type), s its
-    scales, (qa, da, asum, bsums) = ``quantize_for(qt, x [1, n])``. Returns float32 [R]."""
-    R = raw.shape[0]
-    rows = np.arange(R)
-    xi = np.zeros(R, np.int64)
-    out = np.empty((R, 1), np.float32)
-    if qt == 12:
-        kquants.gemv_q4_k_q8(raw, s, rows, xi, qa, da, bsums, out)
-    elif qt == 13:
-        kquants.gemv_q5_k_q8(raw, s, rows, xi, qa, da, bsums, out)
-    elif qt == 14:
-        kquants.gemv_q6_k_q8(raw, s, rows, xi, qa, da, bsums, out)
-    elif qt == 8:
-        legacy.gemv_q8_0_q8(raw, s, rows, xi, qa, da, asum, out)
-    elif qt == 2:
-        legacy.gemv_q4_0_q8(raw, s, rows, xi, qa, da, asum, out)
-    elif qt == 6:
-        legacy.gemv_q5_0_q8(raw, s, rows, xi, qa, da, asum, out)
-    else:
-        out[:] = np.nan
-    return out.reshape(R)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _pick(i, R0, R1, w0, w1, w2):
-    """Row i of the rows of w0, w1, w2 stacked: (the matrix's row array, its local row)."""
-    if i < R0:
-        return w0[i]
-    if i < R0 + R1:
-        return w1[i - R0]
-    return w2[i - R0 - R1]
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def qkv_q8(qt0, w0, s0, qt1, w1, s1, qt2, w2, s2, qa, da, asum, bsums):
-    """Three GEMVs on one token in one parallel loop (q, k, v: one barrier instead of three).
-    Types of one activation family (K-quants with Q8_K, or Q8_0/Q4_0/Q5_0 with Q8_0), the
-    activations (qa, da, asum, bsums) = ``quantize_for(qt0, x [1, n])``. Row values equal
-    ``gemv_q8`` (the same row kernels). Returns (float32 [R0], [R1], [R2])."""
-    R0, R1, R2 = w0.shape[0], w1.shape[0], w2.shape[0]
-    M = R0 + R1 + R2
-    out = np.empty(M, np.float32)
-    ahead = prefetch_distance(w0)
-    CH = 16
-    for c in prange((M + CH - 1) // CH):
-        for i in range(c * CH, min(M, (c + 1) * CH)):
-            j = i + ahead
-            if j < M:
-                prefetch_array(_pick(j, R0, R1, w0, w1, w2))
-            if i < R0:
-                out[i] = _row_q8(qt0, w0[i], s0[i], qa[0], da[0], asum[0], bsums[0])
-            elif i < R0 + R1:
-                out[i] = _row_q8(qt1, w1[i - R0], s1[i - R0], qa[0], da[0], asum[0], bsums[0])
-            else:
-                r = i - R0 - R1
-                out[i] = _row_q8(qt2, w2[r], s2[r], qa[0], da[0], asum[0], bsums[0])
-    return out[:R0], out[R0 : R0 + R1], out[R0 + R1 :]
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _k_family(qt):
-    return qt == 12 or qt == 13 or qt == 14
-
-
-@njit(cache=True, nogil=True)
-def decode_moe_layer(
-    x, attn_norm, ffn_norm, eps,
-    qt_q, wq, sq, qt_k, wk, sk, qt_v, wv, sv, bq, bk, bv,
-    q_norm, k_norm, qk_mode, cos, sin, neox, H, Hkv, hd,
-    Kc, Vc, pos,
-    qt_o, wo, so,
-    router, k_top, renorm,
-    qt_gu, wg, sg, wu, su, qt_d, wd, sd,
-):  # fmt: skip
-    """x float32 [D] of the token at position ``pos`` -> (x' float32 [D], expert ids int64 [K]);
-    cos, sin float32 [1, rope_dim/2].
-
-    x' = x + attn(rms_norm(x)); x' += experts(rms_norm(x')), exactly as ``DecoderLayer`` with
-    ``Attention`` and ``MoE`` (no shared expert). Writes k, v into row ``pos`` of the cache arrays
-    Kc, Vc float32 [n_ctx, Hkv·hd]. Biases and norm weights may be empty arrays (absent).
-    """
-    D = x.shape[0]
-    h = rms_norm_host(x, attn_norm, eps).reshape(1, D)
-    a = quantize_for(qt_q, h)
-    if _k_family(qt_q) == _k_family(qt_k) and _k_family(qt_k) == _k_family(qt_v):
-        q, k, v = qkv_q8(qt_q, wq, sq, qt_k, wk, sk, qt_v, wv, sv, a[0], a[1], a[2], a[3])
-    else:
-        q = gemv_q8(qt_q, wq, sq, a[0], a[1], a[2], a[3])
-        if qt_k != qt_q:
-            a = quantize_for(qt_k, h)
-        k = gemv_q8(qt_k, wk, sk, a[0], a[1], a[2], a[3])
-        if qt_v != qt_k:
-            a = quantize_for(qt_v, h)
-        v = gemv_q8(qt_v, wv, sv, a[0], a[1], a[2], a[3])
-    if bq.shape[0]:
-        q += bq
-        k += bk
-        v += bv
-    qk_norm_rope_one(q, k, q_norm, k_norm, qk_mode, eps, cos[0], sin[0], neox, H, Hkv, hd)
-    q2 = q.reshape(1, q.shape[0])
-    Kc[pos] = k
-    Vc[pos] = v
-    o = attention_rows(q2, Kc, Vc, pos, H, Hkv, hd)  # [1, H*hd]
-    a = quantize_for(qt_o, o)
-    x = x + gemv_q8(qt_o, wo, so, a[0], a[1], a[2], a[3])
-    h = rms_norm_host(x, ffn_norm, eps).reshape(1, D)
-    E = router.shape[0]
-    logits = np.empty((E, 1), np.float32)
-    floats.gemv_f32(router, np.arange(E), np.zeros(E, np.int64), h, logits)
-    ids, w = route_rows(logits.reshape(1, E), k_top, renorm)
-    a = quantize_for(qt_gu, h)
-    F = wg.shape[0] // E
-    _, qa, da, asum, bsums = moe_gate_up_q8(qt_gu, wg, sg, wu, su, ids[0], a[0], a[1], a[2], a[3], F, qt_d)
-    return x + moe_down_q8(qt_d, wd, sd, ids[0], w[0], qa, da, asum, bsums, D), ids[0]
+    def experts(self, moe, h, hq, r):
+        ids = torch.from_numpy(r.ids)
+        moe.last_ids = ids
+        return moe.experts.forward(moe.i, torch.from_numpy(h), ids, torch.from_numpy(r.weights)).numpy()
 
 
 class HostMoEStep:
-    """The arguments of :func:`decode_moe_layer` for one layer, gathered once at build time."""
+    """The host implementation's fast path for one token: the arguments of
+    :func:`~engine.kernels.host_layers.decode_moe_layer` for one layer, gathered once at build time."""
 
     def __init__(self, layer, attn, moe, stacks):
         a = attn.a
         f32 = np.float32
         lin = [attn.wq, attn.wk, attn.wv]
-        empty = np.zeros(0, f32)
-        biases = [np.asarray(w.bias.numpy(), f32) if w.bias is not None else empty for w in lin]
+        biases = [host_array(w.bias) for w in lin]
         self.i = attn.i
         self.moe = moe
-        self.head = (layer._attn_norm, layer._ffn_norm, f32(layer.eps))
+        self.head = (host_array(layer.attn_norm), host_array(layer.ffn_norm), f32(layer.eps))
         qkv = []
         for w in lin:
             qkv += [int(w.w.qtype), w.w.raw, w.w.scales]
         self.qkv = (*qkv, *biases)
-        qn, kn = attn._norms
-        self.attn = (qn, kn, _QK_NORM[attn.qk_norm])
+        self.attn = (host_array(attn.q_norm), host_array(attn.k_norm), QK_NORM[attn.qk_norm])
         self.shape = (a.rope_neox, a.n_head, a.n_head_kv, a.head_dim)
         self.out = (int(attn.wo.w.qtype), attn.wo.w.raw, attn.wo.w.scales)
-        self.route = (moe.router.w.raw, moe.k, moe.renormalise)
+        self.route = (moe.router.w.raw, moe.routing.k, moe.routing.renormalise)
         g, u, d = stacks.gate, stacks.up, stacks.down
         self.experts = (int(g.qtype), g.raw, g.scales, u.raw, u.scales, int(d.qtype), d.raw, d.scales)
 
@@ -532,9 +146,10 @@ class HostMoEStep:
         from engine.experts import CpuExperts
         from engine.kernels.grouped import fused_grouped
 
-        attn, moe = layer.attn, layer.ffn
-        if not (layer.host and hasattr(moe, "router") and moe.shared is None):
+        attn, moe = layer.attn, layer.moe
+        if not (layer.host and moe is not None and moe.shared is None and moe.routing.kind == "softmax"):
             return None
+        # It inlines the CPU backend's expert kernels: only where that backend serves the layer.
         if not isinstance(moe.experts, CpuExperts) or moe.router.w.qtype != QType.F32 or moe.router.bias is not None:
             return None
         mats = [attn.wq, attn.wk, attn.wv, attn.wo]
@@ -549,10 +164,14 @@ class HostMoEStep:
             return None
         return cls(layer, attn, moe, stacks)
 
-    def __call__(self, x: np.ndarray, pos: int, Kc: np.ndarray, Vc: np.ndarray, cos, sin) -> np.ndarray:
-        """x float32 [D] -> float32 [D]; writes the cache row ``pos``; records the routing."""
+    def __call__(self, x: np.ndarray, pos: int, cache: KVCache, cos: np.ndarray, sin: np.ndarray) -> np.ndarray | None:
+        """x float32 [D] -> float32 [D]; writes the cache row ``pos``; records the routing. None where the
+        layer's cache is not float32 on the host (then the step-by-step ops serve)."""
+        kv = host_kv(cache, self.i, pos, 1)
+        if kv is None:
+            return None
         y, ids = decode_moe_layer(
-            x, *self.head, *self.qkv, *self.attn, cos, sin, *self.shape, Kc, Vc, pos, *self.out, *self.route,
+            x, *self.head, *self.qkv, *self.attn, cos, sin, *self.shape, *kv, pos, *self.out, *self.route,
             *self.experts,
         )  # fmt: skip
         self.moe.note_route(ids)

@@ -2,10 +2,12 @@
 
 Shapes: T tokens in the batch, D model width, H query heads, Hkv KV heads, hd head dim.
 Each function says which llama.cpp graph op it must agree with. Their numba twins for the
-host (``*_host`` / ``*_rows`` in :mod:`engine.models.host`) follow the same ops.
+host (``*_host`` / ``*_rows`` in :mod:`engine.kernels.host_layers`) follow the same ops.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -135,3 +137,39 @@ def route_softmax_topk(logits: torch.Tensor, k: int, renormalise: bool) -> tuple
     if renormalise:
         w = w / w.sum(dim=-1, keepdim=True)
     return ids, w
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a MoE layer picks its experts: data on the layer, read by :func:`route`. Fast paths (the numba
+    host step, the fused Triton route kernel) serve the kinds they name and leave the others to it."""
+
+    k: int  # experts per token
+    renormalise: bool  # the k weights rescaled to sum 1 (Qwen3, Mixtral) or not (OLMoE, Qwen2-MoE)
+    kind: str = "softmax"  # a key of ROUTERS
+    bias: torch.Tensor | None = None  # "sigmoid": float32 [E] added to the scores to choose, never to weigh
+
+
+def route_sigmoid_bias(logits: torch.Tensor, r: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (ids int64 [T, k], weights float32 [T, k]): sigmoid scores, the k largest of
+    scores + ``r.bias`` chosen, weighted by their unbiased scores, optionally renormalised (GLM-4.5,
+    DeepSeek-V3: llama.cpp build_moe_ffn with LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID and exp_probs_b)."""
+    scores = torch.sigmoid(logits)  # [T, E]
+    ids = torch.topk(scores if r.bias is None else scores + r.bias, r.k, dim=-1).indices  # [T, k]
+    w = scores.gather(-1, ids)
+    if r.renormalise:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return ids, w
+
+
+# One function per routing kind: (logits [T, E], routing) -> (ids int64 [T, k], weights float32 [T, k]).
+ROUTERS = {
+    "softmax": lambda logits, r: route_softmax_topk(logits, r.k, r.renormalise),
+    "sigmoid": route_sigmoid_bias,
+}
+
+
+def route(logits: torch.Tensor, r: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (ids int64 [T, k], weights float32 [T, k]) by ``r``'s kind: the reference
+    every placement routes with (or equals, where a fast path serves the kind)."""
+    return ROUTERS[r.kind](logits, r)

@@ -41,6 +41,10 @@ class Linear:
     def out_features(self) -> int:
         return self.w.rows
 
+    def takes_q8(self) -> bool:
+        """Whether a call would take x's q8 copy (``DeviceLinear.takes_q8``): never on the host."""
+        return False
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         X = np.ascontiguousarray(x.detach().numpy(), dtype=np.float32)
         y = torch.from_numpy(matmul(self.w, X, q8_act=self.q8_act))

@@ -102,6 +102,6 @@ def apply_placement(
     if cached is not None and p.moe_mode == "resident":
         cached.preload(pin=True)
     # Everything of a decode step on the device: one-token steps replay a CUDA graph.
-    model.decode_graph = g = graph_decode.for_placement(model, p, device, cached, options)
+    model.decode_graph = g = graph_decode.for_placement(model, p, device, options)
     graph = "" if g is None else g.describe()
     return Applied(p, device, arena, cache, cached, graph, options)

@@ -8,16 +8,17 @@ With the routed experts ``resident`` (every expert in the pinned slot pool) or n
     one H2D copy (x row | position, one buffer) → graph replay → one D2H copy (logits | routes)
 
 and everything else — attention with the K/V write at a device position, routing top-k, the
-experts' slots looked up on the device, the fused MoE kernels — runs inside the graph
-(``DecoderLayer.decode_static``: the same math as the eager path, written graph-friendly and
-usable eagerly too). Attention runs over a static length, one set of graphs per power-of-two
+experts' slots looked up on the device, the fused MoE kernels — runs inside the graph: the layers'
+one ``step`` on :class:`~engine.runtime.step_ops.DeviceStepOps` (the same math as the eager path, on
+ops that need no host sync; usable uncaptured too). Attention runs over a static length, one set of graphs per power-of-two
 bucket of the context (positions past the token masked), all sharing one graph memory pool.
 
-Routed experts that live elsewhere — on the CPU (``cpu`` mode, layers below ``n_cpu_moe``) or in
-the expert cache — cut the step into :class:`Segment`s, one graph each: a segment ends at such a
-MoE layer's routing, its graph copies the normed row, weights and ids to pinned memory, the host
-runs the experts (the CPU kernels; for the cache only its misses — its hits run inside the graph
-from a device expert → slot table), and the next segment's graph copies their output back in.
+Routed experts whose backend has a host half (``ExpertBackend.step_plan``) — on the CPU (``cpu`` mode,
+layers below ``n_cpu_moe``) or in the expert cache — cut the step into :class:`Segment`s, one graph
+each: a segment ends with such a MoE layer, whose device half ran inside it (the cache's hits, from a
+device expert → slot table; the CPU's: nothing); its graph copies the normed row, weights and ids to
+pinned memory, the host half runs between the replays (the CPU kernels: every expert, or the cache's
+misses), and the next segment's graph copies its output back in.
 The product's 12 GiB placement decodes this way (docs/benchmarks-gpu.md, "The 12 GiB placement as
 CUDA-graph segments").
 
@@ -38,11 +39,10 @@ import torch
 
 from engine import config
 from engine.config import EngineOptions
-from engine.experts import CpuExperts
-from engine.models.blocks import MoE, StaticStep
 from engine.models.layers import rope_tables
-from engine.runtime import kernel_select, step_attention, step_kernels
+from engine.runtime import kernel_select, step_attention
 from engine.runtime import triton_qblocks as qblocks
+from engine.runtime.step_ops import DeviceStepOps
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +71,9 @@ def _align8(n: int) -> int:
 
 @dataclass(frozen=True)
 class Segment:
-    """One captured graph of a step: layers [first, stop) whole, then — ``moe`` set — layer ``moe``'s
-    attention, ffn norm and routing, whose routed experts run on the host after the replay; or —
-    ``moe`` None — the output norm and matrix (the step's last segment)."""
+    """One captured graph of a step: layers [first, stop), then — ``moe`` None — the output norm and
+    matrix (the step's last segment); or — ``moe`` set, its last layer — the hand-over of that MoE
+    layer, whose routed experts' host half runs after the replay."""
 
     first: int
     stop: int
@@ -81,22 +81,22 @@ class Segment:
 
 
 def segments(n_layer: int, host_moe: list[int]) -> list[Segment]:
-    """The step cut at each MoE layer whose experts run outside the graph (ascending)."""
+    """The step cut after each MoE layer whose experts have a host half (ascending)."""
     out, first = [], 0
     for m in host_moe:
-        out.append(Segment(first, m, m))
+        out.append(Segment(first, m + 1, m))
         first = m + 1
     return out + [Segment(first, n_layer, None)]
 
 
 def for_placement(
-    model, placement, device: torch.device | str, experts=None, options: EngineOptions | None = None
+    model, placement, device: torch.device | str, options: EngineOptions | None = None
 ) -> GraphDecode | None:
     """The graph decoder for an applied placement, or None where it does not apply: not every
     layer's trunk on the device, ``options.cuda_graph`` "off" (default options: ``config.current()``),
-    or a device other than CUDA unless it is "eager". Routed experts resident in a pinned pool run
-    inside the graph; any others (``cpu`` and ``cache`` modes, layers below ``n_cpu_moe``) cut the step
-    into segments and run between the replays through their backend."""
+    or a device other than CUDA unless it is "eager". Routed experts wholly on the device (a pinned
+    pool) run inside the graph; any with a host half (``cpu`` and ``cache`` modes, layers below
+    ``n_cpu_moe``) cut the step into segments and that half runs between the replays."""
     options = options if options is not None else config.current()
     mode = options.cuda_graph
     device = torch.device(device)
@@ -105,10 +105,9 @@ def for_placement(
     a = model.args
     if placement.n_gpu_layers < a.n_layer:
         return None
-    moe = [i for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoE)]
-    pinned = placement.moe_mode == "resident" and experts is not None and experts.pin_static()
-    inside = [i for i in moe if pinned and model.experts_of(i) is experts]
-    host = [i for i in moe if i not in inside]
+    moe = [i for i, layer in enumerate(model.layers) if layer.moe is not None]
+    host = [i for i in moe if model.experts_of(i).step_plan(i).host]
+    inside = [i for i in moe if i not in host]
     return GraphDecode(model, device, capture=mode == "graph", moe_layers=inside, host_moe=host, options=options)
 
 
@@ -117,9 +116,9 @@ class GraphDecode:
 
     def __init__(self, model, device: torch.device, *, capture: bool, moe_layers: list[int], host_moe: list[int] = (),
                  options: EngineOptions | None = None):  # fmt: skip
-        """moe_layers: the MoE layers whose experts run inside the graph (the resident pool's);
-        host_moe: those whose experts run between replays (each cuts the step); options: the engine
-        options the step kernels' choice follows (default ``config.current()``)."""
+        """moe_layers: the MoE layers whose experts run wholly inside the graph (the resident pool's);
+        host_moe: those whose experts have a host half, run between replays (each cuts the step);
+        options: the engine options the step kernels' choice follows (default ``config.current()``)."""
         a = model.args
         self.model, self.device, self.capture = model, device, capture
         self.moe_layers = np.asarray(moe_layers, np.int64)
@@ -159,23 +158,17 @@ class GraphDecode:
             self.y_in = torch.zeros((1, D), dtype=torch.float32, device=device)
             self._y_h = torch.zeros((1, D), dtype=torch.float32, pin_memory=pin)
             self._np = (self._h_h.numpy(), self._weights_h.numpy(), self._ids_h.numpy(), self._y_h.numpy())
-        # How each cut's experts run: "cpu" (the CPU kernels on the handed-over row), "cache" (the pool's
-        # hits inside the graph, the misses on the CPU from the hand-over) or "eager" (the backend's
-        # forward on the device tensors). The first two hand over through pinned memory, copied by the graphs.
-        self._kind = {j: self._cut_kind(model.experts_of(g.moe), g.moe) for j, g in enumerate(self.segments[:-1])}
-        self._handed = {j for j, k in self._kind.items() if k != "eager"}
-        # The "cpu" cuts' routes of the step, recorded in one profiler call at its end (as the graph's own are).
-        self._cpu_moe = np.asarray(
-            [g.moe for j, g in enumerate(self.segments[:-1]) if self._kind[j] == "cpu"], np.int64
-        )
-        self._cpu_routes = np.zeros((len(self._cpu_moe), K), np.int64)
-        self._cpu_row = {int(i): j for j, i in enumerate(self._cpu_moe)}
-        self._cut_backends = list({id(b): b for b in (model.experts_of(g.moe) for g in self.segments[:-1])}.values())
+        # How each cut's experts run: "cache" (a device half inside the graph — the pool's hits — and the
+        # host half — the misses — between the replays) or "cpu" (the host half does them all).
+        cut = [g.moe for g in self.segments[:-1]]
+        self._kind = {j: "cache" if model.experts_of(i).step_plan(i).device else "cpu" for j, i in enumerate(cut)}
+        # The cuts' routes of the step, recorded in one profiler call at its end (as the graph's own are).
+        self._cut_moe = np.asarray(cut, np.int64)
+        self._cut_routes = np.zeros((len(cut), K), np.int64)
+        self._cut_backends = list({id(b): b for b in (model.experts_of(i) for i in cut)}.values())
         self._stream = None  # the stream a step runs on (looked up once a step: the lookup costs ~50 µs)
-        fused = kernel_select.step_kernels(device, options)  # few, larger launches for the glue between matrices
-        self._rope_kv = step_kernels.qk_rope_kv if fused else None
-        self._add_norm = step_kernels.add_rms_norm if fused else None
-        self._fused = fused
+        self._fused = kernel_select.step_kernels(device, options)  # few, larger launches for the glue between matrices
+        self._consts: dict = {}  # DeviceStepOps' values made once (outside any capture)
         self._attend = None  # step_attention.attend where it applies to the bound cache (bind)
         self.cache = None  # the KV cache the graphs write (bound on first use)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # bucket -> a graph per segment
@@ -191,8 +184,8 @@ class GraphDecode:
 
     @property
     def cuts(self) -> list[str]:
-        """How the experts of each MoE layer that cuts the step run: "cpu", "cache" (hits inside the
-        graph, misses on the CPU) or "eager" (the backend's own forward between the replays)."""
+        """How the experts of each MoE layer that cuts the step run: "cpu" (all by the host half, between
+        the replays) or "cache" (hits inside the graph, misses on the CPU)."""
         return [self._kind[j] for j in range(len(self.segments) - 1)]
 
     def describe(self) -> str:
@@ -200,7 +193,7 @@ class GraphDecode:
         how = "CUDA graphs" if self.capture else "static, not captured"
         if n == 1:
             return how
-        where = {"cpu": "routed experts on the CPU between them", "eager": "routed experts between them",
+        where = {"cpu": "routed experts on the CPU between them",
                  "cache": "expert-cache hits inside them, misses on the CPU between them"}  # fmt: skip
         return f"{how}, {n} a token ({'; '.join(where[k] for k in dict.fromkeys(self.cuts))})"
 
@@ -229,33 +222,28 @@ class GraphDecode:
     def _segment(self, length: int, s: int) -> None:
         """Segment ``s`` of the token on the device. The first reads ``x``, ``pos`` (and writes this
         step's rope rows); the last writes ``logits``; every MoE layer of the graph writes its
-        ``routes`` row, every layer its K/V. A segment that ends at a host MoE layer writes the
-        hand-over (h, weights, ids) and the residual; the next one reads that residual and ``y_in``."""
+        ``routes`` row, every layer its K/V. A segment that ends at a MoE layer with a host half writes
+        the hand-over (h, weights, ids) and the residual; the next one reads that residual and ``y_in``."""
         m, seg = self.model, self.segments[s]
         if s == 0:
             torch.index_select(self.cos, 0, self.pos, out=self._cs[0])
             torch.index_select(self.sin, 0, self.pos, out=self._cs[1])
-        st = StaticStep(self.pos, length, self._cs[0], self._cs[1], self.perm, self.kpos, self.cache, self._rope_kv,
-                        self._add_norm, self._attend)  # fmt: skip
-        if s and s - 1 in self._handed:  # the host experts' output, from pinned memory: a copy in the graph
+        ops = DeviceStepOps(self.pos, length, self._cs[0], self._cs[1], self.perm, self.kpos, self.cache,
+                            routes=self._route_rows, consts=self._consts, fused=self._fused, attend=self._attend)  # fmt: skip
+        if s:  # the host half's output, from pinned memory: a copy in the graph
             self.y_in.copy_(self._y_h, non_blocking=True)
         x, y = (self.x, None) if s == 0 else (self._carry[(s - 1) % 2], self.y_in)
         for i in range(seg.first, seg.stop):
-            x, y = m.layers[i].decode_static(x, y, st, self._route_rows.get(i))
+            x, y = m.layers[i].step(ops, x, y)
         if seg.moe is None:
-            self.logits.copy_(m.output(st.add_rms_norm(x, y, m.out_norm, m.args.rms_eps)[1]))
+            self.logits.copy_(m.output(ops.add_norm(x, y, m.out_norm, m.args.rms_eps)[1]))
             return
-        layer, cache = m.layers[seg.moe], self._kind[s] == "cache"
-        x, h, hq = layer.decode_static_attn(x, y, st, q8_ffn=cache and layer.ffn.wants_q8_input())
-        ids, weights, shared = layer.ffn.route_static(h)
-        if cache:  # the experts in the pool, here; the others on the host after the replay
-            x = x + m.experts_of(seg.moe).hits_static(seg.moe, h, ids, weights, hq)
-        self._carry[s % 2].copy_(x if shared is None else x + shared)
-        self.h.copy_(h)
-        self.weights.copy_(weights)
-        self.ids.copy_(ids)
-        if s in self._handed:  # the hand-over to pinned memory for the host: a copy in the graph
-            self._hand_h.copy_(self._hand, non_blocking=True)
+        cut = ops.cut  # layer seg.moe's: the device half (and any shared expert) is in y
+        self._carry[s % 2].copy_(x if y is None else x + y)
+        self.h.copy_(cut.h)
+        self.weights.copy_(cut.weights)
+        self.ids.copy_(cut.ids)
+        self._hand_h.copy_(self._hand, non_blocking=True)  # the hand-over to pinned memory for the host half
 
     def _capture(self, length: int, s: int = 0) -> None:
         """Capture segment ``s`` for attention length ``length`` (a bucket) into a graph of the shared
@@ -321,7 +309,7 @@ class GraphDecode:
         self.steps += 1
         self._stream = None
         self._record(self._routes_h.numpy().copy(), self.moe_layers, hits=True)  # the resident pool: all hits
-        self._record(self._cpu_routes.copy(), self._cpu_moe, hits=False)
+        self._record(self._cut_routes.copy(), self._cut_moe, hits=False)
         for b in self._cut_backends:
             b.end_step()
         return self._logits_h.clone()
@@ -330,32 +318,16 @@ class GraphDecode:
         if self._stream is not None:
             self._stream.synchronize()
 
-    @staticmethod
-    def _cut_kind(backend, layer: int) -> str:
-        if isinstance(backend, CpuExperts):
-            return "cpu"
-        return "cache" if getattr(backend, "graph_hits", lambda i: False)(layer) else "eager"
-
     def _host_experts(self, s: int, i: int) -> None:
-        """Layer ``i``'s routed experts after segment ``s``, through its backend: the CPU kernels on the
-        handed-over row (the segments' graphs copy it to pinned memory and the output back); the cache's
-        misses on the CPU (its hits ran in the graph); or the backend's forward on the device."""
-        backend, ffn, kind = self.model.experts_of(i), self.model.layers[i].ffn, self._kind[s]
-        if kind != "eager":  # the segment copied the hand-over out; the next copies y in
-            self._sync()
-            h, weights, ids_h, y = self._np
-            if kind == "cpu":
-                ids = self._cpu_routes[self._cpu_row[i]]
-                ids[:] = ids_h[0]
-                y[:] = backend.forward_rows(i, h, ids[None], weights, record=False)
-                return
-            ids = ids_h[0].copy()
-            got = backend.host_misses(i, h, ids, weights)
-            y[:] = 0.0 if got is None else got
-            ffn.last_ids = torch.from_numpy(ids[None])
-            return
-        self.y_in.copy_(backend.forward(i, self.h, self.ids, self.weights))
-        ffn.last_ids = self.ids.to("cpu", copy=True)  # the buffer is the next segment's
+        """Layer ``i``'s host half after segment ``s``, on the hand-over the segment's graph copied to pinned
+        memory; its output goes where the next segment's graph copies it in (its routes: recorded at the
+        step's end)."""
+        self._sync()
+        h, weights, ids_h, y = self._np
+        ids = self._cut_routes[s]
+        ids[:] = ids_h[0]
+        got = self.model.experts_of(i).host_part(i, h, ids[None], weights)
+        y[:] = 0.0 if got is None else got
 
     def _record(self, routes: np.ndarray, layers: np.ndarray, hits: bool) -> None:
         """A step's routes [n, K] of MoE ``layers`` into the profiler (calls, heat; ``hits``: each was

@@ -1,5 +1,5 @@
 """One token's attention over the KV cache in one or two launches (the device step's
-``Attention.decode_static``), in place of torch's four (scores GEMM with scale and mask, softmax,
+``DeviceStepOps.attend``), in place of torch's four (scores GEMM with scale and mask, softmax,
 probs·V GEMM, the mask's elementwise op); optionally also writing the output in ``triton_q8``'s
 activation format, so a Q4_K o projection on q8 activations needs no quantize launch of its own.
 

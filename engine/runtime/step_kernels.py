@@ -1,4 +1,4 @@
-"""Small fused kernels of the one-token device step (``DecoderLayer.decode_static``), where torch
+"""Small fused kernels of the one-token device step (``runtime.step_ops.DeviceStepOps``), where torch
 would launch several tiny kernels in a row — inside a CUDA graph each launch still costs a few µs
 of GPU time, and a 48-layer step has thousands of them.
 

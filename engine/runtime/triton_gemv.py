@@ -9,14 +9,16 @@ a few tokens (the trunk at decode): each program reads its weight tile once for 
 A program owns ``BR`` rows and walks K ``NB`` blocks at a time (a 2-D tile of BR × NB blocks,
 loaded along each row's bytes); with ``SPLIT > 1`` the K range is cut into slices whose partial
 sums are added afterwards (matrices with few rows). The reference is
-``engine.runtime.references.gemv_reference`` (dequantize, then matmul); ``tests/test_triton_gemv.py``
-holds them together in Triton's interpreter and on CUDA.
+``engine.runtime.references.gemv_reference`` (dequantize, then matmul); ``tests/triton/`` holds them
+together in Triton's interpreter and on CUDA.
 
 Two kinds of kernels: ``act="f32"`` — the exact-float kernels below (dequantize each element, float
 FMAs) — and ``act="q8"`` — integer dp4a products with the activations rounded to 8-bit blocks
 (``triton_q8``, ``triton_q8_gemv``, ``triton_q4k_gemv``). Which one runs, and with which launch
 settings (``{"BR", "NB", "num_warps", "SPLIT"}``, an optional ``"UNROLL"`` capping the unrolled K
-walk), is :mod:`engine.runtime.kernel_select`'s choice; ``cfg``/``act`` given here override it.
+walk; the JSON tables in ``engine/runtime/launch/``), is :mod:`engine.runtime.kernel_select`'s
+choice; ``cfg``/``act`` given here override it (why f32 is the default: docs/lab-notebook.md,
+"Activation modes").
 """
 
 from __future__ import annotations

@@ -16,13 +16,12 @@ Prefill (many tokens), tokens sorted by expert:
   multiplies with ``tl.dot`` (tf32×3 on CUDA: float32 accuracy). :func:`moe_prefill` builds the
   MoE from it; the trunk uses it for matrices with more than a few tokens (``one_matrix``).
 
-:func:`moe_decode` runs the integer (dp4a, q8-activation) kernels of ``triton_q4k_moe`` /
-``triton_q8_moe`` in q8 mode (``act="q8"``, ``SHARPI_DEVICE_ACT=q8``, or a captured step's choice:
-``kernel_select.moe_act``), else the exact-float kernels below; ``kernel_select.moe_kernels`` names the
-launches and ``kernel_select.launch`` gives their settings.
+:func:`moe_decode` runs the integer (dp4a, q8-activation) kernels of ``triton_q8_moe`` where
+``kernel_select.act_mode`` / ``moe_act`` say so (``SHARPI_DEVICE_ACT=q8`` or ``act="q8"``; the default
+is the exact-float kernels below).
 
-The reference with the same signature (torch dequantize-then-matmul) is
-``engine.runtime.references.moe_decode_reference``; ``tests/test_triton_moe.py`` holds them together.
+References with the same signatures (``*_reference``: torch dequantize-then-matmul) are in
+:mod:`engine.runtime.references`; ``tests/triton/`` holds them together.
 """
 
 from __future__ import annotations

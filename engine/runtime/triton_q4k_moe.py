@@ -1,37 +1,42 @@
 """Routed-expert decode for Q4_K experts on q8 activations with the fewest instructions a weight byte:
 the fast path of :func:`engine.runtime.triton_moe.moe_decode` in q8 mode when gate and up are Q4_K
-(a Q4_K_M file's experts; its down is Q4_K or, on a third to a half of the layers, Q6_K). The same
-arithmetic as :mod:`engine.runtime.triton_q8_moe` — activations rounded by ``triton_q8``'s rule,
-integer dp4a products — so :func:`engine.runtime.references.moe_decode_q8_reference` is the
-reference (with ``round_h=False`` when the down is not Q4_K and h goes to the exact-float down kernel).
+(a Q4_K_M file's experts; its down is Q4_K or, on a third to a half of the layers, Q6_K).
 
 Contract (T tokens, K experts a token, model width D, expert width F, both multiples of 256; ``pool`` the
 device slot pool, uint8; ``slots`` int64 [T·K], the byte offset of pair q = t·K + k's slot, −1 for a pair
 served elsewhere; ``roles`` {"gate" | "up" | "down": (byte offset in the slot, qtype, rows, cols)}, role
 offsets 16-byte aligned — :func:`applies_gate_up`, :func:`applies`):
 
-What makes them lean (measured on an H100 by ``packaging/gpu_labs/moe_lean.py`` and
-``moe_half.py``; 2.1–3 SASS instructions a weight byte at sm_90 against ~11 for the general q8
-gate/up kernel):
-- a thread owns *half* a 144-byte block — its 16-byte header and 64 quant bytes (4 sub-blocks), five
-  16-byte loads. Whole blocks a thread (session 5) took twice the registers and left 1–1.5 warps a
-  scheduler; halves run the gate/up in 7.7 µs instead of 8.3 and the down in 5.4 instead of 6.0
-  (docs/benchmarks-gpu.md, session 6). Smaller programs than the settings in the launch tables
-  lose again: a launch of many one-warp programs pays for dispatching them;
+- :func:`gate_up` -> H float32 [T·K, F]: ``H[q] = SiLU(gate_q · x̂_t) · (up_q · x̂_t)`` (ggml_swiglu_split),
+  ``H[q] = 0`` for a skipped pair. x̂ is x [T, D] through ``triton_q8``'s rounding (``XQ`` int32 words of
+  four int8 codes, ``XD`` a scale per 32, ``XS`` a dequantized sum per 16); handed in as ``xq`` (the norm
+  kernel writes it: ``step_kernels.add_rms_norm(q8=True)``) or made by one ``quantize_act`` launch here.
+  Kernel :func:`_gate_up_kernel`, grid (F/BR, T·K): whole rows a program.
+- :func:`down` -> Y float32 [T, D]: ``Y[t] = Σ_k weights[t, k] · down_{t,k} · ĥ_{t·K+k}``, ĥ = H through the
+  same rounding (one ``quantize_act`` launch); a skipped pair adds nothing. Kernel :func:`_down_kernel`,
+  grid (D/BR, T): the experts × a row's half-blocks on one tile axis.
+- Reference: :func:`engine.runtime.references.moe_decode_q8_reference` (``round_h=False`` when the down
+  is not Q4_K and h goes to the exact-float down kernel): the same integer dp4a products, so equal up to
+  the order of float32 sums (``tests/triton/``).
+
+Byte layout: a Q4_K block is 144 bytes (36 int32 words) for 256 weights — d and dmin (float16), 12 bytes
+of 6-bit scales and mins for 8 sub-blocks of 32, 128 bytes of 4-bit codes (ggml's ``block_q4_K``). A
+thread owns *half* a block: its 16-byte header and quant bytes 64·h … 64·h + 63 (sub-blocks 4h … 4h + 3),
+five 16-byte loads; the two halves' products sum to the block's. Half a block keeps a thread's registers
+low enough for several warps a scheduler (the measurements: docs/lab-notebook.md, "Routed-expert Q4_K
+kernels").
 - the 6-bit scales and mins of the half's 4 sub-blocks come out of the header words at once with
   masks and shifts, one byte each by a ``prmt``;
 - high nibbles go to dp4a as ``w & 0xF0F0F0F0`` (16 × the code; the 1/16 is applied once a half);
 - dp4a runs as chains through its accumulate operand (inline PTX; the interpreter runs the same
   arithmetic in plain Triton); the integer sum of a sub-block is scaled by its integer scale
   before it becomes a float, and d and dmin come in once a half.
-Two tile orientations, the launch setting ``TILE``: [half-blocks, rows] (the default, :func:`_gate_up_kernel`,
-:func:`_down_kernel`) and [rows, half-blocks] (``"rows"``: :func:`_gate_up_kernel_t`, :func:`_down_kernel_t`).
-Triton picks a tile's blocked layout, and Triton 3.7 swapped it for these tiles: under 3.6 the first gives a
-thread several rows at one half-block (activations loaded once, a row's sum in its warp: 78 registers, 32
-loads, 1 barrier at 8 rows × 2 warps); from 3.7 the second does (80 / 32 / 1 at 16 × 4) and the first
-compiles to 43 loads and 3–7 barriers. ``kernel_select``'s ``triton=<version>.json`` tables pick by the installed Triton,
-measured on the H100 with each version's cubins (``packaging/gpu_labs/cubin_lab.py``; docs/benchmarks-gpu.md,
-session 10); ``packaging/gpu_labs/moe_rows.py --sass`` counts what a Triton compiles, offline.
+Two tile orientations, the launch setting ``TILE``, with the same results: [half-blocks, rows] (``"halves"``,
+the default: :func:`_gate_up_kernel`, :func:`_down_kernel`) and [rows, half-blocks] (``"rows"``:
+:func:`_gate_up_kernel_t`, :func:`_down_kernel_t`). Triton picks a tile's blocked layout, and which
+orientation gives a thread several rows at one half-block (activations loaded once, a row's sum in its
+warp) depends on the Triton version, so ``kernel_select``'s ``triton=<version>.json`` tables choose by the
+installed one.
 A skipped pair (slot offset −1) gets h = 0 from the gate/up kernel; the down kernel reads slot 0's
 rows for it and drops that half's product with a select (never multiplied: slot 0 may hold junk).
 """

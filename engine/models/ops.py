@@ -1,0 +1,134 @@
+"""The ops contract a decoder layer's step is written against, and its torch reference.
+
+The layer math lives once, in the ``step`` methods of :mod:`engine.models.blocks`; what it runs on is
+an :class:`Ops` implementation that also carries where the step is — the positions, the KV cache,
+the rope rows:
+
+- :class:`TorchOps` (here): the reference, torch on any device, T tokens at host positions — the
+  eager path, prefill and decode, on the host or a device;
+- ``engine.models.host.HostOps``: numpy arrays through the numba twins (``engine.kernels.host_layers``),
+  for layers whose matrices are all in host memory;
+- ``engine.runtime.step_ops.DeviceStepOps``: one token at a device position over a static cache
+  length, no host sync — what a decode CUDA graph captures (the fused step kernels, ``DeviceLinear``).
+
+Activations are whatever array type the implementation uses (``torch.Tensor`` or ``np.ndarray``),
+shaped [T, width]. ``q8`` copies — x̂, an activation rounded to ``triton_q8``'s format by the
+kernel that made it — are explicit values: an op that can hand one out is asked for it (``q8=True``)
+and returns it or None; a matrix that takes it gets it through :meth:`Ops.linears`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import torch
+
+from engine.models.layers import apply_rope, attention, rms_norm, route, silu_mul
+
+if TYPE_CHECKING:
+    from engine.kv_cache import KVCache
+
+Array = Any  # torch.Tensor or np.ndarray [T, width], per implementation
+Q8 = Any  # x̂: (XQ int32 [T, w/4], XD float32 [T, w/32], XS float32 [T, w/16]) on the device, or None
+
+
+class Route(NamedTuple):
+    """A MoE layer's routing of T tokens: ids int64 [T, K], weights float32 [T, K]; slot_off int64
+    [T, K]: each pair's slot byte offset in a resident pool where the routing looked it up too, else None."""
+
+    ids: Array
+    weights: Array
+    slot_off: Array | None = None
+
+
+class Ops(Protocol):
+    """What a layer step computes with. ``attn`` / ``moe`` arguments are the layer's blocks (their
+    weights and quirks); the implementation holds the step's positions, KV cache and rope rows."""
+
+    q8: bool  # whether add_norm and attend can hand out q8 copies (the device step)
+
+    def add_norm(self, x: Array, y: Array | None, w, eps: float, q8: bool = False) -> tuple[Array, Array, Q8]:
+        """(x + y, rms_norm(x + y)·w, its q8 copy when asked and made, else None); y None: no add."""
+
+    def rms_norm(self, x: Array, w, eps: float) -> Array:
+        """rms_norm(x)·w over the last dimension (ggml_rms_norm, ggml_mul)."""
+
+    def linears(self, ws: tuple, x: Array, xq: Q8 = None) -> list[Array]:
+        """[x·Wᵀ (+ b) for W in ws]: one activation rounding shared where the kernels allow; xq: x's q8 copy."""
+
+    def rope_store(self, attn, q: Array, k: Array, v: Array, head_norms: tuple | None) -> Array:
+        """q [T, H·hd], k, v [T, Hkv·hd] -> q normed per head (head_norms: (q_norm, k_norm) [hd] or None)
+        and rotated at the step's positions; k normed and rotated, and v, written into layer attn.i's cache."""
+
+    def attend(self, attn, q: Array, q8: bool = False) -> tuple[Array, Q8]:
+        """Causal GQA attention of the rotated q over the cache up to the step's positions -> (o [T, H·hd],
+        its q8 copy when asked and made, else None)."""
+
+    def silu_mul(self, g: Array, u: Array) -> Array:
+        """silu(g) ⊙ u (ggml_swiglu_split)."""
+
+    def sigmoid_gate(self, s: Array, x: Array, w) -> Array:
+        """s · sigmoid(x·w): s [T, D], x [T, D], w [D] (Qwen2-MoE's shared-expert gate)."""
+
+    def route(self, moe, logits: Array) -> Route:
+        """The layer's routing (``moe.routing``) of router logits [T, E]."""
+
+    def experts(self, moe, h: Array, hq: Q8, r: Route) -> Array | None:
+        """Σ_k weights · expert(h) through the layer's expert backend: [T, D], or None where nothing of it
+        is computed in this step (a decode graph's host half adds it after the replay)."""
+
+
+def plus(y: Array | None, s: Array | None) -> Array | None:
+    """y + s with None as zero (a step's partial sums)."""
+    if y is None:
+        return s
+    return y if s is None else y + s
+
+
+class TorchOps:
+    """The reference: torch on any device, T tokens at positions start … start+T−1 of ``cache``.
+    cos, sin float32 [T, rope_dim/2] on the activations' device."""
+
+    q8 = False
+
+    def __init__(self, start: int, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor):
+        self.start, self.cache, self.cos, self.sin = start, cache, cos, sin
+
+    def add_norm(self, x, y, w, eps, q8=False):
+        x = x if y is None else x + y
+        return x, rms_norm(x, w, eps), None
+
+    def rms_norm(self, x, w, eps):
+        return rms_norm(x, w, eps)
+
+    def linears(self, ws, x, xq=None):
+        return [w(x) for w in ws]
+
+    def rope_store(self, attn, q, k, v, head_norms):
+        a, T = attn.a, q.shape[0]
+        q = q.reshape(T, a.n_head, a.head_dim)
+        k = k.reshape(T, a.n_head_kv, a.head_dim)
+        if head_norms is not None:  # per head (Qwen3)
+            q, k = rms_norm(q, head_norms[0], a.rms_eps), rms_norm(k, head_norms[1], a.rms_eps)
+        q, k = apply_rope(q, self.cos, self.sin, a.rope_neox), apply_rope(k, self.cos, self.sin, a.rope_neox)
+        self.cache.write(attn.i, self.start, k.reshape(T, -1), v)
+        return q
+
+    def attend(self, attn, q, q8=False):
+        a, end = attn.a, self.start + q.shape[0]
+        K, V = self.cache.read(attn.i, end)
+        shape = (end, a.n_head_kv, a.head_dim)
+        return attention(q, K.reshape(shape), V.reshape(shape), self.start), None
+
+    def silu_mul(self, g, u):
+        return silu_mul(g, u)
+
+    def sigmoid_gate(self, s, x, w):
+        return s * torch.sigmoid(x @ w)[:, None]
+
+    def route(self, moe, logits):
+        return Route(*route(logits, moe.routing))
+
+    def experts(self, moe, h, hq, r):
+        moe.last_ids = r.ids
+        return moe.experts.forward(moe.i, h, r.ids, r.weights)

@@ -1,0 +1,93 @@
+"""Routed experts computed from the expert pool's slots on the device: the fused Triton kernels that
+read each slot's quantized bytes in place (``triton_moe``), and the torch references beside them
+(dequantize the slots' matrices, then batched matmuls) where the kernels do not serve a layer's types.
+
+Every function takes slots or slot byte offsets already chosen (``engine.runtime.expert_pool``); which
+experts run here, and which on the CPU, is the backend's business (``engine.runtime.expert_cache``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine import config
+from engine.config import EngineOptions
+from engine.experts import ExpertStacks
+from engine.models.layers import silu_mul
+from engine.runtime import kernel_select as ks
+from engine.runtime import triton_moe
+from engine.runtime.device import TRITON_MAX_T, fused_kernels
+from engine.runtime.expert_pool import ROLES, ExpertPool
+from engine.runtime.references import dequantize
+
+
+class PoolCompute:
+    """The expert math over ``pool``'s slots for the layers of ``stacks``; ``q8_act``: the model rounds
+    its activations like llama.cpp (``kernel_select.moe_act``); ``options``: the kernel choice
+    (default ``config.current()``)."""
+
+    def __init__(
+        self, pool: ExpertPool, stacks: dict[int, ExpertStacks], q8_act: bool, options: EngineOptions | None = None
+    ):
+        self.pool, self.stacks, self.q8_act = pool, stacks, q8_act
+        self.options = options if options is not None else config.current()
+        self.device = pool.device
+        # Layers whose three roles the fused Triton kernels read in place.
+        self.fused = {
+            i: all(fused_kernels(self.device, getattr(s, r).qtype, self.options) for r in ROLES)
+            for i, s in stacks.items()
+        }
+
+    def roles(self, layer: int) -> dict:
+        """{role: (byte offset in a slot, qtype, rows, n)} for the fused kernels."""
+        s, off = self.stacks[layer], self.pool.layout.role_offset
+        return {r: (off[r], getattr(s, r).qtype, getattr(s, r).rows, getattr(s, r).n) for r in ROLES}
+
+    def decode_act(self, layer: int) -> str:
+        """The activation mode the fused decode kernels run ``layer`` with now ("q8" | "f32")."""
+        return ks.moe_act(self.device, self.q8_act, self.roles(layer), options=self.options)
+
+    # -- the fused kernels (``fused[layer]``) -----------------------------------------------------------
+    def fused_pairs(self, layer: int, slot_off: torch.Tensor, x: torch.Tensor, w: torch.Tensor, xq=None):
+        """Σ_k w[t, k] · expert(x_t) over the pairs' slots: slot_off int64 [T, K] byte offsets (−1: skipped),
+        x float32 [T, D], w float32 [T, K] -> [T, D]. Up to TRITON_MAX_T tokens the decode kernels (two
+        launches; xq: x's q8 copy), beyond the grouped prefill kernel."""
+        roles = self.roles(layer)
+        if x.shape[0] <= TRITON_MAX_T:
+            act = ks.moe_act(self.device, self.q8_act, roles, options=self.options)
+            y = triton_moe.moe_decode(self.pool.pool, slot_off, x.float(), w.float(), roles, act, xq, self.options)
+            return y.to(x.dtype)
+        return triton_moe.moe_prefill(self.pool.pool, slot_off, x.float(), w.float(), roles, self.options).to(x.dtype)
+
+    # -- torch references -----------------------------------------------------------------------------
+    def weighted_slots(self, layer: int, slots: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """One token, no host sync: Σ_k w[0, k] · the output of the expert in slot ``slots[k]`` (int64 [K];
+        −1: not in the pool, contributes 0) for x [1, D] -> [1, D]."""
+        out = self.pair_outputs(layer, slots.clamp(min=0), x.expand(slots.shape[0], -1))  # [K, D]
+        out = torch.where((slots >= 0)[:, None], out * w[0][:, None], 0.0)  # slot 0 may hold anything
+        return out.sum(0, keepdim=True)
+
+    def pair_outputs(self, layer: int, slots: torch.Tensor, xp: torch.Tensor) -> torch.Tensor:
+        """down(SiLU(gate·x) · up·x) of each pair's slot, unweighted: slots int64 [P] (on the device), xp
+        [P, D] each pair's token -> [P, D]."""
+        g, u, d = self.slot_matrices(layer, slots)  # [P, F, D], [P, F, D], [P, D, F]
+        xc = xp[:, :, None]  # [P, D, 1]
+        return torch.bmm(d, silu_mul(torch.bmm(g, xc), torch.bmm(u, xc)))[:, :, 0]
+
+    def expert_rows(self, layer: int, slot: int, x: torch.Tensor) -> torch.Tensor:
+        """The expert in ``slot`` over the rows x [n, D] -> [n, D] (a prompt: each expert once)."""
+        g, u, d = self.slot_matrices(layer, torch.tensor([slot], device=self.device))
+        return silu_mul(x @ g[0].T, x @ u[0].T) @ d[0].T
+
+    def slot_matrices(self, layer: int, slots: torch.Tensor) -> list[torch.Tensor]:
+        """Dequantized gate, up [P, F, D] and down [P, D, F] of the experts in ``slots``."""
+        s, pool = self.stacks[layer], self.pool
+        raw = pool.pool.index_select(0, slots)  # [P, stride]
+        mats = []
+        for r in ROLES:
+            w = getattr(s, r)
+            nb = pool.expert_bytes[(layer, r)].shape[1]
+            off = pool.layout.role_offset[r]
+            m = dequantize(raw[:, off : off + nb].reshape(len(slots) * w.rows, -1), w.qtype, w.n)
+            mats.append(m.reshape(len(slots), w.rows, w.n))
+        return mats

@@ -1,0 +1,150 @@
+"""The layer step's ops for one token on the device: what a decode CUDA graph captures.
+
+:class:`DeviceStepOps` implements :class:`engine.models.ops.Ops` for one token at a *device* position
+(``pos``, an int64 tensor) over a static attention length (positions past the token masked): no host
+sync, so ``DecoderLayer.step`` on these ops can be captured, and replayed for any position of the bucket.
+Where the fused step kernels serve (``step_kernels.enabled``) the glue between matrices is few, larger
+launches — q/k norm + rope + K/V write in one, residual add + norm (+ x̂) in one, one token's attention
+(+ o's x̂) in one or two, routing (+ the resident pool's slot lookup) in one; else torch's own ops, the
+reference the tests hold those kernels to. Matrices are ``DeviceLinear`` (Triton GEMVs on the raw
+blocks), routed experts the backend's device half; a MoE layer whose backend has a host half leaves
+its hand-over in :attr:`DeviceStepOps.cut` for the decode graph (``engine.runtime.graph_decode``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cached_property
+from math import inf
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from engine.models.layers import apply_rope_table, attention_static, rms_norm_fused, route, silu_mul
+from engine.models.ops import Route
+from engine.runtime import step_kernels
+
+if TYPE_CHECKING:
+    from engine.kv_cache import KVCache
+
+
+class Cut(NamedTuple):
+    """What a MoE layer's host half needs after the replay: the normed row h float32 [1, D], and its
+    routing ids int64 [1, K], weights float32 [1, K] (device tensors of the step)."""
+
+    h: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+
+
+class DeviceStepOps:
+    """Ops for one token at ``pos`` (int64 [1], on the device) over the first ``length`` positions of
+    ``cache`` (≥ pos + 1). cos, sin float32 [1, hd], perm int64 [hd]: the token's rope rows
+    (``layers.rope_tables``); kpos int64 [≥ length]: 0, 1, 2, … (the torch attention's mask).
+
+    routes: MoE layer -> int64 [1, K] row where its chosen ids go (the graph's record of the step);
+    consts: values made once per graph decoder, kept across steps (so a capture does not record them);
+    fused: the step kernels serve this device; attend: ``step_attention.attend`` where it serves every
+    layer's cache, else None."""
+
+    q8 = True
+
+    def __init__(
+        self,
+        pos: torch.Tensor,
+        length: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        perm: torch.Tensor,
+        kpos: torch.Tensor,
+        cache: KVCache,
+        *,
+        routes: dict[int, torch.Tensor],
+        consts: dict,
+        fused: bool,
+        attend: Callable | None = None,
+    ):
+        self.pos, self.length, self.cos, self.sin, self.perm, self.kpos = pos, length, cos, sin, perm, kpos
+        self.cache, self.routes, self.consts = cache, routes, consts
+        self.fused, self._attend = fused, attend
+        self.cut: Cut | None = None  # set by a MoE layer whose backend's host half runs after this step
+
+    @cached_property
+    def bias(self) -> torch.Tensor:
+        """float32 [L]: 0 up to pos, -inf after — the mask of torch's attention (``attention_static``),
+        made on its first use in a step: where ``attend`` serves every layer, never."""
+        return torch.zeros(self.length, dtype=torch.float32, device=self.pos.device).masked_fill(
+            self.kpos[: self.length] > self.pos, -inf
+        )
+
+    def add_norm(self, x, y, w, eps, q8=False):
+        if not self.fused:
+            x = x if y is None else x + y
+            return x, rms_norm_fused(x, w, eps), None
+        if q8 and x.shape[-1] % 32 == 0:  # x̂ from the same launch
+            return step_kernels.add_rms_norm(x, y, w, eps, q8=True)
+        return (*step_kernels.add_rms_norm(x, y, w, eps), None)
+
+    def rms_norm(self, x, w, eps):
+        return rms_norm_fused(x, w, eps)
+
+    def linears(self, ws, x, xq=None):
+        return [w(x) if xq is None else w(x, xq) for w in ws]
+
+    def rope_store(self, attn, q, k, v, head_norms):
+        a, i = attn.a, attn.i
+        H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
+        sk, sv = self.cache.k[i], self.cache.v[i]
+        if self.fused and sk.kv_type in ("f32", "bf16"):  # one launch
+            qn, kn = head_norms if head_norms is not None else (None, None)
+            return step_kernels.qk_rope_kv(
+                q, k, v, qn, kn, a.rms_eps, self.cos, self.sin, self.perm, self.pos, sk.q, sv.q, H, Hkv, hd
+            )
+        qk = torch.cat([q, k], dim=1).reshape(1, H + Hkv, hd)
+        if head_norms is not None:  # per head, q's and k's weights side by side
+            w = self.consts.get(("qk_norm", i))
+            if w is None:
+                w = self.consts["qk_norm", i] = torch.cat([head_norms[0].expand(H, hd), head_norms[1].expand(Hkv, hd)])
+            qk = rms_norm_fused(qk, None, a.rms_eps) * w
+        qk = apply_rope_table(qk, self.cos, self.sin, self.perm)
+        sk.write_at(self.pos, qk[:, H:].reshape(1, -1))
+        sv.write_at(self.pos, v)
+        return qk[:, :H]
+
+    def attend(self, attn, q, q8=False):
+        a, i = attn.a, attn.i
+        H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
+        sk, sv = self.cache.k[i], self.cache.v[i]
+        if self._attend is not None:  # one or two launches
+            if q8:  # o's x̂ from the attention launch
+                return self._attend(q, sk.q, sv.q, self.pos, self.length, H, Hkv, hd, q8=True)
+            return self._attend(q, sk.q, sv.q, self.pos, self.length, H, Hkv, hd), None
+        shape = (self.length, Hkv, hd)
+        K, V = sk.read(self.length).reshape(shape), sv.read(self.length).reshape(shape)
+        return attention_static(q, K, V, self.bias), None
+
+    def silu_mul(self, g, u):
+        return silu_mul(g, u)
+
+    def sigmoid_gate(self, s, x, w):
+        return s * torch.sigmoid(x @ w)[:, None]
+
+    def route(self, moe, logits):
+        r, record = moe.routing, self.routes.get(moe.i)
+        table = moe.experts.step_plan(moe.i).slot_table
+        if record is not None and table is not None and self.fused and r.kind == "softmax":
+            # one fused kernel: routing, the ids into the record, the pinned pool's slot offsets
+            weights, off = step_kernels.route(logits, r.k, r.renormalise, table, record)
+            return Route(record, weights, off)
+        ids, weights = route(logits, r)  # [1, K] x2
+        if record is not None:  # the graph's record of the routes
+            record.copy_(ids)
+        return Route(ids, weights)
+
+    def experts(self, moe, h, hq, r):
+        plan = moe.experts.step_plan(moe.i)
+        if plan.host:  # the host half runs after this step, on the hand-over
+            self.cut = Cut(h, r.ids, r.weights)
+        if not plan.device:
+            return None
+        return moe.experts.device_part(moe.i, h, r.ids, r.weights, hq, r.slot_off)

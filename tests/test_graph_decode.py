@@ -180,14 +180,36 @@ def test_a_capture_that_fails_mid_step_falls_back_to_the_same_logits(paths, monk
         _same_routes_and_counts(eager, static)
 
 
+def _stored_kv(s: Session) -> list[torch.Tensor]:
+    """The applied cache's stored K and V rows of every layer (float32 view of the storage)."""
+    c = s.applied.cache
+    return [st.q[:N_TOKENS].float().clone() for i in range(s.args.n_layer) for st in (c.k[i], c.v[i])]
+
+
 @pytest.mark.parametrize("kv_type", ["bf16", "q8_0"])
 @pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe"])
 def test_static_step_with_rounded_kv(paths, name, kv_type):
+    """With a rounded KV cache the two paths store the same values, except where float32 order puts
+    a value on a rounding edge and it rounds the other way (one storage step; which values do depends
+    on the processor's float32 kernels). Logits agree to float32 order while the stored caches are
+    equal, and to 1e-4 where a few values rounded apart."""
     tokens = random_tokens(N_TOKENS, 1024, seed=2)
     with Session.load(str(paths[name]), LoadOptions(n_ctx=CTX, device="cpu")) as s:
         eager, static, g = _both(s, _whole(s, kv_type), tokens)
+        kv_static = _stored_kv(s)
+        s.apply(_whole(s, kv_type), _graphs(s, "0"))
+        _decode(s, tokens)
+        kv_eager = _stored_kv(s)
         assert g.cache.storage_dtype() == {"bf16": torch.bfloat16, "q8_0": torch.int8}[kv_type]
-        assert np.abs(static[0] - eager[0]).max() <= 1e-5
+        apart = sum(int((a != b).sum()) for a, b in zip(kv_eager, kv_static))
+        assert apart <= 0.005 * sum(a.numel() for a in kv_eager), apart
+        for a, b in zip(kv_eager, kv_static):  # each one storage step at most
+            if kv_type == "q8_0":
+                assert (a - b).abs().max() <= 1
+            else:
+                step = torch.maximum(a.abs(), b.abs()) * 2.0**-7
+                assert ((a - b).abs() <= step).all()
+        assert np.abs(static[0] - eager[0]).max() <= (1e-5 if apart == 0 else 1e-4)
         _same_routes_and_counts(eager, static)
 
 

@@ -5,8 +5,6 @@ the interpreter minutes."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 import torch
@@ -98,8 +96,11 @@ def test_expert_cache_through_fused_kernels_on_cuda(tmp_path, monkeypatch, act, 
                        type_overrides={"*ffn_down*": "Q6_K"}).path  # fmt: skip
     tokens = random_tokens(9, 1024, seed=8)  # 9 > TRITON_MAX_T: prefill takes the grouped kernels
     dec = tokens[:3]  # decode steps
-    opts = replace(config.current(), device_act=act)
-    with Session.load(str(path), LoadOptions(n_ctx=CTX, device="cuda", q8_act=False, engine=opts)) as s:
+    # SHARPI_DEVICE_ACT=act for the process (what the session's options and any options=None default see)
+    with (
+        config.overriding(device_act=act),
+        Session.load(str(path), LoadOptions(n_ctx=CTX, device="cuda", q8_act=False)) as s,
+    ):
         ref_dec, ref_pre = s.logits(dec, batch=False), s.logits(tokens)
         L, E = s.args.n_layer, s.args.n_expert
         need = device_bytes(s.spec, n_gpu_layers=L, ctx=CTX, kv_type="f32", reserve=0).total

@@ -2,7 +2,7 @@
 # The quantized Triton kernels on the lent GPU machine (see docs/benchmarks-gpu.md):
 #   1. CUDA parity tests of the GEMV, fused MoE and tiled kernels, float, q8/dp4a and the lean Q4_K
 #      MoE and trunk GEMV (and the expert cache through them), of a captured chain of PDL kernels
-#      against the eager calls, and of the read-floor kernel; the act-mode tables;
+#      against the eager calls, and of the read-floor kernel (tests/triton, compiled); the act-mode tables;
 #   2. `sharpi bench device-kernels` with the default launch settings (~3 min: a default session's
 #      kernels with and without programmatic dependent launch, the f32 and q8 kernels, torch, copy
 #      and read floors);
@@ -15,10 +15,12 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 [ -d .devwheels ] && python3 -m pip install -q --no-deps .devwheels/*.whl
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 S=$(date +%s)
-timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W ignore::DeprecationWarning \
-  tests/test_triton_gemv.py tests/test_triton_moe.py tests/test_triton_q8.py tests/test_runtime.py tests/test_pdl.py \
-  tests/test_read_floor.py -k "(cuda and (triton or moe or quantized or q8)) or pdl or moe_act or trunk_act or read or tuner" \
+timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W ignore::DeprecationWarning tests/triton \
   --durations=0 2>&1 | tail -25 | tee "$OUT/tests.txt"
+timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W ignore::DeprecationWarning \
+  tests/test_triton_q8.py tests/test_runtime.py tests/test_pdl.py tests/test_read_floor.py \
+  -k "(cuda and (triton or moe or quantized or q8)) or pdl or moe_act or trunk_act or read or tuner" \
+  --durations=0 2>&1 | tail -25 | tee -a "$OUT/tests.txt"
 echo "tests: $(( $(date +%s) - S )) s"
 timeout 420 python3 -m engine.cli.main bench device-kernels 2>&1 | tee "$OUT/bench_default.txt"
 echo "bench: $(( $(date +%s) - S )) s"

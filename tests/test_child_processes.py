@@ -1,6 +1,6 @@
-"""Test scripts run in child interpreters (tests.triton_data.run_script and the graph tests' _script)
-die with the pytest process that started them, so a pytest stopped by `timeout` leaves nothing running
-(on the GPU machine one such orphan once slowed the next benchmark)."""
+"""Test scripts run in child interpreters (tests/test_graph_decode.py's _script, with tests.triton_data's
+die_with_parent) die with the pytest process that started them, so a pytest stopped by `timeout` leaves
+nothing running (on the GPU machine one such orphan once slowed the next benchmark)."""
 
 from __future__ import annotations
 

@@ -1,144 +1,12 @@
-"""Integer (dp4a) kernels with q8 activations (engine.runtime.triton_q8*): the activation quantizer
-against its torch specification (bit for bit), the GEMV / matmul / matmul_many / fused-MoE kernels
-against torch references that dequantize the weights and multiply by the dequantized q8
-activations (≤ 1e-5 relative), and against the exact-float references within the error the
-activation rounding predicts. Triton's interpreter here (the plain-Triton dp4a emulation, small
-awkward shapes); compiled with PTX dp4a on a CUDA machine (trunk and expert shapes)."""
+"""Which q8 (dp4a) kernels run where (engine.runtime.kernel_select): the activation rounding of routed
+experts and trunk matrices, the launch tables by Triton version, the bench report's naming of them. The
+kernels themselves against their references: tests/triton/test_q8.py (Triton's interpreter, or CUDA)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from tests.triton_data import launch_table, run_script
-
 pytest.importorskip("triton")
-
-SCRIPT = r"""
-import sys, numpy as np, torch
-from engine.quant import QType
-from engine.runtime import references as refs, triton_gemv as tg, triton_moe as tm, triton_q8 as t8, triton_q8_moe as m8
-from engine.runtime.references import dequantize
-from tests.triton_data import blocks, expert_pool, routing_case
-dev, big = sys.argv[1], sys.argv[2] == "big"
-rng = np.random.default_rng(3)
-rel = lambda a, b: ((a - b).norm() / b.norm()).item()
-
-# 1. the quantizer: bit for bit (a zero block, a tiny one, ±127 extremes)
-X = torch.from_numpy(rng.standard_normal((5, 320)).astype(np.float32)).to(dev)
-X[1, :32] = 0
-X[2, 32:64] *= 1e-30
-XQ, XD, XS = t8.quantize_act(X)
-q, d, s = refs.quantize_act_reference(X)
-assert torch.equal(t8.unpack_words(XQ), q) and torch.equal(XD, d) and torch.equal(XS, s), "quantize_act"
-assert q.abs().max() == 127 and (q[1, :32] == 0).all()
-
-
-def check_stat(Y, W, X, Yf):
-    # Activation rounding e = x - x̂, |e| ≤ d/2 per element: |Y - Yf| ≤ Σ|w|·d/2 per output (hard),
-    # and ||Y - Yf|| near sqrt(Σ w²·d²/12) (e ~ uniform on ±d/2, independent): within [0.5, 2]×.
-    _, d, _ = refs.quantize_act_reference(X)
-    de = d.repeat_interleave(32, -1)  # [T, n]
-    hard = (W.abs()[None] * de[:, None, :] / 2).sum(-1)  # [T, rows]
-    err = (Y - Yf).abs()
-    assert (err <= hard * 1.0001 + 1e-6).all(), "hard rounding bound"
-    pred = ((W[None] ** 2) * (de[:, None, :] ** 2) / 12).sum(-1).sum().sqrt().item()
-    ratio = (Y - Yf).norm().item() / pred
-    assert 0.5 < ratio < 2.0, ("rounding error off its prediction", ratio)
-    return ratio
-
-
-# 2. GEMV / matmul / matmul_many
-if not big:
-    shapes = {"Q4_0": (37, 96), "Q8_0": (37, 96), "Q4_K": (21, 512), "Q5_K": (21, 256), "Q6_K": (21, 256)}
-    # the interpreter is slow: one explicit setting (K walk unrolled) + the table's (runtime loop, split)
-    cfgs = ({"BR": 4, "NB": 2, "num_warps": 4, "SPLIT": 1, "UNROLL": 4},)
-    Ts = (1, 3)
-else:
-    shapes = {q: (4096, 2048) for q in ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
-    cfgs = ({"BR": 4, "NB": 4, "num_warps": 4, "SPLIT": 3, "UNROLL": 0},)  # + the table's (unrolled)
-    Ts = (1, 5)
-for name, (rows, n) in shapes.items():
-    qt = QType[name]
-    raws = [blocks(qt, r, n, dev, rng) for r in (rows, rows // 4 + 1, rows // 4 + 1)]  # q, k, v-like
-    W = dequantize(raws[0], qt, n)
-    for T in Ts:
-        X = torch.from_numpy(rng.standard_normal((T, n)).astype(np.float32)).to(dev)
-        ref = refs.matmul_q8_reference(raws[0], X, qt, rows, n)
-        Yf = X @ W.T
-        for cfg in cfgs + (None,):
-            Y = tg.matmul(raws[0], X, qt, rows, n, cfg, act="q8")
-            assert rel(Y, ref) < 1e-5, (name, T, cfg, rel(Y, ref))
-        ratio = check_stat(Y, W, X, Yf)
-        for cfg in (cfgs[0],) if T > 1 or not big else (cfgs[0], None):
-            outs = tg.matmul_many(raws, X, qt, [r.shape[0] for r in raws], n, cfg, act="q8")
-            for r, y in zip(raws, outs):
-                e = rel(y, refs.matmul_q8_reference(r, X, qt, r.shape[0], n))
-                assert e < 1e-5, (name, T, "many", e)
-        print(name, rows, n, T, f"{rel(Y, ref):.1e}", f"vs f32 {rel(Y, Yf):.1e} ({ratio:.2f} of predicted)", flush=True)
-    pool = torch.cat([raws[0].reshape(-1), raws[0].reshape(-1)])
-    X = torch.from_numpy(rng.standard_normal((3, n)).astype(np.float32)).to(dev)
-    offs = torch.tensor([0, raws[0].numel(), 0], dtype=torch.int64, device=dev)
-    Y = tg.gemv(pool, offs, X, qt, rows, n, cfgs[-1], act="q8")
-    assert rel(Y, refs.gemv_q8_reference(pool, offs, X, qt, rows, n)) < 1e-5, (name, "gemv")
-
-
-# 3. fused MoE decode
-Q = QType
-if not big:
-    cases = [((Q.Q4_K, Q.Q4_K, Q.Q6_K), 256, 256), ((Q.Q8_0, Q.Q4_0, Q.Q5_K), 256, 96), ((Q.Q4_0, Q.Q8_0, Q.Q8_0), 96, 64),
-             ((Q.Q4_K, Q.Q4_K, Q.Q4_K), 256, 512)]  # Q4_K gate/up: triton_q4k_moe
-    E, K, Ts = 3, 2, (1, 3)
-    cfgs = (({"BR": 16, "NB": 2, "num_warps": 4}, {"BR": 64, "NB": 1, "num_warps": 4, "KSPLIT": 1}),)  # h in float
-else:
-    cases = [((Q.Q4_0, Q.Q4_0, Q.Q8_0), 768, 2048), ((Q.Q5_K, Q.Q5_K, Q.Q5_K), 768, 2048), ((Q.Q4_K, Q.Q4_K, Q.Q6_K), 768, 2048),
-             ((Q.Q4_K, Q.Q4_K, Q.Q4_K), 768, 2048)]  # Q4_K gate/up: triton_q4k_moe
-    E, K, Ts = 16, 8, (1, 4)
-    # h quantized in the gate/up tile (BR 32; the table's BR 8 keeps h in float), on the Q4_0 case only
-    cfgs = (({"BR": 32, "NB": 16, "num_warps": 4}, {"BR": 16, "NB": 32, "num_warps": 4, "KSPLIT": 1}),)
-for types, F, D in cases:
-    pool, stride, roles = expert_pool(types, F, D, E, dev, rng)
-    for T in Ts:
-        slot_off, x, w = routing_case(T, K, E, D, stride, dev, rng)
-        lean_gu = types[:2] == (Q.Q4_K, Q.Q4_K)  # triton_q4k_moe's gate/up; h rounded only into its Q4_K down
-        assert tm.triton_q4k_moe.applies_gate_up(roles) == lean_gu
-        assert tm.triton_q4k_moe.applies(roles) == (types == (Q.Q4_K,) * 3)
-        ref = refs.moe_decode_q8_reference(pool, slot_off, x, w, roles, round_h=not lean_gu or types[2] == Q.Q4_K)
-        y = tm.moe_decode(pool, slot_off, x, w, roles, act="q8")
-        errs = [rel(y, ref)]
-        for cg, cd in cfgs if (types[0] == Q.Q4_0 if big else F <= 96) else ():  # one case: compile time
-            errs.append(rel(m8.moe_decode_q8(pool, slot_off, x, w, roles, cg, cd), ref))
-        assert max(errs) < 1e-4, (types, T, errs)  # h's rounding may flip a code where float sums differ
-        f32 = rel(y, refs.moe_decode_reference(pool, slot_off, x, w, roles))
-        assert f32 < 0.05, (types, T, "vs exact float", f32)
-        print([t.name for t in types], F, D, T, " ".join(f"{e:.1e}" for e in errs), f"vs f32 {f32:.1e}", flush=True)
-print("ok")
-"""
-
-
-# The interpreter runs programs one by one: fewer, larger tiles keep it quick; the table's settings here
-# walk K in a runtime loop, split in two.
-INTERPRETER_LAUNCH = {
-    "gemv_q8:*:*": {"BR": 16, "NB": 1, "num_warps": 4, "SPLIT": 2, "UNROLL": 0},
-    "moe_q8_gate_up:*:*": {"BR": 64, "NB": 2, "num_warps": 4},
-    "moe_q8_down:*:*": {"BR": 64, "NB": 1, "num_warps": 4, "KSPLIT": 2},
-    "moe_q4k_gate_up:*:*": {"BR": 64, "num_warps": 4},
-    "moe_q4k_down:*:*": {"BR": 64, "num_warps": 4},
-}
-
-
-def test_q8_kernels_match_reference_in_the_interpreter(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="1", **launch_table(tmp_path, INTERPRETER_LAUNCH))
-    assert run_script(SCRIPT, ["cpu", "small"], env).strip().endswith("ok")
-
-
-@pytest.mark.cuda
-def test_q8_kernels_match_reference_on_cuda():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA")
-    assert run_script(SCRIPT, ["cuda", "big"], dict(os.environ)).strip().endswith("ok")
 
 
 def test_moe_act_follows_the_models_activation_rounding(monkeypatch):
@@ -176,36 +44,6 @@ def test_moe_act_follows_the_models_activation_rounding(monkeypatch):
     assert act(cuda, True, q4k) == "f32"
     assert act(cuda, True, q4k, CAPTURED, EngineOptions.from_env({"TRITON_INTERPRET": "1"})) == "f32"
     assert act(cuda, False, q6k, options=EngineOptions.from_env({"SHARPI_DEVICE_ACT": "q8"})) == "q8"
-
-
-SKIP_SCRIPT = r"""
-import numpy as np, torch
-from engine.quant import QType
-from engine.runtime import references as refs, triton_q4k_moe as m4
-from tests.triton_data import expert_pool
-rng = np.random.default_rng(11)
-Q = QType.Q4_K
-pool, stride, roles = expert_pool((Q, Q, Q), 256, 256, 2, "cpu", rng)
-pool[0] = 0xFF  # slot 0 is junk (fp16 scales 0xFFFF: NaN); the skipped pair below reads its rows
-slot_off = torch.tensor([[stride, -1]], dtype=torch.int64)
-x = torch.from_numpy(rng.standard_normal((1, 256)).astype(np.float32))
-w = torch.tensor([[0.7, 0.3]])
-cfg = {"BR": 64, "num_warps": 4}
-slots = slot_off.reshape(-1)
-H = m4.gate_up(pool, slots, x, roles, 2, cfg)
-assert (H[1] == 0).all(), "a skipped pair's h is 0"
-y = m4.down(pool, slots, H, w, roles, 2, cfg)
-ref = refs.moe_decode_q8_reference(pool, slot_off, x, w, roles)
-assert torch.isfinite(y).all(), "the junk slot leaked into the sum"
-assert ((y - ref).norm() / ref.norm()).item() < 1e-5
-print("ok")
-"""
-
-
-def test_q4k_moe_skipped_pair_never_reads_junk_into_the_sum():
-    """triton_q4k_moe's down kernel reads slot 0's rows for a skipped pair (slot −1) and must drop them
-    by a select: with slot 0 full of NaN scales the result stays finite and equals the reference."""
-    assert run_script(SKIP_SCRIPT, [], dict(os.environ, TRITON_INTERPRET="1")).strip().endswith("ok")
 
 
 def test_trunk_act_and_the_small_matrix_rule(monkeypatch):
@@ -254,42 +92,6 @@ def test_trunk_act_and_the_small_matrix_rule(monkeypatch):
     lin(x)
     lin(x, (x, x, x))
     assert seen == [lin.raw.numel(), None]
-
-
-TILE_SCRIPT = r"""
-import numpy as np, torch
-from engine.quant import QType
-from engine.runtime import references as refs, triton_q4k_gemv as g4, triton_q4k_moe as m4
-from tests.triton_data import blocks, expert_pool, routing_case
-rng = np.random.default_rng(21)
-Q = QType.Q4_K
-rel = lambda a, b: ((a - b).norm() / b.norm()).item()
-pool, stride, roles = expert_pool((Q, Q, Q), 256, 512, 3, "cpu", rng)
-for T in (1, 2):
-    slot_off, x, w = routing_case(T, 2, 3, 512, stride, "cpu", rng)
-    slot_off[0, 1] = -1  # a skipped pair
-    slots = slot_off.reshape(-1).contiguous()
-    ref = refs.moe_decode_q8_reference(pool, slot_off, x, w, roles)
-    for tile in ("halves", "rows"):
-        H = m4.gate_up(pool, slots, x, roles, 2, {"BR": 64, "num_warps": 4, "TILE": tile})
-        assert (H[1] == 0).all(), (tile, "skipped pair")
-        y = m4.down(pool, slots, H, w, roles, 2, {"BR": 64, "num_warps": 4, "PF": 0, "TILE": tile})
-        assert rel(y, ref) < 1e-5, (tile, T, rel(y, ref))
-raw = blocks(Q, 40, 512, "cpu", rng)  # 40 rows: the last tile is partial
-x = torch.from_numpy(rng.standard_normal((1, 512)).astype(np.float32))
-ref = refs.matmul_q8_reference(raw, x, Q, 40, 512)
-for tile in ("halves", "rows"):
-    y = g4.gemv(raw, x, 40, 512, {"BR": 16, "num_warps": 4, "PF": 0, "TILE": tile})
-    assert rel(y, ref) < 1e-5, (tile, "gemv", rel(y, ref))
-print("ok")
-"""
-
-
-def test_q4k_tiles_of_both_orientations_match_the_reference_in_the_interpreter():
-    """triton_q4k_moe / triton_q4k_gemv take [half-blocks, rows] or [rows, half-blocks] tiles (launch setting
-    TILE; which one is fast depends on the Triton that compiles them): both give the q8 reference's result,
-    skipped pairs and a partial last row tile included."""
-    assert run_script(TILE_SCRIPT, [], dict(os.environ, TRITON_INTERPRET="1")).strip().endswith("ok")
 
 
 def test_launch_settings_follow_the_installed_triton(monkeypatch):

@@ -1,4 +1,6 @@
-"""Quantized weights for the Triton kernel tests (imported by their subprocess scripts)."""
+"""Data for the Triton kernel tests (tests/triton and the graph tests): quantized weights, expert pools,
+routing cases; and for tests that still run a script in a child interpreter, die_with_parent and
+launch_table."""
 
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def expert_pool(types, F: int, D: int, E: int, dev, gen: np.random.Generator):
 
 
 def die_with_parent() -> None:
-    """``preexec_fn`` for a test's child interpreter: on Linux the kernel kills it when the pytest
+    """``preexec_fn`` for a test's child interpreter (tests/test_graph_decode.py's scripts): on Linux the kernel kills it when the pytest
     process dies (``prctl(PR_SET_PDEATHSIG, SIGKILL)``) — a pytest stopped by ``timeout`` on the GPU
     machine once left a CUDA script running that slowed the next benchmark. Elsewhere: nothing."""
     import ctypes
@@ -51,20 +53,6 @@ def die_with_parent() -> None:
 
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-
-
-def run_script(script: str, args: list[str], env: dict) -> str:
-    """Run a test's kernel script in a fresh interpreter (Triton's interpreter mode is chosen by
-    the environment at import) and return its stdout; a failure shows the script's output."""
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=900, check=False,
-        preexec_fn=die_with_parent,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    return out.stdout
 
 
 def routing_case(T: int, K: int, E: int, D: int, stride: int, dev, gen: np.random.Generator):

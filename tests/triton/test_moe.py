@@ -1,0 +1,117 @@
+"""Fused MoE Triton kernels (engine.runtime.triton_moe) vs their torch references, and the expert cache
+served through them vs the CPU engine: in Triton's interpreter small shapes, compiled on CUDA
+Qwen3-30B-A3B expert shapes. The whole-model cache test is CUDA-only: a model's worth of kernels takes
+the interpreter minutes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.quant import QType
+from engine.runtime import references as refs
+from engine.runtime import triton_moe as tm
+from engine.runtime.references import dequantize
+from tests.triton import BIG, CUDA_ONLY, DEVICE, INTERPRET
+from tests.triton_data import blocks, expert_pool, routing_case
+
+Q = QType
+if not BIG:
+    CASES = [
+        ((Q.Q4_K, Q.Q4_K, Q.Q6_K), 256, 512),
+        ((Q.Q8_0, Q.Q4_0, Q.Q5_K), 256, 96),
+        ((Q.Q4_0, Q.Q8_0, Q.Q8_0), 96, 64),
+    ]
+    E, K, TOKENS = 5, 2, (1, 3)
+    ONE_MATRIX = ((Q.Q4_K, 40, 512), (Q.Q8_0, 33, 96))
+else:
+    CASES = [((q, q, q), 768, 2048) for q in (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)]
+    CASES.append(((Q.Q4_K, Q.Q4_K, Q.Q6_K), 768, 2048))
+    E, K, TOKENS = 16, 8, (1, 4, 40)
+    ONE_MATRIX = ((Q.Q4_K, 4096, 2048), (Q.Q6_K, 2048, 4096))
+TOL = 1e-5 if DEVICE == "cpu" else 1e-4  # tf32x3 on CUDA
+
+# The interpreter runs programs one by one: fewer, larger tiles keep it quick.
+INTERPRETER_LAUNCH = {"moe_gate_up:*:*": {"BR": 16, "NB": 4, "num_warps": 4}}
+
+
+def _case_id(case) -> str:
+    types, F, D = case
+    return "-".join(t.name for t in types) + f"-F{F}-D{D}"
+
+
+@pytest.mark.parametrize("T", TOKENS, ids=[f"T{t}" for t in TOKENS])
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_moe_kernels_match_the_reference(case, T, device, launch_table):
+    """moe_decode (exact float) up to TRITON_MAX_T tokens and moe_prefill against moe_decode_reference,
+    with a slot missing (skipped) when T > 1."""
+    log = launch_table(INTERPRETER_LAUNCH) if INTERPRET else None
+    types, F, D = case
+    rng = np.random.default_rng((1, *map(int, types), F, D, T))
+    pool, stride, roles = expert_pool(types, F, D, E, device, rng)
+    slot_off, x, w = routing_case(T, K, E, D, stride, device, rng)
+    ref = refs.moe_decode_reference(pool, slot_off, x, w, roles)
+    errs = []
+    decode = lambda *a: tm.moe_decode(*a, act="f32")  # noqa: E731 — the q8 kernels: test_q8.py
+    for fn in (decode, tm.moe_prefill) if T <= 8 else (tm.moe_prefill,):
+        y = fn(pool, slot_off, x, w, roles)
+        errs.append(((y - ref).norm() / ref.norm()).item())
+    assert max(errs) < TOL, ([t.name for t in types], F, D, T, errs)
+    if log is not None:
+        assert log.kernels() == {"moe_gate_up"}
+
+
+@pytest.mark.parametrize(("q", "R", "n"), ONE_MATRIX, ids=[f"{q.name}-{R}x{n}" for q, R, n in ONE_MATRIX])
+def test_one_matrix_tiles_match_the_reference(q, R, n, device):
+    """The tiled one-matrix path (a trunk matrix with more than TRITON_MAX_T tokens)."""
+    rng = np.random.default_rng((2, int(q), R, n))
+    raw = blocks(q, R, n, device, rng)
+    X = torch.from_numpy(rng.standard_normal((37, n)).astype(np.float32)).to(device)
+    ref = (X.double() @ dequantize(raw, q, n).double().T).float()
+    y = tm.one_matrix(raw, X, q, R, n)
+    err = ((y - ref).norm() / ref.norm()).item()
+    assert err < TOL, (q.name, "one_matrix", err)
+
+
+@pytest.mark.cuda
+@CUDA_ONLY
+@pytest.mark.parametrize(("act", "tol"), [("f32", 1e-3), ("q8", 3e-2)])
+def test_expert_cache_through_fused_kernels_on_cuda(tmp_path, monkeypatch, act, tol):
+    """f32: the exact-float kernels against the exact-float CPU engine; q8 (EngineOptions.device_act, i.e.
+    SHARPI_DEVICE_ACT=q8): the decode kernels round activations to 8 bits (~1 % relative per product), so
+    a looser bound."""
+    from engine import config
+    from engine.api import LoadOptions, Session
+    from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
+    from engine.runtime import kernel_select as ks
+    from engine.synth.writer import write_model
+    from tests.oracle import random_tokens
+
+    acts = []
+    moe_act = ks.moe_act
+    monkeypatch.setattr(ks, "moe_act", lambda *a, **k: acts.append(moe_act(*a, **k)) or acts[-1])
+    CTX = 64
+    path = write_model(tmp_path / "q.gguf", "qwen3moe", seed=4, layers=2, weight_type="Q4_K",
+                       type_overrides={"*ffn_down*": "Q6_K"}).path  # fmt: skip
+    tokens = random_tokens(9, 1024, seed=8)  # 9 > TRITON_MAX_T: prefill takes the grouped kernels
+    dec = tokens[:3]  # decode steps
+    # SHARPI_DEVICE_ACT=act for the process (what the session's options and any options=None default see)
+    with (
+        config.overriding(device_act=act),
+        Session.load(str(path), LoadOptions(n_ctx=CTX, device="cuda", q8_act=False)) as s,
+    ):
+        ref_dec, ref_pre = s.logits(dec, batch=False), s.logits(tokens)
+        L, E = s.args.n_layer, s.args.n_expert
+        need = device_bytes(s.spec, n_gpu_layers=L, ctx=CTX, kv_type="f32", reserve=0).total
+        for moe, slots in (("cache", L * E // 2), ("resident", L * E)):
+            prof = DeviceProfile(vram_bytes=need + slots * expert_slot_layout(s.spec).stride, reserve_bytes=0)
+            s.apply(s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe=moe), prof))
+            assert s.applied.options.device_act == act
+            cached = s.applied.experts
+            assert cached is not None and all(cached._fused.values()), "the fused kernels must serve these layers"
+            for batch, ref, toks in ((False, ref_dec, dec), (True, ref_pre, tokens)):
+                got = s.logits(toks, batch=batch)
+                err = np.abs(got - ref).max() / np.abs(ref).max()
+                assert err <= tol, (moe, "prefill" if batch else "decode", err)
+    assert set(acts) == {act}, acts  # the routed experts decoded on the options' activation rounding

@@ -11,7 +11,6 @@ pytest.importorskip("triton")
 
 from engine.config import EngineOptions  # noqa: E402
 from engine.runtime import triton_qblocks as qb  # noqa: E402
-from tests.triton import TRITON_DEFAULTS_WARNING  # noqa: E402
 
 
 def test_pdl_is_off_without_a_captured_cuda_stream(engine_env):
@@ -109,7 +108,6 @@ def _pdl_cases() -> list:
 @pytest.mark.skipif(
     EngineOptions.from_env().triton_interpret, reason="TRITON_INTERPRET: Triton interprets the kernels, compiles none"
 )
-@pytest.mark.filterwarnings(TRITON_DEFAULTS_WARNING)
 def test_pdl_kernels_compile_for_sm90_with_wait_before_release():
     """The PDL variants run only on a Hopper GPU, which CI lacks: compile them for sm_90 here (Triton's
     ptxas needs no GPU) and check each waits once, then releases once, with its prefetches before

@@ -20,6 +20,3 @@ BIG = not INTERPRET  # compiled on a GPU: trunk-sized shapes; the interpreter: s
 # With @pytest.mark.cuda on the compiled-kernel cases: skipped under the interpreter (and, with the rest of
 # the directory, without CUDA).
 CUDA_ONLY = pytest.mark.skipif(INTERPRET, reason="compiled kernels on a CUDA device only")
-# Triton 3.9 warns once a process, at the first compile, that its default (FP fusion on) will change in
-# 3.10; the engine takes the default, and pyproject's filterwarnings would make the warning a failure.
-TRITON_DEFAULTS_WARNING = "ignore:TRITON_DEFAULT_FP_FUSION is unset:UserWarning"

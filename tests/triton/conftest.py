@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from tests.triton import BIG, DEVICE, INTERPRET, TRITON_DEFAULTS_WARNING
+from tests.triton import BIG, DEVICE, INTERPRET
 
 HOW = "TRITON_INTERPRET=1 python -m pytest tests/triton"
 
@@ -41,7 +41,6 @@ def pytest_pycollect_makemodule(module_path, parent):
     """Every module here is ``slow``; where the kernels cannot run, skipped at collection (not imported)."""
     module = (_Unrunnable if WHY_NOT else pytest.Module).from_parent(parent, path=module_path)
     module.add_marker(pytest.mark.slow)
-    module.add_marker(pytest.mark.filterwarnings(TRITON_DEFAULTS_WARNING))
     return module
 
 

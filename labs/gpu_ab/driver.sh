@@ -51,9 +51,16 @@ run() {  # name tree args...
   echo "$n rc=$rc peak_MiB=$peak $s" >> $R/summary.txt
   log "$n rc=$rc peak $peak MiB"
 }
+census() {  # name tree step_census-args...
+  local n=$1 t=$2; shift 2
+  ( cd /tmp/$t && PYTHONPATH=/tmp/site:/tmp/$t timeout 420 python3 $C/step_census.py $F "$@" > $R/$n.txt 2>&1 )
+  log "$n rc=$?: $(grep -E 'a step' $R/$n.txt | tr '\n' ' ')"
+}
 SH="--prompt 512 --gen 64 --repeat 2 --device cuda"
-if [ -e $C/runs.txt ]; then  # one run a line: name tree bench-args...
-  while read -r n t args; do [ -n "$n" ] && run $n $t $args; done < $C/runs.txt
+if [ -e $C/runs.txt ]; then  # one run a line: name tree bench-args... (a name census*: step_census.py args)
+  while read -r n t args; do
+    case "$n" in "") ;; census*) census $n $t $args ;; *) run $n $t $args ;; esac
+  done < $C/runs.txt
 else
   for cfg in cpu cache; do
     for t in A B; do run ${t}_$cfg $t $SH --vram 12GiB --moe $cfg; done

@@ -41,8 +41,8 @@ from types import MappingProxyType
 
 from engine.errors import UsageError
 
-# The variables, by field of EngineOptions. GUI-only variables (SHARPI_DATA_DIR, SHARPI_ENGINE_NICE)
-# stay with the app (sharpi_gui.store, sharpi_gui.bridge): the app may not import engine internals.
+# The variables, by field of EngineOptions (the app's two, SHARPI_DATA_DIR and SHARPI_ENGINE_NICE, too:
+# sharpi_gui.bridge reads them here and hands them to the app).
 ENV = MappingProxyType(
     {
         "host_kernels": "SHARPI_KERNELS",
@@ -62,6 +62,8 @@ ENV = MappingProxyType(
         "calibrate": "SHARPI_NO_CALIBRATE",
         "calibration_dir": "SHARPI_CALIBRATION_DIR",
         "demo_model": "SHARPI_DEMO_MODEL",
+        "data_dir": "SHARPI_DATA_DIR",
+        "engine_nice": "SHARPI_ENGINE_NICE",
     }
 )
 ENV_CPU_MOE = ENV["cpu_moe"]  # named in plan reasons ("set by SHARPI_CPU_MOE=1")
@@ -151,6 +153,12 @@ class EngineOptions:
     # -- files ------------------------------------------------------------------------------------------
     # SHARPI_DEMO_MODEL: the demo GGUF `sharpi run` and the app use without -m (engine.demo).
     demo_model: Path | None = None
+
+    # -- the desktop app (read by sharpi_gui's bridge and handed to the app) ---------------------------
+    # SHARPI_DATA_DIR: where the app keeps conversations; None = the platform's user data directory.
+    data_dir: Path | None = None
+    # SHARPI_ENGINE_NICE: how much nicer than the UI thread the app's engine threads run (Linux), 0 = off.
+    engine_nice: int = 4
 
     def __post_init__(self):
         _check(self)
@@ -278,6 +286,8 @@ _PARSE = {
     "calibrate": lambda var, raw: not _flag(var, raw),  # the variable says "no calibration"
     "calibration_dir": lambda var, raw: Path(raw).expanduser(),
     "demo_model": lambda var, raw: Path(raw).expanduser(),
+    "data_dir": lambda var, raw: Path(raw).expanduser(),
+    "engine_nice": _whole,
 }
 _DEFAULTS = {f.name: f.default for f in fields(EngineOptions)}
 assert set(_PARSE) == set(ENV) == set(_DEFAULTS)

@@ -13,7 +13,7 @@ import sys
 from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QApplication
 
-from sharpi_gui.bridge import EngineBridge
+from sharpi_gui.bridge import EngineBridge, app_data_dir
 from sharpi_gui.context import AppContext
 from sharpi_gui.settings import APPLICATION, ORGANIZATION, Settings
 from sharpi_gui.store import ConversationStore
@@ -27,7 +27,8 @@ def create_window(
     themes: ThemeManager | None = None,
 ) -> MainWindow:
     """A main window over a fresh bridge; ``data_dir`` / ``qsettings`` default to the user's."""
-    ctx = AppContext.build(EngineBridge(), ConversationStore(data_dir), Settings(qsettings), themes)
+    store = ConversationStore(data_dir if data_dir is not None else app_data_dir())
+    ctx = AppContext.build(EngineBridge(), store, Settings(qsettings), themes)
     return MainWindow(ctx)
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from PySide6.QtCore import QCoreApplication, QObject, QThread, Signal, Slot
 
+from engine import config
 from engine.api import LoadOptions, Session
 from engine.bench.calibrate import speed_profile
 from engine.errors import (
@@ -73,9 +74,8 @@ def preload_engine() -> None:
 
 # The engine's threads run this much nicer than the UI thread (Linux, where nice is per thread):
 # when the cores are busy, the window still gets the CPU it needs to stay responsive. The price:
-# against other busy programs the engine gets less CPU too. $SHARPI_ENGINE_NICE overrides (0 = off).
-ENGINE_NICE = 4
-ENV_ENGINE_NICE = "SHARPI_ENGINE_NICE"
+# against other busy programs the engine gets less CPU too. $SHARPI_ENGINE_NICE overrides (0 = off;
+# engine.config's EngineOptions.engine_nice).
 
 
 def _lower_engine_priority() -> None:
@@ -83,10 +83,7 @@ def _lower_engine_priority() -> None:
     inherit the lower priority. Linux only: elsewhere setpriority would renice the whole process."""
     import numba
 
-    try:
-        nice = int(os.environ.get(ENV_ENGINE_NICE, ENGINE_NICE))
-    except ValueError:
-        nice = ENGINE_NICE
+    nice = config.current().engine_nice
     if sys.platform.startswith("linux") and nice > 0:
         try:
             tid = threading.get_native_id()
@@ -656,3 +653,10 @@ class EngineBridge(QObject):
     def _on_apply_failed(self, failure: D.Failure) -> None:
         self._set_state(IDLE)
         self.applyFailed.emit(failure)
+
+
+def app_data_dir() -> str | None:
+    """Where the app keeps conversations when ``$SHARPI_DATA_DIR`` says (``EngineOptions.data_dir``), else
+    None: the store's platform default."""
+    d = config.current().data_dir
+    return None if d is None else str(d)

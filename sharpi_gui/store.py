@@ -17,7 +17,6 @@ from platformdirs import user_data_dir
 from sharpi_gui.data import Conversation, Message
 
 DB_NAME = "conversations.sqlite3"
-ENV_DATA_DIR = "SHARPI_DATA_DIR"
 UNTITLED = "New conversation"
 
 _SCHEMA = """
@@ -41,9 +40,9 @@ CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id,
 
 
 def default_data_dir() -> Path:
-    """``$SHARPI_DATA_DIR`` if set, else the platform's user data directory for SharpI."""
-    env = os.environ.get(ENV_DATA_DIR, "").strip()
-    return Path(env) if env else Path(user_data_dir("SharpI", "SharpI"))
+    """The platform's user data directory for SharpI (``$SHARPI_DATA_DIR`` overrides it: the app passes
+    that in, see ``sharpi_gui.bridge.app_data_dir``)."""
+    return Path(user_data_dir("SharpI", "SharpI"))
 
 
 class ConversationStore:

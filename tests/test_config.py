@@ -53,6 +53,8 @@ def test_an_empty_environment_gives_the_documented_defaults():
         ("SHARPI_NO_CALIBRATE", "0", "calibrate", True),
         ("SHARPI_CALIBRATION_DIR", "/tmp/x", "calibration_dir", Path("/tmp/x")),
         ("SHARPI_DEMO_MODEL", "/tmp/m.gguf", "demo_model", Path("/tmp/m.gguf")),
+        ("SHARPI_DATA_DIR", "/tmp/chats", "data_dir", Path("/tmp/chats")),
+        ("SHARPI_ENGINE_NICE", "0", "engine_nice", 0),
     ],
 )
 def test_each_variable(var, raw, field, want):
@@ -65,6 +67,7 @@ def test_each_variable(var, raw, field, want):
     [
         ("SHARPI_KERNELS", "fast"),
         ("SHARPI_BF16", "maybe"),
+        ("SHARPI_ENGINE_NICE", "high"),
         ("SHARPI_DEVICE_KERNELS", "cuda"),
         ("SHARPI_DEVICE_ACT", "int4"),
         ("SHARPI_PDL", "2"),

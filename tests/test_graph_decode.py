@@ -25,17 +25,9 @@ from engine.runtime import graph_decode
 from engine.runtime.graph_decode import GraphDecode
 from engine.synth.writer import write_model
 from tests.oracle import random_tokens
+from tests.placement import ARCHS, CTX, whole
 from tests.triton_data import die_with_parent, launch_table
 
-ARCHS = [
-    ("qwen3moe", "qwen3moe", {}),
-    ("olmoe", "olmoe", {}),
-    ("qwen2moe", "qwen2moe", {}),
-    ("mixtral", "llama", {"experts": 4, "experts_used": 2}),
-    ("llama", "llama", {}),
-    ("qwen3", "qwen3", {}),
-]
-CTX = 64
 N_TOKENS = 20  # positions 0..19: buckets 16 and 32
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 
@@ -44,18 +36,6 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 def paths(tmp_path_factory):
     d = tmp_path_factory.mktemp("graph")
     return {name: write_model(d / f"{name}.gguf", arch, seed=3, layers=2, **geo).path for name, arch, geo in ARCHS}
-
-
-def _whole(s: Session, kv_type: str = "f32", ctx: int = CTX):
-    """Every layer, the KV cache and (MoE) every expert on the device: the graph's placement."""
-    spec, L = s.spec, s.args.n_layer
-    need = device_bytes(spec, n_gpu_layers=L, ctx=ctx, kv_type=kv_type, reserve=0).total
-    slots = L * s.args.n_expert if s.args.is_moe else 0
-    stride = expert_slot_layout(spec).stride if spec.n_expert else 0
-    prof = DeviceProfile(vram_bytes=need + slots * stride, reserve_bytes=0)
-    p = s.plan(PlanRequest(ctx=ctx, kv_type=kv_type, n_gpu_layers=L, moe="resident" if s.args.is_moe else "cpu"), prof)
-    assert p.n_gpu_layers == L and p.moe_mode in ("resident", "none"), (p.layer_reason, p.moe_reason)
-    return p
 
 
 def _decode(s: Session, tokens) -> tuple[np.ndarray, list, dict]:
@@ -97,7 +77,7 @@ def test_static_step_matches_the_eager_path(paths, name):
     tokens = random_tokens(N_TOKENS, 1024, seed=1)
     with Session.load(str(paths[name]), LoadOptions(n_ctx=CTX, device="cpu")) as s:
         ref = s.logits(tokens, batch=False)  # the CPU engine
-        eager, static, _ = _both(s, _whole(s), tokens)
+        eager, static, _ = _both(s, whole(s), tokens)
         assert np.abs(eager[0] - ref).max() <= 1e-5
         assert np.abs(static[0] - eager[0]).max() <= 1e-5, np.abs(static[0] - eager[0]).max()
         _same_routes_and_counts(eager, static)
@@ -195,9 +175,9 @@ def test_static_step_with_rounded_kv(paths, name, kv_type):
     equal, and to 1e-4 where a few values rounded apart."""
     tokens = random_tokens(N_TOKENS, 1024, seed=2)
     with Session.load(str(paths[name]), LoadOptions(n_ctx=CTX, device="cpu")) as s:
-        eager, static, g = _both(s, _whole(s, kv_type), tokens)
+        eager, static, g = _both(s, whole(s, kv_type), tokens)
         kv_static = _stored_kv(s)
-        s.apply(_whole(s, kv_type), _graphs(s, "0"))
+        s.apply(whole(s, kv_type), _graphs(s, "0"))
         _decode(s, tokens)
         kv_eager = _stored_kv(s)
         assert g.cache.storage_dtype() == {"bf16": torch.bfloat16, "q8_0": torch.int8}[kv_type]
@@ -216,8 +196,8 @@ def test_static_step_with_rounded_kv(paths, name, kv_type):
 def test_context_full_and_dispatch(paths, engine_env):
     engine_env({"SHARPI_CUDA_GRAPH": "eager"})
     with Session.load(str(paths["qwen3moe"]), LoadOptions(n_ctx=CTX, device="cpu")) as s:
-        whole = _whole(s)
-        s.apply(whole)
+        placement = whole(s)
+        s.apply(placement)
         g = s.model.decode_graph
         assert g is not None
         # A full context raises before the step runs.
@@ -232,7 +212,7 @@ def test_context_full_and_dispatch(paths, engine_env):
         assert g.steps == 1
         # Re-applying drops the graph decoder; a trunk not wholly on the device gets none; experts off
         # the graph (cpu, cache) cut the step at every MoE layer.
-        s.apply(whole)
+        s.apply(placement)
         assert s.model.decode_graph is not None and s.model.decode_graph is not g
         assert len(s.model.decode_graph.segments) == 1
         L = s.args.n_layer
@@ -241,9 +221,9 @@ def test_context_full_and_dispatch(paths, engine_env):
             s.apply(s.plan(PlanRequest(ctx=CTX, **req), DeviceProfile(vram_bytes=1 << 30, reserve_bytes=0)))
             g = s.model.decode_graph
             assert (g is None) if n_seg is None else len(g.segments) == n_seg, req
-        s.apply(whole, _graphs(s, "0"))
+        s.apply(placement, _graphs(s, "0"))
         assert s.model.decode_graph is None
-        s.apply(whole, _graphs(s, None))
+        s.apply(placement, _graphs(s, None))
         assert s.model.decode_graph is None  # the default captures on CUDA only
 
 
@@ -379,12 +359,12 @@ STEP_SCRIPT = r"""
 import os, sys, numpy as np
 from engine.api import LoadOptions, Session
 from tests.oracle import random_tokens
-from tests.test_graph_decode import _whole
+from tests.placement import whole
 tokens = random_tokens(20, 1024, seed=1)
 for path in sys.argv[1:]:
   for kv in ("f32", "bf16"):
     with Session.load(path, LoadOptions(n_ctx=64, device="cpu")) as s:
-        placement = _whole(s, kv)
+        placement = whole(s, kv)
         s.apply(placement, s.engine_options.with_env({"SHARPI_CUDA_GRAPH": "0"}))
         ref = s.logits(tokens, batch=False)
         s.apply(placement, s.engine_options.with_env({"SHARPI_CUDA_GRAPH": "eager"}))
@@ -440,7 +420,7 @@ from engine.models.blocks import Attention, MoE
 from engine.runtime import triton_q8 as t8
 from engine.runtime.device import DeviceLinear
 from tests.oracle import random_tokens
-from tests.test_graph_decode import _whole
+from tests.placement import whole
 tokens = random_tokens(3, 1024, seed=2)
 calls = [0]
 quantize = t8.quantize_act
@@ -451,7 +431,7 @@ t8.quantize_act = counting
 # the static step, uncaptured; q8 as inside a capture: the lean Q4_K kernels on q8 activations
 opts = config.current().with_env({"SHARPI_CUDA_GRAPH": "eager", "SHARPI_DEVICE_ACT": "q8"})
 with Session.load(sys.argv[1], LoadOptions(n_ctx=64, device="cpu", engine=opts)) as s:
-    s.apply(_whole(s))
+    s.apply(whole(s))
     moes = [layer.ffn for layer in s.model.layers if isinstance(layer.ffn, MoE)]
     assert moes and all(m.wants_q8_input() for m in moes)
     assert all(layer.attn.wants_q8_input() for layer in s.model.layers)
@@ -459,7 +439,7 @@ with Session.load(sys.argv[1], LoadOptions(n_ctx=64, device="cpu", engine=opts))
     with_norm = calls[0]
     MoE.wants_q8_input = Attention.wants_q8_input = lambda self: False  # each matrix quantizes x itself
     DeviceLinear.takes_q8 = lambda self: False  # o too (not the attention launch)
-    s.apply(_whole(s))
+    s.apply(whole(s))
     calls[0] = 0
     ref = s.logits(tokens, batch=False)
     n = len(tokens) * len(moes)  # a token's layers
@@ -504,7 +484,7 @@ def test_graph_replay_matches_eager_decode(tmp_path, weights, act, engine_env):
     tokens = random_tokens(24, 1024, seed=8)  # positions 0..23: buckets 16 and 32
     with Session.load(str(path), LoadOptions(n_ctx=CTX, device="cuda", q8_act=False)) as s:
         ref = "0" if act == "f32" else "eager"
-        eager, graph, g = _both(s, _whole(s), tokens, mode="1", ref=ref)
+        eager, graph, g = _both(s, whole(s), tokens, mode="1", ref=ref)
         assert g.capture and g.replays == len(tokens) and sorted(g.graphs) == [16, 32]  # as positions need them
         assert all(len(v) == 1 for v in g.graphs.values())  # one segment: everything on the device
         scale = max(1.0, float(np.abs(eager[0]).max()))

@@ -1,6 +1,6 @@
-"""Test scripts run in child interpreters (tests/test_graph_decode.py's _script, with tests.triton_data's
-die_with_parent) die with the pytest process that started them, so a pytest stopped by `timeout` leaves
-nothing running (on the GPU machine one such orphan once slowed the next benchmark)."""
+"""A child interpreter started with tests.triton_data's die_with_parent dies with the pytest process that
+started it, so a pytest stopped by `timeout` leaves nothing running (on the GPU machine one such orphan — a
+test script then run in a child interpreter — once slowed the next benchmark)."""
 
 from __future__ import annotations
 

@@ -4,14 +4,12 @@ On the CPU simulated device ``SHARPI_CUDA_GRAPH=eager`` (``EngineOptions.cuda_gr
 capturing it: the same math a CUDA graph replays (K/V written at a device position, attention over
 a power-of-two bucket, routing and slot lookup on the device). It must give the existing eager
 path's logits, routes and profiler counts. The CUDA tests (skipped without a GPU) replay real
-graphs against the eager path over a bucket boundary, with the Triton kernels and with F32.
+graphs against the eager path over a bucket boundary, with the Triton kernels and with F32. The fused
+step kernels and the static step with them (Triton's interpreter): tests/triton/test_step_kernels.py and
+test_static_step.py.
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -25,17 +23,8 @@ from engine.runtime import graph_decode
 from engine.runtime.graph_decode import GraphDecode
 from engine.synth.writer import write_model
 from tests.oracle import random_tokens
-from tests.triton_data import die_with_parent, launch_table
+from tests.placement import ARCHS, CTX, whole
 
-ARCHS = [
-    ("qwen3moe", "qwen3moe", {}),
-    ("olmoe", "olmoe", {}),
-    ("qwen2moe", "qwen2moe", {}),
-    ("mixtral", "llama", {"experts": 4, "experts_used": 2}),
-    ("llama", "llama", {}),
-    ("qwen3", "qwen3", {}),
-]
-CTX = 64
 N_TOKENS = 20  # positions 0..19: buckets 16 and 32
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 
@@ -44,18 +33,6 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 def paths(tmp_path_factory):
     d = tmp_path_factory.mktemp("graph")
     return {name: write_model(d / f"{name}.gguf", arch, seed=3, layers=2, **geo).path for name, arch, geo in ARCHS}
-
-
-def _whole(s: Session, kv_type: str = "f32", ctx: int = CTX):
-    """Every layer, the KV cache and (MoE) every expert on the device: the graph's placement."""
-    spec, L = s.spec, s.args.n_layer
-    need = device_bytes(spec, n_gpu_layers=L, ctx=ctx, kv_type=kv_type, reserve=0).total
-    slots = L * s.args.n_expert if s.args.is_moe else 0
-    stride = expert_slot_layout(spec).stride if spec.n_expert else 0
-    prof = DeviceProfile(vram_bytes=need + slots * stride, reserve_bytes=0)
-    p = s.plan(PlanRequest(ctx=ctx, kv_type=kv_type, n_gpu_layers=L, moe="resident" if s.args.is_moe else "cpu"), prof)
-    assert p.n_gpu_layers == L and p.moe_mode in ("resident", "none"), (p.layer_reason, p.moe_reason)
-    return p
 
 
 def _decode(s: Session, tokens) -> tuple[np.ndarray, list, dict]:
@@ -97,7 +74,7 @@ def test_static_step_matches_the_eager_path(paths, name):
     tokens = random_tokens(N_TOKENS, 1024, seed=1)
     with Session.load(str(paths[name]), LoadOptions(n_ctx=CTX, device="cpu")) as s:
         ref = s.logits(tokens, batch=False)  # the CPU engine
-        eager, static, _ = _both(s, _whole(s), tokens)
+        eager, static, _ = _both(s, whole(s), tokens)
         assert np.abs(eager[0] - ref).max() <= 1e-5
         assert np.abs(static[0] - eager[0]).max() <= 1e-5, np.abs(static[0] - eager[0]).max()
         _same_routes_and_counts(eager, static)
@@ -195,9 +172,9 @@ def test_static_step_with_rounded_kv(paths, name, kv_type):
     equal, and to 1e-4 where a few values rounded apart."""
     tokens = random_tokens(N_TOKENS, 1024, seed=2)
     with Session.load(str(paths[name]), LoadOptions(n_ctx=CTX, device="cpu")) as s:
-        eager, static, g = _both(s, _whole(s, kv_type), tokens)
+        eager, static, g = _both(s, whole(s, kv_type), tokens)
         kv_static = _stored_kv(s)
-        s.apply(_whole(s, kv_type), _graphs(s, "0"))
+        s.apply(whole(s, kv_type), _graphs(s, "0"))
         _decode(s, tokens)
         kv_eager = _stored_kv(s)
         assert g.cache.storage_dtype() == {"bf16": torch.bfloat16, "q8_0": torch.int8}[kv_type]
@@ -216,8 +193,8 @@ def test_static_step_with_rounded_kv(paths, name, kv_type):
 def test_context_full_and_dispatch(paths, engine_env):
     engine_env({"SHARPI_CUDA_GRAPH": "eager"})
     with Session.load(str(paths["qwen3moe"]), LoadOptions(n_ctx=CTX, device="cpu")) as s:
-        whole = _whole(s)
-        s.apply(whole)
+        placement = whole(s)
+        s.apply(placement)
         g = s.model.decode_graph
         assert g is not None
         # A full context raises before the step runs.
@@ -232,7 +209,7 @@ def test_context_full_and_dispatch(paths, engine_env):
         assert g.steps == 1
         # Re-applying drops the graph decoder; a trunk not wholly on the device gets none; experts off
         # the graph (cpu, cache) cut the step at every MoE layer.
-        s.apply(whole)
+        s.apply(placement)
         assert s.model.decode_graph is not None and s.model.decode_graph is not g
         assert len(s.model.decode_graph.segments) == 1
         L = s.args.n_layer
@@ -241,9 +218,9 @@ def test_context_full_and_dispatch(paths, engine_env):
             s.apply(s.plan(PlanRequest(ctx=CTX, **req), DeviceProfile(vram_bytes=1 << 30, reserve_bytes=0)))
             g = s.model.decode_graph
             assert (g is None) if n_seg is None else len(g.segments) == n_seg, req
-        s.apply(whole, _graphs(s, "0"))
+        s.apply(placement, _graphs(s, "0"))
         assert s.model.decode_graph is None
-        s.apply(whole, _graphs(s, None))
+        s.apply(placement, _graphs(s, None))
         assert s.model.decode_graph is None  # the default captures on CUDA only
 
 
@@ -269,158 +246,6 @@ def test_attention_static_masks_past_the_position():
         assert torch.allclose(attention_static(q, k, v, bias), want, rtol=0, atol=1e-6)
 
 
-ROUTE_SCRIPT = r"""
-import sys, numpy as np, torch
-from engine.runtime import references as refs, step_kernels as sk
-dev = sys.argv[1]
-rng = np.random.default_rng(0)
-for E, k in ((8, 2), (60, 4), (128, 8)):
-    table = torch.from_numpy(rng.permutation(E).astype(np.int64) * 4096).to(dev)
-    for renorm in (True, False):
-        for rep in range(3):
-            logits = torch.from_numpy(rng.standard_normal((1, E)).astype(np.float32) * 3).to(dev)
-            ids_a, ids_b = (torch.full((1, k), -1, dtype=torch.int64, device=dev) for _ in range(2))
-            w_a, off_a = sk.route(logits, k, renorm, table, ids_a)
-            w_b, off_b = refs.route_reference(logits, k, renorm, table, ids_b)
-            assert torch.equal(ids_a, ids_b) and torch.equal(off_a, off_b), (E, k, ids_a, ids_b)
-            assert torch.allclose(w_a, w_b, rtol=1e-5, atol=1e-7), (E, k, w_a, w_b)
-print("ok")
-"""
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])
-def test_fused_route_kernel_matches_torch(device):
-    """step_kernels.route (Triton: the interpreter on the CPU) against route_softmax_topk + lookup."""
-    pytest.importorskip("triton")
-    _script(ROUTE_SCRIPT, device, interpret=device == "cpu")
-
-
-ATTEND_SCRIPT = r"""
-import sys, torch
-from engine.models.layers import attention_static
-from engine.runtime import step_attention as sa, triton_q8 as t8
-dev = sys.argv[1]
-g = torch.Generator().manual_seed(0)
-# (H, Hkv, hd, n_ctx, static length, position, cache dtype): one chunk and several, a chunk wholly past
-# the token, GQA groups of 8 / 1 / 4 / 16, bf16 caches, position 0 and the last position of the context
-cases = [(8, 2, 64, 64, 16, 5, torch.float32), (8, 1, 32, 300, 128, 100, torch.float32),
-         (4, 4, 64, 300, 300, 299, torch.bfloat16), (8, 2, 64, 64, 64, 0, torch.float32),
-         (32, 2, 128, 4096, 2048, 1500, torch.bfloat16)]
-if dev == "cuda":
-    cases.append((32, 4, 128, 32768, 32768, 20000, torch.float32))
-for H, Hkv, hd, n_ctx, L, pos, dt in cases:
-    q = torch.randn(1, H, hd, generator=g).to(dev)
-    kc = torch.randn(n_ctx, Hkv * hd, generator=g).to(dt).to(dev)
-    vc = torch.randn(n_ctx, Hkv * hd, generator=g).to(dt).to(dev)
-    kc[pos + 1 :] = float("nan")  # never read: later positions may hold anything
-    p = torch.tensor([pos], device=dev)
-    o, xq = sa.attend(q, kc, vc, p, L, H, Hkv, hd, q8=True)
-    assert torch.equal(sa.attend(q, kc, vc, p, L, H, Hkv, hd), o)
-    bias = torch.zeros(L, device=dev).masked_fill(torch.arange(L, device=dev) > pos, float("-inf"))
-    K, V = (c[:L].float().nan_to_num(0.0).reshape(L, Hkv, hd) for c in (kc, vc))
-    ref = attention_static(q, K, V, bias)
-    err = ((o - ref).norm() / ref.norm()).item()
-    assert err < 2e-6, (H, Hkv, hd, L, pos, dt, err)
-    bad = [int((a != b).sum()) for a, b in zip(xq, t8.quantize_act(o))]  # XQ, XD, XS entries that differ
-    assert bad == [0, 0, 0], (H, Hkv, hd, L, pos, dt, bad)
-print("ok")
-"""
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])
-def test_fused_attention_matches_torch(device):
-    """step_attention.attend (one launch, or chunks and a merge) against layers.attention_static — GQA
-    shapes, f32 and bf16 caches, positions past the token never read (NaN there) — and its q8 copy bit
-    for bit triton_q8.quantize_act of its output."""
-    pytest.importorskip("triton")
-    _script(ATTEND_SCRIPT, device, interpret=device == "cpu")
-
-
-ROPE_SCRIPT = r"""
-import sys, numpy as np, torch
-from engine.models.layers import rope_tables, rope_theta
-from engine.runtime import references as refs, step_kernels as sk, triton_q8 as t8
-dev = sys.argv[1]
-rng = np.random.default_rng(0)
-t = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(dev)
-for H, Hkv, hd, rd, neox, norm, kv in ((8, 2, 64, 64, True, True, torch.float32), (4, 4, 80, 32, False, False,
-        torch.bfloat16), (6, 2, 32, 32, False, True, torch.bfloat16), (2, 1, 128, 96, True, False, torch.float32)):
-    theta = torch.from_numpy(rope_theta(np.arange(20), rd, 10000.0)).to(dev)
-    C, S, perm = rope_tables(torch.cos(theta), torch.sin(theta), hd, neox)
-    pos = torch.tensor([13], dtype=torch.int64, device=dev)
-    q, k, v = t(1, H * hd), t(1, Hkv * hd), t(1, Hkv * hd)
-    qn, kn = (t(hd), t(hd)) if norm else (None, None)
-    caches = [torch.zeros(20, Hkv * hd, dtype=kv, device=dev) for _ in range(4)]
-    args = (1e-6, C[13:14], S[13:14], perm, pos)
-    qa = sk.qk_rope_kv(q, k, v, qn, kn, *args, caches[0], caches[1], H, Hkv, hd)
-    qb = refs.qk_rope_kv_reference(q, k, v, qn, kn, *args, caches[2], caches[3], H, Hkv, hd)
-    assert torch.allclose(qa, qb, rtol=1e-5, atol=1e-5), (H, hd, (qa - qb).abs().max())
-    assert torch.equal(caches[1], caches[3]), "v"
-    err = (caches[0].float() - caches[2].float()).abs().max().item()
-    assert err <= (1e-5 if kv == torch.float32 else 2e-2), ("k", err)
-    assert caches[0][:13].abs().sum() == 0 and caches[0][14:].abs().sum() == 0
-for D in (100, 256, 2048):
-    x, y, w = t(1, D), t(1, D), t(D)
-    for yy in (y, None):
-        (xa, ha), (xb, hb) = sk.add_rms_norm(x, yy, w, 1e-6), refs.add_rms_norm_reference(x, yy, w, 1e-6)
-        assert torch.equal(xa, xb) and torch.allclose(ha, hb, rtol=1e-5, atol=1e-6), (D, (ha - hb).abs().max())
-        if D % 32 == 0:  # the q8 copy: bit for bit quantize_act of the kernel's own h, and its specification
-            xq, hq, q8 = sk.add_rms_norm(x, yy, w, 1e-6, q8=True)
-            assert torch.equal(xq, xa) and torch.equal(hq, ha)
-            assert all(torch.equal(a, b) for a, b in zip(q8, t8.quantize_act(ha))), D
-            q, d, s = refs.quantize_act_reference(ha)
-            assert torch.equal(t8.unpack_words(q8[0]), q) and torch.equal(q8[1], d) and torch.equal(q8[2], s), D
-            spec, (q, d, s) = refs.add_rms_norm_reference(x, yy, w, 1e-6, q8=True)[2], refs.quantize_act_reference(hb)
-            assert torch.equal(t8.unpack_words(spec[0]), q) and torch.equal(spec[1], d) and torch.equal(spec[2], s), D
-print("ok")
-"""
-
-STEP_SCRIPT = r"""
-import os, sys, numpy as np
-from engine.api import LoadOptions, Session
-from tests.oracle import random_tokens
-from tests.test_graph_decode import _whole
-tokens = random_tokens(20, 1024, seed=1)
-for path in sys.argv[1:]:
-  for kv in ("f32", "bf16"):
-    with Session.load(path, LoadOptions(n_ctx=64, device="cpu")) as s:
-        placement = _whole(s, kv)
-        s.apply(placement, s.engine_options.with_env({"SHARPI_CUDA_GRAPH": "0"}))
-        ref = s.logits(tokens, batch=False)
-        s.apply(placement, s.engine_options.with_env({"SHARPI_CUDA_GRAPH": "eager"}))
-        g = s.model.decode_graph
-        assert g._fused  # the fused step kernels serve (qk_rope_kv among them)
-        got = s.logits(tokens, batch=False)
-        assert g.steps == len(tokens)
-        # bf16: a k differing in its last float32 bit may round to the other bf16 neighbour
-        tol = 1e-5 if kv == "f32" else 1e-3 * np.abs(ref).max()
-        assert np.abs(got - ref).max() <= tol, (path, kv, np.abs(got - ref).max())
-print("ok")
-"""
-
-
-def _script(script: str, *args: str, interpret: bool, env: dict | None = None) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0", **(env or {}))
-    out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
-                         timeout=300, check=False, preexec_fn=die_with_parent)  # fmt: skip
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])
-def test_fused_qk_rope_kv_and_add_norm_kernels_match_torch(device):
-    """step_kernels.qk_rope_kv against the static step's torch ops: head norms or none, NEOX or
-    pair rotation, partial rope, f32 and bf16 caches (written at the position only); add_rms_norm."""
-    pytest.importorskip("triton")
-    _script(ROPE_SCRIPT, device, interpret=device == "cpu")
-
-
-def test_static_step_with_the_fused_rope_kernel(paths):
-    """The whole static step with qk_rope_kv (Triton's interpreter) equals the eager path: per-head
-    norms (qwen3moe), projection norms (olmoe), q/k/v bias (qwen2moe), pair rotation (mixtral)."""
-    pytest.importorskip("triton")
-    _script(STEP_SCRIPT, *(str(paths[n]) for n in ("qwen3moe", "olmoe", "qwen2moe", "mixtral")), interpret=True)
-
-
 def test_buckets():
     assert graph_decode.buckets(64) == [16, 32, 64]
     assert graph_decode.buckets(100) == [16, 32, 64, 100]
@@ -430,63 +255,6 @@ def test_buckets():
             L = graph_decode.bucket(pos, n)
             assert pos < L <= n and L in graph_decode.buckets(n)
             assert L in (n, graph_decode.MIN_BUCKET) or pos >= L // 2
-
-
-NORM_Q8_SCRIPT = r"""
-import sys, numpy as np
-from engine import config
-from engine.api import LoadOptions, Session
-from engine.models.blocks import Attention, MoE
-from engine.runtime import triton_q8 as t8
-from engine.runtime.device import DeviceLinear
-from tests.oracle import random_tokens
-from tests.test_graph_decode import _whole
-tokens = random_tokens(3, 1024, seed=2)
-calls = [0]
-quantize = t8.quantize_act
-def counting(X, *a):
-    calls[0] += 1
-    return quantize(X, *a)
-t8.quantize_act = counting
-# the static step, uncaptured; q8 as inside a capture: the lean Q4_K kernels on q8 activations
-opts = config.current().with_env({"SHARPI_CUDA_GRAPH": "eager", "SHARPI_DEVICE_ACT": "q8"})
-with Session.load(sys.argv[1], LoadOptions(n_ctx=64, device="cpu", engine=opts)) as s:
-    s.apply(_whole(s))
-    moes = [layer.ffn for layer in s.model.layers if isinstance(layer.ffn, MoE)]
-    assert moes and all(m.wants_q8_input() for m in moes)
-    assert all(layer.attn.wants_q8_input() for layer in s.model.layers)
-    got = s.logits(tokens, batch=False)
-    with_norm = calls[0]
-    MoE.wants_q8_input = Attention.wants_q8_input = lambda self: False  # each matrix quantizes x itself
-    DeviceLinear.takes_q8 = lambda self: False  # o too (not the attention launch)
-    s.apply(_whole(s))
-    calls[0] = 0
-    ref = s.logits(tokens, batch=False)
-    n = len(tokens) * len(moes)  # a token's layers
-    # a layer: x̂ from the norms and from the attention launch (o's); the MoE quantizes h — without: the
-    # MoE x and h, q, k, v, o each their own
-    assert with_norm == n and calls[0] == 6 * n, (with_norm, calls[0])
-    assert np.array_equal(got, ref), np.abs(got - ref).max()
-print("ok")
-"""
-
-
-def test_q8_inputs_come_from_the_norm_kernels(tmp_path):
-    """Where the routed experts and the attention's q, k, v run the Q4_K kernels on q8 activations, the
-    norm launch before them also writes x̂ (step_kernels.add_rms_norm(q8=True)), the attention launch
-    writes o's (step_attention.attend(q8=True)), and they skip their own quantize launches: one
-    quantize_act call a layer a token (the MoE's h) instead of six, and the same logits bit for bit
-    (Triton's interpreter, the static step)."""
-    pytest.importorskip("triton")
-    geo = dict(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=4, experts_used=2, expert_ff=256)
-    # Q4_K routed experts and attention matrices, the rest F32 (the interpreter runs those quicker)
-    over = {"*_exps*": "Q4_K", "*attn_q.weight": "Q4_K", "*attn_k.weight": "Q4_K", "*attn_v.weight": "Q4_K",
-            "*attn_output.weight": "Q4_K"}  # fmt: skip
-    path = write_model(tmp_path / "q4k.gguf", "qwen3moe", seed=5, weight_type="F32", type_overrides=over, **geo).path
-    # the interpreter runs programs one by one: fewer, larger tiles keep it quick
-    tiles = {"moe_q4k_gate_up:*:*": {"BR": 64, "num_warps": 4}, "moe_q4k_down:*:*": {"BR": 64, "num_warps": 4},
-             "gemv_q4k:*:*": {"BR": 64, "num_warps": 4}}  # fmt: skip
-    _script(NORM_Q8_SCRIPT, str(path), interpret=True, env=launch_table(tmp_path, tiles))
 
 
 # -- CUDA: real graphs ------------------------------------------------------------------------------
@@ -504,7 +272,7 @@ def test_graph_replay_matches_eager_decode(tmp_path, weights, act, engine_env):
     tokens = random_tokens(24, 1024, seed=8)  # positions 0..23: buckets 16 and 32
     with Session.load(str(path), LoadOptions(n_ctx=CTX, device="cuda", q8_act=False)) as s:
         ref = "0" if act == "f32" else "eager"
-        eager, graph, g = _both(s, _whole(s), tokens, mode="1", ref=ref)
+        eager, graph, g = _both(s, whole(s), tokens, mode="1", ref=ref)
         assert g.capture and g.replays == len(tokens) and sorted(g.graphs) == [16, 32]  # as positions need them
         assert all(len(v) == 1 for v in g.graphs.values())  # one segment: everything on the device
         scale = max(1.0, float(np.abs(eager[0]).max()))

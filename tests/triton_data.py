@@ -1,6 +1,5 @@
 """Data for the Triton kernel tests (tests/triton and the graph tests): quantized weights, expert pools,
-routing cases; and for tests that still run a script in a child interpreter, die_with_parent and
-launch_table."""
+routing cases; and die_with_parent for a test that starts a child interpreter."""
 
 from __future__ import annotations
 
@@ -44,9 +43,9 @@ def expert_pool(types, F: int, D: int, E: int, dev, gen: np.random.Generator):
 
 
 def die_with_parent() -> None:
-    """``preexec_fn`` for a test's child interpreter (tests/test_graph_decode.py's scripts): on Linux the kernel kills it when the pytest
-    process dies (``prctl(PR_SET_PDEATHSIG, SIGKILL)``) — a pytest stopped by ``timeout`` on the GPU
-    machine once left a CUDA script running that slowed the next benchmark. Elsewhere: nothing."""
+    """``preexec_fn`` for a test's child interpreter: on Linux the kernel kills it when the pytest process
+    dies (``prctl(PR_SET_PDEATHSIG, SIGKILL)``) — a pytest stopped by ``timeout`` on the GPU machine once
+    left a CUDA script running that slowed the next benchmark. Elsewhere: nothing."""
     import ctypes
     import signal
     import sys
@@ -65,15 +64,3 @@ def routing_case(T: int, K: int, E: int, D: int, stride: int, dev, gen: np.rando
     x = torch.from_numpy(gen.standard_normal((T, D)).astype(np.float32)).to(dev)
     w = torch.from_numpy(gen.random((T, K)).astype(np.float32)).to(dev)
     return slot_off, x, w
-
-
-def launch_table(directory, table: dict) -> dict:
-    """``{"SHARPI_LAUNCH_TABLE": path}`` of ``table`` ({"<kernel>:<qtype>:<class>": settings}) written as
-    JSON under ``directory``: for a child interpreter's environment, whose launches then take these
-    settings before the packaged tables' (engine.config, engine/runtime/launch/README.md)."""
-    import json
-    from pathlib import Path
-
-    path = Path(directory) / "launch_table.json"
-    path.write_text(json.dumps(table))
-    return {"SHARPI_LAUNCH_TABLE": str(path)}

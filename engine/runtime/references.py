@@ -1,5 +1,5 @@
 """The torch references of the device kernels, together: the specification each Triton kernel is tested
-against (tests/test_triton_*.py, tests/test_graph_decode.py hold them together), and the slow path the
+against (tests/triton hold them together), and the slow path the
 runtime takes where no Triton kernel applies (``SHARPI_DEVICE_KERNELS=reference``, types or devices
 without one).
 

@@ -15,8 +15,8 @@ of GPU time, and a 48-layer step has thousands of them.
 Whether they serve a device is ``kernel_select.step_kernels``'s choice.
 
 Each kernel has a torch reference with the same signature in ``engine.runtime.references``
-(``*_reference``); the tests (``tests/test_graph_decode.py``) hold them together under Triton's CPU
-interpreter.
+(``*_reference``); the tests (``tests/triton/test_step_kernels.py``) hold them together in Triton's CPU
+interpreter and compiled on CUDA.
 """
 
 from __future__ import annotations

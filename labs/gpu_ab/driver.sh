@@ -41,11 +41,11 @@ wait; [ -n "${SKIP_TESTS:-}" ] || log "cuda tests: $(grep -E 'passed|failed|erro
 
 vram_on() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 > $R/$1.vram 2>&1 & VP=$!; }
 vram_off() { kill $VP 2>/dev/null; wait $VP 2>/dev/null; echo "$(grep -E '^ *[0-9]+ *$' $R/$1.vram | sort -n | tail -1)"; }
-run() {  # name tree args...
-  local n=$1 t=$2; shift 2
+run() {  # name tree[+SHARPI_BF16 value] args...
+  local n=$1 t=${2%%+*} bf=""; [ "$2" != "${2#*+}" ] && bf=${2#*+}; shift 2
   [ -e $R/synth.ok ] || { log "skip $n"; return; }
   vram_on $n
-  ( cd /tmp/$t && PYTHONPATH=/tmp/site:/tmp/$t timeout 420 python3 -m engine.cli.main bench -m $F "$@" --json > $R/$n.json 2> $R/$n.err )
+  ( cd /tmp/$t && env ${bf:+SHARPI_BF16=$bf} PYTHONPATH=/tmp/site:/tmp/$t timeout 420 python3 -m engine.cli.main bench -m $F "$@" --json > $R/$n.json 2> $R/$n.err )
   local rc=$? peak=$(vram_off $n)
   local s=$(python3 -c "import json; d=json.load(open('$R/$n.json')); print('prompt', round(d['prompt_tok_s'], 1), d.get('prompt_tok_s_all'), 'decode', round(d['decode_tok_s'], 2), d.get('decode_tok_s_all'), 'hit', d.get('hit_rate'), '|', d.get('placement'))" 2>&1 | tail -1)
   echo "$n rc=$rc peak_MiB=$peak $s" >> $R/summary.txt

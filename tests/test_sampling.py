@@ -78,3 +78,60 @@ def test_the_head_grows_until_it_holds_the_top_p_mass():
     got = {fast(x) for _ in range(400)}
     want = {ref.reference(x) for _ in range(400)}
     assert got == want and len(got) > 300  # hundreds of distinct tokens: far past a head of 256
+
+
+# -- the settings, checked in one place ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "given, field, want",
+    [
+        ({"temperature": -1.0}, "temperature", 0.0),  # below 0: greedy, as llama.cpp
+        ({"top_k": -5}, "top_k", 0),  # off
+        ({"top_p": 1.5}, "top_p", 1.0),  # off
+        ({"seed": -1}, "seed", None),  # random, as llama.cpp's -1
+        ({"seed": np.int64(7)}, "seed", 7),
+        ({"stop": ["a", "b"]}, "stop", ("a", "b")),
+    ],
+)
+def test_sampling_params_clamp_what_peers_treat_as_off(given, field, want):
+    assert getattr(SamplingParams(**given), field) == want
+
+
+@pytest.mark.parametrize(
+    "given, named",
+    [
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": -0.1}, "top_p"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"min_p": -0.5}, "min_p"),
+        ({"repeat_penalty": 0.0}, "repeat_penalty"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        ({"repeat_last_n": -1}, "repeat_last_n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"seed": "x"}, "seed"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"stop": "END"}, "stop"),
+    ],
+)
+def test_sampling_params_reject_the_rest_naming_the_parameter(given, named):
+    from engine.errors import UsageError
+
+    with pytest.raises(UsageError, match=f"sampling parameter {named}"):
+        SamplingParams(**given)
+
+
+@pytest.mark.parametrize("top_p", [0.0, 1e-9])
+def test_the_smallest_top_p_keeps_the_best_token(top_p):
+    logits = np.array([0.1, 3.0, -1.0, 2.9], np.float32)
+    s = Sampler(SamplingParams(top_k=0, top_p=top_p, min_p=0.0, temperature=1.0, seed=0))
+    assert {s(logits) for _ in range(20)} == {1}
+
+
+def test_cli_says_which_setting_is_wrong_before_loading(capsys):
+    from engine.cli.main import main
+
+    assert main(["run", "-p", "hi", "--min-p", "2", "-n", "4"]) != 0
+    err = capsys.readouterr().err
+    assert "sampling parameter min_p" in err and "layers" not in err  # no model was loaded first

@@ -52,8 +52,8 @@ def _report(ev) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
+    params = sampling_from_args(a)  # checked before the model loads
     session = load_session(a)
-    params = sampling_from_args(a)
     try:
         if a.prompt is not None:
             _report(_stream(session, session.generate(a.prompt, params=params)))

@@ -33,6 +33,50 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings (not included in output)
 
+    def __post_init__(self):
+        """The one place sampling settings are checked, for the CLI, the app and the API alike: values a
+        peer treats as "off" are clamped as llama.cpp does (temperature < 0 → greedy, top_k < 0 → off,
+        top_p > 1 → off, a negative seed → random); anything else out of range is a UsageError naming
+        the parameter."""
+        from engine.errors import UsageError
+
+        def number(name: str, lo: float | None = None, hi: float | None = None, *, open_lo: bool = False):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not np.isfinite(v):
+                raise UsageError(f"sampling parameter {name} must be a finite number, got {v!r}")
+            if lo is not None and (v < lo or (open_lo and v == lo)):
+                raise UsageError(f"sampling parameter {name} must be {'>' if open_lo else '≥'} {lo}, got {v!r}")
+            if hi is not None and v > hi:
+                raise UsageError(f"sampling parameter {name} must be ≤ {hi}, got {v!r}")
+            return float(v)
+
+        def whole(name: str, lo: int):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise UsageError(f"sampling parameter {name} must be a whole number, got {v!r}")
+            if v < lo:
+                raise UsageError(f"sampling parameter {name} must be ≥ {lo}, got {v!r}")
+            return int(v)
+
+        fix = {
+            "temperature": max(0.0, number("temperature")),
+            "top_p": min(1.0, number("top_p", 0.0)),
+            "min_p": number("min_p", 0.0, 1.0),
+            "repeat_penalty": number("repeat_penalty", 0.0, open_lo=True),
+            "presence_penalty": number("presence_penalty"),
+            "frequency_penalty": number("frequency_penalty"),
+            "top_k": max(0, whole("top_k", -(1 << 62))),
+            "repeat_last_n": whole("repeat_last_n", 0),
+            "max_tokens": whole("max_tokens", 1),
+        }
+        if self.seed is not None:
+            fix["seed"] = None if whole("seed", -(1 << 62)) < 0 else int(self.seed)
+        if isinstance(self.stop, str) or not all(isinstance(x, str) for x in self.stop):
+            raise UsageError(f"sampling parameter stop must be a list of strings, got {self.stop!r}")
+        fix["stop"] = tuple(self.stop)
+        for name, value in fix.items():
+            object.__setattr__(self, name, value)
+
     @classmethod
     def greedy(cls, max_tokens: int = 256, **kw) -> SamplingParams:
         return cls(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, max_tokens=max_tokens, **kw)

@@ -46,6 +46,25 @@ class LoadOptions:
     engine: EngineOptions = field(default_factory=config.current)
 
 
+def clean_text(text) -> str:
+    """Text from a user, a paste or a request as the tokenizer can take it: a str, with lone UTF-16
+    surrogates (which a clipboard or a JSON body can carry, and no UTF-8 can encode) replaced by U+FFFD."""
+    if not isinstance(text, str):
+        raise UsageError(f"text must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def clean_messages(messages: list[dict]) -> list[dict]:
+    """Chat messages with every string content through :func:`clean_text` (other fields as given)."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise UsageError("messages must be a list of {'role': ..., 'content': ...} objects")
+    return [{**m, "content": clean_text(m["content"])} if isinstance(m.get("content"), str) else m for m in messages]
+
+
 class Session:
     """A loaded model with its tokenizer, chat template and KV cache."""
 
@@ -94,13 +113,23 @@ class Session:
 
     # -- text ---------------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_bos=add_bos, parse_special=special)
+        return self.tokenizer.encode(clean_text(text), add_bos=add_bos, parse_special=special)
 
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.chat_template.render(clean_messages(messages), add_generation_prompt=add_generation_prompt)
+
+    def check_ids(self, ids) -> list[int]:
+        """``ids`` as a list of token ids, each a whole number in [0, vocabulary size); else a UsageError
+        naming the first offender."""
+        V, out = self.args.n_vocab, []
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < V:
+                raise UsageError(f"token {i} is {t!r}: token ids are whole numbers from 0 to {V - 1}")
+            out.append(int(t))
+        return out
 
     # -- generation ---------------------------------------------------------------------------
     def generate(
@@ -118,9 +147,9 @@ class Session:
             text = self.render_chat(messages)
             ids = self.tokenizer.encode(text, add_bos=None, parse_special=True)
         elif prompt is not None:
-            ids = self.tokenizer.encode(prompt, add_bos=None, parse_special=True)
+            ids = self.tokenizer.encode(clean_text(prompt), add_bos=None, parse_special=True)
         else:
-            ids = list(prompt_ids)
+            ids = self.check_ids(prompt_ids)
         self._cancel.clear()
         return generate(
             self.model, self.tokenizer, self.cache, self.state, ids, params or SamplingParams(), self._cancel
@@ -220,6 +249,7 @@ class Session:
     # -- tests and tools ----------------------------------------------------------------------
     def logits(self, token_ids: list[int], batch: bool = True) -> np.ndarray:
         """float32 [T, V] logits for every position, from an empty cache (prefill or token by token)."""
+        token_ids = self.check_ids(token_ids)
         if len(token_ids) > self.n_ctx:
             raise UsageError(f"{len(token_ids)} tokens do not fit the context of {self.n_ctx}")
         self.reset()

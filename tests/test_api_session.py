@@ -129,3 +129,31 @@ def test_profiler_counts_every_routed_expert_in_cpu_mode(session, tmp_path):
     j, c = session.export_stats(str(tmp_path / "p"))
     with open(j) as f:
         assert json.load(f)["calls"] == s.calls.tolist()
+
+
+# -- what a user, a paste or a request may send --------------------------------------------------------
+def test_a_lone_surrogate_becomes_the_replacement_character(session):
+    """A clipboard or a JSON body can carry an unpaired UTF-16 surrogate, which no UTF-8 can encode: it
+    becomes U+FFFD at the API boundary (prompt, chat messages, tokenize), and a paired one its character."""
+    from engine.api import clean_text
+
+    assert clean_text("a\ud800b") == "a\ufffdb"
+    assert clean_text("\ud83d\ude00") == "\U0001f600"
+    assert clean_text("plain") == "plain"
+    assert session.tokenize("x\udfffy") == session.tokenize("x\ufffdy")
+    events = list(session.generate("hi \ud800", params=SamplingParams.greedy(2)))
+    assert events[-1].finish_reason is not None
+    events = list(session.generate(messages=[{"role": "user", "content": "\ud800"}], params=SamplingParams.greedy(2)))
+    assert events[-1].finish_reason is not None
+    with pytest.raises(UsageError, match="string"):
+        session.tokenize(b"bytes")
+    with pytest.raises(UsageError, match="messages"):
+        list(session.generate(messages="not a list", params=SamplingParams.greedy(2)))
+
+
+@pytest.mark.parametrize("bad", [[1, -1], [1, 10**9], [1, 2.5], [True]])
+def test_token_ids_out_of_the_vocabulary_are_a_usage_error(session, bad):
+    with pytest.raises(UsageError, match="token ids are whole numbers"):
+        session.logits(bad)
+    with pytest.raises(UsageError, match="token ids are whole numbers"):
+        list(session.generate(prompt_ids=bad, params=SamplingParams.greedy(2)))

@@ -6,7 +6,6 @@ one worker thread at a time; :meth:`Session.cancel` may be called from any threa
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -24,8 +23,6 @@ from engine.plan import DeviceProfile, ModelSpec, Placement, PlanRequest, plan, 
 from engine.profiler import ProfilerSnapshot
 from engine.profiler import export as export_profile
 from engine.runtime.apply import Applied, apply_placement
-
-log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int, str], None]  # (done, total, what)
 

@@ -609,6 +609,9 @@ def calibrate(
 
 
 # -- the profile a session plans with ---------------------------------------------------------------
+_FAILED: set = set()  # (device, ExpertShape) whose measurement failed in this process
+
+
 def speed_profile(device, gf, *, measure: bool, options: EngineOptions | None = None) -> DeviceProfile | None:
     """This machine's calibrated speeds for ``device`` and the model in the open GGUF ``gf`` (its
     expert shape and trunk type), for ``Session``/``LoadOptions.device_profile``: the cached
@@ -631,9 +634,6 @@ def speed_profile(device, gf, *, measure: bool, options: EngineOptions | None = 
             _FAILED.add((str(device), shape))  # not again in this process
             return DeviceProfile()
     return prof or load_cached(device, shape, partial=True, options=options)
-
-
-_FAILED: set = set()  # (device, ExpertShape) whose measurement failed in this process
 
 
 def _trunk_qtype(gf) -> str:

@@ -42,6 +42,7 @@ class Geo:
         self.trunk = [0] * s.layers
         self.routed = [0] * s.layers
         self.role_max: dict[str, int] = {}
+        self.role_bytes: list[dict[str, int]] = [{} for _ in range(s.layers)]  # one expert's, per layer
         self.embd = self.output = self.output_norm = 0
         for p in written.tensors:
             d = p.decl
@@ -49,6 +50,7 @@ class Geo:
                 self.routed[d.layer] += p.nbytes
                 role = d.name.split(".")[2].split("_")[1]  # blk.N.ffn_gate_exps.weight -> gate
                 self.role_max[role] = max(self.role_max.get(role, 0), p.nbytes // d.shape[0])
+                self.role_bytes[d.layer][role] = p.nbytes // d.shape[0]
             elif d.layer is not None:
                 self.trunk[d.layer] += p.nbytes
             elif d.kind == S.EMBEDDING:
@@ -64,12 +66,26 @@ class Geo:
         num, den = {"f32": (4, 1), "bf16": (2, 1), "q8_0": (34, 32)}[kv_type]
         return layers * 2 * ctx * self.kv_dim * num // den
 
-    def device_total(self, n: int, ctx: int, kv_type: str, reserve: int, scratch: int, slots: int) -> int:
+    def resident(self, lo: int, n: int) -> int:
+        """Every expert of layers lo..n-1 at its own layer's stride (roles aligned to 256 bytes)."""
+        return sum(self.E * sum(-(-b // 256) * 256 for b in self.role_bytes[i].values()) for i in range(lo, n))
+
+    def device_total(
+        self, n: int, ctx: int, kv_type: str, reserve: int, scratch: int, slots: int, resident_from: int | None = None
+    ) -> int:
+        """slots: cache slots at the largest stride; resident_from: instead, experts resident from that layer."""
         if n == 0:
             return 0
         out = self.output + self.output_norm if n == self.L else 0
         stride = sum(-(-b // 256) * 256 for b in self.role_max.values())
-        return reserve + scratch + sum(self.trunk[:n]) + self.kv(kv_type, ctx, n) + out + slots * stride
+        experts = slots * stride if resident_from is None else self.resident(resident_from, n)
+        return reserve + scratch + sum(self.trunk[:n]) + self.kv(kv_type, ctx, n) + out + experts
+
+    def placed_total(self, p, reserve: int, scratch: int) -> int:
+        """device_total of a placement as its mode allocates."""
+        if p.moe_mode == "resident":
+            return self.device_total(p.n_gpu_layers, p.ctx, p.kv_type, reserve, scratch, 0, p.n_cpu_moe)
+        return self.device_total(p.n_gpu_layers, p.ctx, p.kv_type, reserve, scratch, p.expert_slots_allocated)
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +193,7 @@ def test_profiles_and_layer_splits_are_maximal(geo, name, vram, ctx, kv, want_la
     assert g.device_total(n, ctx, kv, reserve, scratch, 0) <= vram
     if n < g.L:
         assert g.device_total(n + 1, ctx, kv, reserve, scratch, 0) > vram
-    assert p.device.total == g.device_total(n, ctx, kv, reserve, scratch, p.expert_slots_allocated) <= vram
+    assert p.device.total == g.placed_total(p, reserve, scratch) <= vram
     assert [lay.device for lay in p.layers] == ["gpu"] * n + ["cpu"] * (g.L - n)
 
 
@@ -218,35 +234,32 @@ def test_reason_names_the_layer_when_reserve_fits_but_a_layer_does_not(geo):
 
 # -- expert mode -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("overheads", [False, True])
-def test_mode_flips_from_cache_to_cpu_as_the_budget_falls(geo, overheads):
-    """Bytes only (no fixed costs): cpu, then cache, then resident as the budget grows. With the
-    default fixed costs (fitted to the H100 run, where the cache lost) the order still holds, but
-    a mode may never win."""
+def test_auto_picks_the_fastest_prediction_as_the_budget_grows(geo, overheads):
+    """From 3 to 30 GiB: auto's mode is the fastest prediction (a cache must beat the best steady option —
+    CPU experts or a resident split — by AUTO_CACHE_MARGIN); the resident split is the smallest whose
+    experts all fit, it only moves down as the budget grows, and it reaches 0 (everything resident)."""
     g = geo(QWEN3)
-    modes, seen = [], []
+    splits = []
     for k in range(12, 121):  # 3 GiB .. 30 GiB in quarter-GiB steps
         p = _plan(g.spec, k * GiB // 4, overheads=overheads, ctx=32768, kv_type="q8_0")
         assert p.n_gpu_layers == 48
         t = p.predicted_tok_s
+        steady = max(t["cpu"], t["resident"] or 0.0)
         if p.moe_mode == "cache":
-            assert t["cache"] >= AUTO_CACHE_MARGIN * t["cpu"]
-        elif p.moe_mode == "cpu":
-            assert t["cache"] is None or t["cache"] < AUTO_CACHE_MARGIN * t["cpu"]
+            assert t["cache"] >= AUTO_CACHE_MARGIN * steady
         else:
-            assert p.moe_mode == "resident" and p.expert_slots == p.expert_slots_needed
-        # At least as good as the sibling's rule (capacity < 0.5 → CPU, else cache), by our model.
-        sibling = "cpu" if p.expert_capacity < 0.5 else ("resident" if t["resident"] else "cache")
-        assert t[p.moe_mode] * AUTO_CACHE_MARGIN >= t[sibling]
-        modes.append(p.moe_mode)
-        seen.append(p.expert_capacity)
-    # One flip point from cpu to cache, then cache up to resident: cpu* cache+ resident+.
-    compressed = [m for i, m in enumerate(modes) if i == 0 or modes[i - 1] != m]
-    if overheads:
-        order = ["cpu", "cache", "resident"]
-        assert [order.index(m) for m in compressed] == sorted(order.index(m) for m in compressed), compressed
-    else:
-        assert compressed == ["cpu", "cache", "resident"], compressed
-    assert seen == sorted(seen)
+            assert t[p.moe_mode] == steady
+            assert t["cache"] is None or t["cache"] < AUTO_CACHE_MARGIN * steady
+        if p.moe_mode == "resident":
+            split = p.n_cpu_moe
+            assert [lay.experts for lay in p.layers] == ["cpu"] * split + ["resident"] * (48 - split)
+            assert p.device.experts == g.resident(split, 48)
+            if split:  # the smallest such split: one more layer's experts would not fit
+                assert p.device.total - p.device.experts + g.resident(split - 1, 48) > p.budget_bytes
+            splits.append(split)
+    assert splits == sorted(splits, reverse=True) and splits and splits[-1] == 0
+    if not overheads:  # bytes only: keeping experts on the device always beats the CPU's bytes
+        assert p.moe_mode == "resident"
 
 
 @pytest.mark.parametrize(
@@ -273,10 +286,23 @@ def test_overrides_win(geo, flags, env, vram, want):
     assert p.expert_slots_allocated == {"cpu": 0, "cache": p.expert_slots, "resident": p.expert_slots_needed}[want]
 
 
+def test_resident_that_does_not_fit_keeps_the_first_layers_experts_on_the_cpu(geo):
+    g = geo(QWEN3)
+    p = _plan(g.spec, 12 * GiB, ctx=32768, kv_type="q8_0", moe="resident", moe_source="--moe")
+    n = p.n_cpu_moe
+    assert 0 < n < 48 and p.moe_mode == "resident" and "do not fit" in p.moe_reason
+    assert [lay.experts for lay in p.layers] == ["cpu"] * n + ["resident"] * (48 - n)
+    assert p.device.experts == g.resident(n, 48) and p.expert_slots_allocated == (48 - n) * 128
+    assert p.device.total - p.device.experts + g.resident(n - 1, 48) > 12 * GiB  # smallest split
+    # --n-cpu-moe is a floor for the split
+    q = _plan(g.spec, 12 * GiB, ctx=32768, kv_type="q8_0", moe="resident", moe_source="--moe", n_cpu_moe=n + 3)
+    assert q.n_cpu_moe == n + 3 and q.device.experts == g.resident(n + 3, 48)
+
+
 def test_impossible_overrides(geo):
     g = geo(QWEN3)
-    with pytest.raises(PlanError, match="resident needs all 6144 experts"):
-        _plan(g.spec, 12 * GiB, ctx=32768, kv_type="q8_0", moe="resident", moe_source="--moe")
+    with pytest.raises(PlanError, match="resident is impossible: no layer is on the device"):
+        _plan(g.spec, 12 * GiB, ctx=32768, kv_type="q8_0", moe="resident", moe_source="--moe", n_gpu_layers=0)
     with pytest.raises(PlanError, match="no layer is on the device"):
         _plan(g.spec, 100 * MiB, ctx=4096, moe="cache", moe_source="--moe")
     # The environment falls back quietly (a slider must not error); the reason says why.
@@ -291,8 +317,9 @@ def test_impossible_overrides(geo):
 def test_n_cpu_moe_keeps_first_layers_experts_on_cpu(geo):
     g = geo(QWEN3)
     p = _plan(g.spec, 12 * GiB, ctx=32768, kv_type="q8_0", n_cpu_moe=10)
-    assert [lay.experts for lay in p.layers[:10]] == ["cpu"] * 10
-    assert {lay.experts for lay in p.layers[10:]} == {p.moe_mode}
+    assert p.n_cpu_moe >= 10  # a resident split may keep more on the CPU, never fewer
+    assert [lay.experts for lay in p.layers[: p.n_cpu_moe]] == ["cpu"] * p.n_cpu_moe
+    assert {lay.experts for lay in p.layers[p.n_cpu_moe :]} == {p.moe_mode}
     assert p.expert_slots_needed == 38 * 128
     allcpu = _plan(g.spec, 12 * GiB, ctx=32768, kv_type="q8_0", n_cpu_moe=99)
     assert allcpu.moe_mode == "cpu" and "--n-cpu-moe" in allcpu.moe_reason and allcpu.expert_slots == 0
@@ -350,7 +377,7 @@ def test_cli_summary_and_json(geo, capsys, engine_env):
     assert ("C" * 16 in out) == ("mode      cache" in out) and ("G" * 16 in out) == ("mode      cpu" in out)
     assert main(["plan", "-m", path, "--vram", "2.5GiB", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["n_gpu_layers"] == 16 and d["kv_type"] == "f32" and d["moe_mode"] in ("cpu", "cache")
+    assert d["n_gpu_layers"] == 16 and d["kv_type"] == "f32" and d["moe_mode"] in ("cpu", "cache", "resident")
     engine_env({"SHARPI_CPU_MOE": "1", "SHARPI_KV_DTYPE": "q8_0"})
     assert main(["plan", "-m", path, "--vram", "2.5GiB", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
@@ -419,8 +446,7 @@ def test_property_budget_never_exceeded_and_every_layer_placed_once(
     assert [lay.device for lay in p.layers] == ["gpu"] * n + ["cpu"] * (g.L - n)
     assert p.gpu_layers[1] == p.cpu_layers[0] and p.cpu_layers[1] == g.L
     used_scratch = scratch_estimate(g.spec, ctx) if scratch is None else scratch
-    expect = g.device_total(n, ctx, kv, reserve, used_scratch, p.expert_slots_allocated)
-    assert p.device.total == expect <= vram
+    assert p.device.total == g.placed_total(p, reserve, used_scratch) <= vram
     assert p.expert_slots_allocated <= p.expert_slots_needed
     if p.moe_mode == "cache":
         assert 0 < p.expert_slots_allocated == p.expert_slots

@@ -216,3 +216,38 @@ def test_quantized_model_on_the_device_matches_exact_float_cpu(tmp_path, device)
             s.apply(s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe=moe), _profile_for(s, n_gpu_layers=L, slots=L * E)))
             got = s.logits(tokens, batch=False)
             assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max(), (moe, np.abs(got - ref).max())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_resident_experts_pack_each_layer_at_its_own_stride(tmp_path, device):
+    """Q4_K_M-like files mix expert types across layers (Q6_K ffn_down in some): resident experts are packed
+    at each layer's own stride, priced and allocated to the byte, and a resident split — the first layers'
+    experts on the CPU, the rest resident — gives the CPU engine's logits."""
+    from engine.plan.sizing import layer_slot_layout, resident_expert_bytes
+
+    path = write_model(
+        tmp_path / "mixed.gguf", "qwen3moe", seed=4, layers=3, hidden=256, expert_ff=256,
+        weight_type="Q4_K", type_overrides={"blk.1.ffn_down_exps.weight": "Q6_K", "blk.2.ffn_down_exps.weight": "Q8_0"},
+    ).path  # fmt: skip
+    tokens = random_tokens(20, 1024, seed=6)
+    # exact-float arithmetic on both paths (q8_act=False), so quantized weights compare tightly too
+    with Session.load(str(path), LoadOptions(n_ctx=CTX, device=device, q8_act=False)) as s:
+        ref_prefill, ref_decode = _run(s, tokens)
+        spec, L, E = s.spec, s.args.n_layer, s.args.n_expert
+        strides = [layer_slot_layout(spec, i).stride for i in range(L)]
+        assert len(set(strides)) == 3 and max(strides) == expert_slot_layout(spec).stride
+        base = device_bytes(spec, n_gpu_layers=L, ctx=CTX, kv_type="f32", reserve=0).total
+        for split in (0, 1):
+            need = resident_expert_bytes(spec, range(split, L))
+            assert need < (L - split) * E * max(strides)  # packing saves bytes a fixed stride would waste
+            # a budget for exactly these bytes: the planner finds this split (one fewer layer on the CPU does not fit)
+            p = s.plan(
+                PlanRequest(ctx=CTX, n_gpu_layers=L, moe="resident"),
+                DeviceProfile(vram_bytes=base + need, reserve_bytes=0),
+            )
+            assert (p.moe_mode, p.n_cpu_moe, p.device.experts) == ("resident", split, need), p.moe_reason
+            s.apply(p)
+            assert s.applied.arena.by_kind["experts"] == need
+            prefill, decode = _run(s, tokens)
+            assert np.abs(prefill - ref_prefill).max() <= 1e-5, (split, np.abs(prefill - ref_prefill).max())
+            assert np.abs(decode - ref_decode).max() <= 1e-5, (split, np.abs(decode - ref_decode).max())

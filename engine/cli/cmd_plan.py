@@ -243,7 +243,10 @@ def print_summary(p: Placement, *, every_layer: bool = False, out=None) -> None:
     for line in describe_profile(prof):
         w(f"          {line}")
     w(f"          ({profile_source(prof)}{'; * = measured' if prof.measured else ''})")
-    w(f"request   ctx {p.ctx}, KV {p.kv_type}, n_cpu_moe {p.n_cpu_moe}")
+    w(
+        f"request   ctx {p.ctx}, KV {p.kv_type}"
+        + (f"; experts of layers 0-{p.n_cpu_moe - 1} on the CPU" if p.n_cpu_moe else "")
+    )
     w()
     gpu, cpu = _span(*p.gpu_layers), _span(*p.cpu_layers)
     w(f"layers    GPU {gpu}, CPU {cpu}: {p.layer_reason}")

@@ -31,6 +31,7 @@ from engine.plan.sizing import (
     expert_slot_layout,
     host_bytes,
     kv_layer_bytes,
+    resident_expert_bytes,
 )
 from engine.plan.spec import ModelSpec
 from engine.plan.units import format_size
@@ -132,7 +133,7 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
     if ctx > spec.n_ctx_train:
         notes.append(f"context {ctx} exceeds the model's training context {spec.n_ctx_train}")
 
-    def dev(n: int, slots: int = 0, c: int = ctx) -> DeviceBytes:
+    def dev(n: int, slots: int = 0, c: int = ctx, expert_bytes: int | None = None) -> DeviceBytes:
         return device_bytes(
             spec,
             n_gpu_layers=n,
@@ -141,6 +142,7 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
             expert_slots=slots,
             reserve=profile.reserve_bytes,
             scratch=profile.scratch_bytes,
+            expert_bytes=expert_bytes,
         )
 
     # (1) Device layers: a contiguous prefix.
@@ -163,19 +165,33 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
             f" ({n} layers)" if n != request.n_gpu_layers else ""
         )
 
-    # (2) Expert-cache budget: what is left, in bytes and in slots.
+    # (2) Expert budget: what is left, in bytes and in cache slots; the resident split.
     base = dev(n)
     left = budget - base.total
     assert left >= 0, (budget, base)
-    n_cpu_moe = min(request.n_cpu_moe, L)
+    asked_cpu_moe = min(request.n_cpu_moe, L)
     layout = expert_slot_layout(spec)
-    needed = sum(lay.n_expert for lay in spec.layers[n_cpu_moe:n] if lay.is_moe)
+
+    def needed_from(k: int) -> int:  # experts of the device layers k..n-1
+        return sum(lay.n_expert for lay in spec.layers[k:n] if lay.is_moe)
+
+    def resident_from(k: int) -> int:  # their bytes, resident at each layer's own stride
+        return resident_expert_bytes(spec, range(k, n))
+
+    needed = needed_from(asked_cpu_moe)
     fit = min(left // layout.stride, needed) if layout.stride and n else 0
+    # The smallest split whose experts of the layers above it all fit resident (llama.cpp's
+    # --n-cpu-moe N, at the best N): layers below it keep their experts on the CPU.
+    split = None
+    if spec.is_moe and n and needed:
+        split = n - _max_prefix(lambda j: resident_from(n - j) <= left, n - asked_cpu_moe)
+        if needed_from(split) == 0:
+            split = None
 
     # (3) Predictions, (4) mode.
     position = ctx // 2 if request.position is None else request.position
 
-    def cost(mode: str, slots: int = 0) -> Prediction:
+    def cost(mode: str, slots: int = 0, cpu_moe: int = asked_cpu_moe) -> Prediction:
         return predict(
             spec,
             profile,
@@ -184,22 +200,27 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
             kv_type=kv,
             position=position,
             expert_slots=slots,
-            n_cpu_moe=n_cpu_moe,
+            n_cpu_moe=cpu_moe,
             graphs=request.cuda_graphs is not False,
         )
 
     if not spec.is_moe:
         preds: dict[str, Prediction | None] = {NONE: cost(CPU)}
         mode, reason, source = NONE, "dense model: no routed experts", ""
+        n_cpu_moe = asked_cpu_moe
     else:
         preds = {
             CPU: cost(CPU),
             CACHE: cost(CACHE, fit) if fit else None,
-            RESIDENT: cost(RESIDENT, needed) if needed and fit == needed else None,
+            RESIDENT: cost(RESIDENT, needed_from(split), split) if split is not None else None,
         }
-        mode, reason, source = _choose_mode(request, preds, fit, needed, n, n_cpu_moe, left, layout.stride, L)
-    allocated = {CACHE: fit, RESIDENT: needed}.get(mode, 0)
-    final = dev(n, allocated)
+        mode, reason, source = _choose_mode(
+            request, preds, fit, needed, n, asked_cpu_moe, split, left, layout.stride, L
+        )
+        n_cpu_moe = split if mode == RESIDENT else asked_cpu_moe
+    allocated = {CACHE: fit, RESIDENT: needed_from(n_cpu_moe)}.get(mode, 0)
+    pool_bytes = resident_from(n_cpu_moe) if mode == RESIDENT else None
+    final = dev(n, allocated, expert_bytes=pool_bytes)
     assert final.total <= budget, (final, budget)
 
     layers = tuple(_layer_placement(spec, i, n, n_cpu_moe, mode, kv, ctx) for i in range(L))
@@ -259,9 +280,22 @@ def _layer_reason(spec: ModelSpec, profile: DeviceProfile, dev, n: int) -> str:
 
 
 def _choose_mode(
-    req: PlanRequest, preds, fit: int, needed: int, n: int, n_cpu_moe: int, left: int, stride: int, L: int
+    req: PlanRequest,
+    preds,
+    fit: int,
+    needed: int,
+    n: int,
+    n_cpu_moe: int,
+    split: int | None,
+    left: int,
+    stride: int,
+    L: int,
 ):
-    """(mode, reason, source) — the override if given and possible, else the fastest prediction."""
+    """(mode, reason, source) — the override if given and possible, else the fastest prediction.
+
+    ``split``: the smallest layer count N >= ``n_cpu_moe`` whose device layers from N up hold every
+    expert resident (None: no device layer's experts fit); mode ``resident`` places that split.
+    """
     cpu, cache, res = preds[CPU], preds[CACHE], preds[RESIDENT]
     capacity = fit / needed if needed else 0.0
 
@@ -272,6 +306,9 @@ def _choose_mode(
             return f"the first {n_cpu_moe} layers keep their experts on the CPU (--n-cpu-moe) and no other device layer has experts"
         return f"the {format_size(left)} left on the device is less than one {format_size(stride)} expert slot"
 
+    def res_label() -> str:
+        return "resident" if split == n_cpu_moe else f"resident from layer {split} (layers 0-{split - 1} on the CPU)"
+
     def cmp() -> str:
         parts = [f"CPU experts {cpu.tok_s:.1f}"]
         if cache is not None:
@@ -279,7 +316,7 @@ def _choose_mode(
                 f"cache {cache.tok_s:.1f} ({fit} of {needed} experts = {capacity:.0%}, predicted hit rate {cache.hit_rate:.0%})"
             )
         if res is not None:
-            parts.append(f"resident {res.tok_s:.1f}")
+            parts.append(f"{res_label()} {res.tok_s:.1f}")
         return "predicted tok/s: " + ", ".join(parts)
 
     if req.moe != AUTO:
@@ -294,21 +331,28 @@ def _choose_mode(
                 raise PlanError(f"--moe cache is impossible: {why_none()}")
             return CACHE, f"GPU expert cache: set by {src}; {cmp()}", src
         if res is None:
-            if cache is None:
-                raise PlanError(f"--moe resident is impossible: {why_none()}")
-            raise PlanError(
-                f"--moe resident needs all {needed} experts of the device layers on the device "
-                f"({format_size(needed * stride)}) but only {format_size(left)} is left ({fit} slots); "
-                "use --moe cache or auto, or a smaller context / narrower KV type"
-            )
-        return RESIDENT, f"all experts resident: set by {src}; {cmp()}", src
+            raise PlanError(f"--moe resident is impossible: {why_none()}")
+        if split == n_cpu_moe:
+            return RESIDENT, f"all experts resident: set by {src}; {cmp()}", src
+        return (
+            RESIDENT,
+            f"experts resident from layer {split}: set by {src}, and the experts of layers {n_cpu_moe}-{split - 1} "
+            f"do not fit in the {format_size(left)} left, so they stay on the CPU; {cmp()}",
+            src,
+        )
 
-    if cache is None:
+    if cache is None and res is None:
         return CPU, f"CPU experts: {why_none()}", ""
-    if res is not None and res.tok_s >= cpu.tok_s:
-        return RESIDENT, f"all {needed} experts of the device layers fit: resident; {cmp()}", ""
-    if cache.tok_s >= AUTO_CACHE_MARGIN * cpu.tok_s:
+    # The fastest option that does not depend on the prompt's routing: CPU experts or a resident split.
+    steady = res if res is not None and res.tok_s >= cpu.tok_s else cpu
+    if cache is not None and cache.tok_s >= AUTO_CACHE_MARGIN * steady.tok_s:
         return CACHE, f"GPU expert cache is predicted fastest; {cmp()}", ""
+    if steady is res:
+        if split == n_cpu_moe:
+            return RESIDENT, f"all {needed} experts of the device layers fit: resident; {cmp()}", ""
+        return RESIDENT, f"experts resident from layer {split} is predicted fastest; {cmp()}", ""
+    if cache is None:
+        return CPU, f"CPU experts are predicted fastest; {cmp()}", ""
     gain = cache.tok_s / cpu.tok_s - 1
     why = "slower" if gain < 0 else f"only {gain:.0%} faster (< {AUTO_CACHE_MARGIN - 1:.0%} margin)"
     return CPU, f"CPU experts: a {capacity:.0%} GPU cache is predicted {why}; {cmp()}", ""

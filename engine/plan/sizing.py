@@ -7,8 +7,11 @@ they cannot drift. Accounting rules (see ``docs/planner.md``):
 - a device-resident layer holds its trunk tensors (attention q/k/v/o, norms, biases, router,
   shared expert and its gate, dense FFN) and its K and V caches, ``2 × ctx × kv_row_bytes``;
   routed experts (``ffn_*_exps``) are never part of a layer: they live in the expert-slot pool;
-- the expert-slot pool is ``slots × stride``; a slot holds one expert's gate, up and down
-  matrices, each role sized for the largest over all layers and aligned to :data:`SLOT_ALIGN`;
+- the expert-slot pool of a cache is ``slots × stride``; a slot holds one expert's gate, up and down
+  matrices, each role sized for the largest over all layers and aligned to :data:`SLOT_ALIGN` (a slot
+  serves any layer); resident experts never move, so each layer's are packed at that layer's own
+  stride (:func:`layer_slot_layout`, :func:`resident_expert_bytes`) — a file that mixes types across
+  layers (Q4_K_M's Q6_K ``ffn_down`` in some layers) wastes no bytes on the largest;
 - ``token_embd`` stays on the host (only the looked-up rows are used; one row is uploaded per
   token); the output norm and output matrix (``token_embd`` when tied) are on the device when the
   last layer is; ``rope_freqs`` is on the device when any layer is;
@@ -62,6 +65,26 @@ def expert_slot_layout(spec: ModelSpec) -> SlotLayout:
     return SlotLayout(offsets, sizes, off)
 
 
+def layer_slot_layout(spec: ModelSpec, layer: int) -> SlotLayout:
+    """One layer's own slot geometry: its roles' bytes, aligned, in ROLES order (a resident layer's
+    experts sit at this stride; :func:`expert_slot_layout` is the largest over layers)."""
+    lay = spec.layers[layer]
+    off, offsets, sizes = 0, {}, {}
+    for r in ROLES:
+        b = lay.expert_role_bytes.get(r, 0)
+        if not b:
+            continue
+        offsets[r], sizes[r] = off, b
+        off += _align(b)
+    return SlotLayout(offsets, sizes, off)
+
+
+def resident_expert_bytes(spec: ModelSpec, layers) -> int:
+    """Device bytes of every routed expert of ``layers`` held resident: per layer ``n_expert`` experts
+    at the layer's own stride (:func:`layer_slot_layout`)."""
+    return sum(spec.layers[i].n_expert * layer_slot_layout(spec, i).stride for i in layers if spec.layers[i].is_moe)
+
+
 def scratch_estimate(spec: ModelSpec, ctx: int, n_ubatch: int = DEFAULT_UBATCH) -> int:
     """Device scratch for one layer's forward over a micro-batch of ``n_ubatch`` tokens, f32.
 
@@ -94,7 +117,7 @@ class DeviceBytes:
     trunk: int  # trunk tensors of the device-resident layers
     kv: int  # K and V caches of the device-resident layers
     globals: int  # output norm + output matrix (if the last layer is resident), rope factors
-    experts: int  # expert-slot pool: slots × stride
+    experts: int  # expert pool: cache slots × stride, or resident layers' experts at their own strides
 
     @property
     def total(self) -> int:
@@ -113,16 +136,19 @@ def device_bytes(
     expert_slots: int = 0,
     reserve: int = 0,
     scratch: int | None = None,
+    expert_bytes: int | None = None,
 ) -> DeviceBytes:
     """Bytes the runtime allocates on the device for this placement.
 
     n_gpu_layers: layers 0..n-1 on the device (clamped to the model); 0 allocates nothing.
     scratch: bytes of activation scratch, ``None`` for :func:`scratch_estimate` at ``ctx``.
+    expert_bytes: the expert pool's bytes when they are not ``expert_slots × stride`` (resident
+    experts: :func:`resident_expert_bytes`).
     Raises :class:`PlanError` for an unknown KV type or a q8_0 cache of an incompatible width.
     """
     n = max(0, min(n_gpu_layers, spec.n_layer))
     if n == 0:
-        if expert_slots:
+        if expert_slots or expert_bytes:
             raise PlanError("an expert cache needs at least one device-resident layer")
         return DeviceBytes(0, 0, 0, 0, 0, 0)
     return DeviceBytes(
@@ -131,7 +157,7 @@ def device_bytes(
         trunk=spec.trunk_prefix[n],
         kv=n * kv_layer_bytes(kv_type, spec.kv_dim, ctx),
         globals=global_device_bytes(spec, n),
-        experts=expert_slots * expert_slot_layout(spec).stride,
+        experts=expert_slots * expert_slot_layout(spec).stride if expert_bytes is None else expert_bytes,
     )
 
 

@@ -18,7 +18,7 @@ from engine.experts import CpuExperts
 from engine.kv_cache import KVCache
 from engine.models.base import HOST, DecoderModel
 from engine.plan.placement import Placement
-from engine.plan.sizing import HOST_KV_TYPE, expert_slot_layout
+from engine.plan.sizing import HOST_KV_TYPE, expert_slot_layout, layer_slot_layout
 from engine.plan.spec import ModelSpec
 from engine.runtime import graph_decode
 from engine.runtime.device import DeviceArena, DeviceWeights
@@ -91,6 +91,7 @@ def apply_placement(
             q8_act=w.q8_act,
             upload=upload,
             options=options,
+            layer_layouts={i: layer_slot_layout(spec, i) for i in cache_layers} if p.moe_mode == "resident" else None,
         )
         backends.update({i: cached for i in cache_layers})
     kv_layers = {i: (device if i < G else HOST) for i in range(L)}

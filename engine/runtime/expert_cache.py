@@ -59,7 +59,10 @@ class CachedExperts(ExpertBackend):
         max_uploads: int = 64,
         prompt_upload_min: int | None = None,
         options: EngineOptions | None = None,
+        layer_layouts: dict[int, SlotLayout] | None = None,
     ):
+        """layer_layouts: resident experts packed at each layer's own stride (``ExpertPool``); then
+        ``n_slots`` covers every expert of ``layers`` and :meth:`preload` pins them."""
         if upload not in ("async", "sync"):
             raise ValueError(upload)
         self.stacks, self.layers = stacks, set(layers)
@@ -69,7 +72,7 @@ class CachedExperts(ExpertBackend):
         self.prompt_upload_min = (
             prompt_upload_threshold(self.options) if prompt_upload_min is None else prompt_upload_min
         )
-        self.pool = ExpertPool(stacks, layers, arena, layout, n_slots, max_uploads)
+        self.pool = ExpertPool(stacks, layers, arena, layout, n_slots, max_uploads, layer_layouts)
         self.compute = PoolCompute(self.pool, stacks, q8_act, self.options)
         self.slru = self.pool.slru
         self._fused = self.compute.fused  # layer -> the fused Triton kernels serve its three roles
@@ -142,7 +145,7 @@ class CachedExperts(ExpertBackend):
             # (gate·up·SiLU, then down weighted over the k experts), prefill grouped by expert.
             slot_of = np.full(int(ids_h.max()) + 1, -1, dtype=np.int64)  # expert -> byte offset of its slot
             for e in hit_set:
-                slot_of[e] = self.slru.slot((layer, e)) * self.pool.layout.stride
+                slot_of[e] = self.pool.offset(layer, e)
             slot_off = torch.from_numpy(slot_of[ids_h]).to(self.device)  # −1: not served here
             return self.compute.fused_pairs(layer, slot_off, x, w)
         t_idx, k_idx = np.nonzero(np.isin(ids_h, list(hit_set)))  # pairs, token-major
@@ -199,7 +202,7 @@ class CachedExperts(ExpertBackend):
             return self.compute.weighted_slots(layer, self.pool.slots_dev[layer][ids[0]], x, weights)
         slots = self.pool.slots_dev[layer].index_select(0, ids.reshape(-1)).reshape(ids.shape)  # [1, K], -1: absent
         if self._fused[layer]:
-            off = torch.where(slots >= 0, slots * self.pool.layout.stride, -1)  # the fused kernels skip -1
+            off = torch.where(slots >= 0, self.pool.slot_off_dev[slots.clamp(min=0)], -1)  # the kernels skip -1
             return self.compute.fused_pairs(layer, off, x, weights, xq)
         return self.compute.weighted_slots(layer, slots[0], x, weights)
 

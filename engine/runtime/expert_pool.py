@@ -1,9 +1,13 @@
 """The expert cache's device memory: one slot pool, the SLRU that assigns its slots, the expert → slot
 table, and the uploads that fill it.
 
-The pool is one uint8 tensor ``[n_slots, stride]``; a slot holds one expert's raw quantized gate | up |
-down bytes at the role offsets of ``engine.plan.sizing.expert_slot_layout`` (the planner prices exactly
-this). A segmented LRU maps (layer, expert) to slots. Uploads copy an expert's bytes from the memory map
+The pool is one flat uint8 tensor; a slot holds one expert's raw quantized gate | up | down bytes at
+the role offsets of a slot layout, and the kernels address it by byte offset (:attr:`ExpertPool.slot_off_dev`).
+A cache's slots all have the stride of ``engine.plan.sizing.expert_slot_layout`` (the largest expert of
+any layer: a slot serves every layer); resident experts (``layer_layouts``) never move, so each layer's
+are packed at its own ``layer_slot_layout`` stride, slot after slot as they are first filled
+(``resident_expert_bytes``). The planner prices exactly these bytes. A segmented LRU maps (layer,
+expert) to slots. Uploads copy an expert's bytes from the memory map
 through a pinned staging row on a side CUDA stream (on the CPU simulated device: directly); the table
 (host copy, and a device copy refreshed between steps) says where each expert is, -1 where it is not.
 """
@@ -17,7 +21,7 @@ import numpy as np
 import torch
 
 from engine.experts import ExpertStacks
-from engine.plan.sizing import SlotLayout
+from engine.plan.sizing import SlotLayout, resident_expert_bytes  # noqa: F401  (the bytes priced)
 from engine.profiler import ExpertProfiler
 from engine.runtime.device import DeviceArena, raw_bytes
 from engine.runtime.slru import SegmentedLRU
@@ -55,11 +59,23 @@ class ExpertPool:
         layout: SlotLayout,
         n_slots: int,
         max_uploads: int,
+        layer_layouts: dict[int, SlotLayout] | None = None,
     ):
+        """layout: the cache's slot layout; layer_layouts: {layer: its own layout} for resident experts
+        (``n_slots`` = every expert of ``layers``, packed; no slot is ever reused by another layer)."""
         self.stacks, self.layers, self.layout, self.max_uploads = stacks, set(layers), layout, max_uploads
+        self.layer_layouts = layer_layouts
         self.device = arena.device
         self.profiler: ExpertProfiler | None = None
-        self.pool = arena.empty("experts", (n_slots, layout.stride), torch.uint8)
+        if layer_layouts is None:
+            nbytes = n_slots * layout.stride
+            self.slot_off_h = np.arange(n_slots, dtype=np.int64) * layout.stride  # slot -> byte offset
+        else:
+            nbytes = sum(stacks[i].gate.n_experts * layer_layouts[i].stride for i in self.layers)
+            self.slot_off_h = np.full(n_slots, -1, dtype=np.int64)  # given as each slot is first filled
+        self._packed = 0  # bytes of the packed (resident) pool handed out
+        self.pool = arena.empty("experts", (nbytes,), torch.uint8)
+        self.slot_off_dev = torch.from_numpy(self.slot_off_h).to(self.device)
         self.slru = SegmentedLRU(n_slots)
         self.expert_bytes = {
             (i, r): raw_bytes(getattr(s, r)).reshape(s.gate.n_experts, -1) for i, s in stacks.items() for r in ROLES
@@ -89,6 +105,14 @@ class ExpertPool:
         if got is None:
             return False  # every slot holds an expert this token needs, or a pinned one
         slot, evicted = got
+        lay = self.layout_of(layer)
+        if self.layer_layouts is not None:
+            if evicted is not None or self.slot_off_h[slot] >= 0:
+                raise RuntimeError("a packed (resident) expert pool never reuses a slot")
+            self.slot_off_h[slot] = self._packed
+            self._packed += lay.stride
+            assert self._packed <= self.pool.numel(), "packed pool overflow"
+        base = int(self.slot_off_h[slot])
         self.slots_h[layer, e] = slot
         if evicted is not None:
             self.slots_h[evicted] = -1
@@ -99,20 +123,34 @@ class ExpertPool:
         stage = self._stage_row()
         for r in ROLES:
             src = self.expert_bytes[(layer, r)][e]  # uint8 view of the memory map
-            off = self.layout.role_offset[r]
+            off = lay.role_offset[r]
             if stage is None:
-                self.pool[slot, off : off + src.size].copy_(torch.from_numpy(np.array(src)))
+                self.pool[base + off : base + off + src.size].copy_(torch.from_numpy(np.array(src)))
             else:
                 host_copy(stage[off : off + src.size].numpy(), src)  # into pinned memory
             n += src.size
         if stage is not None:
             with torch.cuda.stream(self._copy_stream):
-                self.pool[slot].copy_(stage, non_blocking=True)
+                self.pool[base : base + lay.stride].copy_(stage[: lay.stride], non_blocking=True)
         self.uploaded_bytes += n
         if self.profiler is not None:
             self.profiler.record_cache(layer, [], [], {e: n})
             self.profiler.set_resident(layer, [e], True)
         return True
+
+    def layout_of(self, layer: int) -> SlotLayout:
+        """Where ``layer``'s roles sit in its slots: its own layout when packed, else the shared one."""
+        return self.layout if self.layer_layouts is None else self.layer_layouts[layer]
+
+    def offset(self, layer: int, e: int) -> int:
+        """Byte offset of expert ``e`` of ``layer`` in the pool (it must be in the pool)."""
+        return int(self.slot_off_h[self.slru.slot((layer, e))])
+
+    def rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The bytes of ``layer``'s experts in ``slots`` (int64 [P] on the device) -> uint8 [P, stride]."""
+        stride = self.layout_of(layer).stride
+        idx = self.slot_off_dev.index_select(0, slots)[:, None] + torch.arange(stride, device=self.device)
+        return self.pool[idx]
 
     def _stage_row(self) -> torch.Tensor | None:
         """A pinned staging row for one upload (CUDA only); waits for the previous batch first."""
@@ -139,10 +177,13 @@ class ExpertPool:
                 if pin:
                     self.slru.pin((i, e))
         self.sync()
+        if self.layer_layouts is not None:
+            self.slot_off_dev.copy_(torch.from_numpy(self.slot_off_h))
         self.refresh_table()
         if pin:
             self.pinned_offsets = {
-                i: self.slots_dev[i, : self.stacks[i].gate.n_experts] * self.layout.stride for i in sorted(self.layers)
+                i: self.slot_off_dev.index_select(0, self.slots_dev[i, : self.stacks[i].gate.n_experts])
+                for i in sorted(self.layers)
             }
 
     def refresh_table(self) -> None:

@@ -40,7 +40,7 @@ class PoolCompute:
 
     def roles(self, layer: int) -> dict:
         """{role: (byte offset in a slot, qtype, rows, n)} for the fused kernels."""
-        s, off = self.stacks[layer], self.pool.layout.role_offset
+        s, off = self.stacks[layer], self.pool.layout_of(layer).role_offset
         return {r: (off[r], getattr(s, r).qtype, getattr(s, r).rows, getattr(s, r).n) for r in ROLES}
 
     def decode_act(self, layer: int) -> str:
@@ -82,12 +82,12 @@ class PoolCompute:
     def slot_matrices(self, layer: int, slots: torch.Tensor) -> list[torch.Tensor]:
         """Dequantized gate, up [P, F, D] and down [P, D, F] of the experts in ``slots``."""
         s, pool = self.stacks[layer], self.pool
-        raw = pool.pool.index_select(0, slots)  # [P, stride]
+        raw = pool.rows(layer, slots)  # [P, stride]
         mats = []
         for r in ROLES:
             w = getattr(s, r)
             nb = pool.expert_bytes[(layer, r)].shape[1]
-            off = pool.layout.role_offset[r]
+            off = pool.layout_of(layer).role_offset[r]
             m = dequantize(raw[:, off : off + nb].reshape(len(slots) * w.rows, -1), w.qtype, w.n)
             mats.append(m.reshape(len(slots), w.rows, w.n))
         return mats

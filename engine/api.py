@@ -23,6 +23,7 @@ from engine.plan import DeviceProfile, ModelSpec, Placement, PlanRequest, plan, 
 from engine.profiler import ProfilerSnapshot
 from engine.profiler import export as export_profile
 from engine.runtime.apply import Applied, apply_placement
+from engine.runtime.device import cuda_reserve
 
 Progress = Callable[[int, int, str], None]  # (done, total, what)
 
@@ -92,6 +93,7 @@ class Session:
             self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
             self._spec: ModelSpec | None = None
             self._speeds: DeviceProfile | None = options.device_profile
+            self._cuda_reserve: int | None = None
             self.applied: Applied | None = None
             self.cache = self.model.new_cache(self.n_ctx, self.kv_type)
             if options.placement is not None:
@@ -182,6 +184,11 @@ class Session:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "simulated device (CPU)"
         base = self._speeds or DeviceProfile()
         vram = vram_budget if vram_budget is not None else DeviceProfile().vram_bytes
+        if self.device.type == "cuda" and "reserve_bytes" not in base.measured:
+            # what the driver will count beyond the planned tensors, measured once before the first placement
+            if self._cuda_reserve is None:
+                self._cuda_reserve = cuda_reserve(self.device)
+            base = replace(base, reserve_bytes=self._cuda_reserve, measured=(*base.measured, "reserve_bytes"))
         return replace(base, vram_bytes=vram, name=base.name or name)
 
     def set_device_profile(self, profile: DeviceProfile | None) -> None:

@@ -33,6 +33,9 @@ def smi_mib(pid: int) -> int:
 
 
 def child(path: str, cfg: str) -> None:
+    from engine import config
+
+    config.apply_process_settings()  # before CUDA starts: the allocator settings the CLI and the app use
     import numpy as np
     import torch
 

@@ -240,7 +240,7 @@ def test_auto_picks_the_fastest_prediction_as_the_budget_grows(geo, overheads):
     experts all fit, it only moves down as the budget grows, and it reaches 0 (everything resident)."""
     g = geo(QWEN3)
     splits = []
-    for k in range(12, 121):  # 3 GiB .. 30 GiB in quarter-GiB steps
+    for k in range(14, 121):  # 3.5 GiB .. 30 GiB in quarter-GiB steps
         p = _plan(g.spec, k * GiB // 4, overheads=overheads, ctx=32768, kv_type="q8_0")
         assert p.n_gpu_layers == 48
         t = p.predicted_tok_s

@@ -103,21 +103,24 @@ def _modes_over(spec, base: DeviceProfile, field: str, values) -> list[str]:
 
 
 def test_auto_choice_follows_the_fixed_costs(q30):
-    """At 12 GiB (61 % of the 30B's experts fit) a costlier cache layer flips auto from the cache
-    to CPU experts exactly once; a costlier CPU-expert round trip flips it back."""
+    """At 12 GiB a costlier cache layer flips auto from the cache to the steady option — the resident split
+    (the first layers' experts on the CPU, the rest resident) — exactly once; a costlier CPU-expert round trip
+    slows CPU experts (48 round trips) more than the split (one per CPU layer), and the reason quotes the
+    numbers the choice was made on."""
     spec = q30
     base = DeviceProfile(vram_bytes=12 * GiB).without_overheads()
     steps = [0, 100, 200, 400, 800, 1600, 3200, 6400]
     modes = _modes_over(spec, base, "cache_layer_us", steps)
-    assert modes[0] == "cache" and modes[-1] == "cpu"
-    assert modes == sorted(modes, key=["cache", "cpu"].index)  # one flip
-    slow_cache = replace(base, cache_layer_us=1600)
-    modes = _modes_over(spec, slow_cache, "cpu_experts_layer_us", steps + [12800, 25600, 51200])
-    assert modes[0] == "cpu" and modes[-1] == "cache"
-    assert modes == sorted(modes, key=["cpu", "cache"].index)
-    # The reason quotes the numbers the choice was made on.
-    p = plan(spec, slow_cache, PlanRequest(ctx=32768, kv_type="q8_0"))
+    assert modes[0] == "cache" and modes[-1] == "resident"
+    assert modes == sorted(modes, key=["cache", "resident"].index)  # one flip
+    req = PlanRequest(ctx=32768, kv_type="q8_0")
+    plans = [plan(spec, replace(base, cache_layer_us=1600, cpu_experts_layer_us=v), req) for v in (0, 800, 6400)]
+    assert all(p.moe_mode == "resident" and 0 < p.n_cpu_moe < 48 for p in plans)
+    ratio = [p.predicted_tok_s["resident"] / p.predicted_tok_s["cpu"] for p in plans]
+    assert ratio == sorted(ratio) and ratio[0] > 1
+    p = plans[-1]
     assert f"CPU experts {p.predicted_tok_s['cpu']:.1f}" in p.moe_reason
+    assert f"resident from layer {p.n_cpu_moe}" in p.moe_reason
 
 
 def test_default_profile_reproduces_the_h100_measurement(q30):

@@ -192,10 +192,16 @@ def test_slot_layout_takes_largest_role_over_layers_aligned():
     assert lay.stride == 2 * q4k + q6k + (-q6k % 256)
 
 
-def test_scratch_estimate_grows_with_context():
+def test_scratch_estimate_grows_with_context_up_to_the_attention_block():
+    from engine.models.layers import ATTN_SCORE_BYTES
+
     spec = ModelSpec.from_args(_qwen3_args(), _q4k_except_vectors)
-    a, b = scratch_estimate(spec, 1000), scratch_estimate(spec, 2000)
-    assert b - a == 4 * 512 * 1000  # one head's scores for a 512-token micro-batch
+    H = spec.n_head
+    a, b = scratch_estimate(spec, 8), scratch_estimate(spec, 16)
+    assert b - a == 3 * 4 * H * 512 * 8  # scores, masked scores, probabilities: all heads × 512 queries × 8 more
+    # past one attention block's bytes the queries go in row blocks: no growth with the context
+    big = ATTN_SCORE_BYTES // (4 * H * 512) + 1
+    assert scratch_estimate(spec, big) == scratch_estimate(spec, 100 * big)
 
 
 # -- cost model ------------------------------------------------------------------------------------

@@ -387,7 +387,7 @@ def compare_modes(session, prompt: int, gen: int, repeat: int, *, threads: int =
         ctx=base.ctx,
         kv_type=base.kv_type,
         n_gpu_layers=base.n_gpu_layers,
-        n_cpu_moe=base.n_cpu_moe,
+        n_cpu_moe=base.asked_n_cpu_moe,
         moe_source="--compare-modes",
     )
     # The profile an auto choice plans with (on CUDA: calibrated, measuring once if need be).

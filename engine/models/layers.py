@@ -48,13 +48,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
     return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
 
+# Bytes of float32 attention scores one pass of :func:`attention` materialises at most: a long prompt's
+# queries are taken in row blocks so that its scores never need n_head × T × P floats at once (a
+# 512-token chunk at position 32k would be 2 GiB). engine.plan.sizing prices 3× this (scores, masked
+# scores, probabilities) in the device scratch.
+ATTN_SCORE_BYTES = 32 << 20
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
     """Causal GQA attention of T new queries over all cached positions.
 
     q [T, H, hd] at positions start..start+T-1; k, v [P, Hkv, hd] for positions 0..P-1
     (P = start + T). Returns [T, H*hd]. Softmax in float32 with scale 1/sqrt(hd)
-    (llama.cpp's build_attn_mha with kq_scale).
+    (llama.cpp's build_attn_mha with kq_scale). Queries go in row blocks whose scores fit
+    :data:`ATTN_SCORE_BYTES` (each row's softmax is its own, so the blocks change nothing).
     """
+    T, H, hd = q.shape
+    P = k.shape[0]
+    rows = max(1, ATTN_SCORE_BYTES // (4 * H * P))
+    if rows >= T:
+        return _attention_rows(q, k, v, start)
+    return torch.cat([_attention_rows(q[i : i + rows], k, v, start + i) for i in range(0, T, rows)])
+
+
+def _attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """:func:`attention` of one block of queries (positions start.. start+T-1) over k, v [P, Hkv, hd]."""
     T, H, hd = q.shape
     P, Hkv = k.shape[0], k.shape[1]
     g = H // Hkv

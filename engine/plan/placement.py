@@ -64,6 +64,7 @@ class Placement:
     layers: tuple[LayerPlacement, ...]
     notes: tuple[str, ...] = ()
     profile: DeviceProfile = field(default_factory=DeviceProfile)
+    asked_n_cpu_moe: int = 0  # the request's n_cpu_moe (a resident split may keep more layers' experts on the CPU)
 
     @property
     def gpu_layers(self) -> tuple[int, int]:

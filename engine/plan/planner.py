@@ -254,6 +254,7 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
         layers=layers,
         notes=tuple(notes),
         profile=profile,
+        asked_n_cpu_moe=asked_cpu_moe,
     )
 
 

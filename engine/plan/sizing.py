@@ -31,6 +31,7 @@ from engine.kv_layout import (  # noqa: F401  (re-exported: the planner's sizing
     kv_layer_bytes,
     kv_row_bytes,
 )
+from engine.models.layers import ATTN_SCORE_BYTES
 from engine.plan.spec import ROLES, ModelSpec
 
 SLOT_ALIGN = 256  # bytes; each role's matrix in a slot starts on this boundary
@@ -88,14 +89,19 @@ def resident_expert_bytes(spec: ModelSpec, layers) -> int:
 def scratch_estimate(spec: ModelSpec, ctx: int, n_ubatch: int = DEFAULT_UBATCH) -> int:
     """Device scratch for one layer's forward over a micro-batch of ``n_ubatch`` tokens, f32.
 
-    Per token: residual and normed hidden (2·D), q (Hq·hd), k and v (2·kv_dim), the FFN
-    intermediates of the widest path (2 × max(K·F_exp, F_dense)) and router logits (E); plus
-    attention scores of one head for the micro-batch over the whole context (n_ubatch × ctx) and
-    one row of logits (V). A runtime that needs more must grow this formula, not work around it.
+    Per token: residual and normed hidden (2·D), q and the attention output (2·Hq·hd), k and v
+    (2·kv_dim), router logits (E), the widest FFN path's temporaries — routed: per expert used, gate,
+    up and their product (3·F_exp) and the expert's output and its weighted copy (2·D); dense:
+    3·F_dense + 2·D; plus the attention scores of one block of queries (scores, masked scores and
+    probabilities, each at most ``ATTN_SCORE_BYTES``, or all heads × micro-batch × context if
+    smaller) and one row of logits (V). A runtime that needs more must grow this formula, not work
+    around it.
     """
-    f_act = max(spec.n_expert_used * spec.n_ff_exp, spec.n_ff_dense)
-    per_token = 2 * spec.n_embd + spec.q_dim + 2 * spec.kv_dim + 2 * f_act + spec.n_expert
-    return 4 * (n_ubatch * per_token + n_ubatch * ctx + spec.n_vocab)
+    D, K = spec.n_embd, spec.n_expert_used
+    ffn = max(K * (3 * spec.n_ff_exp + 2 * D), 3 * spec.n_ff_dense + 2 * D)
+    per_token = 2 * D + 2 * spec.q_dim + 2 * spec.kv_dim + spec.n_expert + ffn
+    scores = min(ATTN_SCORE_BYTES, 4 * spec.n_head * n_ubatch * ctx)
+    return 4 * (n_ubatch * per_token + spec.n_vocab) + 3 * scores
 
 
 def global_device_bytes(spec: ModelSpec, n_gpu_layers: int) -> int:

@@ -34,6 +34,32 @@ def fused_kernels(device: torch.device, qtype: QType, options: EngineOptions | N
 
 KINDS = ("reserve", "scratch", "trunk", "kv", "globals", "experts")
 
+# What the driver's count of a CUDA process holds beyond torch's tensors, besides the context measured at
+# start (:func:`cuda_overhead`): modules loaded later (Triton kernels, cuBLAS/cuBLASLt handles) ...
+MODULE_ALLOWANCE = 160 << 20
+# ... and what torch's allocator holds beyond the arena's tensors and the planned scratch: cuBLAS workspaces,
+# the CUDA-graph pool's buffers, rounding and cached free blocks.
+ALLOCATOR_ALLOWANCE = 160 << 20
+
+
+def cuda_overhead(device: torch.device) -> int:
+    """Bytes of ``device`` in use outside torch's allocator now — the CUDA context, its loaded modules,
+    any other process's memory (a card shared with a desktop has that much less) — by the driver's
+    count (``cudaMemGetInfo``): total − free − torch's reserved bytes. Initialises CUDA and cuBLAS first
+    so that their fixed costs are counted."""
+    device = torch.device(device)
+    a = torch.ones((64, 64), device=device)
+    (a @ a).sum().item()  # cuBLAS handle and workspace
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, total - free - torch.cuda.memory_reserved(device))
+
+
+def cuda_reserve(device: torch.device) -> int:
+    """The planner's ``reserve_bytes`` on a CUDA device: :func:`cuda_overhead` plus the allowances for
+    modules loaded later and the allocator's own holdings (:data:`MODULE_ALLOWANCE`,
+    :data:`ALLOCATOR_ALLOWANCE`)."""
+    return cuda_overhead(device) + MODULE_ALLOWANCE + ALLOCATOR_ALLOWANCE
+
 
 class DeviceArena:
     """Byte-budgeted allocations on one torch device."""

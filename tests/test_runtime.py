@@ -53,7 +53,7 @@ def _run(session, tokens):
 
 
 def _profile_for(session, *, n_gpu_layers: int, slots: int) -> DeviceProfile:
-    """A budget that affords exactly ``n_gpu_layers`` layers and ``slots`` expert slots."""
+    """A budget that affords exactly ``n_gpu_layers`` layers and ``slots`` expert slots (or staging slots)."""
     spec = session.spec
     need = device_bytes(spec, n_gpu_layers=n_gpu_layers, ctx=CTX, kv_type="f32", reserve=0).total
     stride = expert_slot_layout(spec).stride if spec.n_expert else 0
@@ -69,8 +69,19 @@ def _cases(session):
             cases.append((f"cache{int(frac * 100)}", dict(n_gpu_layers=L, moe="cache"), L, max(1, int(needed * frac))))
         cases.append(("resident", dict(n_gpu_layers=L, moe="resident"), L, needed))
         cases.append(("n_cpu_moe", dict(n_gpu_layers=L, moe="cache", n_cpu_moe=1), L, needed))
+        # Host experts of device layers streamed to the device for a long prompt: room for two halves of a
+        # layer's experts after the mode's pool (all layers' experts on the host; the first one's, beside a
+        # resident pool; a split's device layers).
+        E = session.args.n_expert
+        cases.append(("stream", dict(n_gpu_layers=L, moe="cpu"), L, 2 * E))
+        cases.append(("stream_n_cpu_moe", dict(n_gpu_layers=L, moe="resident", n_cpu_moe=1), L, needed - E + 2 * E))
+        cases.append(("stream_split", dict(n_gpu_layers=L - 1, moe="cpu"), L - 1, 2 * E))
     cases += [(f"split{g}", dict(n_gpu_layers=g, moe="cpu"), g, 0) for g in (1, L - 1)]
     return cases
+
+
+# The streamed cases run with a threshold the 20-token prompt passes (decode's single tokens stay on the CPU).
+STREAM_MIN = 16
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -84,8 +95,16 @@ def test_every_placement_matches_the_cpu_engine(paths, name, device):
             assert placement.n_gpu_layers == g, (label, placement.layer_reason)
             if req["moe"] != "cpu" and s.args.is_moe:
                 assert placement.moe_mode == req["moe"], (label, placement.moe_reason)
-            s.apply(placement)
+            streamed = label.startswith("stream")
+            s.apply(placement, replace(s.engine_options, prompt_stream_min=STREAM_MIN) if streamed else None)
             prefill, decode = _run(s, tokens)
+            st = s.applied.stream
+            if streamed:  # the prompt's host experts really ran on the device: every streamed layer, once
+                host_layers = min(g, req.get("n_cpu_moe", g))
+                assert placement.stream_slots > 0, (label, placement.notes)
+                assert st.streamed_layers == host_layers and st.streamed_bytes > 0, label
+            else:
+                assert st is None or st.streamed_layers == 0, label
             assert np.abs(prefill - ref_prefill).max() <= 1e-5, (label, np.abs(prefill - ref_prefill).max())
             assert np.abs(decode - ref_decode).max() <= 1e-5, (label, np.abs(decode - ref_decode).max())
             # What the runtime allocated is what the planner priced, kind by kind.

@@ -178,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         moe_source=source,
         n_cpu_moe=args.n_cpu_moe,
         cuda_graphs=opts.cuda_graph != "off",
+        prompt_stream=opts.prompt_stream_min > 0,
     )
     with open_gguf(args.model) as gf:
         spec = ModelSpec.from_gguf(gf)

@@ -23,6 +23,7 @@ from engine.plan.profile import DeviceProfile
 from engine.plan.sizing import (
     HOST_KV_TYPE,
     KV_TYPES,
+    STREAM_MIN_CHUNK,
     DeviceBytes,
     PlanError,
     check_kv_geometry,
@@ -31,6 +32,7 @@ from engine.plan.sizing import (
     expert_slot_layout,
     host_bytes,
     kv_layer_bytes,
+    stream_slots,
 )
 from engine.plan.spec import ModelSpec
 from engine.plan.units import format_size
@@ -57,6 +59,8 @@ class PlanRequest:
     cuda_graphs: whether one-token steps run as CUDA graphs where every layer is on the device (the
     runtime's default; False when ``EngineOptions.cuda_graph`` is "off" — ``Session.plan`` fills it in
     from its options when None); None plans with graphs.
+    prompt_stream: whether long prompts stream the host experts of device layers to the device
+    (``EngineOptions.prompt_stream_min`` > 0; ``Session.plan`` fills it in when None); None plans with it.
     """
 
     ctx: int = 4096
@@ -67,6 +71,7 @@ class PlanRequest:
     n_cpu_moe: int = 0
     position: int | None = None
     cuda_graphs: bool | None = None
+    prompt_stream: bool | None = None
 
 
 def resolve_moe(moe: str = AUTO, cpu_moe: bool = False, env_cpu_moe: bool | None = None) -> tuple[str, str]:
@@ -132,7 +137,7 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
     if ctx > spec.n_ctx_train:
         notes.append(f"context {ctx} exceeds the model's training context {spec.n_ctx_train}")
 
-    def dev(n: int, slots: int = 0, c: int = ctx) -> DeviceBytes:
+    def dev(n: int, slots: int = 0, c: int = ctx, stream: int = 0) -> DeviceBytes:
         return device_bytes(
             spec,
             n_gpu_layers=n,
@@ -141,6 +146,7 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
             expert_slots=slots,
             reserve=profile.reserve_bytes,
             scratch=profile.scratch_bytes,
+            stream_slots=stream,
         )
 
     # (1) Device layers: a contiguous prefix.
@@ -200,6 +206,8 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
         mode, reason, source = _choose_mode(request, preds, fit, needed, n, n_cpu_moe, left, layout.stride, L)
     allocated = {CACHE: fit, RESIDENT: needed}.get(mode, 0)
     final = dev(n, allocated)
+    n_stream = _stream_slots(spec, request, n, n_cpu_moe, mode, budget - final.total, layout.stride, notes)
+    final = dev(n, allocated, stream=n_stream)
     assert final.total <= budget, (final, budget)
 
     layers = tuple(_layer_placement(spec, i, n, n_cpu_moe, mode, kv, ctx) for i in range(L))
@@ -233,7 +241,32 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
         layers=layers,
         notes=tuple(notes),
         profile=profile,
+        stream_slots=n_stream,
     )
+
+
+def _stream_slots(
+    spec: ModelSpec, req: PlanRequest, n: int, n_cpu_moe: int, mode: str, room: int, stride: int, notes: list[str]
+) -> int:
+    """Staging slots for long prompts to stream the host experts of device layers (``--moe cpu``, the first
+    ``n_cpu_moe`` layers) to the device, from the bytes left after the chosen mode; a note either way."""
+    streamed = [i for i in range(n) if spec.layers[i].is_moe and (mode == CPU or i < n_cpu_moe)]
+    if not streamed or req.prompt_stream is False:
+        return 0
+    E = max(spec.layers[i].n_expert for i in streamed)
+    got = stream_slots(E, room, stride)
+    if got:
+        notes.append(
+            f"long prompts stream the host experts of {len(streamed)} device layers to the device through "
+            f"{got} staging slots ({format_size(got * stride)}, {got // 2} experts at a time)"
+        )
+    else:
+        notes.append(
+            f"long prompts run the host experts of {len(streamed)} device layers on the CPU: streaming them to "
+            f"the device needs {format_size(2 * min(E, STREAM_MIN_CHUNK) * stride)} of staging, "
+            f"{format_size(room)} is left"
+        )
+    return got
 
 
 def _layer_reason(spec: ModelSpec, profile: DeviceProfile, dev, n: int) -> str:

@@ -12,6 +12,8 @@ they cannot drift. Accounting rules (see ``docs/planner.md``):
 - ``token_embd`` stays on the host (only the looked-up rows are used; one row is uploaded per
   token); the output norm and output matrix (``token_embd`` when tied) are on the device when the
   last layer is; ``rope_freqs`` is on the device when any layer is;
+- the prompt-streaming staging pool (``engine.runtime.expert_stream``) is ``stream_slots × stride``,
+  two halves laid out like the slot pool, for device layers whose experts stay on the host;
 - a device with no layer holds nothing: reserve and scratch are charged only when it is used.
 """
 
@@ -32,6 +34,9 @@ from engine.plan.spec import ROLES, ModelSpec
 
 SLOT_ALIGN = 256  # bytes; each role's matrix in a slot starts on this boundary
 DEFAULT_UBATCH = 512  # tokens per prefill micro-batch the scratch estimate covers
+# Prompt streaming's smallest useful half (experts copied and computed at a time): below it the per-chunk
+# launches and host syncs outweigh the copy (a 512-token prompt's layer would be 16 chunks or more).
+STREAM_MIN_CHUNK = 8
 
 
 @dataclass(frozen=True)
@@ -95,10 +100,11 @@ class DeviceBytes:
     kv: int  # K and V caches of the device-resident layers
     globals: int  # output norm + output matrix (if the last layer is resident), rope factors
     experts: int  # expert-slot pool: slots × stride
+    stream: int = 0  # prompt-streaming staging slots × stride (host experts of device layers, long prompts)
 
     @property
     def total(self) -> int:
-        return self.reserve + self.scratch + self.trunk + self.kv + self.globals + self.experts
+        return self.reserve + self.scratch + self.trunk + self.kv + self.globals + self.experts + self.stream
 
     def to_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
@@ -113,16 +119,18 @@ def device_bytes(
     expert_slots: int = 0,
     reserve: int = 0,
     scratch: int | None = None,
+    stream_slots: int = 0,
 ) -> DeviceBytes:
     """Bytes the runtime allocates on the device for this placement.
 
     n_gpu_layers: layers 0..n-1 on the device (clamped to the model); 0 allocates nothing.
     scratch: bytes of activation scratch, ``None`` for :func:`scratch_estimate` at ``ctx``.
+    stream_slots: slots of the prompt-streaming staging pool (:func:`stream_slots`).
     Raises :class:`PlanError` for an unknown KV type or a q8_0 cache of an incompatible width.
     """
     n = max(0, min(n_gpu_layers, spec.n_layer))
     if n == 0:
-        if expert_slots:
+        if expert_slots or stream_slots:
             raise PlanError("an expert cache needs at least one device-resident layer")
         return DeviceBytes(0, 0, 0, 0, 0, 0)
     return DeviceBytes(
@@ -132,7 +140,18 @@ def device_bytes(
         kv=n * kv_layer_bytes(kv_type, spec.kv_dim, ctx),
         globals=global_device_bytes(spec, n),
         experts=expert_slots * expert_slot_layout(spec).stride,
+        stream=stream_slots * expert_slot_layout(spec).stride,
     )
+
+
+def stream_slots(n_expert: int, room: int, stride: int) -> int:
+    """Slots of the prompt-streaming staging pool that ``room`` device bytes afford: two halves of up to
+    ``n_expert`` slots (a whole layer's experts per half: one layer computes while the next copies), fewer
+    when the room is short, 0 when not even two halves of ``min(n_expert, STREAM_MIN_CHUNK)`` fit."""
+    if n_expert <= 0 or stride <= 0:
+        return 0
+    half = min(n_expert, room // (2 * stride))
+    return 2 * half if half >= min(n_expert, STREAM_MIN_CHUNK) else 0
 
 
 def host_bytes(spec: ModelSpec, *, n_gpu_layers: int, ctx: int) -> int:

@@ -64,12 +64,18 @@ class Geo:
         num, den = {"f32": (4, 1), "bf16": (2, 1), "q8_0": (34, 32)}[kv_type]
         return layers * 2 * ctx * self.kv_dim * num // den
 
-    def device_total(self, n: int, ctx: int, kv_type: str, reserve: int, scratch: int, slots: int) -> int:
+    @property
+    def stride(self) -> int:
+        return sum(-(-b // 256) * 256 for b in self.role_max.values())
+
+    def device_total(
+        self, n: int, ctx: int, kv_type: str, reserve: int, scratch: int, slots: int, stream: int = 0
+    ) -> int:
+        """stream: prompt-streaming staging slots, the same stride as the expert slots."""
         if n == 0:
             return 0
         out = self.output + self.output_norm if n == self.L else 0
-        stride = sum(-(-b // 256) * 256 for b in self.role_max.values())
-        return reserve + scratch + sum(self.trunk[:n]) + self.kv(kv_type, ctx, n) + out + slots * stride
+        return reserve + scratch + sum(self.trunk[:n]) + self.kv(kv_type, ctx, n) + out + (slots + stream) * self.stride
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +183,8 @@ def test_profiles_and_layer_splits_are_maximal(geo, name, vram, ctx, kv, want_la
     assert g.device_total(n, ctx, kv, reserve, scratch, 0) <= vram
     if n < g.L:
         assert g.device_total(n + 1, ctx, kv, reserve, scratch, 0) > vram
-    assert p.device.total == g.device_total(n, ctx, kv, reserve, scratch, p.expert_slots_allocated) <= vram
+    total = g.device_total(n, ctx, kv, reserve, scratch, p.expert_slots_allocated, p.stream_slots)
+    assert p.device.total == total <= vram
     assert [lay.device for lay in p.layers] == ["gpu"] * n + ["cpu"] * (g.L - n)
 
 
@@ -419,9 +426,39 @@ def test_property_budget_never_exceeded_and_every_layer_placed_once(
     assert [lay.device for lay in p.layers] == ["gpu"] * n + ["cpu"] * (g.L - n)
     assert p.gpu_layers[1] == p.cpu_layers[0] and p.cpu_layers[1] == g.L
     used_scratch = scratch_estimate(g.spec, ctx) if scratch is None else scratch
-    expect = g.device_total(n, ctx, kv, reserve, used_scratch, p.expert_slots_allocated)
+    expect = g.device_total(n, ctx, kv, reserve, used_scratch, p.expert_slots_allocated, p.stream_slots)
     assert p.device.total == expect <= vram
+    # Staging for long prompts only where a device layer keeps its experts on the host: two equal halves of
+    # between min(E, 8) and E slots, from what the mode left.
+    host_dev = sum(1 for lay in p.layers if lay.device == "gpu" and lay.experts == "cpu")
+    assert p.device.stream == p.stream_slots * g.stride
+    if p.stream_slots:
+        assert host_dev and p.stream_slots % 2 == 0 and 2 * min(g.E, 8) <= p.stream_slots <= 2 * g.E
     assert p.expert_slots_allocated <= p.expert_slots_needed
     if p.moe_mode == "cache":
         assert 0 < p.expert_slots_allocated == p.expert_slots
     assert all(x >= 0 for x in _walk_numbers(p.to_dict()))
+
+
+def test_long_prompts_stream_host_experts_through_staging_the_mode_leaves(geo):
+    """--moe cpu with room: two halves of a whole layer's 128 experts, priced and noted; a budget with room
+    for less than two halves of 8: none, and the note says why; the knob off (prompt_stream=False): none, no
+    note; a cache that takes every byte left: none."""
+    g = geo(QWEN3)
+    stride = expert_slot_layout(g.spec).stride
+    p = _plan(g.spec, 12 * GiB, ctx=4096, kv_type="f32", moe="cpu")
+    assert p.n_gpu_layers == 48 and p.stream_slots == 256 and p.device.stream == 256 * stride
+    assert any("long prompts stream the host experts of 48 device layers" in n for n in p.notes)
+    assert p.to_dict()["device_bytes"]["stream"] == 256 * stride and p.to_dict()["stream_slots"] == 256
+    snug = p.device.total - 256 * stride + 15 * stride  # room for 15 slots: less than two halves of 8
+    q = _plan(g.spec, snug, ctx=4096, kv_type="f32", moe="cpu", n_gpu_layers=48)
+    assert q.stream_slots == 0 and q.device.stream == 0
+    assert any("long prompts run the host experts of 48 device layers on the CPU" in n for n in q.notes)
+    mid = _plan(g.spec, snug + 25 * stride, ctx=4096, kv_type="f32", moe="cpu", n_gpu_layers=48)
+    assert mid.stream_slots == 40  # 40 slots of room: two halves of 20
+    off = plan(g.spec, DeviceProfile(vram_bytes=12 * GiB), PlanRequest(ctx=4096, moe="cpu", prompt_stream=False))
+    assert off.stream_slots == 0 and not any("long prompts" in n for n in off.notes)
+    cache = _plan(g.spec, 12 * GiB, ctx=4096, kv_type="f32", moe="cache")
+    assert cache.stream_slots == 0 and not any("long prompts" in n for n in cache.notes)
+    split = _plan(g.spec, 12 * GiB, ctx=4096, kv_type="f32", moe="cache", n_cpu_moe=40)
+    assert split.expert_slots_allocated == 8 * 128 and split.stream_slots == 256  # 40 host layers beside the pool

@@ -235,3 +235,40 @@ def test_quantized_model_on_the_device_matches_exact_float_cpu(tmp_path, device)
             s.apply(s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe=moe), _profile_for(s, n_gpu_layers=L, slots=L * E)))
             got = s.logits(tokens, batch=False)
             assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max(), (moe, np.abs(got - ref).max())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_streamed_experts_in_small_halves_equal_the_cpu_backend(paths, device):
+    """Halves of two slots: a layer's routed experts go up two at a time, and the next layer's experts 0 and 1
+    are copied while this one computes, used or not. Every layer's output is the CPU backend's; the bytes
+    copied are exactly those experts'; a batch below the threshold stays on the CPU."""
+    from engine.experts import CpuExperts
+    from engine.runtime.device import DeviceArena
+    from engine.runtime.expert_pool import ROLES
+    from engine.runtime.expert_stream import StreamedExperts
+
+    with _session(paths["qwen3moe"], device) as s:
+        a = s.args
+        L, E, K, D, T = a.n_layer, a.n_expert, a.n_expert_used, a.n_embd, 6
+        host = CpuExperts(s.model.expert_stacks(), q8_act=s.model.w.q8_act)
+        arena = DeviceArena(device, None)
+        layout = expert_slot_layout(s.spec)
+        st = StreamedExperts(host, set(range(L)), arena, layout, 4, T, q8_act=s.model.w.q8_act)
+        assert dict(arena.by_kind) == {"stream": 4 * layout.stride}
+        per_expert = sum(st.staging.expert_bytes[(0, r)].shape[1] for r in ROLES)
+        rng = np.random.default_rng(11)
+        copied = 0
+        for layer in range(L):
+            x = torch.from_numpy(rng.standard_normal((T, D)).astype(np.float32))
+            ids = torch.from_numpy(np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int64))
+            w = torch.from_numpy(rng.random((T, K)).astype(np.float32))
+            got = st.forward(layer, x.to(device), ids.to(device), w.to(device)).cpu()
+            ref = host.forward(layer, x, ids, w)
+            assert torch.abs(got - ref).max().item() <= 1e-5, layer
+            prefetched = {0, 1} if layer > 0 else set()
+            copied += len(set(ids.reshape(-1).tolist()) - prefetched) + (2 if layer < L - 1 else 0)
+        assert st.streamed_layers == L and st.streamed_bytes == copied * per_expert
+        st.end_step()
+        short = torch.zeros((T - 1, D), device=device)
+        st.forward(0, short, torch.zeros((T - 1, K), dtype=torch.int64, device=device), short[:, :K])
+        assert st.streamed_layers == L and st.streamed_bytes == copied * per_expert

@@ -265,6 +265,7 @@ def print_summary(p: Placement, *, every_layer: bool = False, out=None) -> None:
     w(
         f"device    trunk {format_size(d.trunk)} + KV {format_size(d.kv)} + output {format_size(d.globals)} + "
         f"scratch {format_size(d.scratch)} + reserve {format_size(d.reserve)} + experts {format_size(d.experts)}"
+        + (f" + prompt staging {format_size(d.stream)}" if d.stream else "")
     )
     w(
         f"          = {format_size(d.total)} of {format_size(p.budget_bytes)} ({format_size(p.budget_bytes - d.total)} free)"

@@ -101,7 +101,7 @@ def apply_placement(
         backends.update({i: cached for i in cache_layers})
     # Device layers whose experts stay on the host: long prompts copy them to the staging slots priced.
     stream, min_tokens = None, (options if options is not None else config.current()).prompt_stream_min
-    host_layers = {i for i in range(min(G, L)) if a.is_moe and backends.get(i) is host_experts}
+    host_layers = {i for i in range(min(G, L)) if spec.layers[i].is_moe and backends.get(i) is host_experts}
     if p.stream_slots and min_tokens and host_layers:
         stream = StreamedExperts(
             host_experts,

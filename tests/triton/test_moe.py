@@ -147,3 +147,36 @@ def test_streamed_prompt_through_the_grouped_kernel_on_cuda(tmp_path):
             err = np.abs(got - ref).max() / np.abs(ref).max()
             assert err <= 1e-3, (moe, err)
             assert set(st.last_pass_seconds()) == {"copy", "compute"}
+
+
+def test_streamed_experts_in_small_halves_through_the_fused_kernels(tmp_path, device):
+    """The streaming backend's chunks through the fused kernels (interpreter and CUDA): halves of two slots, so
+    each layer's routed experts run two at a time (the other pairs' offsets −1), the next layer's experts 0
+    and 1 copied ahead; T > TRITON_MAX_T takes the grouped prefill kernel. Each layer equals the CPU backend."""
+    from engine.api import LoadOptions, Session
+    from engine.experts import CpuExperts
+    from engine.plan import expert_slot_layout
+    from engine.runtime.device import DeviceArena
+    from engine.runtime.expert_stream import StreamedExperts
+    from engine.synth.writer import write_model
+
+    path = write_model(tmp_path / "q.gguf", "qwen3moe", seed=4, layers=2, weight_type="Q4_K",
+                       type_overrides={"*ffn_down*": "Q6_K"}).path  # fmt: skip
+    with Session.load(str(path), LoadOptions(n_ctx=64, device=device, q8_act=False)) as s:
+        a = s.args
+        L, E, K, D, T = a.n_layer, a.n_expert, a.n_expert_used, a.n_embd, 10
+        host = CpuExperts(s.model.expert_stacks(), q8_act=False)
+        st = StreamedExperts(
+            host, set(range(L)), DeviceArena(device, None), expert_slot_layout(s.spec), 4, T, q8_act=False
+        )
+        assert all(st.compute.fused.values())
+        rng = np.random.default_rng(12)
+        for layer in range(L):
+            x = torch.from_numpy(rng.standard_normal((T, D)).astype(np.float32))
+            ids = torch.from_numpy(np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int64))
+            w = torch.from_numpy(rng.random((T, K)).astype(np.float32))
+            got = st.forward(layer, x.to(device), ids.to(device), w.to(device)).cpu()
+            ref = host.forward(layer, x, ids, w)
+            err = ((got - ref).norm() / ref.norm()).item()
+            assert err < TOL, (layer, err)
+        assert st.streamed_layers == L

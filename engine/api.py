@@ -197,9 +197,12 @@ class Session:
 
     def plan(self, request: PlanRequest, profile: DeviceProfile | None = None) -> Placement:
         """The planner's placement for this model (pure and fast: no allocation, no measuring).
-        A request's ``cuda_graphs`` left None follows the session's options (``cuda_graph``)."""
+        A request's ``cuda_graphs`` and ``prompt_stream`` left None follow the session's options (``cuda_graph``,
+        ``prompt_stream_min``)."""
         if request.cuda_graphs is None:
             request = replace(request, cuda_graphs=self.engine_options.cuda_graph != "off")
+        if request.prompt_stream is None:
+            request = replace(request, prompt_stream=self.engine_options.prompt_stream_min > 0)
         return plan(self.spec, profile or self.device_profile(), request)
 
     def apply(self, placement: Placement, engine: EngineOptions | None = None) -> None:

@@ -57,6 +57,7 @@ ENV = MappingProxyType(
         "triton_interpret": "TRITON_INTERPRET",
         "cuda_graph": "SHARPI_CUDA_GRAPH",
         "prompt_upload_min": "SHARPI_PROMPT_UPLOAD_MIN",
+        "prompt_stream_min": "SHARPI_PROMPT_STREAM_MIN",
         "kv_type": "SHARPI_KV_DTYPE",
         "cpu_moe": "SHARPI_CPU_MOE",
         "calibrate": "SHARPI_NO_CALIBRATE",
@@ -136,6 +137,11 @@ class EngineOptions:
     # SHARPI_PROMPT_UPLOAD_MIN: tokens of a prompt a missed cached expert needs to be uploaded and run
     # on the device (whole number ≥ 0; 0: never); None (unset) = expert_cache.PROMPT_UPLOAD_MIN (16).
     prompt_upload_min: int | None = None
+    # SHARPI_PROMPT_STREAM_MIN: tokens from which a batch copies the host-placed experts of a device layer
+    # (--moe cpu, the first n_cpu_moe layers) to the device and computes them there, as llama.cpp does
+    # above 32 (engine.runtime.expert_stream; whole number ≥ 0; 0: never, and the planner reserves no
+    # staging slots for it).
+    prompt_stream_min: int = 32
     # SHARPI_KV_DTYPE: the KV cache dtype when neither --kv-type nor LoadOptions.kv_type says:
     # f32 | bf16 | q8_0 (aliases fp32, float32, q8); None (unset) = f32.
     kv_type: str | None = None
@@ -281,6 +287,7 @@ _PARSE = {
     "triton_interpret": _flag,
     "cuda_graph": _cuda_graph,
     "prompt_upload_min": _whole,
+    "prompt_stream_min": _whole,
     "kv_type": _choice(KV_TYPES, KV_ALIASES),
     "cpu_moe": _cpu_moe,
     "calibrate": lambda var, raw: not _flag(var, raw),  # the variable says "no calibration"
@@ -309,6 +316,8 @@ def _check(o: EngineOptions) -> None:
         raise UsageError(f"EngineOptions.kv_type={o.kv_type!r}: expected None or one of {', '.join(KV_TYPES)}")
     if o.prompt_upload_min is not None and (not isinstance(o.prompt_upload_min, int) or o.prompt_upload_min < 0):
         raise UsageError(f"EngineOptions.prompt_upload_min={o.prompt_upload_min!r}: expected None or a number ≥ 0")
+    if not isinstance(o.prompt_stream_min, int) or o.prompt_stream_min < 0:
+        raise UsageError(f"EngineOptions.prompt_stream_min={o.prompt_stream_min!r}: expected a number ≥ 0")
     if o.launch_table is not None and not isinstance(o.launch_table, MappingProxyType):
         object.__setattr__(o, "launch_table", _freeze_table("EngineOptions.launch_table", dict(o.launch_table)))
 

@@ -121,6 +121,7 @@ SEGMENTS = (
     ("kv", "KV cache"),
     ("globals", "output"),
     ("experts", "expert cache"),
+    ("stream", "prompt staging"),
 )
 
 

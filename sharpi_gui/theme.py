@@ -19,6 +19,7 @@ SEGMENT_COLORS = {
     "kv": "#E69F00",
     "globals": "#CC79A7",
     "experts": "#009E73",
+    "stream": "#F0E442",
     "free": None,  # drawn as the background with an outline
 }
 DEVICE_COLORS = {"gpu": "#0072B2", "cpu": "#8c7a5b"}

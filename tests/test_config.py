@@ -23,6 +23,7 @@ def test_an_empty_environment_gives_the_documented_defaults():
     assert (o.host_kernels, o.device_kernels, o.cuda_graph, o.device_act) == ("numba", "triton", "graph", None)
     assert o.pdl and o.pdl_prefetch and o.vnni and o.calibrate and not o.triton_interpret
     assert (o.kv_type, o.cpu_moe, o.prompt_upload_min, o.triton_table, o.launch_table) == (None,) * 5
+    assert o.prompt_stream_min == 32  # llama.cpp's batch size from which it computes host experts on the GPU
     assert EngineOptions.from_env({v: "  " for v in ENV.values()}) == o  # blank is unset
 
 
@@ -45,6 +46,8 @@ def test_an_empty_environment_gives_the_documented_defaults():
         ("SHARPI_CUDA_GRAPH", "1", "cuda_graph", "graph"),
         ("SHARPI_CUDA_GRAPH", "eager", "cuda_graph", "eager"),
         ("SHARPI_PROMPT_UPLOAD_MIN", "0", "prompt_upload_min", 0),
+        ("SHARPI_PROMPT_STREAM_MIN", "0", "prompt_stream_min", 0),
+        ("SHARPI_PROMPT_STREAM_MIN", "64", "prompt_stream_min", 64),
         ("SHARPI_KV_DTYPE", "q8", "kv_type", "q8_0"),
         ("SHARPI_KV_DTYPE", "FP32", "kv_type", "f32"),
         ("SHARPI_CPU_MOE", "1", "cpu_moe", True),
@@ -77,6 +80,8 @@ def test_each_variable(var, raw, field, want):
         ("SHARPI_CUDA_GRAPH", "sometimes"),
         ("SHARPI_PROMPT_UPLOAD_MIN", "many"),
         ("SHARPI_PROMPT_UPLOAD_MIN", "-1"),
+        ("SHARPI_PROMPT_STREAM_MIN", "long"),
+        ("SHARPI_PROMPT_STREAM_MIN", "-2"),
         ("SHARPI_KV_DTYPE", "f8"),
         ("SHARPI_CPU_MOE", "yes"),
         ("SHARPI_NO_CALIBRATE", "please"),
@@ -94,6 +99,8 @@ def test_fields_given_directly_are_checked_too():
         EngineOptions(kv_type="q8")  # from_env accepts the alias; the field holds the canonical name
     with pytest.raises(UsageError, match="prompt_upload_min"):
         EngineOptions(prompt_upload_min=-1)
+    with pytest.raises(UsageError, match="prompt_stream_min"):
+        EngineOptions(prompt_stream_min=-1)
 
 
 def test_a_launch_table_file_is_read_once_and_frozen(tmp_path):

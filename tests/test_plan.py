@@ -66,26 +66,38 @@ class Geo:
         num, den = {"f32": (4, 1), "bf16": (2, 1), "q8_0": (34, 32)}[kv_type]
         return layers * 2 * ctx * self.kv_dim * num // den
 
+    @property
+    def stride(self) -> int:
+        return sum(-(-b // 256) * 256 for b in self.role_max.values())
+
     def resident(self, lo: int, n: int) -> int:
         """Every expert of layers lo..n-1 at its own layer's stride (roles aligned to 256 bytes)."""
         return sum(self.E * sum(-(-b // 256) * 256 for b in self.role_bytes[i].values()) for i in range(lo, n))
 
     def device_total(
-        self, n: int, ctx: int, kv_type: str, reserve: int, scratch: int, slots: int, resident_from: int | None = None
+        self,
+        n: int,
+        ctx: int,
+        kv_type: str,
+        reserve: int,
+        scratch: int,
+        slots: int,
+        resident_from: int | None = None,
+        stream: int = 0,
     ) -> int:
-        """slots: cache slots at the largest stride; resident_from: instead, experts resident from that layer."""
+        """slots: cache slots at the largest stride; resident_from: instead, experts resident from that layer;
+        stream: prompt-streaming staging slots, the same stride as the cache's."""
         if n == 0:
             return 0
         out = self.output + self.output_norm if n == self.L else 0
-        stride = sum(-(-b // 256) * 256 for b in self.role_max.values())
-        experts = slots * stride if resident_from is None else self.resident(resident_from, n)
-        return reserve + scratch + sum(self.trunk[:n]) + self.kv(kv_type, ctx, n) + out + experts
+        experts = slots * self.stride if resident_from is None else self.resident(resident_from, n)
+        return reserve + scratch + sum(self.trunk[:n]) + self.kv(kv_type, ctx, n) + out + experts + stream * self.stride
 
     def placed_total(self, p, reserve: int, scratch: int) -> int:
         """device_total of a placement as its mode allocates."""
-        if p.moe_mode == "resident":
-            return self.device_total(p.n_gpu_layers, p.ctx, p.kv_type, reserve, scratch, 0, p.n_cpu_moe)
-        return self.device_total(p.n_gpu_layers, p.ctx, p.kv_type, reserve, scratch, p.expert_slots_allocated)
+        res = p.n_cpu_moe if p.moe_mode == "resident" else None
+        slots = 0 if res is not None else p.expert_slots_allocated
+        return self.device_total(p.n_gpu_layers, p.ctx, p.kv_type, reserve, scratch, slots, res, p.stream_slots)
 
 
 @pytest.fixture(scope="module")
@@ -447,7 +459,54 @@ def test_property_budget_never_exceeded_and_every_layer_placed_once(
     assert p.gpu_layers[1] == p.cpu_layers[0] and p.cpu_layers[1] == g.L
     used_scratch = scratch_estimate(g.spec, ctx) if scratch is None else scratch
     assert p.device.total == g.placed_total(p, reserve, used_scratch) <= vram
+    # Staging for long prompts only where a device layer keeps its experts on the host: two equal halves of
+    # between min(E, 8) and E slots, from what the mode left.
+    host_dev = sum(1 for lay in p.layers if lay.device == "gpu" and lay.experts == "cpu")
+    assert p.device.stream == p.stream_slots * g.stride
+    if p.stream_slots:
+        assert host_dev and p.stream_slots % 2 == 0 and 2 * min(g.E, 8) <= p.stream_slots <= 2 * g.E
     assert p.expert_slots_allocated <= p.expert_slots_needed
     if p.moe_mode == "cache":
         assert 0 < p.expert_slots_allocated == p.expert_slots
     assert all(x >= 0 for x in _walk_numbers(p.to_dict()))
+
+
+def test_long_prompts_stream_host_experts_through_staging_the_mode_leaves(geo):
+    """--moe cpu with room: two halves of a whole layer's 128 experts, priced and noted; a budget with room
+    for less than two halves of 8: none, and the note says why; the knob off (prompt_stream=False): none, no
+    note; a cache that takes every byte left: none."""
+    g = geo(QWEN3)
+    stride = expert_slot_layout(g.spec).stride
+    p = _plan(g.spec, 12 * GiB, ctx=4096, kv_type="f32", moe="cpu")
+    assert p.n_gpu_layers == 48 and p.stream_slots == 256 and p.device.stream == 256 * stride
+    assert any("long prompts stream the host experts of 48 device layers" in n for n in p.notes)
+    assert p.to_dict()["device_bytes"]["stream"] == 256 * stride and p.to_dict()["stream_slots"] == 256
+    snug = p.device.total - 256 * stride + 15 * stride  # room for 15 slots: less than two halves of 8
+    q = _plan(g.spec, snug, ctx=4096, kv_type="f32", moe="cpu", n_gpu_layers=48)
+    assert q.stream_slots == 0 and q.device.stream == 0
+    assert any("long prompts run the host experts of 48 device layers on the CPU" in n for n in q.notes)
+    mid = _plan(g.spec, snug + 25 * stride, ctx=4096, kv_type="f32", moe="cpu", n_gpu_layers=48)
+    assert mid.stream_slots == 40  # 40 slots of room: two halves of 20
+    off = plan(g.spec, DeviceProfile(vram_bytes=12 * GiB), PlanRequest(ctx=4096, moe="cpu", prompt_stream=False))
+    assert off.stream_slots == 0 and not any("long prompts" in n for n in off.notes)
+    cache = _plan(g.spec, 12 * GiB, ctx=4096, kv_type="f32", moe="cache")
+    assert cache.stream_slots == 0 and not any("long prompts" in n for n in cache.notes)
+    split = _plan(g.spec, 12 * GiB, ctx=4096, kv_type="f32", moe="cache", n_cpu_moe=40)
+    assert split.expert_slots_allocated == 8 * 128 and split.stream_slots == 256  # 40 host layers beside the pool
+
+
+def test_a_resident_split_leaves_room_to_stream_its_cpu_layers_experts(geo):
+    """With prompt streaming on, the split is the smallest whose resident experts plus a staging of two chunks
+    of STREAM_SPLIT_CHUNK experts fit, and the placement streams through it; with streaming off, one layer
+    fewer may keep its experts on the CPU."""
+    from engine.plan.sizing import STREAM_SPLIT_CHUNK
+
+    g = geo(QWEN3)
+    on = _plan(g.spec, 12 * GiB, ctx=4096, kv_type="f32", moe="resident", moe_source="--moe")
+    off = _plan(g.spec, 12 * GiB, ctx=4096, kv_type="f32", moe="resident", moe_source="--moe", prompt_stream=False)
+    assert 0 < off.n_cpu_moe <= on.n_cpu_moe < 48
+    assert on.stream_slots >= 2 * STREAM_SPLIT_CHUNK and off.stream_slots == 0
+    n = on.n_cpu_moe
+    keep = 2 * STREAM_SPLIT_CHUNK * g.stride
+    assert on.device.total - on.device.stream + keep <= 12 * GiB
+    assert on.device.total - on.device.stream - on.device.experts + g.resident(n - 1, 48) + keep > 12 * GiB

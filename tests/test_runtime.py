@@ -53,7 +53,7 @@ def _run(session, tokens):
 
 
 def _profile_for(session, *, n_gpu_layers: int, slots: int) -> DeviceProfile:
-    """A budget that affords exactly ``n_gpu_layers`` layers and ``slots`` expert slots."""
+    """A budget that affords exactly ``n_gpu_layers`` layers and ``slots`` expert slots (or staging slots)."""
     spec = session.spec
     need = device_bytes(spec, n_gpu_layers=n_gpu_layers, ctx=CTX, kv_type="f32", reserve=0).total
     stride = expert_slot_layout(spec).stride if spec.n_expert else 0
@@ -69,8 +69,19 @@ def _cases(session):
             cases.append((f"cache{int(frac * 100)}", dict(n_gpu_layers=L, moe="cache"), L, max(1, int(needed * frac))))
         cases.append(("resident", dict(n_gpu_layers=L, moe="resident"), L, needed))
         cases.append(("n_cpu_moe", dict(n_gpu_layers=L, moe="cache", n_cpu_moe=1), L, needed))
+        # Host experts of device layers streamed to the device for a long prompt: room for two halves of a
+        # layer's experts after the mode's pool (all layers' experts on the host; the first one's, beside a
+        # resident pool; a split's device layers).
+        E = session.args.n_expert
+        cases.append(("stream", dict(n_gpu_layers=L, moe="cpu"), L, 2 * E))
+        cases.append(("stream_n_cpu_moe", dict(n_gpu_layers=L, moe="resident", n_cpu_moe=1), L, needed - E + 2 * E))
+        cases.append(("stream_split", dict(n_gpu_layers=L - 1, moe="cpu"), L - 1, 2 * E))
     cases += [(f"split{g}", dict(n_gpu_layers=g, moe="cpu"), g, 0) for g in (1, L - 1)]
     return cases
+
+
+# The streamed cases run with a threshold the 20-token prompt passes (decode's single tokens stay on the CPU).
+STREAM_MIN = 16
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -84,8 +95,16 @@ def test_every_placement_matches_the_cpu_engine(paths, name, device):
             assert placement.n_gpu_layers == g, (label, placement.layer_reason)
             if req["moe"] != "cpu" and s.args.is_moe:
                 assert placement.moe_mode == req["moe"], (label, placement.moe_reason)
-            s.apply(placement)
+            streamed = label.startswith("stream")
+            s.apply(placement, replace(s.engine_options, prompt_stream_min=STREAM_MIN) if streamed else None)
             prefill, decode = _run(s, tokens)
+            st = s.applied.stream
+            if streamed:  # the prompt's host experts really ran on the device: every streamed layer, once
+                host_layers = min(g, req.get("n_cpu_moe", g))
+                assert placement.stream_slots > 0, (label, placement.notes)
+                assert st.streamed_layers == host_layers and st.streamed_bytes > 0, label
+            else:
+                assert st is None or st.streamed_layers == 0, label
             assert np.abs(prefill - ref_prefill).max() <= 1e-5, (label, np.abs(prefill - ref_prefill).max())
             assert np.abs(decode - ref_decode).max() <= 1e-5, (label, np.abs(decode - ref_decode).max())
             # What the runtime allocated is what the planner priced, kind by kind.
@@ -242,7 +261,7 @@ def test_resident_experts_pack_each_layer_at_its_own_stride(tmp_path, device):
             assert need < (L - split) * E * max(strides)  # packing saves bytes a fixed stride would waste
             # a budget for exactly these bytes: the planner finds this split (one fewer layer on the CPU does not fit)
             p = s.plan(
-                PlanRequest(ctx=CTX, n_gpu_layers=L, moe="resident"),
+                PlanRequest(ctx=CTX, n_gpu_layers=L, moe="resident", prompt_stream=False),
                 DeviceProfile(vram_bytes=base + need, reserve_bytes=0),
             )
             assert (p.moe_mode, p.n_cpu_moe, p.device.experts) == ("resident", split, need), p.moe_reason
@@ -251,3 +270,40 @@ def test_resident_experts_pack_each_layer_at_its_own_stride(tmp_path, device):
             prefill, decode = _run(s, tokens)
             assert np.abs(prefill - ref_prefill).max() <= 1e-5, (split, np.abs(prefill - ref_prefill).max())
             assert np.abs(decode - ref_decode).max() <= 1e-5, (split, np.abs(decode - ref_decode).max())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_streamed_experts_in_small_halves_equal_the_cpu_backend(paths, device):
+    """Halves of two slots: a layer's routed experts go up two at a time, and the next layer's experts 0 and 1
+    are copied while this one computes, used or not. Every layer's output is the CPU backend's; the bytes
+    copied are exactly those experts'; a batch below the threshold stays on the CPU."""
+    from engine.experts import CpuExperts
+    from engine.runtime.device import DeviceArena
+    from engine.runtime.expert_pool import ROLES
+    from engine.runtime.expert_stream import StreamedExperts
+
+    with _session(paths["qwen3moe"], device) as s:
+        a = s.args
+        L, E, K, D, T = a.n_layer, a.n_expert, a.n_expert_used, a.n_embd, 6
+        host = CpuExperts(s.model.expert_stacks(), q8_act=s.model.w.q8_act)
+        arena = DeviceArena(device, None)
+        layout = expert_slot_layout(s.spec)
+        st = StreamedExperts(host, set(range(L)), arena, layout, 4, T, q8_act=s.model.w.q8_act)
+        assert dict(arena.by_kind) == {"stream": 4 * layout.stride}
+        per_expert = sum(st.staging.expert_bytes[(0, r)].shape[1] for r in ROLES)
+        rng = np.random.default_rng(11)
+        copied = 0
+        for layer in range(L):
+            x = torch.from_numpy(rng.standard_normal((T, D)).astype(np.float32))
+            ids = torch.from_numpy(np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int64))
+            w = torch.from_numpy(rng.random((T, K)).astype(np.float32))
+            got = st.forward(layer, x.to(device), ids.to(device), w.to(device)).cpu()
+            ref = host.forward(layer, x, ids, w)
+            assert torch.abs(got - ref).max().item() <= 1e-5, layer
+            prefetched = {0, 1} if layer > 0 else set()
+            copied += len(set(ids.reshape(-1).tolist()) - prefetched) + (2 if layer < L - 1 else 0)
+        assert st.streamed_layers == L and st.streamed_bytes == copied * per_expert
+        st.end_step()
+        short = torch.zeros((T - 1, D), device=device)
+        st.forward(0, short, torch.zeros((T - 1, K), dtype=torch.int64, device=device), short[:, :K])
+        assert st.streamed_layers == L and st.streamed_bytes == copied * per_expert

@@ -178,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         moe_source=source,
         n_cpu_moe=args.n_cpu_moe,
         cuda_graphs=opts.cuda_graph != "off",
+        prompt_stream=opts.prompt_stream_min > 0,
     )
     with open_gguf(args.model) as gf:
         spec = ModelSpec.from_gguf(gf)
@@ -267,6 +268,7 @@ def print_summary(p: Placement, *, every_layer: bool = False, out=None) -> None:
     w(
         f"device    trunk {format_size(d.trunk)} + KV {format_size(d.kv)} + output {format_size(d.globals)} + "
         f"scratch {format_size(d.scratch)} + reserve {format_size(d.reserve)} + experts {format_size(d.experts)}"
+        + (f" + prompt staging {format_size(d.stream)}" if d.stream else "")
     )
     w(
         f"          = {format_size(d.total)} of {format_size(p.budget_bytes)} ({format_size(p.budget_bytes - d.total)} free)"

@@ -65,6 +65,7 @@ class Placement:
     notes: tuple[str, ...] = ()
     profile: DeviceProfile = field(default_factory=DeviceProfile)
     asked_n_cpu_moe: int = 0  # the request's n_cpu_moe (a resident split may keep more layers' experts on the CPU)
+    stream_slots: int = 0  # prompt-streaming staging slots (device.stream bytes); 0: long prompts stay on the CPU
 
     @property
     def gpu_layers(self) -> tuple[int, int]:
@@ -119,6 +120,7 @@ class Placement:
             "expert_capacity": self.expert_capacity,
             "routed_expert_bytes": self.routed_expert_bytes,
             "n_cpu_moe": self.n_cpu_moe,
+            "stream_slots": self.stream_slots,
             "moe_mode": self.moe_mode,
             "moe_reason": self.moe_reason,
             "moe_source": self.moe_source,

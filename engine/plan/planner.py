@@ -23,6 +23,8 @@ from engine.plan.profile import DeviceProfile
 from engine.plan.sizing import (
     HOST_KV_TYPE,
     KV_TYPES,
+    STREAM_MIN_CHUNK,
+    STREAM_SPLIT_CHUNK,
     DeviceBytes,
     PlanError,
     check_kv_geometry,
@@ -32,6 +34,7 @@ from engine.plan.sizing import (
     host_bytes,
     kv_layer_bytes,
     resident_expert_bytes,
+    stream_slots,
 )
 from engine.plan.spec import ModelSpec
 from engine.plan.units import format_size
@@ -58,6 +61,8 @@ class PlanRequest:
     cuda_graphs: whether one-token steps run as CUDA graphs where every layer is on the device (the
     runtime's default; False when ``EngineOptions.cuda_graph`` is "off" — ``Session.plan`` fills it in
     from its options when None); None plans with graphs.
+    prompt_stream: whether long prompts stream the host experts of device layers to the device
+    (``EngineOptions.prompt_stream_min`` > 0; ``Session.plan`` fills it in when None); None plans with it.
     """
 
     ctx: int = 4096
@@ -68,6 +73,7 @@ class PlanRequest:
     n_cpu_moe: int = 0
     position: int | None = None
     cuda_graphs: bool | None = None
+    prompt_stream: bool | None = None
 
 
 def resolve_moe(moe: str = AUTO, cpu_moe: bool = False, env_cpu_moe: bool | None = None) -> tuple[str, str]:
@@ -133,7 +139,7 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
     if ctx > spec.n_ctx_train:
         notes.append(f"context {ctx} exceeds the model's training context {spec.n_ctx_train}")
 
-    def dev(n: int, slots: int = 0, c: int = ctx, expert_bytes: int | None = None) -> DeviceBytes:
+    def dev(n: int, slots: int = 0, c: int = ctx, expert_bytes: int | None = None, stream: int = 0) -> DeviceBytes:
         return device_bytes(
             spec,
             n_gpu_layers=n,
@@ -143,6 +149,7 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
             reserve=profile.reserve_bytes,
             scratch=profile.scratch_bytes,
             expert_bytes=expert_bytes,
+            stream_slots=stream,
         )
 
     # (1) Device layers: a contiguous prefix.
@@ -182,9 +189,17 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
     fit = min(left // layout.stride, needed) if layout.stride and n else 0
     # The smallest split whose experts of the layers above it all fit resident (llama.cpp's
     # --n-cpu-moe N, at the best N): layers below it keep their experts on the CPU.
+    # With prompt streaming on, the split leaves room for a staging of two chunks of STREAM_SPLIT_CHUNK
+    # experts, through which long prompts run its CPU layers' experts on the device.
     split = None
     if spec.is_moe and n and needed:
-        split = n - _max_prefix(lambda j: resident_from(n - j) <= left, n - asked_cpu_moe)
+        E = max(lay.n_expert for lay in spec.layers)
+        keep = 0 if request.prompt_stream is False else 2 * min(E, STREAM_SPLIT_CHUNK) * layout.stride
+        top = n - asked_cpu_moe  # layers that may hold resident experts
+        j = _max_prefix(lambda j: resident_from(n - j) <= left, top)
+        if j < n:  # some device layer keeps its experts on the CPU: leave the staging room
+            j = _max_prefix(lambda j: resident_from(n - j) + keep <= left, top)
+        split = n - j
         if needed_from(split) == 0:
             split = None
 
@@ -221,6 +236,8 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
     allocated = {CACHE: fit, RESIDENT: needed_from(n_cpu_moe)}.get(mode, 0)
     pool_bytes = resident_from(n_cpu_moe) if mode == RESIDENT else None
     final = dev(n, allocated, expert_bytes=pool_bytes)
+    n_stream = _stream_slots(spec, request, n, n_cpu_moe, mode, budget - final.total, layout.stride, notes)
+    final = dev(n, allocated, expert_bytes=pool_bytes, stream=n_stream)
     assert final.total <= budget, (final, budget)
 
     layers = tuple(_layer_placement(spec, i, n, n_cpu_moe, mode, kv, ctx) for i in range(L))
@@ -255,7 +272,32 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
         notes=tuple(notes),
         profile=profile,
         asked_n_cpu_moe=asked_cpu_moe,
+        stream_slots=n_stream,
     )
+
+
+def _stream_slots(
+    spec: ModelSpec, req: PlanRequest, n: int, n_cpu_moe: int, mode: str, room: int, stride: int, notes: list[str]
+) -> int:
+    """Staging slots for long prompts to stream the host experts of device layers (``--moe cpu``, the first
+    ``n_cpu_moe`` layers) to the device, from the bytes left after the chosen mode; a note either way."""
+    streamed = [i for i in range(n) if spec.layers[i].is_moe and (mode == CPU or i < n_cpu_moe)]
+    if not streamed or req.prompt_stream is False:
+        return 0
+    E = max(spec.layers[i].n_expert for i in streamed)
+    got = stream_slots(E, room, stride)
+    if got:
+        notes.append(
+            f"long prompts stream the host experts of {len(streamed)} device layers to the device through "
+            f"{got} staging slots ({format_size(got * stride)}, {got // 2} experts at a time)"
+        )
+    else:
+        notes.append(
+            f"long prompts run the host experts of {len(streamed)} device layers on the CPU: streaming them to "
+            f"the device needs {format_size(2 * min(E, STREAM_MIN_CHUNK) * stride)} of staging, "
+            f"{format_size(room)} is left"
+        )
+    return got
 
 
 def _layer_reason(spec: ModelSpec, profile: DeviceProfile, dev, n: int) -> str:

@@ -15,6 +15,8 @@ they cannot drift. Accounting rules (see ``docs/planner.md``):
 - ``token_embd`` stays on the host (only the looked-up rows are used; one row is uploaded per
   token); the output norm and output matrix (``token_embd`` when tied) are on the device when the
   last layer is; ``rope_freqs`` is on the device when any layer is;
+- the prompt-streaming staging pool (``engine.runtime.expert_stream``) is ``stream_slots × stride``,
+  two halves laid out like the slot pool, for device layers whose experts stay on the host;
 - a device with no layer holds nothing: reserve and scratch are charged only when it is used.
 """
 
@@ -36,6 +38,12 @@ from engine.plan.spec import ROLES, ModelSpec
 
 SLOT_ALIGN = 256  # bytes; each role's matrix in a slot starts on this boundary
 DEFAULT_UBATCH = 512  # tokens per prefill micro-batch the scratch estimate covers
+# Prompt streaming's smallest useful half (experts copied and computed at a time): below it the per-chunk
+# launches and host syncs outweigh the copy (a 512-token prompt's layer would be 16 chunks or more).
+STREAM_MIN_CHUNK = 8
+# Experts per half of the staging a resident split keeps free for long prompts (when prompt streaming is on):
+# the split's CPU layers stream through it in chunks of this many experts, copies overlapped with compute.
+STREAM_SPLIT_CHUNK = 16
 
 
 @dataclass(frozen=True)
@@ -124,10 +132,11 @@ class DeviceBytes:
     kv: int  # K and V caches of the device-resident layers
     globals: int  # output norm + output matrix (if the last layer is resident), rope factors
     experts: int  # expert pool: cache slots × stride, or resident layers' experts at their own strides
+    stream: int = 0  # prompt-streaming staging slots × stride (host experts of device layers, long prompts)
 
     @property
     def total(self) -> int:
-        return self.reserve + self.scratch + self.trunk + self.kv + self.globals + self.experts
+        return self.reserve + self.scratch + self.trunk + self.kv + self.globals + self.experts + self.stream
 
     def to_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
@@ -143,6 +152,7 @@ def device_bytes(
     reserve: int = 0,
     scratch: int | None = None,
     expert_bytes: int | None = None,
+    stream_slots: int = 0,
 ) -> DeviceBytes:
     """Bytes the runtime allocates on the device for this placement.
 
@@ -150,11 +160,12 @@ def device_bytes(
     scratch: bytes of activation scratch, ``None`` for :func:`scratch_estimate` at ``ctx``.
     expert_bytes: the expert pool's bytes when they are not ``expert_slots × stride`` (resident
     experts: :func:`resident_expert_bytes`).
+    stream_slots: slots of the prompt-streaming staging pool (:func:`stream_slots`).
     Raises :class:`PlanError` for an unknown KV type or a q8_0 cache of an incompatible width.
     """
     n = max(0, min(n_gpu_layers, spec.n_layer))
     if n == 0:
-        if expert_slots or expert_bytes:
+        if expert_slots or expert_bytes or stream_slots:
             raise PlanError("an expert cache needs at least one device-resident layer")
         return DeviceBytes(0, 0, 0, 0, 0, 0)
     return DeviceBytes(
@@ -164,7 +175,18 @@ def device_bytes(
         kv=n * kv_layer_bytes(kv_type, spec.kv_dim, ctx),
         globals=global_device_bytes(spec, n),
         experts=expert_slots * expert_slot_layout(spec).stride if expert_bytes is None else expert_bytes,
+        stream=stream_slots * expert_slot_layout(spec).stride,
     )
+
+
+def stream_slots(n_expert: int, room: int, stride: int) -> int:
+    """Slots of the prompt-streaming staging pool that ``room`` device bytes afford: two halves of up to
+    ``n_expert`` slots (a whole layer's experts per half: one layer computes while the next copies), fewer
+    when the room is short, 0 when not even two halves of ``min(n_expert, STREAM_MIN_CHUNK)`` fit."""
+    if n_expert <= 0 or stride <= 0:
+        return 0
+    half = min(n_expert, room // (2 * stride))
+    return 2 * half if half >= min(n_expert, STREAM_MIN_CHUNK) else 0
 
 
 def host_bytes(spec: ModelSpec, *, n_gpu_layers: int, ctx: int) -> int:

@@ -3,8 +3,9 @@
 Layers [0, G) get their trunk on the device (raw bytes as priced), layers [G, L) stay on the host
 path; routed experts of device layers run per the mode — ``cpu`` (host kernels over the memory
 map), ``cache`` (device slot pool + SLRU + CPU on a miss) or ``resident`` (the pool filled and
-pinned) — except layers below ``n_cpu_moe``, whose experts stay on the host. Every device byte
-goes through a :class:`DeviceArena` charged by the planner's kinds.
+pinned) — except layers below ``n_cpu_moe``, whose experts stay on the host (and, where the placement
+priced staging slots, stream to the device for long prompts: ``expert_stream``). Every device byte goes
+through a :class:`DeviceArena` charged by the planner's kinds.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import config
 from engine.config import EngineOptions
 from engine.experts import CpuExperts
 from engine.kv_cache import KVCache
@@ -23,6 +25,7 @@ from engine.plan.spec import ModelSpec
 from engine.runtime import graph_decode
 from engine.runtime.device import DeviceArena, DeviceWeights
 from engine.runtime.expert_cache import CachedExperts
+from engine.runtime.expert_stream import StreamedExperts
 
 
 @dataclass
@@ -36,13 +39,16 @@ class Applied:
     experts: CachedExperts | None
     graph: str = ""  # one-token steps wholly on the device: "CUDA graphs", "static, not captured" or ""
     options: EngineOptions | None = None  # the engine options it was applied with (None: config.current())
+    stream: StreamedExperts | None = None  # long prompts' host experts computed on the device (if any)
 
     def describe(self) -> str:
         p = self.placement
         dev = "the simulated device (CPU)" if self.device.type == "cpu" else str(self.device)
         where = f"{p.n_gpu_layers}/{p.n_layer} layers on {dev}" if p.n_gpu_layers else "all layers on the CPU"
         step = f", one-token steps: {self.graph}" if self.graph else ""
-        return f"{where}, KV {p.kv_type}, experts {p.moe_mode} ({p.moe_reason}){step}"
+        st = self.stream
+        stream = f", prompts of ≥ {st.min_tokens} tokens stream host experts to the device" if st else ""
+        return f"{where}, KV {p.kv_type}, experts {p.moe_mode} ({p.moe_reason}){stream}{step}"
 
 
 def apply_placement(
@@ -94,6 +100,21 @@ def apply_placement(
             layer_layouts={i: layer_slot_layout(spec, i) for i in cache_layers} if p.moe_mode == "resident" else None,
         )
         backends.update({i: cached for i in cache_layers})
+    # Device layers whose experts stay on the host: long prompts copy them to the staging slots priced.
+    stream, min_tokens = None, (options if options is not None else config.current()).prompt_stream_min
+    host_layers = {i for i in range(min(G, L)) if spec.layers[i].is_moe and backends.get(i) is host_experts}
+    if p.stream_slots and min_tokens and host_layers:
+        stream = StreamedExperts(
+            host_experts,
+            host_layers,
+            arena,
+            expert_slot_layout(spec),
+            p.stream_slots,
+            min_tokens,
+            q8_act=w.q8_act,
+            options=options,
+        )
+        backends.update({i: stream for i in host_layers})
     kv_layers = {i: (device if i < G else HOST) for i in range(L)}
     kv_types = {i: (p.kv_type if i < G else HOST_KV_TYPE) for i in range(L)}
     cache = KVCache(kv_layers, p.ctx, a.kv_dim, kv_types, charge=lambda i, n: arena.charge("kv", n) if i < G else None)
@@ -105,4 +126,4 @@ def apply_placement(
     # Everything of a decode step on the device: one-token steps replay a CUDA graph.
     model.decode_graph = g = graph_decode.for_placement(model, p, device, options)
     graph = "" if g is None else g.describe()
-    return Applied(p, device, arena, cache, cached, graph, options)
+    return Applied(p, device, arena, cache, cached, graph, options, stream)

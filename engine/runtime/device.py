@@ -1,7 +1,7 @@
 """Device memory and device-resident weights.
 
 :class:`DeviceArena` charges every allocation on the device to a kind — ``reserve``, ``scratch``,
-``trunk``, ``kv``, ``globals``, ``experts``, the planner's ``DeviceBytes`` fields — against the
+``trunk``, ``kv``, ``globals``, ``experts``, ``stream``, the planner's ``DeviceBytes`` fields — against the
 placement's byte budget, so a test can pin what the runtime allocates to what the planner priced.
 ``device="cpu"`` is the simulated device: the same code, tensors in RAM, the budget enforced.
 """
@@ -32,7 +32,7 @@ def fused_kernels(device: torch.device, qtype: QType, options: EngineOptions | N
     return ks.fused(device, qtype, options)
 
 
-KINDS = ("reserve", "scratch", "trunk", "kv", "globals", "experts")
+KINDS = ("reserve", "scratch", "trunk", "kv", "globals", "experts", "stream")
 
 # What the driver's count of a CUDA process holds beyond torch's tensors, besides the context measured at
 # start (:func:`cuda_overhead`): modules loaded later (Triton kernels, cuBLAS/cuBLASLt handles) ...

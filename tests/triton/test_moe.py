@@ -115,3 +115,68 @@ def test_expert_cache_through_fused_kernels_on_cuda(tmp_path, monkeypatch, act, 
                 err = np.abs(got - ref).max() / np.abs(ref).max()
                 assert err <= tol, (moe, "prefill" if batch else "decode", err)
     assert set(acts) == {act}, acts  # the routed experts decoded on the options' activation rounding
+
+
+@pytest.mark.cuda
+@CUDA_ONLY
+def test_streamed_prompt_through_the_grouped_kernel_on_cuda(tmp_path):
+    """Experts on the CPU (--moe cpu, and the first layer beside a resident pool): a 40-token prompt (≥ the
+    default 32) copies its layers' experts to the staging slots and runs the grouped prefill kernel there,
+    through the side-stream copies; exact-float kernels against the exact-float CPU engine."""
+    from engine.api import LoadOptions, Session
+    from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
+    from engine.synth.writer import write_model
+    from tests.oracle import random_tokens
+
+    CTX = 64
+    path = write_model(tmp_path / "q.gguf", "qwen3moe", seed=4, layers=3, weight_type="Q4_K",
+                       type_overrides={"*ffn_down*": "Q6_K"}).path  # fmt: skip
+    tokens = random_tokens(40, 1024, seed=8)
+    with Session.load(str(path), LoadOptions(n_ctx=CTX, device="cuda", q8_act=False)) as s:
+        ref = s.logits(tokens)
+        L, E = s.args.n_layer, s.args.n_expert
+        need = device_bytes(s.spec, n_gpu_layers=L, ctx=CTX, kv_type="f32", reserve=0).total
+        stride = expert_slot_layout(s.spec).stride
+        for moe, n_cpu_moe, slots in (("cpu", 0, 2 * E), ("resident", 1, (L - 1) * E + 2 * E)):
+            prof = DeviceProfile(vram_bytes=need + slots * stride, reserve_bytes=0)
+            s.apply(s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe=moe, n_cpu_moe=n_cpu_moe), prof))
+            st = s.applied.stream
+            assert st is not None and all(st.compute.fused.values()), "the fused kernels must serve these layers"
+            got = s.logits(tokens)
+            assert st.streamed_layers == (L if moe == "cpu" else 1)
+            err = np.abs(got - ref).max() / np.abs(ref).max()
+            assert err <= 1e-3, (moe, err)
+            assert set(st.last_pass_seconds()) == {"copy", "compute"}
+
+
+def test_streamed_experts_in_small_halves_through_the_fused_kernels(tmp_path, device):
+    """The streaming backend's chunks through the fused kernels (interpreter and CUDA): halves of two slots, so
+    each layer's routed experts run two at a time (the other pairs' offsets −1), the next layer's experts 0
+    and 1 copied ahead; T > TRITON_MAX_T takes the grouped prefill kernel. Each layer equals the CPU backend."""
+    from engine.api import LoadOptions, Session
+    from engine.experts import CpuExperts
+    from engine.plan import expert_slot_layout
+    from engine.runtime.device import DeviceArena
+    from engine.runtime.expert_stream import StreamedExperts
+    from engine.synth.writer import write_model
+
+    path = write_model(tmp_path / "q.gguf", "qwen3moe", seed=4, layers=2, weight_type="Q4_K",
+                       type_overrides={"*ffn_down*": "Q6_K"}).path  # fmt: skip
+    with Session.load(str(path), LoadOptions(n_ctx=64, device=device, q8_act=False)) as s:
+        a = s.args
+        L, E, K, D, T = a.n_layer, a.n_expert, a.n_expert_used, a.n_embd, 10
+        host = CpuExperts(s.model.expert_stacks(), q8_act=False)
+        st = StreamedExperts(
+            host, set(range(L)), DeviceArena(device, None), expert_slot_layout(s.spec), 4, T, q8_act=False
+        )
+        assert all(st.compute.fused.values())
+        rng = np.random.default_rng(12)
+        for layer in range(L):
+            x = torch.from_numpy(rng.standard_normal((T, D)).astype(np.float32))
+            ids = torch.from_numpy(np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int64))
+            w = torch.from_numpy(rng.random((T, K)).astype(np.float32))
+            got = st.forward(layer, x.to(device), ids.to(device), w.to(device)).cpu()
+            ref = host.forward(layer, x, ids, w)
+            err = ((got - ref).norm() / ref.norm()).item()
+            assert err < TOL, (layer, err)
+        assert st.streamed_layers == L

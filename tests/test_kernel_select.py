@@ -53,8 +53,10 @@ OLD_MOE_DEFAULT = {
     "grouped:Q4_0:*": {"BR": 32, "NB": 2, "BT": 16, "num_warps": 4},
     "grouped:Q8_0:*": {"BR": 32, "NB": 1, "BT": 16, "num_warps": 4},
     # added with the bf16 prompt kernels (launch/README.md, "grouped_bf16"): new entries, no old one changed
-    "grouped_bf16:*:*": {"BR": 128, "NB": 2, "BT": 64, "num_warps": 8},
-    "grouped_bf16:Q4_0:*": {"BR": 128, "NB": 4, "BT": 64, "num_warps": 8},
+    "grouped_bf16:*:*": {"BR": 128, "NB": 1, "BT": 64, "num_warps": 8},
+    "grouped_bf16:Q6_K:*": {"BR": 64, "NB": 1, "BT": 64, "num_warps": 8},
+    "grouped_bf16:Q4_0:*": {"BR": 128, "NB": 2, "BT": 64, "num_warps": 8},
+    "grouped_bf16:Q8_0:*": {"BR": 128, "NB": 2, "BT": 64, "num_warps": 8},
 }
 OLD_BY_TRITON = {
     (3, 7): {

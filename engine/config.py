@@ -50,6 +50,7 @@ ENV = MappingProxyType(
         "vnni": "SHARPI_NO_VNNI",
         "device_kernels": "SHARPI_DEVICE_KERNELS",
         "device_act": "SHARPI_DEVICE_ACT",
+        "prefill_precision": "SHARPI_PREFILL_PRECISION",
         "pdl": "SHARPI_PDL",
         "pdl_prefetch": "SHARPI_PDL_PREFETCH",
         "triton_table": "SHARPI_TRITON_TABLE",
@@ -73,6 +74,7 @@ KV_TYPES = ("f32", "bf16", "q8_0")  # engine.plan.sizing.KV_TYPES (tests/test_co
 KV_ALIASES = MappingProxyType({"fp32": "f32", "float32": "f32", "q8": "q8_0"})
 CUDA_GRAPH_MODES = ("graph", "eager", "off")
 ACT_MODES = ("q8", "f32")
+PREFILL_PRECISIONS = ("bf16", "f32")
 
 # numba's OpenMP workers (libgomp) spin ~300,000 pause loops (~15 ms) after each parallel loop
 # before they sleep. A decode step runs ~100 short loops; when another process wants a core, the
@@ -112,6 +114,12 @@ class EngineOptions:
     # integer kernels on activations rounded like llama.cpp; f32: exact float); None (unset) =
     # kernel_select's choice (q8 only for the lean Q4_K kernels inside a CUDA-graph step).
     device_act: str | None = None
+    # SHARPI_PREFILL_PRECISION: the operands of the tiled prompt kernels (more than TRITON_MAX_T tokens:
+    # trunk matrices and routed experts) — "bf16" (x and the dequantized weights rounded to bfloat16,
+    # tensor-core MMA, float32 accumulation) or "f32" (float32 operands, tf32x3 on CUDA: the
+    # reference-equivalent path); None (unset) = kernel_select.prefill_precision's choice (bf16 on a
+    # compiled CUDA device, f32 in Triton's interpreter).
+    prefill_precision: str | None = None
     # SHARPI_PDL: 0 turns programmatic dependent launch off inside CUDA graphs (default on where the
     # GPU has it, compute capability ≥ 9).
     pdl: bool = True
@@ -280,6 +288,7 @@ _PARSE = {
     "vnni": lambda var, raw: not _flag(var, raw),  # the variable says "no VNNI"
     "device_kernels": _choice(("triton", "reference")),
     "device_act": _choice(ACT_MODES),
+    "prefill_precision": _choice(PREFILL_PRECISIONS),
     "pdl": _flag,
     "pdl_prefetch": _flag,
     "triton_table": _triton_table,
@@ -312,6 +321,8 @@ def _check(o: EngineOptions) -> None:
             raise UsageError(f"EngineOptions.{name}={getattr(o, name)!r}: expected one of {', '.join(allowed)}")
     if o.device_act not in (None, *ACT_MODES):
         raise UsageError(f"EngineOptions.device_act={o.device_act!r}: expected None, q8 or f32")
+    if o.prefill_precision not in (None, *PREFILL_PRECISIONS):
+        raise UsageError(f"EngineOptions.prefill_precision={o.prefill_precision!r}: expected None, bf16 or f32")
     if o.kv_type not in (None, *KV_TYPES):
         raise UsageError(f"EngineOptions.kv_type={o.kv_type!r}: expected None or one of {', '.join(KV_TYPES)}")
     if o.prompt_upload_min is not None and (not isinstance(o.prompt_upload_min, int) or o.prompt_upload_min < 0):

@@ -24,6 +24,7 @@ def test_an_empty_environment_gives_the_documented_defaults():
     assert o.pdl and o.pdl_prefetch and o.vnni and o.calibrate and not o.triton_interpret
     assert (o.kv_type, o.cpu_moe, o.prompt_upload_min, o.triton_table, o.launch_table) == (None,) * 5
     assert o.prompt_stream_min == 32  # llama.cpp's batch size from which it computes host experts on the GPU
+    assert o.prefill_precision is None
     assert EngineOptions.from_env({v: "  " for v in ENV.values()}) == o  # blank is unset
 
 
@@ -36,6 +37,8 @@ def test_an_empty_environment_gives_the_documented_defaults():
         ("SHARPI_NO_VNNI", "1", "vnni", False),
         ("SHARPI_DEVICE_KERNELS", "reference", "device_kernels", "reference"),
         ("SHARPI_DEVICE_ACT", " Q8 ", "device_act", "q8"),
+        ("SHARPI_PREFILL_PRECISION", "BF16", "prefill_precision", "bf16"),
+        ("SHARPI_PREFILL_PRECISION", "f32", "prefill_precision", "f32"),
         ("SHARPI_PDL", "0", "pdl", False),
         ("SHARPI_PDL_PREFETCH", "off", "pdl_prefetch", False),
         ("SHARPI_TRITON_TABLE", "3.8", "triton_table", (3, 8)),
@@ -73,6 +76,7 @@ def test_each_variable(var, raw, field, want):
         ("SHARPI_ENGINE_NICE", "high"),
         ("SHARPI_DEVICE_KERNELS", "cuda"),
         ("SHARPI_DEVICE_ACT", "int4"),
+        ("SHARPI_PREFILL_PRECISION", "fp16"),
         ("SHARPI_PDL", "2"),
         ("SHARPI_TRITON_TABLE", "three"),
         ("SHARPI_LAUNCH_TABLE", "/nonexistent/table.json"),
@@ -101,6 +105,8 @@ def test_fields_given_directly_are_checked_too():
         EngineOptions(prompt_upload_min=-1)
     with pytest.raises(UsageError, match="prompt_stream_min"):
         EngineOptions(prompt_stream_min=-1)
+    with pytest.raises(UsageError, match="prefill_precision"):
+        EngineOptions(prefill_precision="tf32")
 
 
 def test_a_launch_table_file_is_read_once_and_frozen(tmp_path):

@@ -91,7 +91,7 @@ def _off_graph(s: Session, moe: str, n_cpu_moe: int = 0):
     need = device_bytes(spec, n_gpu_layers=L, ctx=CTX, kv_type="f32", reserve=0).total
     slots = {"cpu": 0, "cache": L * s.args.n_expert // 2, "resident": L * s.args.n_expert}[moe]
     prof = DeviceProfile(vram_bytes=need + slots * expert_slot_layout(spec).stride, reserve_bytes=0)
-    p = s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe=moe, n_cpu_moe=n_cpu_moe), prof)
+    p = s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe=moe, n_cpu_moe=n_cpu_moe, prompt_stream=False), prof)
     assert p.n_gpu_layers == L and p.moe_mode == moe and p.n_cpu_moe == n_cpu_moe, (p.layer_reason, p.moe_reason)
     return p
 

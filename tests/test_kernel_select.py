@@ -52,6 +52,11 @@ OLD_MOE_DEFAULT = {
     "grouped:*:*": {"BR": 32, "NB": 1, "BT": 16, "num_warps": 4},
     "grouped:Q4_0:*": {"BR": 32, "NB": 2, "BT": 16, "num_warps": 4},
     "grouped:Q8_0:*": {"BR": 32, "NB": 1, "BT": 16, "num_warps": 4},
+    # added with the bf16 prompt kernels (launch/README.md, "grouped_bf16"): new entries, no old one changed
+    "grouped_bf16:*:*": {"BR": 128, "NB": 1, "BT": 64, "num_warps": 8},
+    "grouped_bf16:Q6_K:*": {"BR": 64, "NB": 1, "BT": 64, "num_warps": 8},
+    "grouped_bf16:Q4_0:*": {"BR": 128, "NB": 2, "BT": 64, "num_warps": 8},
+    "grouped_bf16:Q8_0:*": {"BR": 128, "NB": 2, "BT": 64, "num_warps": 8},
 }
 OLD_BY_TRITON = {
     (3, 7): {
@@ -125,8 +130,8 @@ def _plain(table) -> dict:
 
 
 def test_the_json_tables_are_the_old_dicts():
-    names = ["gemv", "gemv_q4k", "gemv_q8", "grouped", "moe_down", "moe_gate_up", "moe_q4k_down", "moe_q4k_gate_up",
-             "moe_q8_down", "moe_q8_gate_up"]  # fmt: skip
+    names = ["gemv", "gemv_q4k", "gemv_q8", "grouped", "grouped_bf16", "moe_down", "moe_gate_up", "moe_q4k_down",
+             "moe_q4k_gate_up", "moe_q8_down", "moe_q8_gate_up"]  # fmt: skip
     assert names == KERNELS
     assert _plain(ks.DEFAULT) == OLD_LAUNCH["default"]
     assert {k: _plain(v) for k, v in ks.BY_TRITON.items()} == OLD_BY_TRITON
@@ -211,5 +216,10 @@ def test_kernel_family_follows_the_options():
     )
     assert ks.act_mode(cuda, None, EngineOptions()) == "f32" and ks.act_mode(cuda, "q8", EngineOptions()) == "q8"
     assert ks.act_mode(cpu, None, EngineOptions(device_act="q8")) == "q8"
+    # prompts: bfloat16 tensor cores on a compiled CUDA device, float32 in the interpreter, unless the knob says
+    assert ks.prefill_precision(cuda, EngineOptions()) == "bf16" and ks.prefill_precision(cuda, interp) == "f32"
+    assert ks.prefill_precision(cpu, EngineOptions()) == "f32"
+    assert ks.prefill_precision(cuda, EngineOptions(prefill_precision="f32")) == "f32"
+    assert ks.prefill_precision(cpu, EngineOptions(triton_interpret=True, prefill_precision="bf16")) == "bf16"
     with pytest.raises(ValueError, match="step mode"):
         ks.graph_act(cuda, True, "sometimes", EngineOptions())

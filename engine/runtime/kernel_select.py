@@ -14,6 +14,9 @@ Every choice is a function of (device, quant type(s), tokens, step mode, :class:
   :data:`CAPTURED` step: there it measured faster (H100: the MoE in 1/1.63 of the exact-float kernels'
   time, decode 1.11–1.15× faster; q 6.1 → 3.8 µs with x̂ from the norm); launched from Python it did
   not, and the general q8 kernels never beat the float ones, so everything else is ``"f32"``.
+- **Prompt precision** — :func:`prefill_precision`: the tiled prompt kernels multiply bfloat16 operands on
+  the tensor cores (the default on a compiled CUDA device) or float32 ones (tf32x3: the reference-equivalent
+  path; ``SHARPI_PREFILL_PRECISION=f32``, and the interpreter's default).
 - **Which launch** — :func:`decode_kernels` (GEMV / fused-MoE decode kernels up to :data:`TRITON_MAX_T`
   tokens, the tiled ``grouped`` kernels beyond), :func:`matmul_kernel` (``triton_gemv.matmul``: ``gemv``
   | ``gemv_q8`` | ``gemv_q4k``) and :func:`moe_kernels`
@@ -44,7 +47,7 @@ from types import MappingProxyType
 import torch
 
 from engine import config
-from engine.config import ACT_MODES, EngineOptions
+from engine.config import ACT_MODES, PREFILL_PRECISIONS, EngineOptions
 from engine.quant.formats import QType
 from engine.runtime import triton_q4k_gemv, triton_q4k_moe
 from engine.runtime import triton_qblocks as qb
@@ -158,11 +161,25 @@ def moe_act(
     return graph_act(device, eligible, step, options)
 
 
+def prefill_precision(device: torch.device, options: EngineOptions | None = None) -> str:
+    """The operands of the tiled prompt kernels (``triton_moe.one_matrix``, ``moe_prefill``):
+    ``SHARPI_PREFILL_PRECISION`` if set, else ``"bf16"`` on a compiled CUDA device (x rounded to bfloat16
+    once, weights dequantized to bfloat16 in registers, tensor-core MMA with float32 accumulation: on
+    Hopper ~6× the rate of tf32x3) and ``"f32"`` elsewhere (Triton's interpreter: the simulated device
+    keeps the reference-equivalent path, float32 operands, tf32x3 on CUDA)."""
+    o = _opts(options)
+    mode = o.prefill_precision or ("bf16" if compiled(device, o) else "f32")
+    if mode not in PREFILL_PRECISIONS:
+        raise ValueError(f"prefill precision {mode!r}: expected one of {PREFILL_PRECISIONS}")
+    return mode
+
+
 # -- which launch ---------------------------------------------------------------------------------------
 def decode_kernels(tokens: int) -> bool:
     """Whether ``tokens`` rows of x go to the GEMV / fused-MoE decode kernels (``triton_gemv.matmul``,
     ``triton_moe.moe_decode``); more go to the tiled kernels (``grouped``: ``triton_moe.one_matrix``,
-    ``moe_prefill``), which read each weight tile once for a tile of tokens."""
+    ``moe_prefill``; launch settings ``grouped``, or ``grouped_bf16`` for :func:`prefill_precision` bf16),
+    which read each weight tile once for a tile of tokens."""
     return tokens <= TRITON_MAX_T
 
 

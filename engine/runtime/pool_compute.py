@@ -57,7 +57,9 @@ class PoolCompute:
             act = ks.moe_act(self.device, self.q8_act, roles, options=self.options)
             y = triton_moe.moe_decode(self.pool.pool, slot_off, x.float(), w.float(), roles, act, xq, self.options)
             return y.to(x.dtype)
-        return triton_moe.moe_prefill(self.pool.pool, slot_off, x.float(), w.float(), roles, self.options).to(x.dtype)
+        n_experts = self.stacks[layer].gate.n_experts  # bounds the slots the pairs name: the grid, no host sync
+        y = triton_moe.moe_prefill(self.pool.pool, slot_off, x.float(), w.float(), roles, self.options, n_experts)
+        return y.to(x.dtype)
 
     # -- torch references -----------------------------------------------------------------------------
     def weighted_slots(self, layer: int, slots: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,10 @@ without one).
   :func:`gemv_q8_reference` / :func:`matmul_q8_reference` (``triton_q8_gemv``, and
   ``triton_q4k_gemv``), :func:`moe_decode_reference` (``triton_moe.moe_decode``),
   :func:`moe_decode_q8_reference` (``triton_q8_moe`` and ``triton_q4k_moe``).
+- The tiled prompt kernels on bfloat16 operands (``triton_moe``, ``kernel_select.prefill_precision``
+  "bf16"): :func:`round_bf16`, :func:`matmul_bf16_reference` (``one_matrix``),
+  :func:`moe_prefill_bf16_reference` (``moe_prefill``). On float32 operands those kernels are held to
+  the exact references (``dequantize``, :func:`moe_decode_reference`).
 - The one-token step kernels (``step_kernels``): :func:`add_rms_norm_reference`,
   :func:`qk_rope_kv_reference`, :func:`route_reference`.
 
@@ -208,6 +212,35 @@ def moe_decode_q8_reference(pool, slot_off, x, weights, roles, round_h: bool = T
         h = q8_round_trip(h[None])[0] if round_h else h
         y[t] += weights[t, k] * (d @ h)
     return y
+
+
+# -- the tiled prompt kernels on bfloat16 operands (triton_moe, prefill precision "bf16") ---------------
+def round_bf16(t: torch.Tensor) -> torch.Tensor:
+    """float32 rounded to the nearest bfloat16 (ties to even), back as float32."""
+    return t.to(torch.bfloat16).to(torch.float32)
+
+
+def matmul_bf16_reference(raw: torch.Tensor, X: torch.Tensor, qtype: QType, rows: int, n: int) -> torch.Tensor:
+    """``triton_moe.one_matrix`` on bfloat16 operands by torch: raw uint8 [rows, row_bytes], X float32
+    [T, n] -> float32 [T, rows]; X and the dequantized W rounded to bfloat16, the products (exact) summed
+    in float64. The kernel differs only by its float32 accumulation."""
+    W = round_bf16(dequantize(raw.reshape(rows, -1), qtype, n))
+    return (round_bf16(X).double() @ W.double().T).float()
+
+
+def moe_prefill_bf16_reference(pool, slot_off, x, weights, roles) -> torch.Tensor:
+    """``triton_moe.moe_prefill`` on bfloat16 operands by torch: :func:`moe_decode_reference` with x, the
+    dequantized matrices and h rounded to bfloat16 before each product, sums in float64."""
+    y = torch.zeros_like(x, dtype=torch.float64)
+    xb = round_bf16(x).double()
+    for t, k in zip(*torch.nonzero(slot_off >= 0, as_tuple=True)):
+        s = int(slot_off[t, k])
+        g, u, d = (
+            round_bf16(dequantize_at(pool, s + roles[r][0], *roles[r][1:])).double() for r in ("gate", "up", "down")
+        )
+        h = round_bf16(silu_mul(g @ xb[t], u @ xb[t]).float()).double()
+        y[t] += float(weights[t, k]) * (d @ h)
+    return y.float()
 
 
 # -- the one-token step kernels (step_kernels) -------------------------------------------------------

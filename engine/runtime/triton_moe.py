@@ -11,10 +11,14 @@ Decode (a few tokens), two launches for all k experts of all T tokens:
 
 Prefill (many tokens), tokens sorted by expert:
 
-- :func:`grouped_matmul` — groups of rows of X, each group times one quantized matrix (CSR
-  ``starts``); each program loads a weight tile once for a tile of BT of its group's tokens and
-  multiplies with ``tl.dot`` (tf32×3 on CUDA: float32 accuracy). :func:`moe_prefill` builds the
-  MoE from it; the trunk uses it for matrices with more than a few tokens (``one_matrix``).
+- :func:`grouped_matmul` — entries sorted by group, each group's rows of X times one quantized
+  matrix; each program dequantizes a weight tile once for a tile of up to BT of its group's entries
+  (:func:`tile_starts`: a table built on the device, so nothing waits for the host) and multiplies
+  with ``tl.dot``. :func:`moe_prefill` builds the MoE from it; the trunk's matrices with more than a
+  few tokens use the same kernel over one matrix (:func:`one_matrix`, :func:`dense_matmul`).
+  Operands (``kernel_select.prefill_precision``): bfloat16 — x rounded once per launch group, the
+  weights rounded in registers, tensor-core MMA, float32 accumulation (the CUDA default) — or float32
+  (tf32×3 on CUDA: float32 accuracy, the reference-equivalent path).
 
 :func:`moe_decode` runs the integer (dp4a, q8-activation) kernels of ``triton_q8_moe`` where
 ``kernel_select.act_mode`` / ``moe_act`` say so (``SHARPI_DEVICE_ACT=q8`` or ``act="q8"``; the default
@@ -129,23 +133,40 @@ if triton is not None:
 
     @triton.jit
     def _grouped_kernel(
-        W, EOFF, STARTS, TOK, X, Y, R, n, row_bytes, nb,
+        W, TLO, SEG, TOK, X, Y, woff, R, J, n, row_bytes, nb,
         QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr, PW: tl.constexpr, NPART: tl.constexpr,
         ALIGN: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
+        OPS: tl.constexpr, DENSE: tl.constexpr,
     ):  # fmt: skip
-        """Y[j, rows] = W_g[rows] · X[TOK[j]] for the entries j of group g (STARTS[g] ≤ j < STARTS[g+1])."""
-        g = tl.program_id(1)
-        lo = tl.load(STARTS + g) + tl.program_id(2) * BT
-        hi = tl.load(STARTS + g + 1)
-        if lo < hi:
+        """Y[j, rows] = W_j[rows] · X[TOK[j]] for the entries j of tile z = program_id(1), W_j the matrix at
+        byte SEG[j] + woff of W (16-aligned). Tile z: the entries j in [TLO[z], TLO[z] + BT) with SEG[j] = SEG[TLO[z]]
+        (a group's entries are consecutive); TLO[z] = −1: no tile. DENSE: one matrix at byte woff, tile z
+        the matrix at byte 0, tile z the entries [z·BT, z·BT + BT) of J, TOK[j] = j (TLO, SEG, TOK, woff unread).
+
+        OPS 0: X float32, float32 operands (``tl.dot`` at PREC: tf32x3 on CUDA). OPS 1: X bfloat16, the
+        weight tile rounded to bfloat16 (to nearest even) in registers, bfloat16 MMA. OPS 2 (Triton's
+        interpreter): OPS 1's operands, multiplied as float32 (exact products). Accumulation float32.
+        The tile is acc [BR, BT] = W tile [BR, NB·PW] · Xᵀ tile [NB·PW, BT]: BR, BT, NB·PW ≥ 16, powers of 2."""
+        z = tl.program_id(1)
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        rmask = rows < R
+        if DENSE:
+            lo = z * BT
+            rowoff = rows.to(tl.int64) * row_bytes
+        else:
+            lo = tl.load(TLO + z)
+            s0 = tl.load(SEG + tl.maximum(lo, 0))
+            rowoff = tl.multiple_of(s0 + woff, 16) + rows.to(tl.int64) * row_bytes
+        if lo >= 0:
             jj = lo + tl.arange(0, BT)
-            jmask = jj < hi
-            tok = tl.load(TOK + jj, mask=jmask, other=0).to(tl.int64)
-            rows = tl.program_id(0) * BR + tl.arange(0, BR)
-            rmask = rows < R
-            rowoff = tl.multiple_of(tl.load(EOFF + g), 16) + rows.to(tl.int64) * row_bytes
+            if DENSE:
+                jmask = jj < J
+                tok = jj.to(tl.int64)
+            else:
+                jmask = (jj < J) & (tl.load(SEG + jj, mask=jj < J, other=-1) == s0)
+                tok = tl.load(TOK + jj, mask=jmask, other=0).to(tl.int64)
             l = tl.arange(0, PW)
-            acc = tl.zeros([BT, BR], dtype=tl.float32)
+            acc = tl.zeros([BR, BT], dtype=tl.float32)
             for b0 in range(0, nb, NB):
                 b = b0 + tl.arange(0, NB)
                 boff, m2 = qb.block_offsets(rowoff, b, nb, rmask, TS, ALIGN)
@@ -153,9 +174,14 @@ if triton is not None:
                     w = tl.reshape(qb.part(W, boff, m2, QT, i, PW), [BR, NB * PW])
                     xcol = tl.reshape(b[:, None] * QK + i * PW + l[None, :], [NB * PW])
                     xok = tl.reshape((b < nb)[:, None] & (l < PW)[None, :], [NB * PW])
-                    xv = tl.load(X + tok[:, None] * n + xcol[None, :], mask=jmask[:, None] & xok[None, :], other=0.0)
-                    acc = tl.dot(xv, tl.trans(w), acc, input_precision=PREC)
-            tl.store(Y + jj[:, None].to(tl.int64) * R + rows[None, :], acc, mask=jmask[:, None] & rmask[None, :])
+                    xt = tl.load(X + tok[None, :] * n + xcol[:, None], mask=xok[:, None] & jmask[None, :], other=0.0)
+                    if OPS == 1:  # bfloat16 MMA (the conversion rounds to nearest even)
+                        w = w.to(tl.bfloat16)
+                    elif OPS == 2:  # the same products in float32 (the interpreter's bf16 dot is unusable)
+                        w = qb.round_bf16(w)
+                        xt = xt.to(tl.float32)
+                    acc = tl.dot(w, xt, acc, input_precision=PREC)
+            tl.store(Y + jj[None, :].to(tl.int64) * R + rows[:, None], acc, mask=rmask[:, None] & jmask[None, :])
 
 
 # -- decode ------------------------------------------------------------------------------------
@@ -220,34 +246,106 @@ def moe_decode(
 
 
 # -- prefill -----------------------------------------------------------------------------------
+def _launch_name(X: torch.Tensor) -> str:
+    return "grouped_bf16" if X.dtype == torch.bfloat16 else "grouped"
+
+
+def _ops(X: torch.Tensor, options: EngineOptions | None) -> dict:
+    """The kernel's operand constexprs for X's dtype: OPS (0 float32, 1 bfloat16 MMA, 2 bfloat16 emulated in
+    the interpreter) and PREC, tl.dot's input precision (tf32x3 — float32 accuracy — for float32 operands on
+    CUDA; the compiler's default for bfloat16, whose products are exact; "ieee" in the interpreter)."""
+    bf16 = X.dtype == torch.bfloat16
+    if not qb.compiled(X.device, options):
+        return {"OPS": 2 if bf16 else 0, "PREC": "ieee"}
+    return {"OPS": 1, "PREC": "tf32"} if bf16 else {"OPS": 0, "PREC": "tf32x3"}
+
+
+def operand(X: torch.Tensor, precision: str) -> torch.Tensor:
+    """X [T, n] as the tiled kernels take it for ``precision`` ("bf16" | "f32": ``kernel_select.prefill_precision``),
+    contiguous; rounded to bfloat16 once here, never per tile."""
+    return X.to(torch.bfloat16 if precision == "bf16" else torch.float32).contiguous()
+
+
+def tile_starts(seg: torch.Tensor, BT: int, n_tiles: int) -> torch.Tensor:
+    """The tiles of :func:`grouped_matmul` over entries sorted by group: int64 [n_tiles], each tile's first
+    entry (−1: no tile). seg int64 [J]: each entry's group (its matrix's byte offset), equal groups
+    consecutive, −1 for entries to skip. A group of c entries has ceil(c / BT) tiles; n_tiles must bound
+    their sum (Σ ceil(c_g / BT) ≤ (J + G·(BT − 1)) / BT for G groups). Device ops only, no host sync."""
+    J = seg.shape[0]
+    pos = torch.arange(J, dtype=torch.int64, device=seg.device)
+    new = torch.ones(J, dtype=torch.bool, device=seg.device)
+    new[1:] = seg[1:] != seg[:-1]  # [J] an entry that starts its group
+    first = torch.cummax(torch.where(new, pos, 0), 0).values  # [J] where each entry's group starts
+    head = ((pos - first) % BT == 0) & (seg >= 0)  # [J] the entries that start a tile
+    idx = torch.where(head, torch.cumsum(head, 0) - 1, n_tiles)  # the rest land in a spare last entry
+    out = torch.full((n_tiles + 1,), -1, dtype=torch.int64, device=seg.device)
+    return out.scatter_(0, idx, pos)[:n_tiles]
+
+
+def max_tiles(J: int, groups: int, BT: int) -> int:
+    """The most tiles :func:`tile_starts` can need for J entries in at most ``groups`` groups."""
+    return min(J, (J + groups * (BT - 1)) // BT)
+
+
 def grouped_matmul(
     pool: torch.Tensor,
-    offsets: torch.Tensor,
-    starts: torch.Tensor,
+    seg: torch.Tensor,
+    woff: int,
     tok: torch.Tensor,
     X: torch.Tensor,
     qtype: QType,
     rows: int,
     n: int,
-    max_group: int,
+    groups: int,
     cfg: dict | None = None,
     options: EngineOptions | None = None,
+    tiles: dict | None = None,
 ) -> torch.Tensor:
-    """Y [J, rows] with Y[j] = W_g · X[tok[j]] for the entries of group g (starts[g] ≤ j < starts[g+1]).
+    """Y float32 [J, rows] with Y[j] = W_j · X[tok[j]], W_j the matrix [rows, n] at byte seg[j] + woff of pool.
 
-    pool uint8 (flat); offsets int64 [G] byte offset of each group's matrix [rows, n]; starts int64
-    [G+1] (CSR); tok int64 [J] rows of X float32 [T, n]; max_group: the largest group (grid size).
+    pool uint8 (flat); seg int64 [J] each entry's matrix (byte offset, 16-aligned with woff), entries of
+    one matrix consecutive, −1: skip the entry (its row of Y is left unwritten); tok int64 [J] rows of X
+    [T, n], float32 (float32 operands) or bfloat16 (:func:`operand`; tensor-core MMA); groups: a bound on
+    the distinct matrices in seg (sizes the grid: no host sync). cfg: launch settings (default
+    ``kernel_select.launch("grouped" | "grouped_bf16", ...)``); tiles: a dict shared by the calls over
+    the same seg, keyed by BT, to build each tile table once.
     """
     qtype = QType(qtype)
-    G, J = offsets.shape[0], tok.shape[0]
-    c = cfg or ks.launch("grouped", qtype, rows, ks.device_name(X.device), options)
+    J = tok.shape[0]
+    c = cfg or ks.launch(_launch_name(X), qtype, rows, ks.device_name(X.device), options)
+    BT = c["BT"]
     Y = torch.empty((J, rows), dtype=torch.float32, device=X.device)
-    prec = "tf32x3" if X.device.type == "cuda" else "ieee"
-    grid = (triton.cdiv(rows, c["BR"]), G, triton.cdiv(max(max_group, 1), c["BT"]))
-    _grouped_kernel[grid](
-        pool, offsets, starts, tok, X.contiguous(), Y, rows, n, block_format(qtype).row_bytes(n),
-        n // qb.GEOMETRY[qtype][1], BR=c["BR"], NB=c["NB"], BT=c["BT"], PREC=prec, num_warps=c["num_warps"],
-        **_geo(qtype),
+    nt = max_tiles(J, max(1, min(groups, J)), BT)
+    if tiles is None or BT not in tiles:
+        tlo = tile_starts(seg, BT, nt)
+        if tiles is not None:
+            tiles[BT] = tlo
+    else:
+        tlo = tiles[BT]
+    _grouped_kernel[(triton.cdiv(rows, c["BR"]), nt)](
+        pool, tlo, seg, tok, X.contiguous(), Y, woff, rows, J, n, block_format(qtype).row_bytes(n),
+        n // qb.GEOMETRY[qtype][1], BR=c["BR"], NB=c["NB"], BT=BT, DENSE=False, **_ops(X, options),
+        num_warps=c["num_warps"], **_geo(qtype),
+    )  # fmt: skip
+    return Y
+
+
+def dense_matmul(
+    raw: torch.Tensor, X: torch.Tensor, qtype: QType, rows: int, n: int, cfg: dict | None = None,
+    options: EngineOptions | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """raw uint8 [rows, row_bytes] times X [T, n] (float32, or bfloat16: :func:`grouped_matmul`) ->
+    float32 [T, rows]: the grouped kernel over one matrix, tile by tile (any T)."""
+    qtype = QType(qtype)
+    T = X.shape[0]
+    c = cfg or ks.launch(_launch_name(X), qtype, rows, ks.device_name(X.device), options)
+    Y = torch.empty((T, rows), dtype=torch.float32, device=X.device)
+    if T == 0:
+        return Y
+    _grouped_kernel[(triton.cdiv(rows, c["BR"]), triton.cdiv(T, c["BT"]))](
+        raw.reshape(-1), raw, raw, raw, X.contiguous(), Y, 0, rows, T, n, block_format(qtype).row_bytes(n),
+        n // qb.GEOMETRY[qtype][1], BR=c["BR"], NB=c["NB"], BT=c["BT"], DENSE=True, **_ops(X, options),
+        num_warps=c["num_warps"], **_geo(qtype),
     )  # fmt: skip
     return Y
 
@@ -255,12 +353,9 @@ def grouped_matmul(
 def one_matrix(
     raw: torch.Tensor, X: torch.Tensor, qtype: QType, rows: int, n: int, options: EngineOptions | None = None
 ) -> torch.Tensor:
-    """raw uint8 [rows, row_bytes] times X float32 [T, n] -> [T, rows], tile by tile (any T)."""
-    T, dev = X.shape[0], X.device
-    zero = torch.zeros(1, dtype=torch.int64, device=dev)
-    starts = torch.tensor([0, T], dtype=torch.int64, device=dev)
-    tok = torch.arange(T, dtype=torch.int64, device=dev)
-    return grouped_matmul(raw.reshape(-1), zero, starts, tok, X, qtype, rows, n, T, options=options)
+    """raw uint8 [rows, row_bytes] times X float32 [T, n] -> float32 [T, rows], tile by tile (any T), on
+    the operands ``kernel_select.prefill_precision`` picks."""
+    return dense_matmul(raw, operand(X, ks.prefill_precision(X.device, options)), qtype, rows, n, options=options)
 
 
 def moe_prefill(
@@ -270,28 +365,33 @@ def moe_prefill(
     weights: torch.Tensor,
     roles: dict[str, tuple[int, QType, int, int]],
     options: EngineOptions | None = None,
+    n_experts: int | None = None,
 ) -> torch.Tensor:
     """:func:`moe_decode`'s contract for many tokens: pairs sorted by slot, each expert's weight
-    tiles read once per BT of its tokens (three grouped launches and a deterministic combine)."""
+    tiles read once per BT of its tokens (three grouped launches and a deterministic combine), on the
+    operands ``kernel_select.prefill_precision`` picks. No host sync: the grid is bounded by the pairs
+    and ``n_experts`` (the most distinct slots the pairs can name: the layer's experts; default T·K,
+    or the pool's slots when it is [n_slots, stride])."""
     T, K = slot_off.shape
-    flat = slot_off.reshape(-1)
-    keep = torch.nonzero(flat >= 0).reshape(-1)  # pairs served here
-    y = torch.zeros_like(x, dtype=torch.float32)
-    if keep.numel() == 0:
-        return y
-    order = keep[torch.argsort(flat[keep], stable=True)]  # pair indices, sorted by slot
-    uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    starts = torch.zeros(uniq.numel() + 1, dtype=torch.int64, device=x.device)
-    starts[1:] = torch.cumsum(counts, 0)
-    mg = int(counts.max())
+    J = T * K
+    if J == 0:
+        return torch.zeros_like(x, dtype=torch.float32)
+    precision = ks.prefill_precision(x.device, options)
+    groups = min(J, n_experts or J, pool.shape[0] if pool.dim() == 2 else J)
     pool = pool.reshape(-1)
-    (go, gq, F, D), (uo, uq, _, _), (do, dq, _, _) = (roles[r] for r in ("gate", "up", "down"))
+    flat = slot_off.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # [J] pair indices sorted by slot; skipped pairs (−1) first
+    seg = flat[order]  # [J] each sorted pair's slot
     tok = order // K
-    g = grouped_matmul(pool, uniq + go, starts, tok, x, gq, F, D, mg, options=options)
-    u = grouped_matmul(pool, uniq + uo, starts, tok, x, uq, F, D, mg, options=options)
-    h = silu_mul(g, u)  # [J, F], sorted order
-    ident = torch.arange(order.numel(), dtype=torch.int64, device=x.device)
-    d = grouped_matmul(pool, uniq + do, starts, ident, h, dq, D, F, mg, options=options)  # [J, D]
-    out = torch.zeros((T * K, D), dtype=torch.float32, device=x.device)
-    out[order] = d * weights.reshape(-1)[order, None].to(torch.float32)
+    (go, gq, F, D), (uo, uq, _, _), (do, dq, _, _) = (roles[r] for r in ("gate", "up", "down"))
+    xo = operand(x, precision)  # rounded once for gate and up
+    tiles: dict = {}
+    g = grouped_matmul(pool, seg, go, tok, xo, gq, F, D, groups, options=options, tiles=tiles)
+    u = grouped_matmul(pool, seg, uo, tok, xo, uq, F, D, groups, options=options, tiles=tiles)
+    h = operand(silu_mul(g, u), precision)  # [J, F], sorted order
+    ident = torch.arange(J, dtype=torch.int64, device=x.device)
+    d = grouped_matmul(pool, seg, do, ident, h, dq, D, F, groups, options=options, tiles=tiles)  # [J, D]
+    w = weights.reshape(-1)[order, None].to(torch.float32)
+    out = torch.empty((J, D), dtype=torch.float32, device=x.device)
+    out[order] = torch.where(seg[:, None] >= 0, d * w, 0.0)  # skipped pairs' rows of d were never written
     return out.view(T, K, D).sum(1)

@@ -61,6 +61,14 @@ if triton is not None:
         return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
+    def round_bf16(v):
+        """float32 v rounded to the nearest bfloat16 (ties to even), as float32: torch's ``.to(bfloat16)``
+        and CUDA's ``cvt.rn.bf16.f32`` on finite values, in integer ops (Triton's interpreter truncates)."""
+        u = v.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        return u.to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _f16(p, mask):
         """fp16 at even byte pointers p (little-endian) -> float32 (0 where masked off)."""
         h = tl.load(p.to(tl.pointer_type(tl.uint16)), mask=mask, other=0)

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from engine import config
+from engine.config import EngineOptions
 from engine.quant import QType
 from engine.runtime import references as refs
 from engine.runtime import triton_moe as tm
@@ -44,8 +46,8 @@ def _case_id(case) -> str:
 @pytest.mark.parametrize("T", TOKENS, ids=[f"T{t}" for t in TOKENS])
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_moe_kernels_match_the_reference(case, T, device, launch_table):
-    """moe_decode (exact float) up to TRITON_MAX_T tokens and moe_prefill against moe_decode_reference,
-    with a slot missing (skipped) when T > 1."""
+    """moe_decode (exact float) up to TRITON_MAX_T tokens and moe_prefill on float32 operands (the bf16
+    ones: test_prefill.py) against moe_decode_reference, with a slot missing (skipped) when T > 1."""
     log = launch_table(INTERPRETER_LAUNCH) if INTERPRET else None
     types, F, D = case
     rng = np.random.default_rng((1, *map(int, types), F, D, T))
@@ -54,9 +56,10 @@ def test_moe_kernels_match_the_reference(case, T, device, launch_table):
     ref = refs.moe_decode_reference(pool, slot_off, x, w, roles)
     errs = []
     decode = lambda *a: tm.moe_decode(*a, act="f32")  # noqa: E731 — the q8 kernels: test_q8.py
-    for fn in (decode, tm.moe_prefill) if T <= 8 else (tm.moe_prefill,):
-        y = fn(pool, slot_off, x, w, roles)
-        errs.append(((y - ref).norm() / ref.norm()).item())
+    with config.overriding(prefill_precision="f32"):  # SHARPI_PREFILL_PRECISION=f32
+        for fn in (decode, tm.moe_prefill) if T <= 8 else (tm.moe_prefill,):
+            y = fn(pool, slot_off, x, w, roles)
+            errs.append(((y - ref).norm() / ref.norm()).item())
     assert max(errs) < TOL, ([t.name for t in types], F, D, T, errs)
     if log is not None:
         assert log.kernels() == {"moe_gate_up"}
@@ -64,24 +67,24 @@ def test_moe_kernels_match_the_reference(case, T, device, launch_table):
 
 @pytest.mark.parametrize(("q", "R", "n"), ONE_MATRIX, ids=[f"{q.name}-{R}x{n}" for q, R, n in ONE_MATRIX])
 def test_one_matrix_tiles_match_the_reference(q, R, n, device):
-    """The tiled one-matrix path (a trunk matrix with more than TRITON_MAX_T tokens)."""
+    """The tiled one-matrix path (a trunk matrix with more than TRITON_MAX_T tokens), float32 operands."""
     rng = np.random.default_rng((2, int(q), R, n))
     raw = blocks(q, R, n, device, rng)
     X = torch.from_numpy(rng.standard_normal((37, n)).astype(np.float32)).to(device)
     ref = (X.double() @ dequantize(raw, q, n).double().T).float()
-    y = tm.one_matrix(raw, X, q, R, n)
+    y = tm.one_matrix(raw, X, q, R, n, options=EngineOptions.from_env().with_env({"SHARPI_PREFILL_PRECISION": "f32"}))
     err = ((y - ref).norm() / ref.norm()).item()
     assert err < TOL, (q.name, "one_matrix", err)
 
 
 @pytest.mark.cuda
 @CUDA_ONLY
-@pytest.mark.parametrize(("act", "tol"), [("f32", 1e-3), ("q8", 3e-2)])
-def test_expert_cache_through_fused_kernels_on_cuda(tmp_path, monkeypatch, act, tol):
-    """f32: the exact-float kernels against the exact-float CPU engine; q8 (EngineOptions.device_act, i.e.
-    SHARPI_DEVICE_ACT=q8): the decode kernels round activations to 8 bits (~1 % relative per product), so
-    a looser bound."""
-    from engine import config
+@pytest.mark.parametrize(("act", "prefill", "tol"), [("f32", "f32", 1e-3), ("q8", "bf16", 3e-2)])
+def test_expert_cache_through_fused_kernels_on_cuda(tmp_path, monkeypatch, act, prefill, tol):
+    """f32: the exact-float kernels (prompts on float32 operands, SHARPI_PREFILL_PRECISION=f32) against the
+    exact-float CPU engine; q8 (EngineOptions.device_act, i.e. SHARPI_DEVICE_ACT=q8): the decode kernels
+    round activations to 8 bits (~1 % relative per product), the prompt kernels x, weights and h to
+    bfloat16 (the default on CUDA; 2⁻⁹ relative per operand), so a looser bound."""
     from engine.api import LoadOptions, Session
     from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
     from engine.runtime import kernel_select as ks
@@ -98,7 +101,7 @@ def test_expert_cache_through_fused_kernels_on_cuda(tmp_path, monkeypatch, act, 
     dec = tokens[:3]  # decode steps
     # SHARPI_DEVICE_ACT=act for the process (what the session's options and any options=None default see)
     with (
-        config.overriding(device_act=act),
+        config.overriding(device_act=act, prefill_precision=prefill),
         Session.load(str(path), LoadOptions(n_ctx=CTX, device="cuda", q8_act=False)) as s,
     ):
         ref_dec, ref_pre = s.logits(dec, batch=False), s.logits(tokens)
@@ -107,7 +110,7 @@ def test_expert_cache_through_fused_kernels_on_cuda(tmp_path, monkeypatch, act, 
         for moe, slots in (("cache", L * E // 2), ("resident", L * E)):
             prof = DeviceProfile(vram_bytes=need + slots * expert_slot_layout(s.spec).stride, reserve_bytes=0)
             s.apply(s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe=moe), prof))
-            assert s.applied.options.device_act == act
+            assert s.applied.options.device_act == act and s.applied.options.prefill_precision == prefill
             cached = s.applied.experts
             assert cached is not None and all(cached._fused.values()), "the fused kernels must serve these layers"
             for batch, ref, toks in ((False, ref_dec, dec), (True, ref_pre, tokens)):

@@ -11,6 +11,7 @@
 # llama-bench's tg is), "L name args..." (llama-bench -m F -p 512 -n 64 -r 2 args...).
 # The job builds llama-bench (sm_90, ~4–5 min on 16 cores) while it writes the model file, then runs each row
 # under `timeout`, sampling nvidia-smi every 250 ms. Results: /tmp/sbs (summary.txt, table.md, logs).
+# TESTS="pytest args" (environment of `start`) also runs those CUDA tests while llama.cpp builds (tests.txt).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -21,7 +22,7 @@ case "${1:-}" in
 start)
   if [ -e $R/started ]; then echo "job already started: $(tail -3 $R/progress.txt 2>/dev/null)"; exit 0; fi
   mkdir -p $R && date +%s > $R/started
-  LIST=${2:-main} setsid nohup bash "$0" job > $R/job.log 2>&1 < /dev/null &
+  LIST=${2:-main} TESTS=${TESTS:-} setsid nohup bash "$0" job > $R/job.log 2>&1 < /dev/null &
   echo "job started (pid $!, list ${2:-main})"; exit 0 ;;
 poll)
   OUTD=${OUT:-/tmp/out}; mkdir -p "$OUTD"; S=$(date +%s)
@@ -29,7 +30,7 @@ poll)
   while [ ! -e $R/DONE ] && [ $(( $(date +%s) - S )) -lt "${2:-540}" ]; do sleep 5; done
   python3 "$HERE/summ.py" $R > $R/table.md 2>&1
   tar -czf "$OUTD/sbs.tar.gz" -C /tmp sbs 2>/dev/null
-  cp $R/summary.txt $R/progress.txt $R/table.md "$OUTD/" 2>/dev/null
+  cp $R/summary.txt $R/progress.txt $R/table.md $R/tests.txt "$OUTD/" 2>/dev/null
   [ -e $R/DONE ] && echo DONE || echo "STILL RUNNING after ${2:-540}s"; tail -n 30 $R/progress.txt; exit 0 ;;
 job) ;;
 *) echo "usage: driver.sh start [LIST] | poll SECONDS" >&2; exit 2 ;;
@@ -68,7 +69,12 @@ synth() {
 }
 log "build llama-bench + write F (parallel)"
 build & BPID=$!
-synth; log "synth: $([ -e $R/synth.ok ] && ls -la $F || echo FAILED)"
+synth & SPID=$!
+if [ -n "${TESTS:-}" ]; then
+  log "CUDA tests: pytest $TESTS"
+  timeout 420 python3 -m pytest -q -p no:cacheprovider $TESTS > $R/tests.txt 2>&1; log "tests: $(tail -1 $R/tests.txt)"
+fi
+wait $SPID; log "synth: $([ -e $R/synth.ok ] && ls -la $F || echo FAILED)"
 wait $BPID; log "build: $([ -e $R/build.ok ] && echo ok || { echo FAILED; grep -m5 -iE 'error' $R/build.log; })"
 
 vram_on() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 > $R/$1.vram 2>&1 & VP=$!; }
@@ -97,6 +103,8 @@ L L_ncmoe18 -ngl 99 --n-cpu-moe 18 -t 16
 L L_ncmoe19 -ngl 99 --n-cpu-moe 19 -t 16
 L L_ncmoe20 -ngl 99 --n-cpu-moe 20 -t 16
 L L_ncmoe17 -ngl 99 --n-cpu-moe 17 -t 16
+S S_cache12 --vram 12GiB --moe cache
+R R_cache12 --vram 12GiB --moe cache
 S S_cpu --vram 12GiB --moe cpu
 L L_cpumoe48 -ngl 99 --n-cpu-moe 48 -t 16
 S S_auto8 --vram 8GiB

@@ -75,7 +75,7 @@ def main(folder: str) -> None:
 
     print()
     b12, r12 = best_split(12 * GIB_MIB)
-    for a in ("S_auto12", "R_auto12"):
+    for a in ("S_auto12", "R_auto12", "S_cache12", "R_cache12"):
         ratio(a, b12, r12)
     ratio("S_cpu", "L_cpumoe48")
     ratio("S_resident", "L_gpu")

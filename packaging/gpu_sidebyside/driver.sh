@@ -69,12 +69,12 @@ synth() {
 }
 log "build llama-bench + write F (parallel)"
 build & BPID=$!
-synth & SPID=$!
-if [ -n "${TESTS:-}" ]; then
+synth; log "synth: $([ -e $R/synth.ok ] && ls -la $F || echo FAILED)"
+if [ -n "${TESTS:-}" ]; then  # on the GPU while llama.cpp builds on the CPUs; F serves the budget test
   log "CUDA tests: pytest $TESTS"
-  timeout 420 python3 -m pytest -q -p no:cacheprovider $TESTS > $R/tests.txt 2>&1; log "tests: $(tail -1 $R/tests.txt)"
+  SHARPI_TEST_30B_GGUF=$F timeout 480 python3 -m pytest -q -p no:cacheprovider $TESTS > $R/tests.txt 2>&1
+  log "tests: $(tail -1 $R/tests.txt)"
 fi
-wait $SPID; log "synth: $([ -e $R/synth.ok ] && ls -la $F || echo FAILED)"
 wait $BPID; log "build: $([ -e $R/build.ok ] && echo ok || { echo FAILED; grep -m5 -iE 'error' $R/build.log; })"
 
 vram_on() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 > $R/$1.vram 2>&1 & VP=$!; }

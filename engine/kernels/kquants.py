@@ -122,6 +122,37 @@ def _dot_q4_k_q8(w, s, qa, da, bsums):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _dot2_q4_k_q8(w0, s0, w1, s1, qa, da, bsums):
+    """(_dot_q4_k_q8(w0, s0, …), _dot_q4_k_q8(w1, s1, …)): two q4_K rows of one width against one
+    activation row, bit-identical to two single-row calls (each row's operations in the same order);
+    the activation loads are shared and the two chains interleave."""
+    acc0 = zero_f32()
+    acc1 = zero_f32()
+    for b in range(s0.shape[0] // 2):
+        o = b * 144
+        sm0 = k4_scales(w0, o + 4)
+        sm1 = k4_scales(w1, o + 4)
+        bs = load_i16x16(bsums, 16 * b)
+        acc0 = fma_i32(madd(bs, dup_high16(sm0)), -s0[2 * b + 1] * da[b], acc0)
+        acc1 = fma_i32(madd(bs, dup_high16(sm1)), -s1[2 * b + 1] * da[b], acc1)
+        i0 = zero_i32()
+        i1 = zero_i32()
+        for j in range(4):
+            xo = 256 * b + 64 * j
+            lo0, hi0 = _q4k_codes(w0, o, j)
+            lo1, hi1 = _q4k_codes(w1, o, j)
+            a0 = load_i8x32(qa, xo)
+            a1 = load_i8x32(qa, xo + 32)
+            i0 = madd_acc(i0, maddubs(lo0, a0), bcast16(sm0, 2 * j))
+            i0 = madd_acc(i0, maddubs(hi0, a1), bcast16(sm0, 2 * j + 1))
+            i1 = madd_acc(i1, maddubs(lo1, a0), bcast16(sm1, 2 * j))
+            i1 = madd_acc(i1, maddubs(hi1, a1), bcast16(sm1, 2 * j + 1))
+        acc0 = fma_i32(i0, s0[2 * b] * da[b], acc0)
+        acc1 = fma_i32(i1, s1[2 * b] * da[b], acc1)
+    return hsum_f32(acc0), hsum_f32(acc1)
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _dot_q5_k_q8(w, s, qa, da, bsums):
     acc = zero_f32()
     for b in range(s.shape[0] // 2):

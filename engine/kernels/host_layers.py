@@ -333,17 +333,19 @@ def _attend_split(q, Kf, Vf, kvd, P, nc, H, Hkv, hd, scale):
         p0 = c * chunk
         _attend(q, parts, 0, c, 1, Kf, Vf, kvd, p0, min(P, p0 + chunk) - p0, item % Hkv, g, hd, scale, ml[c])
     out = np.empty((1, H * hd), np.float32)
+    wc = np.empty(nc, np.float32)  # each range's rescale exp(m_c − m), once per head
     for h in range(H):
         m = ml[0, h, 0]
         for c in range(1, nc):
             m = max(m, ml[c, h, 0])
         tot = np.float32(0.0)
         for c in range(nc):
-            tot += np.exp(ml[c, h, 0] - m) * ml[c, h, 1]
+            wc[c] = np.exp(ml[c, h, 0] - m)
+            tot += wc[c] * ml[c, h, 1]
         for d in range(hd):
             acc = np.float32(0.0)
             for c in range(nc):
-                acc += np.exp(ml[c, h, 0] - m) * parts[c, h * hd + d]
+                acc += wc[c] * parts[c, h * hd + d]
             out[0, h * hd + d] = acc / tot
     return out
 

@@ -15,6 +15,7 @@ E, F, D, K = 6, 256, 512, 3
 
 CASES = [
     (QType.Q4_K, QType.Q4_K, QType.Q6_K),  # a Q4_K_M file's mix
+    (QType.Q4_K, QType.Q4_K, QType.Q4_K),  # all Q4_K: the down rows in pairs too
     (QType.Q8_0, QType.Q8_0, QType.Q8_0),
     (QType.Q5_0, QType.Q5_K, QType.F16),  # mixed: the 3-call path
     (QType.Q4_0, QType.Q4_0, QType.Q5_K),
@@ -101,3 +102,30 @@ def test_numpy_twins_take_the_same_arguments():
     np.testing.assert_allclose(
         ref.matvec_numpy(d, X[0][:F], q8_act=False), matvec(d, X[0][:F], q8_act=False), rtol=1e-4, atol=1e-4
     )
+
+
+def test_q4_k_row_pairs_equal_single_rows():
+    """kquants._dot2_q4_k_q8 (two rows on one activation load, used by the fused expert kernels)
+    gives each row's single-row dot exactly."""
+    from numba import njit
+
+    from engine.kernels.activations import quantize_q8_K
+    from engine.kernels.kquants import _dot2_q4_k_q8, _dot_q4_k_q8
+
+    @njit
+    def both(raw, s, qa, da, bs):
+        R = raw.shape[0]
+        one = np.empty(R, np.float32)
+        two = np.empty(R, np.float32)
+        for r in range(R):
+            one[r] = _dot_q4_k_q8(raw[r], s[r], qa[0], da[0], bs[0])
+        for r in range(0, R, 2):
+            two[r], two[r + 1] = _dot2_q4_k_q8(raw[r], s[r], raw[r + 1], s[r + 1], qa[0], da[0], bs[0])
+        return one, two
+
+    rng = np.random.default_rng(25)
+    w = prepare_weight(QType.Q4_K, quantize(rng.standard_normal((16, 768), dtype=np.float32), QType.Q4_K))
+    qa, da, bs = quantize_q8_K(rng.standard_normal((1, 768), dtype=np.float32))
+    one, two = both(w.raw, w.scales, qa, da, bs)
+    assert np.abs(one).max() > 0
+    np.testing.assert_array_equal(one, two)

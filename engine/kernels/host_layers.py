@@ -24,6 +24,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from engine.kernels import floats, kquants, legacy
+from engine.kernels.kquants import PAIR_BLOCKS, _dot2_q4_k_q8
 from engine.kernels.moe_fused import _row_q8, moe_down_q8, moe_gate_up_q8, quantize_for
 from engine.kernels.simd import (
     F32x8,
@@ -143,6 +144,36 @@ def _dot_f32(a, ao, b, bo, n):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _dot4_f32(a, ao, b, bo, n):
+    """(_dot_f32(a, ao + h·n, b, bo, n) for h in 0..3): four heads of a against one row of b, each with
+    _dot_f32's two accumulators and sums (bit-identical), b's vectors loaded once for the four."""
+    a0 = zero_f32()
+    a1 = zero_f32()
+    b0 = zero_f32()
+    b1 = zero_f32()
+    c0 = zero_f32()
+    c1 = zero_f32()
+    e0 = zero_f32()
+    e1 = zero_f32()
+    for d in range(0, n, 16):
+        k0 = load_f32x8(b, bo + d)
+        k1 = load_f32x8(b, bo + d + 8)
+        o = ao + d
+        a0 = vfma(load_f32x8(a, o), k0, a0)
+        a1 = vfma(load_f32x8(a, o + 8), k1, a1)
+        o += n
+        b0 = vfma(load_f32x8(a, o), k0, b0)
+        b1 = vfma(load_f32x8(a, o + 8), k1, b1)
+        o += n
+        c0 = vfma(load_f32x8(a, o), k0, c0)
+        c1 = vfma(load_f32x8(a, o + 8), k1, c1)
+        o += n
+        e0 = vfma(load_f32x8(a, o), k0, e0)
+        e1 = vfma(load_f32x8(a, o + 8), k1, e1)
+    return hsum_f32(vadd(a0, a1)), hsum_f32(vadd(b0, b1)), hsum_f32(vadd(c0, c1)), hsum_f32(vadd(e0, e1))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _pv64(Vf, kvd, o, P, sa, out, oo):
     """out[oo:oo+64] = Σ_p sa[p]·Vf[o + p·kvd : +64] on eight 8-lane accumulators."""
     a0 = zero_f32()
@@ -199,7 +230,15 @@ def _attend(q, out, t0, o0, B, Kf, Vf, kvd, p0, P, kh, g, hd, scale, ml):
                 prefetch(Vf, o + c)
         for b in range(max(0, i - (P - B)), B):  # the tokens that see position p
             qb = q[t0 + b]
-            for j in range(g):
+            g4 = g - g % 4
+            for j in range(0, g4, 4):  # four heads on each load of the K row
+                d0, d1, d2, d3 = _dot4_f32(qb, (kh * g + j) * hd, Kf, p * kvd + ko, hd)
+                r = b * g + j
+                s[r, i] = d0 * scale
+                s[r + 1, i] = d1 * scale
+                s[r + 2, i] = d2 * scale
+                s[r + 3, i] = d3 * scale
+            for j in range(g4, g):
                 s[b * g + j, i] = _dot_f32(qb, (kh * g + j) * hd, Kf, p * kvd + ko, hd) * scale
     for r in range(R):
         n = P - B + 1 + r // g  # positions this row sees
@@ -333,17 +372,19 @@ def _attend_split(q, Kf, Vf, kvd, P, nc, H, Hkv, hd, scale):
         p0 = c * chunk
         _attend(q, parts, 0, c, 1, Kf, Vf, kvd, p0, min(P, p0 + chunk) - p0, item % Hkv, g, hd, scale, ml[c])
     out = np.empty((1, H * hd), np.float32)
+    wc = np.empty(nc, np.float32)  # each range's rescale exp(m_c − m), once per head
     for h in range(H):
         m = ml[0, h, 0]
         for c in range(1, nc):
             m = max(m, ml[c, h, 0])
         tot = np.float32(0.0)
         for c in range(nc):
-            tot += np.exp(ml[c, h, 0] - m) * ml[c, h, 1]
+            wc[c] = np.exp(ml[c, h, 0] - m)
+            tot += wc[c] * ml[c, h, 1]
         for d in range(hd):
             acc = np.float32(0.0)
             for c in range(nc):
-                acc += np.exp(ml[c, h, 0] - m) * parts[c, h * hd + d]
+                acc += wc[c] * parts[c, h * hd + d]
             out[0, h * hd + d] = acc / tot
     return out
 
@@ -430,17 +471,22 @@ def qkv_q8(qt0, w0, s0, qt1, w1, s1, qt2, w2, s2, qa, da, asum, bsums):
     ahead = prefetch_distance(w0)
     CH = 16
     for c in prange((M + CH - 1) // CH):
-        for i in range(c * CH, min(M, (c + 1) * CH)):
-            j = i + ahead
-            if j < M:
+        i, end = c * CH, min(M, (c + 1) * CH)
+        while i < end:
+            for j in range(i + ahead, min(M, i + ahead + 2)):
                 prefetch_array(_pick(j, R0, R1, w0, w1, w2))
             if i < R0:
-                out[i] = _row_q8(qt0, w0[i], s0[i], qa[0], da[0], asum[0], bsums[0])
+                qt, w, s, r, n = qt0, w0, s0, i, R0
             elif i < R0 + R1:
-                out[i] = _row_q8(qt1, w1[i - R0], s1[i - R0], qa[0], da[0], asum[0], bsums[0])
+                qt, w, s, r, n = qt1, w1, s1, i - R0, R1
             else:
-                r = i - R0 - R1
-                out[i] = _row_q8(qt2, w2[r], s2[r], qa[0], da[0], asum[0], bsums[0])
+                qt, w, s, r, n = qt2, w2, s2, i - R0 - R1, R2
+            if qt == 12 and s.shape[1] <= 2 * PAIR_BLOCKS and r + 1 < n and i + 1 < end:  # Q4_K rows in pairs
+                out[i], out[i + 1] = _dot2_q4_k_q8(w[r], s[r], w[r + 1], s[r + 1], qa[0], da[0], bsums[0])
+                i += 2
+            else:
+                out[i] = _row_q8(qt, w[r], s[r], qa[0], da[0], asum[0], bsums[0])
+                i += 1
     return out[:R0], out[R0 : R0 + R1], out[R0 + R1 :]
 
 

@@ -57,6 +57,7 @@ from engine.kernels.simd import (
 )
 
 CHUNK = 16  # rows per parallel work item
+PAIR_BLOCKS = 8  # decode GEMVs take rows in pairs up to this many blocks a row (16-block rows: slower)
 
 
 # --- codes: the unsigned integer values of 32 consecutive elements, as I8x32 ------------------
@@ -119,6 +120,37 @@ def _dot_q4_k_q8(w, s, qa, da, bsums):
             iacc = _q8_pair(lo, hi, qa, 256 * b + 64 * j, sm, j, iacc)
         acc = fma_i32(iacc, s[2 * b] * da[b], acc)
     return hsum_f32(acc)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot2_q4_k_q8(w0, s0, w1, s1, qa, da, bsums):
+    """(_dot_q4_k_q8(w0, s0, …), _dot_q4_k_q8(w1, s1, …)): two q4_K rows of one width against one
+    activation row, bit-identical to two single-row calls (each row's operations in the same order);
+    the activation loads are shared and the two chains interleave."""
+    acc0 = zero_f32()
+    acc1 = zero_f32()
+    for b in range(s0.shape[0] // 2):
+        o = b * 144
+        sm0 = k4_scales(w0, o + 4)
+        sm1 = k4_scales(w1, o + 4)
+        bs = load_i16x16(bsums, 16 * b)
+        acc0 = fma_i32(madd(bs, dup_high16(sm0)), -s0[2 * b + 1] * da[b], acc0)
+        acc1 = fma_i32(madd(bs, dup_high16(sm1)), -s1[2 * b + 1] * da[b], acc1)
+        i0 = zero_i32()
+        i1 = zero_i32()
+        for j in range(4):
+            xo = 256 * b + 64 * j
+            lo0, hi0 = _q4k_codes(w0, o, j)
+            lo1, hi1 = _q4k_codes(w1, o, j)
+            a0 = load_i8x32(qa, xo)
+            a1 = load_i8x32(qa, xo + 32)
+            i0 = madd_acc(i0, maddubs(lo0, a0), bcast16(sm0, 2 * j))
+            i0 = madd_acc(i0, maddubs(hi0, a1), bcast16(sm0, 2 * j + 1))
+            i1 = madd_acc(i1, maddubs(lo1, a0), bcast16(sm1, 2 * j))
+            i1 = madd_acc(i1, maddubs(hi1, a1), bcast16(sm1, 2 * j + 1))
+        acc0 = fma_i32(i0, s0[2 * b] * da[b], acc0)
+        acc1 = fma_i32(i1, s1[2 * b] * da[b], acc1)
+    return hsum_f32(acc0), hsum_f32(acc1)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -268,6 +300,15 @@ def _dot4_q6_k_q8(w, s, qa, da, bsums, k):
     return hsum_f32(f0), hsum_f32(f1), hsum_f32(f2), hsum_f32(f3)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _one_token(xi, i0, end):
+    """Whether rows i0..end-1 of a gather all take the same activation row."""
+    for i in range(i0 + 1, end):  # noqa: SIM110 (a loop numba compiles, not a generator)
+        if xi[i] != xi[i0]:
+            return False
+    return True
+
+
 # --- parallel gather drivers -----------------------------------------------------------------
 
 
@@ -277,7 +318,17 @@ def gemv_q4_k_q8(raw, s, rows, xi, qa, da, bsums, out):
     T4 = T - T % 4
     ahead = prefetch_distance(raw)
     for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+        i0, end = c * CHUNK, min(M, (c + 1) * CHUNK)
+        if T == 1 and s.shape[1] <= 2 * PAIR_BLOCKS and (end - i0) % 2 == 0 and _one_token(xi, i0, end):
+            k = xi[i0]  # decode: rows in pairs on one activation load
+            for i in range(i0, end, 2):
+                for j in range(i + ahead, min(M, i + ahead + 2)):  # stream the weights
+                    prefetch_array(raw[rows[j]])
+                    prefetch_array(s[rows[j]])
+                r, r1 = rows[i], rows[i + 1]
+                out[i, 0], out[i + 1, 0] = _dot2_q4_k_q8(raw[r], s[r], raw[r1], s[r1], qa[k], da[k], bsums[k])
+            continue
+        for i in range(i0, end):
             j = i + ahead  # stream the weights: request row rows[j] now
             if j < M:
                 prefetch_array(raw[rows[j]])

@@ -102,9 +102,7 @@ R R_auto12 --vram 12GiB
 L L_ncmoe18 -ngl 99 --n-cpu-moe 18 -t 16
 L L_ncmoe19 -ngl 99 --n-cpu-moe 19 -t 16
 L L_ncmoe20 -ngl 99 --n-cpu-moe 20 -t 16
-L L_ncmoe17 -ngl 99 --n-cpu-moe 17 -t 16
 S S_cache12 --vram 12GiB --moe cache
-R R_cache12 --vram 12GiB --moe cache
 S S_cpu --vram 12GiB --moe cpu
 L L_cpumoe48 -ngl 99 --n-cpu-moe 48 -t 16
 S S_auto8 --vram 8GiB

@@ -204,6 +204,9 @@ class _FakeCal:
         self.cached = DeviceProfile(token_us=123.0, measured=("token_us",), name="fake GPU")  # written to the cache
         return SimpleNamespace(profile=self.cached)
 
+    def calibrate_in_child(self, model_path, options):
+        self.calibrate("cuda", None)
+
 
 @pytest.mark.parametrize(
     "cached,disabled,run,fail,want_token,want_runs",
@@ -223,6 +226,7 @@ def test_cuda_profile_policy(moe_path, monkeypatch, engine_env, cached, disabled
     monkeypatch.setattr(cal, "_FAILED", set())
     monkeypatch.setattr(cal, "load_cached", fake.load_cached)
     monkeypatch.setattr(cal, "calibrate", fake.calibrate)
+    monkeypatch.setattr(cal, "_calibrate_in_child", fake.calibrate_in_child)
     opts = engine_env({"SHARPI_NO_CALIBRATE": "1" if disabled else None})
     with open_gguf(moe_path) as gf:
         assert cal.speed_profile("cpu", gf, measure=True, options=opts) is None  # no CUDA: the defaults
@@ -230,6 +234,32 @@ def test_cuda_profile_policy(moe_path, monkeypatch, engine_env, cached, disabled
         assert prof.token_us == want_token and fake.runs == want_runs
         cal.speed_profile("cuda", gf, measure=run, options=opts)  # cached (or failed) once: never measured twice
         assert fake.runs == want_runs
+
+
+def test_calibration_runs_in_a_child_process(monkeypatch, tmp_path):
+    """The probes of a calibration take device memory in their own process (a user's VRAM budget never carries
+    them): `sharpi bench calibrate` for the model, with this process's thread count and calibration directory."""
+    import subprocess
+
+    import numba
+
+    from engine.config import EngineOptions
+
+    seen = {}
+
+    def run(cmd, **kw):
+        seen.update(cmd=cmd, env=kw["env"])
+        return SimpleNamespace(returncode=0, stderr="")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    cal._calibrate_in_child("/models/m.gguf", EngineOptions(calibration_dir=tmp_path))
+    cmd = seen["cmd"]
+    assert cmd[1:6] == ["-m", "engine.cli.main", "bench", "calibrate", "--device"] and "/models/m.gguf" in cmd
+    assert cmd[cmd.index("--threads") + 1] == str(numba.get_num_threads())
+    assert seen["env"]["SHARPI_CALIBRATION_DIR"] == str(tmp_path)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: SimpleNamespace(returncode=1, stderr="no GPU"))
+    with pytest.raises(RuntimeError, match="no GPU"):
+        cal._calibrate_in_child("/models/m.gguf", None)
 
 
 def test_a_session_never_measures(moe_path, monkeypatch):

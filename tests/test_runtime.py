@@ -254,8 +254,10 @@ def test_resident_experts_pack_each_layer_at_its_own_stride(tmp_path, device):
         weight_type="Q4_K", type_overrides={"blk.1.ffn_down_exps.weight": "Q6_K", "blk.2.ffn_down_exps.weight": "Q8_0"},
     ).path  # fmt: skip
     tokens = random_tokens(20, 1024, seed=6)
-    # exact-float arithmetic on both paths (q8_act=False), so quantized weights compare tightly too
-    with Session.load(str(path), LoadOptions(n_ctx=CTX, device=device, q8_act=False)) as s:
+    # exact-float arithmetic on both paths (q8_act=False, float32 prompt operands), so quantized weights compare
+    # tightly too
+    engine = replace(config.current(), prefill_precision="f32")
+    with Session.load(str(path), LoadOptions(n_ctx=CTX, device=device, q8_act=False, engine=engine)) as s:
         ref_prefill, ref_decode = _run(s, tokens)
         spec, L, E = s.spec, s.args.n_layer, s.args.n_expert
         strides = [layer_slot_layout(spec, i).stride for i in range(L)]

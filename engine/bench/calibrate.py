@@ -628,12 +628,37 @@ def speed_profile(device, gf, *, measure: bool, options: EngineOptions | None = 
     prof = load_cached(device, shape, options=options)
     if prof is None and measure and (str(device), shape) not in _FAILED:
         try:
-            prof = calibrate(device, shape, trunk_qtype=_trunk_qtype(gf), options=options).profile
+            _calibrate_in_child(gf.path, options)
+            prof = load_cached(device, shape, options=options)
+            if prof is None:
+                raise RuntimeError("the calibration process left no profile for this machine")
         except Exception as e:
             log.warning("device calibration failed, using the default profile: %s", e)
             _FAILED.add((str(device), shape))  # not again in this process
             return DeviceProfile()
     return prof or load_cached(device, shape, partial=True, options=options)
+
+
+def _calibrate_in_child(model_path: str, options: EngineOptions | None) -> None:
+    """``sharpi bench calibrate`` for ``model_path`` in a child process with this process's numba thread count
+    (part of the cache key) and calibration directory: its probe placements and buffers take device memory
+    in that process and give it all back when it exits, so a user's VRAM budget never carries them (nvidia-smi
+    counts a process's peak). The child writes the cache this process then reads."""
+    import os
+    import subprocess
+    import sys
+
+    import numba
+
+    env = dict(os.environ)
+    d = _opts(options).calibration_dir
+    if d is not None:
+        env["SHARPI_CALIBRATION_DIR"] = str(d)
+    cmd = [sys.executable, "-m", "engine.cli.main", "bench", "calibrate", "--device", "cuda", "-m", model_path]
+    cmd += ["--threads", str(numba.get_num_threads())]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    if r.returncode != 0:
+        raise RuntimeError(f"sharpi bench calibrate exited {r.returncode}: {r.stderr.strip()[-500:]}")
 
 
 def _trunk_qtype(gf) -> str:

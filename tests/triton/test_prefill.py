@@ -38,6 +38,10 @@ Q = QType
 TYPES = (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # triton_qblocks.SUPPORTED: what the grouped kernel serves
 U = 2.0**-9
 TIGHT = 1e-4 if DEVICE == "cuda" else 1e-5
+# The whole MoE rounds twice in series (x, then h = SiLU(gate)·up, to bf16): a weight whose rounding the compiled
+# dequantization flips moves h by a bf16 step, which the down product carries — measured 1.5e-4 on an H200
+# (Q4_K gate/up, Q6_K down, 300 tokens; 2026-11-27).
+TIGHT_MOE = 5e-4 if DEVICE == "cuda" else 1e-5
 # The interpreter runs programs one by one: few, large tiles keep it quick (BT 16: ragged groups stay cheap).
 INTERPRETER_LAUNCH = {
     "grouped_bf16:*:*": {"BR": 128, "NB": 1, "BT": 16, "num_warps": 4},
@@ -125,6 +129,6 @@ def test_moe_prefill_bf16_matches_the_rounded_reference(case):
     pool, stride, roles = expert_pool(types, F, D, E, DEVICE, rng)
     slot_off, x, w = routing_case(T, K, E, D, stride, DEVICE, rng)
     y = tm.moe_prefill(pool, slot_off, x, w, roles, options=_options("bf16"), n_experts=E)
-    assert _rel(y, refs.moe_prefill_bf16_reference(pool, slot_off, x, w, roles)) <= TIGHT
+    assert _rel(y, refs.moe_prefill_bf16_reference(pool, slot_off, x, w, roles)) <= TIGHT_MOE
     # three bf16 products in a row: a few u relative to the exact result (loose; the tight check is above)
     assert _rel(y, refs.moe_decode_reference(pool, slot_off, x, w, roles)) <= 8 * U

@@ -60,7 +60,7 @@ log "env: $(nvidia-smi --query-gpu=name --format=csv,noheader) | nproc $(nproc) 
 build() {
   cmake -S $L -B $B -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
     -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_COMMIT=$LLAMA_COMMIT -DLLAMA_BUILD_NUMBER=0 \
+    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_COMMIT=$LLAMA_COMMIT -DLLAMA_BUILD_NUMBER=0 \
     > $R/build.log 2>&1 && LD_LIBRARY_PATH=$LBLIB ninja -C $B -j"$(nproc)" llama-bench >> $R/build.log 2>&1 && touch $R/build.ok
 }
 synth() {

@@ -366,6 +366,14 @@ def overriding(**changes) -> Iterator[EngineOptions]:
 CUDA_ALLOC_CONF = "expandable_segments:True"
 
 
+def child_environ(changes: Mapping[str, str]) -> dict[str, str]:
+    """The environment for a child process of the engine's (e.g. the calibration): this process's, with
+    ``changes`` (variables of :data:`ENV`) set."""
+    env = dict(os.environ)
+    env.update(changes)
+    return env
+
+
 def apply_process_settings() -> None:
     """Process settings the engine wants before its first parallel call and its first CUDA allocation:
     ``GOMP_SPINCOUNT`` (see :data:`GOMP_SPINCOUNT`) and ``PYTORCH_CUDA_ALLOC_CONF`` (see

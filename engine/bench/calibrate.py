@@ -644,16 +644,15 @@ def _calibrate_in_child(model_path: str, options: EngineOptions | None) -> None:
     (part of the cache key) and calibration directory: its probe placements and buffers take device memory
     in that process and give it all back when it exits, so a user's VRAM budget never carries them (nvidia-smi
     counts a process's peak). The child writes the cache this process then reads."""
-    import os
     import subprocess
     import sys
 
     import numba
 
-    env = dict(os.environ)
+    from engine import config
+
     d = _opts(options).calibration_dir
-    if d is not None:
-        env["SHARPI_CALIBRATION_DIR"] = str(d)
+    env = config.child_environ({} if d is None else {config.ENV["calibration_dir"]: str(d)})
     cmd = [sys.executable, "-m", "engine.cli.main", "bench", "calibrate", "--device", "cuda", "-m", model_path]
     cmd += ["--threads", str(numba.get_num_threads())]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)

@@ -24,7 +24,6 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from engine.kernels import floats, kquants, legacy
-from engine.kernels.kquants import PAIR_BLOCKS, _dot2_q4_k_q8
 from engine.kernels.moe_fused import _row_q8, moe_down_q8, moe_gate_up_q8, quantize_for
 from engine.kernels.simd import (
     F32x8,
@@ -471,22 +470,17 @@ def qkv_q8(qt0, w0, s0, qt1, w1, s1, qt2, w2, s2, qa, da, asum, bsums):
     ahead = prefetch_distance(w0)
     CH = 16
     for c in prange((M + CH - 1) // CH):
-        i, end = c * CH, min(M, (c + 1) * CH)
-        while i < end:
-            for j in range(i + ahead, min(M, i + ahead + 2)):
+        for i in range(c * CH, min(M, (c + 1) * CH)):
+            j = i + ahead
+            if j < M:
                 prefetch_array(_pick(j, R0, R1, w0, w1, w2))
             if i < R0:
-                qt, w, s, r, n = qt0, w0, s0, i, R0
+                out[i] = _row_q8(qt0, w0[i], s0[i], qa[0], da[0], asum[0], bsums[0])
             elif i < R0 + R1:
-                qt, w, s, r, n = qt1, w1, s1, i - R0, R1
+                out[i] = _row_q8(qt1, w1[i - R0], s1[i - R0], qa[0], da[0], asum[0], bsums[0])
             else:
-                qt, w, s, r, n = qt2, w2, s2, i - R0 - R1, R2
-            if qt == 12 and s.shape[1] <= 2 * PAIR_BLOCKS and r + 1 < n and i + 1 < end:  # Q4_K rows in pairs
-                out[i], out[i + 1] = _dot2_q4_k_q8(w[r], s[r], w[r + 1], s[r + 1], qa[0], da[0], bsums[0])
-                i += 2
-            else:
-                out[i] = _row_q8(qt, w[r], s[r], qa[0], da[0], asum[0], bsums[0])
-                i += 1
+                r = i - R0 - R1
+                out[i] = _row_q8(qt2, w2[r], s2[r], qa[0], da[0], asum[0], bsums[0])
     return out[:R0], out[R0 : R0 + R1], out[R0 + R1 :]
 
 

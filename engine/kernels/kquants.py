@@ -57,7 +57,6 @@ from engine.kernels.simd import (
 )
 
 CHUNK = 16  # rows per parallel work item
-PAIR_BLOCKS = 8  # decode GEMVs take rows in pairs up to this many blocks a row (16-block rows: slower)
 
 
 # --- codes: the unsigned integer values of 32 consecutive elements, as I8x32 ------------------
@@ -300,15 +299,6 @@ def _dot4_q6_k_q8(w, s, qa, da, bsums, k):
     return hsum_f32(f0), hsum_f32(f1), hsum_f32(f2), hsum_f32(f3)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _one_token(xi, i0, end):
-    """Whether rows i0..end-1 of a gather all take the same activation row."""
-    for i in range(i0 + 1, end):  # noqa: SIM110 (a loop numba compiles, not a generator)
-        if xi[i] != xi[i0]:
-            return False
-    return True
-
-
 # --- parallel gather drivers -----------------------------------------------------------------
 
 
@@ -318,17 +308,7 @@ def gemv_q4_k_q8(raw, s, rows, xi, qa, da, bsums, out):
     T4 = T - T % 4
     ahead = prefetch_distance(raw)
     for c in prange((M + CHUNK - 1) // CHUNK):
-        i0, end = c * CHUNK, min(M, (c + 1) * CHUNK)
-        if T == 1 and s.shape[1] <= 2 * PAIR_BLOCKS and (end - i0) % 2 == 0 and _one_token(xi, i0, end):
-            k = xi[i0]  # decode: rows in pairs on one activation load
-            for i in range(i0, end, 2):
-                for j in range(i + ahead, min(M, i + ahead + 2)):  # stream the weights
-                    prefetch_array(raw[rows[j]])
-                    prefetch_array(s[rows[j]])
-                r, r1 = rows[i], rows[i + 1]
-                out[i, 0], out[i + 1, 0] = _dot2_q4_k_q8(raw[r], s[r], raw[r1], s[r1], qa[k], da[k], bsums[k])
-            continue
-        for i in range(i0, end):
+        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
             j = i + ahead  # stream the weights: request row rows[j] now
             if j < M:
                 prefetch_array(raw[rows[j]])

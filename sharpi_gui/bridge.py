@@ -222,6 +222,7 @@ def _preview(settings: D.PlanSettings, p) -> D.PlanPreview:
         moe_mode=p.moe_mode,
         moe_reason=p.moe_reason,
         predicted_tok_s=tuple(p.predicted_tok_s.items()),
+        resident_split=p.resident_split or 0,
         predicted_hit_rate=p.to_dict()["predicted_hit_rate"],
         speeds_source=profile_source(p.profile),
         speeds_device=p.profile.name,

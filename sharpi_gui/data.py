@@ -125,6 +125,11 @@ SEGMENTS = (
 )
 
 
+def segment_label(key: str, label: str, moe_mode: str) -> str:
+    """A device segment's legend label: the expert pool is a cache or the resident experts."""
+    return "resident experts" if key == "experts" and moe_mode == "resident" else label
+
+
 @dataclass(frozen=True)
 class PlanPreview:
     """A placement as the layout view draws it, or the reason there is none (``error``)."""
@@ -142,6 +147,7 @@ class PlanPreview:
     moe_mode: str = ""
     moe_reason: str = ""
     predicted_tok_s: tuple[tuple[str, float | None], ...] = ()  # (mode, tok/s or None = impossible)
+    resident_split: int = 0  # the resident prediction keeps the experts of layers 0..this-1 on the CPU
     predicted_hit_rate: float | None = None
     # Where the speeds behind predicted_tok_s come from: "measured" (calibrated on this machine),
     # "partly measured" or "defaults" (documented guesses); speeds_device names the machine.

@@ -506,6 +506,7 @@ def test_a_resident_split_leaves_room_to_stream_its_cpu_layers_experts(geo):
     off = _plan(g.spec, 12 * GiB, ctx=4096, kv_type="f32", moe="resident", moe_source="--moe", prompt_stream=False)
     assert 0 < off.n_cpu_moe <= on.n_cpu_moe < 48
     assert on.stream_slots >= 2 * STREAM_SPLIT_CHUNK and off.stream_slots == 0
+    assert (on.resident_split, off.resident_split) == (on.n_cpu_moe, off.n_cpu_moe)  # what the app names
     n = on.n_cpu_moe
     keep = 2 * STREAM_SPLIT_CHUNK * g.stride
     assert on.device.total - on.device.stream + keep <= 12 * GiB

@@ -64,6 +64,7 @@ class Placement:
     layers: tuple[LayerPlacement, ...]
     notes: tuple[str, ...] = ()
     profile: DeviceProfile = field(default_factory=DeviceProfile)
+    resident_split: int | None = None  # the split the resident prediction places (None: no device layer's experts fit)
     asked_n_cpu_moe: int = 0  # the request's n_cpu_moe (a resident split may keep more layers' experts on the CPU)
     stream_slots: int = 0  # prompt-streaming staging slots (device.stream bytes); 0: long prompts stay on the CPU
 

@@ -271,6 +271,7 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
         layers=layers,
         notes=tuple(notes),
         profile=profile,
+        resident_split=split,
         asked_n_cpu_moe=asked_cpu_moe,
         stream_slots=n_stream,
     )

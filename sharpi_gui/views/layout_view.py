@@ -8,7 +8,7 @@ from PySide6.QtCore import QPoint, QPointF, QRectF, QSize, Qt
 from PySide6.QtGui import QColor, QFontMetrics, QPainter, QPen
 from PySide6.QtWidgets import QSizePolicy, QToolTip, QWidget
 
-from sharpi_gui.data import SEGMENTS, PlanPreview, human_bytes
+from sharpi_gui.data import SEGMENTS, PlanPreview, human_bytes, segment_label
 from sharpi_gui.theme import DEVICE_COLORS, EXPERT_COLORS, LIGHT, SEGMENT_COLORS, Theme
 
 _PAD = 6
@@ -129,7 +129,9 @@ class LayoutView(QWidget):
         # Legend: colour, name, bytes
         col_w = w / _LEGEND_COLS
         amounts = dict(pv.segments)
-        items = [(self._segment_color(k), label, amounts.get(k, 0)) for k, label in SEGMENTS]
+        items = [
+            (self._segment_color(k), segment_label(k, label, pv.moe_mode), amounts.get(k, 0)) for k, label in SEGMENTS
+        ]
         items.append((None, "free", pv.free_bytes if pv.ok else 0))
         for i, (color, label, nbytes) in enumerate(items):
             cx = _PAD + (i % _LEGEND_COLS) * col_w

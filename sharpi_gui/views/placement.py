@@ -194,6 +194,8 @@ class PlacementPanel(QWidget):
         rows = []
         for mode, tok_s in pv.predicted_tok_s:
             name = MODE_NAMES.get(mode, mode)
+            if mode == "resident" and pv.resident_split:
+                name = f"experts resident from layer {pv.resident_split}"
             value = "does not fit" if tok_s is None else f"{tok_s:,.1f} tok/s"
             mark, b0, b1 = ("▶", "<b>", "</b>") if mode == pv.moe_mode else ("", "", "")
             rows.append(

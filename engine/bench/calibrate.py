@@ -487,7 +487,9 @@ def measure_fixed_costs(
                 measure(s, f"{tag} device, CPU experts", "cpu", -1, roomy)
                 measure(s, f"{tag} device, resident", "resident", -1, roomy)
                 if layers == 6:
-                    base = s.plan(PlanRequest(ctx=PROBE_CTX, kv_type="f32", moe="cpu"), roomy).device.total
+                    # the CPU-expert placement's bytes without a prompt staging: what a cache of 4 slots adds to
+                    base = s.plan(PlanRequest(ctx=PROBE_CTX, kv_type="f32", moe="cpu", prompt_stream=False), roomy)
+                    base = base.device.total
                     slots = 4  # fewer than the K = 8 experts a token uses: most lookups miss
                     tight = replace(roomy, vram_bytes=base + slots * expert_slot_layout(s.spec).stride)
                     measure(s, f"{tag} device, 4-slot cache", "cache", -1, tight)

@@ -62,30 +62,26 @@ def _align(n: int, a: int = SLOT_ALIGN) -> int:
     return -(-n // a) * a
 
 
-def expert_slot_layout(spec: ModelSpec) -> SlotLayout:
-    """Slot geometry: per role the largest one-expert matrix over layers, aligned, in ROLES order."""
+def _slot_layout(role_bytes: dict[str, int]) -> SlotLayout:
+    """Roles of one expert, each aligned to SLOT_ALIGN, in ROLES order (roles of 0 bytes left out)."""
     off, offsets, sizes = 0, {}, {}
     for r in ROLES:
-        b = spec.expert_role_max.get(r, 0)
-        if not b:
-            continue
-        offsets[r], sizes[r] = off, b
-        off += _align(b)
+        b = role_bytes.get(r, 0)
+        if b:
+            offsets[r], sizes[r] = off, b
+            off += _align(b)
     return SlotLayout(offsets, sizes, off)
+
+
+def expert_slot_layout(spec: ModelSpec) -> SlotLayout:
+    """Slot geometry: per role the largest one-expert matrix over layers, aligned, in ROLES order."""
+    return _slot_layout(spec.expert_role_max)
 
 
 def layer_slot_layout(spec: ModelSpec, layer: int) -> SlotLayout:
     """One layer's own slot geometry: its roles' bytes, aligned, in ROLES order (a resident layer's
     experts sit at this stride; :func:`expert_slot_layout` is the largest over layers)."""
-    lay = spec.layers[layer]
-    off, offsets, sizes = 0, {}, {}
-    for r in ROLES:
-        b = lay.expert_role_bytes.get(r, 0)
-        if not b:
-            continue
-        offsets[r], sizes[r] = off, b
-        off += _align(b)
-    return SlotLayout(offsets, sizes, off)
+    return _slot_layout(spec.layers[layer].expert_role_bytes)
 
 
 def resident_expert_bytes(spec: ModelSpec, layers) -> int:

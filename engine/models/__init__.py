@@ -14,7 +14,7 @@ from engine.gguf.reader import GGUFFile
 from engine.models.args import ModelArgs
 from engine.models.tensors import TensorSpec, validate_tensors
 
-SUPPORTED_ARCHITECTURES = ("llama", "olmoe", "qwen2moe", "qwen3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "olmoe", "qwen2moe", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next")
 
 
 def arch_module(arch: str) -> ModuleType:

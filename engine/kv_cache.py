@@ -79,8 +79,9 @@ class RecurrentState:
         self.ssm = torch.zeros(heads, dv, dk, dtype=torch.float32, device=device)
 
     def reset(self) -> None:
-        self.conv.zero_()
-        self.ssm.zero_()
+        # New zeros, not zero_(): the steps replace the tensors under inference mode.
+        self.conv = torch.zeros_like(self.conv)
+        self.ssm = torch.zeros_like(self.ssm)
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,180 @@
+"""Gated DeltaNet hybrids (qwen35moe, qwen35, qwen3next) on the CPU: the layer against its float64
+step-by-step reference, prefill against decode, the recurrent state's rules, multi-turn reuse, and device
+placements refused with a UsageError. Logits against llama.cpp: tests/test_parity_llama.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.api import LoadOptions, Session
+from engine.errors import UsageError
+from engine.generate import SamplingParams
+from engine.gguf import open_gguf
+from engine.models import build_model
+from engine.models.blocks import GatedDeltaNet
+from engine.models.layers import delta_net_reference, rms_norm
+from engine.models.ops import TorchOps
+from engine.plan import DeviceProfile, PlanRequest
+from engine.synth.writer import write_model
+
+ARCHS = ["qwen35moe", "qwen35", "qwen3next"]
+GROUPING = {"qwen35moe": "tile", "qwen35": "tile", "qwen3next": "interleave"}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gdn")
+    return {a: write_model(d / f"{a}.gguf", a, seed=11).path for a in ARCHS}
+
+
+def _f(gf, name):
+    t = gf.tensor(name)
+    return np.asarray(t.data, dtype=np.float64).reshape(t.shape)
+
+
+def _reference_params(gf, i: int, arch: str, a) -> dict:
+    """Layer i's weights as delta_net_reference takes them, read from the file (the fused Qwen3-Next
+    projections split here group by group, independently of the layer's own reordering)."""
+    Hk, dk, Hv = a.ssm_n_group, a.ssm_d_state, a.ssm_dt_rank
+    dv, r = a.ssm_d_inner // Hv, a.ssm_dt_rank // a.ssm_n_group
+    p = f"blk.{i}."
+    if arch == "qwen3next":
+        w_in, w_ba = _f(gf, p + "ssm_in.weight"), _f(gf, p + "ssm_ba.weight")
+        q, k, v, z, b, al = [], [], [], [], [], []
+        G = 2 * dk + 2 * r * dv
+        for g in range(Hk):
+            rows = w_in[g * G : (g + 1) * G]
+            q.append(rows[:dk])
+            k.append(rows[dk : 2 * dk])
+            v.append(rows[2 * dk : 2 * dk + r * dv])
+            z.append(rows[2 * dk + r * dv :])
+            b.append(w_ba[g * 2 * r : g * 2 * r + r])
+            al.append(w_ba[g * 2 * r + r : (g + 1) * 2 * r])
+        qkv, zw, bw, aw = np.concatenate(q + k + v), np.concatenate(z), np.concatenate(b), np.concatenate(al)
+    else:
+        qkv, zw = _f(gf, p + "attn_qkv.weight"), _f(gf, p + "attn_gate.weight")
+        bw, aw = _f(gf, p + "ssm_beta.weight"), _f(gf, p + "ssm_alpha.weight")
+    return dict(
+        qkv=qkv,
+        z=zw,
+        b=bw,
+        a=aw,
+        conv=_f(gf, p + "ssm_conv1d.weight"),
+        dt_bias=_f(gf, p + "ssm_dt.bias"),
+        A=_f(gf, p + "ssm_a"),
+        norm=_f(gf, p + "ssm_norm.weight"),
+        out=_f(gf, p + "ssm_out.weight"),
+        Hk=Hk,
+        dk=dk,
+        Hv=Hv,
+        dv=dv,
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layer_equals_step_by_step_reference(files, arch):
+    """The GDN layer on TorchOps, fed in two steps (its conv and delta-rule states carried in the cache),
+    equals the float64 token-by-token reference: outputs and both states."""
+    with open_gguf(files[arch]) as gf:
+        m = build_model(gf)
+        a = m.args
+        i = a.recurrent.index(True)
+        dn = m.layers[i].attn
+        assert isinstance(dn, GatedDeltaNet) and dn.grouping == GROUPING[arch]
+        rng = np.random.default_rng(0)
+        x = rms_norm(torch.from_numpy(rng.standard_normal((12, a.n_embd), dtype=np.float32)), None, a.rms_eps)
+        cache = m.new_cache(64)
+        with torch.inference_mode():
+            y = torch.cat([dn.step(TorchOps(s, cache, None, None), x[s:e]) for s, e in ((0, 5), (5, 12))]).numpy()
+        st = cache.recurrent[i]
+        p = _reference_params(gf, i, arch, a)
+        conv0 = np.zeros((a.ssm_d_conv - 1, a.conv_dim))
+        S0 = np.zeros((a.ssm_dt_rank, a.head_v_dim, a.ssm_d_state))
+        ref, conv, S = delta_net_reference(p, x.numpy(), conv0, S0, a.rms_eps, GROUPING[arch])
+    assert np.abs(y - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max()), np.abs(y - ref).max()
+    assert np.abs(st.conv.numpy() - conv).max() <= 1e-6
+    assert np.abs(st.ssm.numpy() - S).max() <= 1e-5 * max(1.0, np.abs(S).max())
+
+
+def _logits(m, tokens, chunks, n_ctx=128):
+    cache = m.new_cache(n_ctx)
+    out, pos = [], 0
+    for n in chunks:
+        out.append(m.forward(tokens[pos : pos + n], pos, cache).numpy())
+        pos += n
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_equals_decode(files, arch):
+    tokens = list(np.random.default_rng(1).integers(8, 1024, 40))
+    with open_gguf(files[arch]) as gf:
+        m = build_model(gf)
+        whole = _logits(m, tokens, [40])
+        decode = _logits(m, tokens, [1] * 40)
+        chunked = _logits(m, tokens, [7, 13, 1, 19])
+    assert np.abs(whole - decode).max() <= 1e-4, np.abs(whole - decode).max()
+    assert np.abs(whole - chunked).max() <= 1e-4, np.abs(whole - chunked).max()
+
+
+def test_state_is_per_gdn_layer_and_fixed_size(files):
+    with open_gguf(files["qwen35moe"]) as gf:
+        m = build_model(gf)
+        a = m.args
+        small, large = m.new_cache(64), m.new_cache(1024)
+    gdn = [i for i in range(a.n_layer) if a.recurrent[i]]
+    assert gdn and sorted(small.recurrent) == gdn and sorted(small.k) == a.attention_layers
+    per_state = sum(s.nbytes for s in small.recurrent.values())
+    assert per_state == sum(s.nbytes for s in large.recurrent.values())
+    one = small.recurrent[gdn[0]]
+    assert tuple(one.conv.shape) == (a.ssm_d_conv - 1, a.conv_dim)
+    assert tuple(one.ssm.shape) == (a.ssm_dt_rank, a.head_v_dim, a.ssm_d_state)
+
+
+def test_state_restarts_at_zero_and_never_steps_back(files):
+    tokens = list(np.random.default_rng(2).integers(8, 1024, 12))
+    with open_gguf(files["qwen35moe"]) as gf:
+        m = build_model(gf)
+        cache = m.new_cache(64)
+        first = m.forward(tokens, 0, cache).numpy()
+        with pytest.raises(UsageError, match="cannot continue at 5"):
+            m.forward(tokens[5:], 5, cache)
+        again = m.forward(tokens, 0, cache).numpy()  # position 0: the states restart
+    assert np.array_equal(first, again)
+    assert cache.reusable_prefix(12, 12) == 12 and cache.reusable_prefix(5, 12) == 0
+
+
+def test_follow_up_turn_processes_only_new_tokens(files):
+    with Session.load(str(files["qwen35moe"]), LoadOptions(n_ctx=256)) as s:
+        calls = []
+        forward = s.model.forward
+        s.model.forward = lambda t, start, cache, all_logits=True: (
+            calls.append((start, len(t))) or forward(t, start, cache, all_logits)
+        )
+        p1 = s.tokenize("hello world")
+        ids = [e.token_id for e in s.generate(prompt_ids=p1, params=SamplingParams.greedy(max_tokens=5))]
+        calls.clear()
+        p2 = p1 + ids + s.tokenize(" and more")
+        follow = [e.token_id for e in s.generate(prompt_ids=p2, params=SamplingParams.greedy(max_tokens=3))]
+        assert calls[0] == (len(p1) + len(ids) - 1, len(p2) - (len(p1) + len(ids) - 1))
+        # an edited history cannot reuse the state: the prompt is processed from position 0
+        calls.clear()
+        list(s.generate(prompt_ids=p1[:-1] + [p1[-1] + 1], params=SamplingParams.greedy(max_tokens=1)))
+        assert calls[0] == (0, len(p1))
+    with Session.load(str(files["qwen35moe"]), LoadOptions(n_ctx=256)) as fresh:
+        assert follow == [e.token_id for e in fresh.generate(prompt_ids=p2, params=SamplingParams.greedy(max_tokens=3))]
+
+
+def test_device_placement_is_a_usage_error(files):
+    """Placements with layers on a device are refused up front (no device step for these layers yet);
+    the session keeps working on the CPU."""
+    with Session.load(str(files["qwen35moe"]), LoadOptions(n_ctx=128)) as s:
+        p = s.plan(PlanRequest(ctx=64, n_gpu_layers=2), DeviceProfile(vram_bytes=1 << 30))
+        assert p.n_gpu_layers == 2
+        with pytest.raises(UsageError, match="CPU only"):
+            s.apply(p)
+        with pytest.raises(UsageError, match="CPU only"):
+            s.model.configure([s.model.w] * 4, [torch.device("meta")] * 4, {}, s.model.w)
+        assert len(list(s.generate("still here", params=SamplingParams.greedy(max_tokens=3)))) == 3

@@ -14,7 +14,7 @@ from engine.generate import SamplingParams
 from engine.gguf import open_gguf
 from engine.models import build_model
 from engine.models.blocks import GatedDeltaNet
-from engine.models.layers import delta_net_reference, rms_norm
+from engine.models.layers import delta_net_reference, gated_delta_chunked, gated_delta_rule, l2_norm, rms_norm
 from engine.models.ops import TorchOps
 from engine.plan import DeviceProfile, PlanRequest
 from engine.synth.writer import write_model
@@ -98,6 +98,22 @@ def test_layer_equals_step_by_step_reference(files, arch):
     assert np.abs(st.ssm.numpy() - S).max() <= 1e-5 * max(1.0, np.abs(S).max())
 
 
+@pytest.mark.parametrize("T", [1, 5, 63, 64, 65, 150])
+def test_chunked_delta_rule_equals_recurrence(T):
+    """The chunked form (prompts) against the token-by-token recurrence (decode) from a nonzero state, with
+    strong and weak decays, partial last chunks included."""
+    g = torch.Generator().manual_seed(T)
+    H, dk, dv = 3, 16, 24
+    q, k = (l2_norm(torch.randn(T, H, dk, generator=g), 1e-6) for _ in range(2))
+    v = torch.randn(T, H, dv, generator=g)
+    decay = -torch.rand(T, H, generator=g) * torch.tensor([0.01, 1.0, 5.0])
+    beta = torch.rand(T, H, generator=g)
+    S = torch.randn(H, dv, dk, generator=g)
+    o1, S1 = gated_delta_rule(q, k, v, decay, beta, S)
+    o2, S2 = gated_delta_chunked(q, k, v, decay, beta, S)
+    assert (o1 - o2).abs().max() <= 1e-5 and (S1 - S2).abs().max() <= 1e-5
+
+
 def _logits(m, tokens, chunks, n_ctx=128):
     cache = m.new_cache(n_ctx)
     out, pos = [], 0
@@ -109,12 +125,14 @@ def _logits(m, tokens, chunks, n_ctx=128):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefill_equals_decode(files, arch):
-    tokens = list(np.random.default_rng(1).integers(8, 1024, 40))
+    """A prompt in one pass (chunked delta rule over 2+ chunks), token by token (the recurrence) and in
+    uneven pieces (states carried between passes) give the same logits."""
+    tokens = list(np.random.default_rng(1).integers(8, 1024, 100))
     with open_gguf(files[arch]) as gf:
         m = build_model(gf)
-        whole = _logits(m, tokens, [40])
-        decode = _logits(m, tokens, [1] * 40)
-        chunked = _logits(m, tokens, [7, 13, 1, 19])
+        whole = _logits(m, tokens, [100])
+        decode = _logits(m, tokens, [1] * 100)
+        chunked = _logits(m, tokens, [7, 70, 1, 22])
     assert np.abs(whole - decode).max() <= 1e-4, np.abs(whole - decode).max()
     assert np.abs(whole - chunked).max() <= 1e-4, np.abs(whole - chunked).max()
 

@@ -289,3 +289,45 @@ def delta_net_reference(p: dict, x: np.ndarray, conv: np.ndarray, S: np.ndarray,
         o = o / np.sqrt((o * o).mean(-1, keepdims=True) + eps) * W["norm"] * (zz / (1 + np.exp(-zz)))
         ys.append(W["out"] @ o.reshape(-1))
     return np.stack(ys), conv, S
+
+
+DELTA_CHUNK = 64  # tokens per chunk of the chunked delta rule (llama.cpp's build_delta_net_chunking uses 64)
+
+
+def gated_delta_chunked(q, k, v, g, beta, S, chunk: int = DELTA_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gated_delta_rule` over T tokens in chunks (the WY form of llama.cpp's build_delta_net_chunking and
+    flash-linear-attention's chunk_gated_delta_rule): within a chunk, with G the cumulative log-decay,
+    U = (I + tril₋₁((β⊙K)Kᵀ ⊙ e^{Gᵢ−Gⱼ}))⁻¹ gives the chunk's pseudo-values U(β⊙V) and decayed keys
+    U(β⊙K⊙e^G); each chunk then reads the state once and updates it once. Equal to the recurrence up to
+    float32 rounding (tests/test_gdn.py). Same arguments and result as :func:`gated_delta_rule`."""
+    T, H, dk = q.shape
+    pad = (-T) % chunk
+    n = (T + pad) // chunk
+
+    def blocks(x):  # [T, H, d] -> [H, n, C, d], zero-padded (padded tokens neither decay nor update)
+        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
+        return x.reshape(n, chunk, H, x.shape[-1]).permute(2, 0, 1, 3)
+
+    q = q * (1.0 / float(dk) ** 0.5)
+    qc, kc, vc = blocks(q), blocks(k), blocks(v)  # [H, n, C, d]
+    gc = torch.nn.functional.pad(g, (0, 0, 0, pad)).reshape(n, chunk, H).permute(2, 0, 1)  # [H, n, C]
+    bc = torch.nn.functional.pad(beta, (0, 0, 0, pad)).reshape(n, chunk, H).permute(2, 0, 1)
+    G = gc.cumsum(-1)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = torch.where(lower, G[..., :, None] - G[..., None, :], float("-inf")).exp()  # [H, n, C, C]
+    kb, vb = kc * bc[..., None], vc * bc[..., None]
+    M = ((kb @ kc.transpose(-1, -2)) * decay).tril(-1)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    U = torch.linalg.solve_triangular(eye + M, eye.expand_as(M), upper=False, unitriangular=True)
+    u, w = U @ vb, U @ (kb * G.exp()[..., None])  # [H, n, C, dv], [H, n, C, dk]
+    out = []
+    for c in range(n):
+        St = S.transpose(-1, -2)  # [H, dk, dv]
+        v_new = u[:, c] - w[:, c] @ St  # [H, C, dv]
+        o = (qc[:, c] * G[:, c].exp()[..., None]) @ St + ((qc[:, c] @ kc[:, c].transpose(-1, -2)) * decay[:, c]) @ v_new
+        last = G[:, c, -1]  # [H]
+        kd = kc[:, c] * (last[:, None] - G[:, c]).exp()[..., None]  # [H, C, dk]
+        S = S * last.exp()[:, None, None] + v_new.transpose(-1, -2) @ kd
+        out.append(o)
+    o = torch.cat(out, dim=1)[:, :T]  # [H, T, dv]
+    return o.transpose(0, 1).contiguous(), S

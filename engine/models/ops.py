@@ -29,6 +29,7 @@ from engine.models.layers import (
     causal_conv1d,
     delta_gates,
     expand_heads,
+    gated_delta_chunked,
     gated_delta_rule,
     gated_rms_norm,
     l2_norm,
@@ -160,7 +161,8 @@ class TorchOps:
         v = c[:, 2 * kd :].reshape(T, dn.n_v_heads, dn.head_v)
         q, k = expand_heads(q, dn.n_v_heads, dn.grouping), expand_heads(k, dn.n_v_heads, dn.grouping)
         beta, g = delta_gates(b, a, dn.dt_bias.to(b.device), dn.A.to(b.device))
-        o, st.ssm = gated_delta_rule(q, k, v, g, beta, st.ssm)
+        rule = gated_delta_rule if T == 1 else gated_delta_chunked  # decode: the recurrence; prompts: chunks
+        o, st.ssm = rule(q, k, v, g, beta, st.ssm)
         return o.reshape(T, -1)
 
     def gated_norm(self, dn, o, z):

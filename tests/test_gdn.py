@@ -4,12 +4,14 @@ placements refused with a UsageError. Logits against llama.cpp: tests/test_parit
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
 from engine.api import LoadOptions, Session
-from engine.errors import UsageError
+from engine.errors import PlanError, UsageError
 from engine.generate import SamplingParams
 from engine.gguf import open_gguf
 from engine.models import build_model
@@ -186,13 +188,15 @@ def test_follow_up_turn_processes_only_new_tokens(files):
 
 
 def test_device_placement_is_a_usage_error(files):
-    """Placements with layers on a device are refused up front (no device step for these layers yet);
-    the session keeps working on the CPU."""
+    """The planner keeps every layer on the CPU (no device step for these layers yet) and refuses -g N; a
+    placement with device layers is refused up front by apply; the session keeps working on the CPU."""
     with Session.load(str(files["qwen35moe"]), LoadOptions(n_ctx=128)) as s:
-        p = s.plan(PlanRequest(ctx=64, n_gpu_layers=2), DeviceProfile(vram_bytes=1 << 30))
-        assert p.n_gpu_layers == 2
+        auto = s.plan(PlanRequest(ctx=64, n_gpu_layers=-1), DeviceProfile(vram_bytes=1 << 30))
+        assert auto.n_gpu_layers == 0 and "CPU only" in auto.layer_reason
+        with pytest.raises(PlanError, match="CPU only"):
+            s.plan(PlanRequest(ctx=64, n_gpu_layers=2), DeviceProfile(vram_bytes=1 << 30))
         with pytest.raises(UsageError, match="CPU only"):
-            s.apply(p)
+            s.apply(replace(auto, n_gpu_layers=2))
         with pytest.raises(UsageError, match="CPU only"):
             s.model.configure([s.model.w] * 4, [torch.device("meta")] * 4, {}, s.model.w)
         assert len(list(s.generate("still here", params=SamplingParams.greedy(max_tokens=3)))) == 3

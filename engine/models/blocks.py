@@ -48,8 +48,8 @@ class Attention:
         self.wo = w.linear(p + "attn_output.weight")
         self.q_norm = w.vector(p + "attn_q_norm.weight") if qk_norm else None
         self.k_norm = w.vector(p + "attn_k_norm.weight") if qk_norm else None
-        # HostOps.attend; the host kernels rotate whole heads and have no output gate.
-        host_ok = a.head_dim % 16 == 0 and a.rope_dim == a.head_dim and not q_gate
+        # HostOps.attend; the host ops have no output gate (sigmoid_mul) yet.
+        host_ok = a.head_dim % 16 == 0 and not q_gate
         self.host = _on_host(self.wq, self.wk, self.wv, self.wo) and host_ok
 
     def step(self, ops: Ops, h, hq=None):

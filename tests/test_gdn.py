@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from engine.api import LoadOptions, Session
-from engine.errors import PlanError, UsageError
+from engine.errors import MetadataError, PlanError, UsageError
 from engine.generate import SamplingParams
 from engine.gguf import open_gguf
 from engine.models import build_model
+from engine.models.args import hybrid_fields
 from engine.models.blocks import GatedDeltaNet
 from engine.models.layers import delta_net_reference, gated_delta_chunked, gated_delta_rule, l2_norm, rms_norm
 from engine.models.ops import TorchOps
@@ -200,3 +201,38 @@ def test_device_placement_is_a_usage_error(files):
         with pytest.raises(UsageError, match="CPU only"):
             s.model.configure([s.model.w] * 4, [torch.device("meta")] * 4, {}, s.model.w)
         assert len(list(s.generate("still here", params=SamplingParams.greedy(max_tokens=3)))) == 3
+
+
+class _Meta:
+    """Just the metadata of a file, for hybrid_fields."""
+
+    path = "meta.gguf"
+
+    def __init__(self, **kv):
+        self.kv = {f"qwen35moe.{k}": v for k, v in kv.items()}
+
+    def get(self, key, default=None):
+        return self.kv.get(key, default)
+
+
+def test_layer_kinds_follow_llama_cpp_keys():
+    """The recurrent_layers array wins over full_attention_interval (default 4); MTP blocks are not trunk."""
+    base = {
+        "ssm.conv_kernel": 4,
+        "ssm.inner_size": 128,
+        "ssm.state_size": 32,
+        "ssm.time_step_rank": 4,
+        "ssm.group_count": 2,
+        "block_count": 9,
+        "rope.dimension_count": 64,
+        "rope.dimension_sections": [11, 11, 10, 0],
+    }
+    h = hybrid_fields(_Meta(**base), "qwen35moe", sections=True)
+    assert h["n_layer"] == 9 and h["recurrent"] == (True, True, True, False) * 2 + (True,)
+    h = hybrid_fields(_Meta(**base, nextn_predict_layers=1, full_attention_interval=2), "qwen35moe", sections=True)
+    assert h["n_layer"] == 8 and h["n_layer_nextn"] == 1 and h["recurrent"] == (True, False) * 4
+    flags = [1, 0, 0, 1, 1, 1, 0, 1, 0]
+    h = hybrid_fields(_Meta(**base, **{"attention.recurrent_layers": flags}), "qwen35moe", sections=True)
+    assert h["recurrent"] == tuple(bool(f) for f in flags)
+    with pytest.raises(MetadataError, match="non-text position"):
+        hybrid_fields(_Meta(**{**base, "rope.dimension_sections": [4, 4, 4, 20]}), "qwen35moe", sections=True)

@@ -197,8 +197,7 @@ def hybrid_fields(gf: GGUFFile, arch: str, sections: bool) -> dict[str, Any]:
     n_all = _int(gf, k(keys.BLOCK_COUNT))
     nextn = _int(gf, k(keys.NEXTN_PREDICT_LAYERS), 0)
     interval = _int(gf, k(keys.FULL_ATTENTION_INTERVAL), 4)
-    if gf.get(k("{arch}.attention.recurrent_layers")) is not None:
-        raise MetadataError("per-layer recurrent_layers arrays are not supported (full_attention_interval is)", gf.path)
+    per_layer = gf.get(k(keys.RECURRENT_LAYERS))  # llama.cpp prefers it to the interval when present
     checks = [
         (all(v > 0 for v in f.values()), f"linear-attention sizes must be positive: {f}"),
         (f["ssm_dt_rank"] % f["ssm_n_group"] == 0, "value heads (time_step_rank) must be a multiple of group_count"),
@@ -211,6 +210,14 @@ def hybrid_fields(gf: GGUFFile, arch: str, sections: bool) -> dict[str, Any]:
         if not ok:
             raise MetadataError(msg, gf.path)
     n_layer = n_all - nextn
+    if isinstance(per_layer, (bool, int)):  # one value for every layer (get_key_or_arr)
+        per_layer = [per_layer] * n_layer
+    if per_layer is not None:
+        if not isinstance(per_layer, (list, tuple)) or len(per_layer) < n_layer:
+            raise MetadataError(f"{k(keys.RECURRENT_LAYERS)} must list at least {n_layer} layers", gf.path)
+        recurrent = tuple(bool(x) for x in per_layer[:n_layer])
+    else:
+        recurrent = tuple((i + 1) % interval != 0 for i in range(n_layer))
     if sections:
         sec = gf.get(keys.arch_key(keys.ROPE_DIMENSION_SECTIONS, arch))
         if not isinstance(sec, (list, tuple)) or len(sec) < 3 or sum(int(s) for s in sec[:4]) <= 0:
@@ -226,5 +233,5 @@ def hybrid_fields(gf: GGUFFile, arch: str, sections: bool) -> dict[str, Any]:
         **f,
         n_layer=n_layer,
         n_layer_nextn=nextn,
-        recurrent=tuple((i + 1) % interval != 0 for i in range(n_layer)),
+        recurrent=recurrent,
     )

@@ -1,4 +1,5 @@
-"""Preallocated KV cache written by position, in f32, bf16 or q8_0.
+"""Preallocated KV cache written by position, in f32, bf16 or q8_0, and the fixed-size recurrent state
+of linear-attention layers (:class:`RecurrentState`) beside it.
 
 q8_0 stores int8 codes plus one fp16 scale per 32 values (34 bytes per 32 elements, the size the
 planner prices); values are rounded like ggml's ``quantize_row_q8_0_ref`` (d = amax/127).
@@ -68,8 +69,28 @@ class _Store:
         return n
 
 
+class RecurrentState:
+    """One Gated DeltaNet layer's state: the conv window ``conv`` float32 [K−1, C] (the last K−1 inputs of
+    its depthwise conv) and the delta-rule state ``ssm`` float32 [Hv, dv, dk]. Its size is fixed: it
+    does not grow with the context."""
+
+    def __init__(self, conv_rows: int, conv_dim: int, heads: int, dv: int, dk: int, device: torch.device):
+        self.conv = torch.zeros(conv_rows, conv_dim, dtype=torch.float32, device=device)
+        self.ssm = torch.zeros(heads, dv, dk, dtype=torch.float32, device=device)
+
+    def reset(self) -> None:
+        # New zeros, not zero_(): the steps replace the tensors under inference mode.
+        self.conv = torch.zeros_like(self.conv)
+        self.ssm = torch.zeros_like(self.ssm)
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.numel() * 4 + self.ssm.numel() * 4
+
+
 class KVCache:
-    """K and V for ``layers`` (layer index → device), each [n_ctx, kv_dim]."""
+    """K and V for ``layers`` (layer index → device), each [n_ctx, kv_dim]; ``recurrent``: the state of
+    each linear-attention layer (layer index → :class:`RecurrentState`), at position :attr:`state_pos`."""
 
     def __init__(
         self,
@@ -78,6 +99,7 @@ class KVCache:
         kv_dim: int,
         kv_type: str | dict[int, str] | None = None,
         charge=None,
+        recurrent: dict[int, RecurrentState] | None = None,
     ):
         """kv_type: one dtype for every layer (None: f32), or per layer; charge(layer, nbytes) is called before
         each layer's K and V are allocated (the runtime's device arena)."""
@@ -88,6 +110,8 @@ class KVCache:
         self.kv_types = types
         self.kv_type = types[min(types)] if types else "f32"  # the first layer's (device) dtype
         self.k, self.v = {}, {}
+        self.recurrent: dict[int, RecurrentState] = dict(recurrent or {})
+        self.state_pos = 0  # the position the recurrent states have consumed up to
         for i, dev in layers.items():
             if charge is not None:
                 charge(i, kv_layer_bytes(types[i], kv_dim, n_ctx))
@@ -111,9 +135,31 @@ class KVCache:
         self.write(layer, start, k, v)
         return self.read(layer, start + k.shape[0])
 
+    def reusable_prefix(self, keep: int, held: int) -> int:
+        """How many of the ``held`` cached positions a new prompt sharing ``keep`` of them can reuse:
+        ``keep`` where only K/V are cached (they are written by position), but recurrent states hold
+        every position they consumed and cannot step back: all of them or nothing."""
+        return keep if not self.recurrent or keep == held == self.state_pos else 0
+
+    def enter(self, start: int, T: int) -> None:
+        """A step of T tokens at ``start`` begins: recurrent states restart at position 0 and otherwise
+        continue only from where they are (a :class:`UsageError` for any other start)."""
+        if not self.recurrent:
+            return
+        if start == 0:
+            for s in self.recurrent.values():
+                s.reset()
+        elif start != self.state_pos:
+            raise UsageError(
+                f"the recurrent state is at position {self.state_pos} and cannot continue at {start}: "
+                "linear-attention layers cannot step back (process the prompt again from position 0)"
+            )
+        self.state_pos = start + T
+
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.k.values()) + sum(s.nbytes for s in self.v.values())
+        n = sum(s.nbytes for s in self.k.values()) + sum(s.nbytes for s in self.v.values())
+        return n + sum(s.nbytes for s in self.recurrent.values())
 
     def storage_dtype(self) -> torch.dtype:
         """The dtype really stored (tests use it to prove no silent f32 fallback)."""

@@ -23,6 +23,11 @@ F32_MODELS = [
     ("mixtral", "llama", {"experts": 4, "experts_used": 2}),
     ("llama-dense", "llama", {"rope_freqs": True}),
     ("qwen3-dense", "qwen3", {}),
+    # Gated DeltaNet hybrids: 3 GDN layers and 1 gated full-attention layer each
+    ("qwen35moe", "qwen35moe", {}),
+    ("qwen35moe-tied-mha", "qwen35moe", {"tied_output": True, "ssm_groups": 4, "full_attn_interval": 2}),
+    ("qwen35-dense", "qwen35", {}),
+    ("qwen3next", "qwen3next", {}),
 ]
 N_POS = 40
 

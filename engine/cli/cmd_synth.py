@@ -40,9 +40,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("--experts-used", "experts_used", "experts per token K"),
         ("--expert-ff", "expert_ff", "routed expert FFN width"),
         ("--ff", "ff", "dense FFN width (feed_forward_length)"),
-        ("--shared-ff", "shared_ff", "qwen2moe shared expert width"),
+        ("--shared-ff", "shared_ff", "shared expert width (qwen2moe, qwen35moe, qwen3next)"),
         ("--vocab", "vocab", "vocabulary size (= embedding rows)"),
         ("--ctx", "ctx", "training context length"),
+        ("--rope-dim", "rope_dim", "rotated dims per head (qwen35*, qwen3next; default a quarter-ish head)"),
+        ("--ssm-conv", "ssm_conv", "GDN conv taps (qwen35*, qwen3next)"),
+        ("--ssm-state", "ssm_state", "GDN key/value head width"),
+        ("--ssm-groups", "ssm_groups", "GDN key heads"),
+        ("--ssm-v-heads", "ssm_v_heads", "GDN value heads (a multiple of --ssm-groups)"),
+        ("--full-attn-interval", "full_attn_interval", "every n-th layer is full attention"),
     ):
         g.add_argument(flag, dest=field, type=int, help=helptext)
     g.add_argument("--rope-base", dest="rope_base", type=float, help="RoPE frequency base")
@@ -82,6 +88,12 @@ _GEOMETRY_FIELDS = [
     "ctx",
     "rope_base",
     "tied_output",
+    "rope_dim",
+    "ssm_conv",
+    "ssm_state",
+    "ssm_groups",
+    "ssm_v_heads",
+    "full_attn_interval",
     "rope_freqs",
 ]
 

@@ -94,7 +94,7 @@ def generate(
             "shorten it or raise the context size (-c)"
         )
     t0 = time.perf_counter()
-    keep = state.common_prefix(prompt_ids)
+    keep = cache.reusable_prefix(state.common_prefix(prompt_ids), len(state.tokens))
     state.tokens = state.tokens[:keep]
     todo = prompt_ids[keep:]
     logits = None

@@ -53,3 +53,15 @@ CHAT_TEMPLATE = Keys.Tokenizer.CHAT_TEMPLATE
 def arch_key(template: str, arch: str) -> str:
     """``arch_key(BLOCK_COUNT, "qwen3moe") -> "qwen3moe.block_count"``."""
     return template.format(arch=arch)
+
+
+# Linear-attention (Gated DeltaNet) hybrids.
+SSM_CONV_KERNEL = Keys.SSM.CONV_KERNEL
+SSM_INNER_SIZE = Keys.SSM.INNER_SIZE
+SSM_STATE_SIZE = Keys.SSM.STATE_SIZE
+SSM_TIME_STEP_RANK = Keys.SSM.TIME_STEP_RANK
+SSM_GROUP_COUNT = Keys.SSM.GROUP_COUNT
+FULL_ATTENTION_INTERVAL = Keys.LLM.FULL_ATTENTION_INTERVAL
+RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"  # per-layer flags (llama.cpp LLM_KV_ATTENTION_RECURRENT_LAYERS)
+NEXTN_PREDICT_LAYERS = Keys.LLM.NEXTN_PREDICT_LAYERS
+ROPE_DIMENSION_SECTIONS = Keys.Rope.DIMENSION_SECTIONS

@@ -14,7 +14,9 @@ from engine.gguf.reader import GGUFFile
 from engine.models.args import ModelArgs
 from engine.models.tensors import TensorSpec, validate_tensors
 
-SUPPORTED_ARCHITECTURES = ("llama", "olmoe", "qwen2moe", "qwen3", "qwen3moe")
+# Architectures with no device step yet: every placement keeps all their layers on the CPU.
+HOST_ONLY_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
+SUPPORTED_ARCHITECTURES = ("llama", "olmoe", "qwen2moe", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next")
 
 
 def arch_module(arch: str) -> ModuleType:
@@ -48,6 +50,7 @@ def check_model_file(gf: GGUFFile) -> tuple[ModelArgs, list[TensorSpec]]:
 
 
 __all__ = [
+    "HOST_ONLY_ARCHITECTURES",
     "SUPPORTED_ARCHITECTURES",
     "ModelArgs",
     "TensorSpec",

@@ -148,3 +148,90 @@ def moe_fields(gf: GGUFFile, arch: str, n_ff_exp_key: str, n_ff_exp_default: int
     if n_ff_exp <= 0:
         raise MetadataError(f"expert feed-forward length {n_ff_exp} must be positive", gf.path)
     return dict(n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp)
+
+
+@dataclass(frozen=True)
+class HybridArgs(ModelArgs):
+    """A Gated DeltaNet hybrid (Qwen3.5, Qwen3-Next): ``recurrent[i]`` says whether layer i is linear
+    attention; the others are gated full attention. Key heads ``ssm_n_group`` of ``ssm_d_state`` dims,
+    value heads ``ssm_dt_rank`` sharing ``ssm_d_inner`` dims, a depthwise conv of ``ssm_d_conv`` taps."""
+
+    ssm_d_conv: int = 0
+    ssm_d_inner: int = 0
+    ssm_d_state: int = 0
+    ssm_dt_rank: int = 0
+    ssm_n_group: int = 0
+    recurrent: tuple[bool, ...] = ()
+    n_layer_nextn: int = 0  # MTP blocks stored after the trunk (not run by the trunk)
+
+    @property
+    def head_v_dim(self) -> int:
+        return self.ssm_d_inner // self.ssm_dt_rank
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.ssm_n_group * self.ssm_d_state + self.ssm_d_inner
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i in range(self.n_layer) if not self.recurrent[i]]
+
+
+def hybrid_fields(gf: GGUFFile, arch: str, sections: bool) -> dict[str, Any]:
+    """The linear-attention hyperparameters as llama.cpp reads them (``load_arch_hparams`` of qwen35,
+    qwen35moe, qwen3next), checked; ``n_layer`` is the trunk (block count less the MTP blocks).
+    sections: the file's attention uses interleaved multi-section RoPE (Qwen3.5), whose sections must
+    give every rotated pair the token's position (text positions; a pair on the fourth section would
+    rotate by position 0, which this engine does not model)."""
+
+    def k(template: str) -> str:
+        return keys.arch_key(template, arch)
+
+    f = dict(
+        ssm_d_conv=_int(gf, k(keys.SSM_CONV_KERNEL)),
+        ssm_d_inner=_int(gf, k(keys.SSM_INNER_SIZE)),
+        ssm_d_state=_int(gf, k(keys.SSM_STATE_SIZE)),
+        ssm_dt_rank=_int(gf, k(keys.SSM_TIME_STEP_RANK)),
+        ssm_n_group=_int(gf, k(keys.SSM_GROUP_COUNT)),
+    )
+    n_all = _int(gf, k(keys.BLOCK_COUNT))
+    nextn = _int(gf, k(keys.NEXTN_PREDICT_LAYERS), 0)
+    interval = _int(gf, k(keys.FULL_ATTENTION_INTERVAL), 4)
+    per_layer = gf.get(k(keys.RECURRENT_LAYERS))  # llama.cpp prefers it to the interval when present
+    checks = [
+        (all(v > 0 for v in f.values()), f"linear-attention sizes must be positive: {f}"),
+        (f["ssm_dt_rank"] % f["ssm_n_group"] == 0, "value heads (time_step_rank) must be a multiple of group_count"),
+        (f["ssm_d_inner"] % f["ssm_dt_rank"] == 0, "inner_size must split evenly over the value heads"),
+        (f["ssm_d_inner"] // max(f["ssm_dt_rank"], 1) == f["ssm_d_state"], "value head dim must equal state_size"),
+        (0 <= nextn < n_all, f"nextn_predict_layers {nextn} must be below the block count {n_all}"),
+        (interval > 0, f"full_attention_interval {interval} must be positive"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise MetadataError(msg, gf.path)
+    n_layer = n_all - nextn
+    if isinstance(per_layer, (bool, int)):  # one value for every layer (get_key_or_arr)
+        per_layer = [per_layer] * n_layer
+    if per_layer is not None:
+        if not isinstance(per_layer, (list, tuple)) or len(per_layer) < n_layer:
+            raise MetadataError(f"{k(keys.RECURRENT_LAYERS)} must list at least {n_layer} layers", gf.path)
+        recurrent = tuple(bool(x) for x in per_layer[:n_layer])
+    else:
+        recurrent = tuple((i + 1) % interval != 0 for i in range(n_layer))
+    if sections:
+        sec = gf.get(keys.arch_key(keys.ROPE_DIMENSION_SECTIONS, arch))
+        if not isinstance(sec, (list, tuple)) or len(sec) < 3 or sum(int(s) for s in sec[:4]) <= 0:
+            raise MetadataError(f"{arch} needs rope.dimension_sections (4 integers), got {sec!r}", gf.path)
+        sec = [int(s) for s in sec[:4]] + [0] * (4 - len(sec[:4]))
+        rope_dim = _int(gf, k(keys.ROPE_DIMENSION_COUNT), 0)
+        total = sum(sec)
+        for i in range(rope_dim // 2):  # ggml's interleaved M-RoPE sector choice
+            s = i % total
+            if not any(s % 3 == j and s < 3 * sec[j] for j in range(3)):
+                raise MetadataError(f"rope section layout {sec} rotates pair {i} by a non-text position", gf.path)
+    return dict(
+        **f,
+        n_layer=n_layer,
+        n_layer_nextn=nextn,
+        recurrent=recurrent,
+    )

@@ -27,28 +27,46 @@ def _on_host(*linears) -> bool:
 
 
 class Attention:
-    """Pre-normed GQA self-attention with RoPE and an optional q/k norm and q/k/v bias."""
+    """Pre-normed GQA self-attention with RoPE and an optional q/k norm and q/k/v bias; ``q_gate``: the q
+    projection gives each head its query and an output gate ([q_h | gate_h] per head), and the attention
+    output is multiplied by sigmoid(gate) before the output projection (Qwen3.5, Qwen3-Next)."""
 
-    def __init__(self, w: Weights, i: int, a: ModelArgs, qk_norm: str | None = None, qkv_bias: bool = False):
+    def __init__(
+        self,
+        w: Weights,
+        i: int,
+        a: ModelArgs,
+        qk_norm: str | None = None,
+        qkv_bias: bool = False,
+        q_gate: bool = False,
+    ):
         p = f"blk.{i}."
-        self.i, self.a, self.qk_norm = i, a, qk_norm
+        self.i, self.a, self.qk_norm, self.q_gate = i, a, qk_norm, q_gate
         self.wq = w.linear(p + "attn_q.weight", p + "attn_q.bias" if qkv_bias else None)
         self.wk = w.linear(p + "attn_k.weight", p + "attn_k.bias" if qkv_bias else None)
         self.wv = w.linear(p + "attn_v.weight", p + "attn_v.bias" if qkv_bias else None)
         self.wo = w.linear(p + "attn_output.weight")
         self.q_norm = w.vector(p + "attn_q_norm.weight") if qk_norm else None
         self.k_norm = w.vector(p + "attn_k_norm.weight") if qk_norm else None
-        self.host = _on_host(self.wq, self.wk, self.wv, self.wo) and a.head_dim % 16 == 0  # HostOps.attend
+        # HostOps.attend; the host ops have no output gate (sigmoid_mul) yet.
+        host_ok = a.head_dim % 16 == 0 and not q_gate
+        self.host = _on_host(self.wq, self.wk, self.wv, self.wo) and host_ok
 
     def step(self, ops: Ops, h, hq=None):
         """h [T, D] (normed; hq its q8 copy or None) -> attn(h) [T, D]; writes K/V of the step's positions."""
         a = self.a
         q, k, v = ops.linears((self.wq, self.wk, self.wv), h, hq)  # [T, H·hd], [T, Hkv·hd] x2
+        gate = None
+        if self.q_gate:  # [T, H·2·hd]: per head its query, then its gate
+            qg = q.reshape(q.shape[0], a.n_head, 2, a.head_dim)
+            q, gate = qg[:, :, 0].reshape(q.shape[0], -1), qg[:, :, 1].reshape(q.shape[0], -1)
         if self.qk_norm == "proj":  # OLMoE: over the whole projection
             q, k = ops.rms_norm(q, self.q_norm, a.rms_eps), ops.rms_norm(k, self.k_norm, a.rms_eps)
         head = (self.q_norm, self.k_norm) if self.qk_norm == "head" else None  # Qwen3: per head
         q = ops.rope_store(self, q, k, v, head)
-        o, oq = ops.attend(self, q, q8=ops.q8 and self.wo.takes_q8())  # [T, H·hd]
+        o, oq = ops.attend(self, q, q8=ops.q8 and self.wo.takes_q8() and gate is None)  # [T, H·hd]
+        if gate is not None:
+            o = ops.sigmoid_mul(o, gate)
         return ops.linears((self.wo,), o, oq)[0]
 
     def wants_q8_input(self) -> bool:
@@ -118,13 +136,67 @@ class MoE:
             self.experts.profiler.record_route(self.i, self.last_ids.numpy())
 
 
-class DecoderLayer:
-    """x += attn(norm(x)); x += ffn(norm(x))."""
+class GatedDeltaNet:
+    """Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next): the input projections give qkv (rows q | k | v),
+    the output gate z and the per-head b, a; the recurrent core (:meth:`Ops.delta_net`: causal conv with its
+    rolling state, silu, L2-normed q and k, the gated delta rule with its state) gives o; then
+    rms_norm(o)·w ⊙ silu(z) per value head and the output projection. Its state lives in the cache
+    (``KVCache.recurrent[i]``), a fixed size whatever the context.
 
-    def __init__(self, w: Weights, i: int, a: ModelArgs, attn: Attention, ffn):
+    fused_input: the Qwen3-Next legacy projections ``ssm_in`` (per key head [q | k | v | z]) and ``ssm_ba``
+    (per key head [b | a]) instead of ``attn_qkv``, ``attn_gate``, ``ssm_beta``, ``ssm_alpha``; their outputs
+    are reordered to the split layout. grouping: how Hk key heads serve Hv value heads (``expand_heads``)."""
+
+    def __init__(self, w: Weights, i: int, a, grouping: str, fused_input: bool = False):
+        p = f"blk.{i}."
+        self.i, self.eps, self.grouping, self.fused_input = i, a.rms_eps, grouping, fused_input
+        Hk, dk, Hv = a.ssm_n_group, a.ssm_d_state, a.ssm_dt_rank
+        dv = a.ssm_d_inner // Hv
+        self.n_k_heads, self.head_k, self.n_v_heads, self.head_v = Hk, dk, Hv, dv
+        self.conv_dim = C = 2 * Hk * dk + Hv * dv
+        if fused_input:
+            self.w_in = (w.linear(p + "ssm_in.weight"), w.linear(p + "ssm_ba.weight"))
+            r = Hv // Hk
+            G = 2 * dk + 2 * r * dv  # one key head's group of ssm_in rows
+            g = np.arange(Hk)[:, None] * G
+            parts = [(0, dk), (dk, dk), (2 * dk, r * dv), (2 * dk + r * dv, r * dv)]  # q, k, v, z
+            self.qkvz_order = np.concatenate([(g + o + np.arange(n)).reshape(-1) for o, n in parts])
+            gb = np.arange(Hk)[:, None] * 2 * r
+            self.ba_order = np.concatenate([(gb + np.arange(r)).reshape(-1), (gb + r + np.arange(r)).reshape(-1)])
+        else:
+            names = ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight")
+            self.w_in = tuple(w.linear(p + n) for n in names)
+        self.conv_w = w.vector(p + "ssm_conv1d.weight").reshape(C, a.ssm_d_conv)  # [C, K]
+        self.dt_bias = w.vector(p + "ssm_dt.bias")  # [Hv]
+        self.A = w.vector(p + "ssm_a")  # [Hv] = −exp(A_log)
+        self.norm = w.vector(p + "ssm_norm.weight")  # [dv]
+        self.out = w.linear(p + "ssm_out.weight")  # [D, Hv·dv]
+        self.host = False  # no numba twin yet: TorchOps
+
+    def step(self, ops: Ops, h, hq=None):
+        """h [T, D] (normed) -> [T, D]; advances the layer's conv and delta-rule states by T tokens."""
+        if self.fused_input:
+            qkvz, ba = ops.linears(self.w_in, h, hq)
+            qkvz, ba = qkvz[:, self.qkvz_order], ba[:, self.ba_order]
+            C, Hv = self.conv_dim, self.n_v_heads
+            qkv, z, b, a = qkvz[:, :C], qkvz[:, C:], ba[:, :Hv], ba[:, Hv:]
+        else:
+            qkv, z, b, a = ops.linears(self.w_in, h, hq)
+        o = ops.delta_net(self, qkv, b, a)  # [T, Hv·dv]
+        return ops.linears((self.out,), ops.gated_norm(self, o, z))[0]
+
+    def wants_q8_input(self) -> bool:
+        return False
+
+
+class DecoderLayer:
+    """x += attn(norm(x)); x += ffn(norm(x)). ``attn`` is the layer's mixer (:class:`Attention` or
+    :class:`GatedDeltaNet`); ``ffn_norm`` the name of the second norm (``post_attention_norm`` in Qwen3.5)."""
+
+    def __init__(self, w: Weights, i: int, a: ModelArgs, attn, ffn, ffn_norm: str = "ffn_norm"):
         p = f"blk.{i}."
         self.attn_norm = w.vector(p + "attn_norm.weight")
-        self.ffn_norm = w.vector(p + "ffn_norm.weight")
+        self.ffn_norm = w.vector(p + ffn_norm + ".weight")
         self.attn, self.ffn, self.eps = attn, ffn, a.rms_eps
         self.moe: MoE | None = ffn if isinstance(ffn, MoE) else None
         # On the host: the numba ops instead of ~60 small torch ops per layer (selected here only).

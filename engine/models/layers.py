@@ -191,3 +191,143 @@ def route(logits: torch.Tensor, r: Routing) -> tuple[torch.Tensor, torch.Tensor]
     """Router logits [T, E] -> (ids int64 [T, k], weights float32 [T, k]) by ``r``'s kind: the reference
     every placement routes with (or equals, where a fast path serves the kind)."""
     return ROUTERS[r.kind](logits, r)
+
+
+# -- Gated DeltaNet (Qwen3.5 / Qwen3-Next linear-attention layers) -------------------------------------
+
+
+def causal_conv1d(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv of x [T, C] with kernels w [C, K] after the K−1 previous inputs ``state``
+    [K−1, C] -> (y [T, C], the new state: the last K−1 inputs). y_t = Σ_j xp[t+j]·w[:, j] over
+    xp = [state; x], summed in j order (llama.cpp build_conv_state + ggml_ssm_conv)."""
+    T, K = x.shape[0], w.shape[1]
+    xp = torch.cat([state, x])  # [K-1+T, C]
+    y = xp[0:T] * w[:, 0]
+    for j in range(1, K):
+        y = y + xp[j : j + T] * w[:, j]
+    return y, xp[xp.shape[0] - (K - 1) :].clone()
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., n] / max(‖x‖₂, eps) over the last dimension (ggml_l2_norm)."""
+    return x / torch.clamp(torch.linalg.vector_norm(x, dim=-1, keepdim=True), min=eps)
+
+
+def expand_heads(x: torch.Tensor, n: int, grouping: str) -> torch.Tensor:
+    """x [T, Hk, d] -> [T, n, d] for n value heads: ``"tile"`` gives value head h key head h mod Hk
+    (Qwen3.5: ggml_repeat_4d), ``"interleave"`` key head h // (n/Hk) (Qwen3-Next: repeat interleave)."""
+    r = n // x.shape[1]
+    if r == 1:
+        return x
+    return x.repeat(1, r, 1) if grouping == "tile" else x.repeat_interleave(r, dim=1)
+
+
+def delta_gates(b: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor):
+    """Beta and log-decay [T, H] from the projections b, a [T, H]: β = sigmoid(b), g = softplus(a + dt_bias)·A
+    where A = −exp(A_log) is the file's ``ssm_a`` (ggml_sigmoid, ggml_softplus, ggml_mul)."""
+    return torch.sigmoid(b), torch.nn.functional.softplus(a + dt_bias) * A
+
+
+def gated_delta_rule(q, k, v, g, beta, S) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule, token by token: q, k [T, H, dk] (L2-normed), v [T, H, dv], g, beta [T, H],
+    state S [H, dv, dk] -> (o [T, H, dv], S'). Per token: S ← S·exp(g); d = β(v − S k); S ← S + d kᵀ;
+    o = S q / sqrt(dk) (llama.cpp build_delta_net_autoregressive; its chunked and fused forms equal it)."""
+    T = q.shape[0]
+    q = q * (1.0 / float(q.shape[-1]) ** 0.5)
+    decay = torch.exp(g)
+    out = []
+    for t in range(T):
+        S = S * decay[t][:, None, None]
+        kt = k[t][:, None, :]  # [H, 1, dk]
+        d = (v[t] - (S * kt).sum(-1)) * beta[t][:, None]  # [H, dv]
+        S = S + d[:, :, None] * kt
+        out.append((S * q[t][:, None, :]).sum(-1))
+    return torch.stack(out), S
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(o)·w ⊙ silu(z) per head: o, z [T, H, dv], w [dv] (llama.cpp build_norm_gated)."""
+    return rms_norm(o, w, eps) * torch.nn.functional.silu(z)
+
+
+def delta_net_reference(p: dict, x: np.ndarray, conv: np.ndarray, S: np.ndarray, eps: float, grouping: str):
+    """The whole Gated DeltaNet mixer in float64 numpy, one token at a time: the plain reference the layer
+    (``engine.models.blocks.GatedDeltaNet`` on any ops) is held to.
+
+    p: float arrays ``qkv`` [Ck, D] (rows q | k | v), ``z`` [Hv·dv, D], ``b``, ``a`` [Hv, D], ``conv`` [C, K],
+    ``dt_bias``, ``A`` [Hv], ``norm`` [dv], ``out`` [D, Hv·dv]; and ints ``Hk``, ``dk``, ``Hv``, ``dv``.
+    x [T, D] (normed input); conv [K−1, C] and S [Hv, dv, dk] the state before. Returns (y [T, D], conv', S').
+    """
+    f = np.float64
+    x, conv, S = x.astype(f), conv.astype(f).copy(), S.astype(f).copy()
+    Hk, dk, Hv, dv = p["Hk"], p["dk"], p["Hv"], p["dv"]
+    W = {n: np.asarray(p[n], f) for n in ("qkv", "z", "b", "a", "conv", "dt_bias", "A", "norm", "out")}
+    ys = []
+    for t in range(x.shape[0]):
+        h = x[t]
+        mixed, z = W["qkv"] @ h, W["z"] @ h
+        window = np.concatenate([conv, mixed[None]])  # [K, C]: the last K inputs
+        conv = window[1:]
+        c = (window * W["conv"].T).sum(0)
+        c = c / (1 + np.exp(-c))  # silu
+        q, k, v = c[: Hk * dk].reshape(Hk, dk), c[Hk * dk : 2 * Hk * dk].reshape(Hk, dk), c[2 * Hk * dk :]
+        v = v.reshape(Hv, dv)
+        q = q / np.maximum(np.linalg.norm(q, axis=-1, keepdims=True), eps)
+        k = k / np.maximum(np.linalg.norm(k, axis=-1, keepdims=True), eps)
+        r = Hv // Hk
+        kh = [(j % Hk) if grouping == "tile" else (j // r) for j in range(Hv)]
+        beta = 1 / (1 + np.exp(-(W["b"] @ h)))
+        g = np.log1p(np.exp(W["a"] @ h + W["dt_bias"])) * W["A"]
+        o = np.empty((Hv, dv))
+        for j in range(Hv):
+            qj, kj = q[kh[j]] / np.sqrt(dk), k[kh[j]]
+            S[j] = S[j] * np.exp(g[j])
+            d = beta[j] * (v[j] - S[j] @ kj)
+            S[j] = S[j] + np.outer(d, kj)
+            o[j] = S[j] @ qj
+        zz = z.reshape(Hv, dv)
+        o = o / np.sqrt((o * o).mean(-1, keepdims=True) + eps) * W["norm"] * (zz / (1 + np.exp(-zz)))
+        ys.append(W["out"] @ o.reshape(-1))
+    return np.stack(ys), conv, S
+
+
+DELTA_CHUNK = 64  # tokens per chunk of the chunked delta rule (llama.cpp's build_delta_net_chunking uses 64)
+
+
+def gated_delta_chunked(q, k, v, g, beta, S, chunk: int = DELTA_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gated_delta_rule` over T tokens in chunks (the WY form of llama.cpp's build_delta_net_chunking and
+    flash-linear-attention's chunk_gated_delta_rule): within a chunk, with G the cumulative log-decay,
+    U = (I + tril₋₁((β⊙K)Kᵀ ⊙ e^{Gᵢ−Gⱼ}))⁻¹ gives the chunk's pseudo-values U(β⊙V) and decayed keys
+    U(β⊙K⊙e^G); each chunk then reads the state once and updates it once. Equal to the recurrence up to
+    float32 rounding (tests/test_gdn.py). Same arguments and result as :func:`gated_delta_rule`."""
+    T, H, dk = q.shape
+    pad = (-T) % chunk
+    n = (T + pad) // chunk
+
+    def blocks(x):  # [T, H, d] -> [H, n, C, d], zero-padded (padded tokens neither decay nor update)
+        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
+        return x.reshape(n, chunk, H, x.shape[-1]).permute(2, 0, 1, 3)
+
+    q = q * (1.0 / float(dk) ** 0.5)
+    qc, kc, vc = blocks(q), blocks(k), blocks(v)  # [H, n, C, d]
+    gc = torch.nn.functional.pad(g, (0, 0, 0, pad)).reshape(n, chunk, H).permute(2, 0, 1)  # [H, n, C]
+    bc = torch.nn.functional.pad(beta, (0, 0, 0, pad)).reshape(n, chunk, H).permute(2, 0, 1)
+    G = gc.cumsum(-1)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = torch.where(lower, G[..., :, None] - G[..., None, :], float("-inf")).exp()  # [H, n, C, C]
+    kb, vb = kc * bc[..., None], vc * bc[..., None]
+    M = ((kb @ kc.transpose(-1, -2)) * decay).tril(-1)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    U = torch.linalg.solve_triangular(eye + M, eye.expand_as(M), upper=False, unitriangular=True)
+    u, w = U @ vb, U @ (kb * G.exp()[..., None])  # [H, n, C, dv], [H, n, C, dk]
+    out = []
+    for c in range(n):
+        St = S.transpose(-1, -2)  # [H, dk, dv]
+        v_new = u[:, c] - w[:, c] @ St  # [H, C, dv]
+        o = (qc[:, c] * G[:, c].exp()[..., None]) @ St + ((qc[:, c] @ kc[:, c].transpose(-1, -2)) * decay[:, c]) @ v_new
+        last = G[:, c, -1]  # [H]
+        kd = kc[:, c] * (last[:, None] - G[:, c]).exp()[..., None]  # [H, C, dk]
+        S = S * last.exp()[:, None, None] + v_new.transpose(-1, -2) @ kd
+        out.append(o)
+    o = torch.cat(out, dim=1)[:, :T]  # [H, T, dv]
+    return o.transpose(0, 1).contiguous(), S

@@ -23,7 +23,20 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
-from engine.models.layers import apply_rope, attention, rms_norm, route, silu_mul
+from engine.models.layers import (
+    apply_rope,
+    attention,
+    causal_conv1d,
+    delta_gates,
+    expand_heads,
+    gated_delta_chunked,
+    gated_delta_rule,
+    gated_rms_norm,
+    l2_norm,
+    rms_norm,
+    route,
+    silu_mul,
+)
 
 if TYPE_CHECKING:
     from engine.kv_cache import KVCache
@@ -66,6 +79,17 @@ class Ops(Protocol):
 
     def silu_mul(self, g: Array, u: Array) -> Array:
         """silu(g) ⊙ u (ggml_swiglu_split)."""
+
+    def sigmoid_mul(self, x: Array, g: Array) -> Array:
+        """x ⊙ sigmoid(g), both [T, n] (the gated attention's output gate)."""
+
+    def delta_net(self, dn, qkv: Array, b: Array, a: Array) -> Array:
+        """A Gated DeltaNet layer's recurrent core over the step's tokens: qkv [T, C] (rows q | k | v) through
+        the causal conv with layer dn.i's conv state, silu, L2-normed q, k, and the gated delta rule with its
+        delta-rule state (β from b, decay from a [T, Hv]) -> o [T, Hv·dv]; both states advanced."""
+
+    def gated_norm(self, dn, o: Array, z: Array) -> Array:
+        """rms_norm(o)·dn.norm ⊙ silu(z) per value head: o, z [T, Hv·dv] -> [T, Hv·dv]."""
 
     def sigmoid_gate(self, s: Array, x: Array, w) -> Array:
         """s · sigmoid(x·w): s [T, D], x [T, D], w [D] (Qwen2-MoE's shared-expert gate)."""
@@ -122,6 +146,29 @@ class TorchOps:
 
     def silu_mul(self, g, u):
         return silu_mul(g, u)
+
+    def sigmoid_mul(self, x, g):
+        return x * torch.sigmoid(g)
+
+    def delta_net(self, dn, qkv, b, a):
+        st = self.cache.recurrent[dn.i]
+        T = qkv.shape[0]
+        c, st.conv = causal_conv1d(qkv, dn.conv_w.to(qkv.device), st.conv)
+        c = torch.nn.functional.silu(c)
+        kd = dn.n_k_heads * dn.head_k
+        q = l2_norm(c[:, :kd].reshape(T, dn.n_k_heads, dn.head_k), dn.eps)
+        k = l2_norm(c[:, kd : 2 * kd].reshape(T, dn.n_k_heads, dn.head_k), dn.eps)
+        v = c[:, 2 * kd :].reshape(T, dn.n_v_heads, dn.head_v)
+        q, k = expand_heads(q, dn.n_v_heads, dn.grouping), expand_heads(k, dn.n_v_heads, dn.grouping)
+        beta, g = delta_gates(b, a, dn.dt_bias.to(b.device), dn.A.to(b.device))
+        rule = gated_delta_rule if T == 1 else gated_delta_chunked  # decode: the recurrence; prompts: chunks
+        o, st.ssm = rule(q, k, v, g, beta, st.ssm)
+        return o.reshape(T, -1)
+
+    def gated_norm(self, dn, o, z):
+        T = o.shape[0]
+        shape = (T, dn.n_v_heads, dn.head_v)
+        return gated_rms_norm(o.reshape(shape), z.reshape(shape), dn.norm.to(o.device), dn.eps).reshape(T, -1)
 
     def sigmoid_gate(self, s, x, w):
         return s * torch.sigmoid(x @ w)[:, None]

@@ -68,20 +68,20 @@ def attention_specs(i: int, a: ModelArgs, qk_norm: str | None = None, qkv_bias: 
     return specs
 
 
-def dense_ffn_specs(i: int, a: ModelArgs) -> list[TensorSpec]:
+def dense_ffn_specs(i: int, a: ModelArgs, norm: str = "ffn_norm") -> list[TensorSpec]:
     D, F = a.n_embd, a.n_ff
     return [
-        TensorSpec(blk(i, "ffn_norm.weight"), (D,), layer=i),
+        TensorSpec(blk(i, f"{norm}.weight"), (D,), layer=i),
         TensorSpec(blk(i, "ffn_gate.weight"), (F, D), layer=i),
         TensorSpec(blk(i, "ffn_up.weight"), (F, D), layer=i),
         TensorSpec(blk(i, "ffn_down.weight"), (D, F), layer=i),
     ]
 
 
-def moe_specs(i: int, a: ModelArgs) -> list[TensorSpec]:
+def moe_specs(i: int, a: ModelArgs, norm: str = "ffn_norm") -> list[TensorSpec]:
     D, E, F = a.n_embd, a.n_expert, a.n_ff_exp
     return [
-        TensorSpec(blk(i, "ffn_norm.weight"), (D,), layer=i),
+        TensorSpec(blk(i, f"{norm}.weight"), (D,), layer=i),
         TensorSpec(blk(i, "ffn_gate_inp.weight"), (E, D), layer=i),
         TensorSpec(blk(i, "ffn_gate_exps.weight"), (E, F, D), role=EXPERT, layer=i),
         TensorSpec(blk(i, "ffn_up_exps.weight"), (E, F, D), role=EXPERT, layer=i),
@@ -96,6 +96,48 @@ def shared_expert_specs(i: int, a: ModelArgs) -> list[TensorSpec]:
         TensorSpec(blk(i, "ffn_gate_shexp.weight"), (F, D), layer=i),
         TensorSpec(blk(i, "ffn_up_shexp.weight"), (F, D), layer=i),
         TensorSpec(blk(i, "ffn_down_shexp.weight"), (D, F), layer=i),
+    ]
+
+
+def gated_attention_specs(i: int, a: ModelArgs) -> list[TensorSpec]:
+    """Qwen3.5 / Qwen3-Next full attention: q gives each head its query and its output gate (2·H·hd rows),
+    per-head q/k norms, no biases."""
+    D, Q, KV = a.n_embd, a.q_dim, a.kv_dim
+    return [
+        TensorSpec(blk(i, "attn_norm.weight"), (D,), layer=i),
+        TensorSpec(blk(i, "attn_q.weight"), (2 * Q, D), layer=i),
+        TensorSpec(blk(i, "attn_k.weight"), (KV, D), layer=i),
+        TensorSpec(blk(i, "attn_v.weight"), (KV, D), layer=i),
+        TensorSpec(blk(i, "attn_output.weight"), (D, Q), layer=i),
+        TensorSpec(blk(i, "attn_q_norm.weight"), (a.head_dim,), layer=i),
+        TensorSpec(blk(i, "attn_k_norm.weight"), (a.head_dim,), layer=i),
+    ]
+
+
+def delta_net_specs(i: int, a, fused_input: bool = False) -> list[TensorSpec]:
+    """A Gated DeltaNet layer (``a``: :class:`~engine.models.args.HybridArgs`): split projections
+    ``attn_qkv``/``attn_gate``/``ssm_beta``/``ssm_alpha`` or, fused_input, Qwen3-Next's ``ssm_in``/``ssm_ba``."""
+    D, Hv, dv = a.n_embd, a.ssm_dt_rank, a.head_v_dim
+    V = Hv * dv
+    specs = [TensorSpec(blk(i, "attn_norm.weight"), (D,), layer=i)]
+    if fused_input:
+        specs += [
+            TensorSpec(blk(i, "ssm_in.weight"), (a.conv_dim + V, D), layer=i),
+            TensorSpec(blk(i, "ssm_ba.weight"), (2 * Hv, D), layer=i),
+        ]
+    else:
+        specs += [
+            TensorSpec(blk(i, "attn_qkv.weight"), (a.conv_dim, D), layer=i),
+            TensorSpec(blk(i, "attn_gate.weight"), (V, D), layer=i),
+            TensorSpec(blk(i, "ssm_beta.weight"), (Hv, D), layer=i),
+            TensorSpec(blk(i, "ssm_alpha.weight"), (Hv, D), layer=i),
+        ]
+    return specs + [
+        TensorSpec(blk(i, "ssm_conv1d.weight"), (a.conv_dim, a.ssm_d_conv), layer=i),
+        TensorSpec(blk(i, "ssm_dt.bias"), (Hv,), layer=i),
+        TensorSpec(blk(i, "ssm_a"), (Hv,), layer=i),
+        TensorSpec(blk(i, "ssm_norm.weight"), (dv,), layer=i),
+        TensorSpec(blk(i, "ssm_out.weight"), (D, V), layer=i),
     ]
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from engine.config import ENV_CPU_MOE
 from engine.kv_layout import resolve_kv_type  # noqa: F401  (re-exported by engine.plan)
+from engine.models import HOST_ONLY_ARCHITECTURES
 from engine.plan.costmodel import CACHE, CPU, MODES, RESIDENT, Prediction, predict
 from engine.plan.placement import LayerPlacement, Placement
 from engine.plan.profile import DeviceProfile
@@ -156,7 +157,11 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
     def fits(n: int) -> bool:
         return dev(n).total <= budget
 
-    if request.n_gpu_layers == -1:
+    if spec.arch in HOST_ONLY_ARCHITECTURES:
+        if request.n_gpu_layers > 0:
+            raise PlanError(f"{spec.arch} runs on the CPU only for now (no device step yet): use -g 0")
+        n, layer_reason = 0, f"{spec.arch} runs on the CPU only for now (no device step yet)"
+    elif request.n_gpu_layers == -1:
         n = _max_prefix(fits, L)
         layer_reason = _layer_reason(spec, profile, dev, n)
     else:

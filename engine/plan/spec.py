@@ -25,7 +25,8 @@ from engine.quant.formats import QType, tensor_bytes
 # Trunk components of a layer, in display order.
 ATTN_Q, ATTN_K, ATTN_V, ATTN_O = "attn_q", "attn_k", "attn_v", "attn_o"
 NORMS, BIAS, ROUTER, SHEXP, SHEXP_GATE, FFN = "norms", "bias", "router", "shexp", "shexp_gate", "ffn"
-COMPONENTS: tuple[str, ...] = (ATTN_Q, ATTN_K, ATTN_V, ATTN_O, NORMS, BIAS, ROUTER, SHEXP, SHEXP_GATE, FFN)
+SSM = "ssm"  # a Gated DeltaNet layer's projections, conv kernels and gates (linear attention)
+COMPONENTS: tuple[str, ...] = (ATTN_Q, ATTN_K, ATTN_V, ATTN_O, SSM, NORMS, BIAS, ROUTER, SHEXP, SHEXP_GATE, FFN)
 # Roles of a routed expert, in slot order.
 ROLES: tuple[str, ...] = ("gate", "up", "down")
 
@@ -37,6 +38,7 @@ _TRUNK_OF: dict[str, str] = {
     "attn_output.weight": ATTN_O,
     "attn_norm.weight": NORMS,
     "ffn_norm.weight": NORMS,
+    "post_attention_norm.weight": NORMS,
     "attn_q_norm.weight": NORMS,
     "attn_k_norm.weight": NORMS,
     "attn_q.bias": BIAS,
@@ -50,6 +52,22 @@ _TRUNK_OF: dict[str, str] = {
     "ffn_gate.weight": FFN,
     "ffn_up.weight": FFN,
     "ffn_down.weight": FFN,
+    **dict.fromkeys(
+        (
+            "attn_qkv.weight",
+            "attn_gate.weight",
+            "ssm_in.weight",
+            "ssm_ba.weight",
+            "ssm_beta.weight",
+            "ssm_alpha.weight",
+            "ssm_conv1d.weight",
+            "ssm_dt.bias",
+            "ssm_a",
+            "ssm_norm.weight",
+            "ssm_out.weight",
+        ),
+        SSM,
+    ),
 }
 _ROLE_OF: dict[str, str] = {
     "ffn_gate_exps.weight": "gate",

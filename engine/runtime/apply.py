@@ -16,6 +16,7 @@ import torch
 
 from engine import config
 from engine.config import EngineOptions
+from engine.errors import UsageError
 from engine.experts import CpuExperts
 from engine.kv_cache import KVCache
 from engine.models.base import HOST, DecoderModel
@@ -74,10 +75,12 @@ def apply_placement(
     host_experts = CpuExperts(model.expert_stacks(), q8_act=w.q8_act) if a.is_moe else None
     if G == 0:
         model.configure([w] * L, [HOST] * L, {i: host_experts for i in range(L)} if host_experts else {}, w)
-        cache = KVCache({i: HOST for i in range(L)}, p.ctx, a.kv_dim, p.kv_type)
+        cache = model.new_cache(p.ctx, p.kv_type)
         model.profiler.clear_resident()
         return Applied(p, device, None, cache, None, options=options)
 
+    if getattr(model, "host_only", None):
+        raise UsageError(model.host_only)
     arena = DeviceArena(device, p.budget_bytes)
     arena.charge("reserve", p.device.reserve)  # driver/context slack and activations: priced, not
     arena.charge("scratch", p.device.scratch)  # allocated as tensors (torch's allocator holds them)

@@ -51,12 +51,21 @@ def write_hparams(w: GGUFWriter, s: SynthSpec, *, name: str, file_type: QType) -
     w.add_uint32(k(keys.VALUE_LENGTH), s.head_dim)
     w.add_float32(k(keys.LAYERNORM_RMS_EPS), s.rms_eps)
     w.add_float32(k(keys.ROPE_FREQ_BASE), s.rope_base)
-    w.add_uint32(k(keys.ROPE_DIMENSION_COUNT), s.head_dim)
+    w.add_uint32(k(keys.ROPE_DIMENSION_COUNT), s.n_rot)
     w.add_uint32(k(keys.VOCAB_SIZE), s.vocab)
     if s.is_moe:
         w.add_uint32(k(keys.EXPERT_COUNT), s.experts)
         w.add_uint32(k(keys.EXPERT_USED_COUNT), s.experts_used)
-        if s.arch in ("qwen3moe", "qwen2moe"):
+        if s.arch in ("qwen3moe", "qwen2moe", "qwen35moe", "qwen3next"):
             w.add_uint32(k(keys.EXPERT_FEED_FORWARD_LENGTH), s.expert_ff)
         if s.shared_ff:
             w.add_uint32(k(keys.EXPERT_SHARED_FEED_FORWARD_LENGTH), s.shared_ff)
+    if s.is_hybrid:
+        w.add_uint32(k(keys.SSM_CONV_KERNEL), s.ssm_conv)
+        w.add_uint32(k(keys.SSM_STATE_SIZE), s.ssm_state)
+        w.add_uint32(k(keys.SSM_GROUP_COUNT), s.ssm_groups)
+        w.add_uint32(k(keys.SSM_TIME_STEP_RANK), s.ssm_v_heads)
+        w.add_uint32(k(keys.SSM_INNER_SIZE), s.ssm_v_heads * s.ssm_state)
+        w.add_uint32(k(keys.FULL_ATTENTION_INTERVAL), s.full_attn_interval)
+        if s.arch != "qwen3next":  # interleaved M-RoPE (text positions in every section)
+            w.add_array(k(keys.ROPE_DIMENSION_SECTIONS), s.rope_sections)

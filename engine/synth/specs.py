@@ -18,7 +18,8 @@ from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, MODEL_TEN
 
 from engine.errors import UsageError
 
-ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "olmoe", "llama", "qwen3")
+ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "olmoe", "llama", "qwen3", "qwen35moe", "qwen35", "qwen3next")
+HYBRIDS = ("qwen35moe", "qwen35", "qwen3next")  # Gated DeltaNet + gated full attention
 
 # Tensor kinds: how a tensor is initialised and which type it gets.
 EMBEDDING = "embedding"  # token_embd [V, D]
@@ -30,6 +31,8 @@ BIAS = "bias"  # projection bias [n] (F32)
 ROUTER = "router"  # ffn_gate_inp [E, D] (F32, as llama.cpp's quantizer keeps it)
 SHEXP_GATE = "shexp_gate"  # qwen2moe ffn_gate_inp_shexp [D] (F32)
 ROPE_FREQS = "rope_freqs"  # llama rope_freqs [head_dim / 2] (F32)
+SSM_CONV = "ssm_conv"  # Gated DeltaNet depthwise conv kernels [C, K] (F32)
+SSM_A = "ssm_a"  # Gated DeltaNet −exp(A_log) [Hv] (F32, negative)
 
 QUANTIZABLE_KINDS = frozenset({EMBEDDING, OUTPUT, MATRIX, EXPERTS})
 
@@ -61,6 +64,13 @@ class SynthSpec:
     tied_output: bool = False  # omit output.weight (llama.cpp then uses token_embd)
     qkv_bias: bool = False  # qwen2moe q/k/v biases
     rope_freqs: bool = False  # llama: write a rope_freqs.weight factor table
+    rope_dim: int = 0  # rotated dims per head (0: head_dim); the hybrids rotate part of the head
+    # Gated DeltaNet hybrids (qwen35moe, qwen35, qwen3next):
+    ssm_conv: int = 0  # depthwise conv taps (ssm.conv_kernel)
+    ssm_state: int = 0  # key (= value) head dim (ssm.state_size)
+    ssm_groups: int = 0  # key heads (ssm.group_count)
+    ssm_v_heads: int = 0  # value heads (ssm.time_step_rank); ssm.inner_size = ssm_v_heads * ssm_state
+    full_attn_interval: int = 0  # every n-th layer is full attention (full_attention_interval)
 
     @property
     def is_moe(self) -> bool:
@@ -74,6 +84,24 @@ class SynthSpec:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    @property
+    def n_rot(self) -> int:
+        return self.rope_dim or self.head_dim
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.arch in HYBRIDS
+
+    def recurrent(self, i: int) -> bool:
+        """Whether layer i is Gated DeltaNet (llama.cpp: (i + 1) % full_attention_interval != 0)."""
+        return self.is_hybrid and (i + 1) % self.full_attn_interval != 0
+
+    @property
+    def rope_sections(self) -> list[int]:
+        """Interleaved M-RoPE sections giving every rotated pair the text position (qwen35*)."""
+        n = -(-self.n_rot // 2 // 3)
+        return [n, n, n, 0]
+
 
 # Tiny defaults per architecture: hidden and FFN widths of 256 so every K-quant applies.
 _DEFAULTS: dict[str, dict] = {
@@ -83,6 +111,12 @@ _DEFAULTS: dict[str, dict] = {
     "llama": dict(ff=512, rms_eps=1e-5),
     "qwen3": dict(ff=512, rope_base=1e6),
 }
+_HYBRID = dict(
+    layers=4, rope_dim=16, ssm_conv=4, ssm_state=32, ssm_groups=2, ssm_v_heads=4, full_attn_interval=4, rope_base=1e6
+)
+_DEFAULTS["qwen35moe"] = dict(_HYBRID, experts=8, experts_used=2, expert_ff=256, shared_ff=256)
+_DEFAULTS["qwen3next"] = dict(_DEFAULTS["qwen35moe"])
+_DEFAULTS["qwen35"] = dict(_HYBRID, ff=512)
 
 
 def make_spec(arch: str, **geometry) -> SynthSpec:
@@ -126,12 +160,13 @@ def _validate(s: SynthSpec) -> None:
         (s.head_dim > 0 and s.head_dim % 2 == 0, f"head_dim {s.head_dim} must be even"),
         (s.experts >= 0 and 0 <= s.experts_used <= s.experts, "need 0 <= experts_used <= experts"),
         (not s.is_moe or (s.experts_used > 0 and s.expert_ff > 0), "an MoE needs experts_used > 0 and expert_ff > 0"),
-        (s.is_moe or s.arch in ("llama", "qwen3"), f"{s.arch} is an MoE architecture: experts must be > 0"),
+        (s.is_moe or s.arch in ("llama", "qwen3", "qwen35"), f"{s.arch} is an MoE architecture: experts must be > 0"),
         (s.is_moe or s.ff > 0, "a dense model needs ff > 0"),
-        (not (s.is_moe and s.arch == "qwen3"), "qwen3 is dense; use qwen3moe for experts"),
+        (not (s.is_moe and s.arch in ("qwen3", "qwen35")), f"{s.arch} is dense; use its MoE sibling for experts"),
         (not s.qkv_bias or s.arch == "qwen2moe", "qkv_bias is a qwen2moe feature"),
         (not s.rope_freqs or s.arch == "llama", "rope_freqs is a llama feature"),
-        (not s.shared_ff or s.arch == "qwen2moe", "a shared expert is a qwen2moe feature"),
+        (not s.shared_ff or s.arch in ("qwen2moe", "qwen35moe", "qwen3next"), "no shared expert in this family"),
+        (0 <= s.rope_dim <= s.head_dim and s.rope_dim % 2 == 0, f"rope_dim {s.rope_dim} invalid for {s.head_dim}"),
         (not s.tied_output or s.arch not in ("qwen2moe", "olmoe"), f"llama.cpp requires output.weight for {s.arch}"),
     ]
     if s.arch in ("qwen2moe", "olmoe"):
@@ -140,6 +175,15 @@ def _validate(s: SynthSpec) -> None:
     if s.arch == "olmoe":
         # llama.cpp sizes OLMoE's k-norm with the embedding length: fewer KV heads are rejected there.
         checks.append((s.kv_heads == s.heads, "olmoe needs kv_heads == heads (llama.cpp's k-norm is [D])"))
+    if s.is_hybrid:
+        ssm = (s.ssm_conv, s.ssm_state, s.ssm_groups, s.ssm_v_heads, s.full_attn_interval)
+        checks += [
+            (min(ssm) > 0, "ssm_conv, ssm_state, ssm_groups, ssm_v_heads and full_attn_interval must be positive"),
+            (s.ssm_v_heads % max(s.ssm_groups, 1) == 0, "ssm_v_heads must be a multiple of ssm_groups"),
+            (s.is_moe == (s.arch != "qwen35"), f"{s.arch} {'has' if s.arch != 'qwen35' else 'has no'} experts"),
+        ]
+    else:
+        checks.append((not s.rope_dim, "rope_dim is a hybrid (qwen35*, qwen3next) feature"))
     for ok, msg in checks:
         if not ok:
             raise UsageError(f"invalid {s.arch} geometry: {msg}")
@@ -163,7 +207,7 @@ class TensorDecl:
 def tensor_name(t: MODEL_TENSOR, suffix: str = "weight", layer: int | None = None) -> str:
     """GGUF name of a tensor from gguf-py's name table, e.g. ``blk.3.attn_q.weight``."""
     base = TENSOR_NAMES[t].format(bid=layer) if layer is not None else TENSOR_NAMES[t]
-    return f"{base}.{suffix}"
+    return f"{base}.{suffix}" if suffix else base  # ssm_a has no suffix
 
 
 def tensor_layout(s: SynthSpec) -> list[TensorDecl]:
@@ -177,6 +221,10 @@ def tensor_layout(s: SynthSpec) -> list[TensorDecl]:
 
         def add(t: MODEL_TENSOR, shape: tuple[int, ...], kind: str, suffix: str = "weight", i: int = i) -> None:
             out.append(TensorDecl(tensor_name(t, suffix, i), shape, kind, i))
+
+        if s.is_hybrid:
+            _hybrid_layer(s, i, add)
+            continue
 
         add(T.ATTN_NORM, (D,), NORM)
         add(T.ATTN_Q, (s.q_dim, D), MATRIX)
@@ -216,12 +264,58 @@ def tensor_layout(s: SynthSpec) -> list[TensorDecl]:
     return out
 
 
+def _hybrid_layer(s: SynthSpec, i: int, add) -> None:
+    """One layer of a Gated DeltaNet hybrid as llama.cpp's ``load_arch_tensors`` of qwen35moe / qwen35 /
+    qwen3next creates it (numpy order: ggml's {a, b} is (b, a))."""
+    T = MODEL_TENSOR
+    D, dk, Hk, Hv = s.hidden, s.ssm_state, s.ssm_groups, s.ssm_v_heads
+    V = Hv * dk  # value heads have state_size dims
+    C = 2 * Hk * dk + V  # conv channels: q | k | v
+    add(T.ATTN_NORM, (D,), NORM)
+    if s.recurrent(i):
+        if s.arch == "qwen3next":  # the legacy fused projections llama.cpp's qwen3next reads
+            add(T.SSM_IN, (C + V, D), MATRIX)
+            add(T.SSM_BETA_ALPHA, (2 * Hv, D), MATRIX)
+        else:
+            add(T.ATTN_QKV, (C, D), MATRIX)
+            add(T.ATTN_GATE, (V, D), MATRIX)
+            add(T.SSM_BETA, (Hv, D), MATRIX)
+            add(T.SSM_ALPHA, (Hv, D), MATRIX)
+        add(T.SSM_CONV1D, (C, s.ssm_conv), SSM_CONV)
+        add(T.SSM_DT, (Hv,), BIAS, "bias")
+        add(T.SSM_A, (Hv,), SSM_A, "")
+        add(T.SSM_NORM, (dk,), NORM)
+        add(T.SSM_OUT, (D, V), MATRIX)
+    else:
+        add(T.ATTN_Q, (2 * s.q_dim, D), MATRIX)  # per head: query, then output gate
+        add(T.ATTN_K, (s.kv_dim, D), MATRIX)
+        add(T.ATTN_V, (s.kv_dim, D), MATRIX)
+        add(T.ATTN_OUT, (D, s.q_dim), MATRIX)
+        add(T.ATTN_Q_NORM, (s.head_dim,), NORM)
+        add(T.ATTN_K_NORM, (s.head_dim,), NORM)
+    add(T.ATTN_POST_NORM, (D,), NORM)
+    if s.is_moe:
+        E, F, Fs = s.experts, s.expert_ff, s.shared_ff
+        add(T.FFN_GATE_INP, (E, D), ROUTER)
+        add(T.FFN_GATE_EXP, (E, F, D), EXPERTS)
+        add(T.FFN_UP_EXP, (E, F, D), EXPERTS)
+        add(T.FFN_DOWN_EXP, (E, D, F), EXPERTS)
+        add(T.FFN_GATE_INP_SHEXP, (D,), SHEXP_GATE)
+        add(T.FFN_GATE_SHEXP, (Fs, D), MATRIX)
+        add(T.FFN_UP_SHEXP, (Fs, D), MATRIX)
+        add(T.FFN_DOWN_SHEXP, (D, Fs), MATRIX)
+    else:
+        add(T.FFN_GATE, (s.ff, D), MATRIX)
+        add(T.FFN_UP, (s.ff, D), MATRIX)
+        add(T.FFN_DOWN, (D, s.ff), MATRIX)
+
+
 def _check_names(arch: str, decls: list[TensorDecl]) -> None:
     """Guard: every name belongs to the architecture's tensor table in gguf-py."""
     arch_enum = next(a for a, n in MODEL_ARCH_NAMES.items() if n == arch)
     allowed = {TENSOR_NAMES[t] for t in MODEL_TENSORS[MODEL_ARCH(arch_enum)]}
     for d in decls:
-        base = d.name.rsplit(".", 1)[0]
+        base = d.name.rsplit(".", 1)[0] if d.name.endswith((".weight", ".bias")) else d.name
         if d.layer is not None:
             base = base.replace(f"blk.{d.layer}.", "blk.{bid}.", 1)
         assert base in allowed, f"{d.name} is not a {arch} tensor"

@@ -173,6 +173,8 @@ def _random(d: S.TensorDecl, rng: np.random.Generator, shape: tuple[int, ...], t
         return 1.0 + NORM_JITTER * rng.standard_normal(shape, dtype=np.float32)
     if d.kind == S.BIAS:
         return BIAS_STD * rng.standard_normal(shape, dtype=np.float32)
+    if d.kind == S.SSM_A:  # −exp(A_log): a decay per head
+        return -np.exp(0.5 * rng.standard_normal(shape, dtype=np.float32))
     if d.kind == S.ROPE_FREQS:
         # Llama-3-style factors: 1 for high frequencies rising to a few for the lowest ones.
         return np.linspace(1.0, 4.0, shape[0], dtype=np.float32)

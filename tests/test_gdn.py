@@ -1,0 +1,238 @@
+"""Gated DeltaNet hybrids (qwen35moe, qwen35, qwen3next) on the CPU: the layer against its float64
+step-by-step reference, prefill against decode, the recurrent state's rules, multi-turn reuse, and device
+placements refused with a UsageError. Logits against llama.cpp: tests/test_parity_llama.py."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from engine.api import LoadOptions, Session
+from engine.errors import MetadataError, PlanError, UsageError
+from engine.generate import SamplingParams
+from engine.gguf import open_gguf
+from engine.models import build_model
+from engine.models.args import hybrid_fields
+from engine.models.blocks import GatedDeltaNet
+from engine.models.layers import delta_net_reference, gated_delta_chunked, gated_delta_rule, l2_norm, rms_norm
+from engine.models.ops import TorchOps
+from engine.plan import DeviceProfile, PlanRequest
+from engine.synth.writer import write_model
+
+ARCHS = ["qwen35moe", "qwen35", "qwen3next"]
+GROUPING = {"qwen35moe": "tile", "qwen35": "tile", "qwen3next": "interleave"}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gdn")
+    return {a: write_model(d / f"{a}.gguf", a, seed=11).path for a in ARCHS}
+
+
+def _f(gf, name):
+    t = gf.tensor(name)
+    return np.asarray(t.data, dtype=np.float64).reshape(t.shape)
+
+
+def _reference_params(gf, i: int, arch: str, a) -> dict:
+    """Layer i's weights as delta_net_reference takes them, read from the file (the fused Qwen3-Next
+    projections split here group by group, independently of the layer's own reordering)."""
+    Hk, dk, Hv = a.ssm_n_group, a.ssm_d_state, a.ssm_dt_rank
+    dv, r = a.ssm_d_inner // Hv, a.ssm_dt_rank // a.ssm_n_group
+    p = f"blk.{i}."
+    if arch == "qwen3next":
+        w_in, w_ba = _f(gf, p + "ssm_in.weight"), _f(gf, p + "ssm_ba.weight")
+        q, k, v, z, b, al = [], [], [], [], [], []
+        G = 2 * dk + 2 * r * dv
+        for g in range(Hk):
+            rows = w_in[g * G : (g + 1) * G]
+            q.append(rows[:dk])
+            k.append(rows[dk : 2 * dk])
+            v.append(rows[2 * dk : 2 * dk + r * dv])
+            z.append(rows[2 * dk + r * dv :])
+            b.append(w_ba[g * 2 * r : g * 2 * r + r])
+            al.append(w_ba[g * 2 * r + r : (g + 1) * 2 * r])
+        qkv, zw, bw, aw = np.concatenate(q + k + v), np.concatenate(z), np.concatenate(b), np.concatenate(al)
+    else:
+        qkv, zw = _f(gf, p + "attn_qkv.weight"), _f(gf, p + "attn_gate.weight")
+        bw, aw = _f(gf, p + "ssm_beta.weight"), _f(gf, p + "ssm_alpha.weight")
+    return dict(
+        qkv=qkv,
+        z=zw,
+        b=bw,
+        a=aw,
+        conv=_f(gf, p + "ssm_conv1d.weight"),
+        dt_bias=_f(gf, p + "ssm_dt.bias"),
+        A=_f(gf, p + "ssm_a"),
+        norm=_f(gf, p + "ssm_norm.weight"),
+        out=_f(gf, p + "ssm_out.weight"),
+        Hk=Hk,
+        dk=dk,
+        Hv=Hv,
+        dv=dv,
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layer_equals_step_by_step_reference(files, arch):
+    """The GDN layer on TorchOps, fed in two steps (its conv and delta-rule states carried in the cache),
+    equals the float64 token-by-token reference: outputs and both states."""
+    with open_gguf(files[arch]) as gf:
+        m = build_model(gf)
+        a = m.args
+        i = a.recurrent.index(True)
+        dn = m.layers[i].attn
+        assert isinstance(dn, GatedDeltaNet) and dn.grouping == GROUPING[arch]
+        rng = np.random.default_rng(0)
+        x = rms_norm(torch.from_numpy(rng.standard_normal((12, a.n_embd), dtype=np.float32)), None, a.rms_eps)
+        cache = m.new_cache(64)
+        with torch.inference_mode():
+            y = torch.cat([dn.step(TorchOps(s, cache, None, None), x[s:e]) for s, e in ((0, 5), (5, 12))]).numpy()
+        st = cache.recurrent[i]
+        p = _reference_params(gf, i, arch, a)
+        conv0 = np.zeros((a.ssm_d_conv - 1, a.conv_dim))
+        S0 = np.zeros((a.ssm_dt_rank, a.head_v_dim, a.ssm_d_state))
+        ref, conv, S = delta_net_reference(p, x.numpy(), conv0, S0, a.rms_eps, GROUPING[arch])
+    assert np.abs(y - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max()), np.abs(y - ref).max()
+    assert np.abs(st.conv.numpy() - conv).max() <= 1e-6
+    assert np.abs(st.ssm.numpy() - S).max() <= 1e-5 * max(1.0, np.abs(S).max())
+
+
+@pytest.mark.parametrize("T", [1, 5, 63, 64, 65, 150])
+def test_chunked_delta_rule_equals_recurrence(T):
+    """The chunked form (prompts) against the token-by-token recurrence (decode) from a nonzero state, with
+    strong and weak decays, partial last chunks included."""
+    g = torch.Generator().manual_seed(T)
+    H, dk, dv = 3, 16, 24
+    q, k = (l2_norm(torch.randn(T, H, dk, generator=g), 1e-6) for _ in range(2))
+    v = torch.randn(T, H, dv, generator=g)
+    decay = -torch.rand(T, H, generator=g) * torch.tensor([0.01, 1.0, 5.0])
+    beta = torch.rand(T, H, generator=g)
+    S = torch.randn(H, dv, dk, generator=g)
+    o1, S1 = gated_delta_rule(q, k, v, decay, beta, S)
+    o2, S2 = gated_delta_chunked(q, k, v, decay, beta, S)
+    assert (o1 - o2).abs().max() <= 1e-5 and (S1 - S2).abs().max() <= 1e-5
+
+
+def _logits(m, tokens, chunks, n_ctx=128):
+    cache = m.new_cache(n_ctx)
+    out, pos = [], 0
+    for n in chunks:
+        out.append(m.forward(tokens[pos : pos + n], pos, cache).numpy())
+        pos += n
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_equals_decode(files, arch):
+    """A prompt in one pass (chunked delta rule over 2+ chunks), token by token (the recurrence) and in
+    uneven pieces (states carried between passes) give the same logits."""
+    tokens = list(np.random.default_rng(1).integers(8, 1024, 100))
+    with open_gguf(files[arch]) as gf:
+        m = build_model(gf)
+        whole = _logits(m, tokens, [100])
+        decode = _logits(m, tokens, [1] * 100)
+        chunked = _logits(m, tokens, [7, 70, 1, 22])
+    assert np.abs(whole - decode).max() <= 1e-4, np.abs(whole - decode).max()
+    assert np.abs(whole - chunked).max() <= 1e-4, np.abs(whole - chunked).max()
+
+
+def test_state_is_per_gdn_layer_and_fixed_size(files):
+    with open_gguf(files["qwen35moe"]) as gf:
+        m = build_model(gf)
+        a = m.args
+        small, large = m.new_cache(64), m.new_cache(1024)
+    gdn = [i for i in range(a.n_layer) if a.recurrent[i]]
+    assert gdn and sorted(small.recurrent) == gdn and sorted(small.k) == a.attention_layers
+    per_state = sum(s.nbytes for s in small.recurrent.values())
+    assert per_state == sum(s.nbytes for s in large.recurrent.values())
+    one = small.recurrent[gdn[0]]
+    assert tuple(one.conv.shape) == (a.ssm_d_conv - 1, a.conv_dim)
+    assert tuple(one.ssm.shape) == (a.ssm_dt_rank, a.head_v_dim, a.ssm_d_state)
+
+
+def test_state_restarts_at_zero_and_never_steps_back(files):
+    tokens = list(np.random.default_rng(2).integers(8, 1024, 12))
+    with open_gguf(files["qwen35moe"]) as gf:
+        m = build_model(gf)
+        cache = m.new_cache(64)
+        first = m.forward(tokens, 0, cache).numpy()
+        with pytest.raises(UsageError, match="cannot continue at 5"):
+            m.forward(tokens[5:], 5, cache)
+        again = m.forward(tokens, 0, cache).numpy()  # position 0: the states restart
+    assert np.array_equal(first, again)
+    assert cache.reusable_prefix(12, 12) == 12 and cache.reusable_prefix(5, 12) == 0
+
+
+def test_follow_up_turn_processes_only_new_tokens(files):
+    with Session.load(str(files["qwen35moe"]), LoadOptions(n_ctx=256)) as s:
+        calls = []
+        forward = s.model.forward
+        s.model.forward = lambda t, start, cache, all_logits=True: (
+            calls.append((start, len(t))) or forward(t, start, cache, all_logits)
+        )
+        p1 = s.tokenize("hello world")
+        ids = [e.token_id for e in s.generate(prompt_ids=p1, params=SamplingParams.greedy(max_tokens=5))]
+        calls.clear()
+        p2 = p1 + ids + s.tokenize(" and more")
+        follow = [e.token_id for e in s.generate(prompt_ids=p2, params=SamplingParams.greedy(max_tokens=3))]
+        assert calls[0] == (len(p1) + len(ids) - 1, len(p2) - (len(p1) + len(ids) - 1))
+        # an edited history cannot reuse the state: the prompt is processed from position 0
+        calls.clear()
+        list(s.generate(prompt_ids=p1[:-1] + [p1[-1] + 1], params=SamplingParams.greedy(max_tokens=1)))
+        assert calls[0] == (0, len(p1))
+    with Session.load(str(files["qwen35moe"]), LoadOptions(n_ctx=256)) as fresh:
+        assert follow == [e.token_id for e in fresh.generate(prompt_ids=p2, params=SamplingParams.greedy(max_tokens=3))]
+
+
+def test_device_placement_is_a_usage_error(files):
+    """The planner keeps every layer on the CPU (no device step for these layers yet) and refuses -g N; a
+    placement with device layers is refused up front by apply; the session keeps working on the CPU."""
+    with Session.load(str(files["qwen35moe"]), LoadOptions(n_ctx=128)) as s:
+        auto = s.plan(PlanRequest(ctx=64, n_gpu_layers=-1), DeviceProfile(vram_bytes=1 << 30))
+        assert auto.n_gpu_layers == 0 and "CPU only" in auto.layer_reason
+        with pytest.raises(PlanError, match="CPU only"):
+            s.plan(PlanRequest(ctx=64, n_gpu_layers=2), DeviceProfile(vram_bytes=1 << 30))
+        with pytest.raises(UsageError, match="CPU only"):
+            s.apply(replace(auto, n_gpu_layers=2))
+        with pytest.raises(UsageError, match="CPU only"):
+            s.model.configure([s.model.w] * 4, [torch.device("meta")] * 4, {}, s.model.w)
+        assert len(list(s.generate("still here", params=SamplingParams.greedy(max_tokens=3)))) == 3
+
+
+class _Meta:
+    """Just the metadata of a file, for hybrid_fields."""
+
+    path = "meta.gguf"
+
+    def __init__(self, **kv):
+        self.kv = {f"qwen35moe.{k}": v for k, v in kv.items()}
+
+    def get(self, key, default=None):
+        return self.kv.get(key, default)
+
+
+def test_layer_kinds_follow_llama_cpp_keys():
+    """The recurrent_layers array wins over full_attention_interval (default 4); MTP blocks are not trunk."""
+    base = {
+        "ssm.conv_kernel": 4,
+        "ssm.inner_size": 128,
+        "ssm.state_size": 32,
+        "ssm.time_step_rank": 4,
+        "ssm.group_count": 2,
+        "block_count": 9,
+        "rope.dimension_count": 64,
+        "rope.dimension_sections": [11, 11, 10, 0],
+    }
+    h = hybrid_fields(_Meta(**base), "qwen35moe", sections=True)
+    assert h["n_layer"] == 9 and h["recurrent"] == (True, True, True, False) * 2 + (True,)
+    h = hybrid_fields(_Meta(**base, nextn_predict_layers=1, full_attention_interval=2), "qwen35moe", sections=True)
+    assert h["n_layer"] == 8 and h["n_layer_nextn"] == 1 and h["recurrent"] == (True, False) * 4
+    flags = [1, 0, 0, 1, 1, 1, 0, 1, 0]
+    h = hybrid_fields(_Meta(**base, **{"attention.recurrent_layers": flags}), "qwen35moe", sections=True)
+    assert h["recurrent"] == tuple(bool(f) for f in flags)
+    with pytest.raises(MetadataError, match="non-text position"):
+        hybrid_fields(_Meta(**{**base, "rope.dimension_sections": [4, 4, 4, 20]}), "qwen35moe", sections=True)

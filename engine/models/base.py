@@ -15,6 +15,7 @@ from engine.errors import UsageError
 from engine.experts import CpuExperts, ExpertBackend, ExpertStacks
 from engine.kv_cache import KVCache
 from engine.models.args import ModelArgs
+from engine.models.host import host_kv
 from engine.models.layers import rms_norm, rope_theta
 from engine.models.weights import Embedding, Weights
 from engine.profiler import ExpertProfiler
@@ -59,6 +60,7 @@ class DecoderModel:
         for b in {id(b): b for b in self._backends.values()}.values():
             b.profiler = self.profiler
         self.layers = [self.make_layer(i) for i in range(self.args.n_layer)]
+        self._route_layers = np.arange(self.args.n_layer)
         self.out_device = self.devices[-1]
         self.out_norm = out_weights.vector("output_norm.weight")
         self.output = out_weights.linear("output.weight" if self.w.has("output.weight") else "token_embd.weight")
@@ -106,8 +108,12 @@ class DecoderModel:
             if logits is not None:  # None: this cache is not the device's (the eager path serves)
                 self.profiler.end_step(1)
                 return logits
-        x = self.embed(tokens)  # [T, D] host
         positions = np.arange(start, start + T)
+        if T == 1:
+            logits = self._host_decode(tokens, positions, cache)
+            if logits is not None:
+                return logits
+        x = self.embed(tokens)  # [T, D] host
         ropes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer, dev in zip(self.layers, self.devices):
             if dev not in ropes:
@@ -122,3 +128,39 @@ class DecoderModel:
         self.profiler.end_step(T)
         ops.end_of_prompt(T)
         return logits
+
+    def _host_decode(self, tokens: np.ndarray, positions: np.ndarray, cache: KVCache) -> torch.Tensor | None:
+        """One token through every layer's fused host step (``HostMoEStep``), or None where that does not
+        apply (a layer or the output off the host, a layer without the fused step, a K/V store not
+        float32 on the host). The same calls as the layers' own ``__call__`` in turn, without their
+        torch wrapping between layers; the routes go to the profiler once for the token."""
+        steps = self._host_steps
+        if steps is None or self.out_device != HOST:
+            return None
+        start = int(positions[0])
+        kvs = [host_kv(cache, f.i, start, 1) for f in steps]
+        if any(kv is None for kv in kvs):
+            return None
+        a = self.args
+        x = self.embed(tokens).numpy()[0]
+        cos, sin = (t.numpy() for t in self._rope(positions, HOST))
+        routes = np.empty((len(steps), a.n_expert_used), np.int64)
+        for j, (f, kv) in enumerate(zip(steps, kvs)):
+            x, routes[j] = f.run(x, start, kv, cos, sin)
+        self.profiler.record_routes(self._route_layers, routes)
+        for j, f in enumerate(steps):
+            f.moe.last_ids = torch.from_numpy(routes[j : j + 1])
+        for b in {id(b): b for b in self._backends.values()}.values():
+            b.end_step()
+        logits = self.output(rms_norm(torch.from_numpy(x[None]), self.out_norm, a.rms_eps)).to(HOST)
+        self.profiler.end_step(1)
+        return logits
+
+    @property
+    def _host_steps(self) -> list | None:
+        """Every layer's fused host step when all layers are on the host and have one, else None
+        (read each call: tests and the runtime may drop a layer's ``fused``)."""
+        steps = [layer.fused for layer in self.layers]
+        if any(f is None for f in steps) or any(d != HOST for d in self.devices):
+            return None
+        return steps

@@ -170,9 +170,14 @@ class HostMoEStep:
         kv = host_kv(cache, self.i, pos, 1)
         if kv is None:
             return None
-        y, ids = decode_moe_layer(
+        y, ids = self.run(x, pos, kv, cos, sin)
+        self.moe.note_route(ids)
+        return y
+
+    def run(self, x: np.ndarray, pos: int, kv: tuple[np.ndarray, np.ndarray], cos: np.ndarray, sin: np.ndarray):
+        """The layer on x float32 [D] with the cache rows ``kv`` (``host_kv``) -> (x' float32 [D], expert ids
+        int64 [K]); records nothing (the caller notes the route)."""
+        return decode_moe_layer(
             x, *self.head, *self.qkv, *self.attn, cos, sin, *self.shape, *kv, pos, *self.out, *self.route,
             *self.experts,
         )  # fmt: skip
-        self.moe.note_route(ids)
-        return y

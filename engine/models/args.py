@@ -177,6 +177,19 @@ class HybridArgs(ModelArgs):
         return [i for i in range(self.n_layer) if not self.recurrent[i]]
 
 
+def hybrid_moe_fields(gf: GGUFFile, arch: str) -> dict[str, Any]:
+    """A Gated-DeltaNet hybrid's routed and shared experts: :func:`moe_fields` (the expert width defaults to
+    the FFN length over the experts used, as llama.cpp reads it) and ``n_ff_shexp`` (default: the FFN length)."""
+    used = gf.get(keys.arch_key(keys.EXPERT_USED_COUNT, arch)) or 1
+    ff = gf.get(keys.arch_key(keys.FEED_FORWARD_LENGTH, arch))
+    fallback = ff // used if isinstance(ff, int) and isinstance(used, int) and used > 0 else None
+    m = moe_fields(gf, arch, keys.EXPERT_FEED_FORWARD_LENGTH, fallback)
+    m["n_ff_shexp"] = _int(
+        gf, keys.arch_key(keys.EXPERT_SHARED_FEED_FORWARD_LENGTH, arch), ff if isinstance(ff, int) else 0
+    )
+    return m
+
+
 def hybrid_fields(gf: GGUFFile, arch: str, sections: bool) -> dict[str, Any]:
     """The linear-attention hyperparameters as llama.cpp reads them (``load_arch_hparams`` of qwen35,
     qwen35moe, qwen3next), checked; ``n_layer`` is the trunk (block count less the MTP blocks).

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.gguf import keys
 from engine.gguf.reader import GGUFFile
-from engine.models.args import HybridArgs, _int, common_fields, hybrid_fields, moe_fields
+from engine.models.args import HybridArgs, common_fields, hybrid_fields, hybrid_moe_fields
 from engine.models.hybrid import HybridModel, hybrid_tensor_specs
 from engine.models.tensors import TensorSpec
 
@@ -20,12 +19,7 @@ class Args(HybridArgs):
     def from_gguf(cls, gf: GGUFFile) -> Args:
         c = common_fields(gf, ARCH)
         c.update(hybrid_fields(gf, ARCH, sections=True))
-        used = gf.get(keys.arch_key(keys.EXPERT_USED_COUNT, ARCH)) or 1
-        ff = gf.get(keys.arch_key(keys.FEED_FORWARD_LENGTH, ARCH))
-        fallback = ff // used if isinstance(ff, int) and isinstance(used, int) and used > 0 else None
-        m = moe_fields(gf, ARCH, keys.EXPERT_FEED_FORWARD_LENGTH, fallback)
-        shexp = _int(gf, keys.arch_key(keys.EXPERT_SHARED_FEED_FORWARD_LENGTH, ARCH), ff if isinstance(ff, int) else 0)
-        return cls(**c, **m, n_ff_shexp=shexp, rope_neox=True, norm_topk=True)
+        return cls(**c, **hybrid_moe_fields(gf, ARCH), rope_neox=True, norm_topk=True)
 
 
 def tensor_specs(a: Args) -> list[TensorSpec]:

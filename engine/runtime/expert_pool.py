@@ -6,7 +6,7 @@ the role offsets of a slot layout, and the kernels address it by byte offset (:a
 A cache's slots all have the stride of ``engine.plan.sizing.expert_slot_layout`` (the largest expert of
 any layer: a slot serves every layer); resident experts (``layer_layouts``) never move, so each layer's
 are packed at its own ``layer_slot_layout`` stride, slot after slot as they are first filled
-(``resident_expert_bytes``). The planner prices exactly these bytes. A segmented LRU maps (layer,
+(``engine.plan.sizing.resident_expert_bytes``). The planner prices exactly these bytes. A segmented LRU maps (layer,
 expert) to slots. Uploads copy an expert's bytes from the memory map
 through a pinned staging row on a side CUDA stream (on the CPU simulated device: directly); the table
 (host copy, and a device copy refreshed between steps) says where each expert is, -1 where it is not.
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from engine.experts import ExpertStacks
-from engine.plan.sizing import SlotLayout, resident_expert_bytes  # noqa: F401  (the bytes priced)
+from engine.plan.sizing import SlotLayout
 from engine.profiler import ExpertProfiler
 from engine.runtime.device import DeviceArena, raw_bytes
 from engine.runtime.slru import SegmentedLRU

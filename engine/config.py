@@ -58,6 +58,7 @@ ENV = MappingProxyType(
         "triton_interpret": "TRITON_INTERPRET",
         "cuda_graph": "SHARPI_CUDA_GRAPH",
         "prompt_upload_min": "SHARPI_PROMPT_UPLOAD_MIN",
+        "cache_upload": "SHARPI_CACHE_UPLOAD",
         "prompt_stream_min": "SHARPI_PROMPT_STREAM_MIN",
         "kv_type": "SHARPI_KV_DTYPE",
         "cpu_moe": "SHARPI_CPU_MOE",
@@ -73,6 +74,7 @@ ENV_CPU_MOE = ENV["cpu_moe"]  # named in plan reasons ("set by SHARPI_CPU_MOE=1"
 KV_TYPES = ("f32", "bf16", "q8_0")  # engine.plan.sizing.KV_TYPES (tests/test_config.py holds them equal)
 KV_ALIASES = MappingProxyType({"fp32": "f32", "float32": "f32", "q8": "q8_0"})
 CUDA_GRAPH_MODES = ("graph", "eager", "off")
+CACHE_UPLOADS = ("background", "inline")
 ACT_MODES = ("q8", "f32")
 PREFILL_PRECISIONS = ("bf16", "f32")
 
@@ -145,6 +147,10 @@ class EngineOptions:
     # SHARPI_PROMPT_UPLOAD_MIN: tokens of a prompt a missed cached expert needs to be uploaded and run
     # on the device (whole number ≥ 0; 0: never); None (unset) = expert_cache.PROMPT_UPLOAD_MIN (16).
     prompt_upload_min: int | None = None
+    # SHARPI_CACHE_UPLOAD: how a decode step's expert-cache misses are uploaded: "background" — copied by a
+    # worker thread behind the next steps, in the table once landed — or "inline" — copied between steps,
+    # the next step waiting for them; None (unset) = background on CUDA, inline on the simulated device.
+    cache_upload: str | None = None
     # SHARPI_PROMPT_STREAM_MIN: tokens from which a batch copies the host-placed experts of a device layer
     # (--moe cpu, the first n_cpu_moe layers) to the device and computes them there, as llama.cpp does
     # above 32 (engine.runtime.expert_stream; whole number ≥ 0; 0: never, and the planner reserves no
@@ -296,6 +302,7 @@ _PARSE = {
     "triton_interpret": _flag,
     "cuda_graph": _cuda_graph,
     "prompt_upload_min": _whole,
+    "cache_upload": _choice(CACHE_UPLOADS),
     "prompt_stream_min": _whole,
     "kv_type": _choice(KV_TYPES, KV_ALIASES),
     "cpu_moe": _cpu_moe,
@@ -319,6 +326,8 @@ def _check(o: EngineOptions) -> None:
     for name, allowed in choices.items():
         if getattr(o, name) not in allowed:
             raise UsageError(f"EngineOptions.{name}={getattr(o, name)!r}: expected one of {', '.join(allowed)}")
+    if o.cache_upload not in (None, *CACHE_UPLOADS):
+        raise UsageError(f"EngineOptions.cache_upload={o.cache_upload!r}: expected None, background or inline")
     if o.device_act not in (None, *ACT_MODES):
         raise UsageError(f"EngineOptions.device_act={o.device_act!r}: expected None, q8 or f32")
     if o.prefill_precision not in (None, *PREFILL_PRECISIONS):

@@ -292,7 +292,7 @@ def test_segment_replays_with_experts_on_the_host_match_eager_decode(tmp_path, m
     the routed experts on the CPU between replays, or the expert cache's hits inside the replays (the
     fused kernels skipping the misses) and its misses on the CPU between them — against the eager path
     over two buckets, with the Triton kernels; routes and cache counts equal."""
-    engine_env({"SHARPI_DEVICE_ACT": "f32"})
+    engine_env({"SHARPI_DEVICE_ACT": "f32", "SHARPI_CACHE_UPLOAD": "inline"})  # counts compared: uploads between steps
     geo = dict(layers=3, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8, experts_used=2, expert_ff=256)
     path = write_model(tmp_path / "m.gguf", "qwen3moe", seed=4, weight_type="Q4_K", type_overrides={"*ffn_down*": "Q6_K"},
                        **geo).path  # fmt: skip

@@ -128,6 +128,7 @@ def test_cache_counts_hits_misses_uploads_and_residency(paths, device):
         s.reset_stats()
         tokens = random_tokens(12, 1024, seed=2)
         s.logits(tokens, batch=False)
+        s.applied.experts.pool.drain()  # CUDA: the last steps' uploads, copied behind the decode, land
         st = s.stats()
         calls = int(st.calls.sum())
         assert calls == 12 * L * s.args.n_expert_used
@@ -194,6 +195,45 @@ def test_prompt_uploads_its_experts_and_stays_correct(paths, device, threshold, 
     for bad in ("many", "-1"):
         with pytest.raises(UsageError, match="SHARPI_PROMPT_UPLOAD_MIN"):
             EngineOptions.from_env({"SHARPI_PROMPT_UPLOAD_MIN": bad})
+
+
+def _table_agrees_with_the_slru(pool) -> None:
+    """Every expert the table points at holds that slot in the SLRU, and every cached expert is in the table."""
+    table = {(int(i), int(e)): int(pool.slots_h[i, e]) for i, e in zip(*np.nonzero(pool.slots_h >= 0))}
+    assert table == {key: pool.slru.slot(key) for key in pool.slru.keys()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slots", [3, None])
+def test_background_uploads_enter_the_table_once_landed(paths, device, slots):
+    """Uploads behind the decode (ExpertPool.upload_later, CUDA's default; forced here on the simulated device):
+    a step's misses get slots between steps but stay misses — computed on the CPU, logits unchanged — until
+    their copies have landed and ``publish`` puts them in the table; a small cache evicts pending experts too."""
+    tokens = random_tokens(16, 1024, seed=5)
+    with _session(paths["qwen3moe"], device) as s:
+        ref = s.logits(tokens, batch=False)
+        L, E = s.args.n_layer, s.args.n_expert
+        n = slots or L * E
+        placement = s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe="cache"), _profile_for(s, n_gpu_layers=L, slots=n))
+        s.apply(placement, replace(s.engine_options, cache_upload="background"))
+        pool = s.applied.experts.pool
+        assert pool.background
+        s.reset()
+        s.model.forward([tokens[0]], 0, s.cache)  # one step: its misses admitted and being copied, not in the table
+        pending = [key for key in pool.slru.keys() if pool.slots_h[key] < 0]
+        assert pending and len(pool.slru) == len(pending)
+        pool.drain()
+        _table_agrees_with_the_slru(pool)
+        s.reset_stats()
+        got = s.logits(tokens, batch=False)
+        assert np.abs(got - ref).max() <= 1e-5
+        pool.drain()
+        _table_agrees_with_the_slru(pool)
+        missed = {(int(i), int(e)) for i, e in zip(*np.nonzero(s.stats().misses > 0))}
+        if slots:
+            assert pool.slru.evictions > 0 and len(pool.slru) == slots
+        else:  # room for all: every expert missed is in the table now, none dropped
+            assert pool.background_dropped == 0 and missed <= set(pool.slru.keys())
 
 
 def test_host_copy_in_slices_equals_the_source():

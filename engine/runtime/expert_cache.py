@@ -2,8 +2,9 @@
 
 Which experts run where: an expert in the pool (:mod:`engine.runtime.expert_pool`) is a hit and runs on
 the device (:mod:`engine.runtime.pool_compute`); a miss is computed on the CPU now, from the memory map,
-and queued for upload so the next token finds it on the device (``upload="async"``, bounded by
-``max_uploads``); ``upload="sync"`` loads it first and computes on the device. A prompt is different: an
+and queued for upload so a later token finds it on the device (``upload="async"``, bounded by
+``max_uploads``; on CUDA copied behind the decode: ``ExpertPool.upload_later``); ``upload="sync"`` loads it
+first and computes on the device. A prompt is different: an
 expert missed by at least :func:`prompt_upload_threshold` of its tokens is uploaded before the layer runs
 and computed on the device with the hits (copying 2–3 MB beats the CPU's work for that many tokens;
 llama.cpp likewise moves a large batch's experts to the GPU); its rarer misses run on the CPU, grouped by
@@ -72,7 +73,8 @@ class CachedExperts(ExpertBackend):
         self.prompt_upload_min = (
             prompt_upload_threshold(self.options) if prompt_upload_min is None else prompt_upload_min
         )
-        self.pool = ExpertPool(stacks, layers, arena, layout, n_slots, max_uploads, layer_layouts)
+        background = {"background": True, "inline": False}.get(self.options.cache_upload)  # None: on CUDA
+        self.pool = ExpertPool(stacks, layers, arena, layout, n_slots, max_uploads, layer_layouts, background)
         self.compute = PoolCompute(self.pool, stacks, q8_act, self.options)
         self.slru = self.pool.slru
         self._fused = self.compute.fused  # layer -> the fused Triton kernels serve its three roles
@@ -107,11 +109,17 @@ class CachedExperts(ExpertBackend):
         """:meth:`forward` after the route is recorded: hits (and a prompt's well-used misses, uploaded now)
         on the device, the other misses on the CPU and queued for upload; ``sync`` uploads every miss first."""
         T, K = ids_h.shape
+        if T > 1 or self.upload_policy == "sync":
+            self.pool.drain()  # uploads behind the decode land first: a prompt may upload and evict
         experts = np.unique(ids_h)
         working = {(layer, int(e)) for e in experts}
         hit, miss = [], []
-        for e in experts:
-            (hit if self.slru.hit((layer, int(e))) is not None else miss).append(int(e))
+        for e in experts:  # in the table: a hit (an expert still being copied in is a miss)
+            if self.pool.slots_h[layer, e] >= 0:
+                self.slru.hit((layer, int(e)))
+                hit.append(int(e))
+            else:
+                miss.append(int(e))
         if self.upload_policy == "sync":
             eager = miss
         elif T > 1 and self.prompt_upload_min > 0:  # a prompt: experts with enough of its tokens go up now
@@ -226,10 +234,7 @@ class CachedExperts(ExpertBackend):
         return ops.moe_ffn(s.gate, s.up, s.down, X, I, np.ascontiguousarray(weights[:, ks]), q8_act=self.q8_act)
 
     def end_step(self) -> None:
-        """Upload this step's misses (bounded), oldest first; the rest are dropped."""
+        """Upload this step's misses (bounded), oldest first; the rest are dropped. On CUDA they are copied
+        behind the next steps and enter the table once landed (``ExpertPool.upload_later``)."""
         queue, self.queue = self.queue[: self.max_uploads], []
-        for layer, e in queue:
-            if (layer, e) not in self.slru:
-                self.pool.upload(layer, e, set())
-        self.pool.sync()
-        self.pool.refresh_table()
+        self.pool.upload_later(queue)

@@ -10,12 +10,18 @@ are packed at its own ``layer_slot_layout`` stride, slot after slot as they are 
 expert) to slots. Uploads copy an expert's bytes from the memory map
 through a pinned staging row on a side CUDA stream (on the CPU simulated device: directly); the table
 (host copy, and a device copy refreshed between steps) says where each expert is, -1 where it is not.
+
+A decode step's misses are uploaded behind the decode (:meth:`ExpertPool.upload_later`, the default on
+CUDA): the slots are assigned between steps and their old experts leave the table at once, a worker
+thread copies the bytes in (memory map → pinned ring → the device, on its own stream) while the next
+tokens run, and the table points at them only once they have landed (:meth:`ExpertPool.publish`, between
+steps). Until then those experts are misses, computed on the CPU; nothing the device reads changes under it.
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -27,6 +33,8 @@ from engine.runtime.device import DeviceArena, raw_bytes
 from engine.runtime.slru import SegmentedLRU
 
 ROLES = ("gate", "up", "down")
+BACKGROUND_RING = 16  # pinned staging rows of the background uploads (each reused once its copy has landed)
+BACKGROUND_JOBS = 2  # steps' batches in flight at most; a step's misses beyond that are not uploaded
 
 _COPIERS: ThreadPoolExecutor | None = None
 
@@ -60,9 +68,12 @@ class ExpertPool:
         n_slots: int,
         max_uploads: int,
         layer_layouts: dict[int, SlotLayout] | None = None,
+        background: bool | None = None,
     ):
         """layout: the cache's slot layout; layer_layouts: {layer: its own layout} for resident experts
-        (``n_slots`` = every expert of ``layers``, packed; no slot is ever reused by another layer)."""
+        (``n_slots`` = every expert of ``layers``, packed; no slot is ever reused by another layer);
+        background: :meth:`upload_later` copies on a worker thread (None: on CUDA; else at once, as
+        :meth:`upload` does, and published at once — the simulated device's deterministic default)."""
         self.stacks, self.layers, self.layout, self.max_uploads = stacks, set(layers), layout, max_uploads
         self.layer_layouts = layer_layouts
         self.device = arena.device
@@ -97,10 +108,21 @@ class ExpertPool:
         # layer -> int64 [E] byte offset of each expert's slot, for layers whose every expert is pinned
         # (resident: no miss, no eviction, so the table stays true for every later step).
         self.pinned_offsets: dict[int, torch.Tensor] = {}
+        # Background uploads: batches (admitted between steps) copied by one worker thread, oldest first.
+        self.background = (self.device.type == "cuda") if background is None else background
+        self._worker: ThreadPoolExecutor | None = None
+        self._jobs: list[tuple[list[tuple[int, int, int]], Future]] = []  # (layer, expert, slot) batches
+        self._bg_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._ring: torch.Tensor | None = None  # pinned [BACKGROUND_RING, stride] (CUDA)
+        self._ring_free: list[torch.cuda.Event | None] = [None] * BACKGROUND_RING
+        self._ring_next = 0
+        self.background_dropped = 0  # misses not uploaded because BACKGROUND_JOBS batches were in flight
 
     def upload(self, layer: int, e: int, working: set) -> bool:
         """Give expert e of ``layer`` a slot and copy its bytes in (never evicting ``working``'s experts or a
-        pin); False when no slot can be had."""
+        pin); False when no slot can be had. Background uploads still in flight land first."""
+        if self._jobs:
+            self.drain()
         got = self.slru.admit((layer, e), working)
         if got is None:
             return False  # every slot holds an expert this token needs, or a pinned one
@@ -137,6 +159,114 @@ class ExpertPool:
             self.profiler.record_cache(layer, [], [], {e: n})
             self.profiler.set_resident(layer, [e], True)
         return True
+
+    # -- uploads behind the decode ---------------------------------------------------------------------------
+    def upload_later(self, items: list[tuple[int, int]]) -> int:
+        """Between steps: give each (layer, expert) of ``items`` not yet cached a slot (any expert may be
+        evicted: it leaves the table now) and copy them in behind the next steps; they enter the table when
+        they have landed (:meth:`publish`). Returns how many were admitted (none while
+        ``BACKGROUND_JOBS`` batches are in flight). Without ``background``: :meth:`upload` each at once."""
+        if not self.background:
+            n = sum(self.upload(layer, e, set()) for layer, e in items if (layer, e) not in self.slru)
+            self.sync()
+            self.refresh_table()
+            return n
+        self.publish()
+        todo = [(layer, e) for layer, e in dict.fromkeys(items) if (layer, e) not in self.slru]
+        if not todo:
+            return 0
+        if len(self._jobs) >= BACKGROUND_JOBS:
+            self.background_dropped += len(todo)
+            return 0
+        if self.layer_layouts is not None:
+            raise RuntimeError("a packed (resident) expert pool is filled by preload, not behind the decode")
+        batch = []
+        for layer, e in todo:
+            got = self.slru.admit((layer, e), ())
+            if got is None:
+                break
+            slot, evicted = got
+            if evicted is not None:
+                self.slots_h[evicted] = -1  # out of the table before its slot is overwritten
+                self._table_dirty = True
+                if self.profiler is not None:
+                    self.profiler.set_resident(evicted[0], [evicted[1]], False)
+            batch.append((layer, e, slot))
+        self.refresh_table()
+        after = None
+        if self._bg_stream is not None:  # the copies start after the work queued so far (it may read evicted slots)
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self.device))
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="sharpi-expert-upload")
+        self._jobs.append((batch, self._worker.submit(self._copy_batch, batch, after)))
+        return len(batch)
+
+    def _copy_batch(self, batch: list[tuple[int, int, int]], after: torch.cuda.Event | None):
+        """Worker thread: copy ``batch``'s experts into their slots; returns the event of the last copy (CUDA)."""
+        if self._bg_stream is None:  # the simulated device: straight into the pool
+            for layer, e, slot in batch:
+                base, lay = int(self.slot_off_h[slot]), self.layout_of(layer)
+                for r in ROLES:
+                    src = self.expert_bytes[(layer, r)][e]
+                    off = lay.role_offset[r]
+                    self.pool[base + off : base + off + src.size].copy_(torch.from_numpy(np.array(src)))
+            return None
+        if self._ring is None:
+            self._ring = torch.empty((BACKGROUND_RING, self.layout.stride), dtype=torch.uint8, pin_memory=True)
+        ring = self._ring.numpy()
+        with torch.cuda.stream(self._bg_stream):
+            self._bg_stream.wait_event(after)
+            for layer, e, slot in batch:
+                k = self._ring_next
+                self._ring_next = (k + 1) % BACKGROUND_RING
+                if self._ring_free[k] is not None:
+                    self._ring_free[k].synchronize()  # the copy that last read this row has landed
+                base, lay = int(self.slot_off_h[slot]), self.layout_of(layer)
+                for r in ROLES:
+                    src = self.expert_bytes[(layer, r)][e]
+                    off = lay.role_offset[r]
+                    ring[k, off : off + src.size] = src
+                self.pool[base : base + lay.stride].copy_(self._ring[k, : lay.stride], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self._bg_stream)
+                self._ring_free[k] = ev
+            done = torch.cuda.Event()
+            done.record(self._bg_stream)
+        return done
+
+    def publish(self, wait: bool = False) -> int:
+        """Between steps: put the background uploads that have landed into the table (oldest batch first;
+        ``wait``: all of them, waiting). An expert evicted again before its batch landed stays out. Returns
+        how many entered."""
+        n = 0
+        while self._jobs:
+            batch, fut = self._jobs[0]
+            if not wait and not fut.done():
+                break
+            done = fut.result()  # a worker's exception surfaces here
+            if done is not None:
+                if not wait and not done.query():
+                    break
+                torch.cuda.current_stream(self.device).wait_event(done)
+            self._jobs.pop(0)
+            for layer, e, slot in batch:
+                if self.slru.slot((layer, e)) != slot:
+                    continue  # evicted by a later batch before it landed
+                self.slots_h[layer, e] = slot
+                self._table_dirty = True
+                nbytes = sum(self.expert_bytes[(layer, r)].shape[1] for r in ROLES)
+                self.uploaded_bytes += nbytes
+                if self.profiler is not None:
+                    self.profiler.record_cache(layer, [], [], {e: nbytes})
+                    self.profiler.set_resident(layer, [e], True)
+                n += 1
+        self.refresh_table()
+        return n
+
+    def drain(self) -> None:
+        """Wait for every background upload and put it in the table."""
+        self.publish(wait=True)
 
     def layout_of(self, layer: int) -> SlotLayout:
         """Where ``layer``'s roles sit in its slots: its own layout when packed, else the shared one."""

@@ -200,7 +200,8 @@ def test_prompt_uploads_its_experts_and_stays_correct(paths, device, threshold, 
 def _table_agrees_with_the_slru(pool) -> None:
     """Every expert the table points at holds that slot in the SLRU, and every cached expert is in the table."""
     table = {(int(i), int(e)): int(pool.slots_h[i, e]) for i, e in zip(*np.nonzero(pool.slots_h >= 0))}
-    assert table == {key: pool.slru.slot(key) for key in pool.slru.keys()}
+    cached = pool.slru.keys()  # (layer, expert) of every slot in use
+    assert table == {key: pool.slru.slot(key) for key in cached}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -220,7 +221,8 @@ def test_background_uploads_enter_the_table_once_landed(paths, device, slots):
         assert pool.background
         s.reset()
         s.model.forward([tokens[0]], 0, s.cache)  # one step: its misses admitted and being copied, not in the table
-        pending = [key for key in pool.slru.keys() if pool.slots_h[key] < 0]
+        cached = pool.slru.keys()
+        pending = [key for key in cached if pool.slots_h[key] < 0]
         assert pending and len(pool.slru) == len(pending)
         pool.drain()
         _table_agrees_with_the_slru(pool)

@@ -93,6 +93,10 @@ class ExpertBackend(Protocol):
         """Called once per forward pass after the last layer (uploads, prefetch)."""
         ...
 
+    def settle(self) -> None:
+        """Finish work running behind the steps (the cache's background uploads) — before a CUDA graph
+        capture. Nothing by default."""
+
 
 class CpuExperts(ExpertBackend):
     """Experts computed by the numba kernels straight from the quantized memory map: a one-token step's

@@ -233,6 +233,9 @@ class CachedExperts(ExpertBackend):
         I = np.ascontiguousarray(ids[ks][None])
         return ops.moe_ffn(s.gate, s.up, s.down, X, I, np.ascontiguousarray(weights[:, ks]), q8_act=self.q8_act)
 
+    def settle(self) -> None:
+        self.pool.drain()
+
     def end_step(self) -> None:
         """Upload this step's misses (bounded), oldest first; the rest are dropped. On CUDA they are copied
         behind the next steps and enter the table once landed (``ExpertPool.upload_later``)."""

@@ -252,6 +252,8 @@ class GraphDecode:
         and lazy state created for these shapes; it computes exactly what the replay then does: a
         segment never writes what it reads). Buckets are captured when a position first needs them,
         so the first token of a bucket pays for its segments."""
+        for b in self._cut_backends:  # background uploads land first (the capture then runs alone)
+            b.settle()
         cur = torch.cuda.current_stream(self.device)
         if self._side is None:  # one warm-up stream for every capture: the caching allocator and cuBLAS keep
             self._side = torch.cuda.Stream(self.device)  # memory per stream (a 32 MiB workspace each)
@@ -263,7 +265,8 @@ class GraphDecode:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._pool):
+        # thread_local: another thread's CUDA calls (the cache's upload worker) do not invalidate the capture
+        with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
             self._segment(length, s)
         self.graphs.setdefault(length, []).append(g)
 

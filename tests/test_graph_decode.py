@@ -366,7 +366,7 @@ def test_the_warm_up_before_a_capture_launches_what_the_capture_records(monkeypa
     monkeypatch.setattr(qb, "pdl_supported", lambda index=None: True)
 
     @contextlib.contextmanager
-    def graph(g, pool=None):
+    def graph(g, pool=None, capture_error_mode="global"):
         capturing["now"] = True
         yield
         capturing["now"] = False
@@ -390,7 +390,7 @@ def test_the_warm_up_before_a_capture_launches_what_the_capture_records(monkeypa
     seen = []
 
     class Stub:
-        device, _pool, _side, graphs = cuda, None, None, {}
+        device, _pool, _side, graphs, _cut_backends = cuda, None, None, {}, []
 
         def _segment(self, length, s):
             seen.append((qb.pdl(cuda), ks.moe_act(cuda, True, q4k), capturing["now"]))

@@ -267,6 +267,7 @@ class Session:
         return out
 
     def close(self) -> None:
+        self.model.settle()  # nothing may read the memory map after it closes
         self.gf.close()
 
     def __enter__(self) -> Session:

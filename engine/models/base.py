@@ -48,6 +48,12 @@ class DecoderModel:
     def experts_of(self, i: int) -> ExpertBackend:
         return self._backends[i]
 
+    def settle(self) -> None:
+        """Finish the expert backends' background work (uploads reading the memory map): before the
+        backends are replaced or the file is closed."""
+        for b in {id(b): b for b in getattr(self, "_backends", {}).values()}.values():
+            b.settle()
+
     def configure(
         self, layer_weights: list, devices: list[torch.device], backends: dict, out_weights, rope_weights=None
     ) -> None:
@@ -56,6 +62,7 @@ class DecoderModel:
         out_weights: where the output norm and matrix live; rope_weights: the device weights
         source for ``rope_freqs`` when any layer is on a device."""
         self.decode_graph = None  # its buffers and graphs belong to the previous layers
+        self.settle()  # the previous backends' background work ends before they are dropped
         self._layer_w, self.devices, self._backends = list(layer_weights), list(devices), dict(backends)
         for b in {id(b): b for b in self._backends.values()}.values():
             b.profiler = self.profiler

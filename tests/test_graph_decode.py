@@ -315,10 +315,11 @@ def test_bench_bound_is_device_memory_only_when_everything_is_on_cuda():
 
     from engine.bench.model import _wholly_on_cuda
 
-    def s(dev, n, mode, L=4):
-        return NS(device=torch.device(dev), placement=NS(n_gpu_layers=n, n_layer=L, moe_mode=mode))
+    def s(dev, n, mode, L=4, n_cpu_moe=0):
+        return NS(device=torch.device(dev), placement=NS(n_gpu_layers=n, n_layer=L, moe_mode=mode, n_cpu_moe=n_cpu_moe))
 
     assert _wholly_on_cuda(s("cuda", 4, "resident")) and _wholly_on_cuda(s("cuda", 4, "none"))
+    assert not _wholly_on_cuda(s("cuda", 4, "resident", n_cpu_moe=2))  # a split: the first layers' experts on the host
     assert not _wholly_on_cuda(s("cuda", 3, "resident")) and not _wholly_on_cuda(s("cuda", 4, "cache"))
     assert not _wholly_on_cuda(s("cpu", 4, "resident")) and not _wholly_on_cuda(NS(device=None, placement=None))
 

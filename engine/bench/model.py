@@ -132,8 +132,8 @@ def _wholly_on_cuda(session) -> bool:
     (then decode reads its weights from device memory, and that is the bound to compare with)."""
     p = getattr(session, "placement", None)
     dev = getattr(session, "device", None)
-    if p is None or dev is None or p.n_gpu_layers < p.n_layer:
-        return False
+    if p is None or dev is None or p.n_gpu_layers < p.n_layer or p.n_cpu_moe > 0:
+        return False  # (n_cpu_moe: a split, the first layers' experts on the host)
     return dev.type == "cuda" and p.moe_mode in ("resident", "none")
 
 

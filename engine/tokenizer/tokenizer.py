@@ -17,7 +17,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from engine.errors import UsageError
 from engine.tokenizer.bpe import build_bpe
 from engine.tokenizer.detok import Detokenizer, Pieces
-from engine.tokenizer.spm import build_spm, escape, score_ties, spm_encode_reference
+from engine.tokenizer.spm import build_spm, escape, score_ties, spm_encode_reference, token_splits
 from engine.tokenizer.vocab import BPE, SPM, TokenAttr, Vocab
 
 log = logging.getLogger(__name__)
@@ -39,9 +39,10 @@ class Tokenizer:
             self.hf: HFTokenizer = build_bpe(vocab, self._token_to_id)
         else:
             unk = vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else None
-            self.hf = build_spm(vocab.tokens, vocab.scores, vocab.add_space_prefix, unk)
+            splits = token_splits(vocab.tokens)
+            self.hf = build_spm(vocab.tokens, vocab.scores, vocab.add_space_prefix, unk, splits)
             if spm_reference is None:
-                spm_reference = score_ties(vocab.tokens, vocab.scores)
+                spm_reference = score_ties(vocab.tokens, vocab.scores, splits)
                 if spm_reference:
                     log.info("SentencePiece scores have ties: using the exact (slower) merge loop")
             self.uses_reference = spm_reference

@@ -51,6 +51,10 @@ class TensorShapeError(GGUFError):
     """A tensor's shape disagrees with the hyperparameters."""
 
 
+class ModelError(SharpIError):
+    """The model computed NaN or infinity (damaged weights, or values past float32's range)."""
+
+
 class UsageError(SharpIError):
     """A command-line or API argument is malformed or impossible."""
 

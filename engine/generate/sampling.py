@@ -149,9 +149,14 @@ class Sampler:
         ids, counts = np.unique(recent, return_counts=True)
         out = logits.copy()
         v = out[ids]
-        if p.repeat_penalty != 1.0:
-            v = np.where(v > 0, v / p.repeat_penalty, v * p.repeat_penalty)
-        out[ids] = v - counts * p.frequency_penalty - p.presence_penalty
+        with np.errstate(over="ignore"):  # finite settings can still overflow (a penalty of -1e308, ...):
+            if p.repeat_penalty != 1.0:
+                v = np.where(v > 0, v / p.repeat_penalty, v * p.repeat_penalty)
+            v = v - counts * p.frequency_penalty - p.presence_penalty
+        # kept within float32's range (the head search orders float32 keys): +inf, or inf - inf = NaN, would
+        # make every probability NaN
+        big = float(np.finfo(np.float32).max)
+        out[ids] = np.clip(np.where(np.isnan(v), -big, v), -big, big)
         return out
 
     def __call__(self, logits: np.ndarray, history: list[int] | None = None) -> int:
@@ -208,8 +213,7 @@ class Sampler:
         if p.min_p > 0.0:
             keep = probs >= p.min_p * probs[0]
             order, z = order[keep], z[keep]
-        z = z / p.temperature
-        probs = np.exp(z - z.max())
+        probs = np.exp((z - z.max()) / p.temperature)  # shifted first: a tiny temperature cannot overflow
         probs /= probs.sum()
         return int(order[self.rng.choice(len(order), p=probs)])
 

@@ -16,7 +16,7 @@ import pytest
 from engine.errors import ChatTemplateError, SharpIError
 from engine.gguf import open_gguf
 from engine.tokenizer import load_tokenizer
-from engine.tokenizer.chat import CHATML, ChatTemplate
+from engine.tokenizer.chat import CHATML, ChatTemplate, RenderCancelled, RenderLimits
 
 QWEN3 = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
@@ -291,3 +291,53 @@ def test_from_gguf_takes_template_and_special_texts(tmp_path):
     assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
     # Without stripping, the rendered <s> would be parsed back to the BOS id.
     assert tok.encode(ChatTemplate(MIXTRAL, bos_token="<s>").render([]), add_bos=False) == [tok.bos_id]
+
+
+HOSTILE = {
+    "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "loops that print": "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+    "string repeat": "{{ 'x' * 10**9 }}",
+    "bigger string repeat": "{{ 'x' * 10**10 }}",
+    "list repeat": "{{ ([1] * 10**9) | length }}",
+    "tojson indent": "{{ messages | tojson(indent=100000000) }}",
+    "recursive macro": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "float overflow": "{{ 10.0 ** 400 }}",
+    "int power": "{{ 10 ** (10 ** 9) }}",  # jinja2 groups ** from the left
+    "center": "{{ 'x'.center(10**9) }}",
+    "indent filter": "{{ 'a\nb' | indent(10**9) }}",
+    "replace blow-up": "{{ ('x' * 1000) | replace('', 'y' * 100000) }}",
+    "join blow-up": "{{ ('y' * 100000).join(['a'] * 100000) }}",
+    "percent format": "{{ '%*d' % (10**9, 1) }}",
+    "doubling": "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_templates_are_a_chat_template_error(name):
+    """Each one hung, aborted the process or leaked a raw MemoryError/RecursionError/OverflowError."""
+    t = ChatTemplate(HOSTILE[name])
+    t.limits = RenderLimits(seconds=0.5, max_chars=1 << 20)
+    with pytest.raises(ChatTemplateError, match="chat template"):
+        t.render([{"role": "user", "content": "hi"}])
+
+
+def test_stop_interrupts_a_render():
+    import threading
+
+    t = ChatTemplate(HOSTILE["nested loops"])
+    t.limits = RenderLimits(seconds=600.0)  # only the Stop can end it
+    cancel = threading.Event()
+    threading.Timer(0.2, cancel.set).start()
+    with pytest.raises(RenderCancelled, match="cancelled"):
+        t.render([{"role": "user", "content": "hi"}], cancel=cancel)
+    # the next render of a normal template is unaffected (no interrupt left pending)
+    assert ChatTemplate(CHATML).render([{"role": "user", "content": "Hi"}]).startswith("<|im_start|>user")
+
+
+def test_limits_leave_ordinary_templates_alone():
+    t = ChatTemplate(
+        "{% for m in messages %}{{ m.content | trim | indent(2) }}{{ m | tojson(indent=2) }}"
+        "{{ '-' * 40 }}{{ ', '.join(['a', 'b']) }}{{ 2 ** 10 }}{{ '%s=%d' % ('k', 3) }}{% endfor %}"
+    )
+    out = t.render([{"role": "user", "content": " hi "}])
+    assert "hi" in out and "-" * 40 in out and "a, b" in out and "1024" in out and "k=3" in out

@@ -8,6 +8,15 @@ keeps non-ASCII text and takes ``indent`` (as transformers'), ``bos_token``, ``e
 A template that does not compile or fails while rendering raises :class:`ChatTemplateError`
 when it is used; loading the model still succeeds.
 
+A template is code from the file, so rendering runs under limits (:class:`RenderLimits`: 2 s and 1 MiB of
+output by default): a watchdog thread interrupts a render that overruns its time or whose ``cancel`` event
+is set (an exception raised asynchronously in the rendering thread, so even a loop that calls nothing
+stops); operations that could build a huge value in one C call (``'x' * 10**9``, ``[1] * 10**9``,
+``10 ** 10**9``, ``tojson(indent=10**8)``, ``center``/``indent``/``replace`` blowing a string up) are
+refused before they run; the output is streamed and cut at the size limit. Every failure — a sandbox
+violation, a compile error, memory, recursion, overflow, the limits — is a :class:`ChatTemplateError`
+with a short reason.
+
 As llama.cpp's ``common_chat_templates_apply`` does, a rendered prompt loses a leading BOS text
 when the tokenizer adds BOS itself (and a trailing EOS text when it adds EOS), so encoding the
 prompt does not double them.
@@ -15,13 +24,18 @@ prompt does not double them.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
+import threading
+import time
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import jinja2
 import jinja2.ext
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from engine.errors import ChatTemplateError
@@ -49,16 +63,162 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+@dataclass(frozen=True)
+class RenderLimits:
+    """What one render may take: ``seconds`` of wall time, ``max_chars`` of output (and of any one string
+    or list it builds)."""
+
+    seconds: float = 2.0
+    max_chars: int = 1 << 20
+
+
+class _Interrupted(BaseException):
+    """Raised asynchronously in the rendering thread by the watchdog (a BaseException: no template-level
+    ``except Exception`` in jinja2's runtime swallows it)."""
+
+
+class _OverLimit(SecurityError):
+    """A render refused for what it would build (over :attr:`RenderLimits.max_chars`, a huge number)."""
+
+
+_limits = threading.local()  # .max_chars of the render running on this thread
+
+
+def _max_chars() -> int:
+    return getattr(_limits, "max_chars", RenderLimits().max_chars)
+
+
+def _too_big(n: int, what: str) -> None:
+    if n > _max_chars():
+        raise _OverLimit(f"{what} of {n} items is over the template's limit of {_max_chars()}")
+
+
+def _length(x) -> int | None:
+    return len(x) if isinstance(x, (str, list, tuple)) else None
+
+
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
     # jinja2's own tojson escapes <, >, & and ' for HTML; chat templates want plain JSON.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    if indent is not None and (not isinstance(indent, (int, str)) or isinstance(indent, int) and indent > 64):
+        raise _OverLimit(f"tojson indent {indent!r} is over the limit of 64")
+    out = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    _too_big(len(out), "a tojson result")
+    return out
+
+
+def _checked_filter(f, size):
+    """Filter ``f`` refused when ``size(args)`` (its result's size at most) is over the limit."""
+
+    def run(*args, **kwargs):
+        _too_big(size(*args, **kwargs), f"the result of {f.__name__}")
+        return f(*args, **kwargs)
+
+    return run
+
+
+def _num(x) -> int:
+    return int(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) < 1e18 else 0
+
+
+# str methods whose result can be far larger than their inputs: the result's size at most
+_STR_GROWTH = {
+    "center": lambda s, w=0, *a: max(len(s), _num(w)),
+    "ljust": lambda s, w=0, *a: max(len(s), _num(w)),
+    "rjust": lambda s, w=0, *a: max(len(s), _num(w)),
+    "zfill": lambda s, w=0, *a: max(len(s), _num(w)),
+    "expandtabs": lambda s, t=8, *a: len(s) * max(1, _num(t)),
+    "replace": lambda s, old="", new="", *a: len(s) + (len(s) + 1) * len(str(new)),
+    "format": lambda s, *a, **k: len(s) + sum(len(str(x)) for x in (*a, *k.values()) if isinstance(x, str)),
+}
+
+
+class _LimitedEnvironment(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, refusing one-step blow-ups (see the module docstring)."""
+
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "**":
+            ints = isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0
+            if ints and right * abs(left).bit_length() > 1 << 16:
+                raise _OverLimit(f"{left} ** {right} is too large a number")
+        elif operator == "*":
+            for a, b in ((left, right), (right, left)):
+                if _length(a) is not None and isinstance(b, int):
+                    _too_big(len(a) * max(0, b), "a repeated string or list")
+        elif operator == "+":
+            la, lb = _length(left), _length(right)
+            if la is not None and lb is not None:
+                _too_big(la + lb, "a joined string or list")
+        elif operator == "%" and isinstance(left, str):
+            args = right if isinstance(right, tuple) else (right,)
+            _too_big(len(left) + sum(_num(a) + (_length(a) or 0) for a in args), "a %-formatted string")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's signature)
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, str) and getattr(__obj, "__name__", "") in _STR_GROWTH:
+            _too_big(_STR_GROWTH[__obj.__name__](owner, *args, **kwargs), f"the result of str.{__obj.__name__}")
+        if getattr(__obj, "__name__", "") == "join" and isinstance(owner, str) and args:
+            items = list(args[0])
+            _too_big(sum(len(str(x)) for x in items) + len(owner) * len(items), "the result of str.join")
+            args = (items, *args[1:])
+        return super().call(__context, __obj, *args, **kwargs)
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = _LimitedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    f = env.filters
+    f["indent"] = _checked_filter(f["indent"], lambda s, width=4, *a, **k: len(str(s)) * (1 + max(0, _num(width))))
+    f["center"] = _checked_filter(f["center"], lambda s, width=80: max(len(str(s)), _num(width)))
+    f["replace"] = _checked_filter(
+        f["replace"], lambda ev, s, old, new, *a: len(str(s)) + (len(str(s)) + 1) * len(str(new))
+    )
+    f["wordwrap"] = _checked_filter(f["wordwrap"], lambda ev, s, *a, **k: 2 * len(str(s)) + 2)
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, tojson=_tojson)
     return env
+
+
+class _Watchdog:
+    """Interrupts the calling thread's render when ``cancel`` is set or ``seconds`` pass (polls every 10 ms;
+    a render that ends first costs one short-lived thread)."""
+
+    def __init__(self, seconds: float, cancel: threading.Event | None):
+        self._tid = threading.get_ident()
+        self._deadline = time.monotonic() + seconds
+        self._cancel = cancel
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self.reason: str | None = None
+        self._thread = threading.Thread(target=self._watch, name="sharpi-template-watchdog", daemon=True)
+
+    def __enter__(self) -> _Watchdog:
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.01):
+            reason = None
+            if self._cancel is not None and self._cancel.is_set():
+                reason = "cancelled"
+            elif time.monotonic() > self._deadline:
+                reason = "timeout"
+            if reason:
+                with self._lock:
+                    if not self._done.is_set():
+                        self.reason = reason
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                            ctypes.c_ulong(self._tid), ctypes.py_object(_Interrupted)
+                        )
+                return
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._done.set()
+            if self.reason is not None:  # an interrupt not yet delivered must not escape the render
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._tid), None)
+        self._thread.join()
 
 
 class ChatTemplate:
@@ -81,11 +241,16 @@ class ChatTemplate:
         self.strip_bos = strip_bos  # drop a leading bos_token from the result (the tokenizer adds BOS)
         self.strip_eos = strip_eos  # drop a trailing eos_token (the tokenizer adds EOS)
         self.error: str | None = None  # why the template cannot be used (reported when rendering)
+        self.limits = RenderLimits()
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as e:
             self._template = None
             self.error = f"the chat template does not compile (line {e.lineno}: {e.message})"
+            log.warning("%s", self.error)
+        except (RecursionError, MemoryError, ValueError, OverflowError) as e:  # a pathological source
+            self._template = None
+            self.error = f"the chat template does not compile ({type(e).__name__})"
             log.warning("%s", self.error)
 
     @classmethod
@@ -110,12 +275,20 @@ class ChatTemplate:
         return cls(source, from_file=True, **opts)
 
     def render(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **extra
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        *,
+        cancel: threading.Event | None = None,
+        limits: RenderLimits | None = None,
+        **extra,
     ) -> str:
         """The prompt for ``messages`` (dicts with ``role`` and ``content``, as transformers takes them).
 
-        ``extra`` keywords become template variables (``enable_thinking=False`` for Qwen3).
-        Raises :class:`ChatTemplateError` naming what went wrong.
+        ``extra`` keywords become template variables (``enable_thinking=False`` for Qwen3). ``cancel``: an
+        event that stops the render when set (:class:`RenderCancelled`); ``limits``: default
+        :attr:`limits`. Raises :class:`ChatTemplateError` naming what went wrong.
         """
         if self._template is None:
             raise ChatTemplateError(self.error or "the chat template is unusable")
@@ -127,16 +300,47 @@ class ChatTemplate:
             "eos_token": self.eos_token,
             **extra,
         }
-        try:
-            out = self._template.render(**context)
-        except _TemplateRaised as e:
-            raise ChatTemplateError(f"the chat template rejected the conversation: {e}") from None
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as e:
-            raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
+        out = self._render_limited(context, limits or self.limits, cancel)
         if self.strip_bos and self.bos_token and out.startswith(self.bos_token):
             out = out[len(self.bos_token) :]
         if self.strip_eos and self.eos_token and out.endswith(self.eos_token):
             out = out[: -len(self.eos_token)]
         return out
+
+    def _render_limited(self, context: dict, limits: RenderLimits, cancel: threading.Event | None) -> str:
+        """Stream the template's output under ``limits`` and ``cancel`` (see the module docstring)."""
+        _limits.max_chars = limits.max_chars
+        parts: list[str] = []
+        watchdog = _Watchdog(limits.seconds, cancel)
+        try:
+            try:
+                with watchdog:
+                    n = 0
+                    for chunk in self._template.generate(**context):
+                        n += len(chunk)
+                        if n > limits.max_chars:
+                            raise _OverLimit(f"the output is over the limit of {limits.max_chars} characters")
+                        parts.append(chunk)
+            finally:
+                del _limits.max_chars
+        except _Interrupted:
+            if watchdog.reason == "cancelled":
+                raise RenderCancelled("the chat template's rendering was cancelled") from None
+            raise ChatTemplateError(f"the chat template ran past its time limit ({limits.seconds:g} s)") from None
+        except _TemplateRaised as e:
+            raise ChatTemplateError(f"the chat template rejected the conversation: {e}") from None
+        except _OverLimit as e:
+            raise ChatTemplateError(f"the chat template was stopped: {e}") from None
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
+        except RecursionError:
+            raise ChatTemplateError("the chat template failed: it recursed too deeply") from None
+        except MemoryError:
+            raise ChatTemplateError("the chat template failed: it ran out of memory") from None
+        except (ArithmeticError, TypeError, ValueError, LookupError, AttributeError) as e:
+            raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
+        return "".join(parts)
+
+
+class RenderCancelled(ChatTemplateError):
+    """The render was stopped by its ``cancel`` event (a Stop, not a broken template)."""

@@ -17,6 +17,7 @@ from engine import config
 from engine.config import EngineOptions
 from engine.errors import DeviceMemoryError, UsageError
 from engine.generate import CacheState, GenerationEvent, SamplingParams, generate
+from engine.generate.events import FINISH_CANCELLED
 from engine.gguf import open_gguf
 from engine.modelinfo import ModelInfo, describe
 from engine.plan import DeviceProfile, ModelSpec, Placement, PlanRequest, plan, resolve_kv_type
@@ -24,6 +25,7 @@ from engine.profiler import ProfilerSnapshot
 from engine.profiler import export as export_profile
 from engine.runtime.apply import Applied, apply_placement
 from engine.runtime.device import cuda_reserve
+from engine.tokenizer.chat import RenderCancelled
 
 Progress = Callable[[int, int, str], None]  # (done, total, what)
 
@@ -104,6 +106,7 @@ class Session:
             raise
         self.state = CacheState()
         self._cancel = threading.Event()
+        self._active_cancel: threading.Event | None = None  # the running generation's stop event
         report(4, 4, "ready")
 
     @classmethod
@@ -119,6 +122,16 @@ class Session:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self.chat_template.render(clean_messages(messages), add_generation_prompt=add_generation_prompt)
+
+    def chat_ids(
+        self, messages: list[dict], add_generation_prompt: bool = True, cancel: threading.Event | None = None
+    ) -> list[int]:
+        """The prompt ids of a chat: the template's markup parsed for control tokens, the text of user, system
+        and tool messages never (``<|im_end|>`` typed by a user stays text). ``cancel`` stops the render."""
+        text, spans = self.chat_template.render_with_spans(
+            clean_messages(messages), add_generation_prompt, cancel=cancel
+        )
+        return self.tokenizer.encode(text, add_bos=None, parse_special=True, plain_spans=spans)
 
     def check_ids(self, ids) -> list[int]:
         """``ids`` as a list of token ids, each a whole number in [0, vocabulary size); else a UsageError
@@ -138,25 +151,41 @@ class Session:
         messages: list[dict] | None = None,
         params: SamplingParams | None = None,
         prompt_ids: list[int] | None = None,
+        cancel: threading.Event | None = None,
     ) -> Iterator[GenerationEvent]:
-        """Stream a completion of ``prompt`` (raw text), ``messages`` (chat) or ``prompt_ids``."""
+        """Stream a completion of ``prompt`` (raw text), ``messages`` (chat) or ``prompt_ids``.
+
+        ``cancel``: this generation's own stop event. A caller that queues the request to a worker creates
+        it with the request, so a Stop that comes before the generation starts (or while the chat template
+        renders) still stops it: the stream is then one cancelled event. None: the session's event, cleared
+        here and set by :meth:`cancel`."""
         if sum(x is not None for x in (prompt, messages, prompt_ids)) != 1:
             raise UsageError("give exactly one of prompt, messages or prompt_ids")
-        if messages is not None:
-            text = self.render_chat(messages)
-            ids = self.tokenizer.encode(text, add_bos=None, parse_special=True)
-        elif prompt is not None:
-            ids = self.tokenizer.encode(clean_text(prompt), add_bos=None, parse_special=True)
-        else:
-            ids = self.check_ids(prompt_ids)
-        self._cancel.clear()
-        return generate(
-            self.model, self.tokenizer, self.cache, self.state, ids, params or SamplingParams(), self._cancel
-        )
+        if cancel is None:
+            self._cancel.clear()
+            cancel = self._cancel
+        self._active_cancel = cancel
+        try:
+            if cancel.is_set():
+                raise RenderCancelled("stopped before it started")
+            if messages is not None:
+                ids = self.chat_ids(messages, cancel=cancel)
+            elif prompt is not None:
+                ids = self.tokenizer.encode(clean_text(prompt), add_bos=None, parse_special=True)
+            else:
+                ids = self.check_ids(prompt_ids)
+        except RenderCancelled as e:
+            return iter([GenerationEvent("", None, 0, 0, len(self.state.tokens), self.n_ctx, 0.0, 0.0, 0.0,
+                                         FINISH_CANCELLED, str(e))])  # fmt: skip
+        return generate(self.model, self.tokenizer, self.cache, self.state, ids, params or SamplingParams(), cancel)
 
     def cancel(self) -> None:
-        """Stop the generation in progress after the current token (any thread)."""
+        """Stop the generation in progress after the current token (any thread); a generation given its own
+        ``cancel`` event is stopped through it too."""
         self._cancel.set()
+        active = self._active_cancel
+        if active is not None:
+            active.set()
 
     def reset(self) -> None:
         """Forget the cached conversation (the next generation recomputes its whole prompt)."""

@@ -27,6 +27,8 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import re
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -49,6 +51,39 @@ CHATML = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+
+USER_TEXT_ROLES = ("user", "system", "tool")  # whose content is text, never control tokens
+
+
+def _align(marked: str, flags: list[bool], plain: str) -> list[bool] | None:
+    """Each character of ``plain`` -> the flag of the character of ``marked`` it matches (greedy, left to
+    right); None when ``plain`` is not a subsequence of ``marked``."""
+    if marked == plain:
+        return flags
+    out, i = [], 0
+    for c in plain:
+        while i < len(marked) and marked[i] != c:
+            i += 1
+        if i == len(marked):
+            return None
+        out.append(flags[i])
+        i += 1
+    return out
+
+
+def _runs(mask: list[bool]) -> tuple[tuple[int, int], ...]:
+    """The (start, end) ranges where ``mask`` is True."""
+    spans, begin = [], None
+    for i, m in enumerate(mask):
+        if m and begin is None:
+            begin = i
+        elif not m and begin is not None:
+            spans.append((begin, i))
+            begin = None
+    if begin is not None:
+        spans.append((begin, len(mask)))
+    return tuple(spans)
 
 
 class _TemplateRaised(Exception):
@@ -306,6 +341,50 @@ class ChatTemplate:
         if self.strip_eos and self.eos_token and out.endswith(self.eos_token):
             out = out[: -len(self.eos_token)]
         return out
+
+    def render_with_spans(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kw
+    ) -> tuple[str, tuple[tuple[int, int], ...]]:
+        """(:meth:`render`'s prompt, the ``(start, end)`` character ranges in it that came from the content
+        of user, system and tool messages): the tokenizer parses no control tokens there
+        (``Tokenizer.encode(plain_spans=...)``), so ``<|im_end|>`` typed by a user stays text.
+
+        The template is rendered a second time with each such content between two random markers; the
+        markers' places give the ranges. A template that trims or edits the content shifts text between
+        them: the marked render, markers removed, is aligned with the plain one character by character
+        (the plain one a subsequence of it). A template that reorders or rewrites content so that no
+        alignment exists gets no ranges, with a warning."""
+        plain = self.render(messages, add_generation_prompt, **kw)
+        nonce = secrets.token_hex(8)
+        start, end = f"\ue000{nonce}\ue001", f"\ue002{nonce}\ue003"
+        marked_msgs = [
+            {**m, "content": start + m["content"] + end}
+            if isinstance(m, dict) and m.get("role") in USER_TEXT_ROLES and isinstance(m.get("content"), str)
+            else m
+            for m in messages
+        ]
+        try:
+            marked = self.render(marked_msgs, add_generation_prompt, **kw)
+        except RenderCancelled:
+            raise
+        except ChatTemplateError:  # it failed only on the markers (a length check, ...): no ranges
+            marked = ""
+        text, flags, inside, ok = [], [], False, bool(marked)
+        for piece in re.split(f"({re.escape(start)}|{re.escape(end)})", marked):
+            if piece in (start, end):
+                ok = ok and inside == (piece == end)
+                inside = piece == start
+            elif piece:
+                text.append(piece)
+                flags.append(inside)
+        ok = ok and not inside
+        if ok:
+            mask = _align("".join(text), [f for t, f in zip(text, flags) for _ in t], plain)
+            if mask is not None:
+                return plain, _runs(mask)
+        if any(m.get("role") in USER_TEXT_ROLES for m in messages if isinstance(m, dict)):
+            log.warning("the chat template rewrites message content: control tokens in it will be parsed")
+        return plain, ()
 
     def _render_limited(self, context: dict, limits: RenderLimits, cancel: threading.Event | None) -> str:
         """Stream the template's output under ``limits`` and ``cancel`` (see the module docstring)."""

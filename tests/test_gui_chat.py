@@ -257,3 +257,15 @@ def test_opening_a_model_while_a_reply_streams_stops_it_then_loads(qtbot, tmp_pa
     assert loaded.args[0].path == str(other)
     last = w.ctx.store.messages(w.ctx.chat.current.id)[-1]
     assert last.role == "assistant" and last.meta["finish_reason"] == "cancelled"
+
+
+def test_a_stop_right_after_send_cancels_the_reply(qtbot, tmp_path, model_path):
+    """Stop lands before the engine worker has started the request: the reply is cancelled, not run to
+    its limit (the stop event travels with the request)."""
+    w = make_window(qtbot, tmp_path)
+    load(qtbot, w, model_path)
+    with qtbot.waitSignal(w.bridge.finished, timeout=GEN_TIMEOUT_MS) as done:
+        rid = w.bridge.generate([{"role": "user", "content": "Hello"}], {"temperature": 0.0, "max_tokens": 200})
+        assert rid
+        w.bridge.stop()
+    assert done.args[1].finish_reason == "cancelled" and done.args[1].n_generated <= 1

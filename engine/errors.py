@@ -67,5 +67,10 @@ class ChatTemplateError(SharpIError):
     """The model's chat template does not compile, or failed on the given conversation."""
 
 
+class HostMemoryError(SharpIError):
+    """A model does not fit the RAM available (or the loader's RAM budget), or the system refused memory or
+    address space for it."""
+
+
 class DeviceMemoryError(SharpIError):
     """A placement does not fit the device's memory (its budget, or a real out-of-memory)."""

@@ -34,6 +34,7 @@ from engine.bench.calibrate import speed_profile
 from engine.errors import (
     DeviceMemoryError,
     GGUFError,
+    HostMemoryError,
     SharpIError,
     UnsupportedArchitectureError,
     UnsupportedQuantTypeError,
@@ -134,7 +135,7 @@ def _failure(e: BaseException, title: str) -> D.Failure:
         return D.Failure(D.ERR_UNSUPPORTED, title, f"This model is not supported.\n\n{e}")
     if isinstance(e, GGUFError):
         return D.Failure(D.ERR_BAD_FILE, title, f"This file is not a usable GGUF model.\n\n{e}")
-    if isinstance(e, (DeviceMemoryError, MemoryError)) or "out of memory" in str(e).lower():
+    if isinstance(e, (DeviceMemoryError, HostMemoryError, MemoryError)) or "out of memory" in str(e).lower():
         return D.Failure(D.ERR_OUT_OF_MEMORY, title, f"Out of memory.\n\n{e}")
     if isinstance(e, UsageError) and "context" in str(e):
         return D.Failure(D.ERR_CONTEXT, title, str(e))

@@ -68,6 +68,13 @@ class MainWindow(QMainWindow):
         self.chat.set_has_model(False)
         if ctx.themes is not None:
             ctx.themes.changed.connect(self.restyle)
+        if ctx.store.notice:  # a broken database moved aside, or a data directory that cannot be written
+            QTimer.singleShot(0, self.show_store_notice)
+
+    def show_store_notice(self) -> None:
+        """Say what the conversation store did at start-up (its backup, or a session kept in memory)."""
+        title = "Conversations are not being saved" if self.ctx.store.in_memory else "Conversation database reset"
+        dialogs.show_error(self, D.Failure(D.ERR_ENGINE, title, self.ctx.store.notice or ""))
 
     # -- menus and shortcuts ----------------------------------------------------------------------------
     def _action(self, menu: QMenu, text: str, slot, shortcut=None, name: str = "") -> QAction:

@@ -9,6 +9,7 @@ is that chain with the full sort, kept as the specification; the tests hold the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,7 +43,11 @@ class SamplingParams:
 
         def number(name: str, lo: float | None = None, hi: float | None = None, *, open_lo: bool = False):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not np.isfinite(v):
+            try:  # float() of a whole number past float's range overflows: not finite either
+                finite = isinstance(v, (int, float, np.integer, np.floating)) and math.isfinite(float(v))
+            except OverflowError:
+                finite = False
+            if isinstance(v, bool) or not finite:
                 raise UsageError(f"sampling parameter {name} must be a finite number, got {v!r}")
             if lo is not None and (v < lo or (open_lo and v == lo)):
                 raise UsageError(f"sampling parameter {name} must be {'>' if open_lo else '≥'} {lo}, got {v!r}")

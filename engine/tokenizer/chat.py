@@ -9,8 +9,8 @@ A template that does not compile or fails while rendering raises :class:`ChatTem
 when it is used; loading the model still succeeds.
 
 A template is code from the file, so rendering runs under limits (:class:`RenderLimits`: 2 s and 1 MiB of
-output by default): a watchdog thread interrupts a render that overruns its time or whose ``cancel`` event
-is set (an exception raised asynchronously in the rendering thread, so even a loop that calls nothing
+output by default): a trace function on the rendering thread, following only the template's own frames,
+stops a render that overruns its time or whose ``cancel`` event is set (so even a loop that calls nothing
 stops); operations that could build a huge value in one C call (``'x' * 10**9``, ``[1] * 10**9``,
 ``10 ** 10**9``, ``tojson(indent=10**8)``, ``center``/``indent``/``replace`` blowing a string up) are
 refused before they run; the output is streamed and cut at the size limit. Every failure — a sandbox
@@ -24,11 +24,11 @@ prompt does not double them.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import re
 import secrets
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -108,8 +108,8 @@ class RenderLimits:
 
 
 class _Interrupted(BaseException):
-    """Raised asynchronously in the rendering thread by the watchdog (a BaseException: no template-level
-    ``except Exception`` in jinja2's runtime swallows it)."""
+    """Raised in the template's code by :class:`_Guard` (a BaseException: no ``except Exception`` in
+    jinja2's runtime swallows it)."""
 
 
 class _OverLimit(SecurityError):
@@ -215,45 +215,41 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-class _Watchdog:
-    """Interrupts the calling thread's render when ``cancel`` is set or ``seconds`` pass (polls every 10 ms;
-    a render that ends first costs one short-lived thread)."""
+class _Guard:
+    """Stops the calling thread's render when ``cancel`` is set or ``seconds`` pass: a trace function on
+    this thread (``sys.settrace``, the previous one restored after) that follows only the template's own
+    frames (compiled code named ``<template>``) and checks the clock and the event every 64 lines, raising
+    :class:`_Interrupted` there — so even a loop that calls nothing stops, and the exception can only land
+    in the template's code (never in a finalizer or a GC callback that happens to run meanwhile)."""
 
     def __init__(self, seconds: float, cancel: threading.Event | None):
-        self._tid = threading.get_ident()
         self._deadline = time.monotonic() + seconds
         self._cancel = cancel
-        self._done = threading.Event()
-        self._lock = threading.Lock()
+        self._n = 0
         self.reason: str | None = None
-        self._thread = threading.Thread(target=self._watch, name="sharpi-template-watchdog", daemon=True)
+        self._previous = None
 
-    def __enter__(self) -> _Watchdog:
-        self._thread.start()
+    def _call(self, frame, event, arg):
+        return self._line if frame.f_code.co_filename == "<template>" else None
+
+    def _line(self, frame, event, arg):
+        self._n += 1
+        if self._n & 63 == 0:
+            if self._cancel is not None and self._cancel.is_set():
+                self.reason = "cancelled"
+            elif time.monotonic() > self._deadline:
+                self.reason = "timeout"
+            if self.reason:
+                raise _Interrupted
+        return self._line
+
+    def __enter__(self) -> _Guard:
+        self._previous = sys.gettrace()
+        sys.settrace(self._call)
         return self
 
-    def _watch(self) -> None:
-        while not self._done.wait(0.01):
-            reason = None
-            if self._cancel is not None and self._cancel.is_set():
-                reason = "cancelled"
-            elif time.monotonic() > self._deadline:
-                reason = "timeout"
-            if reason:
-                with self._lock:
-                    if not self._done.is_set():
-                        self.reason = reason
-                        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                            ctypes.c_ulong(self._tid), ctypes.py_object(_Interrupted)
-                        )
-                return
-
     def __exit__(self, *exc) -> None:
-        with self._lock:
-            self._done.set()
-            if self.reason is not None:  # an interrupt not yet delivered must not escape the render
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._tid), None)
-        self._thread.join()
+        sys.settrace(self._previous)
 
 
 class ChatTemplate:
@@ -390,10 +386,10 @@ class ChatTemplate:
         """Stream the template's output under ``limits`` and ``cancel`` (see the module docstring)."""
         _limits.max_chars = limits.max_chars
         parts: list[str] = []
-        watchdog = _Watchdog(limits.seconds, cancel)
+        guard = _Guard(limits.seconds, cancel)
         try:
             try:
-                with watchdog:
+                with guard:
                     n = 0
                     for chunk in self._template.generate(**context):
                         n += len(chunk)
@@ -403,7 +399,7 @@ class ChatTemplate:
             finally:
                 del _limits.max_chars
         except _Interrupted:
-            if watchdog.reason == "cancelled":
+            if guard.reason == "cancelled":
                 raise RenderCancelled("the chat template's rendering was cancelled") from None
             raise ChatTemplateError(f"the chat template ran past its time limit ({limits.seconds:g} s)") from None
         except _TemplateRaised as e:

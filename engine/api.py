@@ -246,6 +246,13 @@ class Session:
         )
         return self.tokenizer.encode(text, add_bos=None, parse_special=True, plain_spans=spans)
 
+    def use_chatml(self) -> None:
+        """Render chats with ChatML instead of the model's own template (the explicit fallback offered when
+        that template fails: a ChatTemplateError); for this session only."""
+        from engine.tokenizer.chat import ChatTemplate
+
+        self.chat_template = ChatTemplate.chatml(self.tokenizer)
+
     def check_ids(self, ids) -> list[int]:
         """``ids`` as a list of token ids, each a whole number in [0, vocabulary size); else a UsageError
         naming the first offender."""

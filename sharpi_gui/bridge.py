@@ -32,6 +32,7 @@ from engine import config
 from engine.api import LoadOptions, Session
 from engine.bench.calibrate import speed_profile
 from engine.errors import (
+    ChatTemplateError,
     DeviceMemoryError,
     GGUFError,
     HostMemoryError,
@@ -139,6 +140,8 @@ def _failure(e: BaseException, title: str) -> D.Failure:
         return D.Failure(D.ERR_OUT_OF_MEMORY, title, f"Out of memory.\n\n{e}")
     if isinstance(e, UsageError) and "context" in str(e):
         return D.Failure(D.ERR_CONTEXT, title, str(e))
+    if isinstance(e, ChatTemplateError):
+        return D.Failure(D.ERR_TEMPLATE, title, f"{e}.\n\nThe model's own chat template cannot be used for this chat.")
     if isinstance(e, SharpIError):
         return D.Failure(D.ERR_ENGINE, title, str(e))
     if isinstance(e, OSError):
@@ -560,6 +563,14 @@ class EngineBridge(QObject):
         self._stop_event = threading.Event()
         self._doGenerate.emit(self._rid, [dict(m) for m in messages], params, self._stop_event)
         return self._rid
+
+    def use_chatml(self) -> bool:
+        """Chat with ChatML instead of the model's failing template (until the next load); False if busy."""
+        cur = self._worker.current
+        if cur is None or self._state != IDLE:
+            return False
+        cur.session.use_chatml()
+        return True
 
     def stop(self) -> int:
         """Stop the generation in progress within one token; returns the tokens made so far."""

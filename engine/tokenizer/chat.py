@@ -252,6 +252,18 @@ class _Guard:
         sys.settrace(self._previous)
 
 
+def _special_texts(tokenizer) -> dict:
+    """``bos_token``/``eos_token`` texts and whether the tokenizer adds BOS/EOS itself (nothing without one)."""
+    if tokenizer is None:
+        return {}
+    return {
+        "bos_token": tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
+        "eos_token": tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else "",
+        "strip_bos": tokenizer.add_bos,
+        "strip_eos": tokenizer.vocab.add_eos,
+    }
+
+
 class ChatTemplate:
     """A compiled chat template. ``render(messages)`` -> the prompt text (specials written out)."""
 
@@ -292,18 +304,16 @@ class ChatTemplate:
         itself; without one the texts are "" and nothing is stripped.
         """
         source = gf.metadata.get(keys.CHAT_TEMPLATE)
-        opts = {}
-        if tokenizer is not None:
-            opts = {
-                "bos_token": tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
-                "eos_token": tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else "",
-                "strip_bos": tokenizer.add_bos,
-                "strip_eos": tokenizer.vocab.add_eos,
-            }
+        opts = _special_texts(tokenizer)
         if not isinstance(source, str) or not source.strip():
             log.warning("%s has no chat template; using ChatML", getattr(gf, "path", "the model"))
             return cls(CHATML, from_file=False, **opts)
         return cls(source, from_file=True, **opts)
+
+    @classmethod
+    def chatml(cls, tokenizer=None) -> ChatTemplate:
+        """ChatML, chosen explicitly in place of a model's template that fails (``from_file`` False)."""
+        return cls(CHATML, from_file=False, **_special_texts(tokenizer))
 
     def render(
         self,

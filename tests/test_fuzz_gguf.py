@@ -37,6 +37,17 @@ def test_every_kind_ends_in_a_project_error_or_a_run(bases):
     assert {r.status for r in results} == {F.OK, F.ERROR}  # both outcomes occur: the harness sees runs too
 
 
+# Cases the slow tier once failed on (base, kind, seed), kept in the everyday tier.
+REGRESSIONS = [
+    (6, "wrong_type", 1156703103),  # the tokens table an integer: TypeError in the hyperparameters' vocab size
+    (5, "wrong_type", 1179439457),  # the same, read by modelinfo.describe
+]
+
+
+def test_cases_that_once_failed(bases):
+    _check(F.run_cases(REGRESSIONS, bases))
+
+
 @pytest.mark.slow
 def test_two_thousand_mutated_files(bases):
     results = F.run_cases(F.sample(SLOW_CASES, seed=2), bases)

@@ -45,6 +45,10 @@ def default_data_dir() -> Path:
     return Path(user_data_dir("SharpI", "SharpI"))
 
 
+class DamagedConversation(Exception):
+    """A conversation whose messages the database cannot read."""
+
+
 _COLUMNS = {
     "conversations": {"id", "title", "system_prompt", "created", "updated"},
     "messages": {"id", "conversation_id", "role", "content", "created", "meta"},
@@ -54,7 +58,8 @@ _COLUMNS = {
 class ConversationStore:
     """Conversations and their messages. Use from one thread (the UI thread).
 
-    A database that cannot be used (not SQLite, truncated, corrupt, another schema) is moved aside as a
+    A database that cannot be used (not SQLite, truncated, an unreadable schema or conversation list,
+    another schema) is moved aside as a
     timestamped backup and a new one started; a data directory that cannot be written gives a session
     kept in memory (a copy of the readable database, if any). :attr:`notice` then says what happened and
     where the backup is, for the app to show."""
@@ -87,14 +92,15 @@ class ConversationStore:
         try:
             db.execute("PRAGMA foreign_keys = ON")
             db.execute("PRAGMA busy_timeout = 5000")  # a second instance writing: wait, never raise at the user
-            # checked before anything is written, so a database moved aside is the one found
-            ok = db.execute("PRAGMA quick_check").fetchone()
-            if not ok or ok[0] != "ok":
-                raise sqlite3.DatabaseError(f"the integrity check failed: {ok[0] if ok else 'no answer'}")
+            # checked before anything is written, so a database moved aside is the one found: the schema and
+            # the list of conversations must read (a damaged page under one conversation's messages is that
+            # conversation's problem: messages() says so, the others stay usable)
             for table, want in _COLUMNS.items():
                 have = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
                 if have and not want <= have:
                     raise sqlite3.DatabaseError(f"table {table} lacks {', '.join(sorted(want - have))}")
+            if "title" in {r[1] for r in db.execute("PRAGMA table_info(conversations)")}:
+                db.execute("SELECT id, title, system_prompt, created, updated FROM conversations").fetchall()
             db.execute("PRAGMA journal_mode = WAL")
             # WAL + NORMAL: a commit survives the app crashing (it is in the WAL file) without an fsync
             # per message on the UI thread; only a power cut can lose the last few.
@@ -187,11 +193,17 @@ class ConversationStore:
 
     # -- messages -----------------------------------------------------------------------------------
     def messages(self, cid: int) -> list[Message]:
-        rows = self._db.execute(
-            "SELECT id, conversation_id, role, content, created, meta FROM messages WHERE conversation_id = ? ORDER BY id",
-            (cid,),
-        )
-        return [Message(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
+        """The messages of conversation ``cid``; :class:`DamagedConversation` if the database cannot read them
+        (a corrupt page: the other conversations stay usable)."""
+        try:
+            rows = self._db.execute(
+                "SELECT id, conversation_id, role, content, created, meta FROM messages "
+                "WHERE conversation_id = ? ORDER BY id",
+                (cid,),
+            ).fetchall()
+            return [Message(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
+        except (sqlite3.DatabaseError, ValueError) as e:
+            raise DamagedConversation(f"conversation {cid} cannot be read from {self.path}: {e}") from None
 
     def add_message(self, cid: int, role: str, content: str, meta: dict | None = None) -> Message:
         now = time.time()

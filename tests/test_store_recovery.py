@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from sharpi_gui.store import DB_NAME, ConversationStore
+from sharpi_gui.store import DB_NAME, ConversationStore, DamagedConversation
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,15 +50,14 @@ def _old_schema(p: Path) -> None:
     db.close()
 
 
-def _corrupt_page(p: Path) -> None:
+def _corrupt_schema_page(p: Path) -> None:
     data = bytearray(p.read_bytes())
-    page = int.from_bytes(data[16:18], "big") or 65536
-    for at in range(page, min(len(data), 3 * page)):
+    for at in range(100, 1000):  # page 1 past the header: sqlite_master
         data[at] ^= 0x5A
     p.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage", [_garbage, _truncated, _old_schema, _corrupt_page])
+@pytest.mark.parametrize("damage", [_garbage, _truncated, _old_schema, _corrupt_schema_page])
 def test_a_broken_database_is_moved_aside_and_a_new_one_started(tmp_path, damage):
     path = _good_db(tmp_path)
     # checkpointed into the main file, so damaging it is damaging the data
@@ -77,6 +76,50 @@ def test_a_broken_database_is_moved_aside_and_a_new_one_started(tmp_path, damage
     assert [m.content for m in s.messages(c.id)] == ["works"]
     s.close()
     assert ConversationStore(tmp_path).notice is None  # the new one opens cleanly next time
+
+
+def _damage_one_conversation(tmp_path) -> tuple[int, int]:
+    """A store under ``tmp_path`` with conversations a (its message's overflow page broken) and b; their ids."""
+    s = ConversationStore(tmp_path)
+    a, b = s.create("a"), s.create("b")
+    s.add_message(a.id, "user", "A" * 20000)  # overflow pages of its own
+    s.add_message(b.id, "user", "hello b")
+    s.close()
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    page = db.execute("PRAGMA page_size").fetchone()[0]
+    db.close()
+    data = bytearray((tmp_path / DB_NAME).read_bytes())
+    # an overflow page of a's message: its text right after the 4-byte pointer to the next one
+    hit = next(k for k in range(0, len(data), page) if data[k + 4 : k + 104] == b"A" * 100)
+    data[hit : hit + 4] = b"\xff\xff\xff\xff"  # the overflow chain points past the file
+    (tmp_path / DB_NAME).write_bytes(bytes(data))
+    return a.id, b.id
+
+
+def test_a_damaged_conversation_is_reported_and_the_others_stay_usable(tmp_path):
+    a, b = _damage_one_conversation(tmp_path)
+    s = ConversationStore(tmp_path)
+    assert s.notice is None and {c.title for c in s.conversations()} == {"a", "b"}
+    with pytest.raises(DamagedConversation, match=f"conversation {a} cannot be read"):
+        s.messages(a)
+    assert [m.content for m in s.messages(b)] == ["hello b"]
+    s.add_message(b, "assistant", "still works")
+
+
+def test_the_app_reports_a_damaged_conversation(qtbot, tmp_path):
+    pytest.importorskip("pytestqt")
+    from sharpi_gui.testing import make_window
+
+    (tmp_path / "data").mkdir()
+    a, b = _damage_one_conversation(tmp_path / "data")
+    w = make_window(qtbot, tmp_path)
+    seen = []
+    w.ctx.chat.notice.connect(seen.append)
+    w.ctx.chat.select(a)
+    assert seen and seen[0].title == "This conversation is damaged" and w.ctx.chat.messages == []
+    w.ctx.chat.select(b)
+    assert [m.content for m in w.ctx.chat.messages] == ["hello b"]
 
 
 def test_an_unwritable_data_directory_keeps_the_session_in_memory(tmp_path, monkeypatch):

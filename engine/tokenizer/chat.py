@@ -9,9 +9,9 @@ A template that does not compile or fails while rendering raises :class:`ChatTem
 when it is used; loading the model still succeeds.
 
 A template is code from the file, so rendering runs under limits (:class:`RenderLimits`: 2 s and 1 MiB of
-output by default): a trace function on the rendering thread, following only the template's own frames,
-stops a render that overruns its time or whose ``cancel`` event is set (so even a loop that calls nothing
-stops); operations that could build a huge value in one C call (``'x' * 10**9``, ``[1] * 10**9``,
+output by default): a check compiled into the start of every block of the template (each loop iteration,
+macro call and branch) stops a render that overruns its time or whose ``cancel`` event is set (so even a
+loop that calls nothing stops); operations that could build a huge value in one C call (``'x' * 10**9``, ``[1] * 10**9``,
 ``10 ** 10**9``, ``tojson(indent=10**8)``, ``center``/``indent``/``replace`` blowing a string up) are
 refused before they run; the output is streamed and cut at the size limit. Every failure — a sandbox
 violation, a compile error, memory, recursion, overflow, the limits — is a :class:`ChatTemplateError`
@@ -28,7 +28,6 @@ import json
 import logging
 import re
 import secrets
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+from jinja2.compiler import CodeGenerator
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -59,8 +59,6 @@ USER_TEXT_ROLES = ("user", "system", "tool")  # whose content is text, never con
 def _align(marked: str, flags: list[bool], plain: str) -> list[bool] | None:
     """Each character of ``plain`` -> the flag of the character of ``marked`` it matches (greedy, left to
     right); None when ``plain`` is not a subsequence of ``marked``."""
-    if marked == plain:
-        return flags
     out, i = [], 0
     for c in plain:
         while i < len(marked) and marked[i] != c:
@@ -116,11 +114,13 @@ class _OverLimit(SecurityError):
     """A render refused for what it would build (over :attr:`RenderLimits.max_chars`, a huge number)."""
 
 
-_limits = threading.local()  # .max_chars of the render running on this thread
+_limits = threading.local()  # .guard: the _Guard of the render running on this thread (None between renders)
+_DEFAULT_MAX = RenderLimits().max_chars
 
 
 def _max_chars() -> int:
-    return getattr(_limits, "max_chars", RenderLimits().max_chars)
+    g = getattr(_limits, "guard", None)
+    return g.max_chars if g is not None else _DEFAULT_MAX
 
 
 def _too_big(n: int, what: str) -> None:
@@ -128,8 +128,19 @@ def _too_big(n: int, what: str) -> None:
         raise _OverLimit(f"{what} of {n} items is over the template's limit of {_max_chars()}")
 
 
+_SIZED = (str, list, tuple)
+
+
 def _length(x) -> int | None:
-    return len(x) if isinstance(x, (str, list, tuple)) else None
+    return len(x) if isinstance(x, _SIZED) else None
+
+
+class _TickingCodeGenerator(CodeGenerator):
+    """jinja2's code generator with ``environment.tick()`` at the start of every block."""
+
+    def blockvisit(self, nodes, frame) -> None:
+        self.writeline("environment.tick()")
+        super().blockvisit(nodes, frame)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
@@ -171,8 +182,22 @@ class _LimitedEnvironment(ImmutableSandboxedEnvironment):
     """The immutable sandbox, refusing one-step blow-ups (see the module docstring)."""
 
     intercepted_binops = frozenset({"*", "**", "+", "%"})
+    code_generator_class = _TickingCodeGenerator
+
+    @staticmethod
+    def tick() -> None:
+        g = getattr(_limits, "guard", None)
+        if g is None:  # rendered outside ChatTemplate.render: no limits to keep
+            return
+        g.n += 1
+        if not g.n & 63:
+            g.check()
 
     def call_binop(self, context, operator, left, right):
+        if operator == "+":  # the common one first: string concatenation in every template
+            if isinstance(left, _SIZED) and isinstance(right, _SIZED) and len(left) + len(right) > _max_chars():
+                _too_big(len(left) + len(right), "a joined string or list")
+            return left + right
         if operator == "**":
             ints = isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0
             if ints and right * abs(left).bit_length() > 1 << 16:
@@ -181,10 +206,6 @@ class _LimitedEnvironment(ImmutableSandboxedEnvironment):
             for a, b in ((left, right), (right, left)):
                 if _length(a) is not None and isinstance(b, int):
                     _too_big(len(a) * max(0, b), "a repeated string or list")
-        elif operator == "+":
-            la, lb = _length(left), _length(right)
-            if la is not None and lb is not None:
-                _too_big(la + lb, "a joined string or list")
         elif operator == "%" and isinstance(left, str):
             args = right if isinstance(right, tuple) else (right,)
             _too_big(len(left) + sum(_num(a) + (_length(a) or 0) for a in args), "a %-formatted string")
@@ -216,40 +237,32 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 
 class _Guard:
-    """Stops the calling thread's render when ``cancel`` is set or ``seconds`` pass: a trace function on
-    this thread (``sys.settrace``, the previous one restored after) that follows only the template's own
-    frames (compiled code named ``<template>``) and checks the clock and the event every 64 lines, raising
-    :class:`_Interrupted` there — so even a loop that calls nothing stops, and the exception can only land
-    in the template's code (never in a finalizer or a GC callback that happens to run meanwhile)."""
+    """The limits of the render running on this thread: :meth:`_LimitedEnvironment.tick` — compiled into
+    the start of every block of the template (each loop iteration, each macro call, each branch taken) —
+    checks the clock and the ``cancel`` event every 64 ticks and raises :class:`_Interrupted` in the
+    template's own code, so even a loop that calls nothing stops."""
 
-    def __init__(self, seconds: float, cancel: threading.Event | None):
-        self._deadline = time.monotonic() + seconds
-        self._cancel = cancel
-        self._n = 0
+    def __init__(self, limits: RenderLimits, cancel: threading.Event | None):
+        self.deadline = time.monotonic() + limits.seconds
+        self.max_chars = limits.max_chars
+        self.cancel = cancel
+        self.n = 0
         self.reason: str | None = None
-        self._previous = None
 
-    def _call(self, frame, event, arg):
-        return self._line if frame.f_code.co_filename == "<template>" else None
-
-    def _line(self, frame, event, arg):
-        self._n += 1
-        if self._n & 63 == 0:
-            if self._cancel is not None and self._cancel.is_set():
-                self.reason = "cancelled"
-            elif time.monotonic() > self._deadline:
-                self.reason = "timeout"
-            if self.reason:
-                raise _Interrupted
-        return self._line
+    def check(self) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            self.reason = "cancelled"
+        elif time.monotonic() > self.deadline:
+            self.reason = "timeout"
+        if self.reason:
+            raise _Interrupted
 
     def __enter__(self) -> _Guard:
-        self._previous = sys.gettrace()
-        sys.settrace(self._call)
+        _limits.guard = self
         return self
 
     def __exit__(self, *exc) -> None:
-        sys.settrace(self._previous)
+        _limits.guard = None
 
 
 def _special_texts(tokenizer) -> dict:
@@ -384,6 +397,13 @@ class ChatTemplate:
                 text.append(piece)
                 flags.append(inside)
         ok = ok and not inside
+        if ok and "".join(text) == plain:  # the template used the content as given: the pieces' offsets
+            spans, at = [], 0
+            for t, f in zip(text, flags):
+                if f:
+                    spans.append((at, at + len(t)))
+                at += len(t)
+            return plain, tuple(spans)
         if ok:
             mask = _align("".join(text), [f for t, f in zip(text, flags) for _ in t], plain)
             if mask is not None:
@@ -394,20 +414,16 @@ class ChatTemplate:
 
     def _render_limited(self, context: dict, limits: RenderLimits, cancel: threading.Event | None) -> str:
         """Stream the template's output under ``limits`` and ``cancel`` (see the module docstring)."""
-        _limits.max_chars = limits.max_chars
         parts: list[str] = []
-        guard = _Guard(limits.seconds, cancel)
+        guard = _Guard(limits, cancel)
         try:
-            try:
-                with guard:
-                    n = 0
-                    for chunk in self._template.generate(**context):
-                        n += len(chunk)
-                        if n > limits.max_chars:
-                            raise _OverLimit(f"the output is over the limit of {limits.max_chars} characters")
-                        parts.append(chunk)
-            finally:
-                del _limits.max_chars
+            with guard:
+                n = 0
+                for chunk in self._template.generate(**context):
+                    n += len(chunk)
+                    if n > limits.max_chars:
+                        raise _OverLimit(f"the output is over the limit of {limits.max_chars} characters")
+                    parts.append(chunk)
         except _Interrupted:
             if guard.reason == "cancelled":
                 raise RenderCancelled("the chat template's rendering was cancelled") from None

@@ -6,6 +6,8 @@ one worker thread at a time; :meth:`Session.cancel` may be called from any threa
 
 from __future__ import annotations
 
+import errno
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -15,16 +17,21 @@ import torch
 
 from engine import config
 from engine.config import EngineOptions
-from engine.errors import DeviceMemoryError, UsageError
+from engine.errors import DeviceMemoryError, HostMemoryError, UsageError
 from engine.generate import CacheState, GenerationEvent, SamplingParams, generate
+from engine.generate.events import FINISH_CANCELLED
 from engine.gguf import open_gguf
 from engine.modelinfo import ModelInfo, describe
+from engine.models import check_model_file
 from engine.plan import DeviceProfile, ModelSpec, Placement, PlanRequest, plan, resolve_kv_type
+from engine.plan.sizing import HostLoad, host_load
 from engine.profiler import ProfilerSnapshot
 from engine.profiler import export as export_profile
 from engine.runtime.apply import Applied, apply_placement
 from engine.runtime.device import cuda_reserve
+from engine.tokenizer.chat import RenderCancelled
 
+log = logging.getLogger(__name__)
 Progress = Callable[[int, int, str], None]  # (done, total, what)
 
 
@@ -40,8 +47,100 @@ class LoadOptions:
     # On CUDA the CLI and the app pass this machine's calibration (engine.bench.calibrate.speed_profile).
     device_profile: DeviceProfile | None = None
     # The engine's knobs (kernel choice, CUDA graphs, calibration, ...: engine.config); default: the
-    # process environment's, read once (engine.config.current()).
+    # process environment's, read once (engine.config.current()). engine.weights: copy | mmap | auto.
     engine: EngineOptions = field(default_factory=config.current)
+    # RAM the loader may allocate (host weight copies, KV, scratch); None = what the system reports available
+    # (MemAvailable, within a cgroup's limit). Checked before anything is copied (memory_plan).
+    ram_budget: int | None = None
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How a load holds its weights and what it allocates (:func:`memory_plan`)."""
+
+    copy_weights: bool  # False: host matrices stay memory-mapped (page cache)
+    load: HostLoad  # what the load allocates in this mode
+    available: int | None  # the RAM it was compared with (None: unknown, not checked)
+    note: str = ""  # why the weights stay mapped, when the mode was auto
+
+
+def available_ram() -> int | None:
+    """Bytes of RAM this process can still take: MemAvailable, within a cgroup v2 limit; None if unknown."""
+    out = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    out.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            out.append(max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return min(out) if out else None
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def memory_plan(
+    spec: ModelSpec, *, ctx: int, kv_type: str, mode: str = "auto", budget: int | None = None, experts: bool = True
+) -> MemoryPlan:
+    """Decide how to hold the weights and check the load fits, before anything is allocated.
+
+    ``mode``: copy | mmap | auto (copy when it fits ``budget`` — default :func:`available_ram` — else keep
+    the weights mapped). A load that does not fit even so is a :class:`HostMemoryError` that gives the
+    numbers and what would fit (weights mapped, a smaller context, a smaller KV type, a smaller quant)."""
+    avail = budget if budget is not None else available_ram()
+    copied = host_load(spec, ctx=ctx, kv_type=kv_type, copy_weights=True, experts=experts)
+    mapped = host_load(spec, ctx=ctx, kv_type=kv_type, copy_weights=False, experts=experts)
+    if mode == "copy" or (mode == "auto" and (avail is None or copied.total <= avail)):
+        plan_ = MemoryPlan(True, copied, avail)
+    else:
+        note = ""
+        if mode == "auto":
+            note = (
+                f"the weights stay memory-mapped (page cache, slower): copying them needs {_gib(copied.total)} "
+                f"and {_gib(avail)} is available"
+            )
+        plan_ = MemoryPlan(False, mapped, avail, note)
+    need = plan_.load
+    if avail is None or need.total <= avail:
+        return plan_
+    what = "the RAM budget" if budget is not None else "available"
+    parts = [f"{_gib(need.weights)} weights copied out of the file"] if need.weights else []
+    parts += [f"{_gib(need.kv)} KV cache for {ctx} tokens ({kv_type})", f"{_gib(need.scratch)} scratch"]
+    fits = []
+    if plan_.copy_weights and mapped.total <= avail:
+        fits.append(f"keeping the weights memory-mapped (--weights mmap: needs {_gib(mapped.total)})")
+    copy_best = plan_.copy_weights and mapped.total >= need.total  # the hints count the cheaper mode
+
+    def total(n: int) -> int:
+        return host_load(spec, ctx=n, kv_type=kv_type, copy_weights=copy_best, experts=experts).total
+
+    lo, hi = 0, ctx // 256  # the largest multiple of 256 tokens that fits, by bisection (scratch grows too)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if total(256 * mid) <= avail else (lo, mid - 1)
+    if 256 <= 256 * lo < ctx:
+        n = 256 * lo
+        fits.append(f"a context of at most {n} tokens (-c {n})" + ("" if copy_best else " with the weights mapped"))
+    if kv_type == "f32":
+        q8 = host_load(spec, ctx=ctx, kv_type="q8_0", copy_weights=copy_best, experts=experts)
+        if q8.total <= avail:
+            fits.append(f"a q8_0 KV cache (--kv-type q8_0: needs {_gib(q8.total)})")
+    fits.append("a smaller quantization of the model")
+    raise HostMemoryError(
+        f"the model does not fit in RAM: loading needs {_gib(need.total)} ({', '.join(parts)}) and {_gib(avail)} "
+        f"is {what}. What would fit: {'; '.join(fits)}"
+    )
 
 
 def clean_text(text) -> str:
@@ -81,17 +180,28 @@ class Session:
         self.gf = open_gguf(path)
         try:
             self.info: ModelInfo = describe(self.gf)
+            check_model_file(self.gf)  # the architecture's own errors before the sizes are read
+            self.kv_type = resolve_kv_type(options.kv_type, options.engine.kv_type)
+            self.n_ctx = options.n_ctx
+            self._spec: ModelSpec | None = ModelSpec.from_gguf(self.gf)
+            self.memory = memory_plan(
+                self._spec,
+                ctx=self.n_ctx,
+                kv_type=self.kv_type,
+                mode=options.engine.weights,
+                budget=options.ram_budget,
+                experts=options.placement is None,
+            )
+            if self.memory.note:
+                log.warning("%s: %s", path, self.memory.note)
             report(1, 4, "building model")
-            self.model = build_model(self.gf, q8_act=options.q8_act)
+            self.model = build_model(self.gf, q8_act=options.q8_act, copy_weights=self.memory.copy_weights)
             self.args = self.model.args
             report(2, 4, "loading tokenizer")
             self.tokenizer = load_tokenizer(self.gf)
             self.chat_template = ChatTemplate.from_gguf(self.gf, self.tokenizer)
             report(3, 4, "placing the model")
-            self.kv_type = resolve_kv_type(options.kv_type, options.engine.kv_type)
-            self.n_ctx = options.n_ctx
             self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-            self._spec: ModelSpec | None = None
             self._speeds: DeviceProfile | None = options.device_profile
             self._cuda_reserve: int | None = None
             self.applied: Applied | None = None
@@ -99,11 +209,17 @@ class Session:
             if options.placement is not None:
                 req = replace(options.placement, ctx=self.n_ctx, kv_type=self.kv_type)
                 self.apply(self.plan(req, self.device_profile(options.vram_budget)))
+        except (MemoryError, OSError) as e:
+            self.gf.close()
+            if isinstance(e, OSError) and e.errno != errno.ENOMEM:
+                raise
+            raise HostMemoryError(f"{path}: the system refused memory while loading ({e or 'MemoryError'})") from None
         except BaseException:
             self.gf.close()
             raise
         self.state = CacheState()
         self._cancel = threading.Event()
+        self._active_cancel: threading.Event | None = None  # the running generation's stop event
         report(4, 4, "ready")
 
     @classmethod
@@ -119,6 +235,23 @@ class Session:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self.chat_template.render(clean_messages(messages), add_generation_prompt=add_generation_prompt)
+
+    def chat_ids(
+        self, messages: list[dict], add_generation_prompt: bool = True, cancel: threading.Event | None = None
+    ) -> list[int]:
+        """The prompt ids of a chat: the template's markup parsed for control tokens, the text of user, system
+        and tool messages never (``<|im_end|>`` typed by a user stays text). ``cancel`` stops the render."""
+        text, spans = self.chat_template.render_with_spans(
+            clean_messages(messages), add_generation_prompt, cancel=cancel
+        )
+        return self.tokenizer.encode(text, add_bos=None, parse_special=True, plain_spans=spans)
+
+    def use_chatml(self) -> None:
+        """Render chats with ChatML instead of the model's own template (the explicit fallback offered when
+        that template fails: a ChatTemplateError); for this session only."""
+        from engine.tokenizer.chat import ChatTemplate
+
+        self.chat_template = ChatTemplate.chatml(self.tokenizer)
 
     def check_ids(self, ids) -> list[int]:
         """``ids`` as a list of token ids, each a whole number in [0, vocabulary size); else a UsageError
@@ -138,25 +271,41 @@ class Session:
         messages: list[dict] | None = None,
         params: SamplingParams | None = None,
         prompt_ids: list[int] | None = None,
+        cancel: threading.Event | None = None,
     ) -> Iterator[GenerationEvent]:
-        """Stream a completion of ``prompt`` (raw text), ``messages`` (chat) or ``prompt_ids``."""
+        """Stream a completion of ``prompt`` (raw text), ``messages`` (chat) or ``prompt_ids``.
+
+        ``cancel``: this generation's own stop event. A caller that queues the request to a worker creates
+        it with the request, so a Stop that comes before the generation starts (or while the chat template
+        renders) still stops it: the stream is then one cancelled event. None: the session's event, cleared
+        here and set by :meth:`cancel`."""
         if sum(x is not None for x in (prompt, messages, prompt_ids)) != 1:
             raise UsageError("give exactly one of prompt, messages or prompt_ids")
-        if messages is not None:
-            text = self.render_chat(messages)
-            ids = self.tokenizer.encode(text, add_bos=None, parse_special=True)
-        elif prompt is not None:
-            ids = self.tokenizer.encode(clean_text(prompt), add_bos=None, parse_special=True)
-        else:
-            ids = self.check_ids(prompt_ids)
-        self._cancel.clear()
-        return generate(
-            self.model, self.tokenizer, self.cache, self.state, ids, params or SamplingParams(), self._cancel
-        )
+        if cancel is None:
+            self._cancel.clear()
+            cancel = self._cancel
+        self._active_cancel = cancel
+        try:
+            if cancel.is_set():
+                raise RenderCancelled("stopped before it started")
+            if messages is not None:
+                ids = self.chat_ids(messages, cancel=cancel)
+            elif prompt is not None:
+                ids = self.tokenizer.encode(clean_text(prompt), add_bos=None, parse_special=True)
+            else:
+                ids = self.check_ids(prompt_ids)
+        except RenderCancelled as e:
+            return iter([GenerationEvent("", None, 0, 0, len(self.state.tokens), self.n_ctx, 0.0, 0.0, 0.0,
+                                         FINISH_CANCELLED, str(e))])  # fmt: skip
+        return generate(self.model, self.tokenizer, self.cache, self.state, ids, params or SamplingParams(), cancel)
 
     def cancel(self) -> None:
-        """Stop the generation in progress after the current token (any thread)."""
+        """Stop the generation in progress after the current token (any thread); a generation given its own
+        ``cancel`` event is stopped through it too."""
         self._cancel.set()
+        active = self._active_cancel
+        if active is not None:
+            active.set()
 
     def reset(self) -> None:
         """Forget the cached conversation (the next generation recomputes its whole prompt)."""

@@ -61,6 +61,7 @@ ENV = MappingProxyType(
         "cache_upload": "SHARPI_CACHE_UPLOAD",
         "prompt_stream_min": "SHARPI_PROMPT_STREAM_MIN",
         "kv_type": "SHARPI_KV_DTYPE",
+        "weights": "SHARPI_WEIGHTS",
         "cpu_moe": "SHARPI_CPU_MOE",
         "calibrate": "SHARPI_NO_CALIBRATE",
         "calibration_dir": "SHARPI_CALIBRATION_DIR",
@@ -76,6 +77,7 @@ KV_ALIASES = MappingProxyType({"fp32": "f32", "float32": "f32", "q8": "q8_0"})
 CUDA_GRAPH_MODES = ("graph", "eager", "off")
 CACHE_UPLOADS = ("background", "inline")
 ACT_MODES = ("q8", "f32")
+WEIGHT_MODES = ("auto", "copy", "mmap")  # EngineOptions.weights
 PREFILL_PRECISIONS = ("bf16", "f32")
 
 # numba's OpenMP workers (libgomp) spin ~300,000 pause loops (~15 ms) after each parallel loop
@@ -159,6 +161,11 @@ class EngineOptions:
     # SHARPI_KV_DTYPE: the KV cache dtype when neither --kv-type nor LoadOptions.kv_type says:
     # f32 | bf16 | q8_0 (aliases fp32, float32, q8); None (unset) = f32.
     kv_type: str | None = None
+    # SHARPI_WEIGHTS: how host matrices are held (--weights / --mmap): "copy" — copied out of the memory map
+    # into anonymous memory (the faster reads, engine.models.weights); "mmap" — left in the map, page-cache
+    # backed (no copy: a model larger than free RAM runs, slower, as llama.cpp's mmap); "auto" (default) —
+    # copy when the loader's estimate fits the RAM available, else mmap (engine.api.memory_plan).
+    weights: str = "auto"
     # SHARPI_CPU_MOE: 1 = routed experts on the CPU, 0 = in a GPU cache, unless --moe/--cpu-moe say
     # otherwise (an environment choice falls back quietly when impossible); None (unset) = auto.
     cpu_moe: bool | None = None
@@ -305,6 +312,7 @@ _PARSE = {
     "cache_upload": _choice(CACHE_UPLOADS),
     "prompt_stream_min": _whole,
     "kv_type": _choice(KV_TYPES, KV_ALIASES),
+    "weights": _choice(WEIGHT_MODES),
     "cpu_moe": _cpu_moe,
     "calibrate": lambda var, raw: not _flag(var, raw),  # the variable says "no calibration"
     "calibration_dir": lambda var, raw: Path(raw).expanduser(),
@@ -322,6 +330,7 @@ def _check(o: EngineOptions) -> None:
         "host_kernels": ("numba", "reference"),
         "device_kernels": ("triton", "reference"),
         "cuda_graph": CUDA_GRAPH_MODES,
+        "weights": WEIGHT_MODES,
     }
     for name, allowed in choices.items():
         if getattr(o, name) not in allowed:

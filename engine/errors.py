@@ -51,6 +51,10 @@ class TensorShapeError(GGUFError):
     """A tensor's shape disagrees with the hyperparameters."""
 
 
+class ModelError(SharpIError):
+    """The model computed NaN or infinity (damaged weights, or values past float32's range)."""
+
+
 class UsageError(SharpIError):
     """A command-line or API argument is malformed or impossible."""
 
@@ -61,6 +65,11 @@ class PlanError(UsageError):
 
 class ChatTemplateError(SharpIError):
     """The model's chat template does not compile, or failed on the given conversation."""
+
+
+class HostMemoryError(SharpIError):
+    """A model does not fit the RAM available (or the loader's RAM budget), or the system refused memory or
+    address space for it."""
 
 
 class DeviceMemoryError(SharpIError):

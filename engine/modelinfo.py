@@ -87,7 +87,7 @@ def describe(gf: GGUFFile) -> ModelInfo:
         hparams=hparams,
         tokenizer_model=str(gf.get(keys.TOKENIZER_MODEL, "")),
         tokenizer_pre=str(gf.get(keys.TOKENIZER_PRE, "")),
-        vocab_size=len(tokens),
+        vocab_size=len(tokens) if isinstance(tokens, list) else 0,  # a table of the wrong type: none
         has_chat_template=bool(gf.get(keys.CHAT_TEMPLATE)),
         tensor_count=len(gf.tensors),
         n_parameters=n_params,

@@ -32,8 +32,10 @@ from engine import config
 from engine.api import LoadOptions, Session
 from engine.bench.calibrate import speed_profile
 from engine.errors import (
+    ChatTemplateError,
     DeviceMemoryError,
     GGUFError,
+    HostMemoryError,
     SharpIError,
     UnsupportedArchitectureError,
     UnsupportedQuantTypeError,
@@ -134,10 +136,12 @@ def _failure(e: BaseException, title: str) -> D.Failure:
         return D.Failure(D.ERR_UNSUPPORTED, title, f"This model is not supported.\n\n{e}")
     if isinstance(e, GGUFError):
         return D.Failure(D.ERR_BAD_FILE, title, f"This file is not a usable GGUF model.\n\n{e}")
-    if isinstance(e, (DeviceMemoryError, MemoryError)) or "out of memory" in str(e).lower():
+    if isinstance(e, (DeviceMemoryError, HostMemoryError, MemoryError)) or "out of memory" in str(e).lower():
         return D.Failure(D.ERR_OUT_OF_MEMORY, title, f"Out of memory.\n\n{e}")
     if isinstance(e, UsageError) and "context" in str(e):
         return D.Failure(D.ERR_CONTEXT, title, str(e))
+    if isinstance(e, ChatTemplateError):
+        return D.Failure(D.ERR_TEMPLATE, title, f"{e}.\n\nThe model's own chat template cannot be used for this chat.")
     if isinstance(e, SharpIError):
         return D.Failure(D.ERR_ENGINE, title, str(e))
     if isinstance(e, OSError):
@@ -399,8 +403,8 @@ class _Worker(QObject):
                 session.apply(session.plan(_request(cpu_only), profile.with_budget(0)))
             return None
 
-    @Slot(int, object, object)
-    def generate(self, rid: int, messages: list, sampling: dict) -> None:
+    @Slot(int, object, object, object)
+    def generate(self, rid: int, messages: list, sampling: dict, cancel: threading.Event | None = None) -> None:
         cur = self.current
         if cur is None:
             self.failed.emit(rid, D.Failure(D.ERR_NO_MODEL, "No model", "Open a model first (File → Open)."))
@@ -409,7 +413,7 @@ class _Worker(QObject):
         try:
             params = SamplingParams(**sampling)
             final = D.GenStats()
-            for ev in cur.session.generate(messages=messages, params=params):
+            for ev in cur.session.generate(messages=messages, params=params, cancel=cancel):
                 final = _gen_stats(ev)
                 self.n_generated = ev.n_generated
                 if ev.text or not ev.done:
@@ -476,7 +480,7 @@ class EngineBridge(QObject):
     statsUpdated = Signal(object)  # StatsFrame
 
     _doLoad = Signal(str, int, str, object)
-    _doGenerate = Signal(int, object, object)
+    _doGenerate = Signal(int, object, object, object)
     _doApply = Signal(object)
     _doClose = Signal()
 
@@ -487,6 +491,7 @@ class EngineBridge(QObject):
         preload_engine()  # once per process; later calls find everything imported
         self._state = IDLE
         self._rid = 0
+        self._stop_event: threading.Event | None = None  # the generation in progress
         self._last_tokens = -1
         self._thread = QThread()
         self._thread.setObjectName("sharpi-engine")
@@ -554,15 +559,24 @@ class EngineBridge(QObject):
         self._rid += 1
         params = {**DEFAULT_SAMPLING, **{k: v for k, v in (sampling or {}).items() if k in SAMPLING_KEYS}}
         self._set_state(GENERATING)
-        self._doGenerate.emit(self._rid, [dict(m) for m in messages], params)
+        # made with the request: a Stop before the worker starts it is not lost
+        self._stop_event = threading.Event()
+        self._doGenerate.emit(self._rid, [dict(m) for m in messages], params, self._stop_event)
         return self._rid
+
+    def use_chatml(self) -> bool:
+        """Chat with ChatML instead of the model's failing template (until the next load); False if busy."""
+        cur = self._worker.current
+        if cur is None or self._state != IDLE:
+            return False
+        cur.session.use_chatml()
+        return True
 
     def stop(self) -> int:
         """Stop the generation in progress within one token; returns the tokens made so far."""
-        cur = self._worker.current
         n = self._worker.n_generated
-        if cur is not None and self._state == GENERATING:
-            cur.session.cancel()
+        if self._state == GENERATING and self._stop_event is not None:
+            self._stop_event.set()
         return n
 
     def preview(self, settings: D.PlanSettings) -> D.PlanPreview:

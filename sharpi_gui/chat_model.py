@@ -11,7 +11,7 @@ from PySide6.QtCore import QObject, Signal
 
 from sharpi_gui import data as D
 from sharpi_gui.settings import Settings
-from sharpi_gui.store import UNTITLED, ConversationStore
+from sharpi_gui.store import UNTITLED, ConversationStore, DamagedConversation
 
 TITLE_CHARS = 48
 
@@ -78,8 +78,15 @@ class ChatModel(QObject):
         conv = self.store.conversation(cid)
         if conv is None:
             return
+        try:
+            messages = self.store.messages(cid)
+        except DamagedConversation as e:
+            self.notice.emit(
+                D.Failure(D.ERR_ENGINE, "This conversation is damaged", f"{e}. The others are unaffected.")
+            )
+            messages = []
         self.current = conv
-        self.messages = self.store.messages(cid)
+        self.messages = messages
         self.settings.last_conversation = cid
         self.currentChanged.emit()
 

@@ -23,6 +23,7 @@ ERR_UNSUPPORTED = "unsupported"  # a GGUF of an architecture or type we do not r
 ERR_CONTEXT = "context"  # the prompt or the conversation does not fit the context
 ERR_OUT_OF_MEMORY = "out-of-memory"  # the device could not hold the placement
 ERR_NO_MODEL = "no-model"  # nothing loaded yet
+ERR_TEMPLATE = "template"  # the model's chat template failed (the app offers ChatML instead)
 ERR_ENGINE = "engine"  # any other SharpIError
 ERR_INTERNAL = "internal"  # a bug: an exception the engine did not mean to raise
 

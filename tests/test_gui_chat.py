@@ -257,3 +257,43 @@ def test_opening_a_model_while_a_reply_streams_stops_it_then_loads(qtbot, tmp_pa
     assert loaded.args[0].path == str(other)
     last = w.ctx.store.messages(w.ctx.chat.current.id)[-1]
     assert last.role == "assistant" and last.meta["finish_reason"] == "cancelled"
+
+
+def test_a_stop_right_after_send_cancels_the_reply(qtbot, tmp_path, model_path):
+    """Stop lands before the engine worker has started the request: the reply is cancelled, not run to
+    its limit (the stop event travels with the request)."""
+    w = make_window(qtbot, tmp_path)
+    load(qtbot, w, model_path)
+    with qtbot.waitSignal(w.bridge.finished, timeout=GEN_TIMEOUT_MS) as done:
+        rid = w.bridge.generate([{"role": "user", "content": "Hello"}], {"temperature": 0.0, "max_tokens": 200})
+        assert rid
+        w.bridge.stop()
+    assert done.args[1].finish_reason == "cancelled" and done.args[1].n_generated <= 1
+
+
+def test_a_failing_chat_template_offers_chatml(qtbot, tmp_path, model_path, monkeypatch):
+    """A template that fails (here: loops past its time limit) ends the reply with the error, and the app asks
+    before switching to ChatML; after Yes, the next message is answered."""
+    from PySide6.QtWidgets import QMessageBox
+
+    from engine.tokenizer.chat import ChatTemplate, RenderLimits
+    from sharpi_gui.testing import patch_dialogs
+
+    rec = patch_dialogs(monkeypatch)
+    rec.answers["QMessageBox"] = QMessageBox.StandardButton.Yes
+    w = make_window(qtbot, tmp_path)
+    load(qtbot, w, model_path)
+    hostile = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    hostile.limits = RenderLimits(seconds=0.2)
+    session_of(w).chat_template = hostile
+    w.settings.sampling = {"temperature": 0.0, "max_tokens": 2}
+    with qtbot.waitSignal(w.bridge.failed, timeout=GEN_TIMEOUT_MS) as failed:
+        w.chat.input.setPlainText("Hello")
+        qtbot.mouseClick(w.chat.send_button, Qt.MouseButton.LeftButton)
+    assert failed.args[1].kind == D.ERR_TEMPLATE and "time limit" in failed.args[1].message
+    qtbot.waitUntil(lambda: any("ChatML" in d.text() for d in rec.shown if isinstance(d, QMessageBox)))
+    assert not session_of(w).chat_template.from_file  # switched, after the question
+    with qtbot.waitSignal(w.bridge.finished, timeout=GEN_TIMEOUT_MS) as done:
+        w.chat.input.setPlainText("Hello again")
+        qtbot.mouseClick(w.chat.send_button, Qt.MouseButton.LeftButton)
+    assert done.args[1].n_generated >= 1

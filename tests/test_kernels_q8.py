@@ -65,6 +65,29 @@ def test_quantize_q8_K_equals_reference(T, n):
     assert qa.min() >= -127
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_block_with_a_nan_or_inf_quantizes_to_a_nan_scale(bad):
+    """Such a block's scale is NaN and its codes 0 (kernel = reference), so it cannot round into finite codes
+    (nor divide by zero: an infinite max made q8_K's 1/iscale raise ZeroDivisionError); the other blocks
+    are unchanged."""
+    X = awkward_activations(np.random.default_rng(13), 3, 512)
+    X[1, 300] = bad
+    clean = X.copy()
+    clean[1, 256:] = 0
+    for quant, reference, per in (
+        (quantize_q8_0, ref.quantize_q8_0_ref, 32),
+        (quantize_q8_K, ref.quantize_q8_K_ref, 256),
+    ):
+        got, want, ok = quant(X), reference(X), quant(clean)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g[..., : w.shape[-1]], w)  # q8_0's asum is the kernel's alone
+        qa, da = got[0], got[1]
+        blk = 300 // per
+        assert np.isnan(da[1, blk]) and np.isfinite(np.delete(da, blk, axis=1)).all() and np.isfinite(da[[0, 2]]).all()
+        assert not qa[1, blk * per : (blk + 1) * per].any()
+        np.testing.assert_array_equal(np.delete(da, blk, axis=1)[[0, 2]], np.delete(ok[1], blk, axis=1)[[0, 2]])
+
+
 def test_q8_K_reference_follows_ggml_conventions():
     """Hand-checked facts of quantize_row_q8_K_ref: negative scale, ties to even, bsums."""
     x = np.zeros(256, np.float32)

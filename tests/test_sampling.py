@@ -135,3 +135,26 @@ def test_cli_says_which_setting_is_wrong_before_loading(capsys):
     assert main(["run", "-p", "hi", "--min-p", "2", "-n", "4"]) != 0
     err = capsys.readouterr().err
     assert "sampling parameter min_p" in err and "layers" not in err  # no model was loaded first
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"temperature": 1e-300},
+        {"frequency_penalty": -1e308, "repeat_last_n": 0},
+        {"presence_penalty": -1e308, "top_k": 0, "top_p": 1.0, "min_p": 0.0},
+        {"repeat_penalty": 1e-300},
+        {"repeat_penalty": 1e300},
+    ],
+)
+def test_extreme_finite_settings_still_draw_a_token(settings):
+    """Finite settings at the edge of float64 (a temperature near 0, huge penalties) draw a token, as the
+    reference chain does, instead of NaN probabilities."""
+    from engine.generate.sampling import Sampler, SamplingParams
+
+    logits = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    s = Sampler(SamplingParams(seed=1, **settings))
+    history = [3, 3, 7, 9]
+    tok = s(logits, history)
+    assert 0 <= tok < 1000
+    assert Sampler(SamplingParams(seed=1, **settings)).reference(logits, history) == tok

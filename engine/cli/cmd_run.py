@@ -14,7 +14,7 @@ from engine.cli.common import (
     load_session,
     sampling_from_args,
 )
-from engine.errors import UsageError
+from engine.errors import ChatTemplateError, UsageError
 
 log = logging.getLogger("sharpi.run")
 
@@ -26,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("-p", "--prompt", help="raw prompt text (no chat template)")
     g.add_argument("--chat", action="store_true", help="interactive chat using the model's chat template")
     p.add_argument("--system", default=None, help="system prompt for --chat")
+    p.add_argument("--chatml", action="store_true", help="--chat with ChatML instead of the model's own template")
     add_sampling_args(p)
     add_placement_args(p)
     p.set_defaults(func=run)
@@ -58,7 +59,9 @@ def run(a: argparse.Namespace) -> int:
         if a.prompt is not None:
             _report(_stream(session, session.generate(a.prompt, params=params)))
             return 0
-        if not session.chat_template.from_file:
+        if a.chatml:
+            session.use_chatml()
+        elif not session.chat_template.from_file:
             print("note: the model has no chat template; using ChatML", file=sys.stderr)
         messages = [{"role": "system", "content": a.system}] if a.system else []
         while True:
@@ -81,6 +84,11 @@ def run(a: argparse.Namespace) -> int:
                 print(f"\nsharpi: {e}", file=sys.stderr)
                 messages.pop()
                 continue
+            except ChatTemplateError as e:
+                if not session.chat_template.from_file:
+                    raise
+                print(f"\nsharpi: {e}; run again with --chatml to chat with ChatML instead", file=sys.stderr)
+                return 1
             messages.append({"role": "assistant", "content": "".join(parts)})
             _report(last)
     except KeyboardInterrupt:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from engine import config
 from engine.api import LoadOptions, Session
@@ -17,6 +18,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF model file (default: the bundled demo model)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("--kv-type", choices=KV_TYPES, default=None, help="KV cache dtype (default $SHARPI_KV_DTYPE or f32)")
+    p.add_argument(
+        "--weights",
+        choices=("auto", "copy", "mmap"),
+        default=None,
+        help="host matrices copied into RAM (faster) or left memory-mapped, page-cache backed (a model larger "
+        "than free RAM runs, slower); auto: copy when it fits (default $SHARPI_WEIGHTS or auto)",
+    )
+    p.add_argument("--mmap", dest="weights", action="store_const", const="mmap", help="as --weights mmap")
+    p.add_argument("--ram", type=_size, default=None, help="RAM the loader may use, e.g. 16GiB (default: available)")
     p.add_argument(
         "--exact-float",
         action="store_true",
@@ -142,10 +152,15 @@ def load_session(a: argparse.Namespace) -> Session:
         placement=req,
         vram_budget=getattr(a, "vram", None),
         device_profile=_speeds(a.model, device, req),
+        ram_budget=getattr(a, "ram", None),
     )
+    if getattr(a, "weights", None):
+        opts = replace(opts, engine=replace(opts.engine, weights=a.weights))
     session = Session.load(a.model, opts, progress)
     if not getattr(a, "quiet", False):
         where = session.applied.describe() if session.applied else f"all layers on the CPU, KV {session.kv_type}"
+        if not session.memory.copy_weights:
+            where += ", weights memory-mapped" + (f" ({session.memory.note})" if session.memory.note else "")
         print(
             f"sharpi: {session.info.architecture}, {session.args.n_layer} layers, ctx {session.n_ctx}: {where}",
             file=sys.stderr,

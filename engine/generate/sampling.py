@@ -9,6 +9,7 @@ is that chain with the full sort, kept as the specification; the tests hold the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,7 +43,11 @@ class SamplingParams:
 
         def number(name: str, lo: float | None = None, hi: float | None = None, *, open_lo: bool = False):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not np.isfinite(v):
+            try:  # float() of a whole number past float's range overflows: not finite either
+                finite = isinstance(v, (int, float, np.integer, np.floating)) and math.isfinite(float(v))
+            except OverflowError:
+                finite = False
+            if isinstance(v, bool) or not finite:
                 raise UsageError(f"sampling parameter {name} must be a finite number, got {v!r}")
             if lo is not None and (v < lo or (open_lo and v == lo)):
                 raise UsageError(f"sampling parameter {name} must be {'>' if open_lo else '≥'} {lo}, got {v!r}")
@@ -149,9 +154,14 @@ class Sampler:
         ids, counts = np.unique(recent, return_counts=True)
         out = logits.copy()
         v = out[ids]
-        if p.repeat_penalty != 1.0:
-            v = np.where(v > 0, v / p.repeat_penalty, v * p.repeat_penalty)
-        out[ids] = v - counts * p.frequency_penalty - p.presence_penalty
+        with np.errstate(over="ignore"):  # finite settings can still overflow (a penalty of -1e308, ...):
+            if p.repeat_penalty != 1.0:
+                v = np.where(v > 0, v / p.repeat_penalty, v * p.repeat_penalty)
+            v = v - counts * p.frequency_penalty - p.presence_penalty
+        # kept within float32's range (the head search orders float32 keys): +inf, or inf - inf = NaN, would
+        # make every probability NaN
+        big = float(np.finfo(np.float32).max)
+        out[ids] = np.clip(np.where(np.isnan(v), -big, v), -big, big)
         return out
 
     def __call__(self, logits: np.ndarray, history: list[int] | None = None) -> int:
@@ -208,8 +218,7 @@ class Sampler:
         if p.min_p > 0.0:
             keep = probs >= p.min_p * probs[0]
             order, z = order[keep], z[keep]
-        z = z / p.temperature
-        probs = np.exp(z - z.max())
+        probs = np.exp((z - z.max()) / p.temperature)  # shifted first: a tiny temperature cannot overflow
         probs /= probs.sum()
         return int(order[self.rng.choice(len(order), p=probs)])
 

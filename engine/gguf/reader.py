@@ -8,6 +8,7 @@ own :class:`~engine.errors.GGUFError` subclasses.
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from gguf.gguf_reader import ReaderField
 
 from engine.errors import (
     GGUFError,
+    HostMemoryError,
     MetadataError,
     NotGGUFError,
     TruncatedFileError,
@@ -324,5 +326,11 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         raise
     except UnicodeDecodeError:
         raise GGUFError("a metadata key or tensor name is not valid UTF-8: the header is corrupted", path) from None
-    except (ValueError, KeyError, IndexError, OverflowError, TypeError, MemoryError) as e:
+    except MemoryError:
+        raise HostMemoryError(f"{path}: not enough memory to read the GGUF header") from None
+    except OSError as e:  # np.memmap under an address-space limit, an unreadable file
+        if e.errno == errno.ENOMEM:
+            raise HostMemoryError(f"{path}: the system refused to map the file ({e.strerror})") from None
+        raise GGUFError(f"cannot read the file: {e.strerror or e}", path) from None
+    except (ValueError, KeyError, IndexError, OverflowError, TypeError) as e:
         raise GGUFError(f"malformed GGUF header: {e}", path) from None

@@ -10,6 +10,10 @@ equal bit for bit):
   the signed value of largest magnitude (first one on ties), iscale = −127/max,
   codes = min(127, nearest_int(iscale·x)), d = 1/iscale (float32, negative when max > 0), and
   bsums = sums of each 16 codes.
+
+A block that holds a NaN or an infinity gets the scale NaN and zero codes (both functions): every dot
+product over it is NaN, so a broken activation reaches the logits' finite check instead of being rounded
+into finite codes (or dividing by zero).
 """
 
 from __future__ import annotations
@@ -50,8 +54,15 @@ def quantize_q8_0(X):
     for k in range(K):
         for b in range(nb):
             amax = np.float32(0.0)
+            z = np.float32(0.0)  # 0, or NaN when the block holds a NaN or an infinity
             for l in range(32):
                 amax = max(amax, abs(X[k, 32 * b + l]))
+                z += X[k, 32 * b + l] * np.float32(0.0)
+            if z != 0:
+                qa[k, 32 * b : 32 * b + 32] = 0
+                da[k, b] = np.nan
+                asum[k, b] = 0
+                continue
             da[k, b] = round_f16(amax / c127)
             iscale = c127 / amax if amax != 0 else np.float32(0.0)
             t = 0
@@ -76,11 +87,18 @@ def quantize_q8_K(X):
             o = 256 * b
             amax = np.float32(0.0)
             mx = np.float32(0.0)
+            z = np.float32(0.0)  # 0, or NaN when the block holds a NaN or an infinity
             for l in range(256):
                 ax = abs(X[k, o + l])
+                z += X[k, o + l] * np.float32(0.0)
                 if ax > amax:
                     amax = ax
                     mx = X[k, o + l]
+            if z != 0:
+                da[k, b] = np.nan
+                qa[k, o : o + 256] = 0
+                bsums[k, 16 * b : 16 * b + 16] = 0
+                continue
             if amax == 0:
                 da[k, b] = 0.0
                 qa[k, o : o + 256] = 0

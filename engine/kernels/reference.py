@@ -51,13 +51,15 @@ def quantize_q8_0_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     x = np.asarray(x, dtype=np.float32)
     xb = x.reshape(*x.shape[:-1], -1, 32)
+    bad = ~np.isfinite(xb).all(axis=-1)  # a NaN or an infinity: scale NaN, codes 0 (as quantize_q8_0)
+    xb = np.where(bad[..., None], np.float32(0), xb)
     amax = np.abs(xb).max(axis=-1)  # [..., nb] f32
     d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
     with np.errstate(divide="ignore"):
         iscale = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
     q = np.rint(xb * iscale[..., None])  # f32 product, round half to even (_mm256_round_ps)
     q = np.clip(q, -128, 127).astype(np.int8)  # the pack instructions saturate
-    return q.reshape(x.shape), d
+    return q.reshape(x.shape), np.where(bad, np.float32(np.nan), d).astype(np.float32)
 
 
 def _nearest_int(v: np.ndarray) -> np.ndarray:
@@ -73,6 +75,8 @@ def quantize_q8_K_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     """
     x = np.asarray(x, dtype=np.float32)
     xb = x.reshape(*x.shape[:-1], -1, QK)
+    bad = ~np.isfinite(xb).all(axis=-1)  # a NaN or an infinity: scale NaN, codes 0 (as quantize_q8_K)
+    xb = np.where(bad[..., None], np.float32(0), xb)
     idx = np.abs(xb).argmax(axis=-1)  # first index of the largest |x|, as ggml's strict '>'
     mx = np.take_along_axis(xb, idx[..., None], axis=-1)[..., 0]  # signed, f32
     zero = mx == 0
@@ -82,6 +86,7 @@ def quantize_q8_K_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     q = np.where(zero[..., None], 0, q).astype(np.int8)
     with np.errstate(divide="ignore"):
         d = np.where(zero, np.float32(0), np.float32(1) / np.where(zero, 1, iscale)).astype(np.float32)
+    d = np.where(bad, np.float32(np.nan), d).astype(np.float32)
     bsums = q.reshape(*q.shape[:-1], QK // 16, 16).astype(np.int32).sum(-1).astype(np.int16)
     return q.reshape(x.shape), d, bsums.reshape(*x.shape[:-1], -1)
 

@@ -61,9 +61,10 @@ __all__ = [
 ]
 
 
-def build_model(gf: GGUFFile, *, q8_act: bool = True, experts=None):
-    """Check the file and build its architecture's :class:`~engine.models.base.DecoderModel`."""
+def build_model(gf: GGUFFile, *, q8_act: bool = True, experts=None, copy_weights: bool = True):
+    """Check the file and build its architecture's :class:`~engine.models.base.DecoderModel`.
+    ``copy_weights``: host matrices copied out of the map (False: they stay mapped, page-cache backed)."""
     from engine.models.weights import Weights
 
     args, _ = check_model_file(gf)
-    return arch_module(args.arch).Model(Weights(gf, q8_act=q8_act), args, experts)
+    return arch_module(args.arch).Model(Weights(gf, q8_act=q8_act, resident=copy_weights), args, experts)

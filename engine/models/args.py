@@ -88,7 +88,8 @@ def common_fields(gf: GGUFFile, arch: str) -> dict[str, Any]:
     n_layer = _int(gf, k(keys.BLOCK_COUNT))
     tokens = gf.get(keys.TOKENIZER_TOKENS)
     embd = gf.tensors.get("token_embd.weight")
-    n_vocab = _int(gf, k(keys.VOCAB_SIZE), len(tokens) if tokens else (embd.shape[0] if embd else 0))
+    default_vocab = len(tokens) if isinstance(tokens, list) and tokens else (embd.shape[0] if embd else 0)
+    n_vocab = _int(gf, k(keys.VOCAB_SIZE), default_vocab)  # a tokens table of the wrong type: the tokenizer says
     eps = _float(gf, k(keys.LAYERNORM_RMS_EPS), 1e-6)
     rope_base = _float(gf, k(keys.ROPE_FREQ_BASE), 10000.0)
     rope_dim = _int(gf, k(keys.ROPE_DIMENSION_COUNT), head_dim)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from engine import ops
-from engine.errors import UsageError
+from engine.errors import ModelError, UsageError
 from engine.experts import CpuExperts, ExpertBackend, ExpertStacks
 from engine.kv_cache import KVCache
 from engine.models.args import ModelArgs
@@ -21,6 +21,15 @@ from engine.models.weights import Embedding, Weights
 from engine.profiler import ExpertProfiler
 
 HOST = torch.device("cpu")
+
+
+def _probe(x: torch.Tensor) -> torch.Tensor | None:
+    """What a forward pass keeps of a layer's output for :meth:`DecoderModel._finite`: one token's row as
+    is, a batch's sum (NaN and infinities carry into it; the batch itself is not held), nothing of a device
+    tensor (no sync, no device memory held)."""
+    if x.device.type != "cpu":
+        return None
+    return x if x.shape[0] == 1 else x.sum()
 
 
 class DecoderModel:
@@ -114,18 +123,21 @@ class DecoderModel:
             logits = self.decode_graph.step(self.embed(tokens), start, cache)
             if logits is not None:  # None: this cache is not the device's (the eager path serves)
                 self.profiler.end_step(1)
-                return logits
+                return self._finite(logits, tokens, None)
         positions = np.arange(start, start + T)
         if T == 1:
-            logits = self._host_decode(tokens, positions, cache)
+            trace: list = []
+            logits = self._host_decode(tokens, positions, cache, trace)
             if logits is not None:
-                return logits
+                return self._finite(logits, tokens, trace)
         x = self.embed(tokens)  # [T, D] host
+        trace = [_probe(x)]  # each layer's output (or its sum), only to name where a NaN/Inf first appeared
         ropes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer, dev in zip(self.layers, self.devices):
             if dev not in ropes:
                 ropes[dev] = self._rope(positions, dev)
             x = layer(x.to(dev), start, cache, *ropes[dev])
+            trace.append(_probe(x))
         for b in {id(b): b for b in self._backends.values()}.values():
             b.end_step()
         x = x.to(self.out_device)
@@ -134,9 +146,41 @@ class DecoderModel:
         logits = self.output(rms_norm(x, self.out_norm, a.rms_eps)).to(HOST)
         self.profiler.end_step(T)
         ops.end_of_prompt(T)
-        return logits
+        return self._finite(logits, tokens, trace)
 
-    def _host_decode(self, tokens: np.ndarray, positions: np.ndarray, cache: KVCache) -> torch.Tensor | None:
+    def _finite(self, logits: torch.Tensor, tokens: np.ndarray, trace: list | None) -> torch.Tensor:
+        """``logits``, if every value is finite; else a :class:`ModelError` naming where the first NaN or
+        infinity appeared: the token embeddings, a layer's output (``trace``: the embeddings, then each
+        layer's output, of this forward pass) or the output head. One pass over the logits; the trace is
+        read only when they are broken (a device graph step has none: the error names no layer).
+
+        The test is the sum's (NaN and infinities carry into it): 14 us on a 151936-token row against 290 for
+        ``isfinite(...).all()``, one thread; a sum that overflows from finite values is checked element-wise."""
+        if bool(torch.isfinite(logits.sum())) or bool(torch.isfinite(logits).all()):
+            return logits
+        where = "the output (output_norm.weight / output.weight)"
+        if trace is None or any(x is None for x in trace):
+            where = "a layer on the device (run on the CPU to find which)"
+        if trace is not None:
+            for i, x in enumerate(trace):
+                if x is None:
+                    continue
+                finite = bool(torch.isfinite(x).all()) if isinstance(x, torch.Tensor) else bool(np.isfinite(x).all())
+                if not finite:
+                    where = (
+                        f"the embeddings of token(s) {sorted({int(t) for t in tokens})[:8]} (token_embd.weight)"
+                        if i == 0
+                        else f"layer {i - 1} (blk.{i - 1}.*)"
+                    )
+                    break
+        raise ModelError(
+            f"{self.w.gf.path}: the model computed NaN or infinity, first in {where}: its weights are damaged "
+            "or overflow float32, so it cannot generate"
+        )
+
+    def _host_decode(
+        self, tokens: np.ndarray, positions: np.ndarray, cache: KVCache, trace: list
+    ) -> torch.Tensor | None:
         """One token through every layer's fused host step (``HostMoEStep``), or None where that does not
         apply (a layer or the output off the host, a layer without the fused step, a K/V store not
         float32 on the host). The same calls as the layers' own ``__call__`` in turn, without their
@@ -150,10 +194,12 @@ class DecoderModel:
             return None
         a = self.args
         x = self.embed(tokens).numpy()[0]
+        trace.append(x)  # the embeddings, then each layer's output (for _finite's message)
         cos, sin = (t.numpy() for t in self._rope(positions, HOST))
         routes = np.empty((len(steps), a.n_expert_used), np.int64)
         for j, (f, kv) in enumerate(zip(steps, kvs)):
             x, routes[j] = f.run(x, start, kv, cos, sin)
+            trace.append(x)
         self.profiler.record_routes(self._route_layers, routes)
         for j, f in enumerate(steps):
             f.moe.last_ids = torch.from_numpy(routes[j : j + 1])

@@ -196,3 +196,32 @@ def host_bytes(spec: ModelSpec, *, n_gpu_layers: int, ctx: int) -> int:
     if n == 0:
         b += spec.rope_freqs_bytes
     return b
+
+
+@dataclass(frozen=True)
+class HostLoad:
+    """What loading a model for the CPU allocates in RAM, by kind (bytes): host matrices copied out of the
+    memory map (0 when they stay mapped: page cache, which the kernel can drop and re-read), the KV cache,
+    and one prompt chunk's scratch."""
+
+    weights: int
+    kv: int
+    scratch: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.scratch
+
+
+def host_load(
+    spec: ModelSpec, *, ctx: int, kv_type: str, copy_weights: bool, experts: bool = True, n_ubatch: int = 512
+) -> HostLoad:
+    """The loader's allocation for ``spec`` at ``ctx`` (every layer on the host, as a load starts):
+    ``copy_weights`` — the trunk, the output matrix and (``experts``: they run on the CPU) the routed
+    experts are copied (engine.models.weights' resident copies; the embeddings always stay mapped)."""
+    weights = 0
+    if copy_weights:
+        weights = spec.trunk_bytes + spec.output_bytes
+        weights += spec.routed_bytes if experts else 0
+    kv = spec.n_layer * kv_layer_bytes(kv_type, spec.kv_dim, ctx)
+    return HostLoad(weights, kv, scratch_estimate(spec, ctx, n_ubatch))

@@ -22,37 +22,56 @@ from tokenizers import Tokenizer, models, normalizers
 SPACE = "\u2581"  # "▁", SentencePiece's escaped space
 
 
-def derive_merges(tokens: tuple[str, ...], scores: np.ndarray) -> list[tuple[str, str]]:
+def token_splits(tokens: tuple[str, ...]) -> list[tuple[int, int]]:
+    """Every ``(token id, cut)`` where ``token[:cut]`` and ``token[cut:]`` are both tokens.
+
+    A cut is only tried where both halves have the length of some token, so a long token costs the
+    number of distinct token lengths below its own, not its length squared (a 1 MiB entry in a
+    SentencePiece table took minutes with every cut tried)."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    lengths = sorted({len(t) for t in tokens})
+    found = []
+    for i, t in enumerate(tokens):
+        n = len(t)
+        if n <= 64:  # short tokens (nearly all): every cut, as cheap as the length check
+            cuts = range(1, n)
+        else:
+            have = set(lengths)
+            cuts = [c for c in lengths if c < n and (n - c) in have]
+        for cut in cuts:
+            if t[:cut] in ids and t[cut:] in ids:
+                found.append((i, cut))
+    return found
+
+
+def derive_merges(tokens: tuple[str, ...], scores: np.ndarray, splits: list[tuple[int, int]] | None = None):
     """BPE merges equivalent to "merge the best-scoring pair".
 
     Every split ``(left, right)`` of a token where both halves are tokens is a merge, ranked by
     the token's score (best first), then by token id and split position (to be deterministic).
     Every token type takes part, as in llama.cpp (any vocabulary entry can be a merge result).
+    ``splits``: :func:`token_splits` of ``tokens`` when the caller has them.
     """
-    ids = {t: i for i, t in enumerate(tokens)}
-    found = []
-    for i, t in enumerate(tokens):
-        for cut in range(1, len(t)):
-            left, right = t[:cut], t[cut:]
-            if left in ids and right in ids:
-                found.append((-float(scores[i]), i, cut, left, right))
-    found.sort()
-    return [(f[3], f[4]) for f in found]
+    splits = token_splits(tokens) if splits is None else splits
+    order = sorted(splits, key=lambda ic: (-float(scores[ic[0]]), ic[0], ic[1]))
+    return [(tokens[i][:cut], tokens[i][cut:]) for i, cut in order]
 
 
-def score_ties(tokens: tuple[str, ...], scores: np.ndarray) -> bool:
+def score_ties(tokens: tuple[str, ...], scores: np.ndarray, splits: list[tuple[int, int]] | None = None) -> bool:
     """True if two different merge results share a score (then the BPE form may differ from llama.cpp)."""
-    ids = {t: i for i, t in enumerate(tokens)}
-    results = [i for i, t in enumerate(tokens) if any(t[:c] in ids and t[c:] in ids for c in range(1, len(t)))]
+    splits = token_splits(tokens) if splits is None else splits
+    results = sorted({i for i, _ in splits})
     s = scores[results]
     return len(np.unique(s)) != len(s)
 
 
-def build_spm(tokens: tuple[str, ...], scores: np.ndarray, add_space_prefix: bool, unk: str | None) -> Tokenizer:
+def build_spm(
+    tokens: tuple[str, ...], scores: np.ndarray, add_space_prefix: bool, unk: str | None, splits=None
+) -> Tokenizer:
     """A ``tokenizers.Tokenizer`` for one raw-text fragment: escape spaces, optional leading "▁", BPE."""
     vocab = {t: i for i, t in enumerate(tokens)}
     model = models.BPE(
-        vocab=vocab, merges=derive_merges(tokens, scores), byte_fallback=True, unk_token=unk, fuse_unk=False
+        vocab=vocab, merges=derive_merges(tokens, scores, splits), byte_fallback=True, unk_token=unk, fuse_unk=False
     )
     tok = Tokenizer(model)
     steps = [normalizers.Prepend(SPACE)] if add_space_prefix else []

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from engine.errors import UsageError
 from engine.tokenizer.bpe import build_bpe
 from engine.tokenizer.detok import Detokenizer, Pieces
-from engine.tokenizer.spm import build_spm, escape, score_ties, spm_encode_reference
+from engine.tokenizer.spm import build_spm, escape, score_ties, spm_encode_reference, token_splits
 from engine.tokenizer.vocab import BPE, SPM, TokenAttr, Vocab
 
 log = logging.getLogger(__name__)
@@ -39,9 +39,10 @@ class Tokenizer:
             self.hf: HFTokenizer = build_bpe(vocab, self._token_to_id)
         else:
             unk = vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else None
-            self.hf = build_spm(vocab.tokens, vocab.scores, vocab.add_space_prefix, unk)
+            splits = token_splits(vocab.tokens)
+            self.hf = build_spm(vocab.tokens, vocab.scores, vocab.add_space_prefix, unk, splits)
             if spm_reference is None:
-                spm_reference = score_ties(vocab.tokens, vocab.scores)
+                spm_reference = score_ties(vocab.tokens, vocab.scores, splits)
                 if spm_reference:
                     log.info("SentencePiece scores have ties: using the exact (slower) merge loop")
             self.uses_reference = spm_reference
@@ -105,13 +106,21 @@ class Tokenizer:
 
     # -- encoding ------------------------------------------------------------------------------
     def encode(
-        self, text: str, add_bos: bool | None = None, parse_special: bool = True, add_eos: bool | None = None
+        self,
+        text: str,
+        add_bos: bool | None = None,
+        parse_special: bool = True,
+        add_eos: bool | None = None,
+        plain_spans: tuple[tuple[int, int], ...] = (),
     ) -> list[int]:
         """Token ids of ``text``, equal to llama.cpp's ``llama_tokenize``.
 
         ``add_bos``/``add_eos``: None follows the file (``tokenizer.ggml.add_bos_token``...),
         True/False force. ``parse_special``: control tokens written in the text (``<|im_end|>``)
         become their ids; user-defined tokens (``<think>``) always do, as in llama.cpp.
+        ``plain_spans``: ``(start, end)`` character ranges of ``text`` where control tokens are not
+        parsed (a chat's user content inside the template's markup); text is still tokenized as one
+        piece across their edges, so without control-token text in them the ids are unchanged.
         """
         v = self.vocab
         bos = v.add_bos if add_bos is None else add_bos
@@ -121,7 +130,7 @@ class Tokenizer:
             if v.bos_id is None:
                 raise UsageError("add_bos was asked for, but the vocabulary has no BOS token")
             out.append(v.bos_id)
-        for frag in self.partition(text, parse_special):
+        for frag in self.partition(text, parse_special, plain_spans):
             if isinstance(frag, int):
                 out.append(frag)
             else:
@@ -132,33 +141,43 @@ class Tokenizer:
             out.append(v.eos_id)
         return out
 
-    def partition(self, text: str, parse_special: bool = True) -> list[str | int]:
+    def partition(
+        self, text: str, parse_special: bool = True, plain_spans: tuple[tuple[int, int], ...] = ()
+    ) -> list[str | int]:
         """Raw text fragments and special-token ids, in order (llama.cpp's ``tokenizer_st_partition``).
 
         Each special token, longest first, cuts every remaining raw fragment at each occurrence.
-        With ``parse_special=False`` only user-defined tokens are cut out.
+        With ``parse_special=False`` only user-defined tokens are cut out; a control token's occurrence
+        that overlaps one of ``plain_spans`` stays text.
         """
-        frags: list[str | int] = [text] if text else []
+        frags: list[tuple[str, int] | int] = [(text, 0)] if text else []
         v = self.vocab
         for sid in v.special_ids:
-            if not parse_special and v.attrs[sid] & (TokenAttr.CONTROL | TokenAttr.UNKNOWN):
+            control = bool(v.attrs[sid] & (TokenAttr.CONTROL | TokenAttr.UNKNOWN))
+            if not parse_special and control:
                 continue
             s = v.tokens[sid]
-            if not any(isinstance(f, str) and s in f for f in frags):
+            if not any(not isinstance(f, int) and s in f[0] for f in frags):
                 continue
-            cut: list[str | int] = []
+            cut: list[tuple[str, int] | int] = []
             for f in frags:
-                if isinstance(f, int) or s not in f:
+                if isinstance(f, int) or s not in f[0]:
                     cut.append(f)
                     continue
-                parts = f.split(s)
-                for k, part in enumerate(parts):
-                    if k:
+                t, off = f
+                pos, k = 0, t.find(s)
+                while k >= 0:  # non-overlapping, left to right (str.split's occurrences)
+                    a, b = off + k, off + k + len(s)
+                    if not (control and any(lo < b and a < hi for lo, hi in plain_spans)):
+                        if k > pos:
+                            cut.append((t[pos:k], off + pos))
                         cut.append(sid)
-                    if part:
-                        cut.append(part)
+                        pos = k + len(s)
+                    k = t.find(s, k + len(s))
+                if pos < len(t):
+                    cut.append((t[pos:], off + pos))
             frags = cut
-        return frags
+        return [f if isinstance(f, int) else f[0] for f in frags]
 
     def _encode_fragment(self, frag: str) -> list[int]:
         if self.vocab.kind == SPM and self.uses_reference:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,7 +112,10 @@ class Vocab:
 
 
 def read_vocab(metadata: dict, path: str | None = None) -> Vocab:
-    """Parse ``tokenizer.ggml.*`` metadata; :class:`MetadataError` for what llama.cpp rejects too."""
+    """Parse ``tokenizer.ggml.*`` metadata; :class:`MetadataError` for what llama.cpp rejects too, and for
+    tables it would misread or abort on: a value of the wrong type in any table (tokens, token types,
+    scores, merges, the pre-tokenizer name, the flags), a NaN score, a byte-typed token not of the form
+    ``<0xXX>`` — each error names the key and the entry."""
 
     def fail(msg: str) -> MetadataError:
         return MetadataError(msg, path)
@@ -143,19 +147,30 @@ def read_vocab(metadata: dict, path: str | None = None) -> Vocab:
             raise fail(
                 f"{keys.TOKENIZER_TOKEN_TYPE} has {len(types) if isinstance(types, list) else 0} entries for {n} tokens"
             )
+        bad = next((i for i, t in enumerate(types[:n]) if isinstance(t, bool) or not isinstance(t, int)), None)
+        if bad is not None:
+            raise fail(f"{keys.TOKENIZER_TOKEN_TYPE}[{bad}] = {types[bad]!r} is not a token type (a whole number)")
         attrs = [_TYPE_ATTR.get(t, 0) for t in types[:n]]
+    for i, a in enumerate(attrs):
+        if a & TokenAttr.BYTE and _BYTE_TOKEN.fullmatch(tokens[i]) is None:
+            raise fail(f"token {i} is typed as a byte token but reads {tokens[i][:40]!r}, not <0xXX>")
 
     scores = np.zeros(n, dtype=np.float32)
     raw_scores = metadata.get(keys.TOKENIZER_SCORES)
     if raw_scores is not None:
         if not isinstance(raw_scores, list) or len(raw_scores) < n:
             raise fail(f"{keys.TOKENIZER_SCORES} has fewer entries than the {n} tokens")
+        bad = next((i for i, x in enumerate(raw_scores[:n]) if not _is_number(x) or x != x), None)
+        if bad is not None:
+            raise fail(f"{keys.TOKENIZER_SCORES}[{bad}] = {raw_scores[bad]!r} is not a number")
         scores = np.asarray(raw_scores[:n], dtype=np.float32)
 
     pre, pre_spec, merges = None, None, ()
     add_space_prefix, add_bos, add_eos = False, False, False
     if kind == BPE:
         pre = metadata.get(keys.TOKENIZER_PRE)
+        if pre is not None and not isinstance(pre, str):
+            raise fail(f"{keys.TOKENIZER_PRE} = {pre!r} is not a string")
         if not pre:
             log.warning("%s: no %s; using llama.cpp's 'default' pre-tokenizer", path or "vocab", keys.TOKENIZER_PRE)
             pre = "default"
@@ -166,12 +181,22 @@ def read_vocab(metadata: dict, path: str | None = None) -> Vocab:
         raw_merges = metadata.get(keys.TOKENIZER_MERGES)
         if not isinstance(raw_merges, list):
             raise fail(f"missing {keys.TOKENIZER_MERGES}: a gpt2 tokenizer needs its BPE merges")
+        bad = next((i for i, m in enumerate(raw_merges) if not isinstance(m, str)), None)
+        if bad is not None:
+            raise fail(f"{keys.TOKENIZER_MERGES}[{bad}] = {raw_merges[bad]!r} is not a string 'left right'")
         merges = tuple(_split_merge(m) for m in raw_merges)
         bos_id, eos_id, unk_id = 11, 11, None  # llama.cpp's gpt2 defaults, overridden by the file
     else:
         add_space_prefix, add_bos = True, True
         bos_id, eos_id, unk_id = 1, 2, 0
-    add_space_prefix = bool(metadata.get(ADD_SPACE_PREFIX, add_space_prefix))
+
+    def flag(key: str, default: bool) -> bool:
+        value = metadata.get(key, default)
+        if not isinstance(value, (bool, int)):
+            raise fail(f"{key} = {value!r} is not a boolean")
+        return bool(value)
+
+    add_space_prefix = flag(ADD_SPACE_PREFIX, add_space_prefix)
 
     def special(key: str, default: int | None) -> int | None:
         if default is not None and default >= n:
@@ -192,8 +217,8 @@ def read_vocab(metadata: dict, path: str | None = None) -> Vocab:
     pad_id = special(keys.TOKENIZER_PAD_ID, None)
     fim_ids = [special(k, None) for k in (FIM_PAD_ID, FIM_REP_ID, FIM_SEP_ID)]
 
-    add_bos = bool(metadata.get(keys.TOKENIZER_ADD_BOS, add_bos))
-    add_eos = bool(metadata.get(keys.TOKENIZER_ADD_EOS, add_eos))
+    add_bos = flag(keys.TOKENIZER_ADD_BOS, add_bos)
+    add_eos = flag(keys.TOKENIZER_ADD_EOS, add_eos)
     if add_bos and bos_id is None:
         raise fail(f"{keys.TOKENIZER_ADD_BOS} is true, but {keys.TOKENIZER_BOS_ID} is not set")
     if add_eos and eos_id is None:
@@ -253,6 +278,13 @@ def read_vocab(metadata: dict, path: str | None = None) -> Vocab:
         eog_ids=frozenset(eog),
         special_ids=tuple(special_ids),
     )
+
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _split_merge(s: str) -> tuple[str, str]:

@@ -28,6 +28,7 @@ _TITLES = {
     D.ERR_CONTEXT: "Context full",
     D.ERR_OUT_OF_MEMORY: "Out of memory",
     D.ERR_NO_MODEL: "No model loaded",
+    D.ERR_TEMPLATE: "Chat template failed",
     D.ERR_ENGINE: "SharpI",
     D.ERR_INTERNAL: "Unexpected error",
 }

@@ -68,6 +68,13 @@ class MainWindow(QMainWindow):
         self.chat.set_has_model(False)
         if ctx.themes is not None:
             ctx.themes.changed.connect(self.restyle)
+        if ctx.store.notice:  # a broken database moved aside, or a data directory that cannot be written
+            QTimer.singleShot(0, self.show_store_notice)
+
+    def show_store_notice(self) -> None:
+        """Say what the conversation store did at start-up (its backup, or a session kept in memory)."""
+        title = "Conversations are not being saved" if self.ctx.store.in_memory else "Conversation database reset"
+        dialogs.show_error(self, D.Failure(D.ERR_ENGINE, title, self.ctx.store.notice or ""))
 
     # -- menus and shortcuts ----------------------------------------------------------------------------
     def _action(self, menu: QMenu, text: str, slot, shortcut=None, name: str = "") -> QAction:
@@ -140,7 +147,16 @@ class MainWindow(QMainWindow):
         b.busyChanged.connect(self._on_busy)
         self.ctx.placement.applyFailed.connect(lambda f: dialogs.show_error(self, f))
         self.ctx.chat.statsChanged.connect(self._render_stats)
+        self.ctx.chat.notice.connect(self._on_chat_notice)
         self.experts_dock.panel.exportRequested.connect(self.export_dialog)
+
+    def _on_chat_notice(self, failure: D.Failure) -> None:
+        """The model's chat template failed: offer ChatML in its place, never silently."""
+        if failure.kind != D.ERR_TEMPLATE:
+            return
+        text = f"{failure.message}\n\nChat with the generic ChatML format instead, for this model until it is reopened?"
+        if dialogs.confirm(self, "Chat template failed", text) and self.bridge.use_chatml():
+            self.statusBar().showMessage("Chatting with ChatML in place of the model's template; send again.", 10000)
 
     def _on_load_started(self, path: str) -> None:
         self.progress.setRange(0, 0)

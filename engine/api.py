@@ -16,7 +16,7 @@ import torch
 from engine import config
 from engine.config import EngineOptions
 from engine.errors import DeviceMemoryError, UsageError
-from engine.generate import CacheState, GenerationEvent, SamplingParams, generate
+from engine.generate import CacheState, GenerationEvent, SamplingParams, TokenConstraint, generate
 from engine.gguf import open_gguf
 from engine.modelinfo import ModelInfo, describe
 from engine.plan import DeviceProfile, ModelSpec, Placement, PlanRequest, plan, resolve_kv_type
@@ -117,8 +117,23 @@ class Session:
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.chat_template.render(clean_messages(messages), add_generation_prompt=add_generation_prompt)
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """The prompt text of a conversation through the model's own chat template (``tools``: OpenAI-style
+        function declarations, which the template writes into the prompt its own way)."""
+        return self.chat_template.render(
+            clean_messages(messages), add_generation_prompt=add_generation_prompt, tools=tools or None
+        )
+
+    def prompt_ids(
+        self, prompt: str | None = None, *, messages: list[dict] | None = None, tools: list[dict] | None = None
+    ) -> list[int]:
+        """The token ids :meth:`generate` would feed for ``prompt`` (raw text) or ``messages`` (chat)."""
+        if (prompt is None) == (messages is None):
+            raise UsageError("give exactly one of prompt or messages")
+        text = self.render_chat(messages, tools=tools) if messages is not None else clean_text(prompt)
+        return self.tokenizer.encode(text, add_bos=None, parse_special=True)
 
     def check_ids(self, ids) -> list[int]:
         """``ids`` as a list of token ids, each a whole number in [0, vocabulary size); else a UsageError
@@ -138,20 +153,27 @@ class Session:
         messages: list[dict] | None = None,
         params: SamplingParams | None = None,
         prompt_ids: list[int] | None = None,
+        tools: list[dict] | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> Iterator[GenerationEvent]:
-        """Stream a completion of ``prompt`` (raw text), ``messages`` (chat) or ``prompt_ids``."""
+        """Stream a completion of ``prompt`` (raw text), ``messages`` (chat, with optional ``tools``) or
+        ``prompt_ids``. ``constraint``: what the output must match (e.g. :mod:`engine.generate.grammar`)."""
         if sum(x is not None for x in (prompt, messages, prompt_ids)) != 1:
             raise UsageError("give exactly one of prompt, messages or prompt_ids")
-        if messages is not None:
-            text = self.render_chat(messages)
-            ids = self.tokenizer.encode(text, add_bos=None, parse_special=True)
-        elif prompt is not None:
-            ids = self.tokenizer.encode(clean_text(prompt), add_bos=None, parse_special=True)
-        else:
+        if prompt_ids is not None:
             ids = self.check_ids(prompt_ids)
+        else:
+            ids = self.prompt_ids(prompt, messages=messages, tools=tools)
         self._cancel.clear()
         return generate(
-            self.model, self.tokenizer, self.cache, self.state, ids, params or SamplingParams(), self._cancel
+            self.model,
+            self.tokenizer,
+            self.cache,
+            self.state,
+            ids,
+            params or SamplingParams(),
+            self._cancel,
+            constraint,
         )
 
     def cancel(self) -> None:

@@ -221,7 +221,7 @@ def create_app(host: ModelHost, options: ServerOptions | None = None) -> FastAPI
                     answer.last.n_generated if answer.last else 0,
                     answer.last.decode_tok_s if answer.last else 0.0,
                     t["total_ms"] / 1000,
-                    answer.last.finish_reason or "" if answer.last else "",
+                    "cancelled" if status == 499 else (answer.last.finish_reason or "") if answer.last else "",
                 )
             )
 

@@ -6,7 +6,8 @@ a 150k vocabulary rather than a pass over every token (``labs/grammar_mask_bench
 docs/benchmarks.md). :class:`GrammarConstraint` is the decode loop's
 :class:`~engine.generate.loop.TokenConstraint`: ``mask`` sets forbidden logits to -inf from the
 matcher's bitmask, ``accept`` advances the matcher. :meth:`GrammarConstraint.reference_mask` asks the
-matcher token by token (the specification the bitmask path is tested against).
+matcher token by token (the specification the bitmask path is tested against: it allows a subset,
+never a token the grammar refuses).
 
 The vocabulary is handed over as each token's bytes (:meth:`Tokenizer.token_to_piece`), control
 tokens marked with a leading 0xFF as llguidance expects, and the model's end-of-generation tokens as
@@ -127,7 +128,9 @@ class GrammarConstraint:
         return np.where(self.allowed(), logits, np.float32(-np.inf)).astype(logits.dtype, copy=False)
 
     def reference_mask(self) -> np.ndarray:
-        """bool [V]: :meth:`allowed` asked token by token (slow; the specification)."""
+        """bool [V]: every token the grammar accepts next, asked token by token (slow; the specification).
+        :meth:`allowed` is a subset: llguidance leaves out a token that would only split text the grammar
+        forces, where the vocabulary has the whole piece (a lone ``"`` where ``":`` must follow)."""
         out = np.zeros(self.n_vocab, dtype=bool)
         for t in range(self.n_vocab):
             probe = self.matcher.deep_copy()

@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import SharpIError
+from engine.errors import SharpIError, UsageError
 from engine.server.host import READY, ModelHost, RequestRecord
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from engine.server.protocol import Answer, RequestError, plan_chat, plan_completion
@@ -58,7 +58,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{where}: {e.get('msg')}" if where else str(e.get("msg"))) + more, where or None
 
 
-ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"})
+GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+ROUTES = frozenset({"/health", "/metrics", "/v1/models", *GENERATION_ROUTES})
+RECORDED = "sharpi.recorded"  # set in the ASGI scope once a request is in the host's log
 
 
 class _Guard:
@@ -67,8 +69,8 @@ class _Guard:
     The body is read up front (at most ``max_body_bytes``, else 413) and replayed to the app, after
     which the connection's own ``receive`` takes over (so a disconnect still arrives)."""
 
-    def __init__(self, app, options: ServerOptions, metrics: ServerMetrics):
-        self.app, self.options, self.metrics = app, options, metrics
+    def __init__(self, app, options: ServerOptions, metrics: ServerMetrics, host: ModelHost):
+        self.app, self.options, self.metrics, self.host = app, options, metrics, host
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -81,11 +83,14 @@ class _Guard:
                 status["code"] = msg["status"]
             await send(msg)
 
+        t0 = time.perf_counter()
         try:
             await self._guarded(scope, receive, counted_send, path)
         finally:
             if path in ROUTES and status["code"]:
                 self.metrics.requests.labels(path, str(status["code"])).inc()
+            if path in GENERATION_ROUTES and status["code"] and not scope.get(RECORDED):  # refused before generating
+                self.host.record(RequestRecord(time.time(), path, status["code"], duration_s=time.perf_counter() - t0))
 
     async def _guarded(self, scope, receive, send, path):
         key = self.options.api_key
@@ -199,8 +204,11 @@ def create_app(host: ModelHost, options: ServerOptions | None = None) -> FastAPI
 
         def start():
             answer.started_at = time.perf_counter()
+            if host.session is not session:  # the app loaded another model while this request waited
+                raise UsageError("the model was replaced while this request waited; send it again")
             return session.generate(prompt_ids=plan.ids, params=plan.params, constraint=plan.constraint)
 
+        request.scope[RECORDED] = True  # the log entry is written here, when the request ends
         try:
             job = host.runner.submit(start)
         except QueueFull as e:
@@ -292,4 +300,4 @@ def asgi_app(host: ModelHost, options: ServerOptions | None = None):
     """:func:`create_app` behind the body-size limit: what uvicorn runs."""
     options = options or ServerOptions()
     app = create_app(host, options)
-    return _Guard(app, options, app.state.metrics)
+    return _Guard(app, options, app.state.metrics, host)

@@ -76,6 +76,17 @@ class ModelHost:
         self.session = session
         self.state = READY
 
+    def set_session(self, session, model_id: str | None = None) -> None:
+        """Serve ``session`` from now on (the app loaded another model). Call holding the runner's lock."""
+        if model_id:
+            self.model_id = model_id
+        self.error = ""
+        self._ready(session)
+
+    def set_unavailable(self, why: str = "") -> None:
+        """Answer 503 until :meth:`set_session` (the app is loading a model, or has none)."""
+        self.session, self.state, self.error = None, LOADING, why
+
     def _progress(self, done: int, total: int, what: str) -> None:
         self.progress = (done, total, what)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 import threading
 import time
 
@@ -51,29 +52,31 @@ class UvicornServer:
     def __init__(self, host: ModelHost, bind: str = LOOPBACK, port: int = 8080, options: ServerOptions | None = None):
         import uvicorn
 
-        self.host, self.bind = host, bind
-        self._server = uvicorn.Server(_config(host, bind, port, options or ServerOptions()))
+        self.host, self.bind, self.options = host, bind, options or ServerOptions()
+        self._server = uvicorn.Server(_config(host, bind, port, self.options))
         self._server.install_signal_handlers = lambda: None  # not the main thread
         self._thread: threading.Thread | None = None
+        self._sock: socket.socket | None = None
 
     def start(self, timeout: float = 10.0) -> None:
-        self._thread = threading.Thread(target=self._server.run, name="sharpi-server", daemon=True)
+        """Bind (here, so a port in use is an OSError to the caller) and serve on a thread."""
+        family = socket.AF_INET6 if ":" in self.bind else socket.AF_INET
+        self._sock = socket.create_server((self.bind, self._server.config.port), family=family)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name="sharpi-server", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout
         while self._thread.is_alive() and not self._server.started and time.monotonic() < deadline:
             self._thread.join(0.02)
         if not self._server.started:
             self.stop()
-            raise OSError(f"the server did not start on {self.bind}:{self._server.config.port} (is the port in use?)")
+            raise OSError(f"the server did not start on {self.bind}:{self.port}")
 
     @property
     def port(self) -> int:
         """The port it listens on (the one the OS chose when asked for port 0)."""
-        servers = getattr(self._server, "servers", None) or []
-        for s in servers:
-            for sock in s.sockets:
-                return sock.getsockname()[1]
-        return self._server.config.port
+        return self._sock.getsockname()[1] if self._sock is not None else self._server.config.port
 
     @property
     def url(self) -> str:
@@ -83,3 +86,5 @@ class UvicornServer:
         self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._sock is not None:
+            self._sock.close()

@@ -1,11 +1,11 @@
-"""One generation at a time on the one loaded model, a bounded queue in front of it, and cancellation.
+"""One generation at a time on the one loaded model, a bounded first-come queue in front of it, cancellation.
 
-A request becomes a :class:`Job`: admitted if fewer than ``1 + max_queue`` jobs are in the house
-(else :class:`QueueFull`, the server's 429), then run on its own thread once it holds the model lock.
-The lock is the one the owner of the session uses for its own generations (the desktop app's chat
-worker), so an API request and a GUI chat never run at once. The job's events cross into asyncio
-through a queue; :meth:`Job.cancel` (a client that went away) stops the generation after the token in
-progress, or drops the job before it starts.
+A request becomes a :class:`Job`: admitted if fewer than ``1 + max_queue`` jobs are in the house (else
+:class:`QueueFull`, the server's 429) and queued. One worker thread takes the jobs in arrival order and
+runs each while holding the model lock — the lock the session's other user takes around its own
+generations (the desktop app's chat worker), so an API request and a GUI chat never run at once. A job's
+events cross into asyncio through a queue; :meth:`Job.cancel` (a client that went away) stops the
+generation after the token in progress, or takes the job out of the queue before it starts.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -32,7 +33,7 @@ class RunnerStats:
     admitted: int = 0
     rejected: int = 0  # refused: the queue was full
     completed: int = 0
-    cancelled: int = 0  # ended because their client went away
+    cancelled: int = 0  # ended because their client went away (running or queued)
     failed: int = 0
     running: int = 0
     waiting: int = 0
@@ -44,7 +45,7 @@ class Job:
 
     def __init__(self, runner: ModelRunner, start: Callable[[], Iterator[GenerationEvent]]):
         self._runner = runner
-        self._start = start  # called on the job's thread while it holds the model lock
+        self._start = start  # called on the worker thread while it holds the model lock
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
@@ -53,11 +54,9 @@ class Job:
         self.started_at: float | None = None
 
     def cancel(self) -> None:
-        """Stop the generation after the current token (or before it starts). Any thread."""
+        """Stop the generation after the current token, or drop the job if it has not started. Any thread."""
         self._cancelled.set()
-        with self._runner._mutex:  # a job that has just ended must not cancel the next one
-            if self.running:
-                self._runner.cancel_current()
+        self._runner._cancel(self)
 
     @property
     def cancelled(self) -> bool:
@@ -80,48 +79,6 @@ class Job:
         except RuntimeError:  # the event loop closed (server shutting down): nobody is listening
             self._cancelled.set()
 
-    def _run(self) -> None:
-        r = self._runner
-        outcome = "completed"
-        try:
-            while not r.lock.acquire(timeout=0.05):  # a job dropped while queued leaves at once
-                if self.cancelled:
-                    with r._mutex:
-                        r.stats.waiting -= 1
-                    outcome = "cancelled"
-                    return
-            try:
-                with r._mutex:
-                    r.stats.waiting -= 1
-                    if self.cancelled:
-                        outcome = "cancelled"
-                        return
-                    r.stats.running += 1
-                    self.running = True
-                    self.started_at = time.perf_counter()
-                    r.stats.queue_s = [*r.stats.queue_s[-255:], self.started_at - self.queued_at]
-                try:
-                    for ev in self._start():
-                        self._put(ev)
-                        if self.cancelled:
-                            r.cancel_current()  # covers a cancel that came before generate() cleared the flag
-                    if self.cancelled:
-                        outcome = "cancelled"
-                finally:
-                    with r._mutex:
-                        self.running = False
-                        r.stats.running -= 1
-            finally:
-                r.lock.release()
-        except BaseException as e:  # handed to the request, which turns it into an HTTP error
-            outcome = "failed"
-            self._put(e)
-        finally:
-            with r._mutex:
-                r._in_house -= 1
-                setattr(r.stats, outcome, getattr(r.stats, outcome) + 1)
-            self._put(_END)
-
 
 class ModelRunner:
     """Admits, queues and runs generations on one session (``cancel``: the session's cancel)."""
@@ -133,23 +90,75 @@ class ModelRunner:
         self.max_queue = max_queue
         self.lock = lock if lock is not None else threading.Lock()  # held while a generation runs
         self.stats = RunnerStats()
-        self._mutex = threading.Lock()  # guards the counters
-        self._in_house = 0
-
-    def submit(self, start: Callable[[], Iterator[GenerationEvent]]) -> Job:
-        """A job that runs ``start()``'s events once the model is free; :class:`QueueFull` when
-        ``1 + max_queue`` jobs are already running or waiting. Call from the event loop."""
-        with self._mutex:
-            if self._in_house >= 1 + self.max_queue:
-                self.stats.rejected += 1
-                raise QueueFull(f"the server is busy: {self._in_house} requests are running or queued")
-            self._in_house += 1
-            self.stats.admitted += 1
-            self.stats.waiting += 1
-        job = Job(self, start)
-        threading.Thread(target=job._run, name="sharpi-server-job", daemon=True).start()
-        return job
+        self._mutex = threading.Condition()  # guards the queue and the counters
+        self._queue: deque[Job] = deque()
+        self._current: Job | None = None
+        self._worker: threading.Thread | None = None
 
     @property
     def in_house(self) -> int:
-        return self._in_house
+        """Jobs running or queued."""
+        return len(self._queue) + (self._current is not None)
+
+    def submit(self, start: Callable[[], Iterator[GenerationEvent]]) -> Job:
+        """A job that runs ``start()``'s events once the jobs before it are done; :class:`QueueFull` when
+        ``1 + max_queue`` jobs are already running or waiting. Call from the event loop."""
+        with self._mutex:
+            if self.in_house >= 1 + self.max_queue:
+                self.stats.rejected += 1
+                raise QueueFull(f"the server is busy: {self.in_house} requests are running or queued")
+            job = Job(self, start)
+            self._queue.append(job)
+            self.stats.admitted += 1
+            self.stats.waiting += 1
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="sharpi-server-runner", daemon=True)
+                self._worker.start()
+            self._mutex.notify()
+        return job
+
+    def _cancel(self, job: Job) -> None:
+        with self._mutex:
+            if job is self._current:  # a job that has just ended is no longer current: the next is safe
+                self.cancel_current()
+            elif job in self._queue:
+                self._queue.remove(job)
+                self.stats.waiting -= 1
+                self.stats.cancelled += 1
+                job._put(_END)
+
+    def _work(self) -> None:
+        while True:
+            with self._mutex:
+                while not self._queue:
+                    self._mutex.wait()
+                job = self._queue[0]  # stays queued (cancellable) until it holds the model
+            with self.lock:
+                with self._mutex:
+                    if not self._queue or self._queue[0] is not job:  # dropped while waiting for the lock
+                        continue
+                    self._queue.popleft()
+                    self.stats.waiting -= 1
+                    self.stats.running += 1
+                    self._current = job
+                    job.running = True
+                    job.started_at = time.perf_counter()
+                    self.stats.queue_s = [*self.stats.queue_s[-255:], job.started_at - job.queued_at]
+                outcome = self._run(job)
+                with self._mutex:
+                    self._current = None
+                    job.running = False
+                    self.stats.running -= 1
+                    setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+            job._put(_END)
+
+    def _run(self, job: Job) -> str:
+        try:
+            for ev in job._start():
+                job._put(ev)
+                if job.cancelled:
+                    self.cancel_current()  # covers a cancel that came before generate() cleared the flag
+            return "cancelled" if job.cancelled else "completed"
+        except BaseException as e:  # handed to the request, which turns it into an HTTP error
+            job._put(e)
+            return "failed"

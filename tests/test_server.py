@@ -339,3 +339,32 @@ def test_the_openai_client_against_a_live_server(live, host):
         client.chat.completions.create(model=host.model_id, messages=QUESTION, n=2)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-9", messages=QUESTION)
+
+
+def test_sharpi_serve_command(tmp_path):
+    """``sharpi serve --port 0`` in a child process: it says where it listens, /health turns 200, it answers."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    import httpx
+
+    root = str(demo_model_path().parents[2])
+    env = dict(os.environ, PYTHONPATH=root)
+    cmd = [sys.executable, "-m", "engine.cli.main", "serve", "--port", "0", "--model-id", "demo", "-c", "256"]
+    p = subprocess.Popen(cmd, cwd=root, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stderr.readline()
+        m = re.search(r"serving demo at (http://127\.0\.0\.1:\d+/v1)", line)
+        assert m, line
+        url = m.group(1)
+        wait_until(lambda: httpx.get(url.removesuffix("/v1") + "/health").status_code == 200, 120, "the load")
+        r = httpx.post(f"{url}/completions", json={"model": "demo", "prompt": "In Python", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+    finally:
+        p.terminate()
+        p.wait(30)
+        p.stderr.close()
+    bad = subprocess.run([*cmd[:3], "serve", "--port", "70000"], cwd=root, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--port" in bad.stderr

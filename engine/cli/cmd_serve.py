@@ -37,6 +37,15 @@ def run(a: argparse.Namespace) -> int:
     host = ModelHost.load_in_background(
         a.model, lambda progress: load_session(a), model_id=a.model_id, max_queue=a.max_queue
     )
-    print(f"sharpi: serving {host.model_id} at http://{a.host}:{a.port}/v1 (loading…)", file=sys.stderr)
-    serve(host, a.host, a.port, ServerOptions(api_key=a.api_key))
+
+    def listening(url: str) -> None:
+        print(
+            f"sharpi: serving {host.model_id} at {url} (the model loads meanwhile; /health says when)", file=sys.stderr
+        )
+        sys.stderr.flush()
+
+    try:
+        serve(host, a.host, a.port, ServerOptions(api_key=a.api_key), on_listening=listening)
+    except OSError as e:
+        raise UsageError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
     return 0

@@ -39,11 +39,29 @@ def _config(host: ModelHost, bind: str, port: int, options: ServerOptions):
     )
 
 
-def serve(host: ModelHost, bind: str = LOOPBACK, port: int = 8080, options: ServerOptions | None = None) -> None:
-    """Serve until interrupted (Ctrl-C)."""
+def listen(bind: str, port: int) -> socket.socket:
+    """A listening socket on ``bind:port`` (port 0: any free one); OSError if the address is taken."""
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    return socket.create_server((bind, port), family=family)
+
+
+def serve(
+    host: ModelHost,
+    bind: str = LOOPBACK,
+    port: int = 8080,
+    options: ServerOptions | None = None,
+    on_listening=None,
+) -> None:
+    """Serve until interrupted (Ctrl-C). ``on_listening(url)`` once the socket is bound (port 0 resolved)."""
     import uvicorn
 
-    uvicorn.Server(_config(host, bind, port, options or ServerOptions())).run()
+    sock = listen(bind, port)
+    try:
+        if on_listening is not None:
+            on_listening(f"http://{bind}:{sock.getsockname()[1]}/v1")
+        uvicorn.Server(_config(host, bind, port, options or ServerOptions())).run(sockets=[sock])
+    finally:
+        sock.close()
 
 
 class UvicornServer:
@@ -60,8 +78,7 @@ class UvicornServer:
 
     def start(self, timeout: float = 10.0) -> None:
         """Bind (here, so a port in use is an OSError to the caller) and serve on a thread."""
-        family = socket.AF_INET6 if ":" in self.bind else socket.AF_INET
-        self._sock = socket.create_server((self.bind, self._server.config.port), family=family)
+        self._sock = listen(self.bind, self._server.config.port)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, name="sharpi-server", daemon=True
         )

@@ -522,6 +522,7 @@ class EngineBridge(QObject):
         self._thread = QThread()
         self._thread.setObjectName("sharpi-engine")
         self._model_lock = threading.Lock()
+        self._host_lock = threading.RLock()  # hands the loaded model to the server's host
         self._server = None  # engine.server.UvicornServer while the local server runs
         self._server_host = None  # its engine.server.ModelHost
         self._worker = _Worker(self._model_lock)
@@ -615,16 +616,18 @@ class EngineBridge(QObject):
             return self.server_status()
         mh = ModelHost("model", lock=self._model_lock)
         mh.add_listener(self._on_server_request)
-        with self._model_lock:
-            self._follow_model(self._worker.current, mh)
+        with self._host_lock:  # a load finishing meanwhile sees the new host, or we see its model
+            self._server_host = mh
+            self._follow_model(self._worker.current)
         server = UvicornServer(mh, host, int(port), ServerOptions(api_key=api_key or None))
         try:
             server.start()
-        except (OSError, SystemExit) as e:  # uvicorn exits when it cannot bind
+        except OSError as e:
+            self._server_host = None
             status = D.ServerStatus(False, host=host, port=int(port), error=f"The server could not start: {e}")
             self.serverChanged.emit(status)
             return status
-        self._server, self._server_host = server, mh
+        self._server = server
         status = self.server_status()
         self.serverChanged.emit(status)
         return status
@@ -644,15 +647,17 @@ class EngineBridge(QObject):
             queued=mh.runner.stats.waiting, api_key=bool(s.options.api_key),
         )  # fmt: skip
 
-    def _follow_model(self, loaded: _Loaded | None, mh=None) -> None:
-        """The server serves what the chat has loaded (called holding the model lock)."""
-        mh = mh if mh is not None else self._server_host
-        if mh is None:
-            return
-        if loaded is None:
-            mh.set_unavailable("no model is loaded in the app")
-        else:
-            mh.set_session(loaded.session, Path(loaded.card.path).stem)
+    def _follow_model(self, loaded: _Loaded | None) -> None:
+        """The server serves what the chat has loaded. Called by the worker holding the model lock (no API
+        request runs on the session being replaced) and by start_server (a new host runs nothing yet)."""
+        with self._host_lock:
+            mh = self._server_host
+            if mh is None:
+                return
+            if loaded is None:
+                mh.set_unavailable("no model is loaded in the app")
+            else:
+                mh.set_session(loaded.session, Path(loaded.card.path).stem)
 
     def _on_server_request(self, rec) -> None:  # on the server's thread: the signal is queued to the UI
         self.serverRequest.emit(

@@ -85,3 +85,19 @@ def test_port_in_use_is_reported(qtbot, window):
         status = window.ctx.server.start("127.0.0.1", port)
     assert first.running and not status.running and "could not start" in status.error
     assert window.server_dock.panel.note.text() == status.error and not window.server_dock.panel.switch.isChecked()
+
+
+def test_the_server_follows_the_model_the_app_loads(qtbot, window, synth_model):
+    status = window.ctx.server.start("127.0.0.1", 0)
+    other = synth_model("qwen3moe", "F32", vocab=1024).path
+    load(qtbot, window, other)
+    now = window.bridge.server_status()
+    assert now.running and now.model_id == other.stem != status.model_id
+    ask = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert (
+        httpx.post(f"{status.url}/chat/completions", json={"model": status.model_id, **ask}, timeout=60).status_code
+        == 404
+    )
+    r = httpx.post(f"{status.url}/chat/completions", json={"model": now.model_id, **ask}, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == now.model_id
+    window.ctx.server.stop()

@@ -247,6 +247,9 @@ def create_app(host: ModelHost, options: ServerOptions | None = None) -> FastAPI
         except SharpIError as e:
             done(400)
             return _error(400, str(e))
+        except Exception:
+            done(500)
+            raise
         finally:
             watcher.cancel()
         if answer.cancelled or job.cancelled:

@@ -636,6 +636,7 @@ class EngineBridge(QObject):
         server, self._server, self._server_host = self._server, None, None
         if server is not None:
             server.stop()
+            server.host.runner.close()
             self.serverChanged.emit(self.server_status())
 
     def server_status(self) -> D.ServerStatus:

@@ -251,6 +251,8 @@ def live(host):
     server.start()
     yield server
     server.stop()
+    host.runner.close()
+    wait_until(lambda: host.runner._worker is None, what="the runner's thread to end")
 
 
 def test_disconnect_cancels_the_generation(live, host):

@@ -94,6 +94,7 @@ class ModelRunner:
         self._queue: deque[Job] = deque()
         self._current: Job | None = None
         self._worker: threading.Thread | None = None
+        self._closed = False
 
     @property
     def in_house(self) -> int:
@@ -104,6 +105,8 @@ class ModelRunner:
         """A job that runs ``start()``'s events once the jobs before it are done; :class:`QueueFull` when
         ``1 + max_queue`` jobs are already running or waiting. Call from the event loop."""
         with self._mutex:
+            if self._closed:
+                raise QueueFull("the server is shutting down")
             if self.in_house >= 1 + self.max_queue:
                 self.stats.rejected += 1
                 raise QueueFull(f"the server is busy: {self.in_house} requests are running or queued")
@@ -127,11 +130,20 @@ class ModelRunner:
                 self.stats.cancelled += 1
                 job._put(_END)
 
+    def close(self) -> None:
+        """End the worker thread once the queue is empty (the server stopped); later submits are refused."""
+        with self._mutex:
+            self._closed = True
+            self._mutex.notify_all()
+
     def _work(self) -> None:
         while True:
             with self._mutex:
-                while not self._queue:
+                while not self._queue and not self._closed:
                     self._mutex.wait()
+                if not self._queue:
+                    self._worker = None
+                    return
                 job = self._queue[0]  # stays queued (cancellable) until it holds the model
             with self.lock:
                 with self._mutex:

@@ -101,6 +101,7 @@ RANK = {
     "plan": 8,
     "runtime": 9,
     "api": 10,
+    "remote": 10,
     "bench": 11,
     "server": 11,
     "cli": 12,

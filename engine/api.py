@@ -18,7 +18,7 @@ import torch
 from engine import config
 from engine.config import EngineOptions
 from engine.errors import DeviceMemoryError, HostMemoryError, UsageError
-from engine.generate import CacheState, GenerationEvent, SamplingParams, generate
+from engine.generate import CacheState, GenerationEvent, SamplingParams, TokenConstraint, generate
 from engine.generate.events import FINISH_CANCELLED
 from engine.gguf import open_gguf
 from engine.modelinfo import ModelInfo, describe
@@ -233,16 +233,42 @@ class Session:
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.chat_template.render(clean_messages(messages), add_generation_prompt=add_generation_prompt)
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """The prompt text of a conversation through the model's own chat template (``tools``: OpenAI-style
+        function declarations, which the template writes into the prompt its own way)."""
+        return self.chat_template.render(
+            clean_messages(messages), add_generation_prompt=add_generation_prompt, tools=tools or None
+        )
+
+    def prompt_ids(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> list[int]:
+        """The token ids :meth:`generate` would feed for ``prompt`` (raw text) or ``messages`` (chat, :meth:`chat_ids`)."""
+        if (prompt is None) == (messages is None):
+            raise UsageError("give exactly one of prompt or messages")
+        if messages is not None:
+            return self.chat_ids(messages, tools=tools, cancel=cancel)
+        return self.tokenizer.encode(clean_text(prompt), add_bos=None, parse_special=True)
 
     def chat_ids(
-        self, messages: list[dict], add_generation_prompt: bool = True, cancel: threading.Event | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        cancel: threading.Event | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """The prompt ids of a chat: the template's markup parsed for control tokens, the text of user, system
-        and tool messages never (``<|im_end|>`` typed by a user stays text). ``cancel`` stops the render."""
+        and tool messages never (``<|im_end|>`` typed by a user stays text). ``cancel`` stops the render;
+        ``tools``: function declarations the template writes into the prompt its own way."""
         text, spans = self.chat_template.render_with_spans(
-            clean_messages(messages), add_generation_prompt, cancel=cancel
+            clean_messages(messages), add_generation_prompt, cancel=cancel, tools=tools or None
         )
         return self.tokenizer.encode(text, add_bos=None, parse_special=True, plain_spans=spans)
 
@@ -272,8 +298,11 @@ class Session:
         params: SamplingParams | None = None,
         prompt_ids: list[int] | None = None,
         cancel: threading.Event | None = None,
+        tools: list[dict] | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> Iterator[GenerationEvent]:
-        """Stream a completion of ``prompt`` (raw text), ``messages`` (chat) or ``prompt_ids``.
+        """Stream a completion of ``prompt`` (raw text), ``messages`` (chat, with optional ``tools``) or
+        ``prompt_ids``. ``constraint``: what the output must match (e.g. :mod:`engine.generate.grammar`).
 
         ``cancel``: this generation's own stop event. A caller that queues the request to a worker creates
         it with the request, so a Stop that comes before the generation starts (or while the chat template
@@ -288,16 +317,16 @@ class Session:
         try:
             if cancel.is_set():
                 raise RenderCancelled("stopped before it started")
-            if messages is not None:
-                ids = self.chat_ids(messages, cancel=cancel)
-            elif prompt is not None:
-                ids = self.tokenizer.encode(clean_text(prompt), add_bos=None, parse_special=True)
-            else:
+            if prompt_ids is not None:
                 ids = self.check_ids(prompt_ids)
+            else:
+                ids = self.prompt_ids(prompt, messages=messages, tools=tools, cancel=cancel)
         except RenderCancelled as e:
             return iter([GenerationEvent("", None, 0, 0, len(self.state.tokens), self.n_ctx, 0.0, 0.0, 0.0,
                                          FINISH_CANCELLED, str(e))])  # fmt: skip
-        return generate(self.model, self.tokenizer, self.cache, self.state, ids, params or SamplingParams(), cancel)
+        return generate(
+            self.model, self.tokenizer, self.cache, self.state, ids, params or SamplingParams(), cancel, constraint
+        )
 
     def cancel(self) -> None:
         """Stop the generation in progress after the current token (any thread); a generation given its own

@@ -335,11 +335,18 @@ class _Worker(QObject):
     failed = Signal(int, object)  # request id, Failure
     applied = Signal(object)  # _Loaded (with the new placement's limits)
     applyFailed = Signal(object)  # Failure
+    waiting = Signal(int)  # request id: the chat waits for an API request to finish (the local server)
 
-    def __init__(self) -> None:
+    def __init__(self, model_lock: threading.Lock) -> None:
         super().__init__()
         self.current: _Loaded | None = None  # replaced whole, so a reader sees one consistent value
         self.n_generated = 0  # tokens of the generation in progress (read by Stop)
+        # Held around everything that uses or replaces the session; the local server's requests take it
+        # too, so a chat and an API request never run at once.
+        self.model_lock = model_lock
+        self.holding = False  # a chat generation holds the lock (Stop may cancel the session)
+        self.stop_waiting = threading.Event()  # Stop while the chat waits for the lock
+        self.on_replaced = None  # called (holding the lock) with the new _Loaded or None: the server follows
 
     @Slot()
     def start(self) -> None:
@@ -376,9 +383,12 @@ class _Worker(QObject):
             self._log(e)
             self.loadFailed.emit(_failure(e, title))
             return
-        old, self.current = self.current, loaded
-        if old is not None:
-            old.session.close()
+        with self.model_lock:
+            old, self.current = self.current, loaded
+            if self.on_replaced is not None:
+                self.on_replaced(loaded)
+            if old is not None:
+                old.session.close()
         self.loaded.emit(loaded)
 
     def _initial_placement(
@@ -410,18 +420,31 @@ class _Worker(QObject):
             self.failed.emit(rid, D.Failure(D.ERR_NO_MODEL, "No model", "Open a model first (File → Open)."))
             return
         self.n_generated = 0
+        if not self.model_lock.acquire(blocking=False):
+            self.waiting.emit(rid)
+            self.model_lock.acquire()
         try:
+            self.holding = True  # before looking at stop_waiting: Stop sets that flag, then reads this one
+            cur = self.current  # the model may have changed while the chat waited
+            if self.stop_waiting.is_set() or cur is None:
+                self.finished.emit(rid, D.GenStats())
+                return
             params = SamplingParams(**sampling)
             final = D.GenStats()
             for ev in cur.session.generate(messages=messages, params=params, cancel=cancel):
                 final = _gen_stats(ev)
                 self.n_generated = ev.n_generated
+                if self.stop_waiting.is_set():  # a Stop that came while generate() started
+                    cur.session.cancel()
                 if ev.text or not ev.done:
                     self.token.emit(rid, ev.text, final)
         except Exception as e:
             self._log(e)
             self.failed.emit(rid, _failure(e, "Generation failed"))
             return
+        finally:
+            self.holding = False
+            self.model_lock.release()
         self.finished.emit(rid, final)
 
     @Slot(object)
@@ -433,7 +456,8 @@ class _Worker(QObject):
             return
         try:
             placement = _plan(cur, settings)
-            cur.session.apply(placement)
+            with self.model_lock:  # not while an API request generates
+                cur.session.apply(placement)
             card = _card(cur.session, cur.spec)
             limits = _limits(cur.session, cur.spec, cur.profile, settings if placement.n_gpu_layers else None)
             loaded = replace(cur, card=card, limits=limits)
@@ -446,9 +470,12 @@ class _Worker(QObject):
 
     @Slot()
     def close(self) -> None:
-        cur, self.current = self.current, None
-        if cur is not None:
-            cur.session.close()
+        with self.model_lock:
+            cur, self.current = self.current, None
+            if self.on_replaced is not None:
+                self.on_replaced(None)
+            if cur is not None:
+                cur.session.close()
 
     @staticmethod
     def _log(e: BaseException) -> None:
@@ -479,6 +506,10 @@ class EngineBridge(QObject):
     applyFailed = Signal(object)  # Failure
     statsUpdated = Signal(object)  # StatsFrame
 
+    waiting = Signal(int)  # request id: the chat waits while the local server answers a request
+    serverChanged = Signal(object)  # ServerStatus
+    serverRequest = Signal(object)  # ServerRequest: one answered API request (any thread emits; queued)
+
     _doLoad = Signal(str, int, str, object)
     _doGenerate = Signal(int, object, object, object)
     _doApply = Signal(object)
@@ -495,7 +526,12 @@ class EngineBridge(QObject):
         self._last_tokens = -1
         self._thread = QThread()
         self._thread.setObjectName("sharpi-engine")
-        self._worker = _Worker()
+        self._model_lock = threading.Lock()
+        self._host_lock = threading.RLock()  # hands the loaded model to the server's host
+        self._server = None  # engine.server.UvicornServer while the local server runs
+        self._server_host = None  # its engine.server.ModelHost
+        self._worker = _Worker(self._model_lock)
+        self._worker.on_replaced = self._follow_model
         self._worker.moveToThread(self._thread)
         self._thread.started.connect(self._worker.start)
         self._doLoad.connect(self._worker.load)
@@ -512,6 +548,7 @@ class EngineBridge(QObject):
         w.failed.connect(self._on_failed)
         w.applied.connect(self._on_applied)
         w.applyFailed.connect(self._on_apply_failed)
+        w.waiting.connect(self.waiting)
         self._thread.start()
         app = QCoreApplication.instance()
         if app is not None:  # however the application ends, the engine thread ends first
@@ -559,8 +596,9 @@ class EngineBridge(QObject):
         self._rid += 1
         params = {**DEFAULT_SAMPLING, **{k: v for k, v in (sampling or {}).items() if k in SAMPLING_KEYS}}
         self._set_state(GENERATING)
-        # made with the request: a Stop before the worker starts it is not lost
+        # made with the request: a Stop before the worker starts it (or while it waits for an API request) is not lost
         self._stop_event = threading.Event()
+        self._worker.stop_waiting.clear()
         self._doGenerate.emit(self._rid, [dict(m) for m in messages], params, self._stop_event)
         return self._rid
 
@@ -573,11 +611,76 @@ class EngineBridge(QObject):
         return True
 
     def stop(self) -> int:
-        """Stop the generation in progress within one token; returns the tokens made so far."""
+        """Stop the generation in progress within one token (or, while the chat waits for an API
+        request, before it starts); returns the tokens made so far."""
         n = self._worker.n_generated
-        if self._state == GENERATING and self._stop_event is not None:
-            self._stop_event.set()
+        if self._state == GENERATING:
+            self._worker.stop_waiting.set()  # the worker, once it holds the model, starts nothing
+            if self._stop_event is not None:
+                self._stop_event.set()  # the generation's own event: stops it wherever it is
         return n
+
+    # -- the local server (OpenAI-compatible API over the loaded model) --------------------------
+    def start_server(self, host: str = "127.0.0.1", port: int = 8080, api_key: str = "") -> D.ServerStatus:
+        """Serve the loaded model (and whatever the app loads later) over HTTP; the chat and the API
+        share the model and never generate at once. Returns the status (``error`` set if it failed)."""
+        from engine.server import ModelHost, ServerOptions, UvicornServer
+
+        if self._server is not None:
+            return self.server_status()
+        mh = ModelHost("model", lock=self._model_lock)
+        mh.add_listener(self._on_server_request)
+        with self._host_lock:  # a load finishing meanwhile sees the new host, or we see its model
+            self._server_host = mh
+            self._follow_model(self._worker.current)
+        server = UvicornServer(mh, host, int(port), ServerOptions(api_key=api_key or None))
+        try:
+            server.start()
+        except OSError as e:
+            self._server_host = None
+            status = D.ServerStatus(False, host=host, port=int(port), error=f"The server could not start: {e}")
+            self.serverChanged.emit(status)
+            return status
+        self._server = server
+        status = self.server_status()
+        self.serverChanged.emit(status)
+        return status
+
+    def stop_server(self) -> None:
+        server, self._server, self._server_host = self._server, None, None
+        if server is not None:
+            server.stop()
+            server.host.runner.close()
+            self.serverChanged.emit(self.server_status())
+
+    def server_status(self) -> D.ServerStatus:
+        s, mh = self._server, self._server_host
+        if s is None or mh is None:
+            return D.ServerStatus(False)
+        return D.ServerStatus(
+            True, url=s.url, host=s.bind, port=s.port, model_id=mh.model_id, n_requests=mh.n_requests,
+            queued=mh.runner.stats.waiting, api_key=bool(s.options.api_key),
+        )  # fmt: skip
+
+    def _follow_model(self, loaded: _Loaded | None) -> None:
+        """The server serves what the chat has loaded. Called by the worker holding the model lock (no API
+        request runs on the session being replaced) and by start_server (a new host runs nothing yet)."""
+        with self._host_lock:
+            mh = self._server_host
+            if mh is None:
+                return
+            if loaded is None:
+                mh.set_unavailable("no model is loaded in the app")
+            else:
+                mh.set_session(loaded.session, Path(loaded.card.path).stem)
+
+    def _on_server_request(self, rec) -> None:  # on the server's thread: the signal is queued to the UI
+        self.serverRequest.emit(
+            D.ServerRequest(
+                rec.at, rec.route, rec.status, rec.prompt_tokens, rec.completion_tokens, rec.decode_tok_s,
+                rec.duration_s, rec.finish_reason,
+            )
+        )  # fmt: skip
 
     def preview(self, settings: D.PlanSettings) -> D.PlanPreview:
         """Plan ``settings`` for the loaded model (pure and fast: called on every slider move)."""
@@ -637,6 +740,7 @@ class EngineBridge(QObject):
         """Stop any generation, close the model and end the worker thread (blocks until it does)."""
         if not self._thread.isRunning():
             return
+        self.stop_server()
         self.stop()
         self._doClose.emit()
         self._thread.quit()

@@ -1,4 +1,4 @@
-"""What the main window is built from: the bridge, the store, settings, the three state models, the theme.
+"""What the main window is built from: the bridge, the store, settings, the four state models, the theme.
 
 ``app.create_context`` builds the real one; tests build theirs with a temporary data directory and
 settings file. Nothing here imports the engine (the bridge instance is handed in).
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from sharpi_gui.chat_model import ChatModel
 from sharpi_gui.experts_model import ExpertsModel
 from sharpi_gui.placement_model import PlacementModel
+from sharpi_gui.server_model import ServerModel
 from sharpi_gui.settings import Settings
 from sharpi_gui.store import ConversationStore
 from sharpi_gui.theme import LIGHT, Theme, ThemeManager
@@ -24,6 +25,7 @@ class AppContext:
     chat: ChatModel
     placement: PlacementModel
     experts: ExpertsModel
+    server: ServerModel
     theme: Theme = LIGHT
     themes: ThemeManager | None = None
     closed: bool = False
@@ -37,6 +39,7 @@ class AppContext:
             chat=ChatModel(store, bridge, settings),
             placement=PlacementModel(bridge),
             experts=ExpertsModel(bridge, settings.heatmap_mode),
+            server=ServerModel(bridge, settings),
             theme=themes.theme if themes is not None else LIGHT,
             themes=themes,
         )

@@ -236,3 +236,32 @@ def human_count(n: int) -> str:
         if n >= div:
             return f"{n / div:.2f} {unit}"
     return str(n)
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """The local server (the OpenAI-compatible API over the loaded model)."""
+
+    running: bool
+    url: str = ""  # the base URL clients use, e.g. http://127.0.0.1:8080/v1
+    host: str = ""
+    port: int = 0
+    model_id: str = ""  # what clients put in "model"
+    n_requests: int = 0  # generation requests answered since it started
+    queued: int = 0  # requests waiting for the model now
+    api_key: bool = False  # a key is required
+    error: str = ""  # why it could not start
+
+
+@dataclass(frozen=True)
+class ServerRequest:
+    """One answered API request, for the request log."""
+
+    at: float  # seconds since the epoch, when it ended
+    route: str
+    status: int  # HTTP status
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    tok_s: float = 0.0  # decode speed
+    duration_s: float = 0.0
+    finish_reason: str = ""

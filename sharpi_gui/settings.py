@@ -145,6 +145,24 @@ class Settings:
     def export_dir(self, path: str) -> None:
         self.q.setValue("experts/export_dir", path)
 
+    # -- the local server (its API key is never stored here) --------------------------------------
+    @property
+    def server_host(self) -> str:
+        return self._get("server/host", "127.0.0.1", str) or "127.0.0.1"
+
+    @server_host.setter
+    def server_host(self, value: str) -> None:
+        self.q.setValue("server/host", value)
+
+    @property
+    def server_port(self) -> int:
+        v = self._get("server/port", 8080, int)
+        return v if 0 < v < 65536 else 8080
+
+    @server_port.setter
+    def server_port(self, value: int) -> None:
+        self.q.setValue("server/port", int(value))
+
     # -- window -----------------------------------------------------------------------------------
     def window_state(self) -> tuple[QByteArray | None, QByteArray | None]:
         g, s = self.q.value("window/geometry"), self.q.value("window/state")

@@ -78,7 +78,7 @@ def test_the_engine_runs_without_qt():
 
 # -- inside the engine: layers and cycles ----------------------------------------------------------
 # Each engine package (or top-level module) may import only packages of a lower rank: the
-# dependency order gguf/quant ← kernels ← models ← runtime ← api ← cli/bench, with the pure planner
+# dependency order gguf/quant ← kernels ← models ← runtime ← api ← bench/server ← cli, with the pure planner
 # (plan) beside the runtime, importing only what models a model (PLAN_MAY_IMPORT). Every import
 # counts, also one inside a function (a lazy import is still a dependency).
 RANK = {
@@ -101,7 +101,9 @@ RANK = {
     "plan": 8,
     "runtime": 9,
     "api": 10,
+    "remote": 10,
     "bench": 11,
+    "server": 11,
     "cli": 12,
 }
 PLAN_MAY_IMPORT = {"models", "quant", "gguf", "kv_layout", "config", "errors"}

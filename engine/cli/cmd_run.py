@@ -1,4 +1,4 @@
-"""``sharpi run -m FILE (-p TEXT | --chat)``: stream a completion or chat in the terminal."""
+"""``sharpi run [-m FILE | --remote URL] (-p TEXT | --chat)``: stream a completion or chat in the terminal."""
 
 from __future__ import annotations
 
@@ -27,6 +27,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--chat", action="store_true", help="interactive chat using the model's chat template")
     p.add_argument("--system", default=None, help="system prompt for --chat")
     p.add_argument("--chatml", action="store_true", help="--chat with ChatML instead of the model's own template")
+    r = p.add_argument_group("remote (chat through an OpenAI-compatible server instead of loading a file)")
+    r.add_argument(
+        "--remote",
+        metavar="URL",
+        default=None,
+        help="base URL, e.g. http://gpu-box:8000/v1 (vLLM, SGLang, llama-server)",
+    )
+    r.add_argument("--api-key", default=None, help="the endpoint's key (sent as Authorization: Bearer)")
+    r.add_argument("--remote-model", default=None, help="which of the endpoint's models (default: its first)")
     add_sampling_args(p)
     add_placement_args(p)
     p.set_defaults(func=run)
@@ -52,16 +61,28 @@ def _report(ev) -> None:
     )
 
 
+def _open(a: argparse.Namespace):
+    if a.remote is None:
+        return load_session(a)
+    from engine.remote import RemoteSession
+
+    if a.model is not None:
+        raise UsageError("give -m/--model or --remote, not both")
+    session = RemoteSession(a.remote, a.api_key, a.remote_model)
+    print(f"sharpi: {session.model} at {a.remote} (placement flags do not apply)", file=sys.stderr)
+    return session
+
+
 def run(a: argparse.Namespace) -> int:
     params = sampling_from_args(a)  # checked before the model loads
-    session = load_session(a)
+    session = _open(a)
     try:
         if a.prompt is not None:
             _report(_stream(session, session.generate(a.prompt, params=params)))
             return 0
-        if a.chatml:
+        if a.remote is None and a.chatml:
             session.use_chatml()
-        elif not session.chat_template.from_file:
+        elif a.remote is None and not session.chat_template.from_file:
             print("note: the model has no chat template; using ChatML", file=sys.stderr)
         messages = [{"role": "system", "content": a.system}] if a.system else []
         while True:
@@ -95,5 +116,6 @@ def run(a: argparse.Namespace) -> int:
         session.cancel()
         return 130
     finally:
-        export_expert_stats(a, session)
+        if a.remote is None:
+            export_expert_stats(a, session)
         session.close()

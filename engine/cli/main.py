@@ -15,7 +15,7 @@ from engine import config
 from engine.errors import SharpIError
 
 # Subcommand modules, in the order ``sharpi --help`` lists them.
-COMMANDS = ["inspect", "run", "logits", "tokenize", "synth", "plan", "bench"]
+COMMANDS = ["inspect", "run", "serve", "logits", "tokenize", "synth", "plan", "bench"]
 
 log = logging.getLogger("sharpi")
 

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -26,6 +27,19 @@ from engine.generate.events import (
 from engine.generate.sampling import Sampler, SamplingParams
 
 PREFILL_CHUNK = 512  # prompt tokens per forward pass (cancel is checked between chunks)
+
+
+class TokenConstraint(Protocol):
+    """What may come next (a grammar): the decode loop's one hook for constrained sampling."""
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """float32 [V] logits -> the same with every forbidden token at -inf (a copy; the input is kept).
+        When the constraint is complete only end-of-generation tokens are allowed."""
+        ...
+
+    def accept(self, token_id: int) -> None:
+        """Advance past the sampled ``token_id`` (one :meth:`mask` allowed)."""
+        ...
 
 
 @dataclass
@@ -82,8 +96,13 @@ def generate(
     prompt_ids: list[int],
     params: SamplingParams,
     cancel: threading.Event | None = None,
+    constraint: TokenConstraint | None = None,
 ) -> Iterator[GenerationEvent]:
-    """Stream a completion of ``prompt_ids``. ``cancel`` is checked between tokens and chunks."""
+    """Stream a completion of ``prompt_ids``. ``cancel`` is checked between tokens and chunks.
+
+    ``constraint`` (structured output): its :meth:`~TokenConstraint.mask` removes the tokens it forbids
+    from each step's logits before sampling, and every sampled token is handed to its
+    :meth:`~TokenConstraint.accept`."""
     cancel = cancel or threading.Event()
     n_ctx = cache.n_ctx
     if not prompt_ids:
@@ -118,7 +137,10 @@ def generate(
     history = list(prompt_ids)
     n_gen, ttft, t_first = 0, 0.0, None
     while True:
-        tok = sampler(logits[-1].numpy(), history)
+        row = logits[-1].numpy()
+        tok = sampler(constraint.mask(row) if constraint is not None else row, history)
+        if constraint is not None:
+            constraint.accept(tok)
         now = time.perf_counter()
         if t_first is None:
             t_first, ttft = now, now - t0

@@ -18,6 +18,7 @@ from sharpi_gui.views.chat import ChatView
 from sharpi_gui.views.experts import ExpertsDock
 from sharpi_gui.views.model_card import ModelCardDialog
 from sharpi_gui.views.placement import PlacementDock
+from sharpi_gui.views.server import ServerDock
 
 APP_NAME = "SharpI"
 
@@ -41,6 +42,9 @@ class MainWindow(QMainWindow):
         self.experts_dock = ExpertsDock(ctx.experts, theme, self)
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.placement_dock)
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.experts_dock)
+        self.server_dock = ServerDock(ctx.server, self)
+        self.addDockWidget(Qt.DockWidgetArea.LeftDockWidgetArea, self.server_dock)
+        self.server_dock.hide()  # Model → Local server (Ctrl+3) shows it
         self.resizeDocks([self.placement_dock], [560], Qt.Orientation.Horizontal)
         self.resizeDocks([self.placement_dock, self.experts_dock], [560, 420], Qt.Orientation.Vertical)
 
@@ -115,7 +119,7 @@ class MainWindow(QMainWindow):
         self._action(m, "Model &card…", self.model_card_dialog, "Ctrl+I", "card")
         self.actions_by_name["card"].setEnabled(False)
         m.addSeparator()
-        for dock, key in ((self.placement_dock, "Ctrl+1"), (self.experts_dock, "Ctrl+2")):
+        for dock, key in ((self.placement_dock, "Ctrl+1"), (self.experts_dock, "Ctrl+2"), (self.server_dock, "Ctrl+3")):
             act = dock.toggleViewAction()
             act.setShortcut(QKeySequence(key))
             m.addAction(act)
@@ -144,6 +148,7 @@ class MainWindow(QMainWindow):
         b.loadFailed.connect(self._on_load_failed)
         b.applied.connect(self._on_applied)
         b.warning.connect(lambda text: self.statusBar().showMessage(text, 10000))
+        b.waiting.connect(lambda _rid: self.statusBar().showMessage("The chat waits for an API request to finish…"))
         b.busyChanged.connect(self._on_busy)
         self.ctx.placement.applyFailed.connect(lambda f: dialogs.show_error(self, f))
         self.ctx.chat.statsChanged.connect(self._render_stats)

@@ -1,0 +1,197 @@
+"""Chat through a remote OpenAI-compatible endpoint (vLLM, SGLang, llama-server, another ``sharpi serve``)
+with the same generation events a local :class:`~engine.api.Session` yields.
+
+For models that outgrow the machine: ``sharpi run --remote URL`` streams from an existing serving engine over
+the OpenAI protocol instead of loading a file. :class:`RemoteSession` has the slice of ``Session`` the chat
+front ends use — ``generate(prompt | messages=, params=)``, ``cancel()``, ``close()`` — plus the endpoint's
+model list. Placement, experts and logits do not apply to it.
+
+What a remote stream cannot say is left at zero in the events: token ids (``token_id`` is None), the
+context (``n_ctx``, ``n_ctx_used``), and prompt speed unless the server sends llama-server's ``timings``.
+``n_generated`` counts streamed pieces until the final event, which takes the server's ``usage`` when
+it sends one; ``ttft_s`` and ``decode_tok_s`` are measured here, on the client.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+from engine.errors import SharpIError, UsageError
+from engine.generate import GenerationEvent, SamplingParams
+from engine.generate.events import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
+
+_FINISH = {"stop": FINISH_EOS, "length": FINISH_LENGTH, "tool_calls": FINISH_STOP, "content_filter": FINISH_STOP}
+
+
+class RemoteError(SharpIError):
+    """The endpoint could not be reached or refused a request (the message carries its error)."""
+
+
+class RemoteSession:
+    """A conversation partner over HTTP. ``base_url`` ends in ``/v1`` (as OpenAI clients take it)."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, model: str | None = None, timeout: float = 600.0):
+        import httpx
+
+        if not base_url.startswith(("http://", "https://")):
+            raise UsageError(f"the remote URL must start with http:// or https://, got {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        self._cancel = threading.Event()
+        try:
+            self.models = self.list_models()
+            if model is not None and model not in self.models:
+                raise UsageError(f"{self.base_url} does not serve {model!r} (it serves: {', '.join(self.models)})")
+        except BaseException:
+            self.close()
+            raise
+        self.model = model or self.models[0]
+        self.last_decode_tok_s = 0.0  # measured on the last generation (the app's docks show it)
+
+    def list_models(self) -> list[str]:
+        """The ids ``GET /models`` lists."""
+        import httpx
+
+        try:
+            r = self._client.get("/models")
+        except httpx.HTTPError as e:
+            raise RemoteError(f"cannot reach {self.base_url}: {e}") from None
+        _raise_for(r)
+        ids = [m.get("id") for m in r.json().get("data", []) if isinstance(m, dict) and m.get("id")]
+        if not ids:
+            raise RemoteError(f"{self.base_url}/models lists no model")
+        return ids
+
+    def generate(
+        self, prompt: str | None = None, *, messages: list[dict] | None = None, params: SamplingParams | None = None
+    ) -> Iterator[GenerationEvent]:
+        """Stream a completion of ``prompt`` (``/completions``) or a chat (``/chat/completions``)."""
+        if (prompt is None) == (messages is None):
+            raise UsageError("give exactly one of prompt or messages")
+        p = params or SamplingParams()
+        body = {
+            "model": self.model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "max_tokens": p.max_tokens,
+            # llama-server, vLLM and SGLang take these sampling extensions
+            "top_k": p.top_k,
+            "min_p": p.min_p,
+        }
+        if p.stop:
+            body["stop"] = list(p.stop)
+        if p.seed is not None:
+            body["seed"] = p.seed
+        if p.presence_penalty:
+            body["presence_penalty"] = p.presence_penalty
+        if p.frequency_penalty:
+            body["frequency_penalty"] = p.frequency_penalty
+        if messages is not None:
+            body["messages"] = messages
+            route = "/chat/completions"
+        else:
+            body["prompt"] = prompt
+            route = "/completions"
+        self._cancel.clear()
+        return self._stream(route, body)
+
+    def _stream(self, route: str, body: dict) -> Iterator[GenerationEvent]:
+        import httpx
+
+        t0 = time.perf_counter()
+        n, ttft, t_first, finish, usage, timings = 0, 0.0, None, None, None, {}
+
+        def event(text: str, done: str | None = None) -> GenerationEvent:
+            now = time.perf_counter()
+            tps = (n - 1) / (now - t_first) if t_first is not None and n > 1 and now > t_first else 0.0
+            gen = usage.get("completion_tokens", n) if (done and usage) else n
+            n_prompt = usage.get("prompt_tokens", 0) if usage else 0
+            if done:
+                self.last_decode_tok_s = float(timings.get("predicted_per_second") or tps)
+            return GenerationEvent(
+                text=text,
+                token_id=None,
+                n_prompt=n_prompt,
+                n_generated=gen,
+                n_ctx_used=0,
+                n_ctx=0,
+                ttft_s=ttft,
+                prompt_tok_s=float(timings.get("prompt_per_second") or 0.0),
+                decode_tok_s=float(timings.get("predicted_per_second") or tps) if done else tps,
+                finish_reason=done,
+            )
+
+        try:
+            with self._client.stream("POST", route, json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    _raise_for(r)
+                for line in r.iter_lines():
+                    if self._cancel.is_set():  # leaving the block closes the connection: the server stops
+                        yield event("", FINISH_CANCELLED)
+                        return
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    try:
+                        chunk = json.loads(data)
+                    except json.JSONDecodeError:
+                        raise RemoteError(f"the server sent a malformed stream line: {data[:200]!r}") from None
+                    if "error" in chunk:
+                        raise RemoteError(f"the server reported: {_message(chunk)}")
+                    usage = chunk.get("usage") or usage
+                    timings = chunk.get("timings") or timings
+                    for choice in chunk.get("choices") or []:
+                        text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                        if choice.get("finish_reason"):
+                            finish = _FINISH.get(choice["finish_reason"], FINISH_STOP)
+                        if text:
+                            n += 1
+                            now = time.perf_counter()
+                            if t_first is None:
+                                t_first, ttft = now, now - t0
+                            yield event(text)
+        except httpx.HTTPError as e:
+            raise RemoteError(f"the connection to {self.base_url} failed: {e}") from None
+        yield event("", finish or FINISH_EOS)  # a stream that ends without a reason ended its text
+
+    def cancel(self) -> None:
+        """Stop the generation in progress at the next streamed piece (any thread)."""
+        self._cancel.set()
+
+    def reset(self) -> None:
+        """Nothing is cached on this side."""
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> RemoteSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _message(body) -> str:
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("message") or err)
+    return str(err or body)
+
+
+def _raise_for(r) -> None:
+    if r.status_code == 200:
+        return
+    try:
+        what = _message(r.json())
+    except ValueError:
+        what = r.text[:300]
+    raise RemoteError(f"{r.request.url} answered {r.status_code}: {what}")

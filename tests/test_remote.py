@@ -1,0 +1,130 @@
+"""engine.remote: chatting through an OpenAI-compatible endpoint with a local Session's events — against
+``sharpi serve`` in-process and against a third-party server (llama-cpp-python's ``llama_cpp.server``) on
+the demo model; ``sharpi run --remote``."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from engine.api import Session
+from engine.demo import demo_model_path
+from engine.errors import SharpIError, UsageError
+from engine.generate import SamplingParams
+from engine.generate.events import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH
+from engine.remote import RemoteError, RemoteSession
+from engine.server import ModelHost, ServerOptions, UvicornServer
+
+ASK = [{"role": "user", "content": "What is a decorator?"}]
+SERVER_MODULES = ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings")
+
+
+@pytest.fixture(scope="module")
+def sharpi_url():
+    with Session.load(str(demo_model_path())) as s:
+        server = UvicornServer(ModelHost.from_session(s), port=0, options=ServerOptions(api_key="k"))
+        server.start()
+        yield server.url, s
+        server.stop()
+
+
+def test_remote_chat_equals_the_local_one(sharpi_url):
+    url, local = sharpi_url
+    params = SamplingParams.greedy(max_tokens=12)
+    local.reset()
+    want = "".join(e.text for e in local.generate(messages=ASK, params=params))
+    with RemoteSession(url, api_key="k") as r:
+        assert r.models == ["sharpi-demo-q8_0"] and r.model == "sharpi-demo-q8_0"
+        events = list(r.generate(messages=ASK, params=params))
+    assert "".join(e.text for e in events) == want
+    last = events[-1]
+    assert last.done and last.finish_reason == FINISH_LENGTH and last.n_generated == 12 and last.n_prompt > 0
+    assert all(e.token_id is None and not e.done for e in events[:-1])
+    assert last.decode_tok_s > 0 and r.last_decode_tok_s > 0
+    with RemoteSession(url, api_key="k") as r:
+        raw = list(r.generate("In Python", params=SamplingParams.greedy(max_tokens=3)))
+    assert raw[-1].done and raw[-1].n_generated <= 3
+
+
+def test_remote_errors_are_sharpi_errors(sharpi_url):
+    url, _ = sharpi_url
+    with pytest.raises(RemoteError, match="401"):
+        RemoteSession(url, api_key="wrong")
+    with pytest.raises(UsageError, match="does not serve"):
+        RemoteSession(url, api_key="k", model="gpt-9")
+    with pytest.raises(UsageError):
+        RemoteSession("ftp://x")
+    with pytest.raises(RemoteError, match="cannot reach"):
+        RemoteSession("http://127.0.0.1:9/v1")
+    with RemoteSession(url, api_key="k") as r, pytest.raises(SharpIError, match="400"):
+        list(r.generate(messages=[{"role": "robot", "content": "x"}]))
+
+
+def test_remote_cancel_stops_the_stream(sharpi_url):
+    url, _ = sharpi_url
+    with RemoteSession(url, api_key="k") as r:
+        out = []
+        for ev in r.generate("def f(x):\n", params=SamplingParams.greedy(max_tokens=3000)):
+            out.append(ev)
+            if len(out) == 3:
+                r.cancel()
+    assert out[-1].finish_reason == FINISH_CANCELLED and len(out) <= 5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def llama_server():
+    import importlib.util
+
+    # found, not imported: the server runs in a child process (importing llama_cpp here leaks a file at exit)
+    missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"llama_cpp.server needs {', '.join(missing)}")
+    port = _free_port()
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(demo_model_path()), "--port", str(port)]
+    p = subprocess.Popen([*cmd, "--n_ctx", "256"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert p.poll() is None and time.monotonic() < deadline, "llama_cpp.server did not start"
+            time.sleep(0.1)
+        yield url
+    finally:
+        p.terminate()
+        p.wait(30)
+
+
+@pytest.mark.llama
+def test_remote_chat_through_llama_cpp_server(llama_server):
+    with RemoteSession(llama_server) as r:
+        assert len(r.models) == 1
+        events = list(r.generate(messages=ASK, params=SamplingParams(seed=1, max_tokens=16)))
+        text = "".join(e.text for e in events)
+        assert text and events[-1].done and events[-1].finish_reason in (FINISH_EOS, FINISH_LENGTH)
+        assert 0 < events[-1].n_generated <= 16
+
+
+@pytest.mark.llama
+def test_sharpi_run_remote(llama_server, capsys):
+    from engine.cli.main import main
+
+    assert main(["run", "--remote", llama_server, "-p", "In Python", "-n", "4", "--temp", "0"]) == 0
+    out = capsys.readouterr()
+    assert out.out and "placement flags do not apply" in out.err and "[" in out.err
+    assert main(["run", "--remote", llama_server, "-m", "x.gguf", "-p", "hi"]) == 2

@@ -426,8 +426,8 @@ class _Worker(QObject):
         try:
             self.holding = True  # before looking at stop_waiting: Stop sets that flag, then reads this one
             cur = self.current  # the model may have changed while the chat waited
-            if self.stop_waiting.is_set() or cur is None:
-                self.finished.emit(rid, D.GenStats())
+            if self.stop_waiting.is_set() or cur is None:  # stopped while it waited: nothing ran
+                self.finished.emit(rid, D.GenStats(finish_reason="cancelled" if cur is not None else None))
                 return
             params = SamplingParams(**sampling)
             final = D.GenStats()

@@ -7,6 +7,7 @@ from PySide6.QtGui import QTextOption
 from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
 
 from sharpi_gui import data as D
+from sharpi_gui.markdown import to_html
 from sharpi_gui.theme import LIGHT, Theme
 
 STREAM_RENDER_MS = 33
@@ -66,7 +67,7 @@ class MessageWidget(QFrame):
         if self.role == "user":
             self.body.setPlainText(text)  # what the user typed, exactly
         else:
-            self.body.setMarkdown(text)
+            self.body.setHtml(to_html(text))  # CommonMark, Python's __names__ kept (sharpi_gui.markdown)
 
     def set_meta(self, meta: dict) -> None:
         parts = []
@@ -93,6 +94,12 @@ class MessageWidget(QFrame):
             f"QLabel#meta {{ color: {theme.muted}; font-size: 11px; }}"
             f"QTextBrowser {{ background: transparent; color: {fg}; }}"
         )
+        code_bg = theme.background
+        self.body.document().setDefaultStyleSheet(
+            f"pre {{ background: {code_bg}; }} code {{ background: {code_bg}; }}"
+            f"th, td {{ padding: 2px 8px; }} th {{ text-align: left; }}"
+        )
+        self.set_text(self.text)  # the style sheet applies to what is set after it
 
 
 class TranscriptView(QScrollArea):

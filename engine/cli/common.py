@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from engine import config
-from engine.api import LoadOptions, Session
+from engine.api import AUTO_CTX, LoadOptions, Session
 from engine.errors import UsageError
 from engine.generate import SamplingParams
 from engine.plan import AUTO, DeviceProfile
@@ -15,7 +15,13 @@ from engine.plan.sizing import KV_TYPES
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF model file (default: the bundled demo model)")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
+    p.add_argument(
+        "-c",
+        "--ctx-size",
+        type=int,
+        default=AUTO_CTX,
+        help="context size in tokens (default: the model's training context, at most 4096, as in the app)",
+    )
     p.add_argument("--kv-type", choices=KV_TYPES, default=None, help="KV cache dtype (default $SHARPI_KV_DTYPE or f32)")
     p.add_argument(
         "--exact-float",
@@ -117,7 +123,9 @@ def _speeds(model: str, device: str | None, req) -> DeviceProfile | None:
         return speed_profile(device, gf, measure=req.moe == AUTO)
 
 
-def load_session(a: argparse.Namespace) -> Session:
+def load_session(a: argparse.Namespace, refuse_unrunnable: bool = False) -> Session:
+    """The session the flags ask for. ``refuse_unrunnable``: a file that cannot run here (no weights,
+    more than RAM + GPU memory: engine.preflight) is a UsageError saying why, before anything loads."""
     if a.model is None:
         from engine.demo import demo_model_path
 
@@ -125,6 +133,12 @@ def load_session(a: argparse.Namespace) -> Session:
             a.model = str(demo_model_path())
         except FileNotFoundError as e:
             raise UsageError(f"no -m/--model given and {e}") from None
+    if refuse_unrunnable:
+        from engine.preflight import refusal
+
+        reason = refusal(a.model)
+        if reason:
+            raise UsageError(reason)
     tty = sys.stderr.isatty() and not getattr(a, "quiet", False)
 
     def progress(done: int, total: int, what: str) -> None:

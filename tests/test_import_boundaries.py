@@ -100,7 +100,9 @@ RANK = {
     "modelinfo": 8,
     "plan": 8,
     "runtime": 9,
+    "preflight": 9,
     "api": 10,
+    "warmup": 10,
     "bench": 11,
     "cli": 12,
 }

@@ -7,6 +7,7 @@ import json
 
 from engine.gguf import open_gguf
 from engine.modelinfo import describe, human_bytes
+from engine.preflight import is_weightless
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,8 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     with open_gguf(args.file) as gf:
         info = describe(gf)
+    weightless = is_weightless(args.file, info.trunk_bytes + info.expert_bytes)
     if args.json:
-        print(json.dumps(info.to_dict(), indent=2))
+        print(json.dumps({**info.to_dict(), "weightless": weightless}, indent=2))
         return 0
     print(f"file          {info.path}  ({human_bytes(info.file_size)}, GGUF v{info.gguf_version})")
     print(
@@ -45,4 +47,6 @@ def run(args: argparse.Namespace) -> int:
     if info.per_expert_bytes:
         roles = ", ".join(f"{r} {human_bytes(b)}" for r, b in info.per_expert_role_bytes.items())
         print(f"per expert    {human_bytes(info.per_expert_bytes)} ({roles})")
+    if weightless:
+        print("weights       none: a geometry-only file (its data region is a hole on disk); not runnable")
     return 0

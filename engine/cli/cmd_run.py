@@ -15,6 +15,7 @@ from engine.cli.common import (
     sampling_from_args,
 )
 from engine.errors import UsageError
+from engine.warmup import warm_up
 
 log = logging.getLogger("sharpi.run")
 
@@ -51,16 +52,28 @@ def _report(ev) -> None:
     )
 
 
+def _kernel_progress(k: int, n: int, estimated: bool) -> None:
+    """``Preparing CPU kernels, first run only — k of N`` on stderr (one line, rewritten on a terminal)."""
+    tty = sys.stderr.isatty()
+    line = f"Preparing CPU kernels, first run only — {k} of {'about ' if estimated else ''}{n}"
+    print(("\r" + line) if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+
+
 def run(a: argparse.Namespace) -> int:
     params = sampling_from_args(a)  # checked before the model loads
-    session = load_session(a)
+    session = load_session(a, refuse_unrunnable=True)
     try:
+        # The kernels ready before the first token, as in the app: compiled here on a first run (with
+        # "k of N" on stderr), loaded from numba's cache after, so the reported speeds are the model's.
+        if warm_up(session, _kernel_progress).compiled and sys.stderr.isatty():
+            print(file=sys.stderr)
         if a.prompt is not None:
             _report(_stream(session, session.generate(a.prompt, params=params)))
             return 0
         if not session.chat_template.from_file:
             print("note: the model has no chat template; using ChatML", file=sys.stderr)
         messages = [{"role": "system", "content": a.system}] if a.system else []
+        told = False  # the user hears once that old turns are left out
         while True:
             try:
                 line = input("\n> ")
@@ -72,6 +85,14 @@ def run(a: argparse.Namespace) -> int:
             parts = []
             try:
                 last = None
+                # Old turns leave the context (the system prompt and the latest stay) when it fills.
+                messages, dropped = session.fit_messages(messages, params.max_tokens)
+                if dropped and not told:
+                    told = True
+                    print(
+                        f"sharpi: the context of {session.n_ctx} tokens is full: older turns are dropped",
+                        file=sys.stderr,
+                    )
                 for ev in session.generate(messages=messages, params=params):
                     sys.stdout.write(ev.text)
                     sys.stdout.flush()

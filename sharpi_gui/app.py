@@ -25,10 +25,13 @@ def create_window(
     data_dir: str | None = None,
     qsettings: QSettings | None = None,
     themes: ThemeManager | None = None,
+    simulate_device: bool = False,
 ) -> MainWindow:
-    """A main window over a fresh bridge; ``data_dir`` / ``qsettings`` default to the user's."""
+    """A main window over a fresh bridge; ``data_dir`` / ``qsettings`` default to the user's.
+    ``simulate_device``: without a GPU, offer the engine's simulated device (tests of the device
+    placement controls); the app never does, it says there is no GPU."""
     store = ConversationStore(data_dir if data_dir is not None else app_data_dir())
-    ctx = AppContext.build(EngineBridge(), store, Settings(qsettings), themes)
+    ctx = AppContext.build(EngineBridge(simulate_device=simulate_device), store, Settings(qsettings), themes)
     return MainWindow(ctx)
 
 

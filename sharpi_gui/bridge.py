@@ -29,7 +29,7 @@ import numpy as np
 from PySide6.QtCore import QCoreApplication, QObject, QThread, Signal, Slot
 
 from engine import config
-from engine.api import LoadOptions, Session
+from engine.api import AUTO_CTX, LoadOptions, Session
 from engine.bench.calibrate import speed_profile
 from engine.errors import (
     DeviceMemoryError,
@@ -43,7 +43,9 @@ from engine.generate import SamplingParams
 from engine.plan import DeviceProfile, ModelSpec, PlanError, PlanRequest
 from engine.plan import plan as plan_placement
 from engine.plan.profile import profile_source
+from engine.preflight import refusal
 from engine.profiler import export as export_profile
+from engine.warmup import WarmUp, warm_up
 from sharpi_gui import data as D
 
 log = logging.getLogger(__name__)
@@ -98,8 +100,6 @@ MiB = 1 << 20
 _CTX_LADDER = tuple(sorted({2**k for k in range(8, 21)} | {3 * 2**k for k in range(7, 20)}))
 # The VRAM slider ends this far above what the whole model needs (when the device has more).
 _VRAM_HEADROOM = 1.25
-AUTO_CTX_MAX = 8192  # an automatic context: the training context, at most this (KV memory)
-AUTO_CTX_PROBE = 256  # the context an automatic-context load starts with, before re-placing
 SAMPLING_KEYS = (
     "temperature",
     "top_k",
@@ -263,11 +263,34 @@ def _ctx_values(n_ctx_train: int, current: int) -> tuple[int, ...]:
 
 
 def _limits(
-    session: Session, spec: ModelSpec, profile: DeviceProfile, requested: D.PlanSettings | None
+    session: Session,
+    spec: ModelSpec,
+    profile: DeviceProfile,
+    requested: D.PlanSettings | None,
+    measured_tok_s: float = 0.0,
+    offer_device: bool = True,
 ) -> D.PlacementLimits:
     """Ranges of the placement controls; ``requested``: the settings that made the placement in
-    force (None when the model runs on the CPU: the controls then propose the automatic plan)."""
+    force (None when the model runs on the CPU: the controls then propose the automatic plan).
+    Without a GPU the only placement is the CPU: the controls offer its context and KV type."""
     ctx_values = _ctx_values(spec.n_ctx_train, session.n_ctx)
+    if not offer_device:
+        current = D.PlanSettings(vram_bytes=0, ctx=session.n_ctx, kv_type=session.kv_type, n_gpu_layers=0)
+        return D.PlacementLimits(
+            device_name="",
+            device_vram_bytes=0,
+            vram_max_bytes=MiB,
+            vram_step_bytes=MiB,
+            ctx_values=ctx_values,
+            n_layer=spec.n_layer,
+            is_moe=spec.is_moe,
+            current=current,
+            applied=None,
+            in_force="CPU only (no GPU found)",
+            has_gpu=False,
+            n_ctx_train=spec.n_ctx_train,
+            measured_tok_s=measured_tok_s,
+        )
     # The most the model can use: every layer and expert on the device at the widest settings.
     widest = PlanRequest(ctx=ctx_values[-1], kv_type="f32", moe="resident" if spec.is_moe else "auto")
     try:
@@ -302,6 +325,8 @@ def _limits(
         current=current,
         applied=applied,
         in_force=in_force,
+        n_ctx_train=spec.n_ctx_train,
+        measured_tok_s=measured_tok_s,
     )
 
 
@@ -321,19 +346,30 @@ def _plan(loaded: _Loaded, settings: D.PlanSettings):
 # -- the worker (lives on the engine thread) ---------------------------------------------------------
 
 
+class _LoadCancelled(Exception):
+    """Raised from a load's progress callback once the user pressed Cancel."""
+
+
+def _cancelled(path: str) -> D.Failure:
+    return D.Failure(D.ERR_CANCELLED, "Loading cancelled", f"{Path(path).name} was not opened.")
+
+
 class _Worker(QObject):
     progress = Signal(int, int, str)
     loaded = Signal(object)  # _Loaded
     warning = Signal(str)  # something the user should know that is not an error
     loadFailed = Signal(object)  # Failure
     token = Signal(int, str, object)  # request id, text delta, GenStats
+    trimmed = Signal(int, int, int)  # request id, messages left out of the prompt, context size
     finished = Signal(int, object)  # request id, final GenStats
     failed = Signal(int, object)  # request id, Failure
     applied = Signal(object)  # _Loaded (with the new placement's limits)
     applyFailed = Signal(object)  # Failure
 
-    def __init__(self) -> None:
+    def __init__(self, simulate_device: bool = False) -> None:
         super().__init__()
+        self.simulate_device = simulate_device  # without a GPU, offer the simulated device (tests)
+        self.cancel_load = threading.Event()  # set by the UI thread: the load in progress stops
         self.current: _Loaded | None = None  # replaced whole, so a reader sees one consistent value
         self.n_generated = 0  # tokens of the generation in progress (read by Stop)
 
@@ -343,17 +379,35 @@ class _Worker(QObject):
 
     @Slot(str, int, str, object)
     def load(self, path: str, n_ctx: int, kv_type: str, placement: D.PlanSettings | None) -> None:
-        """Open ``path`` with ``n_ctx`` tokens of context (0 = the model's training context, at most
-        AUTO_CTX_MAX); place it as ``placement`` asks (vram_bytes, moe, n_gpu_layers), else on the
+        """Open ``path`` with ``n_ctx`` tokens of context (0 = the model's default, as ``sharpi run``:
+        engine.plan.default_ctx); place it as ``placement`` asks (vram_bytes, moe, n_gpu_layers), else on the
         GPU when there is one (as ``sharpi run``), else everything on the CPU."""
         title = f"Could not open {Path(path).name}"
         try:
+            # A file that cannot run here (no weights, more than RAM + GPU memory) is refused before
+            # any weight is read, with the reason.
+            self.progress.emit(0, 4, "checking the file")
+            reason = refusal(path)
+        except Exception as e:  # every failure becomes a dialog, never a crash
+            self._log(e)
+            self.loadFailed.emit(_failure(e, title))
+            return
+        if reason:
+            self.loadFailed.emit(D.Failure(D.ERR_CANNOT_RUN, f"{Path(path).name} cannot run here", reason))
+            return
+
+        def report(done: int, total: int, what: str) -> None:
+            if self.cancel_load.is_set():
+                raise _LoadCancelled
+            self.progress.emit(done, total, what)
+
+        try:
             session = Session.load(
-                path,
-                # An automatic context is known only once the header is read: start small, re-place.
-                LoadOptions(n_ctx=n_ctx if n_ctx > 0 else AUTO_CTX_PROBE, kv_type=kv_type or None),
-                progress=lambda done, total, what: self.progress.emit(done, total, what),
+                path, LoadOptions(n_ctx=n_ctx if n_ctx > 0 else AUTO_CTX, kv_type=kv_type or None), progress=report
             )
+        except _LoadCancelled:
+            self.loadFailed.emit(_cancelled(path))
+            return
         except Exception as e:  # every failure becomes a dialog, never a crash
             self._log(e)
             self.loadFailed.emit(_failure(e, title))
@@ -363,10 +417,17 @@ class _Worker(QObject):
             if session.device.type == "cuda":
                 self.progress.emit(3, 4, "measuring the device (once per machine)")
             profile = _device_profile(session)
-            ctx = n_ctx if n_ctx > 0 else min(spec.n_ctx_train, AUTO_CTX_MAX)
+            ctx = session.n_ctx
             requested = self._initial_placement(session, profile, placement, ctx)
-            limits = _limits(session, spec, profile, requested)
+            warm = self._warm_up(session, report)
+            limits = _limits(
+                session, spec, profile, requested, warm.decode_tok_s if warm else 0.0, self.offers_device(session)
+            )
             loaded = _Loaded(session, spec, profile, _card(session, spec), limits)
+        except _LoadCancelled:
+            session.close()
+            self.loadFailed.emit(_cancelled(path))
+            return
         except Exception as e:
             session.close()
             self._log(e)
@@ -377,11 +438,32 @@ class _Worker(QObject):
             old.session.close()
         self.loaded.emit(loaded)
 
+    def _warm_up(self, session: Session, report) -> WarmUp | None:
+        """Run the model once so the first question finds its kernels ready (engine.warmup): on a
+        machine that never compiled them, this is where they compile, with "k of N" on screen.
+        ``report``: the load's progress (raises _LoadCancelled when Cancel was pressed)."""
+        report(4, 4, "warming up")
+
+        def kernels(k: int, n: int, estimated: bool) -> None:
+            report(k, n, f"{D.PREPARING} — {k} of {'about ' if estimated else ''}{n}")
+
+        try:
+            return warm_up(session, kernels)
+        except SharpIError as e:  # a model that cannot run a short prompt says so on the first question
+            log.info("warm-up skipped: %s", e)
+            return None
+
+    def offers_device(self, session: Session) -> bool:
+        """Whether the placement controls offer a device: a GPU, or the simulated one when asked."""
+        return session.device.type == "cuda" or self.simulate_device
+
     def _initial_placement(
         self, session: Session, profile: DeviceProfile, saved: D.PlanSettings | None, ctx: int
     ) -> D.PlanSettings | None:
         """Place a freshly loaded session; returns the settings in force (None: the CPU)."""
         cpu_only = D.PlanSettings(vram_bytes=0, ctx=ctx, kv_type=session.kv_type, n_gpu_layers=0)
+        if not self.offers_device(session):
+            saved = None  # a placement saved on a machine with a GPU: here there is none to use
         if saved is not None:
             wanted = replace(saved, ctx=ctx, kv_type=session.kv_type)
         elif session.device.type == "cuda":
@@ -408,6 +490,10 @@ class _Worker(QObject):
         self.n_generated = 0
         try:
             params = SamplingParams(**sampling)
+            # A conversation longer than the context loses its oldest turns, never the reply.
+            messages, dropped = cur.session.fit_messages(messages, params.max_tokens)
+            if dropped:
+                self.trimmed.emit(rid, dropped, cur.session.n_ctx)
             final = D.GenStats()
             for ev in cur.session.generate(messages=messages, params=params):
                 final = _gen_stats(ev)
@@ -431,7 +517,14 @@ class _Worker(QObject):
             placement = _plan(cur, settings)
             cur.session.apply(placement)
             card = _card(cur.session, cur.spec)
-            limits = _limits(cur.session, cur.spec, cur.profile, settings if placement.n_gpu_layers else None)
+            limits = _limits(
+                cur.session,
+                cur.spec,
+                cur.profile,
+                settings if placement.n_gpu_layers else None,
+                cur.limits.measured_tok_s,
+                self.offers_device(cur.session),
+            )
             loaded = replace(cur, card=card, limits=limits)
         except Exception as e:  # the previous placement stays
             self._log(e)
@@ -469,6 +562,7 @@ class EngineBridge(QObject):
     warning = Signal(str)  # a note for the status bar (e.g. a saved placement that no longer fits)
     loadFailed = Signal(object)  # Failure
     token = Signal(int, str, object)  # request id, text delta, GenStats
+    trimmed = Signal(int, int, int)  # request id, oldest messages left out to fit the context, its size
     finished = Signal(int, object)  # request id, final GenStats
     failed = Signal(int, object)  # request id, Failure
     applied = Signal(object, object)  # ModelCard, PlacementLimits
@@ -482,15 +576,16 @@ class EngineBridge(QObject):
 
     default_sampling = DEFAULT_SAMPLING  # the engine's sampling defaults (the settings dialog's "restore")
 
-    def __init__(self, parent: QObject | None = None) -> None:
+    def __init__(self, parent: QObject | None = None, simulate_device: bool = False) -> None:
         super().__init__(parent)
         preload_engine()  # once per process; later calls find everything imported
         self._state = IDLE
         self._rid = 0
         self._last_tokens = -1
+        self.loading_path = ""  # the file the latest load opened
         self._thread = QThread()
         self._thread.setObjectName("sharpi-engine")
-        self._worker = _Worker()
+        self._worker = _Worker(simulate_device)
         self._worker.moveToThread(self._thread)
         self._thread.started.connect(self._worker.start)
         self._doLoad.connect(self._worker.load)
@@ -503,6 +598,7 @@ class EngineBridge(QObject):
         w.warning.connect(self.warning)
         w.loadFailed.connect(self._on_load_failed)
         w.token.connect(self.token)
+        w.trimmed.connect(self.trimmed)
         w.finished.connect(self._on_finished)
         w.failed.connect(self._on_failed)
         w.applied.connect(self._on_applied)
@@ -543,6 +639,8 @@ class EngineBridge(QObject):
         if self._state != IDLE:
             return False
         self._set_state(LOADING)
+        self.loading_path = str(path)
+        self._worker.cancel_load.clear()
         self.loadStarted.emit(str(path))
         self._doLoad.emit(str(path), int(n_ctx), kv_type, placement)
         return True
@@ -556,6 +654,12 @@ class EngineBridge(QObject):
         self._set_state(GENERATING)
         self._doGenerate.emit(self._rid, [dict(m) for m in messages], params)
         return self._rid
+
+    def cancel_load(self) -> None:
+        """Stop the load in progress at its next step (between loading stages, between kernels while
+        they compile); the model loaded before stays."""
+        if self._state == LOADING:
+            self._worker.cancel_load.set()
 
     def stop(self) -> int:
         """Stop the generation in progress within one token; returns the tokens made so far."""

@@ -30,6 +30,7 @@ class ChatModel(QObject):
     streamEnded = Signal(object)  # the saved assistant Message, or None if nothing was produced
     statsChanged = Signal(object)  # GenStats of the latest event
     notice = Signal(object)  # Failure to show inline in the transcript
+    info = Signal(str)  # a note (Markdown) to show inline in the transcript, not an error
     busyChanged = Signal(bool)
 
     def __init__(self, store: ConversationStore, bridge, settings: Settings, parent: QObject | None = None):
@@ -44,6 +45,8 @@ class ChatModel(QObject):
         self._rid = 0
         self._stream_cid = 0
         bridge.token.connect(self._on_token)
+        bridge.trimmed.connect(self._on_trimmed)
+        self._told_trimmed: set[int] = set()  # conversations already told that old turns are left out
         bridge.finished.connect(self._on_finished)
         bridge.failed.connect(self._on_failed)
         last = settings.last_conversation
@@ -179,6 +182,16 @@ class ChatModel(QObject):
         self.streamText.emit(self.stream)
         self.statsChanged.emit(stats)
 
+    def _on_trimmed(self, rid: int, dropped: int, n_ctx: int) -> None:
+        if rid != self._rid or self._stream_cid in self._told_trimmed:
+            return
+        self._told_trimmed.add(self._stream_cid)
+        self.info.emit(
+            f"This conversation no longer fits the model's context of {n_ctx:,} tokens, so its oldest "
+            "turns are left out of what the model reads (the system prompt and the latest turns stay). "
+            "They stay here in the transcript."
+        )
+
     def _save_reply(self, stats: D.GenStats) -> D.Message | None:
         if not self.stream or self.store.conversation(self._stream_cid) is None:  # nothing, or deleted meanwhile
             return None
@@ -213,8 +226,8 @@ class ChatModel(QObject):
                 D.Failure(
                     D.ERR_CONTEXT,
                     "Context full",
-                    f"{stats.message or 'The context is full'}. Start a new conversation, or raise the "
-                    "context size in the placement dock and apply it.",
+                    f"{stats.message or 'The context is full'}, so the reply stops here. Send another "
+                    "message to go on: the oldest turns make room for it.",
                 )
             )
 

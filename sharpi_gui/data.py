@@ -25,6 +25,10 @@ ERR_OUT_OF_MEMORY = "out-of-memory"  # the device could not hold the placement
 ERR_NO_MODEL = "no-model"  # nothing loaded yet
 ERR_ENGINE = "engine"  # any other SharpIError
 ERR_INTERNAL = "internal"  # a bug: an exception the engine did not mean to raise
+ERR_CANNOT_RUN = "cannot-run"  # refused before loading: no weights, or more than RAM + GPU memory
+ERR_CANCELLED = "cancelled"  # the user cancelled the load
+
+PREPARING = "Preparing CPU kernels, first run only"  # load progress while the model's kernels compile
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,9 @@ class PlacementLimits:
     current: PlanSettings  # where the controls start: the settings in force, or a proposal
     applied: PlanSettings | None = None  # the settings in force (None = everything on the CPU)
     in_force: str = ""  # one line on where the model runs now (the status bar shows it)
+    has_gpu: bool = True  # False: no CUDA device; the model runs on the CPU and nothing else is offered
+    n_ctx_train: int = 0  # the context the model was trained for (the context slider's top)
+    measured_tok_s: float = 0.0  # decode tok/s the warm-up measured at load (0: not measured)
 
 
 @dataclass(frozen=True)

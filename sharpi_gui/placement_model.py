@@ -42,8 +42,12 @@ class PlacementModel(QObject):
 
     @property
     def dirty(self) -> bool:
-        """The controls differ from the placement in force."""
-        return self.settings is not None and self.settings != self.applied
+        """The controls differ from the placement in force (without a GPU: the CPU's context and KV)."""
+        if self.settings is None:
+            return False
+        if self.limits is not None and not self.limits.has_gpu:
+            return self.settings != self.limits.current
+        return self.settings != self.applied
 
     # -- control changes ----------------------------------------------------------------------------
     def set_vram(self, vram_bytes: int) -> None:

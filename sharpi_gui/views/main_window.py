@@ -10,7 +10,16 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
-from PySide6.QtWidgets import QDialog, QFileDialog, QLabel, QMainWindow, QMenu, QProgressBar, QWidget
+from PySide6.QtWidgets import (
+    QDialog,
+    QFileDialog,
+    QLabel,
+    QMainWindow,
+    QMenu,
+    QProgressBar,
+    QPushButton,
+    QWidget,
+)
 
 from sharpi_gui import data as D
 from sharpi_gui.views import dialogs
@@ -34,6 +43,7 @@ class MainWindow(QMainWindow):
         self.card: D.ModelCard | None = None
         self.limits: D.PlacementLimits | None = None
         self._pending_open: str | None = None  # a model to open once the engine is free
+        self._startup_note = ""  # said in the status bar once the first model is loaded
 
         self.chat = ChatView(ctx.chat, theme)
         self.setCentralWidget(self.chat)
@@ -52,7 +62,11 @@ class MainWindow(QMainWindow):
         self.status = {
             k: QLabel() for k in ("prompt", "decode", "ttft", "ctx", "placement")
         }  # permanent fields, left to right
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.setToolTip("Stop loading (the model open before stays)")
+        self.cancel_button.setVisible(False)
         sb.addPermanentWidget(self.progress)
+        sb.addPermanentWidget(self.cancel_button)
         for label in self.status.values():
             label.setContentsMargins(6, 0, 6, 0)
             sb.addPermanentWidget(label)
@@ -132,6 +146,7 @@ class MainWindow(QMainWindow):
     def _wire(self) -> None:
         b = self.bridge
         b.loadStarted.connect(self._on_load_started)
+        self.cancel_button.clicked.connect(b.cancel_load)
         b.loadProgress.connect(self._on_load_progress)
         b.loaded.connect(self._on_loaded)
         b.loadFailed.connect(self._on_load_failed)
@@ -145,18 +160,30 @@ class MainWindow(QMainWindow):
     def _on_load_started(self, path: str) -> None:
         self.progress.setRange(0, 0)
         self.progress.setVisible(True)
+        self.cancel_button.setVisible(True)
         self.statusBar().showMessage(f"Loading {Path(path).name}…")
+        self.chat.set_status_line(f"Loading {Path(path).name}…")
+        self.chat.set_has_model(False)  # nothing to send to until the new model is ready
 
     def _on_load_progress(self, done: int, total: int, what: str) -> None:
         self.progress.setRange(0, max(total, 1))
         self.progress.setValue(done)
-        self.progress.setFormat(f"{what} (%p%)")
+        kernels = what.startswith(D.PREPARING)
+        self.progress.setFormat(f"CPU kernels {done} of {total}" if kernels else f"{what} (%p%)")
+        if kernels:
+            self.chat.set_status_line(f"{what}. The chat opens when they are ready; later starts skip this.")
+        else:
+            self.chat.set_status_line(f"Loading {Path(self.bridge.loading_path).name}: {what}…")
 
     def _on_loaded(self, card: D.ModelCard, limits: D.PlacementLimits) -> None:
         self.card, self.limits = card, limits
         self.progress.setVisible(False)
+        self.cancel_button.setVisible(False)
+        self.settings.loading_model = ""
+        self.chat.set_status_line("")
         self.setWindowTitle(f"{APP_NAME} — {card.name}")
-        self.statusBar().showMessage(f"Loaded {Path(card.path).name}", 5000)
+        note, self._startup_note = self._startup_note, ""
+        self.statusBar().showMessage(note or f"Loaded {Path(card.path).name}", 15000 if note else 5000)
         self.settings.add_recent_model(card.path)
         self.actions_by_name["card"].setEnabled(True)
         self.chat.set_has_model(True)
@@ -165,12 +192,21 @@ class MainWindow(QMainWindow):
     def _on_applied(self, card: D.ModelCard, limits: D.PlacementLimits) -> None:
         self.card, self.limits = card, limits
         self.settings.placement = limits.applied  # the next load places the model the same way
-        self.settings.n_ctx, self.settings.kv_type = limits.current.ctx, limits.current.kv_type
+        self.settings.set_ctx_for(card.path, limits.current.ctx)  # this model's, no other's
+        self.settings.kv_type = limits.current.kv_type
         self.statusBar().showMessage("Placement applied", 5000)
         self._render_stats(D.GenStats(n_ctx=card.n_ctx))
 
     def _on_load_failed(self, failure: D.Failure) -> None:
         self.progress.setVisible(False)
+        self.cancel_button.setVisible(False)
+        self.settings.loading_model = ""
+        self.chat.set_status_line("")
+        self.chat.set_has_model(self.bridge.has_model)
+        if failure.kind == D.ERR_CANCELLED:
+            self.statusBar().showMessage(failure.message, 8000)
+            return
+        self.settings.remove_recent_model(self.bridge.loading_path)  # not reopened at the next start
         self.statusBar().clearMessage()
         dialogs.show_error(self, failure)
 
@@ -197,8 +233,10 @@ class MainWindow(QMainWindow):
     # -- actions ----------------------------------------------------------------------------------------
     def open_model(self, path: str) -> bool:
         """Load ``path`` now, or, while a reply streams, stop it and load when the engine is free."""
-        if self.bridge.load(path, self.settings.n_ctx, self.settings.kv_type, self.settings.placement):
+        if self.bridge.load(path, self.settings.ctx_for(path), self.settings.kv_type, self.settings.placement):
             self._pending_open = None
+            self.settings.loading_model = path  # still set at the next start: this load never ended
+            self.settings.sync()
             return True
         self._pending_open = path
         if self.bridge.state == "generating":
@@ -207,8 +245,18 @@ class MainWindow(QMainWindow):
         return False
 
     def open_initial(self, path: str | None = None) -> str | None:
-        """Open ``path``, else the last model, else the bundled demo model; None if there is none."""
-        candidates = [path] if path else [self.settings.last_model, self.bridge.demo_model_path()]
+        """Open ``path``, else the last model, else the bundled demo model; None if there is none.
+        The last model is skipped when the previous start never finished loading it (it hung, or
+        took all the memory): the demo opens instead and the status bar says why."""
+        last = self.settings.last_model
+        interrupted = self.settings.loading_model
+        if interrupted:
+            self.settings.loading_model = ""
+            if last == interrupted:
+                self.settings.remove_recent_model(last)
+                last = ""
+                self._startup_note = f"{Path(interrupted).name} did not finish loading last time; it is not reopened"
+        candidates = [path] if path else [last, self.bridge.demo_model_path()]
         for p in candidates:
             if p and (path or Path(p).is_file()):
                 self.open_model(p)

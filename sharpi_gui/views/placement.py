@@ -25,6 +25,11 @@ from sharpi_gui import data as D
 from sharpi_gui.theme import LIGHT, Theme
 from sharpi_gui.views.layout_view import LayoutView
 
+NO_GPU_TEXT = (
+    "<b>No GPU found — experts and trunk on the CPU.</b><br>"
+    "<span style='font-size:11px'>PyTorch sees no CUDA device here, so the whole model runs on the CPU. "
+    "The context and the KV type below still apply.</span>"
+)
 MODE_NAMES = {"cpu": "CPU experts", "cache": "GPU expert cache", "resident": "all experts resident", "none": "dense"}
 MOE_ITEMS = {"auto": "auto", "cpu": "CPU", "cache": "GPU cache", "resident": "resident"}
 KV_TIPS = {"f32": "4 bytes per value", "bf16": "2 bytes per value", "q8_0": "≈1.06 bytes per value (8-bit blocks)"}
@@ -71,10 +76,16 @@ class PlacementPanel(QWidget):
         self.reset_button = QPushButton("Reset")
         self.reset_button.setToolTip("Back to the placement in force")
         self.state_label = QLabel()
+        self.no_gpu = QLabel(NO_GPU_TEXT)  # shown instead of the device controls when there is no GPU
+        self.no_gpu.setWordWrap(True)
+        self.no_gpu.setVisible(False)
+        self.vram_title = QLabel("VRAM budget")
+        self.moe_title = QLabel("Experts")
+        self.layers_title = QLabel("GPU layers")
 
         grid = QGridLayout()
         grid.setVerticalSpacing(2)
-        grid.addWidget(QLabel("VRAM budget"), 0, 0)
+        grid.addWidget(self.vram_title, 0, 0)
         grid.addWidget(self.vram, 0, 1, 1, 5)
         grid.addWidget(self.vram_label, 1, 1, 1, 5)
         grid.addWidget(QLabel("Context"), 2, 0)
@@ -83,9 +94,9 @@ class PlacementPanel(QWidget):
         grid.setRowMinimumHeight(4, 6)
         grid.addWidget(QLabel("KV"), 5, 0)
         grid.addWidget(self.kv, 5, 1)
-        grid.addWidget(QLabel("Experts"), 5, 2, Qt.AlignmentFlag.AlignRight)
+        grid.addWidget(self.moe_title, 5, 2, Qt.AlignmentFlag.AlignRight)
         grid.addWidget(self.moe, 5, 3)
-        grid.addWidget(QLabel("GPU layers"), 5, 4, Qt.AlignmentFlag.AlignRight)
+        grid.addWidget(self.layers_title, 5, 4, Qt.AlignmentFlag.AlignRight)
         grid.addWidget(self.gpu_layers, 5, 5)
         grid.setColumnStretch(3, 1)
         for label in (self.vram_label, self.ctx_label):
@@ -96,6 +107,7 @@ class PlacementPanel(QWidget):
         buttons.addWidget(self.apply_button)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(8, 6, 8, 6)
+        lay.addWidget(self.no_gpu)
         lay.addLayout(grid)
         lay.addWidget(self.layout_view)
         lay.addWidget(self.summary)
@@ -146,7 +158,14 @@ class PlacementPanel(QWidget):
         for w in (self.vram, self.ctx, self.kv, self.gpu_layers):
             w.setEnabled(True)
         self.ctx.setEnabled(len(limits.ctx_values) > 1)
+        self.ctx.setToolTip(ctx_limit_text(limits))
         self.vram.setToolTip(f"{limits.device_name}: {D.human_bytes(limits.device_vram_bytes)}")
+        # Without a GPU there is nothing to place on a device: no budget, expert modes or layers.
+        self.no_gpu.setVisible(not limits.has_gpu)
+        for w in (self.vram_title, self.vram, self.vram_label, self.moe_title, self.moe, self.layers_title):
+            w.setVisible(limits.has_gpu)
+        self.gpu_layers.setVisible(limits.has_gpu)
+        self.layout_view.setVisible(limits.has_gpu)
 
     def _render_settings(self, s: D.PlanSettings) -> None:
         limits = self.model.limits
@@ -164,7 +183,7 @@ class PlacementPanel(QWidget):
             w.blockSignals(False)
         device = D.human_bytes(limits.device_vram_bytes)
         self.vram_label.setText(f"{D.human_bytes(s.vram_bytes)}  ·  device {device} ({limits.device_name})")
-        self.ctx_label.setText(f"{s.ctx:,} tokens")
+        self.ctx_label.setText(f"{s.ctx:,} tokens · {ctx_limit_text(limits)}")
         self._render_buttons()
 
     def _render_buttons(self) -> None:
@@ -176,6 +195,8 @@ class PlacementPanel(QWidget):
             text = ""
         elif m.dirty and self._busy:
             text = "preview (apply when the engine is idle)"
+        elif not m.limits.has_gpu:
+            text = "in force" if not m.dirty else "preview (not applied)"
         elif m.applied is None and m.settings == m.limits.current:
             text = "the model runs on the CPU: Apply places it as shown"
         elif m.dirty:
@@ -189,6 +210,11 @@ class PlacementPanel(QWidget):
         t = self.theme
         if not pv.ok:
             self.summary.setText(f"<span style='color:{t.error}'>{html.escape(pv.error)}</span>")
+            self._render_buttons()
+            return
+        limits = self.model.limits
+        if limits is not None and not limits.has_gpu:
+            self.summary.setText(cpu_summary(pv, limits, t))
             self._render_buttons()
             return
         rows = []
@@ -232,6 +258,31 @@ class PlacementPanel(QWidget):
     def _on_ctx(self, index: int) -> None:
         if self.model.limits is not None:
             self.model.set_ctx(self.model.limits.ctx_values[index])
+
+
+def ctx_limit_text(limits: D.PlacementLimits) -> str:
+    """Why the context slider stops where it does."""
+    top = limits.ctx_values[-1]
+    if limits.n_ctx_train and top <= limits.n_ctx_train:
+        return f"at most {limits.n_ctx_train:,}: the context this model was trained for"
+    return f"at most {top:,}"
+
+
+def cpu_summary(pv: D.PlanPreview, limits: D.PlacementLimits, t: Theme) -> str:
+    """The summary without a GPU: the CPU's decode speed (measured at load, else predicted) and
+    what the chosen context costs in memory."""
+    small = f"<span style='color:{t.muted}; font-size:11px'>"
+    predicted = dict(pv.predicted_tok_s).get("cpu")
+    rows = []
+    if limits.measured_tok_s:
+        rows.append(f"<b>Decode speed on this CPU: {limits.measured_tok_s:,.1f} tok/s</b>")
+        rows.append(f"{small}measured when the model loaded (the warm-up's last tokens)</span>")
+    elif predicted is not None:
+        rows.append(f"<b>Predicted decode speed on this CPU: {predicted:,.1f} tok/s</b>")
+        rows.append(f"{small}{html.escape(speeds_note(pv))}</span>")
+    kv = f"KV cache {D.human_bytes(pv.kv_bytes + pv.host_kv_bytes)} in RAM for {pv.settings.ctx:,} tokens"
+    rows.append(small + html.escape(kv) + "</span>")
+    return "<br>".join(rows)
 
 
 def speeds_note(pv: D.PlanPreview) -> str:

@@ -11,7 +11,7 @@ from sharpi_gui.markdown import to_html
 from sharpi_gui.theme import LIGHT, Theme
 
 STREAM_RENDER_MS = 33
-ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System", "notice": "SharpI"}
+ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System", "notice": "SharpI", "info": "SharpI"}
 
 
 class _MarkdownText(QTextBrowser):
@@ -87,7 +87,7 @@ class MessageWidget(QFrame):
 
     def restyle(self, theme: Theme) -> None:
         bg = theme.user_bubble if self.role == "user" else theme.panel
-        fg = theme.error if self.role == "notice" else theme.foreground
+        fg = {"notice": theme.error, "info": theme.muted}.get(self.role, theme.foreground)
         self.setStyleSheet(
             f"QFrame#bubble {{ background: {bg}; border-radius: 10px; }}"
             f"QLabel#role {{ color: {theme.muted}; font-weight: 600; }}"
@@ -160,6 +160,16 @@ class TranscriptView(QScrollArea):
 
     def add_notice(self, text: str) -> MessageWidget:
         return self.add_message("notice", text)
+
+    def add_info(self, text: str) -> MessageWidget:
+        """A note from the app (not an error), above the reply that is streaming, if any."""
+        w = self.add_message("info", text)
+        if self.streaming is not None:
+            self._lay.removeWidget(w)
+            self._lay.insertWidget(self._lay.indexOf(self.streaming), w)
+            self.bubbles.remove(w)
+            self.bubbles.insert(self.bubbles.index(self.streaming), w)
+        return w
 
     def begin_stream(self) -> None:
         self.streaming = self.add_message("assistant", "")

@@ -60,3 +60,21 @@ def test_twenty_turns_never_dead_end(session):
         last = list(session.generate(messages=messages, params=params))[-1]
         assert last.finish_reason in ("eos", "length", "stop", "context") and last.n_generated >= 1
         messages.append({"role": "assistant", "content": "reply"})
+
+
+def test_cli_chat_drops_old_turns_and_says_so_once(synth_model, monkeypatch, capsys):
+    """`sharpi run --chat` on a model trained for 128 tokens: its default context is the app's, and
+    fifteen questions all get answers, the user told once that old turns leave the context."""
+    import io
+
+    from engine.cli.main import main
+
+    path = synth_model("qwen3moe", "Q8_0", vocab=1024, ctx=128).path
+    questions = "".join(f"tell me about topic number {i}\n" for i in range(15))
+    monkeypatch.setattr("sys.stdin", io.StringIO(questions))
+    assert main(["run", "-m", str(path), "--chat", "-n", "12", "--temp", "0"]) == 0
+    err = capsys.readouterr().err
+    assert f"ctx {default_ctx(128)}:" in err  # the same default as the app's
+    assert err.count("older turns are dropped") == 1
+    assert err.count("] prompt ") == 15  # every question answered (one speed line each)
+    assert "sharpi: the prompt has" not in err

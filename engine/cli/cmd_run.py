@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 
 from engine.cli.common import (
     add_model_args,
@@ -59,17 +62,43 @@ def _kernel_progress(k: int, n: int, estimated: bool) -> None:
     print(("\r" + line) if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
 
 
+@contextmanager
+def _ctrl_c_cancels(session, pressed: list):
+    """While the model runs, Ctrl+C cancels it (the engine stops within a token) instead of raising
+    KeyboardInterrupt inside a numba kernel, which surfaces as a SystemError traceback. Each press is
+    appended to ``pressed``. Outside the block, Ctrl+C ends the program as usual."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame) -> None:
+        pressed.append(signum)
+        session.cancel()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run(a: argparse.Namespace) -> int:
     params = sampling_from_args(a)  # checked before the model loads
     session = load_session(a, refuse_unrunnable=True)
+    pressed: list = []
     try:
         # The kernels ready before the first token, as in the app: compiled here on a first run (with
         # "k of N" on stderr), loaded from numba's cache after, so the reported speeds are the model's.
-        if warm_up(session, _kernel_progress).compiled and sys.stderr.isatty():
+        with _ctrl_c_cancels(session, pressed):
+            compiled = warm_up(session, _kernel_progress).compiled
+        if compiled and sys.stderr.isatty():
             print(file=sys.stderr)
+        if pressed:
+            return 130
         if a.prompt is not None:
-            _report(_stream(session, session.generate(a.prompt, params=params)))
-            return 0
+            with _ctrl_c_cancels(session, pressed):
+                _report(_stream(session, session.generate(a.prompt, params=params)))
+            return 130 if pressed else 0
         if not session.chat_template.from_file:
             print("note: the model has no chat template; using ChatML", file=sys.stderr)
         messages = [{"role": "system", "content": a.system}] if a.system else []
@@ -93,11 +122,12 @@ def run(a: argparse.Namespace) -> int:
                         f"sharpi: the context of {session.n_ctx} tokens is full: older turns are dropped",
                         file=sys.stderr,
                     )
-                for ev in session.generate(messages=messages, params=params):
-                    sys.stdout.write(ev.text)
-                    sys.stdout.flush()
-                    parts.append(ev.text)
-                    last = ev
+                with _ctrl_c_cancels(session, pressed):  # Ctrl+C stops the reply; the chat goes on
+                    for ev in session.generate(messages=messages, params=params):
+                        sys.stdout.write(ev.text)
+                        sys.stdout.flush()
+                        parts.append(ev.text)
+                        last = ev
             except UsageError as e:
                 print(f"\nsharpi: {e}", file=sys.stderr)
                 messages.pop()

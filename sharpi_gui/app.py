@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from PySide6.QtCore import QSettings
@@ -43,13 +44,31 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def no_display_reason(env=None) -> str:
+    """Why Qt cannot open a window here ("" if it may): on Linux, no X11 or Wayland display and no
+    other Qt platform asked for. (Qt itself then aborts with a misleading "libxcb-cursor0 is needed".)"""
+    env = os.environ if env is None else env
+    if not sys.platform.startswith("linux") or env.get("QT_QPA_PLATFORM", "") not in ("", "xcb", "wayland"):
+        return ""
+    if env.get("DISPLAY") or env.get("WAYLAND_DISPLAY"):
+        return ""
+    return (
+        "sharpi-gui: no display to open a window on (neither DISPLAY nor WAYLAND_DISPLAY is set). Run it in "
+        "a desktop session, over `ssh -X`, or under `xvfb-run`; in a terminal, `sharpi run --chat` chats."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    reason = "" if QApplication.instance() else no_display_reason()
+    if reason:
+        print(reason, file=sys.stderr)
+        return 1
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setOrganizationName(ORGANIZATION)
     app.setApplicationName(APPLICATION)
-    app.setApplicationDisplayName("SharpI")
+    # No application display name: Qt would append it to every window title ("SharpI — model — SharpI").
     themes = ThemeManager(app, dark=args.dark)
     window = create_window(args.data_dir, None, themes)
     window.show()

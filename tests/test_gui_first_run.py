@@ -143,3 +143,13 @@ def test_cancel_stops_a_load_and_keeps_the_model_open_before(qtbot, tmp_path, mo
     assert str(session_of(w).info.path) == str(model_path) and w.bridge.state == "idle"
     assert not w.cancel_button.isVisible() and w.chat.send_button.isEnabled()
     assert w.settings.recent_models[0] == str(model_path)
+
+
+def test_no_display_is_said_plainly():
+    from sharpi_gui.app import no_display_reason
+
+    reason = no_display_reason({})
+    if not reason:
+        pytest.skip("not Linux: Qt's platforms there need no DISPLAY")
+    assert "no display" in reason and "xvfb-run" in reason
+    assert no_display_reason({"DISPLAY": ":0"}) == "" and no_display_reason({"QT_QPA_PLATFORM": "offscreen"}) == ""

@@ -276,6 +276,11 @@ def _limits(
     ctx_values = _ctx_values(spec.n_ctx_train, session.n_ctx)
     if not offer_device:
         current = D.PlanSettings(vram_bytes=0, ctx=session.n_ctx, kv_type=session.kv_type, n_gpu_layers=0)
+        whatif = replace(
+            _limits(session, spec, profile, None, measured_tok_s, offer_device=True),
+            device_name="hypothetical GPU, default speeds",
+            in_force="",
+        )
         return D.PlacementLimits(
             device_name="",
             device_vram_bytes=0,
@@ -290,6 +295,7 @@ def _limits(
             has_gpu=False,
             n_ctx_train=spec.n_ctx_train,
             measured_tok_s=measured_tok_s,
+            whatif=whatif,
         )
     # The most the model can use: every layer and expert on the device at the widest settings.
     widest = PlanRequest(ctx=ctx_values[-1], kv_type="f32", moe="resident" if spec.is_moe else "auto")

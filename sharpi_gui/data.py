@@ -107,6 +107,7 @@ class PlacementLimits:
     has_gpu: bool = True  # False: no CUDA device; the model runs on the CPU and nothing else is offered
     n_ctx_train: int = 0  # the context the model was trained for (the context slider's top)
     measured_tok_s: float = 0.0  # decode tok/s the warm-up measured at load (0: not measured)
+    whatif: PlacementLimits | None = None  # without a GPU: the controls for planning a hypothetical one
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,26 @@ def test_without_a_gpu_the_dock_offers_only_the_cpu(qtbot, tmp_path, model_path)
     assert applied.args[1].current.ctx == session_of(w).n_ctx < limits.current.ctx
 
 
+@no_gpu
+def test_what_if_plans_a_gpu_and_can_never_apply_it(qtbot, tmp_path, model_path):
+    w = make_window(qtbot, tmp_path, simulate_device=False)
+    load(qtbot, w, model_path)
+    panel, model = w.placement_dock.panel, w.ctx.placement
+    assert panel.whatif.isVisibleTo(panel) and not panel.whatif.isChecked()
+    panel.whatif.setChecked(True)  # "What if this machine had a GPU?"
+    assert model.whatif and model.limits.has_gpu and "hypothetical" in model.limits.device_name
+    for shown in (panel.vram, panel.moe, panel.layout_view):
+        assert shown.isVisibleTo(panel)
+    assert "What-if" in panel.no_gpu.text() and "cannot be applied" in panel.no_gpu.text()
+    assert not panel.apply_button.isVisibleTo(panel) and not panel.apply_button.isEnabled()
+    qtbot.waitUntil(lambda: "Predicted decode speed" in panel.summary.text(), timeout=GEN_TIMEOUT_MS)
+    panel.vram.setValue(panel.vram.maximum() // 2)
+    assert model.apply() is False and w.bridge.state == "idle" and session_of(w).placement is None
+    panel.whatif.setChecked(False)  # back to this machine: the CPU, as it was
+    assert not model.whatif and not model.limits.has_gpu and not panel.vram.isVisibleTo(panel)
+    assert "No GPU found" in panel.no_gpu.text() and panel.apply_button.isVisibleTo(panel)
+
+
 def test_load_warms_up_and_forgets_the_warm_up(qtbot, tmp_path, model_path):
     w = make_window(qtbot, tmp_path)
     _card, limits = load(qtbot, w, model_path)

@@ -8,6 +8,7 @@ import html
 
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
+    QCheckBox,
     QComboBox,
     QDockWidget,
     QGridLayout,
@@ -79,6 +80,9 @@ class PlacementPanel(QWidget):
         self.no_gpu = QLabel(NO_GPU_TEXT)  # shown instead of the device controls when there is no GPU
         self.no_gpu.setWordWrap(True)
         self.no_gpu.setVisible(False)
+        self.whatif = QCheckBox("What if this machine had a GPU? (a plan only: it cannot be applied here)")
+        self.whatif.setToolTip("Plan for a hypothetical GPU with default speeds; this machine keeps running on the CPU")
+        self.whatif.setVisible(False)
         self.vram_title = QLabel("VRAM budget")
         self.moe_title = QLabel("Experts")
         self.layers_title = QLabel("GPU layers")
@@ -108,6 +112,7 @@ class PlacementPanel(QWidget):
         lay = QVBoxLayout(self)
         lay.setContentsMargins(8, 6, 8, 6)
         lay.addWidget(self.no_gpu)
+        lay.addWidget(self.whatif)
         lay.addLayout(grid)
         lay.addWidget(self.layout_view)
         lay.addWidget(self.summary)
@@ -123,6 +128,8 @@ class PlacementPanel(QWidget):
         self.moe.currentIndexChanged.connect(lambda _i: model.set_moe(self.moe.currentData()))
         self.gpu_layers.valueChanged.connect(model.set_gpu_layers)
         self.apply_button.clicked.connect(model.apply)
+        self.whatif.toggled.connect(model.set_whatif)
+        model.whatifChanged.connect(self._render_whatif)
         self.reset_button.clicked.connect(model.reset)
         # model -> rendering
         model.limitsChanged.connect(self._render_limits)
@@ -160,12 +167,16 @@ class PlacementPanel(QWidget):
         self.ctx.setEnabled(len(limits.ctx_values) > 1)
         self.ctx.setToolTip(ctx_limit_text(limits))
         self.vram.setToolTip(f"{limits.device_name}: {D.human_bytes(limits.device_vram_bytes)}")
-        # Without a GPU there is nothing to place on a device: no budget, expert modes or layers.
-        self.no_gpu.setVisible(not limits.has_gpu)
+        # Without a GPU there is nothing to place on a device: no budget, expert modes or layers —
+        # unless the user asks what a GPU would do (what-if: planned, never applied).
+        machine = self.model.machine or limits
+        self.no_gpu.setVisible(not machine.has_gpu)
+        self.whatif.setVisible(not machine.has_gpu and machine.whatif is not None)
         for w in (self.vram_title, self.vram, self.vram_label, self.moe_title, self.moe, self.layers_title):
             w.setVisible(limits.has_gpu)
         self.gpu_layers.setVisible(limits.has_gpu)
         self.layout_view.setVisible(limits.has_gpu)
+        self._render_whatif(self.model.whatif)
 
     def _render_settings(self, s: D.PlanSettings) -> None:
         limits = self.model.limits
@@ -186,13 +197,27 @@ class PlacementPanel(QWidget):
         self.ctx_label.setText(f"{s.ctx:,} tokens · {ctx_limit_text(limits)}")
         self._render_buttons()
 
+    def _render_whatif(self, on: bool) -> None:
+        self.whatif.blockSignals(True)
+        self.whatif.setChecked(on)
+        self.whatif.blockSignals(False)
+        limits = self.model.limits
+        self.no_gpu.setText(whatif_text(limits) if on and limits is not None else NO_GPU_TEXT)
+        self.apply_button.setVisible(not on)
+        self.reset_button.setVisible(not on)
+        self._render_buttons()
+
     def _render_buttons(self) -> None:
         m = self.model
         loaded = m.limits is not None
-        self.apply_button.setEnabled(loaded and m.dirty and not self._busy and bool(m.preview and m.preview.ok))
+        self.apply_button.setEnabled(
+            loaded and not m.whatif and m.dirty and not self._busy and bool(m.preview and m.preview.ok)
+        )
         self.reset_button.setEnabled(loaded and m.settings != (m.applied or m.limits.current))
         if not loaded:
             text = ""
+        elif m.whatif:
+            text = "what-if plan: this machine has no GPU, so it cannot be applied"
         elif m.dirty and self._busy:
             text = "preview (apply when the engine is idle)"
         elif not m.limits.has_gpu:
@@ -258,6 +283,14 @@ class PlacementPanel(QWidget):
     def _on_ctx(self, index: int) -> None:
         if self.model.limits is not None:
             self.model.set_ctx(self.model.limits.ctx_values[index])
+
+
+def whatif_text(limits: D.PlacementLimits) -> str:
+    return (
+        f"<b>What-if: planning for a {D.human_bytes(limits.device_vram_bytes)} GPU with default speeds.</b><br>"
+        "<span style='font-size:11px'>This machine has no GPU: the plan below shows what one would do "
+        "and cannot be applied here. The model keeps running on the CPU.</span>"
+    )
 
 
 def ctx_limit_text(limits: D.PlacementLimits) -> str:

@@ -28,6 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("-p", "--prompt", help="raw prompt text (no chat template)")
+    g.add_argument("-f", "--file", dest="prompt_file", help="raw prompt text read from a file (as -p)")
     g.add_argument("--chat", action="store_true", help="interactive chat using the model's chat template")
     p.add_argument("--system", default=None, help="system prompt for --chat")
     add_sampling_args(p)
@@ -84,6 +85,12 @@ def _ctrl_c_cancels(session, pressed: list):
 
 def run(a: argparse.Namespace) -> int:
     params = sampling_from_args(a)  # checked before the model loads
+    if a.prompt_file is not None:
+        try:
+            with open(a.prompt_file, encoding="utf-8") as f:
+                a.prompt = f.read()
+        except OSError as e:
+            raise UsageError(f"cannot read the prompt file: {e}") from None
     session = load_session(a, refuse_unrunnable=True)
     pressed: list = []
     try:

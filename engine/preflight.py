@@ -60,9 +60,14 @@ def _gib(n: int) -> str:
     return format_size(n)
 
 
-def refusal(path: str | os.PathLike, ram: int | None = None, vram: int | None = None) -> str:
-    """Why ``path`` cannot run here ("" if it may): no weights, or more than RAM + GPU memory.
-    ``ram`` / ``vram`` default to this machine's. Reads the header only."""
+NO_WEIGHTS = "no weights (a geometry-only file)"
+TOO_LARGE = "more than RAM + GPU memory"
+
+
+def check(path: str | os.PathLike, ram: int | None = None, vram: int | None = None) -> tuple[str, str]:
+    """(kind, reason) why ``path`` cannot run here — kind :data:`NO_WEIGHTS` or :data:`TOO_LARGE`, the
+    reason in full — or ("", "") if it may. ``ram`` / ``vram`` default to this machine's. Reads the
+    header only."""
     from engine.gguf import open_gguf
     from engine.modelinfo import describe
 
@@ -71,7 +76,7 @@ def refusal(path: str | os.PathLike, ram: int | None = None, vram: int | None = 
     name = Path(path).name
     data = info.trunk_bytes + info.expert_bytes
     if is_weightless(path, data):
-        return (
+        return NO_WEIGHTS, (
             f"{name} holds the shapes of a model but no weights: a geometry-only file, whose "
             f"{_gib(data)} of tensor data are a hole on disk ({_gib(disk_bytes(path) or 0)} stored). "
             'There is nothing to run; the commands "sharpi plan" and "sharpi inspect" read such files.'
@@ -80,8 +85,13 @@ def refusal(path: str | os.PathLike, ram: int | None = None, vram: int | None = 
     vram = gpu_bytes() if vram is None else vram
     if ram is not None and data > ram + vram:
         gpu = f" and {_gib(vram)} of GPU memory" if vram else " and no GPU"
-        return (
+        return TOO_LARGE, (
             f"{name} needs {_gib(data)} for its weights; this machine has {_gib(ram)} of RAM{gpu}. "
             "It cannot run here: a smaller quantization of the model may."
         )
-    return ""
+    return "", ""
+
+
+def refusal(path: str | os.PathLike, ram: int | None = None, vram: int | None = None) -> str:
+    """Why ``path`` cannot run here ("" if it may): no weights, or more than RAM + GPU memory."""
+    return check(path, ram, vram)[1]

@@ -40,6 +40,8 @@ from engine.errors import (
     UsageError,
 )
 from engine.generate import SamplingParams
+from engine.library import default_folders
+from engine.library import scan as library_scan
 from engine.plan import DeviceProfile, ModelSpec, PlanError, PlanRequest
 from engine.plan import plan as plan_placement
 from engine.plan.profile import profile_source
@@ -574,6 +576,8 @@ class EngineBridge(QObject):
     applied = Signal(object, object)  # ModelCard, PlacementLimits
     applyFailed = Signal(object)  # Failure
     statsUpdated = Signal(object)  # StatsFrame
+    libraryEntry = Signal(object)  # LibraryEntry, one per file found (from a background thread)
+    libraryDone = Signal(int)  # files judged
 
     _doLoad = Signal(str, int, str, object)
     _doGenerate = Signal(int, object, object)
@@ -716,6 +720,30 @@ class EngineBridge(QObject):
         self._last_tokens = snap.tokens_total
         self.statsUpdated.emit(stats_frame(snap))
         return str(j), str(c)
+
+    def library_folders(self) -> list[str]:
+        """The folders models are usually downloaded to that exist here (engine.library)."""
+        return [str(p) for p in default_folders()]
+
+    def scan_library(self, folders: list[str]) -> None:
+        """Judge every GGUF file under ``folders`` from its header (engine.library: can it run here, how
+        it would be placed, its predicted tok/s) on a background thread; entries arrive one by one
+        (libraryEntry), then libraryDone. The planner uses the loaded model's device profile (this
+        machine's calibrated speeds on CUDA) when there is one."""
+        cur = self._worker.current
+        profile = cur.profile if cur is not None and cur.limits.has_gpu else None
+
+        def work() -> None:
+            n = 0
+            try:
+                for e in library_scan([Path(f) for f in folders], profile=profile):
+                    self.libraryEntry.emit(D.LibraryEntry(**vars(e)))
+                    n += 1
+            except Exception:  # a scan never takes the app down; what was found stays
+                log.exception("model library scan failed")
+            self.libraryDone.emit(n)
+
+        threading.Thread(target=work, name="sharpi-library", daemon=True).start()
 
     def demo_model_path(self) -> str | None:
         """The bundled demo model, if this install has one."""

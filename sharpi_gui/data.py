@@ -80,6 +80,23 @@ class GenStats:
 
 
 @dataclass(frozen=True)
+class LibraryEntry:
+    """A GGUF file found on this machine with the planner's verdict on it (engine.library)."""
+
+    path: str
+    name: str
+    architecture: str = ""
+    file_size: int = 0
+    quant: str = ""
+    n_ctx_train: int = 0
+    runnable: bool = False
+    verdict: str = ""  # a few words: why not, or how it would be placed
+    detail: str = ""  # the verdict in full
+    predicted_tok_s: float | None = None
+    speeds: str = ""  # where the prediction's speeds come from
+
+
+@dataclass(frozen=True)
 class PlanSettings:
     """What the placement dock asks for: the two sliders and the selectors."""
 

@@ -70,6 +70,15 @@ class Settings:
     def loading_model(self, path: str) -> None:
         self.q.setValue("models/loading", path)
 
+    @property
+    def library_folders(self) -> list[str]:
+        """Folders the user added to the model library (the usual download folders come on top)."""
+        return [str(p) for p in self._json("library/folders", []) if isinstance(p, str)]
+
+    @library_folders.setter
+    def library_folders(self, folders: list[str]) -> None:
+        self.q.setValue("library/folders", json.dumps(list(folders)))
+
     def ctx_for(self, path: str) -> int:
         """The context to load ``path`` with: the one last applied to that model, else AUTO_CTX (the
         model's default, as ``sharpi run`` gives it). One model's setting never carries to another."""

@@ -103,6 +103,7 @@ RANK = {
     "preflight": 9,
     "api": 10,
     "warmup": 10,
+    "library": 10,
     "bench": 11,
     "cli": 12,
 }

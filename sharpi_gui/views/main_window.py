@@ -25,6 +25,7 @@ from sharpi_gui import data as D
 from sharpi_gui.views import dialogs
 from sharpi_gui.views.chat import ChatView
 from sharpi_gui.views.experts import ExpertsDock
+from sharpi_gui.views.library import LibraryDialog
 from sharpi_gui.views.model_card import ModelCardDialog
 from sharpi_gui.views.placement import PlacementDock
 
@@ -98,6 +99,7 @@ class MainWindow(QMainWindow):
         mb = self.menuBar()
         m = mb.addMenu("&File")
         self._action(m, "&Open model…", self.open_dialog, QKeySequence.StandardKey.Open, "open")
+        self._action(m, "Model &library…", self.library_dialog, "Ctrl+Shift+O", "library")
         self.recent_menu = m.addMenu("Recent &models")
         self.recent_menu.aboutToShow.connect(self._fill_recent)
         m.addSeparator()
@@ -276,6 +278,15 @@ class MainWindow(QMainWindow):
         )
         if dlg.exec() == QDialog.DialogCode.Accepted and dlg.selectedFiles():
             self.open_model(dlg.selectedFiles()[0])
+
+    def library_dialog(self) -> LibraryDialog:
+        """The GGUF files on this machine with the planner's verdict on each; Open loads one."""
+        dlg = LibraryDialog(self.bridge, self.settings, self, self.card)
+        dlg.measured_tok_s = self.limits.measured_tok_s if self.limits else 0.0
+        dlg.openRequested.connect(self.open_model)
+        dlg.rescan()
+        dlg.exec()
+        return dlg
 
     def export_dialog(self) -> None:
         if not self.bridge.has_model:

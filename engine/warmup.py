@@ -35,7 +35,7 @@ from engine.config import EngineOptions
 
 # Outermost kernel compilations of the bundled demo model (qwen3moe, Q8_0 + F32) on a cold cache,
 # counted on 2026-11-27: the total shown for a model never prepared on this machine, as an estimate.
-TYPICAL_COMPILES = 30
+TYPICAL_COMPILES = 14
 WARMUP_PROMPT_TOKENS = 40  # ≥ engine.kernels.bf16.MIN_TOKENS: the prompt path a real question takes
 WARMUP_FOLLOWUP_TOKENS = 8  # a short follow-up on the same cache: the small-prompt path
 WARMUP_DECODE_TOKENS = 4

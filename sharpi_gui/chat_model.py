@@ -7,6 +7,8 @@ the bridge is handed in.
 
 from __future__ import annotations
 
+import json
+
 from PySide6.QtCore import QObject, Signal
 
 from sharpi_gui import data as D
@@ -114,6 +116,32 @@ class ChatModel(QObject):
         self.store.set_system_prompt(self.current.id, text)
         self.current = self.store.conversation(self.current.id)
         self.settings.default_system_prompt = text
+
+    def export(self, path: str, cid: int | None = None) -> str:
+        """Write a conversation (default: the open one) to ``path``: JSON (``.json``: title, system
+        prompt, messages with their speed figures) or Markdown (anything else). Returns the path."""
+        cid = cid if cid is not None else (self.current.id if self.current else 0)
+        conv = self.store.conversation(cid)
+        if conv is None:
+            raise OSError("no conversation to export")
+        msgs = self.store.messages(cid)
+        if path.lower().endswith(".json"):
+            doc = {
+                "title": conv.title,
+                "system_prompt": conv.system_prompt,
+                "messages": [{"role": m.role, "content": m.content, "created": m.created, **m.meta} for m in msgs],
+            }
+            text = json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
+        else:
+            parts = [f"# {conv.title}\n"]
+            if conv.system_prompt.strip():
+                parts.append(f"**System prompt:** {conv.system_prompt.strip()}\n")
+            for m in msgs:
+                parts.append(f"## {'You' if m.role == 'user' else 'Assistant'}\n\n{m.content.strip()}\n")
+            text = "\n".join(parts)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return path
 
     # -- generation ---------------------------------------------------------------------------------
     def send(self, text: str) -> bool:

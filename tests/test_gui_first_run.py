@@ -173,3 +173,27 @@ def test_no_display_is_said_plainly():
         pytest.skip("not Linux: Qt's platforms there need no DISPLAY")
     assert "no display" in reason and "xvfb-run" in reason
     assert no_display_reason({"DISPLAY": ":0"}) == "" and no_display_reason({"QT_QPA_PLATFORM": "offscreen"}) == ""
+
+
+def test_export_a_conversation_and_copy_a_message(qtbot, tmp_path, monkeypatch, model_path):
+    import json
+
+    from PySide6.QtGui import QGuiApplication
+
+    rec = patch_dialogs(monkeypatch)
+    w = make_window(qtbot, tmp_path)
+    load(qtbot, w, model_path)
+    w.settings.sampling = {"temperature": 0.0, "max_tokens": 6}
+    with qtbot.waitSignal(w.bridge.finished, timeout=GEN_TIMEOUT_MS):
+        assert w.ctx.chat.send("What is __import__?")
+    reply = w.ctx.chat.messages[-1].content
+    rec.files += [str(tmp_path / "chat.json"), str(tmp_path / "chat")]
+    w.export_conversation_dialog()
+    doc = json.loads((tmp_path / "chat.json").read_text(encoding="utf-8"))
+    assert [(m["role"], m["content"]) for m in doc["messages"]] == [("user", "What is __import__?"), ("assistant", reply)]
+    assert doc["title"] == "What is __import__?" and "decode_tok_s" in doc["messages"][1]
+    w.export_conversation_dialog()  # no suffix: Markdown, named so
+    md = (tmp_path / "chat.md").read_text(encoding="utf-8")
+    assert "## You\n\nWhat is __import__?" in md and "## Assistant" in md
+    w.chat.transcript.bubbles[-1].copy()
+    assert QGuiApplication.clipboard().text() == reply

@@ -112,6 +112,7 @@ class MainWindow(QMainWindow):
         self._action(m, "&New conversation", chat.new_conversation, QKeySequence.StandardKey.New, "new")
         self._action(m, "&Rename conversation…", self.chat.rename_current, "F2", "rename")
         self._action(m, "&Delete conversation", self.chat.delete_current, None, "delete")
+        self._action(m, "E&xport conversation…", self.export_conversation_dialog, "Ctrl+Shift+E", "export-chat")
         m.addSeparator()
         self._action(m, "&Stop", chat.stop, "Esc", "stop")
         self._action(m, "Re&generate", chat.regenerate, "Ctrl+R", "regenerate")
@@ -287,6 +288,29 @@ class MainWindow(QMainWindow):
         dlg.rescan()
         dlg.exec()
         return dlg
+
+    def export_conversation_dialog(self) -> None:
+        chat = self.ctx.chat
+        if chat.current is None:
+            dialogs.show_error(self, D.Failure(D.ERR_NO_MODEL, "Nothing to export", "Open a conversation first."))
+            return
+        directory = self.settings.export_dir or str(Path.home())
+        name = "".join(c if c.isalnum() or c in " -_" else "_" for c in chat.current.title).strip() or "conversation"
+        dlg = self.file_dialog(
+            "Export the conversation", True, "Markdown (*.md);;JSON (*.json)", str(Path(directory) / f"{name}.md")
+        )
+        if dlg.exec() != QDialog.DialogCode.Accepted or not dlg.selectedFiles():
+            return
+        path = dlg.selectedFiles()[0]
+        if not path.lower().endswith((".md", ".json")):
+            path += ".json" if "json" in dlg.selectedNameFilter().lower() else ".md"
+        try:
+            chat.export(path)
+        except OSError as e:
+            dialogs.show_error(self, D.Failure(D.ERR_ENGINE, "Export failed", str(e)))
+            return
+        self.settings.export_dir = str(Path(path).parent)
+        self.statusBar().showMessage(f"Exported {Path(path).name}", 8000)
 
     def export_dialog(self) -> None:
         if not self.bridge.has_model:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QTextOption
+from PySide6.QtGui import QGuiApplication, QTextOption
 from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
 
 from sharpi_gui import data as D
@@ -53,6 +53,8 @@ class MessageWidget(QFrame):
         self.header = QLabel(ROLE_NAMES.get(role, role))
         self.header.setObjectName("role")
         self.body = _MarkdownText(self)
+        self.body.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.body.customContextMenuRequested.connect(self._context_menu)
         self.footer = QLabel()
         self.footer.setObjectName("meta")
         lay.addWidget(self.header)
@@ -68,6 +70,16 @@ class MessageWidget(QFrame):
             self.body.setPlainText(text)  # what the user typed, exactly
         else:
             self.body.setHtml(to_html(text))  # CommonMark, Python's __names__ kept (sharpi_gui.markdown)
+
+    def copy(self) -> None:
+        """The whole message to the clipboard, as written (Markdown for replies)."""
+        QGuiApplication.clipboard().setText(self.text)
+
+    def _context_menu(self, pos) -> None:
+        menu = self.body.createStandardContextMenu()
+        menu.addSeparator()
+        menu.addAction("Copy message", self.copy)
+        menu.exec(self.body.mapToGlobal(pos))
 
     def set_meta(self, meta: dict) -> None:
         parts = []

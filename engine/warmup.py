@@ -46,6 +46,7 @@ Progress = Callable[[int, int, bool], None]  # (kernels compiled, total expected
 @dataclass(frozen=True)
 class WarmUp:
     compiled: int  # kernels compiled now (0: all came from numba's cache)
+    kernels: tuple[str, ...]  # their names, in order
     seconds: float
     decode_tok_s: float  # decode speed of the warm-up's last tokens (kernels ready by then)
 
@@ -56,6 +57,7 @@ class CompileCounter:
     def __init__(self, on_change: Callable[[int, bool], None] | None = None):
         self.started = 0  # outermost compilations begun
         self.done = 0  # outermost compilations finished
+        self.names: list[str] = []  # the kernels compiled, in order
         self._depth = 0
         self._thread = threading.get_ident()
         self._on_change = on_change or (lambda done, busy: None)
@@ -70,6 +72,8 @@ class CompileCounter:
                 counter._depth += 1
                 if counter._depth == 1:
                     counter.started += 1
+                    d = ev.data.get("dispatcher")
+                    counter.names.append(getattr(getattr(d, "py_func", None), "__qualname__", str(d)))
                     counter._on_change(counter.done, True)
 
             def on_end(self, ev) -> None:
@@ -198,4 +202,4 @@ def warm_up(session, progress: Progress | None = None) -> WarmUp:
     seconds = time.perf_counter() - t0
     session.reset()
     session.reset_stats()
-    return WarmUp(counter.done, seconds, last.decode_tok_s if last is not None else 0.0)
+    return WarmUp(counter.done, tuple(counter.names), seconds, last.decode_tok_s if last is not None else 0.0)

@@ -38,13 +38,20 @@ QUESTIONS = (
 
 def _child(model: str | None, mode: str, n_questions: int) -> dict:
     t0 = time.perf_counter()
+    import torch
+
     from engine.api import AUTO_CTX, LoadOptions, Session
     from engine.demo import demo_model_path
     from engine.generate import SamplingParams
+    from engine.plan import PlanRequest
     from engine.warmup import warm_up
 
-    s = Session.load(model or str(demo_model_path()), LoadOptions(n_ctx=AUTO_CTX))
-    out: dict = {"mode": mode, "loaded_s": round(time.perf_counter() - t0, 2)}
+    # As the app and `sharpi run` place it: on the GPU when there is one (as many layers as fit, the
+    # expert mode the planner picks), else everything on the CPU.
+    gpu = PlanRequest(n_gpu_layers=-1) if torch.cuda.is_available() else None
+    s = Session.load(model or str(demo_model_path()), LoadOptions(n_ctx=AUTO_CTX, placement=gpu))
+    where = s.applied.describe() if s.applied else "all layers on the CPU"
+    out: dict = {"mode": mode, "placement": where, "loaded_s": round(time.perf_counter() - t0, 2)}
     if mode == "warmup":
         stamps: list[float] = []  # a kernel's compilation begins, ends, the next begins, ... (never nested)
         w = warm_up(s, lambda k, n, estimated: stamps.append(time.perf_counter()))

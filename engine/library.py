@@ -9,14 +9,14 @@ alone (no weight is read): :func:`engine.preflight.refusal` (no weights; more th
 an architecture the engine runs, then the planner's placement at the model's default context for this
 machine's GPU memory (none: everything on the CPU) and that placement's predicted tok/s.
 
-    for entry in scan(default_folders()):
+    for entry in scan(default_folders(environment)):
         print(entry.name, entry.verdict, entry.predicted_tok_s)
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,9 +38,9 @@ class LibraryEntry:
     speeds: str = ""  # where the prediction's speeds come from ("default speeds", "measured ...")
 
 
-def default_folders(env: dict | None = None, home: Path | None = None) -> list[Path]:
-    """The usual places models are downloaded to, those that exist."""
-    env = os.environ if env is None else env
+def default_folders(env: Mapping[str, str], home: Path | None = None) -> list[Path]:
+    """The usual places models are downloaded to, those that exist. ``env``: the process environment
+    the caller read (``HF_HOME``, ``HF_HUB_CACHE`` are the Hugging Face hub's own variables)."""
     home = Path.home() if home is None else home
     hf = Path(env["HF_HOME"]) / "hub" if env.get("HF_HOME") else home / ".cache" / "huggingface" / "hub"
     candidates = [

@@ -723,7 +723,7 @@ class EngineBridge(QObject):
 
     def library_folders(self) -> list[str]:
         """The folders models are usually downloaded to that exist here (engine.library)."""
-        return [str(p) for p in default_folders()]
+        return [str(p) for p in default_folders(os.environ)]
 
     def scan_library(self, folders: list[str]) -> None:
         """Judge every GGUF file under ``folders`` from its header (engine.library: can it run here, how

@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from engine import config
+
 QUESTIONS = (
     "Explain the for statement",
     "What is a decorator?",
@@ -77,7 +79,7 @@ def _child(model: str | None, mode: str, n_questions: int) -> dict:
 
 
 def _run(model: str | None, mode: str, n: int, cache: str) -> dict:
-    env = dict(os.environ, NUMBA_CACHE_DIR=cache, SHARPI_CALIBRATION_DIR=os.path.join(cache, "calibration"))
+    env = config.child_environ({"NUMBA_CACHE_DIR": cache, "SHARPI_CALIBRATION_DIR": os.path.join(cache, "calibration")})
     cmd = [sys.executable, "-m", "engine.bench.first_run", "--child", mode, "--questions", str(n)]
     if model:
         cmd += ["-m", model]

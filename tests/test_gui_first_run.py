@@ -190,7 +190,10 @@ def test_export_a_conversation_and_copy_a_message(qtbot, tmp_path, monkeypatch, 
     rec.files += [str(tmp_path / "chat.json"), str(tmp_path / "chat")]
     w.export_conversation_dialog()
     doc = json.loads((tmp_path / "chat.json").read_text(encoding="utf-8"))
-    assert [(m["role"], m["content"]) for m in doc["messages"]] == [("user", "What is __import__?"), ("assistant", reply)]
+    assert [(m["role"], m["content"]) for m in doc["messages"]] == [
+        ("user", "What is __import__?"),
+        ("assistant", reply),
+    ]
     assert doc["title"] == "What is __import__?" and "decode_tok_s" in doc["messages"][1]
     w.export_conversation_dialog()  # no suffix: Markdown, named so
     md = (tmp_path / "chat.md").read_text(encoding="utf-8")

@@ -352,6 +352,7 @@ class MainWindow(QMainWindow):
 
     # -- closing ----------------------------------------------------------------------------------------
     def closeEvent(self, e: QCloseEvent) -> None:
+        self.settings.loading_model = ""  # quitting during a load is not a load that never ended
         self.settings.save_window_state(self.saveGeometry(), self.saveState())
         self.settings.sync()
         self.ctx.close()

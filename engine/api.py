@@ -23,7 +23,7 @@ from engine.generate.events import FINISH_CANCELLED
 from engine.gguf import open_gguf
 from engine.modelinfo import ModelInfo, describe
 from engine.models import check_model_file
-from engine.plan import DeviceProfile, ModelSpec, Placement, PlanRequest, plan, resolve_kv_type
+from engine.plan import DeviceProfile, ModelSpec, Placement, PlanRequest, default_ctx, plan, resolve_kv_type
 from engine.plan.sizing import HostLoad, host_load
 from engine.profiler import ProfilerSnapshot
 from engine.profiler import export as export_profile
@@ -34,10 +34,12 @@ from engine.tokenizer.chat import RenderCancelled
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int, str], None]  # (done, total, what)
 
+AUTO_CTX = 0  # LoadOptions.n_ctx: the model's own default context, engine.plan.default_ctx(n_ctx_train)
+
 
 @dataclass(frozen=True)
 class LoadOptions:
-    n_ctx: int = 4096  # context size in tokens
+    n_ctx: int = 4096  # context size in tokens; AUTO_CTX (0) = default_ctx(the model's training context)
     kv_type: str | None = None  # f32 | bf16 | q8_0; None = engine.kv_type ($SHARPI_KV_DTYPE) or f32
     q8_act: bool = True  # quantize activations like llama.cpp before quantized dot products
     device: str | None = None  # "cuda" | "cpu" (the simulated device); None = cuda if available
@@ -170,7 +172,7 @@ class Session:
         from engine.tokenizer import load_tokenizer
         from engine.tokenizer.chat import ChatTemplate
 
-        if options.n_ctx < 8:
+        if options.n_ctx != AUTO_CTX and options.n_ctx < 8:
             raise UsageError(f"context size {options.n_ctx} is too small (at least 8)")
         self.options = options
         self.engine_options = options.engine  # handed to the planner's request and every apply
@@ -182,8 +184,8 @@ class Session:
             self.info: ModelInfo = describe(self.gf)
             check_model_file(self.gf)  # the architecture's own errors before the sizes are read
             self.kv_type = resolve_kv_type(options.kv_type, options.engine.kv_type)
-            self.n_ctx = options.n_ctx
             self._spec: ModelSpec | None = ModelSpec.from_gguf(self.gf)
+            self.n_ctx = options.n_ctx if options.n_ctx != AUTO_CTX else default_ctx(self._spec.n_ctx_train)
             self.memory = memory_plan(
                 self._spec,
                 ctx=self.n_ctx,
@@ -327,6 +329,32 @@ class Session:
         return generate(
             self.model, self.tokenizer, self.cache, self.state, ids, params or SamplingParams(), cancel, constraint
         )
+
+    def fit_messages(self, messages: list[dict], max_tokens: int) -> tuple[list[dict], int]:
+        """``messages`` with the oldest turns dropped until the rendered prompt leaves room for a reply
+        of ``max_tokens`` tokens, at most half the context; returns (messages kept, how many were
+        dropped). The CLI's chat and the app call it before each reply, so a conversation never
+        outgrows the context: its oldest turns leave it instead. System messages and
+        the last message always stay; turns go oldest first, a user message with the replies that
+        follow it. If even that does not fit, everything droppable is dropped (generation then says
+        the prompt is too long)."""
+        messages = clean_messages(messages)
+        budget = self.n_ctx - min(max(0, int(max_tokens)), self.n_ctx // 2)
+
+        def n_tokens(ms: list[dict]) -> int:
+            return len(self.tokenizer.encode(self.render_chat(ms), add_bos=None, parse_special=True))
+
+        kept = list(messages)
+        while n_tokens(kept) > budget:
+            body = [i for i, m in enumerate(kept[:-1]) if m.get("role") != "system"]
+            if not body:
+                break
+            first = body[0]
+            end = first + 1  # the turn: this message and the non-user, non-system ones after it
+            while end < len(kept) - 1 and kept[end].get("role") not in ("user", "system"):
+                end += 1
+            del kept[first:end]
+        return kept, len(messages) - len(kept)
 
     def cancel(self) -> None:
         """Stop the generation in progress after the current token (any thread); a generation given its own

@@ -12,7 +12,9 @@ Drives the app as a user would: opens the model, places it with a small expert c
     docs/screenshots/experts-dock.png     the experts dock: live heatmap and plots
 
 Without the demo model it writes a synthetic one (random weights: the text is noise, the
-placement and expert views are real).
+placement and expert views are real). On a machine without a GPU the app itself offers no device
+(its dock says so); these screenshots ask for the engine's simulated device to show the device
+placement views, as a machine with a GPU shows them.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     isolate_application()  # never the user's settings or conversations
     themes = ThemeManager(app, dark=args.dark)
     tmp = Path(tempfile.mkdtemp(prefix="sharpi-shots-"))
-    window = create_window(str(tmp / "data"), settings_file(tmp), themes)
+    window = create_window(str(tmp / "data"), settings_file(tmp), themes, simulate_device=True)
     window.resize(*SIZE)
     window.show()
     s = window.settings

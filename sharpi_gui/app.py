@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from PySide6.QtCore import QSettings
@@ -25,10 +26,13 @@ def create_window(
     data_dir: str | None = None,
     qsettings: QSettings | None = None,
     themes: ThemeManager | None = None,
+    simulate_device: bool = False,
 ) -> MainWindow:
-    """A main window over a fresh bridge; ``data_dir`` / ``qsettings`` default to the user's."""
+    """A main window over a fresh bridge; ``data_dir`` / ``qsettings`` default to the user's.
+    ``simulate_device``: without a GPU, offer the engine's simulated device (tests of the device
+    placement controls); the app never does, it says there is no GPU."""
     store = ConversationStore(data_dir if data_dir is not None else app_data_dir())
-    ctx = AppContext.build(EngineBridge(), store, Settings(qsettings), themes)
+    ctx = AppContext.build(EngineBridge(simulate_device=simulate_device), store, Settings(qsettings), themes)
     return MainWindow(ctx)
 
 
@@ -40,13 +44,31 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def no_display_reason(env=None) -> str:
+    """Why Qt cannot open a window here ("" if it may): on Linux, no X11 or Wayland display and no
+    other Qt platform asked for. (Qt itself then aborts with a misleading "libxcb-cursor0 is needed".)"""
+    env = os.environ if env is None else env
+    if not sys.platform.startswith("linux") or env.get("QT_QPA_PLATFORM", "") not in ("", "xcb", "wayland"):
+        return ""
+    if env.get("DISPLAY") or env.get("WAYLAND_DISPLAY"):
+        return ""
+    return (
+        "sharpi-gui: no display to open a window on (neither DISPLAY nor WAYLAND_DISPLAY is set). Run it in "
+        "a desktop session, over `ssh -X`, or under `xvfb-run`; in a terminal, `sharpi run --chat` chats."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    reason = "" if QApplication.instance() else no_display_reason()
+    if reason:
+        print(reason, file=sys.stderr)
+        return 1
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setOrganizationName(ORGANIZATION)
     app.setApplicationName(APPLICATION)
-    app.setApplicationDisplayName("SharpI")
+    # No application display name: Qt would append it to every window title ("SharpI — model — SharpI").
     themes = ThemeManager(app, dark=args.dark)
     window = create_window(args.data_dir, None, themes)
     window.show()

@@ -29,7 +29,7 @@ import numpy as np
 from PySide6.QtCore import QCoreApplication, QObject, QThread, Signal, Slot
 
 from engine import config
-from engine.api import LoadOptions, Session
+from engine.api import AUTO_CTX, LoadOptions, Session
 from engine.bench.calibrate import speed_profile
 from engine.errors import (
     ChatTemplateError,
@@ -42,10 +42,14 @@ from engine.errors import (
     UsageError,
 )
 from engine.generate import SamplingParams
+from engine.library import default_folders
+from engine.library import scan as library_scan
 from engine.plan import DeviceProfile, ModelSpec, PlanError, PlanRequest
 from engine.plan import plan as plan_placement
 from engine.plan.profile import profile_source
+from engine.preflight import refusal
 from engine.profiler import export as export_profile
+from engine.warmup import WarmUp, warm_up
 from sharpi_gui import data as D
 
 log = logging.getLogger(__name__)
@@ -100,8 +104,6 @@ MiB = 1 << 20
 _CTX_LADDER = tuple(sorted({2**k for k in range(8, 21)} | {3 * 2**k for k in range(7, 20)}))
 # The VRAM slider ends this far above what the whole model needs (when the device has more).
 _VRAM_HEADROOM = 1.25
-AUTO_CTX_MAX = 8192  # an automatic context: the training context, at most this (KV memory)
-AUTO_CTX_PROBE = 256  # the context an automatic-context load starts with, before re-placing
 SAMPLING_KEYS = (
     "temperature",
     "top_k",
@@ -267,11 +269,40 @@ def _ctx_values(n_ctx_train: int, current: int) -> tuple[int, ...]:
 
 
 def _limits(
-    session: Session, spec: ModelSpec, profile: DeviceProfile, requested: D.PlanSettings | None
+    session: Session,
+    spec: ModelSpec,
+    profile: DeviceProfile,
+    requested: D.PlanSettings | None,
+    measured_tok_s: float = 0.0,
+    offer_device: bool = True,
 ) -> D.PlacementLimits:
     """Ranges of the placement controls; ``requested``: the settings that made the placement in
-    force (None when the model runs on the CPU: the controls then propose the automatic plan)."""
+    force (None when the model runs on the CPU: the controls then propose the automatic plan).
+    Without a GPU the only placement is the CPU: the controls offer its context and KV type."""
     ctx_values = _ctx_values(spec.n_ctx_train, session.n_ctx)
+    if not offer_device:
+        current = D.PlanSettings(vram_bytes=0, ctx=session.n_ctx, kv_type=session.kv_type, n_gpu_layers=0)
+        whatif = replace(
+            _limits(session, spec, profile, None, measured_tok_s, offer_device=True),
+            device_name="hypothetical GPU, default speeds",
+            in_force="",
+        )
+        return D.PlacementLimits(
+            device_name="",
+            device_vram_bytes=0,
+            vram_max_bytes=MiB,
+            vram_step_bytes=MiB,
+            ctx_values=ctx_values,
+            n_layer=spec.n_layer,
+            is_moe=spec.is_moe,
+            current=current,
+            applied=None,
+            in_force="CPU only (no GPU found)",
+            has_gpu=False,
+            n_ctx_train=spec.n_ctx_train,
+            measured_tok_s=measured_tok_s,
+            whatif=whatif,
+        )
     # The most the model can use: every layer and expert on the device at the widest settings.
     widest = PlanRequest(ctx=ctx_values[-1], kv_type="f32", moe="resident" if spec.is_moe else "auto")
     try:
@@ -306,6 +337,8 @@ def _limits(
         current=current,
         applied=applied,
         in_force=in_force,
+        n_ctx_train=spec.n_ctx_train,
+        measured_tok_s=measured_tok_s,
     )
 
 
@@ -325,20 +358,31 @@ def _plan(loaded: _Loaded, settings: D.PlanSettings):
 # -- the worker (lives on the engine thread) ---------------------------------------------------------
 
 
+class _LoadCancelled(Exception):
+    """Raised from a load's progress callback once the user pressed Cancel."""
+
+
+def _cancelled(path: str) -> D.Failure:
+    return D.Failure(D.ERR_CANCELLED, "Loading cancelled", f"{Path(path).name} was not opened.")
+
+
 class _Worker(QObject):
     progress = Signal(int, int, str)
     loaded = Signal(object)  # _Loaded
     warning = Signal(str)  # something the user should know that is not an error
     loadFailed = Signal(object)  # Failure
     token = Signal(int, str, object)  # request id, text delta, GenStats
+    trimmed = Signal(int, int, int)  # request id, messages left out of the prompt, context size
     finished = Signal(int, object)  # request id, final GenStats
     failed = Signal(int, object)  # request id, Failure
     applied = Signal(object)  # _Loaded (with the new placement's limits)
     applyFailed = Signal(object)  # Failure
     waiting = Signal(int)  # request id: the chat waits for an API request to finish (the local server)
 
-    def __init__(self, model_lock: threading.Lock) -> None:
+    def __init__(self, model_lock: threading.Lock, simulate_device: bool = False) -> None:
         super().__init__()
+        self.simulate_device = simulate_device  # without a GPU, offer the simulated device (tests)
+        self.cancel_load = threading.Event()  # set by the UI thread: the load in progress stops
         self.current: _Loaded | None = None  # replaced whole, so a reader sees one consistent value
         self.n_generated = 0  # tokens of the generation in progress (read by Stop)
         # Held around everything that uses or replaces the session; the local server's requests take it
@@ -354,17 +398,35 @@ class _Worker(QObject):
 
     @Slot(str, int, str, object)
     def load(self, path: str, n_ctx: int, kv_type: str, placement: D.PlanSettings | None) -> None:
-        """Open ``path`` with ``n_ctx`` tokens of context (0 = the model's training context, at most
-        AUTO_CTX_MAX); place it as ``placement`` asks (vram_bytes, moe, n_gpu_layers), else on the
+        """Open ``path`` with ``n_ctx`` tokens of context (0 = the model's default, as ``sharpi run``:
+        engine.plan.default_ctx); place it as ``placement`` asks (vram_bytes, moe, n_gpu_layers), else on the
         GPU when there is one (as ``sharpi run``), else everything on the CPU."""
         title = f"Could not open {Path(path).name}"
         try:
+            # A file that cannot run here (no weights, more than RAM + GPU memory) is refused before
+            # any weight is read, with the reason.
+            self.progress.emit(0, 4, "checking the file")
+            reason = refusal(path)
+        except Exception as e:  # every failure becomes a dialog, never a crash
+            self._log(e)
+            self.loadFailed.emit(_failure(e, title))
+            return
+        if reason:
+            self.loadFailed.emit(D.Failure(D.ERR_CANNOT_RUN, f"{Path(path).name} cannot run here", reason))
+            return
+
+        def report(done: int, total: int, what: str) -> None:
+            if self.cancel_load.is_set():
+                raise _LoadCancelled
+            self.progress.emit(done, total, what)
+
+        try:
             session = Session.load(
-                path,
-                # An automatic context is known only once the header is read: start small, re-place.
-                LoadOptions(n_ctx=n_ctx if n_ctx > 0 else AUTO_CTX_PROBE, kv_type=kv_type or None),
-                progress=lambda done, total, what: self.progress.emit(done, total, what),
+                path, LoadOptions(n_ctx=n_ctx if n_ctx > 0 else AUTO_CTX, kv_type=kv_type or None), progress=report
             )
+        except _LoadCancelled:
+            self.loadFailed.emit(_cancelled(path))
+            return
         except Exception as e:  # every failure becomes a dialog, never a crash
             self._log(e)
             self.loadFailed.emit(_failure(e, title))
@@ -374,10 +436,17 @@ class _Worker(QObject):
             if session.device.type == "cuda":
                 self.progress.emit(3, 4, "measuring the device (once per machine)")
             profile = _device_profile(session)
-            ctx = n_ctx if n_ctx > 0 else min(spec.n_ctx_train, AUTO_CTX_MAX)
+            ctx = session.n_ctx
             requested = self._initial_placement(session, profile, placement, ctx)
-            limits = _limits(session, spec, profile, requested)
+            warm = self._warm_up(session, report)
+            limits = _limits(
+                session, spec, profile, requested, warm.decode_tok_s if warm else 0.0, self.offers_device(session)
+            )
             loaded = _Loaded(session, spec, profile, _card(session, spec), limits)
+        except _LoadCancelled:
+            session.close()
+            self.loadFailed.emit(_cancelled(path))
+            return
         except Exception as e:
             session.close()
             self._log(e)
@@ -391,11 +460,32 @@ class _Worker(QObject):
                 old.session.close()
         self.loaded.emit(loaded)
 
+    def _warm_up(self, session: Session, report) -> WarmUp | None:
+        """Run the model once so the first question finds its kernels ready (engine.warmup): on a
+        machine that never compiled them, this is where they compile, with "k of N" on screen.
+        ``report``: the load's progress (raises _LoadCancelled when Cancel was pressed)."""
+        report(4, 4, "warming up")
+
+        def kernels(k: int, n: int, estimated: bool) -> None:
+            report(k, n, f"{D.PREPARING} — {k} of {'about ' if estimated else ''}{n}")
+
+        try:
+            return warm_up(session, kernels)
+        except SharpIError as e:  # a model that cannot run a short prompt says so on the first question
+            log.info("warm-up skipped: %s", e)
+            return None
+
+    def offers_device(self, session: Session) -> bool:
+        """Whether the placement controls offer a device: a GPU, or the simulated one when asked."""
+        return session.device.type == "cuda" or self.simulate_device
+
     def _initial_placement(
         self, session: Session, profile: DeviceProfile, saved: D.PlanSettings | None, ctx: int
     ) -> D.PlanSettings | None:
         """Place a freshly loaded session; returns the settings in force (None: the CPU)."""
         cpu_only = D.PlanSettings(vram_bytes=0, ctx=ctx, kv_type=session.kv_type, n_gpu_layers=0)
+        if not self.offers_device(session):
+            saved = None  # a placement saved on a machine with a GPU: here there is none to use
         if saved is not None:
             wanted = replace(saved, ctx=ctx, kv_type=session.kv_type)
         elif session.device.type == "cuda":
@@ -430,6 +520,10 @@ class _Worker(QObject):
                 self.finished.emit(rid, D.GenStats(finish_reason="cancelled" if cur is not None else None))
                 return
             params = SamplingParams(**sampling)
+            # A conversation longer than the context loses its oldest turns, never the reply.
+            messages, dropped = cur.session.fit_messages(messages, params.max_tokens)
+            if dropped:
+                self.trimmed.emit(rid, dropped, cur.session.n_ctx)
             final = D.GenStats()
             for ev in cur.session.generate(messages=messages, params=params, cancel=cancel):
                 final = _gen_stats(ev)
@@ -459,7 +553,14 @@ class _Worker(QObject):
             with self.model_lock:  # not while an API request generates
                 cur.session.apply(placement)
             card = _card(cur.session, cur.spec)
-            limits = _limits(cur.session, cur.spec, cur.profile, settings if placement.n_gpu_layers else None)
+            limits = _limits(
+                cur.session,
+                cur.spec,
+                cur.profile,
+                settings if placement.n_gpu_layers else None,
+                cur.limits.measured_tok_s,
+                self.offers_device(cur.session),
+            )
             loaded = replace(cur, card=card, limits=limits)
         except Exception as e:  # the previous placement stays
             self._log(e)
@@ -500,11 +601,14 @@ class EngineBridge(QObject):
     warning = Signal(str)  # a note for the status bar (e.g. a saved placement that no longer fits)
     loadFailed = Signal(object)  # Failure
     token = Signal(int, str, object)  # request id, text delta, GenStats
+    trimmed = Signal(int, int, int)  # request id, oldest messages left out to fit the context, its size
     finished = Signal(int, object)  # request id, final GenStats
     failed = Signal(int, object)  # request id, Failure
     applied = Signal(object, object)  # ModelCard, PlacementLimits
     applyFailed = Signal(object)  # Failure
     statsUpdated = Signal(object)  # StatsFrame
+    libraryEntry = Signal(object)  # LibraryEntry, one per file found (from a background thread)
+    libraryDone = Signal(int)  # files judged
 
     waiting = Signal(int)  # request id: the chat waits while the local server answers a request
     serverChanged = Signal(object)  # ServerStatus
@@ -517,20 +621,21 @@ class EngineBridge(QObject):
 
     default_sampling = DEFAULT_SAMPLING  # the engine's sampling defaults (the settings dialog's "restore")
 
-    def __init__(self, parent: QObject | None = None) -> None:
+    def __init__(self, parent: QObject | None = None, simulate_device: bool = False) -> None:
         super().__init__(parent)
         preload_engine()  # once per process; later calls find everything imported
         self._state = IDLE
         self._rid = 0
         self._stop_event: threading.Event | None = None  # the generation in progress
         self._last_tokens = -1
+        self.loading_path = ""  # the file the latest load opened
         self._thread = QThread()
         self._thread.setObjectName("sharpi-engine")
         self._model_lock = threading.Lock()
         self._host_lock = threading.RLock()  # hands the loaded model to the server's host
         self._server = None  # engine.server.UvicornServer while the local server runs
         self._server_host = None  # its engine.server.ModelHost
-        self._worker = _Worker(self._model_lock)
+        self._worker = _Worker(self._model_lock, simulate_device)
         self._worker.on_replaced = self._follow_model
         self._worker.moveToThread(self._thread)
         self._thread.started.connect(self._worker.start)
@@ -544,6 +649,7 @@ class EngineBridge(QObject):
         w.warning.connect(self.warning)
         w.loadFailed.connect(self._on_load_failed)
         w.token.connect(self.token)
+        w.trimmed.connect(self.trimmed)
         w.finished.connect(self._on_finished)
         w.failed.connect(self._on_failed)
         w.applied.connect(self._on_applied)
@@ -585,6 +691,8 @@ class EngineBridge(QObject):
         if self._state != IDLE:
             return False
         self._set_state(LOADING)
+        self.loading_path = str(path)
+        self._worker.cancel_load.clear()
         self.loadStarted.emit(str(path))
         self._doLoad.emit(str(path), int(n_ctx), kv_type, placement)
         return True
@@ -601,6 +709,12 @@ class EngineBridge(QObject):
         self._worker.stop_waiting.clear()
         self._doGenerate.emit(self._rid, [dict(m) for m in messages], params, self._stop_event)
         return self._rid
+
+    def cancel_load(self) -> None:
+        """Stop the load in progress at its next step (between loading stages, between kernels while
+        they compile); the model loaded before stays."""
+        if self._state == LOADING:
+            self._worker.cancel_load.set()
 
     def use_chatml(self) -> bool:
         """Chat with ChatML instead of the model's failing template (until the next load); False if busy."""
@@ -723,6 +837,30 @@ class EngineBridge(QObject):
         self._last_tokens = snap.tokens_total
         self.statsUpdated.emit(stats_frame(snap))
         return str(j), str(c)
+
+    def library_folders(self) -> list[str]:
+        """The folders models are usually downloaded to that exist here (engine.library)."""
+        return [str(p) for p in default_folders(os.environ)]
+
+    def scan_library(self, folders: list[str]) -> None:
+        """Judge every GGUF file under ``folders`` from its header (engine.library: can it run here, how
+        it would be placed, its predicted tok/s) on a background thread; entries arrive one by one
+        (libraryEntry), then libraryDone. The planner uses the loaded model's device profile (this
+        machine's calibrated speeds on CUDA) when there is one."""
+        cur = self._worker.current
+        profile = cur.profile if cur is not None and cur.limits.has_gpu else None
+
+        def work() -> None:
+            n = 0
+            try:
+                for e in library_scan([Path(f) for f in folders], profile=profile):
+                    self.libraryEntry.emit(D.LibraryEntry(**vars(e)))
+                    n += 1
+            except Exception:  # a scan never takes the app down; what was found stays
+                log.exception("model library scan failed")
+            self.libraryDone.emit(n)
+
+        threading.Thread(target=work, name="sharpi-library", daemon=True).start()
 
     def demo_model_path(self) -> str | None:
         """The bundled demo model, if this install has one."""

@@ -7,6 +7,8 @@ the bridge is handed in.
 
 from __future__ import annotations
 
+import json
+
 from PySide6.QtCore import QObject, Signal
 
 from sharpi_gui import data as D
@@ -30,6 +32,7 @@ class ChatModel(QObject):
     streamEnded = Signal(object)  # the saved assistant Message, or None if nothing was produced
     statsChanged = Signal(object)  # GenStats of the latest event
     notice = Signal(object)  # Failure to show inline in the transcript
+    info = Signal(str)  # a note (Markdown) to show inline in the transcript, not an error
     busyChanged = Signal(bool)
 
     def __init__(self, store: ConversationStore, bridge, settings: Settings, parent: QObject | None = None):
@@ -44,6 +47,8 @@ class ChatModel(QObject):
         self._rid = 0
         self._stream_cid = 0
         bridge.token.connect(self._on_token)
+        bridge.trimmed.connect(self._on_trimmed)
+        self._told_trimmed: set[int] = set()  # conversations already told that old turns are left out
         bridge.finished.connect(self._on_finished)
         bridge.failed.connect(self._on_failed)
         last = settings.last_conversation
@@ -119,6 +124,32 @@ class ChatModel(QObject):
         self.current = self.store.conversation(self.current.id)
         self.settings.default_system_prompt = text
 
+    def export(self, path: str, cid: int | None = None) -> str:
+        """Write a conversation (default: the open one) to ``path``: JSON (``.json``: title, system
+        prompt, messages with their speed figures) or Markdown (anything else). Returns the path."""
+        cid = cid if cid is not None else (self.current.id if self.current else 0)
+        conv = self.store.conversation(cid)
+        if conv is None:
+            raise OSError("no conversation to export")
+        msgs = self.store.messages(cid)
+        if path.lower().endswith(".json"):
+            doc = {
+                "title": conv.title,
+                "system_prompt": conv.system_prompt,
+                "messages": [{"role": m.role, "content": m.content, "created": m.created, **m.meta} for m in msgs],
+            }
+            text = json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
+        else:
+            parts = [f"# {conv.title}\n"]
+            if conv.system_prompt.strip():
+                parts.append(f"**System prompt:** {conv.system_prompt.strip()}\n")
+            for m in msgs:
+                parts.append(f"## {'You' if m.role == 'user' else 'Assistant'}\n\n{m.content.strip()}\n")
+            text = "\n".join(parts)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return path
+
     # -- generation ---------------------------------------------------------------------------------
     def send(self, text: str) -> bool:
         """Save ``text`` as the user's message and start the reply. False if nothing was sent."""
@@ -186,6 +217,16 @@ class ChatModel(QObject):
         self.streamText.emit(self.stream)
         self.statsChanged.emit(stats)
 
+    def _on_trimmed(self, rid: int, dropped: int, n_ctx: int) -> None:
+        if rid != self._rid or self._stream_cid in self._told_trimmed:
+            return
+        self._told_trimmed.add(self._stream_cid)
+        self.info.emit(
+            f"This conversation no longer fits the model's context of {n_ctx:,} tokens, so its oldest "
+            "turns are left out of what the model reads (the system prompt and the latest turns stay). "
+            "They stay here in the transcript."
+        )
+
     def _save_reply(self, stats: D.GenStats) -> D.Message | None:
         if not self.stream or self.store.conversation(self._stream_cid) is None:  # nothing, or deleted meanwhile
             return None
@@ -220,8 +261,8 @@ class ChatModel(QObject):
                 D.Failure(
                     D.ERR_CONTEXT,
                     "Context full",
-                    f"{stats.message or 'The context is full'}. Start a new conversation, or raise the "
-                    "context size in the placement dock and apply it.",
+                    f"{stats.message or 'The context is full'}, so the reply stops here. Send another "
+                    "message to go on: the oldest turns make room for it.",
                 )
             )
 

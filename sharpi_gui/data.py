@@ -26,6 +26,10 @@ ERR_NO_MODEL = "no-model"  # nothing loaded yet
 ERR_TEMPLATE = "template"  # the model's chat template failed (the app offers ChatML instead)
 ERR_ENGINE = "engine"  # any other SharpIError
 ERR_INTERNAL = "internal"  # a bug: an exception the engine did not mean to raise
+ERR_CANNOT_RUN = "cannot-run"  # refused before loading: no weights, or more than RAM + GPU memory
+ERR_CANCELLED = "cancelled"  # the user cancelled the load
+
+PREPARING = "Preparing CPU kernels, first run only"  # load progress while the model's kernels compile
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,23 @@ class GenStats:
 
 
 @dataclass(frozen=True)
+class LibraryEntry:
+    """A GGUF file found on this machine with the planner's verdict on it (engine.library)."""
+
+    path: str
+    name: str
+    architecture: str = ""
+    file_size: int = 0
+    quant: str = ""
+    n_ctx_train: int = 0
+    runnable: bool = False
+    verdict: str = ""  # a few words: why not, or how it would be placed
+    detail: str = ""  # the verdict in full
+    predicted_tok_s: float | None = None
+    speeds: str = ""  # where the prediction's speeds come from
+
+
+@dataclass(frozen=True)
 class PlanSettings:
     """What the placement dock asks for: the two sliders and the selectors."""
 
@@ -101,6 +122,10 @@ class PlacementLimits:
     current: PlanSettings  # where the controls start: the settings in force, or a proposal
     applied: PlanSettings | None = None  # the settings in force (None = everything on the CPU)
     in_force: str = ""  # one line on where the model runs now (the status bar shows it)
+    has_gpu: bool = True  # False: no CUDA device; the model runs on the CPU and nothing else is offered
+    n_ctx_train: int = 0  # the context the model was trained for (the context slider's top)
+    measured_tok_s: float = 0.0  # decode tok/s the warm-up measured at load (0: not measured)
+    whatif: PlacementLimits | None = None  # without a GPU: the controls for planning a hypothetical one
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ class PlacementModel(QObject):
     previewChanged = Signal(object)  # PlanPreview
     applyFailed = Signal(object)  # Failure
     appliedChanged = Signal(object)  # PlanSettings now in force (None: the CPU)
+    whatifChanged = Signal(bool)  # planning for a GPU this machine does not have (never applied)
 
     def __init__(self, bridge, parent: QObject | None = None):
         super().__init__(parent)
@@ -30,6 +31,8 @@ class PlacementModel(QObject):
         self.settings: D.PlanSettings | None = None
         self.applied: D.PlanSettings | None = None
         self.preview: D.PlanPreview | None = None
+        self.machine: D.PlacementLimits | None = None  # this machine's limits (self.limits in what-if mode)
+        self.whatif = False
         self.replans = 0  # how many plans were computed (tests check the throttle with it)
         self._pending = False
         self._timer = QTimer(self)
@@ -42,8 +45,12 @@ class PlacementModel(QObject):
 
     @property
     def dirty(self) -> bool:
-        """The controls differ from the placement in force."""
-        return self.settings is not None and self.settings != self.applied
+        """The controls differ from the placement in force (without a GPU: the CPU's context and KV)."""
+        if self.settings is None:
+            return False
+        if self.limits is not None and not self.limits.has_gpu:
+            return self.settings != self.limits.current
+        return self.settings != self.applied
 
     # -- control changes ----------------------------------------------------------------------------
     def set_vram(self, vram_bytes: int) -> None:
@@ -67,7 +74,18 @@ class PlacementModel(QObject):
             self._set(self.applied or self.limits.current)
 
     def apply(self) -> bool:
+        if self.whatif:
+            return False  # a plan for a GPU this machine does not have is never applied
         return self.settings is not None and self.bridge.apply(self.settings)
+
+    def set_whatif(self, on: bool) -> None:
+        """Plan for a hypothetical GPU (the machine has none; nothing can be applied), or back."""
+        on = bool(on) and self.machine is not None and self.machine.whatif is not None
+        if on == self.whatif:
+            return
+        self.whatif = on
+        self.whatifChanged.emit(on)
+        self._show(self.machine.whatif if on else self.machine)
 
     # -- plumbing -----------------------------------------------------------------------------------
     def _change(self, **kw) -> None:
@@ -98,6 +116,13 @@ class PlacementModel(QObject):
         self.previewChanged.emit(self.preview)
 
     def _on_loaded(self, _card, limits: D.PlacementLimits) -> None:
+        self.machine = limits
+        if self.whatif:
+            self.whatif = False
+            self.whatifChanged.emit(False)
+        self._show(limits)
+
+    def _show(self, limits: D.PlacementLimits) -> None:
         self.limits = limits
         self.applied = limits.applied  # None: the model runs on the CPU; the controls propose a plan
         self.limitsChanged.emit(limits)

@@ -15,7 +15,7 @@ from sharpi_gui.data import MOE_CHOICES, PlanSettings
 ORGANIZATION = "SharpI"
 APPLICATION = "SharpI"
 MAX_RECENT = 8
-AUTO_CTX = 0  # the model's training context (capped by the bridge)
+AUTO_CTX = 0  # the model's default context (engine.plan.default_ctx, as the CLI's)
 
 
 class Settings:
@@ -62,14 +62,33 @@ class Settings:
         return recent[0] if recent else ""
 
     @property
-    def n_ctx(self) -> int:
-        """Context to load models with; 0 = automatic (the model's own)."""
-        v = self._get("models/n_ctx", AUTO_CTX, int)
-        return v if v >= 8 else AUTO_CTX
+    def loading_model(self) -> str:
+        """The model a load was started for and has not ended (loaded, failed or cancelled) yet."""
+        return self._get("models/loading", "", str)
 
-    @n_ctx.setter
-    def n_ctx(self, value: int) -> None:
-        self.q.setValue("models/n_ctx", int(value))
+    @loading_model.setter
+    def loading_model(self, path: str) -> None:
+        self.q.setValue("models/loading", path)
+
+    @property
+    def library_folders(self) -> list[str]:
+        """Folders the user added to the model library (the usual download folders come on top)."""
+        return [str(p) for p in self._json("library/folders", []) if isinstance(p, str)]
+
+    @library_folders.setter
+    def library_folders(self, folders: list[str]) -> None:
+        self.q.setValue("library/folders", json.dumps(list(folders)))
+
+    def ctx_for(self, path: str) -> int:
+        """The context to load ``path`` with: the one last applied to that model, else AUTO_CTX (the
+        model's default, as ``sharpi run`` gives it). One model's setting never carries to another."""
+        v = self._json("models/ctx_by_model", {}).get(str(path), AUTO_CTX)
+        return v if isinstance(v, int) and v >= 8 else AUTO_CTX
+
+    def set_ctx_for(self, path: str, ctx: int) -> None:
+        d = self._json("models/ctx_by_model", {})
+        d[str(path)] = int(ctx)
+        self.q.setValue("models/ctx_by_model", json.dumps(d))
 
     @property
     def kv_type(self) -> str:
@@ -89,7 +108,8 @@ class Settings:
             return None
         if vram < 0 or moe not in MOE_CHOICES or g < -1:
             return None
-        return PlanSettings(vram_bytes=vram, ctx=self.n_ctx, kv_type=self.kv_type or "f32", moe=moe, n_gpu_layers=g)
+        # the context is the model's own (ctx_for): the bridge sets it when it places the model
+        return PlanSettings(vram_bytes=vram, ctx=AUTO_CTX, kv_type=self.kv_type or "f32", moe=moe, n_gpu_layers=g)
 
     @placement.setter
     def placement(self, s: PlanSettings | None) -> None:
@@ -99,7 +119,6 @@ class Settings:
         self.q.setValue(
             "models/placement", json.dumps({"vram_bytes": s.vram_bytes, "moe": s.moe, "n_gpu_layers": s.n_gpu_layers})
         )
-        self.n_ctx = s.ctx
         self.kv_type = s.kv_type
 
     # -- chat -------------------------------------------------------------------------------------

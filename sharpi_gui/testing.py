@@ -27,12 +27,14 @@ def settings_file(directory: Path) -> QSettings:
     return QSettings(str(Path(directory) / "settings.ini"), QSettings.Format.IniFormat)
 
 
-def make_window(qtbot, directory: Path, show: bool = True):
-    """A MainWindow storing conversations and settings under ``directory``; closed by qtbot."""
+def make_window(qtbot, directory: Path, show: bool = True, simulate_device: bool = True):
+    """A MainWindow storing conversations and settings under ``directory``; closed by qtbot.
+    ``simulate_device``: without a GPU the placement controls work on the engine's simulated device
+    (what the device-placement tests need); False: the app as a user without a GPU sees it."""
     from sharpi_gui.app import create_window
 
     isolate_application()
-    window = create_window(str(Path(directory) / "data"), settings_file(directory))
+    window = create_window(str(Path(directory) / "data"), settings_file(directory), simulate_device=simulate_device)
     qtbot.addWidget(window, before_close_func=lambda w: w.ctx.close())
     if show:
         window.show()

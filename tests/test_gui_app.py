@@ -108,7 +108,10 @@ def test_settings_persist(tmp_path):
     t = Settings(settings_file(tmp_path))
     assert t.recent_models == ["/a.gguf", "/b.gguf"] and t.last_model == "/a.gguf"
     assert t.sampling == {"temperature": 0.1}
-    assert t.placement == D.PlanSettings(vram_bytes=123 << 20, ctx=2048, kv_type="q8_0", moe="cache", n_gpu_layers=3)
+    # The placement is the machine's; the context is each model's own (ctx_for), 0 = the model's default.
+    assert t.placement == D.PlanSettings(vram_bytes=123 << 20, ctx=0, kv_type="q8_0", moe="cache", n_gpu_layers=3)
+    t.set_ctx_for("/a.gguf", 2048)
+    assert Settings(settings_file(tmp_path)).ctx_for("/a.gguf") == 2048 and t.ctx_for("/b.gguf") == 0
     t.q.setValue("models/placement", "{broken json")
     assert t.placement is None  # a damaged value falls back to the default
 

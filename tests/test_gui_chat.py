@@ -92,7 +92,7 @@ def test_streaming_bubble_coalesces_fast_updates(qtbot):
 
 def test_stop_within_one_token_and_stopped_reply_saved(qtbot, tmp_path, model_path):
     w = make_window(qtbot, tmp_path)
-    w.settings.n_ctx = 4096
+    w.settings.set_ctx_for(str(model_path), 4096)
     load(qtbot, w, model_path)
     w.settings.sampling = {"temperature": 0.0, "max_tokens": 4000}
     seen = _tokens(w)
@@ -199,7 +199,7 @@ def test_bad_and_unsupported_files_show_dialogs_and_the_app_keeps_running(qtbot,
 
 def test_full_context_is_an_inline_message(qtbot, tmp_path, model_path):
     w = make_window(qtbot, tmp_path)
-    w.settings.n_ctx = 40
+    w.settings.set_ctx_for(str(model_path), 40)
     load(qtbot, w, model_path)
     w.settings.sampling = {"temperature": 0.0, "max_tokens": 1000}
     # The reply runs into the end of the context: it is kept, and a note says why it ended.
@@ -218,7 +218,7 @@ def test_full_context_is_an_inline_message(qtbot, tmp_path, model_path):
 
 def test_closing_mid_reply_keeps_it_and_deleting_a_streaming_chat_is_safe(qtbot, tmp_path, model_path):
     w = make_window(qtbot, tmp_path)
-    w.settings.n_ctx = 4096
+    w.settings.set_ctx_for(str(model_path), 4096)
     load(qtbot, w, model_path)
     w.settings.sampling = {"temperature": 0.0, "max_tokens": 4000}
     seen = _tokens(w)

@@ -34,7 +34,7 @@ def model_path(synth_model):
 def cached(qtbot, tmp_path, model_path):
     """A window whose model runs its experts through a small device cache, after one reply."""
     w = make_window(qtbot, tmp_path)
-    w.settings.n_ctx = 2048
+    w.settings.set_ctx_for(str(model_path), 2048)
     load(qtbot, w, model_path)
     sess = session_of(w)
     probe = sess.plan(PlanRequest(ctx=2048, moe="cpu"), sess.device_profile())

@@ -32,7 +32,7 @@ def model_path(synth_model):
 @pytest.fixture
 def loaded(qtbot, tmp_path, model_path):
     w = make_window(qtbot, tmp_path)
-    w.settings.n_ctx = 1024
+    w.settings.set_ctx_for(str(model_path), 1024)
     load(qtbot, w, model_path)
     return w
 

@@ -5,22 +5,29 @@ from __future__ import annotations
 import argparse
 import json
 
+from engine.errors import UsageError
 from engine.gguf import open_gguf
 from engine.modelinfo import describe, human_bytes
+from engine.preflight import is_weightless
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="describe a GGUF model file")
-    p.add_argument("file", help="path to a .gguf file")
+    p.add_argument("file", nargs="?", help="path to a .gguf file (or -m FILE, as the other commands)")
+    p.add_argument("-m", "--model", dest="model", default=None, help="the same: the GGUF file")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.file is None) == (args.model is None):
+        raise UsageError("give the GGUF file once: sharpi inspect FILE, or sharpi inspect -m FILE")
+    args.file = args.file or args.model
     with open_gguf(args.file) as gf:
         info = describe(gf)
+    weightless = is_weightless(args.file, info.trunk_bytes + info.expert_bytes)
     if args.json:
-        print(json.dumps(info.to_dict(), indent=2))
+        print(json.dumps({**info.to_dict(), "weightless": weightless}, indent=2))
         return 0
     print(f"file          {info.path}  ({human_bytes(info.file_size)}, GGUF v{info.gguf_version})")
     print(
@@ -45,4 +52,6 @@ def run(args: argparse.Namespace) -> int:
     if info.per_expert_bytes:
         roles = ", ".join(f"{r} {human_bytes(b)}" for r, b in info.per_expert_role_bytes.items())
         print(f"per expert    {human_bytes(info.per_expert_bytes)} ({roles})")
+    if weightless:
+        print("weights       none: a geometry-only file (its data region is a hole on disk); not runnable")
     return 0

@@ -23,6 +23,7 @@ from engine.plan import (
     ModelSpec,
     Placement,
     PlanRequest,
+    default_ctx,
     format_size,
     parse_size,
     plan,
@@ -72,7 +73,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--vram", type=_size, default=DEFAULT_VRAM, help="device memory budget, e.g. 12GiB, 8000MB (default 12GiB)"
     )
-    p.add_argument("-c", "--ctx", type=int, default=4096, help="context length in tokens (default 4096)")
+    p.add_argument(
+        "-c",
+        "--ctx",
+        "--ctx-size",
+        dest="ctx",
+        type=int,
+        default=0,
+        help="context length in tokens (default: the model's training context, at most 4096, as sharpi run)",
+    )
     p.add_argument(
         "--kv-type", choices=KV_TYPES, default=None, help="KV cache dtype (default: $SHARPI_KV_DTYPE, else f32)"
     )
@@ -170,8 +179,10 @@ def run(args: argparse.Namespace) -> int:
     profile = _profile(args)
     opts = config.current()
     mode, source = resolve_moe(args.moe, args.cpu_moe, opts.cpu_moe)
+    with open_gguf(args.model) as gf:
+        spec = ModelSpec.from_gguf(gf)
     request = PlanRequest(
-        ctx=args.ctx,
+        ctx=args.ctx or default_ctx(spec.n_ctx_train),
         kv_type=resolve_kv_type(args.kv_type, opts.kv_type),
         n_gpu_layers=args.n_gpu_layers,
         moe=mode,
@@ -180,8 +191,6 @@ def run(args: argparse.Namespace) -> int:
         cuda_graphs=opts.cuda_graph != "off",
         prompt_stream=opts.prompt_stream_min > 0,
     )
-    with open_gguf(args.model) as gf:
-        spec = ModelSpec.from_gguf(gf)
     if args.bench:
         from engine.bench.plan import bench_plan
 

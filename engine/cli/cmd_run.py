@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 
 from engine.cli.common import (
     add_model_args,
@@ -15,6 +18,7 @@ from engine.cli.common import (
     sampling_from_args,
 )
 from engine.errors import ChatTemplateError, UsageError
+from engine.warmup import warm_up
 
 log = logging.getLogger("sharpi.run")
 
@@ -24,6 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("-p", "--prompt", help="raw prompt text (no chat template)")
+    g.add_argument("-f", "--file", dest="prompt_file", help="raw prompt text read from a file (as -p)")
     g.add_argument("--chat", action="store_true", help="interactive chat using the model's chat template")
     p.add_argument("--system", default=None, help="system prompt for --chat")
     p.add_argument("--chatml", action="store_true", help="--chat with ChatML instead of the model's own template")
@@ -63,7 +68,7 @@ def _report(ev) -> None:
 
 def _open(a: argparse.Namespace):
     if a.remote is None:
-        return load_session(a)
+        return load_session(a, refuse_unrunnable=True)
     from engine.remote import RemoteSession
 
     if a.model is not None:
@@ -73,18 +78,64 @@ def _open(a: argparse.Namespace):
     return session
 
 
+def _kernel_progress(k: int, n: int, estimated: bool) -> None:
+    """``Preparing CPU kernels, first run only — k of N`` on stderr (one line, rewritten on a terminal)."""
+    tty = sys.stderr.isatty()
+    line = f"Preparing CPU kernels, first run only — {k} of {'about ' if estimated else ''}{n}"
+    print(("\r" + line) if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _ctrl_c_cancels(session, pressed: list):
+    """While the model runs, Ctrl+C cancels it (the engine stops within a token) instead of raising
+    KeyboardInterrupt inside a numba kernel, which surfaces as a SystemError traceback. Each press is
+    appended to ``pressed``. Outside the block, Ctrl+C ends the program as usual."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame) -> None:
+        pressed.append(signum)
+        session.cancel()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run(a: argparse.Namespace) -> int:
     params = sampling_from_args(a)  # checked before the model loads
+    if a.prompt_file is not None:
+        try:
+            with open(a.prompt_file, encoding="utf-8") as f:
+                a.prompt = f.read()
+        except OSError as e:
+            raise UsageError(f"cannot read the prompt file: {e}") from None
     session = _open(a)
+    pressed: list = []
     try:
+        # The kernels ready before the first token, as in the app: compiled here on a first run (with
+        # "k of N" on stderr), loaded from numba's cache after, so the reported speeds are the model's.
+        compiled = 0
+        if a.remote is None:  # a remote endpoint has no kernels here
+            with _ctrl_c_cancels(session, pressed):
+                compiled = warm_up(session, _kernel_progress).compiled
+        if compiled and sys.stderr.isatty():
+            print(file=sys.stderr)
+        if pressed:
+            return 130
         if a.prompt is not None:
-            _report(_stream(session, session.generate(a.prompt, params=params)))
-            return 0
+            with _ctrl_c_cancels(session, pressed):
+                _report(_stream(session, session.generate(a.prompt, params=params)))
+            return 130 if pressed else 0
         if a.remote is None and a.chatml:
             session.use_chatml()
         elif a.remote is None and not session.chat_template.from_file:
             print("note: the model has no chat template; using ChatML", file=sys.stderr)
         messages = [{"role": "system", "content": a.system}] if a.system else []
+        told = False  # the user hears once that old turns are left out
         while True:
             try:
                 line = input("\n> ")
@@ -96,11 +147,22 @@ def run(a: argparse.Namespace) -> int:
             parts = []
             try:
                 last = None
-                for ev in session.generate(messages=messages, params=params):
-                    sys.stdout.write(ev.text)
-                    sys.stdout.flush()
-                    parts.append(ev.text)
-                    last = ev
+                # Old turns leave the context (the system prompt and the latest stay) when it fills.
+                dropped = 0
+                if a.remote is None:  # a remote endpoint keeps its own context
+                    messages, dropped = session.fit_messages(messages, params.max_tokens)
+                if dropped and not told:
+                    told = True
+                    print(
+                        f"sharpi: the context of {session.n_ctx} tokens is full: older turns are dropped",
+                        file=sys.stderr,
+                    )
+                with _ctrl_c_cancels(session, pressed):  # Ctrl+C stops the reply; the chat goes on
+                    for ev in session.generate(messages=messages, params=params):
+                        sys.stdout.write(ev.text)
+                        sys.stdout.flush()
+                        parts.append(ev.text)
+                        last = ev
             except UsageError as e:
                 print(f"\nsharpi: {e}", file=sys.stderr)
                 messages.pop()

@@ -7,7 +7,7 @@ import sys
 from dataclasses import replace
 
 from engine import config
-from engine.api import LoadOptions, Session
+from engine.api import AUTO_CTX, LoadOptions, Session
 from engine.errors import UsageError
 from engine.generate import SamplingParams
 from engine.plan import AUTO, DeviceProfile
@@ -16,8 +16,17 @@ from engine.plan.sizing import KV_TYPES
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF model file (default: the bundled demo model)")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
+    p.add_argument(
+        "-c",
+        "--ctx-size",
+        type=int,
+        default=AUTO_CTX,
+        help="context size in tokens (default: the model's training context, at most 4096, as in the app)",
+    )
     p.add_argument("--kv-type", choices=KV_TYPES, default=None, help="KV cache dtype (default $SHARPI_KV_DTYPE or f32)")
+    # llama.cpp's spellings (one type for K and V here); without them "-ctk q8_0" would read as "-c tk"
+    p.add_argument("-ctk", "--cache-type-k", dest="cache_type_k", choices=KV_TYPES, default=None, help="as --kv-type")
+    p.add_argument("-ctv", "--cache-type-v", dest="cache_type_v", choices=KV_TYPES, default=None, help="as --kv-type")
     p.add_argument(
         "--weights",
         choices=("auto", "copy", "mmap"),
@@ -127,7 +136,17 @@ def _speeds(model: str, device: str | None, req) -> DeviceProfile | None:
         return speed_profile(device, gf, measure=req.moe == AUTO)
 
 
-def load_session(a: argparse.Namespace) -> Session:
+def kv_type_from_args(a: argparse.Namespace) -> str | None:
+    """The one KV type --kv-type, -ctk and -ctv ask for (they must agree: K and V share a type here)."""
+    asked = {t for t in (a.kv_type, getattr(a, "cache_type_k", None), getattr(a, "cache_type_v", None)) if t}
+    if len(asked) > 1:
+        raise UsageError(f"K and V share one cache type here; asked for {', '.join(sorted(asked))}")
+    return asked.pop() if asked else None
+
+
+def load_session(a: argparse.Namespace, refuse_unrunnable: bool = False) -> Session:
+    """The session the flags ask for. ``refuse_unrunnable``: a file that cannot run here (no weights,
+    more than RAM + GPU memory: engine.preflight) is a UsageError saying why, before anything loads."""
     if a.model is None:
         from engine.demo import demo_model_path
 
@@ -135,6 +154,12 @@ def load_session(a: argparse.Namespace) -> Session:
             a.model = str(demo_model_path())
         except FileNotFoundError as e:
             raise UsageError(f"no -m/--model given and {e}") from None
+    if refuse_unrunnable:
+        from engine.preflight import refusal
+
+        reason = refusal(a.model)
+        if reason:
+            raise UsageError(reason)
     tty = sys.stderr.isatty() and not getattr(a, "quiet", False)
 
     def progress(done: int, total: int, what: str) -> None:
@@ -142,6 +167,7 @@ def load_session(a: argparse.Namespace) -> Session:
             end = "\n" if done == total else ""
             print(f"\rloading {a.model}: [{'#' * done}{'.' * (total - done)}] {what:<24}", end=end, file=sys.stderr)
 
+    a.kv_type = kv_type_from_args(a)
     req = placement_request(a) if hasattr(a, "n_gpu_layers") else None
     device = getattr(a, "device", None)
     opts = LoadOptions(

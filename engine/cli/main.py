@@ -11,6 +11,7 @@ import importlib
 import logging
 import sys
 
+import engine
 from engine import config
 from engine.errors import SharpIError
 
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sharpi", description="SharpI: MoE GGUF inference on a small GPU.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     parser.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
+    parser.add_argument("--version", action="version", version=f"sharpi {engine.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMANDS:

@@ -19,10 +19,12 @@ from engine.plan.planner import (
 )
 from engine.plan.profile import DeviceProfile
 from engine.plan.sizing import KV_TYPES, DeviceBytes, PlanError, device_bytes, expert_slot_layout, kv_layer_bytes
-from engine.plan.spec import LayerSpec, ModelSpec
+from engine.plan.spec import DEFAULT_CTX_MAX, LayerSpec, ModelSpec, default_ctx
 from engine.plan.units import format_size, parse_size
 
 __all__ = [
+    "DEFAULT_CTX_MAX",
+    "default_ctx",
     "AUTO",
     "KV_TYPES",
     "MODES",

@@ -90,6 +90,15 @@ class _HasSize(Protocol):
     nbytes: int
 
 
+DEFAULT_CTX_MAX = 4096  # an automatic context is the training context, at most this (its KV memory)
+
+
+def default_ctx(n_ctx_train: int) -> int:
+    """The context a model gets when none is asked for, in the CLI (``sharpi run``, ``sharpi plan``)
+    and the app alike: the context it was trained for, at most :data:`DEFAULT_CTX_MAX` tokens."""
+    return max(8, min(int(n_ctx_train) or DEFAULT_CTX_MAX, DEFAULT_CTX_MAX))
+
+
 @dataclass(frozen=True)
 class LayerSpec:
     """One decoder layer's bytes.

@@ -90,6 +90,10 @@ class ChatView(QWidget):
         self._system_timer.setSingleShot(True)
         self._system_timer.setInterval(400)
         self.transcript = TranscriptView(theme)
+        self.status_line = QLabel()  # what the engine is doing before the chat can be used (loading, kernels)
+        self.status_line.setObjectName("status-line")
+        self.status_line.setWordWrap(True)
+        self.status_line.setVisible(False)
         self.input = PromptEdit()
         self.input.setPlaceholderText("Message (Enter to send, Shift+Enter for a new line)")
         self.input.setMaximumHeight(110)
@@ -107,6 +111,7 @@ class ChatView(QWidget):
         rlay.addWidget(self.system_toggle, 0, Qt.AlignmentFlag.AlignLeft)
         rlay.addWidget(self.system_edit)
         rlay.addWidget(self.transcript, 1)
+        rlay.addWidget(self.status_line)
         rlay.addLayout(inrow)
         split.addWidget(right)
         split.setStretchFactor(0, 0)
@@ -139,9 +144,11 @@ class ChatView(QWidget):
         model.streamText.connect(self._on_stream)
         model.streamEnded.connect(self._on_stream_end)
         model.notice.connect(lambda f: self.transcript.add_notice(f"**{f.title}.** {f.message}"))
+        model.info.connect(self.transcript.add_info)
         model.busyChanged.connect(lambda _b: self._render_buttons())
         self._render_list()
         self._render_current()
+        self.restyle(theme)
 
     # -- intents --------------------------------------------------------------------------------------
     def send(self) -> None:
@@ -201,8 +208,19 @@ class ChatView(QWidget):
         self._render_placeholder()
         self._render_buttons()
 
+    def set_status_line(self, text: str) -> None:
+        """Say what the engine is doing before the chat can be used (empty: nothing): in the middle of
+        an empty transcript, else on a line above the message box."""
+        self.status_line.setText(text)
+        self._render_placeholder()
+
+    def _render_status_line(self) -> None:
+        self.status_line.setVisible(bool(self.status_line.text()) and bool(self.transcript.bubbles))
+
     def _render_placeholder(self) -> None:
-        self.transcript.set_placeholder(EMPTY_HINT if self.has_model else NO_MODEL_HINT)
+        status = self.status_line.text()
+        self.transcript.set_placeholder(status or (EMPTY_HINT if self.has_model else NO_MODEL_HINT))
+        self._render_status_line()
 
     def _render_list(self) -> None:
         lst = self.conversations.list
@@ -252,3 +270,7 @@ class ChatView(QWidget):
 
     def restyle(self, theme: Theme) -> None:
         self.transcript.restyle(theme)
+        self.status_line.setStyleSheet(
+            f"QLabel#status-line {{ background: {theme.panel}; color: {theme.foreground};"
+            " border-radius: 6px; padding: 6px 10px; }"
+        )

@@ -160,6 +160,8 @@ SHORTCUTS = (
     ("F2", "rename the conversation"),
     ("Ctrl+L", "focus the message box"),
     ("Ctrl+O", "open a model"),
+    ("Ctrl+Shift+O", "model library: the GGUF files here, with the planner's verdict on each"),
+    ("Ctrl+Shift+E", "export the conversation (Markdown or JSON)"),
     ("Ctrl+I", "model card"),
     ("Ctrl+E", "export profiler stats"),
     ("Ctrl+Shift+S", "sampling settings"),

@@ -10,12 +10,22 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
-from PySide6.QtWidgets import QDialog, QFileDialog, QLabel, QMainWindow, QMenu, QProgressBar, QWidget
+from PySide6.QtWidgets import (
+    QDialog,
+    QFileDialog,
+    QLabel,
+    QMainWindow,
+    QMenu,
+    QProgressBar,
+    QPushButton,
+    QWidget,
+)
 
 from sharpi_gui import data as D
 from sharpi_gui.views import dialogs
 from sharpi_gui.views.chat import ChatView
 from sharpi_gui.views.experts import ExpertsDock
+from sharpi_gui.views.library import LibraryDialog
 from sharpi_gui.views.model_card import ModelCardDialog
 from sharpi_gui.views.placement import PlacementDock
 from sharpi_gui.views.server import ServerDock
@@ -35,6 +45,7 @@ class MainWindow(QMainWindow):
         self.card: D.ModelCard | None = None
         self.limits: D.PlacementLimits | None = None
         self._pending_open: str | None = None  # a model to open once the engine is free
+        self._startup_note = ""  # said in the status bar once the first model is loaded
 
         self.chat = ChatView(ctx.chat, theme)
         self.setCentralWidget(self.chat)
@@ -56,7 +67,11 @@ class MainWindow(QMainWindow):
         self.status = {
             k: QLabel() for k in ("prompt", "decode", "ttft", "ctx", "placement")
         }  # permanent fields, left to right
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.setToolTip("Stop loading (the model open before stays)")
+        self.cancel_button.setVisible(False)
         sb.addPermanentWidget(self.progress)
+        sb.addPermanentWidget(self.cancel_button)
         for label in self.status.values():
             label.setContentsMargins(6, 0, 6, 0)
             sb.addPermanentWidget(label)
@@ -95,6 +110,7 @@ class MainWindow(QMainWindow):
         mb = self.menuBar()
         m = mb.addMenu("&File")
         self._action(m, "&Open model…", self.open_dialog, QKeySequence.StandardKey.Open, "open")
+        self._action(m, "Model &library…", self.library_dialog, "Ctrl+Shift+O", "library")
         self.recent_menu = m.addMenu("Recent &models")
         self.recent_menu.aboutToShow.connect(self._fill_recent)
         m.addSeparator()
@@ -107,6 +123,7 @@ class MainWindow(QMainWindow):
         self._action(m, "&New conversation", chat.new_conversation, QKeySequence.StandardKey.New, "new")
         self._action(m, "&Rename conversation…", self.chat.rename_current, "F2", "rename")
         self._action(m, "&Delete conversation", self.chat.delete_current, None, "delete")
+        self._action(m, "E&xport conversation…", self.export_conversation_dialog, "Ctrl+Shift+E", "export-chat")
         m.addSeparator()
         self._action(m, "&Stop", chat.stop, "Esc", "stop")
         self._action(m, "Re&generate", chat.regenerate, "Ctrl+R", "regenerate")
@@ -143,6 +160,7 @@ class MainWindow(QMainWindow):
     def _wire(self) -> None:
         b = self.bridge
         b.loadStarted.connect(self._on_load_started)
+        self.cancel_button.clicked.connect(b.cancel_load)
         b.loadProgress.connect(self._on_load_progress)
         b.loaded.connect(self._on_loaded)
         b.loadFailed.connect(self._on_load_failed)
@@ -166,18 +184,30 @@ class MainWindow(QMainWindow):
     def _on_load_started(self, path: str) -> None:
         self.progress.setRange(0, 0)
         self.progress.setVisible(True)
+        self.cancel_button.setVisible(True)
         self.statusBar().showMessage(f"Loading {Path(path).name}…")
+        self.chat.set_status_line(f"Loading {Path(path).name}…")
+        self.chat.set_has_model(False)  # nothing to send to until the new model is ready
 
     def _on_load_progress(self, done: int, total: int, what: str) -> None:
         self.progress.setRange(0, max(total, 1))
         self.progress.setValue(done)
-        self.progress.setFormat(f"{what} (%p%)")
+        kernels = what.startswith(D.PREPARING)
+        self.progress.setFormat(f"CPU kernels {done} of {total}" if kernels else f"{what} (%p%)")
+        if kernels:
+            self.chat.set_status_line(f"{what}. The chat opens when they are ready; later starts skip this.")
+        else:
+            self.chat.set_status_line(f"Loading {Path(self.bridge.loading_path).name}: {what}…")
 
     def _on_loaded(self, card: D.ModelCard, limits: D.PlacementLimits) -> None:
         self.card, self.limits = card, limits
         self.progress.setVisible(False)
+        self.cancel_button.setVisible(False)
+        self.settings.loading_model = ""
+        self.chat.set_status_line("")
         self.setWindowTitle(f"{APP_NAME} — {card.name}")
-        self.statusBar().showMessage(f"Loaded {Path(card.path).name}", 5000)
+        note, self._startup_note = self._startup_note, ""
+        self.statusBar().showMessage(note or f"Loaded {Path(card.path).name}", 15000 if note else 5000)
         self.settings.add_recent_model(card.path)
         self.actions_by_name["card"].setEnabled(True)
         self.chat.set_has_model(True)
@@ -186,12 +216,21 @@ class MainWindow(QMainWindow):
     def _on_applied(self, card: D.ModelCard, limits: D.PlacementLimits) -> None:
         self.card, self.limits = card, limits
         self.settings.placement = limits.applied  # the next load places the model the same way
-        self.settings.n_ctx, self.settings.kv_type = limits.current.ctx, limits.current.kv_type
+        self.settings.set_ctx_for(card.path, limits.current.ctx)  # this model's, no other's
+        self.settings.kv_type = limits.current.kv_type
         self.statusBar().showMessage("Placement applied", 5000)
         self._render_stats(D.GenStats(n_ctx=card.n_ctx))
 
     def _on_load_failed(self, failure: D.Failure) -> None:
         self.progress.setVisible(False)
+        self.cancel_button.setVisible(False)
+        self.settings.loading_model = ""
+        self.chat.set_status_line("")
+        self.chat.set_has_model(self.bridge.has_model)
+        if failure.kind == D.ERR_CANCELLED:
+            self.statusBar().showMessage(failure.message, 8000)
+            return
+        self.settings.remove_recent_model(self.bridge.loading_path)  # not reopened at the next start
         self.statusBar().clearMessage()
         dialogs.show_error(self, failure)
 
@@ -218,8 +257,10 @@ class MainWindow(QMainWindow):
     # -- actions ----------------------------------------------------------------------------------------
     def open_model(self, path: str) -> bool:
         """Load ``path`` now, or, while a reply streams, stop it and load when the engine is free."""
-        if self.bridge.load(path, self.settings.n_ctx, self.settings.kv_type, self.settings.placement):
+        if self.bridge.load(path, self.settings.ctx_for(path), self.settings.kv_type, self.settings.placement):
             self._pending_open = None
+            self.settings.loading_model = path  # still set at the next start: this load never ended
+            self.settings.sync()
             return True
         self._pending_open = path
         if self.bridge.state == "generating":
@@ -228,8 +269,18 @@ class MainWindow(QMainWindow):
         return False
 
     def open_initial(self, path: str | None = None) -> str | None:
-        """Open ``path``, else the last model, else the bundled demo model; None if there is none."""
-        candidates = [path] if path else [self.settings.last_model, self.bridge.demo_model_path()]
+        """Open ``path``, else the last model, else the bundled demo model; None if there is none.
+        The last model is skipped when the previous start never finished loading it (it hung, or
+        took all the memory): the demo opens instead and the status bar says why."""
+        last = self.settings.last_model
+        interrupted = self.settings.loading_model
+        if interrupted:
+            self.settings.loading_model = ""
+            if last == interrupted:
+                self.settings.remove_recent_model(last)
+                last = ""
+                self._startup_note = f"{Path(interrupted).name} did not finish loading last time; it is not reopened"
+        candidates = [path] if path else [last, self.bridge.demo_model_path()]
         for p in candidates:
             if p and (path or Path(p).is_file()):
                 self.open_model(p)
@@ -249,6 +300,38 @@ class MainWindow(QMainWindow):
         )
         if dlg.exec() == QDialog.DialogCode.Accepted and dlg.selectedFiles():
             self.open_model(dlg.selectedFiles()[0])
+
+    def library_dialog(self) -> LibraryDialog:
+        """The GGUF files on this machine with the planner's verdict on each; Open loads one."""
+        dlg = LibraryDialog(self.bridge, self.settings, self, self.card)
+        dlg.measured_tok_s = self.limits.measured_tok_s if self.limits else 0.0
+        dlg.openRequested.connect(self.open_model)
+        dlg.rescan()
+        dlg.exec()
+        return dlg
+
+    def export_conversation_dialog(self) -> None:
+        chat = self.ctx.chat
+        if chat.current is None:
+            dialogs.show_error(self, D.Failure(D.ERR_NO_MODEL, "Nothing to export", "Open a conversation first."))
+            return
+        directory = self.settings.export_dir or str(Path.home())
+        name = "".join(c if c.isalnum() or c in " -_" else "_" for c in chat.current.title).strip() or "conversation"
+        dlg = self.file_dialog(
+            "Export the conversation", True, "Markdown (*.md);;JSON (*.json)", str(Path(directory) / f"{name}.md")
+        )
+        if dlg.exec() != QDialog.DialogCode.Accepted or not dlg.selectedFiles():
+            return
+        path = dlg.selectedFiles()[0]
+        if not path.lower().endswith((".md", ".json")):
+            path += ".json" if "json" in dlg.selectedNameFilter().lower() else ".md"
+        try:
+            chat.export(path)
+        except OSError as e:
+            dialogs.show_error(self, D.Failure(D.ERR_ENGINE, "Export failed", str(e)))
+            return
+        self.settings.export_dir = str(Path(path).parent)
+        self.statusBar().showMessage(f"Exported {Path(path).name}", 8000)
 
     def export_dialog(self) -> None:
         if not self.bridge.has_model:
@@ -290,6 +373,7 @@ class MainWindow(QMainWindow):
 
     # -- closing ----------------------------------------------------------------------------------------
     def closeEvent(self, e: QCloseEvent) -> None:
+        self.settings.loading_model = ""  # quitting during a load is not a load that never ended
         self.settings.save_window_state(self.saveGeometry(), self.saveState())
         self.settings.sync()
         self.ctx.close()

@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (
 )
 
 from sharpi_gui.data import ModelCard, human_bytes, human_count
+from sharpi_gui.markdown import to_html
 
 
 class ModelCardDialog(QDialog):
@@ -79,7 +80,7 @@ class ModelCardDialog(QDialog):
         if card.notes:
             self.notes = QTextBrowser()
             self.notes.setOpenExternalLinks(True)
-            self.notes.setMarkdown(card.notes)
+            self.notes.setHtml(to_html(card.notes))
             self.notes.setMinimumHeight(220)
             lay.addWidget(QLabel("About this model"))
             lay.addWidget(self.notes)

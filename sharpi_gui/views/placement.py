@@ -8,6 +8,7 @@ import html
 
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
+    QCheckBox,
     QComboBox,
     QDockWidget,
     QGridLayout,
@@ -25,6 +26,11 @@ from sharpi_gui import data as D
 from sharpi_gui.theme import LIGHT, Theme
 from sharpi_gui.views.layout_view import LayoutView
 
+NO_GPU_TEXT = (
+    "<b>No GPU found — experts and trunk on the CPU.</b><br>"
+    "<span style='font-size:11px'>PyTorch sees no CUDA device here, so the whole model runs on the CPU. "
+    "The context and the KV type below still apply.</span>"
+)
 MODE_NAMES = {"cpu": "CPU experts", "cache": "GPU expert cache", "resident": "all experts resident", "none": "dense"}
 MOE_ITEMS = {"auto": "auto", "cpu": "CPU", "cache": "GPU cache", "resident": "resident"}
 KV_TIPS = {"f32": "4 bytes per value", "bf16": "2 bytes per value", "q8_0": "≈1.06 bytes per value (8-bit blocks)"}
@@ -71,10 +77,19 @@ class PlacementPanel(QWidget):
         self.reset_button = QPushButton("Reset")
         self.reset_button.setToolTip("Back to the placement in force")
         self.state_label = QLabel()
+        self.no_gpu = QLabel(NO_GPU_TEXT)  # shown instead of the device controls when there is no GPU
+        self.no_gpu.setWordWrap(True)
+        self.no_gpu.setVisible(False)
+        self.whatif = QCheckBox("What if this machine had a GPU? (a plan only: it cannot be applied here)")
+        self.whatif.setToolTip("Plan for a hypothetical GPU with default speeds; this machine keeps running on the CPU")
+        self.whatif.setVisible(False)
+        self.vram_title = QLabel("VRAM budget")
+        self.moe_title = QLabel("Experts")
+        self.layers_title = QLabel("GPU layers")
 
         grid = QGridLayout()
         grid.setVerticalSpacing(2)
-        grid.addWidget(QLabel("VRAM budget"), 0, 0)
+        grid.addWidget(self.vram_title, 0, 0)
         grid.addWidget(self.vram, 0, 1, 1, 5)
         grid.addWidget(self.vram_label, 1, 1, 1, 5)
         grid.addWidget(QLabel("Context"), 2, 0)
@@ -83,9 +98,9 @@ class PlacementPanel(QWidget):
         grid.setRowMinimumHeight(4, 6)
         grid.addWidget(QLabel("KV"), 5, 0)
         grid.addWidget(self.kv, 5, 1)
-        grid.addWidget(QLabel("Experts"), 5, 2, Qt.AlignmentFlag.AlignRight)
+        grid.addWidget(self.moe_title, 5, 2, Qt.AlignmentFlag.AlignRight)
         grid.addWidget(self.moe, 5, 3)
-        grid.addWidget(QLabel("GPU layers"), 5, 4, Qt.AlignmentFlag.AlignRight)
+        grid.addWidget(self.layers_title, 5, 4, Qt.AlignmentFlag.AlignRight)
         grid.addWidget(self.gpu_layers, 5, 5)
         grid.setColumnStretch(3, 1)
         for label in (self.vram_label, self.ctx_label):
@@ -96,6 +111,8 @@ class PlacementPanel(QWidget):
         buttons.addWidget(self.apply_button)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(8, 6, 8, 6)
+        lay.addWidget(self.no_gpu)
+        lay.addWidget(self.whatif)
         lay.addLayout(grid)
         lay.addWidget(self.layout_view)
         lay.addWidget(self.summary)
@@ -111,6 +128,8 @@ class PlacementPanel(QWidget):
         self.moe.currentIndexChanged.connect(lambda _i: model.set_moe(self.moe.currentData()))
         self.gpu_layers.valueChanged.connect(model.set_gpu_layers)
         self.apply_button.clicked.connect(model.apply)
+        self.whatif.toggled.connect(model.set_whatif)
+        model.whatifChanged.connect(self._render_whatif)
         self.reset_button.clicked.connect(model.reset)
         # model -> rendering
         model.limitsChanged.connect(self._render_limits)
@@ -146,7 +165,18 @@ class PlacementPanel(QWidget):
         for w in (self.vram, self.ctx, self.kv, self.gpu_layers):
             w.setEnabled(True)
         self.ctx.setEnabled(len(limits.ctx_values) > 1)
+        self.ctx.setToolTip(ctx_limit_text(limits))
         self.vram.setToolTip(f"{limits.device_name}: {D.human_bytes(limits.device_vram_bytes)}")
+        # Without a GPU there is nothing to place on a device: no budget, expert modes or layers —
+        # unless the user asks what a GPU would do (what-if: planned, never applied).
+        machine = self.model.machine or limits
+        self.no_gpu.setVisible(not machine.has_gpu)
+        self.whatif.setVisible(not machine.has_gpu and machine.whatif is not None)
+        for w in (self.vram_title, self.vram, self.vram_label, self.moe_title, self.moe, self.layers_title):
+            w.setVisible(limits.has_gpu)
+        self.gpu_layers.setVisible(limits.has_gpu)
+        self.layout_view.setVisible(limits.has_gpu)
+        self._render_whatif(self.model.whatif)
 
     def _render_settings(self, s: D.PlanSettings) -> None:
         limits = self.model.limits
@@ -164,18 +194,34 @@ class PlacementPanel(QWidget):
             w.blockSignals(False)
         device = D.human_bytes(limits.device_vram_bytes)
         self.vram_label.setText(f"{D.human_bytes(s.vram_bytes)}  ·  device {device} ({limits.device_name})")
-        self.ctx_label.setText(f"{s.ctx:,} tokens")
+        self.ctx_label.setText(f"{s.ctx:,} tokens · {ctx_limit_text(limits)}")
+        self._render_buttons()
+
+    def _render_whatif(self, on: bool) -> None:
+        self.whatif.blockSignals(True)
+        self.whatif.setChecked(on)
+        self.whatif.blockSignals(False)
+        limits = self.model.limits
+        self.no_gpu.setText(whatif_text(limits) if on and limits is not None else NO_GPU_TEXT)
+        self.apply_button.setVisible(not on)
+        self.reset_button.setVisible(not on)
         self._render_buttons()
 
     def _render_buttons(self) -> None:
         m = self.model
         loaded = m.limits is not None
-        self.apply_button.setEnabled(loaded and m.dirty and not self._busy and bool(m.preview and m.preview.ok))
+        self.apply_button.setEnabled(
+            loaded and not m.whatif and m.dirty and not self._busy and bool(m.preview and m.preview.ok)
+        )
         self.reset_button.setEnabled(loaded and m.settings != (m.applied or m.limits.current))
         if not loaded:
             text = ""
+        elif m.whatif:
+            text = "what-if plan: this machine has no GPU, so it cannot be applied"
         elif m.dirty and self._busy:
             text = "preview (apply when the engine is idle)"
+        elif not m.limits.has_gpu:
+            text = "in force" if not m.dirty else "preview (not applied)"
         elif m.applied is None and m.settings == m.limits.current:
             text = "the model runs on the CPU: Apply places it as shown"
         elif m.dirty:
@@ -189,6 +235,11 @@ class PlacementPanel(QWidget):
         t = self.theme
         if not pv.ok:
             self.summary.setText(f"<span style='color:{t.error}'>{html.escape(pv.error)}</span>")
+            self._render_buttons()
+            return
+        limits = self.model.limits
+        if limits is not None and not limits.has_gpu:
+            self.summary.setText(cpu_summary(pv, limits, t))
             self._render_buttons()
             return
         rows = []
@@ -232,6 +283,39 @@ class PlacementPanel(QWidget):
     def _on_ctx(self, index: int) -> None:
         if self.model.limits is not None:
             self.model.set_ctx(self.model.limits.ctx_values[index])
+
+
+def whatif_text(limits: D.PlacementLimits) -> str:
+    return (
+        f"<b>What-if: planning for a {D.human_bytes(limits.device_vram_bytes)} GPU with default speeds.</b><br>"
+        "<span style='font-size:11px'>This machine has no GPU: the plan below shows what one would do "
+        "and cannot be applied here. The model keeps running on the CPU.</span>"
+    )
+
+
+def ctx_limit_text(limits: D.PlacementLimits) -> str:
+    """Why the context slider stops where it does."""
+    top = limits.ctx_values[-1]
+    if limits.n_ctx_train and top <= limits.n_ctx_train:
+        return f"at most {limits.n_ctx_train:,}: the context this model was trained for"
+    return f"at most {top:,}"
+
+
+def cpu_summary(pv: D.PlanPreview, limits: D.PlacementLimits, t: Theme) -> str:
+    """The summary without a GPU: the CPU's decode speed (measured at load, else predicted) and
+    what the chosen context costs in memory."""
+    small = f"<span style='color:{t.muted}; font-size:11px'>"
+    predicted = dict(pv.predicted_tok_s).get("cpu")
+    rows = []
+    if limits.measured_tok_s:
+        rows.append(f"<b>Decode speed on this CPU: {limits.measured_tok_s:,.1f} tok/s</b>")
+        rows.append(f"{small}measured when the model loaded (the warm-up's last tokens)</span>")
+    elif predicted is not None:
+        rows.append(f"<b>Predicted decode speed on this CPU: {predicted:,.1f} tok/s</b>")
+        rows.append(f"{small}{html.escape(speeds_note(pv))}</span>")
+    kv = f"KV cache {D.human_bytes(pv.kv_bytes + pv.host_kv_bytes)} in RAM for {pv.settings.ctx:,} tokens"
+    rows.append(small + html.escape(kv) + "</span>")
+    return "<br>".join(rows)
 
 
 def speeds_note(pv: D.PlanPreview) -> str:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QTextOption
+from PySide6.QtGui import QGuiApplication, QTextOption
 from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
 
 from sharpi_gui import data as D
+from sharpi_gui.markdown import to_html
 from sharpi_gui.theme import LIGHT, Theme
 
 STREAM_RENDER_MS = 33
-ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System", "notice": "SharpI"}
+ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System", "notice": "SharpI", "info": "SharpI"}
 
 
 class _MarkdownText(QTextBrowser):
@@ -52,6 +53,8 @@ class MessageWidget(QFrame):
         self.header = QLabel(ROLE_NAMES.get(role, role))
         self.header.setObjectName("role")
         self.body = _MarkdownText(self)
+        self.body.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.body.customContextMenuRequested.connect(self._context_menu)
         self.footer = QLabel()
         self.footer.setObjectName("meta")
         lay.addWidget(self.header)
@@ -66,7 +69,17 @@ class MessageWidget(QFrame):
         if self.role == "user":
             self.body.setPlainText(text)  # what the user typed, exactly
         else:
-            self.body.setMarkdown(text)
+            self.body.setHtml(to_html(text))  # CommonMark, Python's __names__ kept (sharpi_gui.markdown)
+
+    def copy(self) -> None:
+        """The whole message to the clipboard, as written (Markdown for replies)."""
+        QGuiApplication.clipboard().setText(self.text)
+
+    def _context_menu(self, pos) -> None:
+        menu = self.body.createStandardContextMenu()
+        menu.addSeparator()
+        menu.addAction("Copy message", self.copy)
+        menu.exec(self.body.mapToGlobal(pos))
 
     def set_meta(self, meta: dict) -> None:
         parts = []
@@ -86,13 +99,19 @@ class MessageWidget(QFrame):
 
     def restyle(self, theme: Theme) -> None:
         bg = theme.user_bubble if self.role == "user" else theme.panel
-        fg = theme.error if self.role == "notice" else theme.foreground
+        fg = {"notice": theme.error, "info": theme.muted}.get(self.role, theme.foreground)
         self.setStyleSheet(
             f"QFrame#bubble {{ background: {bg}; border-radius: 10px; }}"
             f"QLabel#role {{ color: {theme.muted}; font-weight: 600; }}"
             f"QLabel#meta {{ color: {theme.muted}; font-size: 11px; }}"
             f"QTextBrowser {{ background: transparent; color: {fg}; }}"
         )
+        code_bg = theme.background
+        self.body.document().setDefaultStyleSheet(
+            f"pre {{ background: {code_bg}; }} code {{ background: {code_bg}; }}"
+            f"th, td {{ padding: 2px 8px; }} th {{ text-align: left; }}"
+        )
+        self.set_text(self.text)  # the style sheet applies to what is set after it
 
 
 class TranscriptView(QScrollArea):
@@ -153,6 +172,16 @@ class TranscriptView(QScrollArea):
 
     def add_notice(self, text: str) -> MessageWidget:
         return self.add_message("notice", text)
+
+    def add_info(self, text: str) -> MessageWidget:
+        """A note from the app (not an error), above the reply that is streaming, if any."""
+        w = self.add_message("info", text)
+        if self.streaming is not None:
+            self._lay.removeWidget(w)
+            self._lay.insertWidget(self._lay.indexOf(self.streaming), w)
+            self.bubbles.remove(w)
+            self.bubbles.insert(self.bubbles.index(self.streaming), w)
+        return w
 
     def begin_stream(self) -> None:
         self.streaming = self.add_message("assistant", "")

@@ -1,0 +1,38 @@
+"""The CLI follows llama.cpp's spellings where it has them: --version, -f, -ctk/-ctv, -m for inspect."""
+
+from __future__ import annotations
+
+import pytest
+
+import engine
+from engine.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def model(synth_model):
+    return str(synth_model("qwen3moe", "Q8_0", vocab=1024).path)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"sharpi {engine.__version__}"
+
+
+def test_inspect_takes_m_like_the_other_commands(model, capsys):
+    assert main(["inspect", "-m", model]) == 0
+    by_m = capsys.readouterr().out
+    assert main(["inspect", model]) == 0
+    assert capsys.readouterr().out == by_m and "qwen3moe" in by_m
+    assert main(["inspect", model, "-m", model]) == 2  # once, not twice
+
+
+def test_prompt_from_a_file_and_llama_cpp_cache_types(model, tmp_path, capsys):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Once upon a time", encoding="utf-8")
+    assert main(["run", "-m", model, "-f", str(prompt), "-n", "2", "-ctk", "q8_0", "-ctv", "q8_0", "--temp", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "KV q8_0" in err and "] prompt " in err
+    assert main(["run", "-m", model, "-p", "x", "-n", "1", "-ctk", "q8_0", "-ctv", "f32"]) == 2
+    assert "share one cache type" in capsys.readouterr().err
+    assert main(["run", "-m", model, "-f", str(tmp_path / "missing.txt"), "-n", "1"]) == 2

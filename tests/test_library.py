@@ -1,0 +1,84 @@
+"""The model library: GGUF files found on this machine, each judged from its header before loading —
+runs or not (and why), how it would be placed, its predicted decode speed — and opened from the list."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from engine.library import default_folders, find_files, judge  # noqa: E402
+from engine.preflight import NO_WEIGHTS  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def shelf(tmp_path_factory, synth_model, synth_geometry):
+    """A folder as users have them: a model, a geometry-only file, a link to the model (the Hugging Face
+    cache's snapshots), an Ollama-style blob with no .gguf name, and a file that is not a GGUF."""
+    d = tmp_path_factory.mktemp("shelf")
+    model = synth_model("qwen3moe", "Q8_0", vocab=1024).path
+    os.symlink(model, d / "model.gguf")
+    os.symlink(synth_geometry("qwen3-30b-a3b").path, d / "qwen3-30b-geometry.gguf")
+    (d / "snapshots").mkdir()
+    os.symlink(model, d / "snapshots" / "same-model.gguf")
+    (d / "blobs").mkdir()
+    (d / "blobs" / "sha256-abc").write_bytes(Path(synth_model("olmoe", "Q8_0", vocab=1024).path).read_bytes())
+    (d / "notes.gguf").write_bytes(b"not a model")
+    return d
+
+
+def test_find_files_takes_each_model_once_and_blobs_by_magic(shelf):
+    found = sorted(p.name for p in find_files([shelf]))
+    assert found == ["model.gguf", "notes.gguf", "qwen3-30b-geometry.gguf", "sha256-abc"]
+
+
+def test_verdicts(shelf):
+    ok = judge(shelf / "model.gguf", ram=64 << 30, vram=0)
+    assert ok.runnable and ok.architecture == "qwen3moe" and ok.quant == "Q8_0"
+    assert "everything on the CPU" in ok.verdict and ok.predicted_tok_s > 0 and "default speeds" in ok.speeds
+    geo = judge(shelf / "qwen3-30b-geometry.gguf", ram=64 << 30, vram=0)
+    assert not geo.runnable and geo.verdict == f"cannot run: {NO_WEIGHTS}" and "hole on disk" in geo.detail
+    small = judge(shelf / "model.gguf", ram=1 << 20, vram=0)
+    assert not small.runnable and "RAM" in small.detail
+    bad = judge(shelf / "notes.gguf")
+    assert not bad.runnable and "not a usable GGUF" in bad.verdict
+    gpu = judge(shelf / "model.gguf", ram=64 << 30, vram=8 << 30)
+    assert gpu.runnable and "on the GPU" in gpu.verdict
+
+
+def test_default_folders_are_the_usual_download_places(tmp_path):
+    (tmp_path / ".cache" / "huggingface" / "hub").mkdir(parents=True)
+    (tmp_path / "models").mkdir()
+    assert default_folders({}, tmp_path) == [tmp_path / ".cache/huggingface/hub", tmp_path / "models"]
+    (tmp_path / "hf").mkdir()
+    assert default_folders({"HF_HOME": str(tmp_path / "hf")}, tmp_path)[0] == tmp_path / "models"
+
+
+def test_library_dialog_judges_and_opens(qtbot, tmp_path, monkeypatch, shelf, synth_model):
+    pytest.importorskip("pytestqt")
+    from sharpi_gui.testing import GEN_TIMEOUT_MS, make_window
+    from sharpi_gui.views.library import LibraryDialog
+
+    w = make_window(qtbot, tmp_path)
+    monkeypatch.setattr(w.bridge, "library_folders", lambda: [])
+    w.settings.library_folders = [str(shelf)]
+    dlg = LibraryDialog(w.bridge, w.settings, w)
+    qtbot.addWidget(dlg)
+    with qtbot.waitSignal(w.bridge.libraryDone, timeout=GEN_TIMEOUT_MS):
+        dlg.rescan()
+    rows = {dlg.table.item(r, 0).toolTip(): r for r in range(dlg.table.rowCount())}
+    assert len(rows) == 4 and "4 GGUF files, 2 can run here" in dlg.status.text()
+    geo = rows[str(shelf / "qwen3-30b-geometry.gguf")]
+    assert dlg.table.item(geo, 5).text() == f"cannot run: {NO_WEIGHTS}"
+    dlg.table.selectRow(geo)
+    assert not dlg.open_button.isEnabled()  # a refused file cannot be opened from here
+    dlg.table.selectRow(rows[str(shelf / "model.gguf")])
+    assert dlg.open_button.isEnabled() and "tok/s" in dlg.table.item(rows[str(shelf / "model.gguf")], 6).text()
+    dlg.openRequested.connect(w.open_model)
+    with qtbot.waitSignal(w.bridge.loaded, timeout=GEN_TIMEOUT_MS) as loaded:
+        dlg.open_button.click()
+    assert loaded.args[0].path == str(shelf / "model.gguf")

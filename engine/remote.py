@@ -67,9 +67,16 @@ class RemoteSession:
         return ids
 
     def generate(
-        self, prompt: str | None = None, *, messages: list[dict] | None = None, params: SamplingParams | None = None
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+        params: SamplingParams | None = None,
+        cancel: threading.Event | None = None,
     ) -> Iterator[GenerationEvent]:
-        """Stream a completion of ``prompt`` (``/completions``) or a chat (``/chat/completions``)."""
+        """Stream a completion of ``prompt`` (``/completions``) or a chat (``/chat/completions``).
+        ``cancel``: this generation's own stop event (as ``Session.generate`` takes it), set from any thread;
+        the stream ends as cancelled at the next line the server sends, like :meth:`cancel`."""
         if (prompt is None) == (messages is None):
             raise UsageError("give exactly one of prompt or messages")
         p = params or SamplingParams()
@@ -99,9 +106,9 @@ class RemoteSession:
             body["prompt"] = prompt
             route = "/completions"
         self._cancel.clear()
-        return self._stream(route, body)
+        return self._stream(route, body, cancel)
 
-    def _stream(self, route: str, body: dict) -> Iterator[GenerationEvent]:
+    def _stream(self, route: str, body: dict, cancel: threading.Event | None) -> Iterator[GenerationEvent]:
         import httpx
 
         t0 = time.perf_counter()
@@ -133,7 +140,8 @@ class RemoteSession:
                     r.read()
                     _raise_for(r)
                 for line in r.iter_lines():
-                    if self._cancel.is_set():  # leaving the block closes the connection: the server stops
+                    # leaving the block closes the connection: the server stops
+                    if self._cancel.is_set() or (cancel is not None and cancel.is_set()):
                         yield event("", FINISH_CANCELLED)
                         return
                     if not line.startswith("data:"):

@@ -160,10 +160,11 @@ SHORTCUTS = (
     ("F2", "rename the conversation"),
     ("Ctrl+L", "focus the message box"),
     ("Ctrl+O", "open a model"),
+    ("Ctrl+Shift+O", "connect to a server (a remote OpenAI-compatible endpoint)"),
     ("Ctrl+I", "model card"),
     ("Ctrl+E", "export profiler stats"),
     ("Ctrl+Shift+S", "sampling settings"),
-    ("Ctrl+1 / Ctrl+2", "show or hide the placement / experts dock"),
+    ("Ctrl+1 / Ctrl+2 / Ctrl+3", "show or hide the placement / experts / local server dock"),
     ("Ctrl+Q", "quit"),
 )
 

@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (
     QScrollArea,
     QSlider,
     QSpinBox,
+    QStackedWidget,
     QVBoxLayout,
     QWidget,
 )
@@ -24,6 +25,7 @@ from PySide6.QtWidgets import (
 from sharpi_gui import data as D
 from sharpi_gui.theme import LIGHT, Theme
 from sharpi_gui.views.layout_view import LayoutView
+from sharpi_gui.views.remote import RemoteNote
 
 MODE_NAMES = {"cpu": "CPU experts", "cache": "GPU expert cache", "resident": "all experts resident", "none": "dense"}
 MOE_ITEMS = {"auto": "auto", "cpu": "CPU", "cache": "GPU cache", "resident": "resident"}
@@ -253,4 +255,14 @@ class PlacementDock(QDockWidget):
         scroll.setWidgetResizable(True)
         scroll.setWidget(self.panel)
         scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.setWidget(scroll)
+        self.remote_note = RemoteNote("Placement")
+        self.pages = QStackedWidget()
+        self.pages.addWidget(scroll)
+        self.pages.addWidget(self.remote_note)
+        self.setWidget(self.pages)
+
+    def set_remote(self, info: D.RemoteInfo | None, decode_tok_s: float = 0.0) -> None:
+        """Show the note that placement does not apply (``info``: the endpoint), or the controls (None)."""
+        if info is not None:
+            self.remote_note.show_info(info, decode_tok_s)
+        self.pages.setCurrentWidget(self.remote_note if info is not None else self.pages.widget(0))

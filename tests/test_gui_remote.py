@@ -65,9 +65,10 @@ def test_dialog_lists_the_models_and_connects_the_chat(qtbot, tmp_path, monkeypa
     assert w.settings.remote_url == llama_server  # the URL is remembered; the key never is
     assert w.chat.send_button.isEnabled()
     # The docks say they do not apply; their engine calls answer without a local model.
-    for dock, what in ((w.placement_dock, "Placement"), (w.experts_dock, "Expert statistics")):
+    for dock, what in ((w.placement_dock, "Placement does"), (w.experts_dock, "Expert statistics do")):
         assert dock.pages.currentWidget() is dock.remote_note
-        assert f"{what} does not apply to a remote model" in dock.remote_note.text()
+        assert f"{what} not apply to a remote model" in dock.remote_note.text()
+        assert llama_server in dock.remote_note.text() and "no reply yet" in dock.remote_note.text()
     assert w.bridge.preview(w.ctx.placement.settings or _any_settings()).error
     assert w.bridge.poll_stats(force=True) is None
     assert not w.bridge.apply(_any_settings())

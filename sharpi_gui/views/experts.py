@@ -211,7 +211,10 @@ class ExpertsDock(QDockWidget):
         super().__init__("Experts", parent)
         self.setObjectName("experts-dock")
         self.panel = ExpertsPanel(model, theme)
-        self.remote_note = RemoteNote("Expert statistics")
+        self.remote_note = RemoteNote(
+            "Expert statistics do not apply to a remote model.",
+            "Open a local model (File → Open) to see its experts here.",
+        )
         self.pages = QStackedWidget()
         self.pages.addWidget(self.panel)
         self.pages.addWidget(self.remote_note)

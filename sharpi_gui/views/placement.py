@@ -255,7 +255,9 @@ class PlacementDock(QDockWidget):
         scroll.setWidgetResizable(True)
         scroll.setWidget(self.panel)
         scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.remote_note = RemoteNote("Placement")
+        self.remote_note = RemoteNote(
+            "Placement does not apply to a remote model.", "Open a local model (File → Open) to place it here."
+        )
         self.pages = QStackedWidget()
         self.pages.addWidget(scroll)
         self.pages.addWidget(self.remote_note)

@@ -130,28 +130,28 @@ class ConnectDialog(QDialog):
         self.state.setText(f"{len(models)} model{'s' if len(models) != 1 else ''} served at {self.url()}.")
 
 
-def remote_note(what: str, info: D.RemoteInfo, decode_tok_s: float = 0.0) -> str:
+def remote_note(heading: str, back: str, info: D.RemoteInfo, decode_tok_s: float = 0.0) -> str:
     """The rich text a dock shows in place of its controls while the chat streams from ``info``."""
     others = [m for m in info.models if m != info.model]
-    rows = [
-        f"<p><b>{html.escape(what)} does not apply to a remote model.</b></p>",
-        f"<p>The chat streams <b>{html.escape(info.model)}</b> from<br><tt>{html.escape(info.base_url)}</tt>; "
-        "its server decides where the model runs.</p>",
-    ]
-    if others:
-        rows.append(f"<p>The endpoint also serves: {html.escape(', '.join(others))}.</p>")
     speed = f"{decode_tok_s:.1f} tok/s (measured here)" if decode_tok_s > 0 else "— (no reply yet)"
-    rows.append(f"<p>Last reply: {speed}</p>")
-    rows.append("<p>Open a local model (File → Open) to place it here again.</p>")
-    return "".join(rows)
+    rows = [("Endpoint", f"<tt>{html.escape(info.base_url)}</tt>"), ("Model", f"<b>{html.escape(info.model)}</b>")]
+    if others:
+        rows.append(("Also served", html.escape(", ".join(others))))
+    rows.append(("Last reply", speed))
+    cells = "".join(f"<tr><td style='padding-right:12px'>{k}</td><td>{v}</td></tr>" for k, v in rows)
+    return (
+        f"<p><b>{html.escape(heading)}</b></p><table>{cells}</table>"
+        f"<p>The endpoint's server decides where the model runs. {html.escape(back)}</p>"
+    )
 
 
 class RemoteNote(QLabel):
-    """The docks' stand-in while a remote model is connected."""
+    """A dock's stand-in while a remote model is connected: ``heading`` says what does not apply, ``back``
+    how to have it again."""
 
-    def __init__(self, what: str, parent: QWidget | None = None):
+    def __init__(self, heading: str, back: str, parent: QWidget | None = None):
         super().__init__(parent)
-        self.what = what
+        self.heading, self.back = heading, back
         self.setObjectName("remote-note")
         self.setWordWrap(True)
         self.setTextFormat(Qt.TextFormat.RichText)
@@ -160,4 +160,4 @@ class RemoteNote(QLabel):
         self.setContentsMargins(12, 10, 12, 10)
 
     def show_info(self, info: D.RemoteInfo, decode_tok_s: float = 0.0) -> None:
-        self.setText(remote_note(self.what, info, decode_tok_s))
+        self.setText(remote_note(self.heading, self.back, info, decode_tok_s))

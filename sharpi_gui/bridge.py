@@ -696,6 +696,9 @@ class EngineBridge(QObject):
             self._worker.stop_waiting.set()  # the worker, once it holds the model, starts nothing
             if self._stop_event is not None:
                 self._stop_event.set()  # the generation's own event: stops it wherever it is
+            cur = self._worker.current
+            if isinstance(cur, _Remote) and self._worker.holding:
+                cur.session.cancel()  # cuts the connection: ends at once, even while the server is silent
         return n
 
     # -- the local server (OpenAI-compatible API over the loaded model) --------------------------

@@ -215,6 +215,45 @@ def llama_server() -> Iterator[str]:
         p.wait(30)
 
 
+@pytest.fixture
+def silent_server() -> Iterator[str]:
+    """An endpoint that lists a model, then answers a completion with stream headers and nothing more (a
+    server busy on a long prompt) until the test ends."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    release = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.flush()
+            release.wait(60)
+
+        def log_message(self, *_a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    release.set()
+    server.shutdown()
+    server.server_close()
+
+
 # -- markers by file: the everyday loop (-m "not slow") and the masked re-run (-m cpu_paths) ----------
 # slow: seconds to minutes each — device calibration, the llama.cpp parity matrix and the prompt
 # accuracy matrix (tests/triton marks itself: the Triton kernels in the interpreter).

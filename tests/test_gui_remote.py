@@ -179,3 +179,16 @@ def test_remote_replaces_the_local_model_and_back(qtbot, tmp_path, llama_server)
         assert dock.pages.currentWidget() is not dock.remote_note
     assert httpx.get(f"{status.url.removesuffix('/v1')}/health", timeout=10).status_code == 200
     w.ctx.server.stop()
+
+
+def test_stop_while_the_server_is_silent(qtbot, tmp_path, silent_server):
+    """Stop ends a remote reply at once even before the server sends anything (a long prompt on a busy
+    server): the connection is cut, the chat is free again."""
+    w = make_window(qtbot, tmp_path)
+    _connect(qtbot, w, silent_server)
+    assert w.ctx.chat.send("What is a decorator?")
+    qtbot.waitUntil(lambda: w.bridge._worker.holding, timeout=GEN_TIMEOUT_MS)  # the request is out
+    with qtbot.waitSignal(w.bridge.finished, timeout=30_000) as done:
+        qtbot.mouseClick(w.chat.stop_button, Qt.MouseButton.LeftButton)
+    assert done.args[1].finish_reason == "cancelled" and done.args[1].n_generated == 0
+    assert not w.ctx.chat.busy and w.chat.send_button.isEnabled()

@@ -77,6 +77,24 @@ def test_remote_cancel_stops_the_stream(sharpi_url):
         assert out[-1].finish_reason == FINISH_CANCELLED and len(out) <= 5
 
 
+def test_cancel_cuts_a_silent_stream(silent_server):
+    """cancel() ends a stream at once even before the server sends a byte of it (it shuts the socket), as
+    the app's Stop does; without a cancel the read would wait for the server."""
+    with RemoteSession(silent_server, timeout=60) as r:
+        out: list = []
+        t = threading.Thread(target=lambda: out.extend(r.generate(messages=ASK)))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and not out  # waiting on the silent server
+        r.cancel()
+        t.join(30)
+        assert not t.is_alive()
+        assert [e.finish_reason for e in out] == [FINISH_CANCELLED] and out[0].n_generated == 0
+        stop = threading.Event()
+        stop.set()  # the generation's own event, set before the stream opens: cut once it does
+        assert [e.finish_reason for e in r.generate(messages=ASK, cancel=stop)] == [FINISH_CANCELLED]
+
+
 @pytest.mark.llama
 def test_remote_chat_through_llama_cpp_server(llama_server):
     with RemoteSession(llama_server) as r:

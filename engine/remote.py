@@ -15,6 +15,7 @@ it sends one; ``ttft_s`` and ``decode_tok_s`` are measured here, on the client.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -42,6 +43,7 @@ class RemoteSession:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
         self._cancel = threading.Event()
+        self._response = None  # the stream being read (cancel() interrupts its socket)
         try:
             self.models = self.list_models()
             if model is not None and model not in self.models:
@@ -67,9 +69,16 @@ class RemoteSession:
         return ids
 
     def generate(
-        self, prompt: str | None = None, *, messages: list[dict] | None = None, params: SamplingParams | None = None
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+        params: SamplingParams | None = None,
+        cancel: threading.Event | None = None,
     ) -> Iterator[GenerationEvent]:
-        """Stream a completion of ``prompt`` (``/completions``) or a chat (``/chat/completions``)."""
+        """Stream a completion of ``prompt`` (``/completions``) or a chat (``/chat/completions``).
+        ``cancel``: this generation's own stop event (as ``Session.generate`` takes it), set from any thread;
+        the stream ends as cancelled at the next line the server sends, like :meth:`cancel`."""
         if (prompt is None) == (messages is None):
             raise UsageError("give exactly one of prompt or messages")
         p = params or SamplingParams()
@@ -99,9 +108,9 @@ class RemoteSession:
             body["prompt"] = prompt
             route = "/completions"
         self._cancel.clear()
-        return self._stream(route, body)
+        return self._stream(route, body, cancel)
 
-    def _stream(self, route: str, body: dict) -> Iterator[GenerationEvent]:
+    def _stream(self, route: str, body: dict, cancel: threading.Event | None) -> Iterator[GenerationEvent]:
         import httpx
 
         t0 = time.perf_counter()
@@ -127,13 +136,20 @@ class RemoteSession:
                 finish_reason=done,
             )
 
+        def cancelled() -> bool:
+            return self._cancel.is_set() or (cancel is not None and cancel.is_set())
+
         try:
             with self._client.stream("POST", route, json=body) as r:
+                self._response = r
+                if cancelled():  # a cancel that came before there was a socket to interrupt
+                    self._interrupt()
                 if r.status_code != 200:
                     r.read()
                     _raise_for(r)
                 for line in r.iter_lines():
-                    if self._cancel.is_set():  # leaving the block closes the connection: the server stops
+                    # leaving the block closes the connection: the server stops
+                    if cancelled():
                         yield event("", FINISH_CANCELLED)
                         return
                     if not line.startswith("data:"):
@@ -160,12 +176,35 @@ class RemoteSession:
                                 t_first, ttft = now, now - t0
                             yield event(text)
         except httpx.HTTPError as e:
-            raise RemoteError(f"the connection to {self.base_url} failed: {e}") from None
+            if not cancelled():
+                raise RemoteError(f"the connection to {self.base_url} failed: {e}") from None
+            finish = FINISH_CANCELLED  # cancel() cut the connection while the server was silent
+        finally:
+            self._response = None
+        if finish is None and cancelled():
+            finish = FINISH_CANCELLED
         yield event("", finish or FINISH_EOS)  # a stream that ends without a reason ended its text
 
+    def fit_messages(self, messages: list[dict], max_tokens: int) -> tuple[list[dict], int]:
+        """``Session.fit_messages``' contract: the endpoint keeps its own context (and says when it is
+        full), so every message goes: (messages, 0 dropped)."""
+        return list(messages), 0
+
     def cancel(self) -> None:
-        """Stop the generation in progress at the next streamed piece (any thread)."""
+        """Stop the generation in progress (any thread): at once, even while the server is still silent (a
+        long prompt), by shutting the connection's socket; the stream then ends as cancelled."""
         self._cancel.set()
+        self._interrupt()
+
+    def _interrupt(self) -> None:
+        r = self._response
+        stream = r.extensions.get("network_stream") if r is not None else None
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if sock is not None:
+            try:  # wakes the read blocked on it (close() alone would not); the response's exit closes it
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def reset(self) -> None:
         """Nothing is cached on this side."""

@@ -11,6 +11,7 @@ planner (the placement preview, < 1 ms).
     bridge.load("model.gguf")
     rid = bridge.generate([{"role": "user", "content": "hi"}], {"temperature": 0.7})
     bridge.stop()
+    bridge.connect_remote("http://gpu-box:8000/v1", api_key, model)  # chat through an OpenAI endpoint instead
     bridge.shutdown()  # before the application quits
 """
 
@@ -49,6 +50,7 @@ from engine.plan import plan as plan_placement
 from engine.plan.profile import profile_source
 from engine.preflight import refusal
 from engine.profiler import export as export_profile
+from engine.remote import RemoteSession
 from engine.warmup import WarmUp, warm_up
 from sharpi_gui import data as D
 
@@ -128,6 +130,19 @@ class _Loaded:
     profile: DeviceProfile
     card: D.ModelCard
     limits: D.PlacementLimits
+
+
+@dataclass(frozen=True)
+class _Remote:
+    """A remote OpenAI-compatible endpoint in place of a loaded model: the chat streams from it; the
+    placement, the experts' statistics and the local server do not apply."""
+
+    session: RemoteSession
+    info: D.RemoteInfo
+
+
+REMOTE_TIMEOUT_S = 600.0  # the longest a remote reply may go without a byte (a long prompt on a busy server)
+LIST_TIMEOUT_S = 10.0  # listing an endpoint's models for the connect dialog
 
 
 # -- conversions: engine objects -> plain records ----------------------------------------------------
@@ -378,12 +393,13 @@ class _Worker(QObject):
     applied = Signal(object)  # _Loaded (with the new placement's limits)
     applyFailed = Signal(object)  # Failure
     waiting = Signal(int)  # request id: the chat waits for an API request to finish (the local server)
+    connected = Signal(object)  # _Remote
 
     def __init__(self, model_lock: threading.Lock, simulate_device: bool = False) -> None:
         super().__init__()
         self.simulate_device = simulate_device  # without a GPU, offer the simulated device (tests)
         self.cancel_load = threading.Event()  # set by the UI thread: the load in progress stops
-        self.current: _Loaded | None = None  # replaced whole, so a reader sees one consistent value
+        self.current: _Loaded | _Remote | None = None  # replaced whole, so a reader sees one consistent value
         self.n_generated = 0  # tokens of the generation in progress (read by Stop)
         # Held around everything that uses or replaces the session; the local server's requests take it
         # too, so a chat and an API request never run at once.
@@ -452,13 +468,30 @@ class _Worker(QObject):
             self._log(e)
             self.loadFailed.emit(_failure(e, title))
             return
+        self._replace(loaded)
+        self.loaded.emit(loaded)
+
+    @Slot(str, str, str)
+    def connect_remote(self, base_url: str, api_key: str, model: str) -> None:
+        """Chat through the OpenAI-compatible endpoint at ``base_url`` (ending in /v1) with ``model``
+        (empty: the first it lists) in place of the loaded model, which is closed."""
+        try:
+            session = RemoteSession(base_url, api_key=api_key or None, model=model or None, timeout=REMOTE_TIMEOUT_S)
+        except Exception as e:
+            self._log(e)
+            self.loadFailed.emit(_failure(e, f"Could not connect to {base_url}"))
+            return
+        remote = _Remote(session, D.RemoteInfo(session.base_url, session.model, tuple(session.models)))
+        self._replace(remote)
+        self.connected.emit(remote)
+
+    def _replace(self, new: _Loaded | _Remote) -> None:
         with self.model_lock:
-            old, self.current = self.current, loaded
+            old, self.current = self.current, new
             if self.on_replaced is not None:
-                self.on_replaced(loaded)
+                self.on_replaced(new)
             if old is not None:
                 old.session.close()
-        self.loaded.emit(loaded)
 
     def _warm_up(self, session: Session, report) -> WarmUp | None:
         """Run the model once so the first question finds its kernels ready (engine.warmup): on a
@@ -545,8 +578,9 @@ class _Worker(QObject):
     def apply(self, settings: D.PlanSettings) -> None:
         cur = self.current
         title = "Could not apply the placement"
-        if cur is None:
-            self.applyFailed.emit(D.Failure(D.ERR_NO_MODEL, title, "Open a model first (File → Open)."))
+        if not isinstance(cur, _Loaded):
+            why = "A remote model is placed by its server." if cur else "Open a model first (File → Open)."
+            self.applyFailed.emit(D.Failure(D.ERR_NO_MODEL, title, why))
             return
         try:
             placement = _plan(cur, settings)
@@ -613,11 +647,14 @@ class EngineBridge(QObject):
     waiting = Signal(int)  # request id: the chat waits while the local server answers a request
     serverChanged = Signal(object)  # ServerStatus
     serverRequest = Signal(object)  # ServerRequest: one answered API request (any thread emits; queued)
+    remoteConnected = Signal(object)  # RemoteInfo: the chat now streams from this endpoint
+    remoteModels = Signal(int, object, str)  # ticket, the model ids listed (None on failure), the error
 
     _doLoad = Signal(str, int, str, object)
     _doGenerate = Signal(int, object, object, object)
     _doApply = Signal(object)
     _doClose = Signal()
+    _doConnect = Signal(str, str, str)
 
     default_sampling = DEFAULT_SAMPLING  # the engine's sampling defaults (the settings dialog's "restore")
 
@@ -643,6 +680,8 @@ class EngineBridge(QObject):
         self._doGenerate.connect(self._worker.generate)
         self._doApply.connect(self._worker.apply)
         self._doClose.connect(self._worker.close)
+        self._doConnect.connect(self._worker.connect_remote)
+        self._list_ticket = 0
         w = self._worker
         w.progress.connect(self.loadProgress)
         w.loaded.connect(self._on_loaded)
@@ -655,6 +694,7 @@ class EngineBridge(QObject):
         w.applied.connect(self._on_applied)
         w.applyFailed.connect(self._on_apply_failed)
         w.waiting.connect(self.waiting)
+        w.connected.connect(self._on_connected)
         self._thread.start()
         app = QCoreApplication.instance()
         if app is not None:  # however the application ends, the engine thread ends first
@@ -672,12 +712,23 @@ class EngineBridge(QObject):
     @property
     def model_card(self) -> D.ModelCard | None:
         cur = self._worker.current
-        return None if cur is None else cur.card
+        return cur.card if isinstance(cur, _Loaded) else None
 
     @property
     def limits(self) -> D.PlacementLimits | None:
         cur = self._worker.current
-        return None if cur is None else cur.limits
+        return cur.limits if isinstance(cur, _Loaded) else None
+
+    @property
+    def remote(self) -> D.RemoteInfo | None:
+        """The endpoint the chat streams from, when it is a remote one."""
+        cur = self._worker.current
+        return cur.info if isinstance(cur, _Remote) else None
+
+    @property
+    def _local(self) -> _Loaded | None:
+        cur = self._worker.current
+        return cur if isinstance(cur, _Loaded) else None
 
     def _set_state(self, state: str) -> None:
         if state != self._state:
@@ -696,6 +747,33 @@ class EngineBridge(QObject):
         self.loadStarted.emit(str(path))
         self._doLoad.emit(str(path), int(n_ctx), kv_type, placement)
         return True
+
+    def connect_remote(self, base_url: str, api_key: str = "", model: str = "") -> bool:
+        """Chat through an OpenAI-compatible endpoint (vLLM, SGLang, llama-server, ``sharpi serve``) in place
+        of a local model, which is closed; ``remoteConnected`` or ``loadFailed`` follows. The key stays in
+        this process's memory. False if the engine is busy."""
+        if self._state != IDLE:
+            return False
+        self._set_state(LOADING)
+        self._doConnect.emit(base_url, api_key, model)
+        return True
+
+    def list_remote_models(self, base_url: str, api_key: str = "") -> int:
+        """List the endpoint's models on a thread of its own (the worker may be generating); returns a
+        ticket that ``remoteModels`` carries back with the ids, or None and the error."""
+        self._list_ticket += 1
+        ticket = self._list_ticket
+
+        def run() -> None:
+            try:
+                with RemoteSession(base_url, api_key=api_key or None, timeout=LIST_TIMEOUT_S) as r:
+                    models, error = r.models, ""
+            except Exception as e:  # shown in the dialog, never raised
+                models, error = None, _failure(e, "").message
+            self.remoteModels.emit(ticket, models, error)  # queued to the UI thread
+
+        threading.Thread(target=run, name="sharpi-list-models", daemon=True).start()
+        return ticket
 
     def generate(self, messages: list[dict], sampling: dict | None = None) -> int:
         """Start a chat completion; returns its request id (0 if the engine is busy or empty)."""
@@ -718,7 +796,7 @@ class EngineBridge(QObject):
 
     def use_chatml(self) -> bool:
         """Chat with ChatML instead of the model's failing template (until the next load); False if busy."""
-        cur = self._worker.current
+        cur = self._local
         if cur is None or self._state != IDLE:
             return False
         cur.session.use_chatml()
@@ -732,6 +810,9 @@ class EngineBridge(QObject):
             self._worker.stop_waiting.set()  # the worker, once it holds the model, starts nothing
             if self._stop_event is not None:
                 self._stop_event.set()  # the generation's own event: stops it wherever it is
+            cur = self._worker.current
+            if isinstance(cur, _Remote) and self._worker.holding:
+                cur.session.cancel()  # cuts the connection: ends at once, even while the server is silent
         return n
 
     # -- the local server (OpenAI-compatible API over the loaded model) --------------------------
@@ -776,7 +857,7 @@ class EngineBridge(QObject):
             queued=mh.runner.stats.waiting, api_key=bool(s.options.api_key),
         )  # fmt: skip
 
-    def _follow_model(self, loaded: _Loaded | None) -> None:
+    def _follow_model(self, loaded: _Loaded | _Remote | None) -> None:
         """The server serves what the chat has loaded. Called by the worker holding the model lock (no API
         request runs on the session being replaced) and by start_server (a new host runs nothing yet)."""
         with self._host_lock:
@@ -785,6 +866,8 @@ class EngineBridge(QObject):
                 return
             if loaded is None:
                 mh.set_unavailable("no model is loaded in the app")
+            elif isinstance(loaded, _Remote):
+                mh.set_unavailable("the app chats with a remote endpoint; it serves local models only")
             else:
                 mh.set_session(loaded.session, Path(loaded.card.path).stem)
 
@@ -799,8 +882,9 @@ class EngineBridge(QObject):
     def preview(self, settings: D.PlanSettings) -> D.PlanPreview:
         """Plan ``settings`` for the loaded model (pure and fast: called on every slider move)."""
         cur = self._worker.current
-        if cur is None:
-            return D.PlanPreview(settings, error="No model is loaded.")
+        if not isinstance(cur, _Loaded):
+            why = "A remote model is placed by its server." if cur else "No model is loaded."
+            return D.PlanPreview(settings, error=why)
         try:
             return _preview(settings, _plan(cur, settings))
         except PlanError as e:
@@ -808,7 +892,7 @@ class EngineBridge(QObject):
 
     def apply(self, settings: D.PlanSettings) -> bool:
         """Re-place the loaded model as ``settings`` ask (on the worker); False if busy."""
-        if self._state != IDLE or not self.has_model:
+        if self._state != IDLE or self._local is None:
             return False
         self._set_state(APPLYING)
         self._doApply.emit(settings)
@@ -816,8 +900,8 @@ class EngineBridge(QObject):
 
     def poll_stats(self, force: bool = False) -> D.StatsFrame | None:
         """Emit and return a fresh :class:`StatsFrame` if tokens went through since the last one."""
-        cur = self._worker.current
-        if cur is None:
+        cur = self._local
+        if cur is None:  # no model, or a remote one: no expert statistics
             return None
         snap = cur.session.stats()
         if not force and snap.tokens_total == self._last_tokens:
@@ -829,9 +913,9 @@ class EngineBridge(QObject):
 
     def export_stats(self, prefix: str) -> tuple[str, str]:
         """Write ``PREFIX.json`` and ``PREFIX.csv`` from one snapshot, and show that same snapshot."""
-        cur = self._worker.current
+        cur = self._local
         if cur is None:
-            raise OSError("no model is loaded")
+            raise OSError("a remote model has no profiler stats" if self.has_model else "no model is loaded")
         snap = cur.session.stats()
         j, c = export_profile(snap, prefix)
         self._last_tokens = snap.tokens_total
@@ -890,6 +974,11 @@ class EngineBridge(QObject):
         self._last_tokens = -1
         self._set_state(IDLE)
         self.loaded.emit(loaded.card, loaded.limits)
+
+    def _on_connected(self, remote: _Remote) -> None:
+        self._last_tokens = -1
+        self._set_state(IDLE)
+        self.remoteConnected.emit(remote.info)
 
     def _on_load_failed(self, failure: D.Failure) -> None:
         self._set_state(IDLE)

@@ -290,3 +290,12 @@ class ServerRequest:
     tok_s: float = 0.0  # decode speed
     duration_s: float = 0.0
     finish_reason: str = ""
+
+
+@dataclass(frozen=True)
+class RemoteInfo:
+    """A remote OpenAI-compatible endpoint the chat talks to in place of a local model."""
+
+    base_url: str  # e.g. http://gpu-box:8000/v1
+    model: str  # the model id the chat asks for
+    models: tuple[str, ...] = ()  # every model the endpoint lists

@@ -182,6 +182,15 @@ class Settings:
     def server_port(self, value: int) -> None:
         self.q.setValue("server/port", int(value))
 
+    # -- a remote endpoint (its API key is never stored here) ------------------------------------
+    @property
+    def remote_url(self) -> str:
+        return self._get("remote/url", "", str)
+
+    @remote_url.setter
+    def remote_url(self, value: str) -> None:
+        self.q.setValue("remote/url", value)
+
     # -- window -----------------------------------------------------------------------------------
     def window_state(self) -> tuple[QByteArray | None, QByteArray | None]:
         g, s = self.q.value("window/geometry"), self.q.value("window/state")

@@ -11,6 +11,10 @@ Use them from any test module::
 
     def test_knob(engine_env):
         engine_env({"SHARPI_CPU_MOE": "1"})   # engine.config.current() with that variable, this test only
+
+    @pytest.mark.llama
+    def test_remote(llama_server):             # a third-party OpenAI server on the demo model
+        RemoteSession(llama_server)            # its base URL, http://127.0.0.1:PORT/v1
 """
 
 from __future__ import annotations
@@ -161,6 +165,93 @@ def engine_env(monkeypatch) -> Callable:
     ``kernel_select``'s functions), pass them instead. Choices made at import (engine.ops,
     engine.kernels.simd/bf16) do not follow: set those variables in a child interpreter's environment."""
     return lambda changes: set_engine_env(monkeypatch, changes)
+
+
+LLAMA_SERVER_MODULES = ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def llama_server() -> Iterator[str]:
+    """llama-cpp-python's ``llama_cpp.server`` (a third-party OpenAI-compatible server) on the demo model,
+    in a child process for the whole test run; yields its base URL (``.../v1``). Skips without its modules."""
+    import importlib.util
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from engine.demo import demo_model_path
+
+    # found, not imported: the server runs in a child process (importing llama_cpp here leaks a file at exit)
+    missing = [m for m in LLAMA_SERVER_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"llama_cpp.server needs {', '.join(missing)}")
+    port = _free_port()
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(demo_model_path()), "--port", str(port)]
+    p = subprocess.Popen([*cmd, "--n_ctx", "256"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert p.poll() is None and time.monotonic() < deadline, "llama_cpp.server did not start"
+            time.sleep(0.1)
+        yield url
+    finally:
+        p.terminate()
+        p.wait(30)
+
+
+@pytest.fixture
+def silent_server() -> Iterator[str]:
+    """An endpoint that lists a model, then answers a completion with stream headers and nothing more (a
+    server busy on a long prompt) until the test ends."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    release = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.flush()
+            release.wait(60)
+
+        def log_message(self, *_a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    release.set()
+    server.shutdown()
+    server.server_close()
 
 
 # -- markers by file: the everyday loop (-m "not slow") and the masked re-run (-m cpu_paths) ----------

@@ -4,12 +4,8 @@ the demo model; ``sharpi run --remote``."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
+import threading
 
-import httpx
 import pytest
 
 from engine.api import Session
@@ -21,7 +17,6 @@ from engine.remote import RemoteError, RemoteSession
 from engine.server import ModelHost, ServerOptions, UvicornServer
 
 ASK = [{"role": "user", "content": "What is a decorator?"}]
-SERVER_MODULES = ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings")
 
 
 @pytest.fixture(scope="module")
@@ -73,41 +68,31 @@ def test_remote_cancel_stops_the_stream(sharpi_url):
             out.append(ev)
             if len(out) == 3:
                 r.cancel()
-    assert out[-1].finish_reason == FINISH_CANCELLED and len(out) <= 5
+        assert out[-1].finish_reason == FINISH_CANCELLED and len(out) <= 5
+        stop, out = threading.Event(), []  # the generation's own event, as the app's Stop sets it
+        for ev in r.generate("def f(x):\n", params=SamplingParams.greedy(max_tokens=3000), cancel=stop):
+            out.append(ev)
+            if len(out) == 3:
+                stop.set()
+        assert out[-1].finish_reason == FINISH_CANCELLED and len(out) <= 5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def llama_server():
-    import importlib.util
-
-    # found, not imported: the server runs in a child process (importing llama_cpp here leaks a file at exit)
-    missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
-    if missing:
-        pytest.skip(f"llama_cpp.server needs {', '.join(missing)}")
-    port = _free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(demo_model_path()), "--port", str(port)]
-    p = subprocess.Popen([*cmd, "--n_ctx", "256"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert p.poll() is None and time.monotonic() < deadline, "llama_cpp.server did not start"
-            time.sleep(0.1)
-        yield url
-    finally:
-        p.terminate()
-        p.wait(30)
+def test_cancel_cuts_a_silent_stream(silent_server):
+    """cancel() ends a stream at once even before the server sends a byte of it (it shuts the socket), as
+    the app's Stop does; without a cancel the read would wait for the server."""
+    with RemoteSession(silent_server, timeout=60) as r:
+        out: list = []
+        t = threading.Thread(target=lambda: out.extend(r.generate(messages=ASK)))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and not out  # waiting on the silent server
+        r.cancel()
+        t.join(30)
+        assert not t.is_alive()
+        assert [e.finish_reason for e in out] == [FINISH_CANCELLED] and out[0].n_generated == 0
+        stop = threading.Event()
+        stop.set()  # the generation's own event, set before the stream opens: cut once it does
+        assert [e.finish_reason for e in r.generate(messages=ASK, cancel=stop)] == [FINISH_CANCELLED]
 
 
 @pytest.mark.llama

@@ -148,9 +148,7 @@ def run(a: argparse.Namespace) -> int:
             try:
                 last = None
                 # Old turns leave the context (the system prompt and the latest stay) when it fills.
-                dropped = 0
-                if a.remote is None:  # a remote endpoint keeps its own context
-                    messages, dropped = session.fit_messages(messages, params.max_tokens)
+                messages, dropped = session.fit_messages(messages, params.max_tokens)
                 if dropped and not told:
                     told = True
                     print(

@@ -162,10 +162,11 @@ SHORTCUTS = (
     ("Ctrl+O", "open a model"),
     ("Ctrl+Shift+O", "model library: the GGUF files here, with the planner's verdict on each"),
     ("Ctrl+Shift+E", "export the conversation (Markdown or JSON)"),
+    ("Ctrl+Shift+R", "connect to a server (a remote OpenAI-compatible endpoint)"),
     ("Ctrl+I", "model card"),
     ("Ctrl+E", "export profiler stats"),
     ("Ctrl+Shift+S", "sampling settings"),
-    ("Ctrl+1 / Ctrl+2", "show or hide the placement / experts dock"),
+    ("Ctrl+1 / Ctrl+2 / Ctrl+3", "show or hide the placement / experts / local server dock"),
     ("Ctrl+Q", "quit"),
 )
 

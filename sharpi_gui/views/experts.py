@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QPushButton,
     QSizePolicy,
+    QStackedWidget,
     QVBoxLayout,
     QWidget,
 )
@@ -23,6 +24,7 @@ from PySide6.QtWidgets import (
 from sharpi_gui import data as D
 from sharpi_gui.experts_model import MODE_LABELS, MODES
 from sharpi_gui.theme import LIGHT, Theme
+from sharpi_gui.views.remote import RemoteNote
 
 HISTORY = 512  # plotted forward passes (the profiler keeps as many)
 _MIN_X = 32  # the plots' x axis spans at least this many passes
@@ -209,5 +211,18 @@ class ExpertsDock(QDockWidget):
         super().__init__("Experts", parent)
         self.setObjectName("experts-dock")
         self.panel = ExpertsPanel(model, theme)
-        self.setWidget(self.panel)
+        self.remote_note = RemoteNote(
+            "Expert statistics do not apply to a remote model.",
+            "Open a local model (File → Open) to see its experts here.",
+        )
+        self.pages = QStackedWidget()
+        self.pages.addWidget(self.panel)
+        self.pages.addWidget(self.remote_note)
+        self.setWidget(self.pages)
         self.setAllowedAreas(Qt.DockWidgetArea.AllDockWidgetAreas)
+
+    def set_remote(self, info: D.RemoteInfo | None, decode_tok_s: float = 0.0) -> None:
+        """Show the note that expert statistics do not apply (``info``: the endpoint), or the panel (None)."""
+        if info is not None:
+            self.remote_note.show_info(info, decode_tok_s)
+        self.pages.setCurrentWidget(self.remote_note if info is not None else self.panel)

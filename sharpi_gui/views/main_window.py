@@ -28,6 +28,7 @@ from sharpi_gui.views.experts import ExpertsDock
 from sharpi_gui.views.library import LibraryDialog
 from sharpi_gui.views.model_card import ModelCardDialog
 from sharpi_gui.views.placement import PlacementDock
+from sharpi_gui.views.remote import ConnectDialog
 from sharpi_gui.views.server import ServerDock
 
 APP_NAME = "SharpI"
@@ -44,6 +45,7 @@ class MainWindow(QMainWindow):
         self.resize(1500, 1000)
         self.card: D.ModelCard | None = None
         self.limits: D.PlacementLimits | None = None
+        self.remote: D.RemoteInfo | None = None  # the endpoint the chat streams from, in place of a local model
         self._pending_open: str | None = None  # a model to open once the engine is free
         self._startup_note = ""  # said in the status bar once the first model is loaded
 
@@ -113,6 +115,7 @@ class MainWindow(QMainWindow):
         self._action(m, "Model &library…", self.library_dialog, "Ctrl+Shift+O", "library")
         self.recent_menu = m.addMenu("Recent &models")
         self.recent_menu.aboutToShow.connect(self._fill_recent)
+        self._action(m, "&Connect to server…", self.connect_dialog, "Ctrl+Shift+R", "connect")
         m.addSeparator()
         self._action(m, "&Export profiler stats…", self.export_dialog, "Ctrl+E", "export")
         m.addSeparator()
@@ -165,6 +168,7 @@ class MainWindow(QMainWindow):
         b.loaded.connect(self._on_loaded)
         b.loadFailed.connect(self._on_load_failed)
         b.applied.connect(self._on_applied)
+        b.remoteConnected.connect(self._on_remote)
         b.warning.connect(lambda text: self.statusBar().showMessage(text, 10000))
         b.waiting.connect(lambda _rid: self.statusBar().showMessage("The chat waits for an API request to finish…"))
         b.busyChanged.connect(self._on_busy)
@@ -200,7 +204,9 @@ class MainWindow(QMainWindow):
             self.chat.set_status_line(f"Loading {Path(self.bridge.loading_path).name}: {what}…")
 
     def _on_loaded(self, card: D.ModelCard, limits: D.PlacementLimits) -> None:
-        self.card, self.limits = card, limits
+        self.card, self.limits, self.remote = card, limits, None
+        self.placement_dock.set_remote(None)
+        self.experts_dock.set_remote(None)
         self.progress.setVisible(False)
         self.cancel_button.setVisible(False)
         self.settings.loading_model = ""
@@ -212,6 +218,18 @@ class MainWindow(QMainWindow):
         self.actions_by_name["card"].setEnabled(True)
         self.chat.set_has_model(True)
         self._render_stats(D.GenStats(n_ctx=card.n_ctx))
+
+    def _on_remote(self, info: D.RemoteInfo) -> None:
+        self.card, self.limits, self.remote = None, None, info
+        self.progress.setVisible(False)
+        self.setWindowTitle(f"{APP_NAME} — {info.model} @ {info.base_url}")
+        self.statusBar().showMessage(f"Connected to {info.base_url} ({info.model})", 5000)
+        self.settings.remote_url = info.base_url
+        self.actions_by_name["card"].setEnabled(False)
+        self.placement_dock.set_remote(info)
+        self.experts_dock.set_remote(info)
+        self.chat.set_has_model(True)
+        self._render_stats(D.GenStats())
 
     def _on_applied(self, card: D.ModelCard, limits: D.PlacementLimits) -> None:
         self.card, self.limits = card, limits
@@ -237,6 +255,7 @@ class MainWindow(QMainWindow):
     def _on_busy(self, state: str) -> None:
         self.placement_dock.panel.set_busy(state != "idle")
         self.actions_by_name["open"].setEnabled(state in ("idle", "generating"))
+        self.actions_by_name["connect"].setEnabled(state == "idle")
         if state == "idle" and self._pending_open:
             QTimer.singleShot(0, lambda: self._pending_open and self.open_model(self._pending_open))
 
@@ -247,7 +266,13 @@ class MainWindow(QMainWindow):
         st["ttft"].setText(f"TTFT {s.ttft_s * 1000:.0f} ms" if s.ttft_s else "TTFT —")
         n_ctx = s.n_ctx or (self.card.n_ctx if self.card else 0)
         st["ctx"].setText(f"context {s.n_ctx_used:,} / {n_ctx:,}" if n_ctx else "context —")
-        st["placement"].setText(f"placement: {self.limits.in_force}" if self.limits else "no model")
+        if self.remote is not None:
+            st["placement"].setText(f"remote: {self.remote.model} @ {self.remote.base_url}")
+            if s.finish_reason and s.decode_tok_s:  # a reply ended: the docks' notes show its speed
+                self.placement_dock.set_remote(self.remote, s.decode_tok_s)
+                self.experts_dock.set_remote(self.remote, s.decode_tok_s)
+        else:
+            st["placement"].setText(f"placement: {self.limits.in_force}" if self.limits else "no model")
 
     def restyle(self, theme) -> None:
         self.chat.restyle(theme)
@@ -333,9 +358,26 @@ class MainWindow(QMainWindow):
         self.settings.export_dir = str(Path(path).parent)
         self.statusBar().showMessage(f"Exported {Path(path).name}", 8000)
 
+    def connect_dialog(self) -> None:
+        """Ask for an OpenAI-compatible endpoint and chat through it (the local model, if any, is closed)."""
+        dlg = ConnectDialog(self.bridge, self.settings.remote_url, self)
+        if dlg.exec() == QDialog.DialogCode.Accepted:
+            self.connect_remote(dlg.url(), dlg.api_key(), dlg.model())
+
+    def connect_remote(self, url: str, api_key: str = "", model: str = "") -> bool:
+        """Connect the chat to ``url`` now; False (with a note) while the engine is busy."""
+        if not self.bridge.connect_remote(url, api_key, model):
+            self.statusBar().showMessage("The engine is busy; connect once the reply or the load is done.", 8000)
+            return False
+        self.progress.setRange(0, 0)
+        self.progress.setVisible(True)
+        self.statusBar().showMessage(f"Connecting to {url}…")
+        return True
+
     def export_dialog(self) -> None:
-        if not self.bridge.has_model:
-            dialogs.show_error(self, D.Failure(D.ERR_NO_MODEL, "Nothing to export", "Open a model first."))
+        if not self.bridge.has_model or self.remote is not None:
+            why = "A remote model has no profiler stats." if self.remote is not None else "Open a model first."
+            dialogs.show_error(self, D.Failure(D.ERR_NO_MODEL, "Nothing to export", why))
             return
         directory = self.settings.export_dir or str(Path.home())
         dlg = self.file_dialog(

@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (
     QScrollArea,
     QSlider,
     QSpinBox,
+    QStackedWidget,
     QVBoxLayout,
     QWidget,
 )
@@ -25,6 +26,7 @@ from PySide6.QtWidgets import (
 from sharpi_gui import data as D
 from sharpi_gui.theme import LIGHT, Theme
 from sharpi_gui.views.layout_view import LayoutView
+from sharpi_gui.views.remote import RemoteNote
 
 NO_GPU_TEXT = (
     "<b>No GPU found — experts and trunk on the CPU.</b><br>"
@@ -337,4 +339,16 @@ class PlacementDock(QDockWidget):
         scroll.setWidgetResizable(True)
         scroll.setWidget(self.panel)
         scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.setWidget(scroll)
+        self.remote_note = RemoteNote(
+            "Placement does not apply to a remote model.", "Open a local model (File → Open) to place it here."
+        )
+        self.pages = QStackedWidget()
+        self.pages.addWidget(scroll)
+        self.pages.addWidget(self.remote_note)
+        self.setWidget(self.pages)
+
+    def set_remote(self, info: D.RemoteInfo | None, decode_tok_s: float = 0.0) -> None:
+        """Show the note that placement does not apply (``info``: the endpoint), or the controls (None)."""
+        if info is not None:
+            self.remote_note.show_info(info, decode_tok_s)
+        self.pages.setCurrentWidget(self.remote_note if info is not None else self.pages.widget(0))

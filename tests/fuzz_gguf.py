@@ -514,18 +514,19 @@ def run_cases(
     cases = list(cases)
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="sharpi-fuzz-") as tmp:
-        paths = []
-        for k, (b, kind, seed) in enumerate(cases):
-            path = Path(tmp) / f"case{k}.gguf"
-            path.write_bytes(mutate(bases[b], kind, seed))
-            paths.append(path)
         k = 0
-        while k < len(cases):
-            chunk = paths[k : k + batch]
+        while k < len(cases):  # a batch's files are written before it runs and deleted after (10,000 cases
+            chunk = []  # of up to ~30 MB each would not fit a disk at once)
+            for j, (b, kind, seed) in enumerate(cases[k : k + batch]):
+                path = Path(tmp) / f"case{k + j}.gguf"
+                path.write_bytes(mutate(bases[b], kind, seed))
+                chunk.append(path)
             outcomes = _run_batch(chunk, timeout, mem_cap)
             for j, outcome in enumerate(outcomes):
                 b, kind, seed = cases[k + j]
                 results.append(Result(b, kind, seed, outcome))
+            for path in chunk:
+                path.unlink(missing_ok=True)
             k += len(outcomes)
     return results
 

@@ -124,9 +124,11 @@ def moe_decode_q8(pool, slot_off, x, weights, roles, cfg_gate_up: dict, cfg_down
         HQ = torch.empty((T * K, F // 4), dtype=torch.int32, device=x.device)
         HD = torch.empty((T * K, F // 32), dtype=torch.float32, device=x.device)
         HS = torch.empty((T * K, F // 16), dtype=torch.float32, device=x.device)
-    else:  # h in float, quantized by one more launch (smaller gate/up tiles: more programs)
-        HQ = HS = XQ
-        HD = torch.empty((T * K, F), dtype=torch.float32, device=x.device)
+    else:  # h in float, quantized by one more launch (smaller gate/up tiles: more programs); zeros: a skipped
+        HQ = HS = (
+            XQ  # pair's row is never written, and quantizing uninitialised floats may overflow (the interpreter raises)
+        )
+        HD = torch.zeros((T * K, F), dtype=torch.float32, device=x.device)
     g_nb, u_nb, lim = D // qb.GEOMETRY[gq][1], D // qb.GEOMETRY[uq][1], c.get("UNROLL", qb.UNROLL)
     pool = pool.reshape(-1)
     w32 = t8.int32_view(pool)
@@ -137,7 +139,7 @@ def moe_decode_q8(pool, slot_off, x, weights, roles, cfg_gate_up: dict, cfg_down
         **geo(uq, "u"), **qb.launch_kw(pdl),
     )  # fmt: skip
     if not qh:
-        HQ, HD, HS = t8.quantize_act(HD)  # rows of skipped pairs hold garbage: the down kernel skips them too
+        HQ, HD, HS = t8.quantize_act(HD)  # rows of skipped pairs are 0: the down kernel skips them too
     c = cfg_down
     ks = max(1, min(c.get("KSPLIT", 1), K))
     Y = torch.empty((ks, T, D), dtype=torch.float32, device=x.device)

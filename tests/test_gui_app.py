@@ -116,7 +116,7 @@ def test_settings_persist(tmp_path):
     assert t.placement is None  # a damaged value falls back to the default
 
 
-# What the UI thread may call on a Session (cheap and thread-safe, see sharpi_gui/bridge.py); every
+# What the UI thread may call on a Session (cheap and thread-safe, see sharpi_gui/bridge); every
 # other Session method (loading, tokenizing, generating, applying a placement, calibrating) runs on
 # the engine's worker thread, so the window keeps painting whatever the engine is doing.
 UI_THREAD_CALLS = {"cancel", "stats", "plan"}

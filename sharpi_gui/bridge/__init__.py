@@ -22,37 +22,24 @@ import logging
 import os
 import sys
 import threading
-import traceback
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 from PySide6.QtCore import QCoreApplication, QObject, QThread, Signal, Slot
 
 from engine import config
 from engine.api import AUTO_CTX, LoadOptions, Session
-from engine.bench.calibrate import speed_profile
-from engine.errors import (
-    ChatTemplateError,
-    DeviceMemoryError,
-    GGUFError,
-    HostMemoryError,
-    SharpIError,
-    UnsupportedArchitectureError,
-    UnsupportedQuantTypeError,
-    UsageError,
-)
+from engine.errors import SharpIError
 from engine.generate import SamplingParams
 from engine.library import default_folders
 from engine.library import scan as library_scan
-from engine.plan import DeviceProfile, ModelSpec, PlanError, PlanRequest
-from engine.plan import plan as plan_placement
-from engine.plan.profile import profile_source
+from engine.plan import DeviceProfile, PlanError
 from engine.preflight import refusal
 from engine.profiler import export as export_profile
 from engine.remote import RemoteSession
 from engine.warmup import WarmUp, warm_up
 from sharpi_gui import data as D
+from sharpi_gui.bridge import convert as C
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +88,8 @@ def _lower_engine_priority() -> None:
     numba.get_num_threads()  # starts numba's thread pool here (a no-op if it already runs)
 
 
-MiB = 1 << 20
-# Context sizes offered by the slider: powers of two and the 1.5x steps between them.
-_CTX_LADDER = tuple(sorted({2**k for k in range(8, 21)} | {3 * 2**k for k in range(7, 20)}))
-# The VRAM slider ends this far above what the whole model needs (when the device has more).
-_VRAM_HEADROOM = 1.25
+REMOTE_TIMEOUT_S = 600.0  # the longest a remote reply may go without a byte (a long prompt on a busy server)
+LIST_TIMEOUT_S = 10.0  # listing an endpoint's models for the connect dialog
 SAMPLING_KEYS = (
     "temperature",
     "top_k",
@@ -121,255 +105,6 @@ SAMPLING_KEYS = (
 DEFAULT_SAMPLING = {k: getattr(SamplingParams(), k) for k in SAMPLING_KEYS}
 
 
-@dataclass(frozen=True)
-class _Loaded:
-    """What the worker publishes after a load; read by the bridge on the UI thread."""
-
-    session: Session
-    spec: ModelSpec
-    profile: DeviceProfile
-    card: D.ModelCard
-    limits: D.PlacementLimits
-
-
-@dataclass(frozen=True)
-class _Remote:
-    """A remote OpenAI-compatible endpoint in place of a loaded model: the chat streams from it; the
-    placement, the experts' statistics and the local server do not apply."""
-
-    session: RemoteSession
-    info: D.RemoteInfo
-
-
-REMOTE_TIMEOUT_S = 600.0  # the longest a remote reply may go without a byte (a long prompt on a busy server)
-LIST_TIMEOUT_S = 10.0  # listing an endpoint's models for the connect dialog
-
-
-# -- conversions: engine objects -> plain records ----------------------------------------------------
-
-
-def _failure(e: BaseException, title: str) -> D.Failure:
-    if isinstance(e, (UnsupportedArchitectureError, UnsupportedQuantTypeError)):
-        return D.Failure(D.ERR_UNSUPPORTED, title, f"This model is not supported.\n\n{e}")
-    if isinstance(e, GGUFError):
-        return D.Failure(D.ERR_BAD_FILE, title, f"This file is not a usable GGUF model.\n\n{e}")
-    if isinstance(e, (DeviceMemoryError, HostMemoryError, MemoryError)) or "out of memory" in str(e).lower():
-        return D.Failure(D.ERR_OUT_OF_MEMORY, title, f"Out of memory.\n\n{e}")
-    if isinstance(e, UsageError) and "context" in str(e):
-        return D.Failure(D.ERR_CONTEXT, title, str(e))
-    if isinstance(e, ChatTemplateError):
-        return D.Failure(D.ERR_TEMPLATE, title, f"{e}.\n\nThe model's own chat template cannot be used for this chat.")
-    if isinstance(e, SharpIError):
-        return D.Failure(D.ERR_ENGINE, title, str(e))
-    if isinstance(e, OSError):
-        return D.Failure(D.ERR_BAD_FILE, title, f"The file cannot be read.\n\n{e}")
-    detail = "".join(traceback.format_exception_only(type(e), e)).strip()
-    return D.Failure(D.ERR_INTERNAL, title, f"Unexpected error (a bug in SharpI):\n\n{detail}")
-
-
-def _gen_stats(ev) -> D.GenStats:
-    return D.GenStats(
-        n_prompt=ev.n_prompt,
-        n_generated=ev.n_generated,
-        n_ctx_used=ev.n_ctx_used,
-        n_ctx=ev.n_ctx,
-        ttft_s=ev.ttft_s,
-        prompt_tok_s=ev.prompt_tok_s,
-        decode_tok_s=ev.decode_tok_s,
-        finish_reason=ev.finish_reason,
-        message=ev.message,
-    )
-
-
-def _card(session: Session, spec: ModelSpec) -> D.ModelCard:
-    info = session.info
-    hp = info.hparams
-    mix = tuple(sorted(info.bytes_by_type.items(), key=lambda kv: -kv[1]))
-    return D.ModelCard(
-        path=str(info.path),
-        name=info.name or Path(info.path).stem,
-        architecture=info.architecture,
-        n_parameters=info.n_parameters,
-        n_layer=spec.n_layer,
-        n_expert=int(hp.get("n_expert", 0) or 0),
-        n_expert_used=int(hp.get("n_expert_used", 0) or 0),
-        file_size=info.file_size,
-        quant_mix=mix,
-        trunk_bytes=info.trunk_bytes,
-        expert_bytes=info.expert_bytes,
-        has_chat_template=info.has_chat_template,
-        vocab_size=info.vocab_size,
-        n_ctx_train=spec.n_ctx_train,
-        n_ctx=session.n_ctx,
-        kv_type=session.kv_type,
-        tokenizer=f"{info.tokenizer_model} ({info.tokenizer_pre})" if info.tokenizer_pre else info.tokenizer_model,
-        notes=_notes(Path(info.path)),
-    )
-
-
-def _notes(path: Path) -> str:
-    """A model card shipped beside the file: ``<stem>.md``, else ``MODEL_CARD.md`` in its folder."""
-    for card in (path.with_suffix(".md"), path.parent / "MODEL_CARD.md"):
-        try:
-            if card.is_file():
-                return card.read_text(encoding="utf-8")[:20000]
-        except OSError:
-            continue
-    return ""
-
-
-def _request(s: D.PlanSettings) -> PlanRequest:
-    return PlanRequest(
-        ctx=s.ctx,
-        kv_type=s.kv_type,
-        n_gpu_layers=s.n_gpu_layers,
-        moe=s.moe,
-        moe_source="" if s.moe == D.MOE_AUTO else "the expert-mode selector",
-    )
-
-
-def _preview(settings: D.PlanSettings, p) -> D.PlanPreview:
-    dev = p.device
-    return D.PlanPreview(
-        settings=settings,
-        budget_bytes=p.budget_bytes,
-        segments=tuple((key, int(getattr(dev, key))) for key, _ in D.SEGMENTS),
-        expert_cache_budget_bytes=p.expert_cache_budget_bytes,
-        free_bytes=p.budget_bytes - dev.total,
-        layers=tuple(D.LayerCell(x.index, x.device, x.experts, x.trunk_bytes, x.kv_bytes) for x in p.layers),
-        n_layer=p.n_layer,
-        n_gpu_layers=p.n_gpu_layers,
-        layer_reason=p.layer_reason,
-        moe_mode=p.moe_mode,
-        moe_reason=p.moe_reason,
-        predicted_tok_s=tuple(p.predicted_tok_s.items()),
-        resident_split=p.resident_split or 0,
-        predicted_hit_rate=p.to_dict()["predicted_hit_rate"],
-        speeds_source=profile_source(p.profile),
-        speeds_device=p.profile.name,
-        expert_slots=p.expert_slots,
-        expert_slots_needed=p.expert_slots_needed,
-        kv_bytes=p.kv_bytes,
-        host_kv_bytes=p.host_kv_bytes,
-        recommended_ctx=p.recommended_ctx,
-        notes=tuple(p.notes),
-    )
-
-
-def stats_frame(snap) -> D.StatsFrame:
-    """A :class:`ProfilerSnapshot` as the experts dock draws it (heat and residency unchanged)."""
-    lookups = snap.hits + snap.misses  # [L, E]
-    ratio = np.divide(snap.hits, lookups, out=np.zeros(lookups.shape), where=lookups > 0)
-    lat = snap.step_latency_s
-    decode = (snap.step_tokens == 1) & (lat > 0)  # one-token passes; prompt chunks are not decode speed
-    tok_s = np.divide(1.0, lat, out=np.full(lat.shape, np.nan), where=decode)
-    return D.StatsFrame(
-        n_layer=snap.n_layer,
-        n_expert=snap.calls.shape[1],
-        heat=snap.heat,
-        residency=snap.resident.astype(np.float64),
-        hit_ratio=ratio,
-        calls=snap.calls,
-        tok_s=tok_s,
-        hit_rate=snap.step_hit_rate,
-        upload_mb_s=snap.step_upload_mb_s,
-        tokens_total=snap.tokens_total,
-        has_cache=bool(lookups.any()),
-    )
-
-
-def _ctx_values(n_ctx_train: int, current: int) -> tuple[int, ...]:
-    top = max(n_ctx_train, current)
-    return tuple(sorted({v for v in _CTX_LADDER if v <= top} | {n_ctx_train, current}))
-
-
-def _limits(
-    session: Session,
-    spec: ModelSpec,
-    profile: DeviceProfile,
-    requested: D.PlanSettings | None,
-    measured_tok_s: float = 0.0,
-    offer_device: bool = True,
-) -> D.PlacementLimits:
-    """Ranges of the placement controls; ``requested``: the settings that made the placement in
-    force (None when the model runs on the CPU: the controls then propose the automatic plan).
-    Without a GPU the only placement is the CPU: the controls offer its context and KV type."""
-    ctx_values = _ctx_values(spec.n_ctx_train, session.n_ctx)
-    if not offer_device:
-        current = D.PlanSettings(vram_bytes=0, ctx=session.n_ctx, kv_type=session.kv_type, n_gpu_layers=0)
-        whatif = replace(
-            _limits(session, spec, profile, None, measured_tok_s, offer_device=True),
-            device_name="hypothetical GPU, default speeds",
-            in_force="",
-        )
-        return D.PlacementLimits(
-            device_name="",
-            device_vram_bytes=0,
-            vram_max_bytes=MiB,
-            vram_step_bytes=MiB,
-            ctx_values=ctx_values,
-            n_layer=spec.n_layer,
-            is_moe=spec.is_moe,
-            current=current,
-            applied=None,
-            in_force="CPU only (no GPU found)",
-            has_gpu=False,
-            n_ctx_train=spec.n_ctx_train,
-            measured_tok_s=measured_tok_s,
-            whatif=whatif,
-        )
-    # The most the model can use: every layer and expert on the device at the widest settings.
-    widest = PlanRequest(ctx=ctx_values[-1], kv_type="f32", moe="resident" if spec.is_moe else "auto")
-    try:
-        need = plan_placement(spec, profile.with_budget(1 << 50), widest).device.total
-    except PlanError:
-        need = profile.vram_bytes
-    vram_max = min(profile.vram_bytes, int(need * _VRAM_HEADROOM))
-    step = max(MiB, 1 << max(0, (max(vram_max, 1) // 1024).bit_length() - 1))
-    vram_max = max(step, vram_max // step * step)
-    placement = session.placement
-    if placement is not None and placement.n_gpu_layers > 0:
-        applied = replace(
-            requested or D.PlanSettings(vram_bytes=placement.budget_bytes, ctx=0),
-            vram_bytes=min(placement.budget_bytes, vram_max),
-            ctx=placement.ctx,
-            kv_type=placement.kv_type,
-        )
-        current = applied
-        in_force = f"{placement.n_gpu_layers}/{placement.n_layer} layers on the device · experts: {placement.moe_mode}"
-    else:
-        applied = None
-        current = D.PlanSettings(vram_bytes=vram_max, ctx=session.n_ctx, kv_type=session.kv_type)
-        in_force = "CPU only"
-    return D.PlacementLimits(
-        device_name=profile.name or "simulated device (default profile)",
-        device_vram_bytes=profile.vram_bytes,
-        vram_max_bytes=vram_max,
-        vram_step_bytes=step,
-        ctx_values=ctx_values,
-        n_layer=spec.n_layer,
-        is_moe=spec.is_moe,
-        current=current,
-        applied=applied,
-        in_force=in_force,
-        n_ctx_train=spec.n_ctx_train,
-        measured_tok_s=measured_tok_s,
-    )
-
-
-def _device_profile(session: Session) -> DeviceProfile:
-    """The GPU's memory and its calibrated speeds (measured once per machine, a few seconds, on
-    the first load with CUDA; cached after), or the simulated device's default budget and speeds."""
-    speeds = speed_profile(session.device, session.gf, measure=True, options=session.engine_options)
-    if speeds is not None:
-        session.set_device_profile(speeds)
-    return session.device_profile()
-
-
-def _plan(loaded: _Loaded, settings: D.PlanSettings):
-    return loaded.session.plan(_request(settings), loaded.profile.with_budget(settings.vram_bytes))
-
-
 # -- the worker (lives on the engine thread) ---------------------------------------------------------
 
 
@@ -383,30 +118,30 @@ def _cancelled(path: str) -> D.Failure:
 
 class _Worker(QObject):
     progress = Signal(int, int, str)
-    loaded = Signal(object)  # _Loaded
+    loaded = Signal(object)  # C.Loaded
     warning = Signal(str)  # something the user should know that is not an error
     loadFailed = Signal(object)  # Failure
     token = Signal(int, str, object)  # request id, text delta, GenStats
     trimmed = Signal(int, int, int)  # request id, messages left out of the prompt, context size
     finished = Signal(int, object)  # request id, final GenStats
     failed = Signal(int, object)  # request id, Failure
-    applied = Signal(object)  # _Loaded (with the new placement's limits)
+    applied = Signal(object)  # C.Loaded (with the new placement's limits)
     applyFailed = Signal(object)  # Failure
     waiting = Signal(int)  # request id: the chat waits for an API request to finish (the local server)
-    connected = Signal(object)  # _Remote
+    connected = Signal(object)  # C.Remote
 
     def __init__(self, model_lock: threading.Lock, simulate_device: bool = False) -> None:
         super().__init__()
         self.simulate_device = simulate_device  # without a GPU, offer the simulated device (tests)
         self.cancel_load = threading.Event()  # set by the UI thread: the load in progress stops
-        self.current: _Loaded | _Remote | None = None  # replaced whole, so a reader sees one consistent value
+        self.current: C.Loaded | C.Remote | None = None  # replaced whole, so a reader sees one consistent value
         self.n_generated = 0  # tokens of the generation in progress (read by Stop)
         # Held around everything that uses or replaces the session; the local server's requests take it
         # too, so a chat and an API request never run at once.
         self.model_lock = model_lock
         self.holding = False  # a chat generation holds the lock (Stop may cancel the session)
         self.stop_waiting = threading.Event()  # Stop while the chat waits for the lock
-        self.on_replaced = None  # called (holding the lock) with the new _Loaded or None: the server follows
+        self.on_replaced = None  # called (holding the lock) with the new C.Loaded or None: the server follows
 
     @Slot()
     def start(self) -> None:
@@ -425,7 +160,7 @@ class _Worker(QObject):
             reason = refusal(path)
         except Exception as e:  # every failure becomes a dialog, never a crash
             self._log(e)
-            self.loadFailed.emit(_failure(e, title))
+            self.loadFailed.emit(C.failure(e, title))
             return
         if reason:
             self.loadFailed.emit(D.Failure(D.ERR_CANNOT_RUN, f"{Path(path).name} cannot run here", reason))
@@ -445,20 +180,20 @@ class _Worker(QObject):
             return
         except Exception as e:  # every failure becomes a dialog, never a crash
             self._log(e)
-            self.loadFailed.emit(_failure(e, title))
+            self.loadFailed.emit(C.failure(e, title))
             return
         try:
             spec = session.spec
             if session.device.type == "cuda":
                 self.progress.emit(3, 4, "measuring the device (once per machine)")
-            profile = _device_profile(session)
+            profile = C.device_profile(session)
             ctx = session.n_ctx
             requested = self._initial_placement(session, profile, placement, ctx)
             warm = self._warm_up(session, report)
-            limits = _limits(
+            limits = C.limits(
                 session, spec, profile, requested, warm.decode_tok_s if warm else 0.0, self.offers_device(session)
             )
-            loaded = _Loaded(session, spec, profile, _card(session, spec), limits)
+            loaded = C.Loaded(session, spec, profile, C.card(session, spec), limits)
         except _LoadCancelled:
             session.close()
             self.loadFailed.emit(_cancelled(path))
@@ -466,7 +201,7 @@ class _Worker(QObject):
         except Exception as e:
             session.close()
             self._log(e)
-            self.loadFailed.emit(_failure(e, title))
+            self.loadFailed.emit(C.failure(e, title))
             return
         self._replace(loaded)
         self.loaded.emit(loaded)
@@ -479,13 +214,13 @@ class _Worker(QObject):
             session = RemoteSession(base_url, api_key=api_key or None, model=model or None, timeout=REMOTE_TIMEOUT_S)
         except Exception as e:
             self._log(e)
-            self.loadFailed.emit(_failure(e, f"Could not connect to {base_url}"))
+            self.loadFailed.emit(C.failure(e, f"Could not connect to {base_url}"))
             return
-        remote = _Remote(session, D.RemoteInfo(session.base_url, session.model, tuple(session.models)))
+        remote = C.Remote(session, D.RemoteInfo(session.base_url, session.model, tuple(session.models)))
         self._replace(remote)
         self.connected.emit(remote)
 
-    def _replace(self, new: _Loaded | _Remote) -> None:
+    def _replace(self, new: C.Loaded | C.Remote) -> None:
         with self.model_lock:
             old, self.current = self.current, new
             if self.on_replaced is not None:
@@ -528,12 +263,12 @@ class _Worker(QObject):
         else:
             return None
         try:
-            session.apply(session.plan(_request(wanted), profile.with_budget(wanted.vram_bytes)))
+            session.apply(session.plan(C.plan_request(wanted), profile.with_budget(wanted.vram_bytes)))
             return None if wanted is cpu_only else wanted
         except SharpIError as e:
             self.warning.emit(f"The saved placement could not be applied ({e}); the model runs on the CPU.")
             if ctx != session.n_ctx:
-                session.apply(session.plan(_request(cpu_only), profile.with_budget(0)))
+                session.apply(session.plan(C.plan_request(cpu_only), profile.with_budget(0)))
             return None
 
     @Slot(int, object, object, object)
@@ -559,7 +294,7 @@ class _Worker(QObject):
                 self.trimmed.emit(rid, dropped, cur.session.n_ctx)
             final = D.GenStats()
             for ev in cur.session.generate(messages=messages, params=params, cancel=cancel):
-                final = _gen_stats(ev)
+                final = C.gen_stats(ev)
                 self.n_generated = ev.n_generated
                 if self.stop_waiting.is_set():  # a Stop that came while generate() started
                     cur.session.cancel()
@@ -567,7 +302,7 @@ class _Worker(QObject):
                     self.token.emit(rid, ev.text, final)
         except Exception as e:
             self._log(e)
-            self.failed.emit(rid, _failure(e, "Generation failed"))
+            self.failed.emit(rid, C.failure(e, "Generation failed"))
             return
         finally:
             self.holding = False
@@ -578,16 +313,16 @@ class _Worker(QObject):
     def apply(self, settings: D.PlanSettings) -> None:
         cur = self.current
         title = "Could not apply the placement"
-        if not isinstance(cur, _Loaded):
+        if not isinstance(cur, C.Loaded):
             why = "A remote model is placed by its server." if cur else "Open a model first (File → Open)."
             self.applyFailed.emit(D.Failure(D.ERR_NO_MODEL, title, why))
             return
         try:
-            placement = _plan(cur, settings)
+            placement = C.plan_for(cur, settings)
             with self.model_lock:  # not while an API request generates
                 cur.session.apply(placement)
-            card = _card(cur.session, cur.spec)
-            limits = _limits(
+            card = C.card(cur.session, cur.spec)
+            limits = C.limits(
                 cur.session,
                 cur.spec,
                 cur.profile,
@@ -598,7 +333,7 @@ class _Worker(QObject):
             loaded = replace(cur, card=card, limits=limits)
         except Exception as e:  # the previous placement stays
             self._log(e)
-            self.applyFailed.emit(_failure(e, title))
+            self.applyFailed.emit(C.failure(e, title))
             return
         self.current = loaded
         self.applied.emit(loaded)
@@ -712,23 +447,23 @@ class EngineBridge(QObject):
     @property
     def model_card(self) -> D.ModelCard | None:
         cur = self._worker.current
-        return cur.card if isinstance(cur, _Loaded) else None
+        return cur.card if isinstance(cur, C.Loaded) else None
 
     @property
     def limits(self) -> D.PlacementLimits | None:
         cur = self._worker.current
-        return cur.limits if isinstance(cur, _Loaded) else None
+        return cur.limits if isinstance(cur, C.Loaded) else None
 
     @property
     def remote(self) -> D.RemoteInfo | None:
         """The endpoint the chat streams from, when it is a remote one."""
         cur = self._worker.current
-        return cur.info if isinstance(cur, _Remote) else None
+        return cur.info if isinstance(cur, C.Remote) else None
 
     @property
-    def _local(self) -> _Loaded | None:
+    def _local(self) -> C.Loaded | None:
         cur = self._worker.current
-        return cur if isinstance(cur, _Loaded) else None
+        return cur if isinstance(cur, C.Loaded) else None
 
     def _set_state(self, state: str) -> None:
         if state != self._state:
@@ -769,7 +504,7 @@ class EngineBridge(QObject):
                 with RemoteSession(base_url, api_key=api_key or None, timeout=LIST_TIMEOUT_S) as r:
                     models, error = r.models, ""
             except Exception as e:  # shown in the dialog, never raised
-                models, error = None, _failure(e, "").message
+                models, error = None, C.failure(e, "").message
             self.remoteModels.emit(ticket, models, error)  # queued to the UI thread
 
         threading.Thread(target=run, name="sharpi-list-models", daemon=True).start()
@@ -811,7 +546,7 @@ class EngineBridge(QObject):
             if self._stop_event is not None:
                 self._stop_event.set()  # the generation's own event: stops it wherever it is
             cur = self._worker.current
-            if isinstance(cur, _Remote) and self._worker.holding:
+            if isinstance(cur, C.Remote) and self._worker.holding:
                 cur.session.cancel()  # cuts the connection: ends at once, even while the server is silent
         return n
 
@@ -857,7 +592,7 @@ class EngineBridge(QObject):
             queued=mh.runner.stats.waiting, api_key=bool(s.options.api_key),
         )  # fmt: skip
 
-    def _follow_model(self, loaded: _Loaded | _Remote | None) -> None:
+    def _follow_model(self, loaded: C.Loaded | C.Remote | None) -> None:
         """The server serves what the chat has loaded. Called by the worker holding the model lock (no API
         request runs on the session being replaced) and by start_server (a new host runs nothing yet)."""
         with self._host_lock:
@@ -866,7 +601,7 @@ class EngineBridge(QObject):
                 return
             if loaded is None:
                 mh.set_unavailable("no model is loaded in the app")
-            elif isinstance(loaded, _Remote):
+            elif isinstance(loaded, C.Remote):
                 mh.set_unavailable("the app chats with a remote endpoint; it serves local models only")
             else:
                 mh.set_session(loaded.session, Path(loaded.card.path).stem)
@@ -882,11 +617,11 @@ class EngineBridge(QObject):
     def preview(self, settings: D.PlanSettings) -> D.PlanPreview:
         """Plan ``settings`` for the loaded model (pure and fast: called on every slider move)."""
         cur = self._worker.current
-        if not isinstance(cur, _Loaded):
+        if not isinstance(cur, C.Loaded):
             why = "A remote model is placed by its server." if cur else "No model is loaded."
             return D.PlanPreview(settings, error=why)
         try:
-            return _preview(settings, _plan(cur, settings))
+            return C.preview(settings, C.plan_for(cur, settings))
         except PlanError as e:
             return D.PlanPreview(settings, error=str(e), budget_bytes=settings.vram_bytes)
 
@@ -907,7 +642,7 @@ class EngineBridge(QObject):
         if not force and snap.tokens_total == self._last_tokens:
             return None
         self._last_tokens = snap.tokens_total
-        frame = stats_frame(snap)
+        frame = C.stats_frame(snap)
         self.statsUpdated.emit(frame)
         return frame
 
@@ -919,7 +654,7 @@ class EngineBridge(QObject):
         snap = cur.session.stats()
         j, c = export_profile(snap, prefix)
         self._last_tokens = snap.tokens_total
-        self.statsUpdated.emit(stats_frame(snap))
+        self.statsUpdated.emit(C.stats_frame(snap))
         return str(j), str(c)
 
     def library_folders(self) -> list[str]:
@@ -970,12 +705,12 @@ class EngineBridge(QObject):
         gc.unfreeze()  # let the interpreter's exit free what preload_engine froze (else nanobind reports leaks)
 
     # -- worker results -------------------------------------------------------------------------
-    def _on_loaded(self, loaded: _Loaded) -> None:
+    def _on_loaded(self, loaded: C.Loaded) -> None:
         self._last_tokens = -1
         self._set_state(IDLE)
         self.loaded.emit(loaded.card, loaded.limits)
 
-    def _on_connected(self, remote: _Remote) -> None:
+    def _on_connected(self, remote: C.Remote) -> None:
         self._last_tokens = -1
         self._set_state(IDLE)
         self.remoteConnected.emit(remote.info)
@@ -992,7 +727,7 @@ class EngineBridge(QObject):
         self._set_state(IDLE)
         self.failed.emit(rid, failure)
 
-    def _on_applied(self, loaded: _Loaded) -> None:
+    def _on_applied(self, loaded: C.Loaded) -> None:
         self._set_state(IDLE)
         self.applied.emit(loaded.card, loaded.limits)
 

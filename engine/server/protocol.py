@@ -220,20 +220,14 @@ class Answer:
         else:
             choice = {"index": 0, "text": self.text, "finish_reason": reason, "logprobs": None}
             obj = "text_completion"
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": "sharpi",
-            "choices": [choice],
-            "usage": self.usage(),
-            "timings": self.timings(),
-        }
+        return self._envelope(obj, [choice], usage=self.usage(), timings=self.timings())
 
     # -- stream chunks -------------------------------------------------------------------------
     def _chunk(self, choices: list, **extra) -> dict:
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion", choices, **extra)
+
+    def _envelope(self, obj: str, choices: list, **extra) -> dict:
+        """A response object or stream chunk: id, object, created, model, fingerprint, choices, then ``extra``."""
         return {
             "id": self.id,
             "object": obj,

@@ -141,16 +141,8 @@ class ExpertPool:
         self._table_dirty = True
         if evicted is not None and self.profiler is not None:
             self.profiler.set_resident(evicted[0], [evicted[1]], False)
-        n = 0
         stage = self._stage_row()
-        for r in ROLES:
-            src = self.expert_bytes[(layer, r)][e]  # uint8 view of the memory map
-            off = lay.role_offset[r]
-            if stage is None:
-                self.pool[base + off : base + off + src.size].copy_(torch.from_numpy(np.array(src)))
-            else:
-                host_copy(stage[off : off + src.size].numpy(), src)  # into pinned memory
-            n += src.size
+        n = self._fill(layer, e, base, None if stage is None else stage.numpy())
         if stage is not None:
             with torch.cuda.stream(self._copy_stream):
                 self.pool[base : base + lay.stride].copy_(stage[: lay.stride], non_blocking=True)
@@ -159,6 +151,21 @@ class ExpertPool:
             self.profiler.record_cache(layer, [], [], {e: n})
             self.profiler.set_resident(layer, [e], True)
         return True
+
+    def _fill(self, layer: int, e: int, base: int, row: np.ndarray | None) -> int:
+        """Expert ``e`` of ``layer``'s role bytes from the memory map, into the pool at byte ``base`` (``row``
+        None: the simulated device) or into the pinned staging ``row`` at the layout's role offsets; returns
+        the bytes copied."""
+        lay, n = self.layout_of(layer), 0
+        for r in ROLES:
+            src = self.expert_bytes[(layer, r)][e]  # uint8 view of the memory map
+            off = lay.role_offset[r]
+            if row is None:
+                self.pool[base + off : base + off + src.size].copy_(torch.from_numpy(np.array(src)))
+            else:
+                host_copy(row[off : off + src.size], src)
+            n += src.size
+        return n
 
     # -- uploads behind the decode ---------------------------------------------------------------------------
     def upload_later(self, items: list[tuple[int, int]]) -> int:
@@ -206,11 +213,7 @@ class ExpertPool:
         """Worker thread: copy ``batch``'s experts into their slots; returns the event of the last copy (CUDA)."""
         if self._bg_stream is None:  # the simulated device: straight into the pool
             for layer, e, slot in batch:
-                base, lay = int(self.slot_off_h[slot]), self.layout_of(layer)
-                for r in ROLES:
-                    src = self.expert_bytes[(layer, r)][e]
-                    off = lay.role_offset[r]
-                    self.pool[base + off : base + off + src.size].copy_(torch.from_numpy(np.array(src)))
+                self._fill(layer, e, int(self.slot_off_h[slot]), None)
             return None
         if self._ring is None:
             self._ring = torch.empty((BACKGROUND_RING, self.layout.stride), dtype=torch.uint8, pin_memory=True)
@@ -223,10 +226,7 @@ class ExpertPool:
                 if self._ring_free[k] is not None:
                     self._ring_free[k].synchronize()  # the copy that last read this row has landed
                 base, lay = int(self.slot_off_h[slot]), self.layout_of(layer)
-                for r in ROLES:
-                    src = self.expert_bytes[(layer, r)][e]
-                    off = lay.role_offset[r]
-                    ring[k, off : off + src.size] = src
+                self._fill(layer, e, base, ring[k])
                 self.pool[base : base + lay.stride].copy_(self._ring[k, : lay.stride], non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(self._bg_stream)

@@ -505,29 +505,52 @@ class Result:
 
 
 def run_cases(
-    cases, bases: list[Parsed], *, timeout: float = 30.0, mem_cap: int = 6 << 30, batch: int = 40
+    cases,
+    bases: list[Parsed],
+    *,
+    timeout: float = 30.0,
+    mem_cap: int = 6 << 30,
+    batch: int = 40,
+    workers: int | None = None,
 ) -> list[Result]:
-    """Run ``cases`` ((base index, kind, seed), ...) in child interpreters; one :class:`Result` each.
+    """Run ``cases`` ((base index, kind, seed), ...) in child interpreters; one :class:`Result` each,
+    in the order of ``cases``.
 
     A case gets ``timeout`` seconds (the first of a child also its imports); one over it is a hang, a
-    child that dies mid-case a crash; the child is then restarted at the next case."""
+    child that dies mid-case a crash; the child is then restarted at the next case. ``workers`` children
+    run side by side (default: one per core, at most two), each over its own contiguous share."""
     cases = list(cases)
-    results: list[Result] = []
+    workers = max(1, min(workers or min(os.cpu_count() or 1, 2), len(cases) or 1))
     with tempfile.TemporaryDirectory(prefix="sharpi-fuzz-") as tmp:
-        k = 0
-        while k < len(cases):  # a batch's files are written before it runs and deleted after (10,000 cases
-            chunk = []  # of up to ~30 MB each would not fit a disk at once)
-            for j, (b, kind, seed) in enumerate(cases[k : k + batch]):
-                path = Path(tmp) / f"case{k + j}.gguf"
-                path.write_bytes(mutate(bases[b], kind, seed))
-                chunk.append(path)
-            outcomes = _run_batch(chunk, timeout, mem_cap)
-            for j, outcome in enumerate(outcomes):
-                b, kind, seed = cases[k + j]
-                results.append(Result(b, kind, seed, outcome))
-            for path in chunk:
-                path.unlink(missing_ok=True)
-            k += len(outcomes)
+        if workers == 1:
+            return _run_share(cases, 0, bases, Path(tmp), timeout, mem_cap, batch)
+        from concurrent.futures import ThreadPoolExecutor
+
+        step = -(-len(cases) // workers)
+        with ThreadPoolExecutor(workers) as pool:
+            parts = pool.map(
+                lambda k: _run_share(cases[k : k + step], k, bases, Path(tmp), timeout, mem_cap, batch),
+                range(0, len(cases), step),
+            )
+            return [r for part in parts for r in part]
+
+
+def _run_share(cases, first: int, bases, tmp: Path, timeout: float, mem_cap: int, batch: int) -> list[Result]:
+    results: list[Result] = []
+    k = 0
+    while k < len(cases):  # a batch's files are written before it runs and deleted after (10,000 cases
+        chunk = []  # of up to ~30 MB each would not fit a disk at once)
+        for j, (b, kind, seed) in enumerate(cases[k : k + batch]):
+            path = tmp / f"case{first + k + j}.gguf"
+            path.write_bytes(mutate(bases[b], kind, seed))
+            chunk.append(path)
+        outcomes = _run_batch(chunk, timeout, mem_cap)
+        for j, outcome in enumerate(outcomes):
+            b, kind, seed = cases[k + j]
+            results.append(Result(b, kind, seed, outcome))
+        for path in chunk:
+            path.unlink(missing_ok=True)
+        k += len(outcomes)
     return results
 
 

@@ -147,10 +147,11 @@ class EngineOptions:
     # a CUDA device replay captured CUDA graphs; "eager" — the same static step, not captured, on any
     # device (the simulated device in tests); "off" (also 0/false/no) — the eager path.
     cuda_graph: str = "graph"
-    # SHARPI_HOST_NODES: 0 turns off the whole-token graph — where every MoE layer that cuts a captured step
+    # SHARPI_HOST_NODES: 1 turns on the whole-token graph — where every MoE layer that cuts a captured step
     # has its experts wholly on the CPU (``cpu`` mode, the first n_cpu_moe layers), one CUDA graph a token
     # runs them in host nodes (engine.kernels.moe_host) instead of one graph a segment with Python between.
-    host_nodes: bool = True
+    # Off by default until its speed is measured side by side on a GPU box (docs/lab-notebook.md).
+    host_nodes: bool = False
     # SHARPI_PROMPT_UPLOAD_MIN: tokens of a prompt a missed cached expert needs to be uploaded and run
     # on the device (whole number ≥ 0; 0: never); None (unset) = expert_cache.PROMPT_UPLOAD_MIN (16).
     prompt_upload_min: int | None = None

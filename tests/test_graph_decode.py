@@ -314,8 +314,8 @@ def test_segment_replays_with_experts_on_the_host_match_eager_decode(tmp_path, m
 def test_whole_token_graph_runs_the_cpu_experts_in_host_nodes(tmp_path, moe, n_cpu_moe, engine_env):
     """Where every cut's experts are on the CPU (``cpu``, or llama.cpp's split: the first n_cpu_moe layers),
     a token replays one graph whose host nodes run them (engine.kernels.moe_host) — the same logits as the
-    eager path, routes and counts equal; ``SHARPI_HOST_NODES=0`` gives a graph a segment instead."""
-    engine_env({"SHARPI_DEVICE_ACT": "f32"})
+    eager path, routes and counts equal; ``SHARPI_HOST_NODES=0`` (the default) gives a graph a segment."""
+    engine_env({"SHARPI_DEVICE_ACT": "f32", "SHARPI_HOST_NODES": "1"})
     geo = dict(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8, experts_used=2, expert_ff=256)
     path = write_model(tmp_path / "m.gguf", "qwen3moe", seed=5, weight_type="Q4_K", type_overrides={"*ffn_down*": "Q6_K"},
                        **geo).path  # fmt: skip

@@ -11,7 +11,9 @@ kept alive by the caller) and of the token's hand-over in pinned memory — the 
 
 :func:`node_address` compiles the ``void(void*)`` wrapper a CUDA host node calls (``cuLaunchHostFunc``:
 on the driver's callback thread, without the GIL; nothing in it touches Python or CUDA) and returns its
-address. It is compiled on first use only (numba caches it): the CPU-only engine never pays for it.
+address. It is compiled on first use only (5–9 s on 2 cores), so the CPU-only engine never pays for it;
+neither it nor :func:`run_layer` is cached on disk: numba's cache of a function that calls parallel
+kernels crashed on reload (a segfault in the reloaded code, numba 0.68).
 The callback thread runs numba's parallel loops with numba's default thread count (``NUMBA_NUM_THREADS``),
 not a count another thread set.
 """
@@ -119,8 +121,8 @@ def node_address() -> int:
 
         from engine.kernels import moe_host_node
 
-        # numba starts its thread pool when a parallel dispatcher first runs; a cfunc loaded from the cache
-        # runs parallel loops without going through one, so the pool is started here.
+        # numba starts its thread pool when a parallel dispatcher first runs; the node runs parallel loops
+        # without going through one, so the pool is started here.
         parallel._launch_threads()
         _NODE = moe_host_node.node
     return _NODE.address

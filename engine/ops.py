@@ -43,7 +43,7 @@ def _gather_all(R: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 _K_QUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
-_LEGACY = (QType.Q8_0, QType.Q4_0, QType.Q5_0)
+_LEGACY = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.MXFP4)  # Q8_0 activations
 
 
 def _activations(qtype: QType, X: np.ndarray, q8_act: bool, prepare) -> tuple[np.ndarray, ...]:

@@ -11,7 +11,18 @@ from engine.kernels.prepare import prepare_weight
 from engine.kernels.testing import random_weight
 from engine.quant import QType, dequantize, quantize
 
-ALL = [QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.Q4_K, QType.Q5_K, QType.Q6_K]
+ALL = [
+    QType.F32,
+    QType.F16,
+    QType.BF16,
+    QType.Q8_0,
+    QType.Q4_0,
+    QType.Q5_0,
+    QType.Q4_K,
+    QType.Q5_K,
+    QType.Q6_K,
+    QType.MXFP4,
+]
 K_QUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
 
 
@@ -125,3 +136,22 @@ def test_gather_refuses_out_of_range_indices():
         gemv_rows(w, X, ok, np.array([0, 1]), T=2, q8_act=False)
     with pytest.raises(ValueError):
         gemv_rows(w, np.ones((2, 32), np.float32), ok, ok, q8_act=False)
+
+
+@pytest.mark.parametrize("avx2", [True, False])
+def test_mxfp4_code_lookup_both_ways(monkeypatch, avx2):
+    """``simd.load_mxfp4_codes``: one pshufb with AVX2, the e2m1 decoding in plain vector IR elsewhere —
+    both give the 16 values of every nibble, low nibbles first (read back through the exact-float row dot
+    on one-hot activations, compiled here after the patch)."""
+    from numba import njit
+
+    from engine.kernels import legacy, simd
+
+    monkeypatch.setattr(simd, "HAS_AVX2", avx2 and simd.HAS_AVX2)
+    dot = njit(legacy._dot_mxfp4_f.py_func)  # its inlined helpers are lowered again: the patched path
+    qs = np.arange(16, dtype=np.uint8) | (np.arange(16, dtype=np.uint8)[::-1] << 4)
+    row = np.concatenate([[128], qs]).astype(np.uint8)  # e = 128: scale 1
+    d = np.ones(1, np.float32)
+    got = [dot(row, d, np.eye(32, dtype=np.float32)[i]) for i in range(32)]
+    want = np.array(simd.MXFP4_VALUES, np.float32)
+    np.testing.assert_array_equal(got, np.concatenate([want, want[::-1]]))

@@ -20,6 +20,7 @@ CASES = [
     (QType.Q5_0, QType.Q5_K, QType.F16),  # mixed: the 3-call path
     (QType.Q4_0, QType.Q4_0, QType.Q5_K),
     (QType.Q5_K, QType.Q5_K, QType.Q5_0),
+    (QType.MXFP4, QType.MXFP4, QType.MXFP4),  # gpt-oss's experts
 ]
 
 

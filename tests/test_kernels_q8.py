@@ -14,7 +14,18 @@ from engine.kernels.prepare import prepare_weight
 from engine.kernels.testing import random_weight
 from engine.quant import QType, dequantize
 
-ALL = [QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.Q4_K, QType.Q5_K, QType.Q6_K]
+ALL = [
+    QType.F32,
+    QType.F16,
+    QType.BF16,
+    QType.Q8_0,
+    QType.Q4_0,
+    QType.Q5_0,
+    QType.Q4_K,
+    QType.Q5_K,
+    QType.Q6_K,
+    QType.MXFP4,
+]
 K_QUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
 
 
@@ -109,7 +120,7 @@ def check_close(y, Y_ref, W, Xq, rtol=2e-5):
 
 def rounded_activations(qtype: QType, X: np.ndarray) -> np.ndarray:
     """The activations as the q8 dot sees them, in float64 (for the error bound)."""
-    if qtype in (QType.Q8_0, QType.Q4_0, QType.Q5_0):
+    if qtype in (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.MXFP4):
         q, d = ref.quantize_q8_0_ref(X)
         return q.reshape(len(X), -1, 32) * d[..., None].astype(np.float64)
     if qtype in K_QUANTS:

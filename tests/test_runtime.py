@@ -121,6 +121,26 @@ def test_every_placement_matches_the_cpu_engine(paths, name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_every_placement_of_mxfp4_experts_matches_the_cpu_engine(tmp_path, device):
+    """gpt-oss's weight format (MXFP4, every matrix here): the device runs it through the torch reference
+    dequantizer (no Triton kernel for it yet), the CPU through the numba kernels — exact-float activations
+    on both, the same logits on every placement."""
+    path = write_model(tmp_path / "mx.gguf", "qwen3moe", seed=3, layers=3, weight_type="MXFP4").path
+    tokens = random_tokens(20, 1024, seed=2)
+    engine = replace(config.current(), prefill_precision="f32")
+    with Session.load(str(path), LoadOptions(n_ctx=CTX, device=device, engine=engine, q8_act=False)) as s:
+        ref_prefill, ref_decode = _run(s, tokens)
+        scale = max(1.0, float(np.abs(ref_decode).max()))
+        for label, req, g, slots in _cases(s):
+            placement = s.plan(PlanRequest(ctx=CTX, kv_type="f32", **req), _profile_for(s, n_gpu_layers=g, slots=slots))
+            streamed = label.startswith("stream")
+            s.apply(placement, replace(s.engine_options, prompt_stream_min=STREAM_MIN) if streamed else None)
+            prefill, decode = _run(s, tokens)
+            assert np.abs(prefill - ref_prefill).max() <= 1e-5 * scale, (label, np.abs(prefill - ref_prefill).max())
+            assert np.abs(decode - ref_decode).max() <= 1e-5 * scale, (label, np.abs(decode - ref_decode).max())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_cache_counts_hits_misses_uploads_and_residency(paths, device):
     with _session(paths["qwen3moe"], device) as s:
         L, E = s.args.n_layer, s.args.n_expert

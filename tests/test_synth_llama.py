@@ -36,6 +36,7 @@ MEAN_DIFF = {
     QType.Q5_0: 0.3,
     QType.Q4_K: 0.45,
     QType.Q4_0: 0.5,
+    QType.MXFP4: 0.6,
 }
 
 

@@ -30,12 +30,13 @@ KERNELS = {
     QType.Q8_0: (legacy.gemv_q8_0_f, legacy.gemv_q8_0_q8),
     QType.Q4_0: (legacy.gemv_q4_0_f, legacy.gemv_q4_0_q8),
     QType.Q5_0: (legacy.gemv_q5_0_f, legacy.gemv_q5_0_q8),
+    QType.MXFP4: (legacy.gemv_mxfp4_f, legacy.gemv_mxfp4_q8),
     QType.Q4_K: (kquants_exact.gemv_q4_k_f, kquants.gemv_q4_k_q8),
     QType.Q5_K: (kquants_exact.gemv_q5_k_f, kquants.gemv_q5_k_q8),
     QType.Q6_K: (kquants_exact.gemv_q6_k_f, kquants.gemv_q6_k_q8),
 }
 _FLOAT = (QType.F32, QType.F16, QType.BF16)
-_LEGACY = (QType.Q8_0, QType.Q4_0, QType.Q5_0)
+_LEGACY = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.MXFP4)  # Q8_0 activations
 _MINS = (QType.Q4_K, QType.Q5_K)  # exact kernels need per-32 sums of x for the mins
 
 

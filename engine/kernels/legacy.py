@@ -1,4 +1,4 @@
-"""GEMV kernels for the 32-element block types Q8_0, Q4_0 and Q5_0.
+"""GEMV kernels for the 32-element block types Q8_0, Q4_0, Q5_0 and MXFP4.
 
 Gather signature shared by all families (see ``engine.kernels.dispatch``)::
 
@@ -13,7 +13,9 @@ sums (pmaddubsw/pmaddwd), scaled and accumulated lane-wise in float32.
 
 Block layouts (ggml-common.h): q8_0 = d fp16 | qs int8[32];
 q4_0 = d | qs[16] (low nibbles: elements 0..15, high: 16..31), value q − 8;
-q5_0 = d | qh u32 (bit j = fifth bit of element j) | qs[16], value q − 16.
+q5_0 = d | qh u32 (bit j = fifth bit of element j) | qs[16], value q − 16;
+mxfp4 = e u8 | qs[16] (nibble order as q4_0), value MXFP4_VALUES[q] (the doubled e2m1 values), and
+``d`` the block's 2^(e−128) (``prepare_weight``); its q8 dot is ``ggml_vec_dot_mxfp4_q8_0``'s.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from engine.kernels.simd import (
     i8_to_f32,
     load_f32x8,
     load_i8x32,
+    load_mxfp4_codes,
     load_nibbles16,
     load_u32,
     prefetch_array,
@@ -63,6 +66,12 @@ def _ucodes_q5_0(w, b):
     """Unsigned codes 0..31 (value + 16)."""
     o = b * 22
     return vor(load_nibbles16(w, o + 6), vshl(bits_to_bytes(load_u32(w, o + 2)), 4))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _codes_mxfp4(w, b):
+    """Signed codes −12..12 (the doubled e2m1 values)."""
+    return load_mxfp4_codes(w, b * 17 + 1)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -108,6 +117,23 @@ def _dot_q5_0_f(w, d, x):
     acc = zero_f32()
     for b in range(d.shape[0]):
         acc = vfma_s(_exact_block(_codes_q5_0(w, b), x, 32 * b), d[b], acc)
+    return hsum_f32(acc)
+
+
+@njit(cache=True, nogil=True)
+def _dot_mxfp4_f(w, d, x):
+    acc = zero_f32()
+    for b in range(d.shape[0]):
+        acc = vfma_s(_exact_block(_codes_mxfp4(w, b), x, 32 * b), d[b], acc)
+    return hsum_f32(acc)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot_mxfp4_q8(w, d, qa, da, asum):
+    acc = zero_f32()
+    for b in range(d.shape[0]):
+        iv = dot_sb_sb(zero_i32(), _codes_mxfp4(w, b), load_i8x32(qa, 32 * b))
+        acc = fma_i32(iv, d[b] * da[b], acc)
     return hsum_f32(acc)
 
 
@@ -158,21 +184,32 @@ def _u_step(u, a, b, scale, acc):
     return fma_i32(dot_ub_sb(zero_i32(), u, load_i8x32(a, 32 * b)), scale, acc)
 
 
-@njit(cache=True, nogil=True)
-def _dot4_q8_0_q8(w, d, qa, da, asum, k):
+@njit(cache=True, nogil=True, inline="always")
+def _dot4_signed(w, d, qa, da, asum, k, mx):
+    """Q8_0 (mx False) or MXFP4 (mx True) against four activation rows."""
     a0, a1, a2, a3 = qa[k], qa[k + 1], qa[k + 2], qa[k + 3]
     f0 = zero_f32()
     f1 = zero_f32()
     f2 = zero_f32()
     f3 = zero_f32()
     for b in range(d.shape[0]):
-        q = _codes_q8_0(w, b)
+        q = _codes_mxfp4(w, b) if mx else _codes_q8_0(w, b)
         db = d[b]
         f0 = _q8_step(q, a0, b, db * da[k, b], f0)
         f1 = _q8_step(q, a1, b, db * da[k + 1, b], f1)
         f2 = _q8_step(q, a2, b, db * da[k + 2, b], f2)
         f3 = _q8_step(q, a3, b, db * da[k + 3, b], f3)
     return hsum_f32(f0), hsum_f32(f1), hsum_f32(f2), hsum_f32(f3)
+
+
+@njit(cache=True, nogil=True)
+def _dot4_q8_0_q8(w, d, qa, da, asum, k):
+    return _dot4_signed(w, d, qa, da, asum, k, False)
+
+
+@njit(cache=True, nogil=True)
+def _dot4_mxfp4_q8(w, d, qa, da, asum, k):
+    return _dot4_signed(w, d, qa, da, asum, k, True)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -338,5 +375,46 @@ def gemv_q5_0_q8(raw, d, rows, xi, qa, da, asum, out):
                 r = rows[i]
                 k = xi[i]
                 out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q5_0_q8(
+                    raw[r], d[r], qa, da, asum, k + t
+                )
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def gemv_mxfp4_f(raw, d, rows, xi, X, out):
+    M, T = out.shape
+    ahead = prefetch_distance(raw)
+    for c in prange((M + CHUNK - 1) // CHUNK):
+        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(d[rows[j]])
+            r = rows[i]
+            for t in range(T):
+                out[i, t] = _dot_mxfp4_f(raw[r], d[r], X[xi[i] + t])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def gemv_mxfp4_q8(raw, d, rows, xi, qa, da, asum, out):
+    M, T = out.shape
+    T4 = T - T % 4
+    ahead = prefetch_distance(raw)
+    for c in prange((M + CHUNK - 1) // CHUNK):
+        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(d[rows[j]])
+            r = rows[i]
+            k = xi[i]
+            for t in range(T4, T):  # decode: the only pass, streaming the rows
+                out[i, t] = _dot_mxfp4_q8(raw[r], d[r], qa[k + t], da[k + t], asum[k + t])
+        # Prefill: four tokens against every row of the chunk, then the next four, so the
+        # tokens' activations and the chunk's rows both stay in L1.
+        for t in range(0, T4, 4):
+            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+                r = rows[i]
+                k = xi[i]
+                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_mxfp4_q8(
                     raw[r], d[r], qa, da, asum, k + t
                 )

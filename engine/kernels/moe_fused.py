@@ -19,11 +19,11 @@ from numba import njit, prange
 
 from engine.kernels.activations import quantize_q8_0, quantize_q8_K
 from engine.kernels.kquants import _dot2_q4_k_q8, _dot_q4_k_q8, _dot_q5_k_q8, _dot_q6_k_q8
-from engine.kernels.legacy import _dot_q4_0_q8, _dot_q5_0_q8, _dot_q8_0_q8
+from engine.kernels.legacy import _dot_mxfp4_q8, _dot_q4_0_q8, _dot_q5_0_q8, _dot_q8_0_q8
 from engine.kernels.simd import prefetch, prefetch_array, prefetch_distance
 from engine.quant.formats import QType
 
-FUSED_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.Q4_K, QType.Q5_K, QType.Q6_K)
+FUSED_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.MXFP4)
 _K_IDS = (int(QType.Q4_K), int(QType.Q5_K), int(QType.Q6_K))
 CHUNK = 16
 
@@ -43,6 +43,8 @@ def _row_q8(qt, w, s, qa, da, asum, bsums):
         return _dot_q4_0_q8(w, s, qa, da, asum)
     if qt == 6:
         return _dot_q5_0_q8(w, s, qa, da, asum)
+    if qt == 39:
+        return _dot_mxfp4_q8(w, s, qa, da, asum)
     return np.float32(np.nan)
 
 

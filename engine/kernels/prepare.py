@@ -11,6 +11,7 @@ Q8_0            d per 32-block (S = n/32)               4/34 = 11.8 %
 Q4_0, Q5_0      d per 32-block                          4/18 = 22 %, 4/22 = 18 %
 Q4_K, Q5_K      (d, dmin) per 256-block (S = 2·n/256)   8/144 = 5.6 %, 8/176 = 4.5 %
 Q6_K            d per 256-block (S = n/256)             4/210 = 1.9 %
+MXFP4           2^(e-128) per 32-block (S = n/32)       4/17 = 24 %
 F32, F16, BF16  none (S = 0)                            0
 ==============  ======================================  ===========================
 """
@@ -113,6 +114,10 @@ def prepare_weight(qtype: QType | int, raw: np.ndarray, n: int | None = None) ->
     rows = _as_rows(a, a.shape[-1], np.uint8)
     R = rows.shape[0]
     blocks = rows.reshape(R, -1, fmt.type_size)
+    if qtype == QType.MXFP4:  # the e8m0 exponent byte, as the float its codes are multiplied by
+        from engine.quant.reference import e8m0_half
+
+        return PreparedWeight(qtype, shape, rows, np.ascontiguousarray(e8m0_half(blocks[:, :, 0])))
     parts = [blocks[:, :, o : o + 2].copy().view("<f2")[..., 0] for o in _SCALE_OFFSETS[qtype]]
     scales = np.stack(parts, axis=-1).astype(np.float32).reshape(R, -1)  # [R, nb·k] interleaved
     return PreparedWeight(qtype, shape, rows, np.ascontiguousarray(scales))

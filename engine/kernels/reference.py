@@ -10,7 +10,8 @@ Two variants of ``y = W·x``, for every weight type:
   ====================  ===============  ==================================================
   weight                activations      ggml rule re-implemented here
   ====================  ===============  ==================================================
-  Q8_0, Q4_0, Q5_0      Q8_0             x86 ``quantize_row_q8_0`` (AVX path): d = amax/127
+  Q8_0, Q4_0, Q5_0,     Q8_0             x86 ``quantize_row_q8_0`` (AVX path): d = amax/127
+  MXFP4
                                          stored as fp16; q = round-half-even(x · (127/amax))
   Q4_K, Q5_K, Q6_K      Q8_K             ``quantize_row_q8_K_ref``: iscale = -127/max where max
                                          is the signed value of largest magnitude;
@@ -34,7 +35,7 @@ from engine.quant.formats import QType, block_format
 
 QK = 256  # super-block size of the K-quants
 
-LEGACY_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q5_0)
+LEGACY_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.MXFP4)
 K_TYPES = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 
@@ -179,6 +180,12 @@ def unpack(qtype: QType, raw: np.ndarray) -> Unpacked:
             bits = (qh[..., None] >> np.arange(32)) & 1
             q = (q | (bits << 4)) - 16
         return Unpacked(q.reshape(R, -1), _f16(blk[..., 0:2]), zeros, ones, ones * 0, 32, 32)
+    if qtype == QType.MXFP4:  # e | qs[16]: codes index the doubled e2m1 values, scale 2^(e-128)
+        qs = blk[..., 1:17].astype(np.int64)
+        idx = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [R, nb, 32]
+        q = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int64)[idx]
+        d = np.ldexp(1.0, blk[..., 0].astype(np.int64) - 128)  # [R, nb] float64, exact
+        return Unpacked(q.reshape(R, -1), d, zeros, ones, ones * 0, 32, 32)
     if qtype in (QType.Q4_K, QType.Q5_K):
         d, dmin = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
         sc, m = _k4_scales(blk[..., 4:16])  # [R, nb, 8]

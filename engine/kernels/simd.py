@@ -205,6 +205,37 @@ def load_nibbles16(typingctx, arr, off):
     return I8x32(arr, off), codegen
 
 
+# MXFP4 (e2m1) codes as signed bytes, doubled: ggml's kvalues_mxfp4 (gguf.quants.MXFP4.kvalues).
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+@intrinsic
+def load_mxfp4_codes(typingctx, arr, off):
+    """16 bytes of MXFP4 nibbles at ``off`` -> I8x32 of their values (:data:`MXFP4_VALUES`), low nibbles
+    then high (elements 0..15, 16..31). One ``pshufb`` with AVX2; elsewhere the e2m1 decoding in
+    plain vector IR: magnitude m = code & 7 is m for m < 2, else (2 + (m & 1)) << ((m >> 1) − 1); bit 3 the sign."""
+    _check_array(arr, (types.uint8, types.int8), "load_mxfp4_codes")
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(ir.IntType(8), 16)
+        v = builder.load(_data_ptr(context, builder, sig.args[0], args[0], args[1], v16), align=1)
+        idx = _shuffle(builder, builder.and_(v, _const(v16, 15)), builder.lshr(v, _const(v16, 4)), range(32))
+        vt = _vt(I8x32)
+        if HAS_AVX2:  # pshufb looks up within each 16-byte lane: the table in both
+            table = ir.Constant(vt, [x & 0xFF for x in MXFP4_VALUES * 2])
+            return _call(builder, "llvm.x86.avx2.pshuf.b", vt, [table, idx])
+        m = builder.and_(idx, _const(vt, 7))
+        e = builder.lshr(m, _const(vt, 1))
+        sub = builder.icmp_unsigned("==", e, _const(vt, 0))
+        amt = builder.select(sub, _const(vt, 0), builder.sub(e, _const(vt, 1)))
+        big = builder.shl(builder.add(_const(vt, 2), builder.and_(m, _const(vt, 1))), amt)
+        mag = builder.select(sub, m, big)
+        neg = builder.icmp_unsigned("!=", builder.and_(idx, _const(vt, 8)), _const(vt, 0))
+        return builder.select(neg, builder.sub(_const(vt, 0), mag), mag)
+
+    return I8x32(arr, off), codegen
+
+
 @intrinsic
 def bits_to_bytes(typingctx, word):
     """uint32 -> I8x32 whose byte i is bit i of ``word`` (0 or 1)."""

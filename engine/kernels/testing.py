@@ -14,6 +14,7 @@ _FP16_FIELDS = {
     QType.Q4_K: (0, 2),
     QType.Q5_K: (0, 2),
     QType.Q6_K: (208,),
+    QType.MXFP4: (),  # its scale is the exponent byte: set below
 }
 
 
@@ -38,4 +39,6 @@ def random_weight(qtype: QType, shape: tuple[int, ...], rng: np.random.Generator
     for o in _FP16_FIELDS[qtype]:
         d = rng.uniform(1e-3, 2e-2, (*lead, nb)).astype(np.float16)
         raw[..., o : o + 2] = d[..., None].view(np.uint8)
+    if qtype == QType.MXFP4:  # scales 2^-9 .. 2^-5: elements up to ±0.375, as the fp16 scales above give
+        raw[..., 0] = rng.integers(119, 124, (*lead, nb), dtype=np.uint8)
     return raw.reshape(*lead, nb * f.type_size)

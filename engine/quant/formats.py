@@ -84,6 +84,9 @@ FORMATS: dict[QType, BlockFormat] = {
         ),
         # block_q6_K: low 4 bits, high 2 bits, 16 signed 8-bit sub-block scales, fp16 scale
         _fmt(QType.Q6_K, 256, ("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2", 1)),
+        # block_mxfp4: e8m0 shared exponent (scale 2^(e-128) of the doubled e2m1 codes), 32 nibbles
+        # (low nibbles = elements 0..15, high = 16..31), each an index into the e2m1 values
+        _fmt(QType.MXFP4, 32, ("e", "u1", 1), ("qs", "u1", 16)),
         # block_q8_K: activations for K-quant dot products (f32 scale, 16 partial sums)
         _fmt(QType.Q8_K, 256, ("d", "<f4", 1), ("qs", "i1", 256), ("bsums", "<i2", 16)),
     )
@@ -100,6 +103,7 @@ WEIGHT_TYPES: tuple[QType, ...] = (
     QType.Q4_K,
     QType.Q5_K,
     QType.Q6_K,
+    QType.MXFP4,
 )
 
 # The table must agree with the gguf package's sizes: a cheap guard against typos.

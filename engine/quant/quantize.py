@@ -297,6 +297,21 @@ def _quant_q6_k(x: np.ndarray) -> np.ndarray:
     return _pack(QType.Q6_K, nb, ql=ql, qh=qh, scales=sc, d=d)
 
 
+def _quant_mxfp4(x: np.ndarray) -> np.ndarray:
+    # gguf.quants.MXFP4: e = floor(log2(amax)) - 2 + 127 (0 for a zero block), then each element the
+    # nearest of the doubled e2m1 values times 2^(e-128) (the first on a tie)
+    from engine.quant.reference import MXFP4_VALUES, e8m0_half
+
+    nb = len(x)
+    amax = np.abs(x).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.floor(np.log2(amax)) - 2 + 127, 0).astype(np.uint8)
+    d = e8m0_half(e)
+    errs = np.abs(d.reshape(nb, 1, 1) * MXFP4_VALUES.astype(_F32).reshape(1, 1, 16) - x.reshape(nb, 32, 1))
+    q = np.argmin(errs, axis=-1).astype(np.uint8).reshape(nb, 2, 16)
+    return _pack(QType.MXFP4, nb, e=e, qs=q[:, 0] | (q[:, 1] << np.uint8(4)))
+
+
 QUANTIZE_BLOCKS: dict[QType, Callable[[np.ndarray], np.ndarray]] = {
     QType.Q8_0: _quant_q8_0,
     QType.Q4_0: _quant_q4_0,
@@ -304,6 +319,7 @@ QUANTIZE_BLOCKS: dict[QType, Callable[[np.ndarray], np.ndarray]] = {
     QType.Q4_K: _quant_q4_k,
     QType.Q5_K: _quant_q5_k,
     QType.Q6_K: _quant_q6_k,
+    QType.MXFP4: _quant_mxfp4,
 }
 
 

@@ -130,6 +130,26 @@ def _dequant_q6_k(f: dict[str, np.ndarray]) -> np.ndarray:
     return (d_sub * q).reshape(nb, 256)
 
 
+# e2m1 values doubled (ggml kvalues_mxfp4); the block scale 2^(e-128) is half of e8m0's 2^(e-127)
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """uint8 e8m0 exponents -> float32 2^(e-128) (ggml ``GGML_E8M0_TO_FP32_HALF``; e < 2: subnormal)."""
+    e = e.astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23)).astype(np.uint32)
+    return bits.view(np.float32)
+
+
+def _dequant_mxfp4(f: dict[str, np.ndarray]) -> np.ndarray:
+    # dequantize_row_mxfp4: y[j] = kvalues[q & 15] * d, low nibbles first
+    d = e8m0_half(f["e"])  # [nb, 1]
+    qs = f["qs"]
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # [nb, 32]
+    with np.errstate(over="ignore"):  # e near 255: infinities, as ggml gives
+        return d * MXFP4_VALUES[q].astype(_F32)
+
+
 DEQUANTIZE_BLOCKS: dict[QType, Callable[[dict[str, np.ndarray]], np.ndarray]] = {
     QType.Q8_0: _dequant_q8_0,
     QType.Q4_0: _dequant_q4_0,
@@ -137,6 +157,7 @@ DEQUANTIZE_BLOCKS: dict[QType, Callable[[dict[str, np.ndarray]], np.ndarray]] = 
     QType.Q4_K: _dequant_q4_k,
     QType.Q5_K: _dequant_q5_k,
     QType.Q6_K: _dequant_q6_k,
+    QType.MXFP4: _dequant_mxfp4,
 }
 
 

@@ -77,6 +77,15 @@ def _q5_0(b):  # dequantize_row_q5_0: 32 high bits in a little-endian uint32
     return _f16(b[..., 0:2])[..., None] * (q - 16).float()
 
 
+def _mxfp4(b):  # dequantize_row_mxfp4: e8m0 exponent, low nibbles are elements 0..15, high 16..31
+    values = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32, device=b.device)
+    e = b[..., 0].to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32, device=b.device) << e, (e - 1) << 23)
+    d = bits.view(torch.float32)  # 2^(e-128)
+    lo, hi = _nibbles(b[..., 1:17])
+    return d[..., None] * values[torch.cat([lo, hi], -1).long()]
+
+
 def _q4_k(b):  # dequantize_row_q4_K: 4 chunks of 64: low nibbles then high nibbles of 32 bytes
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     sc, m = _scale_min_k4(b[..., 4:16])  # [.., 8]
@@ -118,6 +127,7 @@ _BLOCK_FNS = {
     QType.Q4_K: _q4_k,
     QType.Q5_K: _q5_k,
     QType.Q6_K: _q6_k,
+    QType.MXFP4: _mxfp4,
 }
 
 

@@ -55,6 +55,10 @@ def _q5_0(b: np.ndarray, s: float) -> None:  # element = d·(q − 16)
     b[:, 0:2] = _f16(s / 9.23)
 
 
+def _mxfp4(b: np.ndarray, s: float) -> None:  # element = 2^(e−128)·v, v uniform over the 16 values (std 5.85)
+    b[:, 0] = int(np.clip(np.rint(np.log2(s / 5.85)) + 128, 0, 255))
+
+
 _FIELDS: dict[QType, Callable[[np.ndarray, float], None]] = {
     QType.Q4_K: _q4_k,
     QType.Q5_K: _q5_k,
@@ -62,6 +66,7 @@ _FIELDS: dict[QType, Callable[[np.ndarray, float], None]] = {
     QType.Q8_0: _q8_0,
     QType.Q4_0: _q4_0,
     QType.Q5_0: _q5_0,
+    QType.MXFP4: _mxfp4,
 }
 
 

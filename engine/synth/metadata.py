@@ -29,6 +29,7 @@ FILE_TYPES: dict[QType, LlamaFileType] = {
     QType.Q4_K: LlamaFileType.MOSTLY_Q4_K_M,
     QType.Q5_K: LlamaFileType.MOSTLY_Q5_K_M,
     QType.Q6_K: LlamaFileType.MOSTLY_Q6_K,
+    QType.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE,
 }
 
 

@@ -10,8 +10,8 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpucarry/whl/
 export PYTHONPATH=/tmp/site:.
 nproc; lscpu | grep -E "Model name|Thread\(s\)|Core\(s\)|Socket|NUMA node\(s\)"; nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -c "import numba; print('numba', numba.__version__, numba.config.NUMBA_NUM_THREADS, numba.config.THREADING_LAYER)"
-python3 -c "import time; t=time.time(); from engine.kernels import moe_host; moe_host.node_address(); print('node compile s', round(time.time()-t,1))"
-python3 -c "import time; t=time.time(); from engine.kernels import moe_host; moe_host.node_address(); print('node compile again s', round(time.time()-t,1))"
+python3 -c "import time; t=time.time(); from engine.kernels import moe_host_node; moe_host_node.node_address(); print('node compile s', round(time.time()-t,1))"
+python3 -c "import time; t=time.time(); from engine.kernels import moe_host_node; moe_host_node.node_address(); print('node compile again s', round(time.time()-t,1))"
 echo "t=$(el) tests"
 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_graph_decode.py tests/test_moe_host.py 2>&1 | tail -4
 echo "t=$(el) synth"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.experts import ExpertStacks
-from engine.kernels import moe_host
+from engine.kernels import moe_host, moe_host_node
 from engine.kernels.moe import moe_ffn
 from engine.kernels.prepare import prepare_weight
 from engine.kernels.testing import random_weight
@@ -25,7 +25,7 @@ def _stacks(gt: QType, dt: QType, rng) -> ExpertStacks:
 
 
 def _node():
-    return ctypes.CFUNCTYPE(None, ctypes.c_void_p)(moe_host.node_address())
+    return ctypes.CFUNCTYPE(None, ctypes.c_void_p)(moe_host_node.node_address())
 
 
 @pytest.mark.parametrize(

@@ -9,13 +9,9 @@ kept alive by the caller) and of the token's hand-over in pinned memory — the 
 ``engine.kernels.moe_fused``: the same calls, in the same order, as ``engine.kernels.moe.moe_ffn``
 (so the same float32 result). Ids outside [0, E) make y zero and set ``STATUS`` to 1 (0 otherwise).
 
-:func:`node_address` compiles the ``void(void*)`` wrapper a CUDA host node calls (``cuLaunchHostFunc``:
-on the driver's callback thread, without the GIL; nothing in it touches Python or CUDA) and returns its
-address. It is compiled on first use only (5–9 s on 2 cores), so the CPU-only engine never pays for it;
-neither it nor :func:`run_layer` is cached on disk: numba's cache of a function that calls parallel
-kernels crashed on reload (a segfault in the reloaded code, numba 0.68).
-The callback thread runs numba's parallel loops with numba's default thread count (``NUMBA_NUM_THREADS``),
-not a count another thread set.
+:func:`run_layer` is not cached on disk: numba's cache of a function that calls parallel kernels crashed on
+reload (a segfault in the reloaded code, numba 0.68). ``engine.kernels.moe_host_node.node_address`` compiles
+the C wrapper a CUDA host node calls.
 """
 
 from __future__ import annotations
@@ -108,21 +104,3 @@ def descriptor(stacks, h: np.ndarray, weights: np.ndarray, ids: np.ndarray, y: n
         d[base + 2], d[base + 3] = p.scales.ctypes.data, p.scales.shape[1]
     d[H], d[WEIGHTS], d[IDS], d[Y] = h.ctypes.data, weights.ctypes.data, ids.ctypes.data, y.ctypes.data
     return d
-
-
-_NODE = None
-
-
-def node_address() -> int:
-    """The address of ``void node(void* descriptor)``, which runs :func:`run_layer` (compiled on first call)."""
-    global _NODE
-    if _NODE is None:
-        from numba.np.ufunc import parallel
-
-        from engine.kernels import moe_host_node
-
-        # numba starts its thread pool when a parallel dispatcher first runs; the node runs parallel loops
-        # without going through one, so the pool is started here.
-        parallel._launch_threads()
-        _NODE = moe_host_node.node
-    return _NODE.address

@@ -417,9 +417,9 @@ class _HostNodes:
 
     def descriptors(self, g: GraphDecode) -> np.ndarray:
         """One descriptor row per cut (int64 [n_cut, N_FIELDS]), over each cut's pinned hand-over row."""
-        from engine.kernels import moe_host
+        from engine.kernels import moe_host, moe_host_node
 
-        self.address = moe_host.node_address()  # compiled on first use (cached by numba)
+        self.address = moe_host_node.node_address()  # compiled on first use
         rows = []
         for s, i in enumerate(self.layers):
             stacks = g.model.experts_of(i).host_stacks(i)

@@ -52,17 +52,20 @@ def main() -> int:
 
     from engine.demo import demo_model_path
     from sharpi_gui.app import create_window
+    from sharpi_gui.keys import KeyStore
+    from sharpi_gui.testing import memory_keyring
     from sharpi_gui.views.remote import ConnectDialog
 
     proc, url = _start_llama_server(demo_model_path())
     try:
         app = QApplication.instance() or QApplication(sys.argv[:1])
         tmp = Path(tempfile.mkdtemp())
-        window = create_window(str(tmp / "data"), QSettings(str(tmp / "s.ini"), QSettings.Format.IniFormat))
+        keys = KeyStore(memory_keyring())  # never the user's keyring
+        window = create_window(str(tmp / "data"), QSettings(str(tmp / "s.ini"), QSettings.Format.IniFormat), keys=keys)
         window.resize(1500, 900)
         window.show()
         bridge = window.bridge
-        dialog = ConnectDialog(bridge, url, window)
+        dialog = ConnectDialog(bridge, url, window, keys)
         dialog.key_edit.setText("secret-key")  # llama_cpp.server without --api_key ignores it
         OUT.mkdir(parents=True, exist_ok=True)
 

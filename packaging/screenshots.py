@@ -73,14 +73,17 @@ def run(args: argparse.Namespace) -> int:
 
     from sharpi_gui.app import create_window
     from sharpi_gui.data import PlanSettings
-    from sharpi_gui.testing import isolate_application, settings_file
+    from sharpi_gui.keys import KeyStore
+    from sharpi_gui.testing import isolate_application, memory_keyring, settings_file
     from sharpi_gui.theme import ThemeManager
 
     app = QApplication([sys.argv[0]])
     isolate_application()  # never the user's settings or conversations
     themes = ThemeManager(app, dark=args.dark)
     tmp = Path(tempfile.mkdtemp(prefix="sharpi-shots-"))
-    window = create_window(str(tmp / "data"), settings_file(tmp), themes, simulate_device=True)
+    window = create_window(
+        str(tmp / "data"), settings_file(tmp), themes, simulate_device=True, keys=KeyStore(memory_keyring())
+    )
     window.resize(*SIZE)
     window.show()
     s = window.settings

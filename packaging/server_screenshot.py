@@ -24,10 +24,13 @@ def main() -> int:
 
     from engine.demo import demo_model_path
     from sharpi_gui.app import create_window
+    from sharpi_gui.keys import KeyStore
+    from sharpi_gui.testing import memory_keyring
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
     tmp = Path(tempfile.mkdtemp())
-    window = create_window(str(tmp / "data"), QSettings(str(tmp / "s.ini"), QSettings.Format.IniFormat))
+    keys = KeyStore(memory_keyring())  # never the user's keyring
+    window = create_window(str(tmp / "data"), QSettings(str(tmp / "s.ini"), QSettings.Format.IniFormat), keys=keys)
     window.resize(1500, 900)
     window.show()
     window.server_dock.show()

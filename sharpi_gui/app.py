@@ -16,6 +16,7 @@ from PySide6.QtWidgets import QApplication
 
 from sharpi_gui.bridge import EngineBridge, app_data_dir
 from sharpi_gui.context import AppContext
+from sharpi_gui.keys import KeyStore
 from sharpi_gui.settings import APPLICATION, ORGANIZATION, Settings
 from sharpi_gui.store import ConversationStore
 from sharpi_gui.theme import ThemeManager
@@ -27,12 +28,14 @@ def create_window(
     qsettings: QSettings | None = None,
     themes: ThemeManager | None = None,
     simulate_device: bool = False,
+    keys: KeyStore | None = None,
 ) -> MainWindow:
     """A main window over a fresh bridge; ``data_dir`` / ``qsettings`` default to the user's.
     ``simulate_device``: without a GPU, offer the engine's simulated device (tests of the device
-    placement controls); the app never does, it says there is no GPU."""
+    placement controls); the app never does, it says there is no GPU. ``keys``: where API keys are kept
+    (default: the OS keyring)."""
     store = ConversationStore(data_dir if data_dir is not None else app_data_dir())
-    ctx = AppContext.build(EngineBridge(simulate_device=simulate_device), store, Settings(qsettings), themes)
+    ctx = AppContext.build(EngineBridge(simulate_device=simulate_device), store, Settings(qsettings), themes, keys)
     return MainWindow(ctx)
 
 

@@ -1,4 +1,5 @@
-"""What the main window is built from: the bridge, the store, settings, the four state models, the theme.
+"""What the main window is built from: the bridge, the store, settings, the four state models, the API
+keys, the theme.
 
 ``app.create_context`` builds the real one; tests build theirs with a temporary data directory and
 settings file. Nothing here imports the engine (the bridge instance is handed in).
@@ -6,10 +7,11 @@ settings file. Nothing here imports the engine (the bridge instance is handed in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sharpi_gui.chat_model import ChatModel
 from sharpi_gui.experts_model import ExpertsModel
+from sharpi_gui.keys import KeyStore
 from sharpi_gui.placement_model import PlacementModel
 from sharpi_gui.server_model import ServerModel
 from sharpi_gui.settings import Settings
@@ -26,12 +28,21 @@ class AppContext:
     placement: PlacementModel
     experts: ExpertsModel
     server: ServerModel
+    keys: KeyStore = field(default_factory=KeyStore)  # API keys: the OS keyring, else this run's memory
     theme: Theme = LIGHT
     themes: ThemeManager | None = None
     closed: bool = False
 
     @classmethod
-    def build(cls, bridge, store: ConversationStore, settings: Settings, themes: ThemeManager | None = None):
+    def build(
+        cls,
+        bridge,
+        store: ConversationStore,
+        settings: Settings,
+        themes: ThemeManager | None = None,
+        keys: KeyStore | None = None,
+    ):
+        keys = keys if keys is not None else KeyStore()
         return cls(
             bridge=bridge,
             store=store,
@@ -39,7 +50,8 @@ class AppContext:
             chat=ChatModel(store, bridge, settings),
             placement=PlacementModel(bridge),
             experts=ExpertsModel(bridge, settings.heatmap_mode),
-            server=ServerModel(bridge, settings),
+            server=ServerModel(bridge, settings, keys),
+            keys=keys,
             theme=themes.theme if themes is not None else LIGHT,
             themes=themes,
         )

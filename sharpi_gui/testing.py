@@ -27,14 +27,46 @@ def settings_file(directory: Path) -> QSettings:
     return QSettings(str(Path(directory) / "settings.ini"), QSettings.Format.IniFormat)
 
 
-def make_window(qtbot, directory: Path, show: bool = True, simulate_device: bool = True):
+def memory_keyring():
+    """A keyring backend that keeps its entries in a dict (``.entries``): what the tests store keys in, so
+    they never touch the user's keyring. A real keyring backend as far as ``keyring`` and KeyStore care."""
+    from keyring.backend import KeyringBackend
+    from keyring.errors import PasswordDeleteError
+
+    class MemoryKeyring(KeyringBackend):
+        priority = 1
+        name = "memory (tests)"
+
+        def __init__(self):
+            super().__init__()
+            self.entries: dict[tuple[str, str], str] = {}
+
+        def get_password(self, service, username):
+            return self.entries.get((service, username))
+
+        def set_password(self, service, username, password):
+            self.entries[(service, username)] = password
+
+        def delete_password(self, service, username):
+            if self.entries.pop((service, username), None) is None:
+                raise PasswordDeleteError(username)
+
+    return MemoryKeyring()
+
+
+def make_window(qtbot, directory: Path, show: bool = True, simulate_device: bool = True, keys=None):
     """A MainWindow storing conversations and settings under ``directory``; closed by qtbot.
     ``simulate_device``: without a GPU the placement controls work on the engine's simulated device
-    (what the device-placement tests need); False: the app as a user without a GPU sees it."""
+    (what the device-placement tests need); False: the app as a user without a GPU sees it. ``keys``: a
+    KeyStore (default: one over :func:`memory_keyring`, never the user's keyring)."""
     from sharpi_gui.app import create_window
+    from sharpi_gui.keys import KeyStore
 
     isolate_application()
-    window = create_window(str(Path(directory) / "data"), settings_file(directory), simulate_device=simulate_device)
+    keys = keys if keys is not None else KeyStore(memory_keyring())
+    window = create_window(
+        str(Path(directory) / "data"), settings_file(directory), simulate_device=simulate_device, keys=keys
+    )
     qtbot.addWidget(window, before_close_func=lambda w: w.ctx.close())
     if show:
         window.show()

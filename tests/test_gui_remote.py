@@ -82,7 +82,7 @@ def _any_settings():
 
 def test_dialog_says_why_an_endpoint_cannot_be_listed(qtbot, tmp_path):
     w = make_window(qtbot, tmp_path, show=False)
-    dlg = ConnectDialog(w.bridge, "", w)
+    dlg = ConnectDialog(w.bridge, "", w, w.ctx.keys)
     qtbot.addWidget(dlg)
     dlg.url_edit.setText("gpu-box:8000")
     dlg.list_models()

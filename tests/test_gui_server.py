@@ -1,5 +1,6 @@
 """The app's local server switch (pytest-qt): the dock starts and stops the server over the loaded demo
-model, shows the base URL and counts the requests; the chat waits while an API request generates."""
+model, shows the base URL and counts the requests (asked by the official ``openai`` client); the key typed
+in the dock is required and remembered in the keyring; the chat waits while an API request generates."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import threading
 
 import httpx
+import openai
 import pytest
 
 from sharpi_gui.testing import GEN_TIMEOUT_MS, load, make_window
@@ -34,10 +36,13 @@ def test_switch_serves_the_loaded_model_and_logs_requests(qtbot, window):
     assert status.running and status.model_id == "sharpi-demo-q8_0", status.error
     assert panel.switch.isChecked() and panel.url.text() == status.url and status.url.endswith("/v1")
     assert not panel.host.isEnabled()  # the address is fixed while it runs
-    body = {"model": status.model_id, "messages": [{"role": "user", "content": "What is None?"}], "max_tokens": 4}
+    client = openai.OpenAI(base_url=panel.url.text(), api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == [status.model_id]
     with qtbot.waitSignal(model.requestLogged, timeout=GEN_TIMEOUT_MS):
-        r = httpx.post(f"{status.url}/chat/completions", json=body, timeout=60)
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
+        r = client.chat.completions.create(
+            model=status.model_id, messages=[{"role": "user", "content": "What is None?"}], max_tokens=4
+        )
+    assert 1 <= r.usage.completion_tokens <= 4
     assert model.log[-1].status == 200 and model.log[-1].route == "/v1/chat/completions"
     assert panel.requests.topLevelItemCount() == 1 and "1 requests answered" in panel.count.text()
     panel.switch.setChecked(False)  # the switch turns it off
@@ -94,10 +99,35 @@ def test_the_server_follows_the_model_the_app_loads(qtbot, window, synth_model):
     now = window.bridge.server_status()
     assert now.running and now.model_id == other.stem != status.model_id
     ask = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    assert (
-        httpx.post(f"{status.url}/chat/completions", json={"model": status.model_id, **ask}, timeout=60).status_code
-        == 404
-    )
-    r = httpx.post(f"{status.url}/chat/completions", json={"model": now.model_id, **ask}, timeout=60)
-    assert r.status_code == 200 and r.json()["model"] == now.model_id
+    client = openai.OpenAI(base_url=status.url, api_key="unused", max_retries=0, timeout=120)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model=status.model_id, **ask)
+    assert client.chat.completions.create(model=now.model_id, **ask).model == now.model_id
     window.ctx.server.stop()
+
+
+def test_the_key_typed_in_the_dock_is_required_and_remembered(qtbot, window):
+    from sharpi_gui.keys import LOCAL_SERVER
+
+    panel = window.server_dock.panel
+    panel.key.setText("dock-k3y")
+    panel.port.setValue(_free_port())
+    with qtbot.waitSignal(window.ctx.server.statusChanged):
+        panel.switch.setChecked(True)
+    status = window.ctx.server.status
+    assert status.running and status.api_key, status.error
+    assert window.ctx.keys.get(LOCAL_SERVER) == "dock-k3y" and "keyring" in panel.key_note.text()
+    ask = {"model": status.model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=status.url, api_key="wrong", max_retries=0).chat.completions.create(**ask)
+    keyed = openai.OpenAI(base_url=status.url, api_key="dock-k3y", max_retries=0, timeout=120)
+    assert keyed.chat.completions.create(**ask).usage.completion_tokens <= 2
+    window.ctx.server.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,19 +1,20 @@
 """Malformed and hostile request bodies against the server on the demo model: wrong types, huge numbers,
 deep nesting, invalid UTF-8, truncated and oversized bodies, hostile schemas. Every one must get a 4xx
 (or a 200 where the random body happens to be a valid request), never a 5xx, and the server keeps serving.
-The bodies come from a seeded generator (the same ones every run)."""
+The bodies come from a seeded generator (the same ones every run) and go over loopback to the real server
+(uvicorn on a thread), so its HTTP parsing is under test too."""
 
 from __future__ import annotations
 
 import json
 import random
 
+import httpx
 import pytest
-from fastapi.testclient import TestClient
 
 from engine.api import LoadOptions, Session
 from engine.demo import demo_model_path
-from engine.server import ModelHost, ServerOptions, asgi_app
+from engine.server import ModelHost, ServerOptions, UvicornServer
 
 MODEL = "sharpi-demo-q8_0"
 ROUTES = ("/v1/chat/completions", "/v1/completions")
@@ -117,8 +118,14 @@ def bodies(n: int, seed: int = 0):
 def client():
     with Session.load(str(demo_model_path()), LoadOptions(n_ctx=64)) as s:
         host = ModelHost.from_session(s)
-        with TestClient(asgi_app(host, ServerOptions(max_body_bytes=64 << 10)), raise_server_exceptions=False) as c:
-            yield c
+        server = UvicornServer(host, port=0, options=ServerOptions(max_body_bytes=64 << 10))
+        server.start()
+        try:
+            with httpx.Client(base_url=server.url.removesuffix("/v1"), timeout=300) as c:
+                yield c
+        finally:
+            server.stop()
+            host.runner.close()
 
 
 def _fuzz(client, n: int) -> None:

@@ -1,7 +1,8 @@
 """Structured output and tool calls: llguidance's mask against its token-by-token reference, response_format
-json_object / json_schema through the server (a property test over generated schemas: every answer
-that ends parses and validates), Qwen3's ``<tool_call>`` blocks parsed back into ``tool_calls``
-(streamed too), a forced tool call round trip, on the demo model."""
+json_object / json_schema through the real server driven by the official ``openai`` client (its
+``parse`` helper over a pydantic model; a property test over generated schemas: every answer that ends
+parses and validates), Qwen3's ``<tool_call>`` blocks parsed back into ``tool_calls`` (streamed too), a
+forced tool call round trip, on the demo model."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import json
 
 import jsonschema
 import numpy as np
+import openai
+import pydantic
 import pytest
-from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -18,7 +20,7 @@ from engine.api import Session
 from engine.demo import demo_model_path
 from engine.generate import SamplingParams
 from engine.generate.grammar import GrammarConstraint, json_schema_grammar, tool_call_grammar
-from engine.server import ModelHost, asgi_app
+from engine.server import ModelHost, UvicornServer
 from engine.server.tools import ParsedCall, ToolCallParser, split_content
 
 WEATHER = {
@@ -50,8 +52,14 @@ def host(session):
 
 @pytest.fixture(scope="module")
 def client(host):
-    with TestClient(asgi_app(host)) as c:
-        yield c
+    server = UvicornServer(host, port=0)
+    server.start()
+    try:
+        with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=900) as c:
+            yield c
+    finally:
+        server.stop()
+        host.runner.close()
 
 
 # -- the mask --------------------------------------------------------------------------------------
@@ -83,15 +91,30 @@ def test_bitmask_equals_the_token_by_token_reference(session):
 # -- response_format -------------------------------------------------------------------------------
 def _chat(client, host, **kw):
     body = {"model": host.model_id, "messages": ASK, "temperature": 0, "max_tokens": 300, **kw}
-    r = client.post("/v1/chat/completions", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]
+    return client.chat.completions.create(**body).choices[0]
 
 
 def test_json_object(client, host):
     choice = _chat(client, host, response_format={"type": "json_object"})
-    assert choice["finish_reason"] == "stop"
-    assert isinstance(json.loads(choice["message"]["content"]), dict)
+    assert choice.finish_reason == "stop"
+    assert isinstance(json.loads(choice.message.content), dict)
+
+
+class Weather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=12)
+    unit: str = pydantic.Field(pattern="^(C|F)$")
+    days: list[int] = pydantic.Field(max_length=3)
+
+
+def test_json_schema_through_the_clients_parse_helper(client, host):
+    # the official client turns the pydantic model into a strict json_schema response_format and parses the
+    # answer back into the model (it raises if the answer does not validate)
+    r = client.chat.completions.parse(
+        model=host.model_id, messages=ASK, response_format=Weather, temperature=0.7, seed=3, max_tokens=300
+    )
+    (choice,) = r.choices
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Weather)
+    assert Weather.model_validate_json(choice.message.content) == choice.message.parsed
 
 
 _leaf = st.one_of(
@@ -129,27 +152,30 @@ _schema = st.recursive(
 def test_json_schema_answers_validate(client, host, schema, seed):
     fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
     choice = _chat(client, host, response_format=fmt, temperature=0.8, seed=seed, max_tokens=400)
-    if choice["finish_reason"] == "length":  # cut by max_tokens: a prefix of a valid document, nothing to check
+    if choice.finish_reason == "length":  # cut by max_tokens: a prefix of a valid document, nothing to check
         return
-    jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    jsonschema.validate(json.loads(choice.message.content), schema)
 
 
-def test_bad_schema_and_conflicts_are_400(client, host):
-    body = {"model": host.model_id, "messages": ASK}
-    bad = {
-        **body,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
-    }
-    r = client.post("/v1/chat/completions", json=bad)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
-    r = client.post("/v1/chat/completions", json={**body, "response_format": {"type": "json_schema"}})
-    assert r.status_code == 400
-    both = {**body, "tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}
-    assert client.post("/v1/chat/completions", json=both).status_code == 400
-    r = client.post("/v1/chat/completions", json={**body, "tool_choice": "required"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
-    named = {**body, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}
-    assert client.post("/v1/chat/completions", json=named).status_code == 400
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, None),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+    ],
+)  # fmt: skip
+def test_bad_schemas_and_conflicts_are_bad_request_errors(client, host, kw, param):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=host.model_id, messages=ASK, **kw)
+    e = exc.value
+    assert e.status_code == 400 and e.type == "invalid_request_error" and e.message
+    if param:
+        assert (e.param or "").startswith(param), e.body
 
 
 # -- tool calls ------------------------------------------------------------------------------------
@@ -170,37 +196,35 @@ def test_parser_splits_content_and_calls_across_chunks():
 
 def test_forced_tool_call_round_trip(client, host, session):
     choice = _chat(client, host, tools=[WEATHER], tool_choice="required")
-    assert choice["finish_reason"] == "tool_calls"
-    (call,) = choice["message"]["tool_calls"]
-    assert call["type"] == "function" and call["function"]["name"] == "get_weather" and call["id"]
-    args = json.loads(call["function"]["arguments"])
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    args = json.loads(call.function.arguments)
     jsonschema.validate(args, WEATHER["function"]["parameters"])
-    # the answer goes back with the tool's result; the template renders the whole exchange
-    msgs = [*ASK, choice["message"], {"role": "tool", "tool_call_id": call["id"], "content": '{"temp": 18}'}]
-    r = client.post(
-        "/v1/chat/completions", json={"model": host.model_id, "messages": msgs, "tools": [WEATHER], "max_tokens": 5}
-    )
-    assert r.status_code == 200
+    # the answer goes back as the client hands it over, with the tool's result; the template renders the whole
+    # exchange and the model answers it
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 18}'}
+    msgs = [*ASK, choice.message.model_dump(exclude_none=True), result]
+    r = client.chat.completions.create(model=host.model_id, messages=msgs, tools=[WEATHER], max_tokens=5)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls") and r.usage.completion_tokens >= 1
+    assert r.usage.prompt_tokens > len(session.prompt_ids(messages=ASK))  # the call and its result are in
     named = _chat(client, host, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert named["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert named.message.tool_calls[0].function.name == "get_weather"
 
 
 def test_tool_calls_stream_as_deltas(client, host):
-    body = {
-        "model": host.model_id,
-        "messages": ASK,
-        "tools": [WEATHER],
-        "tool_choice": "required",
-        "stream": True,
-        "temperature": 0,
-    }
-    with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        data = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
-    deltas = [c["choices"][0]["delta"] for c in data if c["choices"]]
-    calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
-    assert len(calls) == 1 and calls[0][0]["index"] == 0 and calls[0][0]["function"]["name"] == "get_weather"
-    assert "<tool_call>" not in "".join(d.get("content") or "" for d in deltas)
-    assert data[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    chunks = list(
+        client.chat.completions.create(
+            model=host.model_id, messages=ASK, tools=[WEATHER], tool_choice="required", stream=True, temperature=0
+        )
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [d.tool_calls for d in deltas if d.tool_calls]
+    assert len(calls) == 1 and calls[0][0].index == 0 and calls[0][0].function.name == "get_weather"
+    whole = _chat(client, host, tools=[WEATHER], tool_choice="required").message.tool_calls[0]
+    assert calls[0][0].function.arguments == whole.function.arguments  # the same call as the non-streamed one
+    assert "<tool_call>" not in "".join(d.content or "" for d in deltas)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_tools_reach_the_template(session):

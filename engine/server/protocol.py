@@ -103,7 +103,11 @@ def plan_chat(session, req: ChatCompletionRequest) -> Plan:
             if not isinstance(choice, str):
                 chosen = [t for t in tools if t["function"]["name"] == choice.function.name]
                 if not chosen:
-                    raise RequestError(400, f"tool_choice names {choice.function.name!r}, which is not among tools")
+                    raise RequestError(
+                        400,
+                        f"tool_choice names {choice.function.name!r}, which is not among tools",
+                        param="tool_choice",
+                    )
             constraint = grammar.GrammarConstraint(session.tokenizer, grammar.tool_call_grammar(chosen))
     except UsageError as e:
         raise RequestError(400, str(e), param="response_format" if structured else "tools") from None

@@ -360,9 +360,11 @@ class MainWindow(QMainWindow):
 
     def connect_dialog(self) -> None:
         """Ask for an OpenAI-compatible endpoint and chat through it (the local model, if any, is closed)."""
-        dlg = ConnectDialog(self.bridge, self.settings.remote_url, self)
+        dlg = ConnectDialog(self.bridge, self.settings.remote_url, self, self.ctx.keys)
         if dlg.exec() == QDialog.DialogCode.Accepted:
-            self.connect_remote(dlg.url(), dlg.api_key(), dlg.model())
+            kept = dlg.remember_key()
+            if self.connect_remote(dlg.url(), dlg.api_key(), dlg.model()) and dlg.api_key() and not kept:
+                self.statusBar().showMessage(f"Connecting to {dlg.url()}… {self.ctx.keys.note}")
 
     def connect_remote(self, url: str, api_key: str = "", model: str = "") -> bool:
         """Connect the chat to ``url`` now; False (with a note) while the engine is busy."""

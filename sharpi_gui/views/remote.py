@@ -21,8 +21,8 @@ from PySide6.QtWidgets import (
 )
 
 from sharpi_gui import data as D
+from sharpi_gui.keys import KeyStore, remote_entry
 
-KEY_NOTE = "Kept in this window's memory only, for this connection: never written to disk."
 URL_HINT = "http://127.0.0.1:8080/v1"
 
 
@@ -36,14 +36,17 @@ def normalized_url(text: str) -> str:
 
 class ConnectDialog(QDialog):
     """Asks for an endpoint; lists its models (through ``bridge.list_remote_models``, off the UI thread)
-    and offers Connect once the list came back. ``url()``, ``api_key()``, ``model()`` give the answer."""
+    and offers Connect once the list came back. ``url()``, ``api_key()``, ``model()`` give the answer.
+    ``keys``: where the endpoint's key is remembered (:class:`~sharpi_gui.keys.KeyStore`); the field starts
+    with the key stored for ``url``, and takes the one stored for a URL typed later when it is left empty."""
 
-    def __init__(self, bridge, url: str = "", parent: QWidget | None = None):
+    def __init__(self, bridge, url: str = "", parent: QWidget | None = None, keys: KeyStore | None = None):
         super().__init__(parent)
         self.setObjectName("connect-dialog")
         self.setWindowTitle("Connect to a server")
         self.setMinimumWidth(560)
         self.bridge = bridge
+        self.keys = keys if keys is not None else KeyStore()
         self._ticket = 0
         intro = QLabel(
             "Chat with a model served elsewhere — vLLM, SGLang, llama-server or another <tt>sharpi serve</tt> — "
@@ -56,9 +59,11 @@ class ConnectDialog(QDialog):
         self.key_edit = QLineEdit()
         self.key_edit.setEchoMode(QLineEdit.EchoMode.Password)
         self.key_edit.setPlaceholderText("none")
-        key_note = QLabel(KEY_NOTE)
-        key_note.setWordWrap(True)
-        key_note.setStyleSheet("font-size: 11px;")
+        self.key_edit.setText(self.keys.get(remote_entry(self.url())) if self.url() else "")
+        self.key_note = QLabel(self.keys.note)
+        self.key_note.setObjectName("key-note")
+        self.key_note.setWordWrap(True)
+        self.key_note.setStyleSheet("font-size: 11px;")
         self.models = QComboBox()
         self.models.setMinimumContentsLength(24)
         self.list_button = QPushButton("List models")
@@ -72,7 +77,7 @@ class ConnectDialog(QDialog):
         form = QFormLayout()
         form.addRow("Base URL", self.url_edit)
         form.addRow("API key", self.key_edit)
-        form.addRow("", key_note)
+        form.addRow("", self.key_note)
         form.addRow("Model", row)
         self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Cancel)
         self.connect_button = self.buttons.addButton("Connect", QDialogButtonBox.ButtonRole.AcceptRole)
@@ -87,9 +92,22 @@ class ConnectDialog(QDialog):
         self.buttons.rejected.connect(self.reject)
         self.list_button.clicked.connect(self.list_models)
         self.url_edit.returnPressed.connect(self.list_models)
+        self.url_edit.editingFinished.connect(self._stored_key)
         self.url_edit.textEdited.connect(self._forget_models)
         self.key_edit.textEdited.connect(self._forget_models)
         bridge.remoteModels.connect(self._on_models)
+
+    def _stored_key(self) -> None:
+        """A URL typed into an empty key field brings its stored key, if any."""
+        if not self.key_edit.text() and self.url():
+            key = self.keys.get(remote_entry(self.url()))
+            if key:
+                self.key_edit.setText(key)
+                self._forget_models()
+
+    def remember_key(self) -> bool:
+        """Store the key given for :meth:`url` ("" forgets it); True if it went to the OS keyring."""
+        return self.keys.put(remote_entry(self.url()), self.api_key())
 
     def url(self) -> str:
         return normalized_url(self.url_edit.text())

@@ -41,6 +41,11 @@ class ServerPanel(QWidget):
         self.key = QLineEdit()
         self.key.setEchoMode(QLineEdit.EchoMode.Password)
         self.key.setPlaceholderText("optional: clients then send Authorization: Bearer KEY")
+        self.key.setText(model.api_key)
+        self.key_note = QLabel(model.key_note)
+        self.key_note.setObjectName("key-note")
+        self.key_note.setWordWrap(True)
+        self.key_note.setStyleSheet("font-size: 11px;")
         self.url = QLineEdit()
         self.url.setReadOnly(True)
         self.url.setPlaceholderText("off")
@@ -58,6 +63,7 @@ class ServerPanel(QWidget):
         form.addRow("Address", self.host)
         form.addRow("Port", self.port)
         form.addRow("API key", self.key)
+        form.addRow("", self.key_note)
         url_row = QHBoxLayout()
         url_row.addWidget(self.url, 1)
         url_row.addWidget(self.copy)
@@ -79,7 +85,8 @@ class ServerPanel(QWidget):
 
     def _toggled(self, on: bool) -> None:
         if on and not self.model.status.running:
-            self.model.start(self.host.text().strip() or "127.0.0.1", self.port.value(), self.key.text())
+            self.model.start(self.host.text().strip() or "127.0.0.1", self.port.value(), self.key.text().strip())
+            self.key_note.setText(self.model.key_note)  # the keyring may have refused the key
         elif not on and self.model.status.running:
             self.model.stop()
 

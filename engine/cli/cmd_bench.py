@@ -111,7 +111,7 @@ def run_model(args: argparse.Namespace) -> int:
     import torch
 
     from engine.bench.model import bench_session, compare_modes, prediction_report
-    from engine.cli.common import load_session
+    from engine.cli.common import load_session, save_route_recording, start_route_recording
 
     if not args.model:
         raise UsageError("sharpi bench needs -m FILE, or a benchmark name such as 'kernels'")
@@ -122,6 +122,7 @@ def run_model(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     args.ctx_size = args.prompt + args.gen + 16
     with load_session(args) as s:
+        recorder = start_route_recording(args, s)
         if args.compare_modes:
             cmp = compare_modes(s, args.prompt, args.gen, args.repeat, threads=threads)
             cmp.update(model=s.info.path, threads=threads, prompt_tokens=args.prompt, gen_tokens=args.gen)
@@ -130,6 +131,7 @@ def run_model(args: argparse.Namespace) -> int:
                 s, args.prompt, args.gen, args.repeat, vs_llama_cpp=args.vs_llama_cpp, threads=threads
             )
             report.update(prediction_report(s, report))
+        save_route_recording(args, recorder)
     if args.compare_modes:
         print(json.dumps(cmp, indent=2, default=float) if args.json else format_comparison(cmp))
         return 0

@@ -16,6 +16,8 @@ from engine.cli.common import (
     export_expert_stats,
     load_session,
     sampling_from_args,
+    save_route_recording,
+    start_route_recording,
 )
 from engine.errors import ChatTemplateError, UsageError
 from engine.warmup import warm_up
@@ -113,8 +115,11 @@ def run(a: argparse.Namespace) -> int:
                 a.prompt = f.read()
         except OSError as e:
             raise UsageError(f"cannot read the prompt file: {e}") from None
+    if a.remote is not None and a.record_routes:
+        raise UsageError("--record-routes records a model run here, not a remote endpoint")
     session = _open(a)
     pressed: list = []
+    recorder = None
     try:
         # The kernels ready before the first token, as in the app: compiled here on a first run (with
         # "k of N" on stderr), loaded from numba's cache after, so the reported speeds are the model's.
@@ -126,6 +131,7 @@ def run(a: argparse.Namespace) -> int:
             print(file=sys.stderr)
         if pressed:
             return 130
+        recorder = start_route_recording(a, session)  # after the warm-up: only what the user ran
         if a.prompt is not None:
             with _ctrl_c_cancels(session, pressed):
                 _report(_stream(session, session.generate(a.prompt, params=params)))
@@ -178,4 +184,5 @@ def run(a: argparse.Namespace) -> int:
     finally:
         if a.remote is None:
             export_expert_stats(a, session)
+            save_route_recording(a, recorder)
         session.close()

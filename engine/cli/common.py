@@ -64,6 +64,13 @@ def add_placement_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--expert-stats", metavar="FILE", default=None, help="write expert profiler stats (FILE.json, FILE.csv)"
     )
+    g.add_argument(
+        "--record-routes",
+        metavar="FILE",
+        default=None,
+        help="record every MoE layer's routes of everything run into FILE (.npz routing trace, engine.routes); "
+        "tokens then run layer by layer (no decode graph): the same output, slower",
+    )
 
 
 def _size(text: str) -> int:
@@ -192,6 +199,23 @@ def load_session(a: argparse.Namespace, refuse_unrunnable: bool = False) -> Sess
             file=sys.stderr,
         )
     return session
+
+
+def start_route_recording(a: argparse.Namespace, session):
+    """The session's route recorder if ``--record-routes`` asks for one (else None)."""
+    return session.record_routes() if getattr(a, "record_routes", None) else None
+
+
+def save_route_recording(a: argparse.Namespace, recorder) -> None:
+    if recorder is None:
+        return
+    from engine.routes import save_trace
+
+    if recorder.n_tokens == 0:
+        print("sharpi: no routes to record (a dense model, or nothing ran)", file=sys.stderr)
+        return
+    path = save_trace(recorder.trace(), a.record_routes)
+    print(f"routes: {path} ({recorder.n_tokens} tokens)", file=sys.stderr)
 
 
 def export_expert_stats(a: argparse.Namespace, session) -> None:

@@ -109,3 +109,66 @@ def test_the_synthetic_generator_reproduces_the_published_lru_curve():
     assert 50 <= np.searchsorted(np.cumsum(counts) / counts.sum(), 0.9) + 1 <= 80
     assert trace.phase[0] == 0 and trace.phase[-1] == 1 and trace.meta["source"] == "synthetic"
     np.testing.assert_array_equal(gen.generate(seed=3).ids, trace.ids)  # a seed is a trace
+
+
+def test_uploads_count_admitted_misses_only():
+    lru = POLICIES["lru"](1, 4)
+    lru.run(np.array([[0], [0], [1], [0]]))
+    assert lru.uploads == 3
+    dlfu = POLICIES["dlfu"](1, 4, margin=0.0)
+    dlfu.run(np.array([[0], [0], [1], [0]]))
+    assert dlfu.uploads == 1  # 1 was bypassed
+    b = Belady(2, 4)
+    b.run(np.array([[0], [1], [2], [0], [1], [2]]))
+    assert b.uploads == 2  # 0 and 1; 2 is never worth a slot
+
+
+@pytest.fixture(scope="module")
+def synthetic():
+    return replace(QWEN3_30B_A3B, n_layers=3).generate(seed=5)
+
+
+def test_bench_cache_report(synthetic):
+    from engine.bench import cache
+    from engine.plan import DeviceProfile
+
+    r = cache.run(synthetic, (0.05, 0.2, 0.4, 0.6))
+    assert r["capacities"] == [0.05, 0.2, 0.4, 0.6] and r["default"] == "dlfu"
+    assert set(r["policies"]) == {"lru", "slru", "dlfu", "admit", "belady"}
+    assert set(r["declines"]) == {"0.05", "0.2", "0.4", "0.6"}
+    b = r["policies"]["belady"]
+    for name, rates in r["policies"].items():
+        assert all(0 <= x <= y + 1e-12 for x, y in zip(rates, b)), name  # nothing beats the optimum
+        assert rates == sorted(rates), name  # more slots, more hits
+    d, lru = r["policies"]["dlfu"], r["policies"]["lru"]
+    assert all(x >= y for x, y in zip(d, lru))
+    assert [f >= 0.9 for f in r["fraction_of_belady"]["dlfu"][2:]] == [True, True]
+    # at 5 % the cache misses too often to beat CPU experts with the default profile: it declines
+    assert r["declines"] == {"0.05": True, "0.2": False, "0.4": False, "0.6": False}
+    # a CPU far faster than the link: the cache never pays; a crawling one: it always does
+    fast = cache.run(synthetic, (0.05, 0.6), ["dlfu"], profile=DeviceProfile(cpu_expert_gbps=1000.0))
+    slow = cache.run(synthetic, (0.05, 0.6), ["dlfu"], profile=DeviceProfile(cpu_expert_gbps=0.5))
+    assert set(fast["declines"].values()) == {True} and set(slow["declines"].values()) == {False}
+    assert "fraction_of_belady" in r and fast["fraction_of_belady"] == {}
+
+
+def test_bench_cache_command(tmp_path, capsys):
+    import json
+
+    from engine.cli.main import main
+    from engine.routes import save_trace
+
+    path = save_trace(replace(QWEN3_30B_A3B, n_layers=2).generate(prompt=16, decode=48, turns=1), tmp_path / "t")
+    svg = tmp_path / "plot.svg"
+    assert main(["bench", "cache", "--trace", str(path), "--capacity", "0.2,0.6", "--json", "--plot", str(svg)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["capacities"] == [0.2, 0.6] and len(out["policies"]["belady"]) == 2
+    assert svg.read_text().startswith("<svg") and "dlfu (default)" in svg.read_text()
+    assert main(["bench", "cache", "--synthetic", "--layers", "1", "--capacity", "0.5", "--policies", "lru"]) == 0
+    assert "lru" in capsys.readouterr().out
+    assert main(["bench", "cache", "--synthetic", "--capacity", "2"]) == 2
+    assert main(["bench", "cache", "--synthetic", "--policies", "fifo"]) == 2
+    assert main(["bench", "cache", "--synthetic", "--plot", "x.png"]) == 2
+    (tmp_path / "bad.npz").write_text("x")
+    assert main(["bench", "cache", "--trace", str(tmp_path / "bad.npz")]) == 2
+    assert "not a .npz routing trace" in capsys.readouterr().err

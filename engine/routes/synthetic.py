@@ -103,4 +103,4 @@ def reuse_stats(trace: RouteTrace, window: int = 8) -> dict[str, float]:
     return {"prev": float(prev), f"within_{window}": float(within.mean())}
 
 
-QWEN3_30B_A3B = SyntheticRouting(model="qwen3-30b-a3b (synthetic)", n_expert=128, k=8, n_layers=48)
+QWEN3_30B_A3B = SyntheticRouting(model="qwen3-30b-a3b", n_expert=128, k=8, n_layers=48)

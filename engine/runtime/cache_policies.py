@@ -39,13 +39,23 @@ class CachePolicy:
         if n_slots < 0 or n_expert < 1:
             raise ValueError("n_slots >= 0 and n_expert >= 1 are required")
         self.n_slots, self.n_expert = n_slots, n_expert
+        self.uploads = 0  # missed experts admitted (copied to the device) so far
 
     def step(self, ids: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
+    def holds(self, e: int) -> bool:
+        """Whether expert ``e`` is resident now."""
+        raise NotImplementedError
+
     def run(self, ids: np.ndarray) -> np.ndarray:
-        """bool [T, k]: which of each token's experts (``ids`` int [T, k]) were hits."""
-        return np.stack([self.step(row) for row in np.asarray(ids)]) if len(ids) else np.zeros((0, 0), bool)
+        """bool [T, k]: which of each token's experts (``ids`` int [T, k]) were hits; counts :attr:`uploads`."""
+        ids = np.asarray(ids)
+        out = np.zeros(ids.shape, bool)
+        for t, row in enumerate(ids):
+            out[t] = self.step(row)
+            self.uploads += sum(self.holds(int(e)) for e in row[~out[t]])
+        return out
 
 
 class LRU(CachePolicy):
@@ -65,6 +75,9 @@ class LRU(CachePolicy):
             self.order.popitem(last=False)
         return hits
 
+    def holds(self, e):
+        return e in self.order
+
 
 class SLRU(CachePolicy):
     name = "slru"
@@ -82,6 +95,9 @@ class SLRU(CachePolicy):
             else:
                 self.cache.admit(e, working_set=ids)  # None: every slot is the token's own (a bypass)
         return hits
+
+    def holds(self, e):
+        return e in self.cache
 
 
 class DecayedLFU(CachePolicy):
@@ -129,6 +145,9 @@ class DecayedLFU(CachePolicy):
                 self.resident[victim], self.resident[e] = False, True
         return hits
 
+    def holds(self, e):
+        return bool(self.resident[e])
+
 
 class AdmitLRU(CachePolicy):
     name = "admit"
@@ -158,6 +177,9 @@ class AdmitLRU(CachePolicy):
                 self.order[e] = None
         return hits
 
+    def holds(self, e):
+        return e in self.order
+
 
 class Belady(CachePolicy):
     """Offline: :meth:`run` sees the whole layer trace (:meth:`step` has no future to look at)."""
@@ -183,6 +205,7 @@ class Belady(CachePolicy):
                 resident = {e: n for e, n in keep if n < T}
             else:
                 resident = {e: n for e, n in resident.items() if n < T}
+            self.uploads += sum(int(e) in resident for e in ids[t][~hits[t]])
         return hits
 
 
@@ -202,7 +225,15 @@ def next_use(ids: np.ndarray) -> np.ndarray:
 POLICIES: dict[str, type[CachePolicy]] = {p.name: p for p in (LRU, SLRU, DecayedLFU, AdmitLRU, Belady)}
 
 
+# The policy `sharpi bench cache` calls the default (the one the cache's hit-rate model should assume).
+DEFAULT_POLICY = "dlfu"
+
+
 def replay(policy: str | type[CachePolicy], ids: np.ndarray, n_slots: int, n_expert: int, **kw) -> np.ndarray:
     """bool [T, k]: the hits of ``policy`` (a name of :data:`POLICIES` or a class) over one layer's ``ids``."""
+    return make(policy, n_slots, n_expert, **kw).run(ids)
+
+
+def make(policy: str | type[CachePolicy], n_slots: int, n_expert: int, **kw) -> CachePolicy:
     cls = POLICIES[policy] if isinstance(policy, str) else policy
-    return cls(n_slots, n_expert, **kw).run(ids)
+    return cls(n_slots, n_expert, **kw)

@@ -123,7 +123,7 @@ def format_table(report: dict) -> str:
     for p, v in report["policies"].items():
         mark = " *" if p == report["default"] else ""
         cells = "".join(
-            f"{r:>9.1%} ({frac[p][i]:.0%})" if p in frac and p != "belady" else f"{r:>16.1%}" for i, r in enumerate(v)
+            f"{r:>8.1%} ({frac[p][i]:.1%})" if p in frac and p != "belady" else f"{r:>16.1%}" for i, r in enumerate(v)
         )
         lines.append(f"{p + mark:10s}{cells}")
     ms = report["expert_ms"]

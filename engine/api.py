@@ -28,7 +28,8 @@ from engine.plan import DeviceProfile, ModelSpec, Placement, PlanRequest, defaul
 from engine.plan.sizing import HostLoad, host_load
 from engine.profiler import ProfilerSnapshot
 from engine.profiler import export as export_profile
-from engine.routes import RouteRecorder
+from engine.routes import RouteRecorder, RouteTrace
+from engine.routes.replay import RouteReplayer
 from engine.runtime.apply import Applied, apply_placement
 from engine.runtime.device import cuda_reserve
 from engine.tokenizer.chat import RenderCancelled
@@ -471,7 +472,17 @@ class Session:
         self.model.set_route_tap(rec)
         return rec
 
+    def replay_routes(self, trace: RouteTrace) -> RouteReplayer:
+        """From now on every MoE layer's top-k follows ``trace`` (ids and weights; token t of the run takes
+        trace token t mod its length), whatever the router says: benchmarks only, it changes the output."""
+        a = self.model.args
+        moe = [i for i, layer in enumerate(self.model.layers) if getattr(layer, "moe", None) is not None]
+        rep = RouteReplayer(trace, moe, a.n_expert, a.n_expert_used)
+        self.model.set_route_tap(rep)
+        return rep
+
     def stop_recording_routes(self) -> None:
+        """Stop recording or replaying routes."""
         self.model.set_route_tap(None)
 
     # -- tests and tools ----------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 
 from engine.api import LoadOptions, Session
 from engine.cli.main import main
-from engine.errors import TraceError
+from engine.errors import TraceError, UsageError
 from engine.plan import PlanRequest
 from engine.routes import RouteTrace, load_trace, save_trace
 
@@ -158,3 +158,115 @@ def test_record_routes_flag(model, tmp_path):
     args = ["bench", "-m", model, "--prompt", "4", "--gen", "2", "--repeat", "1", "--record-routes", str(bench)]
     assert main(args) == 0
     assert load_trace(bench).n_tokens >= 6
+
+
+def _run(s, tokens, n_decode, forced=None):
+    """Logits of a prompt and n_decode decoded tokens (greedy, or ``forced`` tokens) and the MoE layers' last ids."""
+    cache = s.model.new_cache(CTX)
+    rows = [s.model.forward(tokens, 0, cache, all_logits=False)[-1].numpy()]
+    fed = []
+    for i in range(n_decode):
+        t = int(np.argmax(rows[-1])) if forced is None else forced[i]
+        fed.append(t)
+        rows.append(s.model.forward([t], len(tokens) + i, cache).numpy()[-1])
+    return np.stack(rows), fed
+
+
+@pytest.mark.parametrize("where", ["host", "device-graph-step-cache", "device-graph-step-cpu-experts"])
+def test_replay_changes_routing_only(model, where, engine_env):
+    """Replaying a trace recorded from the same run computes the same logits (only routing is replaced), and
+    replaying another trace computes exactly the trace's experts, with their weights."""
+    from engine.routes.replay import RouteReplayer
+
+    engine_env({"SHARPI_CUDA_GRAPH": "eager"})  # on the simulated device: the decode graph's static step, uncaptured
+    opts = {
+        "host": LoadOptions(n_ctx=CTX, device="cpu"),
+        "device-graph-step-cache": LoadOptions(n_ctx=CTX, device="cpu", placement=PlanRequest(ctx=CTX, moe="cache")),
+        "device-graph-step-cpu-experts": LoadOptions(
+            n_ctx=CTX, device="cpu", placement=PlanRequest(ctx=CTX, moe="cpu")
+        ),
+    }[where]
+    tokens, n = [1, 5, 9, 200, 7], 4
+    # each run on a fresh session: a warm expert cache serves hits on the device, whose arithmetic differs from
+    # the CPU experts' within the parity tolerance
+    with Session.load(model, opts) as s:
+        if where != "host":
+            assert s.model.decode_graph is not None
+        rec = s.record_routes()
+        want, fed = _run(s, tokens, n)
+        own = rec.trace()
+    with Session.load(model, opts) as s:
+        s.replay_routes(own)
+        same, _ = _run(s, tokens, n, forced=fed)
+    # (recording ran the decode layer by layer, the replay runs the graph's step: the same within float rounding)
+    np.testing.assert_allclose(same, want, rtol=1e-5, atol=1e-5)
+    # another trace: the experts computed are the trace's (the profiler counts them), and the output moves
+    rng = np.random.default_rng(1)
+    E, k = own.n_expert, own.k
+    ids = np.stack([[rng.choice(E, k, replace=False) for _ in range(own.n_layers)] for _ in range(own.n_tokens)])
+    other = RouteTrace(ids.astype(np.int32), own.weights, own.phase, own.meta)
+    with Session.load(model, opts) as s:
+        rep = s.replay_routes(other)
+        assert isinstance(rep, RouteReplayer)
+        moved, _ = _run(s, tokens, n, forced=fed)
+        calls = s.stats().calls
+        last = np.stack([s.model.layers[i].moe.last_ids.numpy()[-1] for i in range(own.n_layers)])
+        s.stop_recording_routes()
+        assert s.model.route_tap is None and all(layer.moe.tap is None for layer in s.model.layers)
+    counts = np.stack([np.bincount(ids[:, j].ravel(), minlength=E) for j in range(own.n_layers)])
+    np.testing.assert_array_equal(calls, counts)
+    np.testing.assert_array_equal(last, ids[-1])
+    assert not np.allclose(moved, want, atol=1e-3)
+
+
+def test_replay_refuses_a_trace_of_another_geometry(model):
+    with Session.load(model, LoadOptions(n_ctx=CTX, device="cpu")) as s:
+        a = s.model.args
+        with pytest.raises(UsageError, match="MoE layers; this model has"):
+            s.replay_routes(small_trace(L=a.n_layer + 1, k=a.n_expert_used, E=a.n_expert))
+        with pytest.raises(UsageError, match="experts; this model routes"):
+            s.replay_routes(small_trace(L=a.n_layer, k=a.n_expert_used + 1, E=a.n_expert))
+
+
+def test_replay_routes_flag(model, tmp_path, capsys):
+    path = tmp_path / "routes.npz"
+    assert main(["run", "-m", model, "-p", "hi", "-n", "2", "--temp", "0", "--record-routes", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["run", "-m", model, "-p", "hi", "-n", "2", "--temp", "0", "--replay-routes", str(path)]) == 0
+    assert "routing replayed from" in capsys.readouterr().err
+    args = ["bench", "-m", model, "--prompt", "4", "--gen", "2", "--repeat", "1", "--replay-routes", str(path)]
+    assert main(args) == 0
+    both = ["run", "-m", model, "-p", "hi", "-n", "1", "--replay-routes", str(path), "--record-routes", str(path)]
+    assert main(both) == 2
+    assert "one at a time" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("moe", ["resident", "cache", "cpu"])
+def test_replay_inside_captured_cuda_graphs(model, moe):
+    """On a real GPU the decode graph is captured with the replayed routing: every step computes the trace's
+    experts (the graph's route record, counted by the profiler), and replaying the run's own routes gives its
+    logits."""
+    opts = LoadOptions(n_ctx=CTX, device="cuda", q8_act=False, placement=PlanRequest(ctx=CTX, moe=moe))
+    tokens, n = [1, 5, 9, 200, 7], 12
+    with Session.load(model, opts) as s:
+        rec = s.record_routes()
+        want, fed = _run(s, tokens, n)
+        own = rec.trace()
+    with Session.load(model, opts) as s:
+        s.replay_routes(own)
+        same, _ = _run(s, tokens, n, forced=fed)
+        g = s.model.decode_graph
+        assert g is not None and g.capture and g.steps == n
+    scale = max(1.0, float(np.abs(want).max()))
+    assert np.abs(same - want).max() <= 1e-3 * scale
+    rng = np.random.default_rng(2)
+    ids = np.stack([[rng.choice(own.n_expert, own.k, replace=False) for _ in range(own.n_layers)]
+                    for _ in range(own.n_tokens)])  # fmt: skip
+    with Session.load(model, opts) as s:
+        s.replay_routes(RouteTrace(ids.astype(np.int32), own.weights, own.phase, own.meta))
+        _run(s, tokens, n, forced=fed)
+        calls = s.stats().calls
+    counts = np.stack([np.bincount(ids[:, j].ravel(), minlength=own.n_expert) for j in range(own.n_layers)])
+    np.testing.assert_array_equal(calls, counts)

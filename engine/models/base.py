@@ -89,11 +89,16 @@ class DecoderModel:
             self._freq_factors[dev] = rope_weights.optional_vector("rope_freqs.weight")
 
     def set_route_tap(self, tap) -> None:
-        """Send every MoE layer's routes (ids and weights, each forward pass) to ``tap`` (``observe(layer, ids,
-        weights)`` and ``end_pass(n_tokens)``: :class:`engine.routes.RouteRecorder`), or stop (None). While a tap
-        is set, each token runs layer by layer through the layers' own routing — no decode graph, no fused host
-        step, whose routes never leave the kernel — the same logits, more slowly."""
+        """Hand every MoE layer's routing (ids and weights, each forward pass) to ``tap``, or stop (None). A tap
+        (:class:`engine.routes.RouteRecorder`, :class:`engine.routes.replay.RouteReplayer`) has ``begin_pass(T)``,
+        ``route(layer, route) -> route`` (the routing the layer then uses: its own, or a trace's) and
+        ``end_pass(T)``. While one is set no layer runs its fused host step (whose routing stays inside the
+        kernel), and a ``layerwise`` tap (the recorder) runs each token layer by layer, without the decode
+        graph; the others keep the graph, whose step routes through the tap."""
         self.route_tap = tap
+        graph = self.decode_graph
+        if graph is not None and getattr(graph, "graphs", None):
+            graph.graphs.clear()  # captured with the previous routing: captured again on the next step
         for layer in getattr(self, "layers", []):
             if getattr(layer, "moe", None) is not None:
                 layer.moe.tap = tap
@@ -130,15 +135,20 @@ class DecoderModel:
         tokens = np.asarray(tokens, dtype=np.int64)
         T = len(tokens)
         self.profiler.begin_step()
-        if T == 1 and self.decode_graph is not None and self.route_tap is None:
+        tap = self.route_tap
+        if tap is not None:
+            tap.begin_pass(T)
+        if T == 1 and self.decode_graph is not None and (tap is None or not tap.layerwise):
             if start + 1 > cache.n_ctx:
                 raise UsageError(f"context full: position {start + 1} exceeds the context of {cache.n_ctx}")
             logits = self.decode_graph.step(self.embed(tokens), start, cache)
             if logits is not None:  # None: this cache is not the device's (the eager path serves)
                 self.profiler.end_step(1)
+                if tap is not None:
+                    tap.end_pass(1)
                 return self._finite(logits, tokens, None)
         positions = np.arange(start, start + T)
-        if T == 1 and self.route_tap is None:
+        if T == 1 and tap is None:
             trace: list = []
             logits = self._host_decode(tokens, positions, cache, trace)
             if logits is not None:
@@ -158,8 +168,8 @@ class DecoderModel:
             x = x[-1:]
         logits = self.output(rms_norm(x, self.out_norm, a.rms_eps)).to(HOST)
         self.profiler.end_step(T)
-        if self.route_tap is not None:
-            self.route_tap.end_pass(T)
+        if tap is not None:
+            tap.end_pass(T)
         ops.end_of_prompt(T)
         return self._finite(logits, tokens, trace)
 

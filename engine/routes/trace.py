@@ -176,8 +176,8 @@ def load_trace(path: str | Path) -> RouteTrace:
 
 
 class RouteRecorder:
-    """Collects a model's routes as it runs: each MoE layer reports ``(layer, ids, weights)`` for the tokens of
-    a forward pass (:meth:`observe`), the model closes the pass (:meth:`end_pass`, T tokens; one token is a
+    """Collects a model's routes as it runs: each MoE layer hands its routing of the tokens of a forward pass to
+    :meth:`route` (kept by :meth:`observe`), the model closes the pass (:meth:`end_pass`, T tokens; one token is a
     decode step, more a prompt), and :meth:`trace` stacks what was seen. The same object serves any placement:
     the model sends every route through the layers' own routing while one is attached."""
 
@@ -188,6 +188,16 @@ class RouteRecorder:
         self._weights: list[np.ndarray] = []
         self._phase: list[np.ndarray] = []
         self.layers: list[int] | None = None
+
+    layerwise = True  # the model runs each token layer by layer while recording (see DecoderModel.set_route_tap)
+
+    def begin_pass(self, n_tokens: int) -> None:
+        pass
+
+    def route(self, layer: int, r):
+        """The tap: record layer ``layer``'s routing ``r`` (a Route) and leave it as it is."""
+        self.observe(layer, r.ids, r.weights)
+        return r
 
     def observe(self, layer: int, ids, weights) -> None:
         """``ids``, ``weights`` [T, k] (numpy or torch, any device): layer ``layer``'s routes in this pass."""

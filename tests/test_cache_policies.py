@@ -172,3 +172,66 @@ def test_bench_cache_command(tmp_path, capsys):
     (tmp_path / "bad.npz").write_text("x")
     assert main(["bench", "cache", "--trace", str(tmp_path / "bad.npz")]) == 2
     assert "not a .npz routing trace" in capsys.readouterr().err
+
+
+# -- the planner's hit-rate model from routing (DeviceProfile.hit_curve) ---------------------------------------
+def test_curve_hit_rate_interpolates_and_never_falls():
+    from engine.plan.costmodel import curve_hit_rate
+
+    curve = ((0.2, 0.8), (0.4, 0.7), (0.6, 0.95))
+    got = [round(curve_hit_rate(c, curve), 6) for c in (0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1, 1.5)]
+    assert got == [0.0, 0.4, 0.8, 0.8, 0.8, 0.875, 0.95, 0.975, 1.0, 1.0]
+
+
+def test_profile_hit_curve_round_trip_and_checks():
+    from engine.errors import PlanError
+    from engine.plan import DeviceProfile
+
+    p = DeviceProfile(hit_curve=((0.2, 0.7), (0.5, 0.9)))
+    assert DeviceProfile.from_dict(p.to_dict()) == p
+    for bad in (((0.5, 0.9), (0.2, 0.7)), ((0.0, 0.5),), ((0.3, 1.5),), ((0.3, 0.5), (0.3, 0.6))):
+        with pytest.raises(PlanError, match="hit_curve"):
+            DeviceProfile(hit_curve=bad)
+    with pytest.raises(PlanError, match="pairs"):
+        DeviceProfile.from_dict({"hit_curve": [[0.1, 0.2, 0.3]]})
+
+
+def test_the_planner_prices_the_cache_with_the_routing_curve(synth_model, tmp_path, capsys):
+    import json
+
+    from engine.bench.cache import hit_curve
+    from engine.cli.main import main
+    from engine.plan.costmodel import curve_hit_rate
+    from engine.routes import save_trace
+
+    trace = replace(QWEN3_30B_A3B, n_layers=2).generate(prompt=32, decode=96, turns=1)
+    curve = hit_curve(trace)
+    assert [c for c, _ in curve] == [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+    assert [h for _, h in curve] == sorted(h for _, h in curve)
+    path = save_trace(trace, tmp_path / "t")
+    model = str(synth_model("qwen3moe", "Q8_0", vocab=1024).path)
+    base = [
+        "plan",
+        "-m",
+        model,
+        "--vram",
+        "4MiB",
+        "--reserve",
+        "0",
+        "--scratch",
+        "1MiB",
+        "-c",
+        "256",
+        "--moe",
+        "cache",
+        "--json",
+    ]
+    plans = []
+    for extra in ([], ["--routes", str(path)]):
+        assert main(base + extra) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    zipf, routed = plans
+    cap = routed["expert_capacity"]
+    assert 0 < cap < 1 and routed["profile"]["hit_curve"] == [list(p) for p in curve]
+    assert routed["predicted_hit_rate"] == pytest.approx(curve_hit_rate(cap, curve))
+    assert zipf["profile"]["hit_curve"] == [] and zipf["predicted_hit_rate"] != routed["predicted_hit_rate"]

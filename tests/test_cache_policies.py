@@ -164,6 +164,8 @@ def test_bench_cache_command(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["capacities"] == [0.2, 0.6] and len(out["policies"]["belady"]) == 2
     assert svg.read_text().startswith("<svg") and "dlfu (default)" in svg.read_text()
+    assert main(["bench", "cache", "--trace", str(path), "--layers", "1", "--capacity", "0.5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["trace"]["layers"] == 1
     assert main(["bench", "cache", "--synthetic", "--layers", "1", "--capacity", "0.5", "--policies", "lru"]) == 0
     assert "lru" in capsys.readouterr().out
     assert main(["bench", "cache", "--synthetic", "--capacity", "2"]) == 2

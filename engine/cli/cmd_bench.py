@@ -129,7 +129,9 @@ def run_cache(args: argparse.Namespace) -> int:
     else:
         trace = load_trace(args.trace)
         if args.layers > 0:
-            trace = replace(trace, ids=trace.ids[:, : args.layers], weights=trace.weights[:, : args.layers])
+            n = args.layers
+            meta = dict(trace.meta, layers=trace.meta["layers"][:n]) if "layers" in trace.meta else trace.meta
+            trace = replace(trace, ids=trace.ids[:, :n], weights=trace.weights[:, :n], meta=meta).validate()
     profile = None
     if args.profile:
         try:

@@ -11,6 +11,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,6 +28,8 @@ from engine.plan import DeviceProfile, ModelSpec, Placement, PlanRequest, defaul
 from engine.plan.sizing import HostLoad, host_load
 from engine.profiler import ProfilerSnapshot
 from engine.profiler import export as export_profile
+from engine.routes import RouteRecorder, RouteTrace
+from engine.routes.replay import RouteReplayer
 from engine.runtime.apply import Applied, apply_placement
 from engine.runtime.device import cuda_reserve
 from engine.tokenizer.chat import RenderCancelled
@@ -458,6 +461,29 @@ class Session:
 
     def reset_stats(self) -> None:
         self.model.profiler.reset()
+
+    def record_routes(self) -> RouteRecorder:
+        """Start recording every MoE layer's routes (ids and weights, every token from now on) and return the
+        recorder: ``recorder.trace()`` is the :class:`engine.routes.RouteTrace` so far, ``save_trace`` writes it.
+        Recording runs each token layer by layer (no decode graph, no fused host step): the same logits, slower.
+        A dense model records nothing."""
+        a = self.model.args
+        rec = RouteRecorder(a.n_expert, a.n_expert_used, model=self.info.name or Path(self.info.path).name)
+        self.model.set_route_tap(rec)
+        return rec
+
+    def replay_routes(self, trace: RouteTrace) -> RouteReplayer:
+        """From now on every MoE layer's top-k follows ``trace`` (ids and weights; token t of the run takes
+        trace token t mod its length), whatever the router says: benchmarks only, it changes the output."""
+        a = self.model.args
+        moe = [i for i, layer in enumerate(self.model.layers) if getattr(layer, "moe", None) is not None]
+        rep = RouteReplayer(trace, moe, a.n_expert, a.n_expert_used)
+        self.model.set_route_tap(rep)
+        return rep
+
+    def stop_recording_routes(self) -> None:
+        """Stop recording or replaying routes."""
+        self.model.set_route_tap(None)
 
     # -- tests and tools ----------------------------------------------------------------------
     def logits(self, token_ids: list[int], batch: bool = True) -> np.ndarray:

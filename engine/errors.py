@@ -74,3 +74,8 @@ class HostMemoryError(SharpIError):
 
 class DeviceMemoryError(SharpIError):
     """A placement does not fit the device's memory (its budget, or a real out-of-memory)."""
+
+
+class TraceError(SharpIError):
+    """A routing trace file (``engine.routes``) cannot be used: not an ``.npz`` of the expected arrays, or
+    arrays that contradict each other or its ``meta``."""

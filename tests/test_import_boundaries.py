@@ -98,6 +98,7 @@ RANK = {
     "kernels": 4,
     "kv_layout": 4,
     "profiler": 4,
+    "routes": 4,
     "synth": 4,
     "tokenizer": 4,
     "ops": 5,

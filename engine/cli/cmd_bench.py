@@ -57,6 +57,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     sm.add_argument("--json", action="store_true", help="print machine-readable JSON")
     sm.add_argument("--reps", type=int, default=20, help="timed draws per row (mean reported)")
     sm.set_defaults(func=run_sampler)
+    ca = what.add_parser(
+        "cache",
+        help="expert-cache policies replayed on a routing trace, against Belady's optimum",
+        description="Replay every expert-cache policy on a routing trace (--trace FILE, recorded with "
+        "--record-routes, or --synthetic: Qwen3-30B-A3B's published routing statistics) at each capacity "
+        "(a fraction of each layer's experts on the device): hit rates, their fraction of Belady's offline "
+        "optimum, and whether caching pays against CPU experts (the planner's cost terms).",
+    )
+    src = ca.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", metavar="FILE", help="a routing trace (.npz, engine.routes)")
+    src.add_argument("--synthetic", action="store_true", help="the synthetic Qwen3-30B-A3B trace")
+    ca.add_argument(
+        "--capacity", default="0.05,0.2,0.4,0.6", help="comma-separated fractions (default 0.05,0.2,0.4,0.6)"
+    )
+    ca.add_argument("--policies", default="", help="comma-separated policies (default: all)")
+    ca.add_argument("--layers", type=int, default=0, help="replay only the first N layers of the trace")
+    ca.add_argument("--seed", type=int, default=0, help="--synthetic: the generator's seed")
+    ca.add_argument("--save-trace", metavar="FILE", default=None, help="--synthetic: also write the trace")
+    ca.add_argument(
+        "--profile", metavar="FILE.json", default=None, help="a DeviceProfile (sharpi bench calibrate --json)"
+    )
+    ca.add_argument("--expert-bytes", type=int, default=None, help="one routed expert's bytes (default: the trace's, "
+                    "else Qwen3-30B-A3B's in Q4_K)")  # fmt: skip
+    ca.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    ca.add_argument("--plot", metavar="FILE.svg", default=None, help="hit rate against capacity per policy (SVG)")
+    ca.set_defaults(func=run_cache)
     cal = what.add_parser(
         "calibrate",
         help="measure the planner's device profile (bandwidths, fixed costs) on this machine; cached",
@@ -72,6 +98,52 @@ def register(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--force", action="store_true", help="measure again even if a cached profile exists")
     cal.add_argument("--json", action="store_true", help="print the profile as JSON (DeviceProfile.to_dict)")
     cal.set_defaults(func=run_calibrate)
+
+
+def run_cache(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from engine.bench import cache
+    from engine.plan import DeviceProfile
+    from engine.routes import load_trace, save_trace
+    from engine.routes.synthetic import QWEN3_30B_A3B
+    from engine.runtime.cache_policies import POLICIES
+
+    try:
+        caps = [float(c) for c in args.capacity.split(",") if c.strip()]
+    except ValueError:
+        raise UsageError(f"--capacity {args.capacity!r}: comma-separated fractions, e.g. 0.05,0.2") from None
+    if not caps or any(not 0 <= c <= 1 for c in caps):
+        raise UsageError("--capacity takes fractions between 0 and 1")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()] or list(POLICIES)
+    unknown = sorted(set(policies) - set(POLICIES))
+    if unknown:
+        raise UsageError(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
+    if args.plot and not args.plot.endswith(".svg"):
+        raise UsageError("--plot writes SVG (no plotting library is installed for PNG): name a .svg file")
+    if args.synthetic:
+        gen = QWEN3_30B_A3B if args.layers <= 0 else replace(QWEN3_30B_A3B, n_layers=args.layers)
+        trace = gen.generate(seed=args.seed)
+        if args.save_trace:
+            save_trace(trace, args.save_trace)
+    else:
+        trace = load_trace(args.trace)
+        if args.layers > 0:
+            n = args.layers
+            meta = dict(trace.meta, layers=trace.meta["layers"][:n]) if "layers" in trace.meta else trace.meta
+            trace = replace(trace, ids=trace.ids[:, :n], weights=trace.weights[:, :n], meta=meta).validate()
+    profile = None
+    if args.profile:
+        try:
+            with open(args.profile, encoding="utf-8") as f:
+                profile = DeviceProfile.from_dict(json.load(f))
+        except (OSError, ValueError, TypeError) as e:
+            raise UsageError(f"--profile {args.profile}: {e}") from None
+    report = cache.run(trace, caps, policies, profile=profile, expert_bytes=args.expert_bytes)
+    if args.plot:
+        cache.write_svg(report, args.plot)
+    print(json.dumps(report, indent=2) if args.json else cache.format_table(report))
+    return 0
 
 
 def run_kernels(args: argparse.Namespace) -> int:
@@ -111,7 +183,7 @@ def run_model(args: argparse.Namespace) -> int:
     import torch
 
     from engine.bench.model import bench_session, compare_modes, prediction_report
-    from engine.cli.common import load_session
+    from engine.cli.common import load_session, save_route_recording, start_route_recording
 
     if not args.model:
         raise UsageError("sharpi bench needs -m FILE, or a benchmark name such as 'kernels'")
@@ -122,6 +194,7 @@ def run_model(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     args.ctx_size = args.prompt + args.gen + 16
     with load_session(args) as s:
+        recorder = start_route_recording(args, s)
         if args.compare_modes:
             cmp = compare_modes(s, args.prompt, args.gen, args.repeat, threads=threads)
             cmp.update(model=s.info.path, threads=threads, prompt_tokens=args.prompt, gen_tokens=args.gen)
@@ -130,6 +203,7 @@ def run_model(args: argparse.Namespace) -> int:
                 s, args.prompt, args.gen, args.repeat, vs_llama_cpp=args.vs_llama_cpp, threads=threads
             )
             report.update(prediction_report(s, report))
+        save_route_recording(args, recorder)
     if args.compare_modes:
         print(json.dumps(cmp, indent=2, default=float) if args.json else format_comparison(cmp))
         return 0

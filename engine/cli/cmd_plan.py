@@ -115,6 +115,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--h2d-gbps", type=_positive, default=None, help="host-to-device copy GB/s")
     g.add_argument("--device-gbps", type=_positive, default=None, help="device memory GB/s")
     g.add_argument("--skew", type=float, default=None, help="expert popularity Zipf exponent (hit-rate model)")
+    g.add_argument(
+        "--routes",
+        metavar="FILE|synthetic",
+        default=None,
+        help="the cache's hit rate against capacity from routing: a recorded trace (--record-routes FILE) or "
+        "'synthetic' (Qwen3-30B-A3B's published statistics), replayed with the default policy, instead of --skew",
+    )
     p.add_argument("--bench", action="store_true", help="time the planner over a swept VRAM budget and exit")
     p.set_defaults(func=run)
     # Let "--vram -1GiB" reach _size (and its clear message) instead of argparse taking "-1GiB"
@@ -170,6 +177,20 @@ def _profile(args: argparse.Namespace) -> DeviceProfile:
             base[name] = v
             measured.add(name)
     base["measured"] = sorted(measured)
+    if getattr(args, "routes", None):
+        from engine.bench.cache import hit_curve
+
+        if args.routes == "synthetic":
+            from dataclasses import replace
+
+            from engine.routes.synthetic import QWEN3_30B_A3B
+
+            trace = replace(QWEN3_30B_A3B, n_layers=8).generate()
+        else:
+            from engine.routes import load_trace
+
+            trace = load_trace(args.routes)
+        base["hit_curve"] = [list(p) for p in hit_curve(trace)]
     return DeviceProfile.from_dict(base)
 
 

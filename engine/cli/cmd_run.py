@@ -16,6 +16,8 @@ from engine.cli.common import (
     export_expert_stats,
     load_session,
     sampling_from_args,
+    save_route_recording,
+    start_route_recording,
 )
 from engine.errors import ChatTemplateError, UsageError
 from engine.warmup import warm_up
@@ -113,12 +115,17 @@ def run(a: argparse.Namespace) -> int:
                 a.prompt = f.read()
         except OSError as e:
             raise UsageError(f"cannot read the prompt file: {e}") from None
+    if a.remote is not None and (a.record_routes or a.replay_routes):
+        raise UsageError("--record-routes and --replay-routes take a model run here, not a remote endpoint")
     session = _open(a)
     pressed: list = []
+    recorder = None
     try:
         # The kernels ready before the first token, as in the app: compiled here on a first run (with
         # "k of N" on stderr), loaded from numba's cache after, so the reported speeds are the model's.
         compiled = 0
+        if a.remote is None and a.replay_routes:  # before the warm-up: its graphs are captured replaying
+            start_route_recording(a, session)
         if a.remote is None:  # a remote endpoint has no kernels here
             with _ctrl_c_cancels(session, pressed):
                 compiled = warm_up(session, _kernel_progress).compiled
@@ -126,6 +133,8 @@ def run(a: argparse.Namespace) -> int:
             print(file=sys.stderr)
         if pressed:
             return 130
+        if not a.replay_routes:
+            recorder = start_route_recording(a, session)  # after the warm-up: only what the user ran
         if a.prompt is not None:
             with _ctrl_c_cancels(session, pressed):
                 _report(_stream(session, session.generate(a.prompt, params=params)))
@@ -178,4 +187,5 @@ def run(a: argparse.Namespace) -> int:
     finally:
         if a.remote is None:
             export_expert_stats(a, session)
+            save_route_recording(a, recorder)
         session.close()

@@ -64,6 +64,20 @@ def add_placement_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--expert-stats", metavar="FILE", default=None, help="write expert profiler stats (FILE.json, FILE.csv)"
     )
+    g.add_argument(
+        "--record-routes",
+        metavar="FILE",
+        default=None,
+        help="record every MoE layer's routes of everything run into FILE (.npz routing trace, engine.routes); "
+        "tokens then run layer by layer (no decode graph): the same output, slower",
+    )
+    g.add_argument(
+        "--replay-routes",
+        metavar="FILE",
+        default=None,
+        help="benchmarks only: every MoE layer's top-k follows this routing trace (.npz; e.g. sharpi bench cache "
+        "--synthetic --save-trace FILE) instead of the router, to measure speed under another model's routing",
+    )
 
 
 def _size(text: str) -> int:
@@ -192,6 +206,32 @@ def load_session(a: argparse.Namespace, refuse_unrunnable: bool = False) -> Sess
             file=sys.stderr,
         )
     return session
+
+
+def start_route_recording(a: argparse.Namespace, session):
+    """The session's route recorder if ``--record-routes`` asks for one (else None); with ``--replay-routes``,
+    the routing follows that trace from now on."""
+    record, replay = getattr(a, "record_routes", None), getattr(a, "replay_routes", None)
+    if record and replay:
+        raise UsageError("--record-routes and --replay-routes: one at a time")
+    if replay:
+        from engine.routes import load_trace
+
+        session.replay_routes(load_trace(replay))
+        print(f"sharpi: routing replayed from {replay}: the output is not the model's own", file=sys.stderr)
+    return session.record_routes() if record else None
+
+
+def save_route_recording(a: argparse.Namespace, recorder) -> None:
+    if recorder is None:
+        return
+    from engine.routes import save_trace
+
+    if recorder.n_tokens == 0:
+        print("sharpi: no routes to record (a dense model, or nothing ran)", file=sys.stderr)
+        return
+    path = save_trace(recorder.trace(), a.record_routes)
+    print(f"routes: {path} ({recorder.n_tokens} tokens)", file=sys.stderr)
 
 
 def export_expert_stats(a: argparse.Namespace, session) -> None:

@@ -44,6 +44,8 @@ class DecoderModel:
         # The one-token step as a CUDA graph (engine.runtime.graph_decode.GraphDecode), set by the
         # runtime for placements wholly on one device; dropped by every configure.
         self.decode_graph = None
+        # engine.routes.RouteRecorder (or None): every MoE layer's routes, see set_route_tap.
+        self.route_tap = None
         self.configure([w] * L, [HOST] * L, {i: host_experts for i in range(L)} if host_experts else {}, w)
 
     def make_layer(self, i: int):
@@ -76,6 +78,7 @@ class DecoderModel:
         for b in {id(b): b for b in self._backends.values()}.values():
             b.profiler = self.profiler
         self.layers = [self.make_layer(i) for i in range(self.args.n_layer)]
+        self.set_route_tap(self.route_tap)
         self._route_layers = np.arange(self.args.n_layer)
         self.out_device = self.devices[-1]
         self.out_norm = out_weights.vector("output_norm.weight")
@@ -84,6 +87,21 @@ class DecoderModel:
         dev = next((d for d in self.devices if d != HOST), None)
         if dev is not None and rope_weights is not None:
             self._freq_factors[dev] = rope_weights.optional_vector("rope_freqs.weight")
+
+    def set_route_tap(self, tap) -> None:
+        """Hand every MoE layer's routing (ids and weights, each forward pass) to ``tap``, or stop (None). A tap
+        (:class:`engine.routes.RouteRecorder`, :class:`engine.routes.replay.RouteReplayer`) has ``begin_pass(T)``,
+        ``route(layer, route) -> route`` (the routing the layer then uses: its own, or a trace's) and
+        ``end_pass(T)``. While one is set no layer runs its fused host step (whose routing stays inside the
+        kernel), and a ``layerwise`` tap (the recorder) runs each token layer by layer, without the decode
+        graph; the others keep the graph, whose step routes through the tap."""
+        self.route_tap = tap
+        graph = self.decode_graph
+        if graph is not None and getattr(graph, "graphs", None):
+            graph.graphs.clear()  # captured with the previous routing: captured again on the next step
+        for layer in getattr(self, "layers", []):
+            if getattr(layer, "moe", None) is not None:
+                layer.moe.tap = tap
 
     def expert_stacks(self) -> dict[int, ExpertStacks]:
         """Every MoE layer's stacks, mapped; ``.resident()`` gives the host copies (CpuExperts)."""
@@ -117,15 +135,20 @@ class DecoderModel:
         tokens = np.asarray(tokens, dtype=np.int64)
         T = len(tokens)
         self.profiler.begin_step()
-        if T == 1 and self.decode_graph is not None:
+        tap = self.route_tap
+        if tap is not None:
+            tap.begin_pass(T)
+        if T == 1 and self.decode_graph is not None and (tap is None or not tap.layerwise):
             if start + 1 > cache.n_ctx:
                 raise UsageError(f"context full: position {start + 1} exceeds the context of {cache.n_ctx}")
             logits = self.decode_graph.step(self.embed(tokens), start, cache)
             if logits is not None:  # None: this cache is not the device's (the eager path serves)
                 self.profiler.end_step(1)
+                if tap is not None:
+                    tap.end_pass(1)
                 return self._finite(logits, tokens, None)
         positions = np.arange(start, start + T)
-        if T == 1:
+        if T == 1 and tap is None:
             trace: list = []
             logits = self._host_decode(tokens, positions, cache, trace)
             if logits is not None:
@@ -145,6 +168,8 @@ class DecoderModel:
             x = x[-1:]
         logits = self.output(rms_norm(x, self.out_norm, a.rms_eps)).to(HOST)
         self.profiler.end_step(T)
+        if tap is not None:
+            tap.end_pass(T)
         ops.end_of_prompt(T)
         return self._finite(logits, tokens, trace)
 

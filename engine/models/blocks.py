@@ -108,6 +108,9 @@ class MoE:
         # Qwen2-MoE: the shared expert's output is scaled by sigmoid(x · w), w [D] F32.
         self.shared_gate = w.optional_vector(p + "ffn_gate_inp_shexp.weight") if shared_expert else None
         self.last_ids: torch.Tensor | None = None  # [T, K], for tests and the profiler
+        # The model's route tap (DecoderModel.set_route_tap: engine.routes' recorder or replayer), or None; while
+        # set, the layer's routing goes through tap.route and the layer never runs its fused host step.
+        self.tap = None
         self.host = _on_host(self.router) and (self.shared is None or self.shared.host)
 
     def step(self, ops: Ops, h, hq=None):
@@ -115,6 +118,8 @@ class MoE:
         it (the routed experts' host half runs after a decode graph's replay)."""
         logits = ops.linears((self.router,), h)[0]  # [T, E]
         r = ops.route(self, logits)  # ids, weights [T, K]
+        if self.tap is not None and not ops.taps_routes:
+            r = self.tap.route(self.i, r)  # recorded, or replaced by a trace's
         y = ops.experts(self, h, hq, r)  # Σ_k weights · expert(h) [T, D]
         if self.shared is not None:
             s = self.shared.step(ops, h)
@@ -216,7 +221,7 @@ class DecoderLayer:
         on x's device. Host layers run the numba ops (one numba call for a token where it applies), others torch."""
         if self.host and x.device.type == "cpu":
             X, c, s = x.numpy(), cos.numpy(), sin.numpy()
-            if X.shape[0] == 1 and self.fused is not None:
+            if X.shape[0] == 1 and self.fused is not None and (self.moe is None or self.moe.tap is None):
                 out = self.fused(X[0], start, cache, c, s)
                 if out is not None:
                     return torch.from_numpy(out[None])

@@ -57,6 +57,7 @@ class HostOps:
     start … start+T−1 of ``cache``; cos, sin float32 [T, rope_dim/2]."""
 
     q8 = False
+    taps_routes = False
 
     def __init__(self, start: int, cache: KVCache, cos: np.ndarray, sin: np.ndarray):
         self.start, self.cache, self.cos, self.sin = start, cache, cos, sin

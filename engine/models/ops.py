@@ -94,6 +94,9 @@ class Ops(Protocol):
     def sigmoid_gate(self, s: Array, x: Array, w) -> Array:
         """s · sigmoid(x·w): s [T, D], x [T, D], w [D] (Qwen2-MoE's shared-expert gate)."""
 
+    # Whether route() itself hands its routing to the layer's route tap (``moe.tap``), else the layer does.
+    taps_routes: bool
+
     def route(self, moe, logits: Array) -> Route:
         """The layer's routing (``moe.routing``) of router logits [T, E]."""
 
@@ -114,6 +117,7 @@ class TorchOps:
     cos, sin float32 [T, rope_dim/2] on the activations' device."""
 
     q8 = False
+    taps_routes = False
 
     def __init__(self, start: int, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor):
         self.start, self.cache, self.cos, self.sin = start, cache, cos, sin

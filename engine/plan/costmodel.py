@@ -83,6 +83,23 @@ def hit_rate(capacity: float, n_expert: int, skew: float) -> float:
     return cum[j] + (x - j) * (cum[j + 1] - cum[j])
 
 
+def curve_hit_rate(capacity: float, curve: tuple[tuple[float, float], ...]) -> float:
+    """The hit rate at ``capacity`` on a measured curve (``DeviceProfile.hit_curve``), linear between its points
+    and (0, 0), (1, 1) — nothing cached hits nothing, every expert cached hits all — and never decreasing."""
+    if capacity <= 0:
+        return 0.0
+    if capacity >= 1:
+        return 1.0
+    pts = [(0.0, 0.0), *curve, (1.0, 1.0)]
+    top = 0.0
+    for (c0, h0), (c1, h1) in zip(pts, pts[1:]):
+        h0, h1 = max(top, h0), max(top, h0, h1)
+        if capacity <= c1:
+            return h0 + (h1 - h0) * (capacity - c0) / (c1 - c0)
+        top = h1
+    return 1.0
+
+
 def fit_skew(capacity: float, observed_hit_rate: float, n_expert: int) -> float:
     """The skew at which :func:`hit_rate` gives ``observed_hit_rate`` (e.g. from the profiler).
 
@@ -180,11 +197,12 @@ def predict(
         h_sum = 0.0
         for lay in cached:
             if lay.n_expert not in h_by_e:
-                h_by_e[lay.n_expert] = (
-                    hit_rate(capacity, lay.n_expert, profile.expert_skew)
-                    if observed_hit_rate is None
-                    else min(1.0, max(0.0, observed_hit_rate))
-                )
+                if observed_hit_rate is not None:
+                    h_by_e[lay.n_expert] = min(1.0, max(0.0, observed_hit_rate))
+                elif profile.hit_curve:
+                    h_by_e[lay.n_expert] = curve_hit_rate(capacity, profile.hit_curve)
+                else:
+                    h_by_e[lay.n_expert] = hit_rate(capacity, lay.n_expert, profile.expert_skew)
             h_sum += h_by_e[lay.n_expert]
         h_mean = h_sum / len(cached) if cached else 0.0
 

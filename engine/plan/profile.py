@@ -83,6 +83,9 @@ class DeviceProfile:
         (every layer's trunk on the device); replaces device_layer_us, and cache_layer_us for
         layers whose experts are resident (inside the graph).
     expert_skew: Zipf exponent of expert popularity (0 = uniform) for the cache hit-rate model.
+    hit_curve: the cache's hit rate against capacity measured on routing traces — (capacity, hit rate) pairs,
+        capacities ascending in (0, 1) (``engine.bench.cache.hit_curve``: the default policy replayed on the
+        user's recorded traces or the synthetic one); when given it replaces the Zipf model; empty: Zipf.
     measured: names of the fields above that were measured rather than defaulted.
     """
 
@@ -101,6 +104,7 @@ class DeviceProfile:
     miss_us: float = DEFAULT_MISS_US
     graph_layer_us: float = DEFAULT_GRAPH_LAYER_US
     expert_skew: float = DEFAULT_SKEW
+    hit_curve: tuple[tuple[float, float], ...] = ()
     measured: tuple[str, ...] = ()
     name: str = ""
 
@@ -121,6 +125,12 @@ class DeviceProfile:
                 raise PlanError(f"profile {f} must be in [0, 1e6) µs, got {v!r}")
         if not 0 <= self.expert_skew <= 4:
             raise PlanError(f"profile expert_skew must be in [0, 4], got {self.expert_skew!r}")
+        caps = [c for c, _ in self.hit_curve]
+        if any(
+            not (isinstance(c, (int, float)) and isinstance(h, (int, float)) and 0 < c < 1 and 0 <= h <= 1)
+            for c, h in self.hit_curve
+        ) or caps != sorted(set(caps)):
+            raise PlanError("profile hit_curve must be (capacity, hit rate) pairs, capacities ascending in (0, 1)")
         known = {f.name for f in fields(self)}
         bad = [m for m in self.measured if m not in known]
         if bad:
@@ -143,6 +153,7 @@ class DeviceProfile:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["measured"] = list(self.measured)
+        d["hit_curve"] = [list(p) for p in self.hit_curve]
         return d
 
     @classmethod
@@ -155,6 +166,11 @@ class DeviceProfile:
         kw = dict(d)
         if "measured" in kw:
             kw["measured"] = tuple(kw["measured"])
+        if "hit_curve" in kw:
+            try:
+                kw["hit_curve"] = tuple((c, h) for c, h in kw["hit_curve"])
+            except (TypeError, ValueError):
+                raise PlanError("profile hit_curve must be a list of [capacity, hit rate] pairs") from None
         return cls(**kw)
 
 

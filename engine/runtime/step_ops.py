@@ -48,6 +48,7 @@ class DeviceStepOps:
     layer's cache, else None."""
 
     q8 = True
+    taps_routes = True  # route() hands the routing to a route tap, so the graph's record holds the tap's
 
     def __init__(
         self,
@@ -132,11 +133,14 @@ class DeviceStepOps:
     def route(self, moe, logits):
         r, record = moe.routing, self.routes.get(moe.i)
         table = moe.experts.step_plan(moe.i).slot_table
-        if record is not None and table is not None and self.fused and r.kind == "softmax":
+        tap = getattr(moe, "tap", None)  # engine.routes' recorder or replayer (MoE.tap)
+        if record is not None and table is not None and self.fused and r.kind == "softmax" and tap is None:
             # one fused kernel: routing, the ids into the record, the pinned pool's slot offsets
             weights, off = step_kernels.route(logits, r.k, r.renormalise, table, record)
             return Route(record, weights, off)
         ids, weights = route(logits, r)  # [1, K] x2
+        if tap is not None:  # recorded, or replaced by a trace's
+            ids, weights = tap.route(moe.i, Route(ids, weights))[:2]
         if record is not None:  # the graph's record of the routes
             record.copy_(ids)
         return Route(ids, weights)

@@ -86,7 +86,7 @@ def _attention_rows(
     kh = k.permute(1, 2, 0)[:, None]  # [Hkv, 1, hd, P]
     vh = v.permute(1, 0, 2)[:, None]  # [Hkv, 1, P, hd]
     scores = torch.matmul(qh, kh) * (1.0 / float(hd) ** 0.5 if scale is None else scale)  # [Hkv, g, T, P]
-    if T > 1 or start + T < P or (window and P > window):
+    if T > 1 or start + T < P or (window and window < P):
         qpos = torch.arange(start, start + T, device=q.device)[:, None]
         kpos = torch.arange(P, device=q.device)[None, :]
         masked = kpos > qpos

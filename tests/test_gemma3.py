@@ -111,25 +111,33 @@ def gemma(gemma_file):
 
 
 def test_real_file_logits_and_greedy_match_llama_cpp(gemma_file, gemma, open_llama):
-    """A 64-token real-text prompt: logits within the quantized thresholds; the greedy continuation identical for
-    at least 8 tokens, and where it parts from llama.cpp's, llama.cpp's own choice was a near tie (top-2 margin
-    < 0.5, inside the measured per-logit gap: mean 0.20, max 1.8 at logit std 5.3). Measured: 9 tokens identical."""
+    """A 64-token real-text prompt. Gemma's residual stream runs to the thousands, so llama.cpp's logits move with
+    its own summation order: its one-batch prompt and the same prompt token by token differ by mean 0.175, max 1.65
+    (logit std 5.3). Ours are held to that gap: mean within 1.5x of it (measured 0.203, max 1.77), argmax agreeing
+    on ≥ 95% of positions. The greedy continuation is identical for at least 8 tokens, and where it parts from
+    llama.cpp's, llama.cpp's own choice was a near tie (top-2 margin < 0.5). Measured: 9 tokens identical."""
     llm = open_llama(gemma_file, n_ctx=256)
     prompt = llm.tokenize(PROSE.encode(), add_bos=True)[:64]
     assert len(prompt) == 64
+    one = []
+    for t in prompt:
+        llm.eval([t])
+        one.append(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32))
+    llm.reset()
     llm.eval(prompt)
     ref = np.array(llm.scores[:64], dtype=np.float32)
     want, margins = [], []
     for _ in range(64):
-        row = np.sort(np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float32))
-        margins.append(float(row[-1] - row[-2]))
-        want.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        row = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        top2 = np.sort(row)[-2:]
+        margins.append(float(top2[1] - top2[0]))
+        want.append(int(np.argmax(row)))
         llm.eval([want[-1]])
+    own_gap = float(np.abs(np.array(one) - ref).mean())
     cache = gemma.new_cache(256)
     got = gemma.forward(prompt, 0, cache).numpy()
     d = np.abs(got - ref)
-    # Logits here have std ~5 (262k-token vocabulary): the bounds of test_parity_llama scaled by it.
-    assert d.mean() < 0.05 * ref.std() and (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.95, (d.mean(), d.max())
+    assert d.mean() <= 1.5 * own_gap and (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.95, (d.mean(), own_gap)
     ours, nxt = [], int(got[-1].argmax())
     for i in range(64):
         ours.append(nxt)

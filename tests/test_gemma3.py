@@ -179,3 +179,37 @@ def test_real_file_template_and_a_coherent_completion(gemma_file, gemma):
         out.append(int(logits[-1].argmax()))
         logits = gemma.forward([out[-1]], len(ids) + i, cache)
     assert "Paris" in tok.decode(out), tok.decode(out)
+
+
+# -- placements on the simulated device ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gelu", ["continuous", "ggml"])
+def test_every_placement_matches_the_cpu_engine(tmp_path, monkeypatch, gelu):
+    """Device layers run the eager torch ops (no fused device step for Gemma yet): every split equals the CPU
+    engine. With a continuous GELU they agree to 1e-5 (measured 3.6e-6); ggml's float16 GELU table, a step
+    function, turns their float32 rounding differences into a few table steps (measured 1.1e-3)."""
+    import torch
+
+    import engine.models.ops as model_ops
+    from engine.plan import PlanRequest
+    from engine.synth.writer import write_model
+    from tests import test_runtime as rt
+
+    if gelu == "continuous":
+        monkeypatch.setattr(model_ops, "gelu_mul", lambda g, u: torch.nn.functional.gelu(g, approximate="tanh") * u)
+    path = write_model(tmp_path / "g.gguf", "gemma3", seed=3, layers=6).path
+    toks = random_tokens(20, 1024, seed=1)
+    bound = 1e-5 if gelu == "continuous" else 3e-3
+    with rt._session(path, "cpu") as s:
+        ref_prefill, ref_decode = rt._run(s, toks)
+        cases = rt._cases(s)
+        assert [c[0] for c in cases] == ["cpu", "split1", "split5"]
+        for label, req, g, slots in cases:
+            p = s.plan(PlanRequest(ctx=rt.CTX, kv_type="f32", **req), rt._profile_for(s, n_gpu_layers=g, slots=slots))
+            assert p.n_gpu_layers == g, (label, p.layer_reason)
+            s.apply(p)
+            assert not s.applied.graph  # the eager path
+            prefill, decode = rt._run(s, toks)
+            assert np.abs(prefill - ref_prefill).max() <= bound, label
+            assert np.abs(decode - ref_decode).max() <= bound, label

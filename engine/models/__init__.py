@@ -15,7 +15,7 @@ from engine.models.args import ModelArgs
 from engine.models.tensors import TensorSpec, validate_tensors
 
 # Architectures with no device step yet: every placement keeps all their layers on the CPU.
-HOST_ONLY_ARCHITECTURES = ("gemma3", "qwen35", "qwen35moe", "qwen3next")
+HOST_ONLY_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 SUPPORTED_ARCHITECTURES = (
     "gemma3",
     "llama",

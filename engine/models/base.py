@@ -49,6 +49,9 @@ class DecoderModel:
     # Architecture quirks the skeleton reads (set by a subclass): the token embeddings are multiplied by
     # ``embed_scale`` where it is not None (Gemma: sqrt(n_embd)).
     embed_scale: float | None = None
+    # Whether the one-token device step (``runtime.step_ops.DeviceStepOps``, CUDA-graph decode) computes this
+    # architecture; where not, device layers decode on the eager torch ops as they run a prompt.
+    graph_step: bool = True
 
     def make_layer(self, i: int):
         raise NotImplementedError

@@ -68,7 +68,9 @@ def tensor_specs(a: Args) -> list[TensorSpec]:
 
 class Model(DecoderModel):
     args: Args
-    host_only = "Gemma 3 runs on the CPU only for now: its sliding-window attention and GeGLU have no device step yet"
+    # Its sliding window, GeGLU and per-layer RoPE bases have no fused one-token device step (DeviceStepOps) yet:
+    # device layers run the eager torch ops (TorchOps), prompt and decode.
+    graph_step = False
 
     def __init__(self, w, args: Args, experts=None):
         self.embed_scale = math.sqrt(args.n_embd)

@@ -52,6 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ):
         g.add_argument(flag, dest=field, type=int, help=helptext)
     g.add_argument("--rope-base", dest="rope_base", type=float, help="RoPE frequency base")
+    g.add_argument("--sliding-window", dest="sliding_window", type=int, help="gemma3: attention.sliding_window")
     g.add_argument("--tied-output", dest="tied_output", action="store_true", default=None, help="omit output.weight")
     g.add_argument("--rope-freqs", dest="rope_freqs", action="store_true", default=None, help="llama: rope_freqs")
     p.add_argument("--type", default="F32", help="weight type of the matrices (F32 F16 BF16 Q8_0 Q4_0 Q5_0 Q4_K ...)")
@@ -95,6 +96,7 @@ _GEOMETRY_FIELDS = [
     "ssm_v_heads",
     "full_attn_interval",
     "rope_freqs",
+    "sliding_window",
 ]
 
 

@@ -16,7 +16,17 @@ from engine.models.tensors import TensorSpec, validate_tensors
 
 # Architectures with no device step yet: every placement keeps all their layers on the CPU.
 HOST_ONLY_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
-SUPPORTED_ARCHITECTURES = ("llama", "olmoe", "qwen2moe", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next")
+SUPPORTED_ARCHITECTURES = (
+    "gemma3",
+    "llama",
+    "olmoe",
+    "qwen2moe",
+    "qwen3",
+    "qwen3moe",
+    "qwen35",
+    "qwen35moe",
+    "qwen3next",
+)
 
 
 def arch_module(arch: str) -> ModuleType:

@@ -48,8 +48,27 @@ class DecoderModel:
         self.route_tap = None
         self.configure([w] * L, [HOST] * L, {i: host_experts for i in range(L)} if host_experts else {}, w)
 
+    # Architecture quirks the skeleton reads (set by a subclass): the token embeddings are multiplied by
+    # ``embed_scale`` where it is not None (Gemma: sqrt(n_embd)).
+    embed_scale: float | None = None
+    # Whether the one-token device step (``runtime.step_ops.DeviceStepOps``, CUDA-graph decode) computes this
+    # architecture; where not, device layers decode on the eager torch ops as they run a prompt.
+    graph_step: bool = True
+
     def make_layer(self, i: int):
         raise NotImplementedError
+
+    def layer_rope(self, i: int) -> tuple[float, float]:
+        """Layer i's RoPE (base, linear scale): the model's unless an architecture gives layers their own
+        (Gemma 3's sliding-window layers)."""
+        return self.args.rope_base, self.args.rope_scale
+
+    def embed_tokens(self, tokens: np.ndarray) -> torch.Tensor:
+        """The rows of ``token_embd`` for ``tokens`` [T], scaled by :attr:`embed_scale` -> float32 [T, D]."""
+        x = self.embed(tokens)
+        if self.embed_scale is not None:
+            x = x * np.float32(self.embed_scale)
+        return x
 
     # -- placement ------------------------------------------------------------------------------
     def lw(self, i: int):
@@ -119,9 +138,13 @@ class DecoderModel:
         """A KV cache for the current placement (host layers use ``kv_type`` when nothing is on a device)."""
         return KVCache({i: HOST for i in range(self.args.n_layer)}, n_ctx, self.args.kv_dim, kv_type)
 
-    def _rope(self, positions: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(
+        self, positions: np.ndarray, device: torch.device, base: float | None = None, scale: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.args
-        theta = torch.from_numpy(rope_theta(positions, a.rope_dim, a.rope_base, a.rope_scale)).to(device)
+        base = a.rope_base if base is None else base
+        scale = a.rope_scale if scale is None else scale
+        theta = torch.from_numpy(rope_theta(positions, a.rope_dim, base, scale)).to(device)
         ff = self._freq_factors.get(device, self._freq_factors[HOST])
         if ff is not None:
             theta = theta / ff.to(device)[None, : theta.shape[1]]
@@ -141,7 +164,7 @@ class DecoderModel:
         if T == 1 and self.decode_graph is not None and (tap is None or not tap.layerwise):
             if start + 1 > cache.n_ctx:
                 raise UsageError(f"context full: position {start + 1} exceeds the context of {cache.n_ctx}")
-            logits = self.decode_graph.step(self.embed(tokens), start, cache)
+            logits = self.decode_graph.step(self.embed_tokens(tokens), start, cache)
             if logits is not None:  # None: this cache is not the device's (the eager path serves)
                 self.profiler.end_step(1)
                 if tap is not None:
@@ -153,13 +176,14 @@ class DecoderModel:
             logits = self._host_decode(tokens, positions, cache, trace)
             if logits is not None:
                 return self._finite(logits, tokens, trace)
-        x = self.embed(tokens)  # [T, D] host
+        x = self.embed_tokens(tokens)  # [T, D] host
         trace = [_probe(x)]  # each layer's output (or its sum), only to name where a NaN/Inf first appeared
-        ropes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer, dev in zip(self.layers, self.devices):
-            if dev not in ropes:
-                ropes[dev] = self._rope(positions, dev)
-            x = layer(x.to(dev), start, cache, *ropes[dev])
+        ropes: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, (layer, dev) in enumerate(zip(self.layers, self.devices)):
+            key = (dev, *self.layer_rope(i))
+            if key not in ropes:
+                ropes[key] = self._rope(positions, dev, *key[1:])
+            x = layer(x.to(dev), start, cache, *ropes[key])
             trace.append(_probe(x))
         for b in {id(b): b for b in self._backends.values()}.values():
             b.end_step()
@@ -218,7 +242,7 @@ class DecoderModel:
         if any(kv is None for kv in kvs):
             return None
         a = self.args
-        x = self.embed(tokens).numpy()[0]
+        x = self.embed_tokens(tokens).numpy()[0]
         trace.append(x)  # the embeddings, then each layer's output (for _finite's message)
         cos, sin = (t.numpy() for t in self._rope(positions, HOST))
         routes = np.empty((len(steps), a.n_expert_used), np.int64)

@@ -29,7 +29,8 @@ def _on_host(*linears) -> bool:
 class Attention:
     """Pre-normed GQA self-attention with RoPE and an optional q/k norm and q/k/v bias; ``q_gate``: the q
     projection gives each head its query and an output gate ([q_h | gate_h] per head), and the attention
-    output is multiplied by sigmoid(gate) before the output projection (Qwen3.5, Qwen3-Next)."""
+    output is multiplied by sigmoid(gate) before the output projection (Qwen3.5, Qwen3-Next); ``window`` > 0:
+    sliding-window attention over the last ``window`` positions; ``scale``: the score scale (None: 1/sqrt(hd))."""
 
     def __init__(
         self,
@@ -39,17 +40,20 @@ class Attention:
         qk_norm: str | None = None,
         qkv_bias: bool = False,
         q_gate: bool = False,
+        window: int = 0,
+        scale: float | None = None,
     ):
         p = f"blk.{i}."
         self.i, self.a, self.qk_norm, self.q_gate = i, a, qk_norm, q_gate
+        self.window, self.scale = window, scale
         self.wq = w.linear(p + "attn_q.weight", p + "attn_q.bias" if qkv_bias else None)
         self.wk = w.linear(p + "attn_k.weight", p + "attn_k.bias" if qkv_bias else None)
         self.wv = w.linear(p + "attn_v.weight", p + "attn_v.bias" if qkv_bias else None)
         self.wo = w.linear(p + "attn_output.weight")
         self.q_norm = w.vector(p + "attn_q_norm.weight") if qk_norm else None
         self.k_norm = w.vector(p + "attn_k_norm.weight") if qk_norm else None
-        # HostOps.attend; the host ops have no output gate (sigmoid_mul) yet.
-        host_ok = a.head_dim % 16 == 0 and not q_gate
+        # HostOps.attend; the host ops have no output gate (sigmoid_mul), window or other scale yet.
+        host_ok = a.head_dim % 16 == 0 and not q_gate and not window and scale is None
         self.host = _on_host(self.wq, self.wk, self.wv, self.wo) and host_ok
 
     def step(self, ops: Ops, h, hq=None):
@@ -76,10 +80,11 @@ class Attention:
 
 
 class DenseFFN:
-    """SwiGLU feed-forward: down(silu(gate·x) ⊙ up·x)."""
+    """Gated feed-forward: down(act(gate·x) ⊙ up·x); ``act`` "silu" (SwiGLU) or "gelu" (GeGLU, Gemma)."""
 
-    def __init__(self, w: Weights, i: int, suffix: str = ""):
+    def __init__(self, w: Weights, i: int, suffix: str = "", act: str = "silu"):
         p = f"blk.{i}."
+        self.act = act
         self.gate = w.linear(f"{p}ffn_gate{suffix}.weight")
         self.up = w.linear(f"{p}ffn_up{suffix}.weight")
         self.down = w.linear(f"{p}ffn_down{suffix}.weight")
@@ -88,7 +93,8 @@ class DenseFFN:
     def step(self, ops: Ops, h, hq=None):
         """h [T, D] (normed) -> [T, D]."""
         g, u = ops.linears((self.gate, self.up), h)  # [T, F] x2
-        return ops.linears((self.down,), ops.silu_mul(g, u))[0]
+        a = ops.gelu_mul(g, u) if self.act == "gelu" else ops.silu_mul(g, u)
+        return ops.linears((self.down,), a)[0]
 
     def wants_q8_input(self) -> bool:
         return False
@@ -196,12 +202,28 @@ class GatedDeltaNet:
 
 class DecoderLayer:
     """x += attn(norm(x)); x += ffn(norm(x)). ``attn`` is the layer's mixer (:class:`Attention` or
-    :class:`GatedDeltaNet`); ``ffn_norm`` the name of the second norm (``post_attention_norm`` in Qwen3.5)."""
+    :class:`GatedDeltaNet`); ``ffn_norm`` the name of the second norm (``post_attention_norm`` in Qwen3.5);
+    ``post_norms``: the names of norms applied to the mixer's and the FFN's outputs before their residual adds
+    (Gemma: x += norm(attn(norm(x))); x += norm(ffn(norm(x))))."""
 
-    def __init__(self, w: Weights, i: int, a: ModelArgs, attn, ffn, ffn_norm: str = "ffn_norm"):
+    def __init__(
+        self,
+        w: Weights,
+        i: int,
+        a: ModelArgs,
+        attn,
+        ffn,
+        ffn_norm: str = "ffn_norm",
+        post_norms: tuple[str, str] | None = None,
+    ):
         p = f"blk.{i}."
         self.attn_norm = w.vector(p + "attn_norm.weight")
         self.ffn_norm = w.vector(p + ffn_norm + ".weight")
+        self.post_attn_norm, self.post_ffn_norm = (
+            (w.vector(p + post_norms[0] + ".weight"), w.vector(p + post_norms[1] + ".weight"))
+            if post_norms
+            else (None, None)
+        )
         self.attn, self.ffn, self.eps = attn, ffn, a.rms_eps
         self.moe: MoE | None = ffn if isinstance(ffn, MoE) else None
         # On the host: the numba ops instead of ~60 small torch ops per layer (selected here only).
@@ -213,8 +235,13 @@ class DecoderLayer:
         — the last residual add is left to the next norm, so on the device it rides on that norm's launch."""
         x, h, hq = ops.add_norm(x, y, self.attn_norm, self.eps, q8=ops.q8 and self.attn.wants_q8_input())
         a = self.attn.step(ops, h, hq)
+        if self.post_attn_norm is not None:
+            a = ops.rms_norm(a, self.post_attn_norm, self.eps)
         x, h, hq = ops.add_norm(x, a, self.ffn_norm, self.eps, q8=ops.q8 and self.ffn.wants_q8_input())
-        return x, self.ffn.step(ops, h, hq)
+        f = self.ffn.step(ops, h, hq)
+        if self.post_ffn_norm is not None:
+            f = ops.rms_norm(f, self.post_ffn_norm, self.eps)
+        return x, f
 
     def __call__(self, x: torch.Tensor, start: int, cache: KVCache, cos, sin) -> torch.Tensor:
         """x float32 [T, D] at positions start … start+T−1 -> the layer's output [T, D]; cos, sin [T, rope_dim/2]

@@ -25,7 +25,7 @@ from engine.kernels.host_layers import (
     route_rows,
 )
 from engine.kernels.moe_fused import FUSED_TYPES
-from engine.models.layers import route
+from engine.models.layers import gelu_mul, route
 from engine.models.ops import Route
 from engine.quant.formats import QType
 
@@ -101,6 +101,9 @@ class HostOps:
     def silu_mul(self, g, u):
         with np.errstate(over="ignore"):
             return g / (np.float32(1.0) + np.exp(-g)) * u
+
+    def gelu_mul(self, g, u):
+        return gelu_mul(torch.from_numpy(g), torch.from_numpy(u)).numpy()
 
     def sigmoid_gate(self, s, x, w):
         return s * (np.float32(1.0) / (np.float32(1.0) + np.exp(-(x @ host_array(w)))))[:, None]

@@ -55,23 +55,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
 ATTN_SCORE_BYTES = 32 << 20
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int = 0, scale: float | None = None
+) -> torch.Tensor:
     """Causal GQA attention of T new queries over all cached positions.
 
     q [T, H, hd] at positions start..start+T-1; k, v [P, Hkv, hd] for positions 0..P-1
-    (P = start + T). Returns [T, H*hd]. Softmax in float32 with scale 1/sqrt(hd)
-    (llama.cpp's build_attn_mha with kq_scale). Queries go in row blocks whose scores fit
-    :data:`ATTN_SCORE_BYTES` (each row's softmax is its own, so the blocks change nothing).
+    (P = start + T). Returns [T, H*hd]. Softmax in float32 with scale 1/sqrt(hd), or ``scale``
+    (llama.cpp's build_attn_mha with kq_scale). ``window`` > 0: a sliding window, the query at p
+    sees the keys at p − window < p' ≤ p (llama.cpp's LLAMA_SWA_TYPE_STANDARD masks p − p' ≥ window).
+    Queries go in row blocks whose scores fit :data:`ATTN_SCORE_BYTES` (each row's softmax is its
+    own, so the blocks change nothing).
     """
     T, H, hd = q.shape
     P = k.shape[0]
     rows = max(1, ATTN_SCORE_BYTES // (4 * H * P))
     if rows >= T:
-        return _attention_rows(q, k, v, start)
-    return torch.cat([_attention_rows(q[i : i + rows], k, v, start + i) for i in range(0, T, rows)])
+        return _attention_rows(q, k, v, start, window, scale)
+    return torch.cat([_attention_rows(q[i : i + rows], k, v, start + i, window, scale) for i in range(0, T, rows)])
 
 
-def _attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+def _attention_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int = 0, scale: float | None = None
+) -> torch.Tensor:
     """:func:`attention` of one block of queries (positions start.. start+T-1) over k, v [P, Hkv, hd]."""
     T, H, hd = q.shape
     P, Hkv = k.shape[0], k.shape[1]
@@ -79,11 +85,14 @@ def _attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     qh = q.reshape(T, Hkv, g, hd).permute(1, 2, 0, 3)  # [Hkv, g, T, hd]
     kh = k.permute(1, 2, 0)[:, None]  # [Hkv, 1, hd, P]
     vh = v.permute(1, 0, 2)[:, None]  # [Hkv, 1, P, hd]
-    scores = torch.matmul(qh, kh) * (1.0 / float(hd) ** 0.5)  # [Hkv, g, T, P]
-    if T > 1 or start + T < P:
+    scores = torch.matmul(qh, kh) * (1.0 / float(hd) ** 0.5 if scale is None else scale)  # [Hkv, g, T, P]
+    if T > 1 or start + T < P or (window and window < P):
         qpos = torch.arange(start, start + T, device=q.device)[:, None]
         kpos = torch.arange(P, device=q.device)[None, :]
-        scores = scores.masked_fill(kpos > qpos, float("-inf"))
+        masked = kpos > qpos
+        if window:
+            masked = masked | (qpos - kpos >= window)
+        scores = scores.masked_fill(masked, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, vh)  # [Hkv, g, T, hd]
     return out.permute(2, 0, 1, 3).reshape(T, H * hd)
@@ -142,6 +151,21 @@ def attention_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU: silu(gate) * up (ggml_swiglu_split)."""
     return torch.nn.functional.silu(gate) * up
+
+
+def gelu_tanh_ggml(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh form, as ggml's CPU op computes it (``ggml_vec_gelu_f32`` under ``GGML_GELU_FP16``): 0 at
+    x ≤ −10, x at x ≥ 10, else the float32 tanh form of x rounded to float16, itself rounded to float16 (the
+    op's table of 65536 values)."""
+    h = x.to(torch.float16).to(torch.float32)
+    c = 0.7978845608028654  # sqrt(2/pi)
+    y = (0.5 * h * (1.0 + torch.tanh(c * h * (1.0 + 0.044715 * h * h)))).to(torch.float16).to(torch.float32)
+    return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, y))
+
+
+def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GeGLU: gelu(gate) * up with :func:`gelu_tanh_ggml` (ggml_geglu_split)."""
+    return gelu_tanh_ggml(gate) * up
 
 
 def route_softmax_topk(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,6 +32,7 @@ from engine.models.layers import (
     gated_delta_chunked,
     gated_delta_rule,
     gated_rms_norm,
+    gelu_mul,
     l2_norm,
     rms_norm,
     route,
@@ -79,6 +80,9 @@ class Ops(Protocol):
 
     def silu_mul(self, g: Array, u: Array) -> Array:
         """silu(g) ⊙ u (ggml_swiglu_split)."""
+
+    def gelu_mul(self, g: Array, u: Array) -> Array:
+        """gelu(g) ⊙ u, GELU's tanh form as ggml computes it (``layers.gelu_mul``, ggml_geglu_split)."""
 
     def sigmoid_mul(self, x: Array, g: Array) -> Array:
         """x ⊙ sigmoid(g), both [T, n] (the gated attention's output gate)."""
@@ -146,10 +150,13 @@ class TorchOps:
         a, end = attn.a, self.start + q.shape[0]
         K, V = self.cache.read(attn.i, end)
         shape = (end, a.n_head_kv, a.head_dim)
-        return attention(q, K.reshape(shape), V.reshape(shape), self.start), None
+        return attention(q, K.reshape(shape), V.reshape(shape), self.start, attn.window, attn.scale), None
 
     def silu_mul(self, g, u):
         return silu_mul(g, u)
+
+    def gelu_mul(self, g, u):
+        return gelu_mul(g, u)
 
     def sigmoid_mul(self, x, g):
         return x * torch.sigmoid(g)

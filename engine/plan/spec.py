@@ -39,6 +39,7 @@ _TRUNK_OF: dict[str, str] = {
     "attn_norm.weight": NORMS,
     "ffn_norm.weight": NORMS,
     "post_attention_norm.weight": NORMS,
+    "post_ffw_norm.weight": NORMS,
     "attn_q_norm.weight": NORMS,
     "attn_k_norm.weight": NORMS,
     "attn_q.bias": BIAS,

@@ -94,13 +94,14 @@ def for_placement(
 ) -> GraphDecode | None:
     """The graph decoder for an applied placement, or None where it does not apply: not every
     layer's trunk on the device, ``options.cuda_graph`` "off" (default options: ``config.current()``),
-    or a device other than CUDA unless it is "eager". Routed experts wholly on the device (a pinned
+    or a device other than CUDA unless it is "eager", or an architecture the device step does not compute
+    (``model.graph_step``). Routed experts wholly on the device (a pinned
     pool) run inside the graph; any with a host half (``cpu`` and ``cache`` modes, layers below
     ``n_cpu_moe``) cut the step into segments and that half runs between the replays."""
     options = options if options is not None else config.current()
     mode = options.cuda_graph
     device = torch.device(device)
-    if mode == "off" or (mode == "graph" and device.type != "cuda"):
+    if mode == "off" or (mode == "graph" and device.type != "cuda") or not model.graph_step:
         return None
     a = model.args
     if placement.n_gpu_layers < a.n_layer:

@@ -61,6 +61,8 @@ def write_hparams(w: GGUFWriter, s: SynthSpec, *, name: str, file_type: QType) -
             w.add_uint32(k(keys.EXPERT_FEED_FORWARD_LENGTH), s.expert_ff)
         if s.shared_ff:
             w.add_uint32(k(keys.EXPERT_SHARED_FEED_FORWARD_LENGTH), s.shared_ff)
+    if s.sliding_window:
+        w.add_uint32(k(keys.SLIDING_WINDOW), s.sliding_window)
     if s.is_hybrid:
         w.add_uint32(k(keys.SSM_CONV_KERNEL), s.ssm_conv)
         w.add_uint32(k(keys.SSM_STATE_SIZE), s.ssm_state)

@@ -18,7 +18,17 @@ from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, MODEL_TEN
 
 from engine.errors import UsageError
 
-ARCHS: tuple[str, ...] = ("qwen3moe", "qwen2moe", "olmoe", "llama", "qwen3", "qwen35moe", "qwen35", "qwen3next")
+ARCHS: tuple[str, ...] = (
+    "qwen3moe",
+    "qwen2moe",
+    "olmoe",
+    "llama",
+    "qwen3",
+    "qwen35moe",
+    "qwen35",
+    "qwen3next",
+    "gemma3",
+)
 HYBRIDS = ("qwen35moe", "qwen35", "qwen3next")  # Gated DeltaNet + gated full attention
 
 # Tensor kinds: how a tensor is initialised and which type it gets.
@@ -71,6 +81,7 @@ class SynthSpec:
     ssm_groups: int = 0  # key heads (ssm.group_count)
     ssm_v_heads: int = 0  # value heads (ssm.time_step_rank); ssm.inner_size = ssm_v_heads * ssm_state
     full_attn_interval: int = 0  # every n-th layer is full attention (full_attention_interval)
+    sliding_window: int = 0  # gemma3: attention.sliding_window (five of six layers slide)
 
     @property
     def is_moe(self) -> bool:
@@ -110,6 +121,8 @@ _DEFAULTS: dict[str, dict] = {
     "olmoe": dict(kv_heads=4, experts=8, experts_used=2, expert_ff=256, rms_eps=1e-5),
     "llama": dict(ff=512, rms_eps=1e-5),
     "qwen3": dict(ff=512, rope_base=1e6),
+    # Six layers: five sliding-window layers and one global, as llama.cpp's set_swa_pattern(6).
+    "gemma3": dict(layers=6, ff=512, kv_heads=1, rope_base=1e6, sliding_window=8, tied_output=True),
 }
 _HYBRID = dict(
     layers=4, rope_dim=16, ssm_conv=4, ssm_state=32, ssm_groups=2, ssm_v_heads=4, full_attn_interval=4, rope_base=1e6
@@ -160,9 +173,13 @@ def _validate(s: SynthSpec) -> None:
         (s.head_dim > 0 and s.head_dim % 2 == 0, f"head_dim {s.head_dim} must be even"),
         (s.experts >= 0 and 0 <= s.experts_used <= s.experts, "need 0 <= experts_used <= experts"),
         (not s.is_moe or (s.experts_used > 0 and s.expert_ff > 0), "an MoE needs experts_used > 0 and expert_ff > 0"),
-        (s.is_moe or s.arch in ("llama", "qwen3", "qwen35"), f"{s.arch} is an MoE architecture: experts must be > 0"),
+        (
+            s.is_moe or s.arch in ("llama", "qwen3", "qwen35", "gemma3"),
+            f"{s.arch} is an MoE architecture: experts must be > 0",
+        ),
         (s.is_moe or s.ff > 0, "a dense model needs ff > 0"),
-        (not (s.is_moe and s.arch in ("qwen3", "qwen35")), f"{s.arch} is dense; use its MoE sibling for experts"),
+        (not (s.is_moe and s.arch in ("qwen3", "qwen35", "gemma3")), f"{s.arch} is dense (no experts)"),
+        ((s.sliding_window > 0) == (s.arch == "gemma3"), "gemma3 needs sliding_window > 0; no other family has one"),
         (not s.qkv_bias or s.arch == "qwen2moe", "qkv_bias is a qwen2moe feature"),
         (not s.rope_freqs or s.arch == "llama", "rope_freqs is a llama feature"),
         (not s.shared_ff or s.arch in ("qwen2moe", "qwen35moe", "qwen3next"), "no shared expert in this family"),
@@ -234,13 +251,15 @@ def tensor_layout(s: SynthSpec) -> list[TensorDecl]:
             add(T.ATTN_Q, (s.q_dim,), BIAS, "bias")
             add(T.ATTN_K, (s.kv_dim,), BIAS, "bias")
             add(T.ATTN_V, (s.kv_dim,), BIAS, "bias")
-        if s.arch in ("qwen3", "qwen3moe"):  # per-head q/k RMSNorm
+        if s.arch in ("qwen3", "qwen3moe", "gemma3"):  # per-head q/k RMSNorm
             add(T.ATTN_Q_NORM, (s.head_dim,), NORM)
             add(T.ATTN_K_NORM, (s.head_dim,), NORM)
         elif s.arch == "olmoe":  # q/k RMSNorm over the whole projection
             add(T.ATTN_Q_NORM, (s.q_dim,), NORM)
             add(T.ATTN_K_NORM, (s.kv_dim,), NORM)
         add(T.ATTN_OUT, (D, s.q_dim), MATRIX)
+        if s.arch == "gemma3":  # the norm after attention
+            add(T.ATTN_POST_NORM, (D,), NORM)
         add(T.FFN_NORM, (D,), NORM)
         if s.is_moe:
             E, F = s.experts, s.expert_ff
@@ -257,6 +276,8 @@ def tensor_layout(s: SynthSpec) -> list[TensorDecl]:
             add(T.FFN_GATE, (s.ff, D), MATRIX)
             add(T.FFN_UP, (s.ff, D), MATRIX)
             add(T.FFN_DOWN, (D, s.ff), MATRIX)
+        if s.arch == "gemma3":  # the norm after the FFN
+            add(T.FFN_POST_NORM, (D,), NORM)
     out.append(TensorDecl(tensor_name(T.OUTPUT_NORM), (D,), NORM))
     if not s.tied_output:
         out.append(TensorDecl(tensor_name(T.OUTPUT), (V, D), OUTPUT))

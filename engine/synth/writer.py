@@ -103,7 +103,7 @@ def write_model(
             raise UsageError(f"the given vocabulary has {len(tokenizer)} tokens, the geometry says vocab={spec.vocab}")
         vocab = tokenizer
     else:
-        vocab = build_vocab(tokenizer or ("spm" if arch == "llama" else "bpe"), spec.vocab, pre)
+        vocab = build_vocab(tokenizer or ("spm" if arch in ("llama", "gemma3") else "bpe"), spec.vocab, pre)
     if len(vocab) != spec.vocab:
         raise AssertionError(f"vocabulary has {len(vocab)} tokens for {spec.vocab} embedding rows")
     plans = plan_types(tensor_layout(spec), weight_type, type_overrides)

@@ -52,6 +52,23 @@ CHATML = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# Gemma's turn format, for a Gemma file without a template: a system message goes before the first user turn's
+# text, the assistant speaks as "model" (Google's Gemma 3 template without its image handling).
+GEMMA_TURNS = (
+    "{%- set ns = namespace(system='') %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}{%- set ns.system = ns.system + message['content'] + '\n\n' %}"
+    "{%- else %}"
+    "{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{%- if message['role'] == 'user' %}{{- ns.system }}{%- set ns.system = '' %}{%- endif %}"
+    "{{- message['content'] | trim + '<end_of_turn>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}"
+)
+# The format that stands in for a missing template, per architecture (ChatML for the others).
+DEFAULT_TEMPLATES = {"gemma3": GEMMA_TURNS}
+
 
 USER_TEXT_ROLES = ("user", "system", "tool")  # whose content is text, never control tokens
 
@@ -311,7 +328,8 @@ class ChatTemplate:
 
     @classmethod
     def from_gguf(cls, gf, tokenizer=None) -> ChatTemplate:
-        """The file's ``tokenizer.chat_template``, or ChatML (with a warning) when it has none.
+        """The file's ``tokenizer.chat_template``, or (with a warning) when it has none its architecture's standard
+        format (:data:`DEFAULT_TEMPLATES`) or ChatML.
 
         ``tokenizer`` supplies ``bos_token``/``eos_token`` text and whether it adds BOS/EOS
         itself; without one the texts are "" and nothing is stripped.
@@ -319,8 +337,11 @@ class ChatTemplate:
         source = gf.metadata.get(keys.CHAT_TEMPLATE)
         opts = _special_texts(tokenizer)
         if not isinstance(source, str) or not source.strip():
-            log.warning("%s has no chat template; using ChatML", getattr(gf, "path", "the model"))
-            return cls(CHATML, from_file=False, **opts)
+            arch = getattr(gf, "architecture", None)
+            fallback = DEFAULT_TEMPLATES.get(arch) if isinstance(arch, str) else None
+            name = f"{arch}'s standard turn format" if fallback else "ChatML"
+            log.warning("%s has no chat template; using %s", getattr(gf, "path", "the model"), name)
+            return cls(fallback or CHATML, from_file=False, **opts)
         return cls(source, from_file=True, **opts)
 
     @classmethod

@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="sharpi bench -m FILE [...]: prompt and decode tok/s of a model; "
         "sharpi bench kernels: CPU GEMV throughput.",
     )
-    from engine.cli.common import add_placement_args
+    from engine.cli.common import add_placement_args, add_route_args
 
     p.add_argument("-m", "--model", help="GGUF model to benchmark")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
@@ -38,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "with the planner's prediction beside each, and say whether the auto choice was the fastest",
     )
     add_placement_args(p)
+    add_route_args(p)
     p.set_defaults(func=run_model)
     what = p.add_subparsers(dest="bench_what", metavar="WHAT")
     k = what.add_parser("kernels", help="GEMV GB/s per weight type on routed-expert and trunk workloads")

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from engine.cli.common import (
     add_model_args,
     add_placement_args,
+    add_route_args,
     add_sampling_args,
     export_expert_stats,
     load_session,
@@ -45,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--remote-model", default=None, help="which of the endpoint's models (default: its first)")
     add_sampling_args(p)
     add_placement_args(p)
+    add_route_args(p)
     p.set_defaults(func=run)
 
 

@@ -64,6 +64,11 @@ def add_placement_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--expert-stats", metavar="FILE", default=None, help="write expert profiler stats (FILE.json, FILE.csv)"
     )
+
+
+def add_route_args(p: argparse.ArgumentParser) -> None:
+    """``--record-routes`` / ``--replay-routes`` (run and bench: the commands that act on them)."""
+    g = p.add_argument_group("routing traces")
     g.add_argument(
         "--record-routes",
         metavar="FILE",

@@ -72,16 +72,24 @@ class _Store:
 class RecurrentState:
     """One Gated DeltaNet layer's state: the conv window ``conv`` float32 [K−1, C] (the last K−1 inputs of
     its depthwise conv) and the delta-rule state ``ssm`` float32 [Hv, dv, dk]. Its size is fixed: it
-    does not grow with the context."""
+    does not grow with the context. Both tensors are written in place only (:meth:`assign`, :meth:`reset`),
+    so a decode CUDA graph that captured their addresses keeps reading and writing the live state."""
 
     def __init__(self, conv_rows: int, conv_dim: int, heads: int, dv: int, dk: int, device: torch.device):
         self.conv = torch.zeros(conv_rows, conv_dim, dtype=torch.float32, device=device)
         self.ssm = torch.zeros(heads, dv, dk, dtype=torch.float32, device=device)
 
+    @torch.inference_mode()
+    def assign(self, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """The state after a step: conv [K−1, C], ssm [Hv, dv, dk] copied into the state's own tensors."""
+        self.conv.copy_(conv)
+        self.ssm.copy_(ssm)
+
+    @torch.inference_mode()
     def reset(self) -> None:
-        # New zeros, not zero_(): the steps replace the tensors under inference mode.
-        self.conv = torch.zeros_like(self.conv)
-        self.ssm = torch.zeros_like(self.ssm)
+        # Under inference mode: the tensors may have been made under it (a cache built inside a forward pass).
+        self.conv.zero_()
+        self.ssm.zero_()
 
     @property
     def nbytes(self) -> int:

@@ -1,17 +1,16 @@
 """Gated DeltaNet hybrids (qwen35moe, qwen35, qwen3next) on the CPU: the layer against its float64
 step-by-step reference, prefill against decode, the recurrent state's rules, multi-turn reuse, and device
-placements refused with a UsageError. Logits against llama.cpp: tests/test_parity_llama.py."""
+placements' pricing of the state. Logits against llama.cpp: tests/test_parity_llama.py; every placement equal to
+the CPU path: tests/test_runtime.py and tests/test_graph_decode.py."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from engine.api import LoadOptions, Session
-from engine.errors import MetadataError, PlanError, UsageError
+from engine.errors import MetadataError, UsageError
 from engine.generate import SamplingParams
 from engine.gguf import open_gguf
 from engine.models import build_model
@@ -19,7 +18,8 @@ from engine.models.args import hybrid_fields
 from engine.models.blocks import GatedDeltaNet
 from engine.models.layers import delta_net_reference, gated_delta_chunked, gated_delta_rule, l2_norm, rms_norm
 from engine.models.ops import TorchOps
-from engine.plan import DeviceProfile, PlanRequest
+from engine.plan import DeviceProfile, PlanRequest, device_bytes, kv_layer_bytes
+from engine.plan.sizing import layer_cache_bytes
 from engine.synth.writer import write_model
 
 ARCHS = ["qwen35moe", "qwen35", "qwen3next"]
@@ -188,18 +188,30 @@ def test_follow_up_turn_processes_only_new_tokens(files):
         assert follow == [e.token_id for e in fresh.generate(prompt_ids=p2, params=SamplingParams.greedy(max_tokens=3))]
 
 
-def test_device_placement_is_a_usage_error(files):
-    """The planner keeps every layer on the CPU (no device step for these layers yet) and refuses -g N; a
-    placement with device layers is refused up front by apply; the session keeps working on the CPU."""
-    with Session.load(str(files["qwen35moe"]), LoadOptions(n_ctx=128)) as s:
+def test_planner_places_gdn_layers_and_prices_their_fixed_state(files):
+    """Every placement is open to the hybrids (placements equal the CPU path: tests/test_runtime.py,
+    tests/test_graph_decode.py). A device layer's cache is its K/V (attention) or its recurrent state, priced
+    at the state's real size, which does not grow with the context; the applied cache allocates exactly that."""
+    with Session.load(str(files["qwen35moe"]), LoadOptions(n_ctx=128, device="cpu")) as s:
+        a, spec = s.args, s.spec
+        gdn = [i for i in range(a.n_layer) if a.recurrent[i]]
+        assert [spec.layers[i].state_bytes for i in gdn] == [s.model.new_cache(8).recurrent[i].nbytes for i in gdn]
+        assert all(spec.layers[i].has_kv for i in a.attention_layers)
+        small = device_bytes(spec, n_gpu_layers=a.n_layer, ctx=64, kv_type="f32")
+        large = device_bytes(spec, n_gpu_layers=a.n_layer, ctx=1024, kv_type="f32")
+        per_pos = kv_layer_bytes("f32", spec.kv_dim, 1)  # one position's K and V in one attention layer
+        assert large.kv - small.kv == (1024 - 64) * per_pos * len(a.attention_layers)
+        assert small.kv == sum(spec.layers[i].state_bytes for i in gdn) + 64 * per_pos * len(a.attention_layers)
         auto = s.plan(PlanRequest(ctx=64, n_gpu_layers=-1), DeviceProfile(vram_bytes=1 << 30))
-        assert auto.n_gpu_layers == 0 and "CPU only" in auto.layer_reason
-        with pytest.raises(PlanError, match="CPU only"):
-            s.plan(PlanRequest(ctx=64, n_gpu_layers=2), DeviceProfile(vram_bytes=1 << 30))
-        with pytest.raises(UsageError, match="CPU only"):
-            s.apply(replace(auto, n_gpu_layers=2))
-        with pytest.raises(UsageError, match="CPU only"):
-            s.model.configure([s.model.w] * 4, [torch.device("meta")] * 4, {}, s.model.w)
+        assert auto.n_gpu_layers == a.n_layer, auto.layer_reason
+        split = s.plan(PlanRequest(ctx=64, n_gpu_layers=2, kv_type="f32"), DeviceProfile(vram_bytes=1 << 30))
+        assert split.device.kv == sum(layer_cache_bytes(spec, i, "f32", 64) for i in range(2))
+        s.apply(split)
+        c = s.applied.cache
+        on_device = sum(c.k[i].nbytes + c.v[i].nbytes for i in c.k if i < 2) + sum(
+            st.nbytes for i, st in c.recurrent.items() if i < 2
+        )
+        assert s.applied.arena.by_kind["kv"] == on_device == split.device.kv
         assert len(list(s.generate("still here", params=SamplingParams.greedy(max_tokens=3)))) == 3
 
 

@@ -151,9 +151,10 @@ class TorchOps:
         return x * torch.sigmoid(g)
 
     def delta_net(self, dn, qkv, b, a):
+        # Any device, and no host sync for one token: the device step (DeviceStepOps) runs this same method.
         st = self.cache.recurrent[dn.i]
         T = qkv.shape[0]
-        c, st.conv = causal_conv1d(qkv, dn.conv_w.to(qkv.device), st.conv)
+        c, conv = causal_conv1d(qkv, dn.conv_w.to(qkv.device), st.conv)
         c = torch.nn.functional.silu(c)
         kd = dn.n_k_heads * dn.head_k
         q = l2_norm(c[:, :kd].reshape(T, dn.n_k_heads, dn.head_k), dn.eps)
@@ -162,7 +163,8 @@ class TorchOps:
         q, k = expand_heads(q, dn.n_v_heads, dn.grouping), expand_heads(k, dn.n_v_heads, dn.grouping)
         beta, g = delta_gates(b, a, dn.dt_bias.to(b.device), dn.A.to(b.device))
         rule = gated_delta_rule if T == 1 else gated_delta_chunked  # decode: the recurrence; prompts: chunks
-        o, st.ssm = rule(q, k, v, g, beta, st.ssm)
+        o, S = rule(q, k, v, g, beta, st.ssm)
+        st.assign(conv, S)  # in place: a decode graph holds the state's addresses
         return o.reshape(T, -1)
 
     def gated_norm(self, dn, o, z):

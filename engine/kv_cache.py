@@ -149,6 +149,17 @@ class KVCache:
         every position they consumed and cannot step back: all of them or nothing."""
         return keep if not self.recurrent or keep == held == self.state_pos else 0
 
+    def snapshot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Host copies of every recurrent state (conv, ssm), layer by layer, at :attr:`state_pos` (a checkpoint)."""
+        return [(s.conv.to("cpu", copy=True), s.ssm.to("cpu", copy=True)) for s in self.recurrent.values()]
+
+    def restore(self, snap: list[tuple[torch.Tensor, torch.Tensor]], pos: int) -> None:
+        """The recurrent states back to ``snap`` (a :meth:`snapshot` taken at position ``pos``), in place; K/V
+        rows below ``pos`` are the caller's to know valid (they are written by position and kept)."""
+        for s, (conv, ssm) in zip(self.recurrent.values(), snap, strict=True):
+            s.assign(conv, ssm)
+        self.state_pos = pos
+
     def enter(self, start: int, T: int) -> None:
         """A step of T tokens at ``start`` begins: recurrent states restart at position 0 and otherwise
         continue only from where they are (a :class:`UsageError` for any other start)."""

@@ -5,10 +5,13 @@ the CPU path: tests/test_runtime.py and tests/test_graph_decode.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
+from engine import config
 from engine.api import LoadOptions, Session
 from engine.errors import MetadataError, UsageError
 from engine.generate import SamplingParams
@@ -212,7 +215,14 @@ def test_planner_places_gdn_layers_and_prices_their_fixed_state(files):
             st.nbytes for i, st in c.recurrent.items() if i < 2
         )
         assert s.applied.arena.by_kind["kv"] == on_device == split.device.kv
-        assert len(list(s.generate("still here", params=SamplingParams.greedy(max_tokens=3)))) == 3
+        # a checkpoint of states on the device: regenerate restores it in place and gives the same reply
+        greedy = SamplingParams.greedy(max_tokens=3)
+        p1 = s.tokenize("still here")
+        first = [e.token_id for e in s.generate(prompt_ids=p1, params=greedy)]
+        p2 = p1 + first + s.tokenize(" more")
+        reply = [e.token_id for e in s.generate(prompt_ids=p2, params=greedy)]
+        events = list(s.generate(prompt_ids=p2, params=greedy))
+        assert events[-1].n_prompt == len(p2) - (len(p1) + 2) and [e.token_id for e in events] == reply
 
 
 class _Meta:
@@ -248,3 +258,67 @@ def test_layer_kinds_follow_llama_cpp_keys():
     assert h["recurrent"] == tuple(bool(f) for f in flags)
     with pytest.raises(MetadataError, match="non-text position"):
         hybrid_fields(_Meta(**{**base, "rope.dimension_sections": [4, 4, 4, 20]}), "qwen35moe", sections=True)
+
+
+def _turn(s: Session, messages: list[dict], n: int = 4) -> tuple[str, int, int]:
+    """One reply as the app asks for it (fit_messages, then generate(messages=...), greedy): (text, prompt
+    tokens processed, the positions the cache held before)."""
+    held = len(s.state.tokens)
+    msgs, _ = s.fit_messages(messages, n)
+    events = list(s.generate(messages=msgs, params=SamplingParams.greedy(max_tokens=n)))
+    return "".join(e.text for e in events), events[-1].n_prompt, held
+
+
+def test_chat_turns_regenerate_and_edit_process_only_the_new_tokens(files):
+    """A scripted 5-turn chat through the session's chat API: each turn processes only its new tokens;
+    regenerate of the last turn restores the checkpoint of the previous turn's end and processes only the last
+    user message, giving the same reply; an edited last message the same, with a fresh session's reply."""
+    users = ["hello there", "tell me more", "and then?", "why so", "last one"]
+    with Session.load(str(files["qwen35moe"]), LoadOptions(n_ctx=512)) as s:
+        assert s.state.checkpoint_limit == s.engine_options.state_checkpoints > 0
+        messages, ends = [], []
+        for k, u in enumerate(users):
+            messages.append({"role": "user", "content": u})
+            ids = s.chat_ids(messages)
+            # the replies so far re-render to the tokens generated (a random model's replies are chosen so)
+            assert ids[: len(s.state.tokens)] == s.state.tokens, k
+            text, n_prompt, held = _turn(s, messages)
+            assert held == (ends[-1] if ends else 0)
+            assert n_prompt == len(ids) - held, (k, n_prompt, len(ids), held)  # only the new tokens
+            ends.append(len(s.state.tokens))
+            messages.append({"role": "assistant", "content": text})
+        assert sorted(s.state.checkpoints) == ends[-s.state.checkpoint_limit :]
+        last = messages.pop()  # regenerate: the last reply dropped, the same messages again
+        ids = s.chat_ids(messages)
+        again, n_prompt, _ = _turn(s, messages)
+        assert n_prompt == len(ids) - ends[-2]  # from the end of the turn before
+        processed = s.detokenize(ids[ends[-2] :])  # the previous reply's unfed last token, then the last message
+        assert users[-1] in processed and users[-2] not in processed, processed
+        assert again == last["content"]
+        messages[-1] = {"role": "user", "content": "an edited question"}  # edit and resend
+        ids = s.chat_ids(messages)
+        edited, n_prompt, _ = _turn(s, messages)
+        assert n_prompt == len(ids) - ends[-2]
+    with Session.load(str(files["qwen35moe"]), LoadOptions(n_ctx=512)) as fresh:
+        text, n_prompt, _ = _turn(fresh, messages)
+        assert n_prompt == len(ids) and text == edited  # the restored state gives the fresh session's reply
+
+
+def test_checkpoints_are_bounded_and_cut_where_the_history_branches(files):
+    """At most ``state_checkpoints`` snapshots (the newest); a branch before the oldest restarts from position 0;
+    0 keeps none (regenerate then processes the whole prompt)."""
+    tokens = list(np.random.default_rng(3).integers(8, 1024, 40))
+    engine = replace(config.current(), state_checkpoints=2)
+    with Session.load(str(files["qwen35"]), LoadOptions(n_ctx=256, engine=engine)) as s:
+        greedy = SamplingParams.greedy(max_tokens=1)
+        for n in (10, 20, 30, 40):
+            list(s.generate(prompt_ids=tokens[:n], params=greedy))
+        assert sorted(s.state.checkpoints) == [30, 40]
+        ev = list(s.generate(prompt_ids=tokens[:35] + [7], params=greedy))[-1]
+        assert ev.n_prompt == 6 and sorted(s.state.checkpoints) == [30, 36]  # from 30; 40 was past the branch
+        ev = list(s.generate(prompt_ids=tokens[:12] + [7], params=greedy))[-1]
+        assert ev.n_prompt == 13  # before every checkpoint: from the first token
+    with Session.load(str(files["qwen35"]), LoadOptions(n_ctx=256, engine=replace(engine, state_checkpoints=0))) as s:
+        list(s.generate(prompt_ids=tokens[:20], params=SamplingParams.greedy(max_tokens=1)))
+        ev = list(s.generate(prompt_ids=tokens[:19] + [7], params=SamplingParams.greedy(max_tokens=1)))[-1]
+        assert not s.state.checkpoints and ev.n_prompt == 20

@@ -78,6 +78,15 @@ class RecurrentState:
     def __init__(self, conv_rows: int, conv_dim: int, heads: int, dv: int, dk: int, device: torch.device):
         self.conv = torch.zeros(conv_rows, conv_dim, dtype=torch.float32, device=device)
         self.ssm = torch.zeros(heads, dv, dk, dtype=torch.float32, device=device)
+        # The last step's roll-back points where it kept them (KVCache.keep_steps): (its conv inputs after the
+        # window before [K−1+T, C], the delta-rule state before it and after each of its T tokens).
+        self.steps: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+
+    def rewind(self, n: int) -> None:
+        """Back to the state after the first ``n`` tokens (0 … T) of the last step, which kept its steps."""
+        inputs, states = self.steps
+        K1 = self.conv.shape[0]
+        self.assign(inputs[n : n + K1], states[n])
 
     @torch.inference_mode()
     def assign(self, conv: torch.Tensor, ssm: torch.Tensor) -> None:
@@ -120,6 +129,10 @@ class KVCache:
         self.k, self.v = {}, {}
         self.recurrent: dict[int, RecurrentState] = dict(recurrent or {})
         self.state_pos = 0  # the position the recurrent states have consumed up to
+        # Set by a caller about to run a verify pass (speculative decoding): each step of several tokens keeps
+        # every token's recurrent state, so that :meth:`rollback` can return to the last accepted token.
+        self.keep_steps = False
+        self._step_start = 0
         for i, dev in layers.items():
             if charge is not None:
                 charge(i, kv_layer_bytes(types[i], kv_dim, n_ctx))
@@ -160,6 +173,23 @@ class KVCache:
             s.assign(conv, ssm)
         self.state_pos = pos
 
+    def rollback(self, pos: int) -> None:
+        """After a step of several tokens run with :attr:`keep_steps`: the recurrent states back to position
+        ``pos`` (from the step's start to its end), as if only the tokens before ``pos`` had been processed.
+        K/V rows from ``pos`` on are left to be overwritten (they are written by position)."""
+        start = self._step_start
+        kept = all(s.steps is not None for s in self.recurrent.values())
+        if not (kept and start <= pos <= self.state_pos):
+            raise UsageError(
+                f"cannot roll the recurrent state back to position {pos}: the last step kept its states for "
+                f"positions {start} … {self.state_pos}"
+                if kept
+                else "the last step kept no states (keep_steps)"
+            )
+        for s in self.recurrent.values():
+            s.rewind(pos - start)
+        self.state_pos = pos
+
     def enter(self, start: int, T: int) -> None:
         """A step of T tokens at ``start`` begins: recurrent states restart at position 0 and otherwise
         continue only from where they are (a :class:`UsageError` for any other start)."""
@@ -173,7 +203,9 @@ class KVCache:
                 f"the recurrent state is at position {self.state_pos} and cannot continue at {start}: "
                 "linear-attention layers cannot step back (process the prompt again from position 0)"
             )
-        self.state_pos = start + T
+        for s in self.recurrent.values():
+            s.steps = None  # the previous step's roll-back points no longer apply
+        self._step_start, self.state_pos = start, start + T
 
     @property
     def nbytes(self) -> int:

@@ -322,3 +322,30 @@ def test_checkpoints_are_bounded_and_cut_where_the_history_branches(files):
         list(s.generate(prompt_ids=tokens[:20], params=SamplingParams.greedy(max_tokens=1)))
         ev = list(s.generate(prompt_ids=tokens[:19] + [7], params=SamplingParams.greedy(max_tokens=1)))[-1]
         assert not s.state.checkpoints and ev.n_prompt == 20
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_verify_pass_rolls_the_state_back_to_the_last_accepted_token(files, arch):
+    """Speculative decoding's verify pass (several drafted tokens in one step, ``KVCache.keep_steps``) gives the
+    plain pass's logits, and ``KVCache.rollback`` returns the recurrent states to any position of it: the
+    continuation from there equals the tokens processed without the rejected drafts."""
+    tokens = list(np.random.default_rng(4).integers(8, 1024, 30))
+    with open_gguf(files[arch]) as gf:
+        m = build_model(gf)
+        ref = _logits(m, tokens, [30])
+        for accepted in (0, 2, 4):
+            cache = m.new_cache(128)
+            m.forward(tokens[:20], 0, cache)
+            cache.keep_steps = True
+            drafts = tokens[20 : 20 + accepted] + [7] * (4 - accepted)  # the rejected drafts: token 7
+            verify = m.forward(drafts, 20, cache).numpy()
+            cache.keep_steps = False
+            assert np.abs(verify[:accepted] - ref[20 : 20 + accepted]).max(initial=0) <= 1e-4
+            cache.rollback(20 + accepted)
+            rest = m.forward(tokens[20 + accepted :], 20 + accepted, cache).numpy()
+            assert np.abs(rest - ref[20 + accepted :]).max() <= 1e-4, (
+                accepted,
+                np.abs(rest - ref[20 + accepted :]).max(),
+            )
+            with pytest.raises(UsageError, match="kept no states"):
+                cache.rollback(25)

@@ -17,6 +17,7 @@ import torch
 
 from engine.api import LoadOptions, Session
 from engine.errors import UsageError
+from engine.kv_cache import KVCache
 from engine.models.layers import apply_rope, apply_rope_table, attention, attention_static, rope_tables, rope_theta
 from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
 from engine.runtime import graph_decode
@@ -428,6 +429,8 @@ def test_the_warm_up_before_a_capture_launches_what_the_capture_records(monkeypa
 
     class Stub:
         device, _pool, _side, graphs, _cut_backends = cuda, None, None, {}, []
+        cache = KVCache({}, 16, 32)  # no recurrent states to keep
+        _state_kept = GraphDecode._state_kept
 
         def _segment(self, length, s):
             seen.append((qb.pdl(cuda), ks.moe_act(cuda, True, q4k), capturing["now"]))

@@ -222,7 +222,7 @@ class Session:
         except BaseException:
             self.gf.close()
             raise
-        self.state = CacheState()
+        self.state = self._new_state()
         self._cancel = threading.Event()
         self._active_cancel: threading.Event | None = None  # the running generation's stop event
         report(4, 4, "ready")
@@ -367,9 +367,13 @@ class Session:
         if active is not None:
             active.set()
 
+    def _new_state(self) -> CacheState:
+        """An empty record of the cache, keeping ``EngineOptions.state_checkpoints`` checkpoints of recurrent states."""
+        return CacheState(checkpoint_limit=self.engine_options.state_checkpoints)
+
     def reset(self) -> None:
         """Forget the cached conversation (the next generation recomputes its whole prompt)."""
-        self.state = CacheState()
+        self.state = self._new_state()
 
     # -- placement ------------------------------------------------------------------------------
     @property
@@ -431,7 +435,7 @@ class Session:
         self.cache = self.applied.cache
         self.n_ctx = placement.ctx
         self.kv_type = placement.kv_type
-        self.state = CacheState()
+        self.state = self._new_state()
 
     def _restore(self, previous: Applied | None) -> None:
         self.applied = None
@@ -447,7 +451,7 @@ class Session:
             self.applied = None
             apply_placement(self.model, self.spec, cpu_only, self.device, options=self.engine_options)
             self.cache = self.model.new_cache(self.n_ctx, self.kv_type)
-        self.state = CacheState()
+        self.state = self._new_state()
 
     # -- profiler -----------------------------------------------------------------------------
     def stats(self) -> ProfilerSnapshot:

@@ -61,6 +61,7 @@ ENV = MappingProxyType(
         "cache_upload": "SHARPI_CACHE_UPLOAD",
         "host_nodes": "SHARPI_HOST_NODES",
         "prompt_stream_min": "SHARPI_PROMPT_STREAM_MIN",
+        "state_checkpoints": "SHARPI_STATE_CHECKPOINTS",
         "kv_type": "SHARPI_KV_DTYPE",
         "weights": "SHARPI_WEIGHTS",
         "cpu_moe": "SHARPI_CPU_MOE",
@@ -164,6 +165,11 @@ class EngineOptions:
     # above 32 (engine.runtime.expert_stream; whole number ≥ 0; 0: never, and the planner reserves no
     # staging slots for it).
     prompt_stream_min: int = 32
+    # SHARPI_STATE_CHECKPOINTS: how many snapshots of a Gated DeltaNet model's recurrent states a session keeps
+    # (host memory, one at the end of every turn, the newest kept; each the size of the states, tens of MiB for
+    # Qwen3.6-35B-A3B): regenerate and edit-and-resend restart from one instead of from the first token
+    # (engine.generate.loop.CacheState; whole number ≥ 0, 0: none).
+    state_checkpoints: int = 4
     # SHARPI_KV_DTYPE: the KV cache dtype when neither --kv-type nor LoadOptions.kv_type says:
     # f32 | bf16 | q8_0 (aliases fp32, float32, q8); None (unset) = f32.
     kv_type: str | None = None
@@ -318,6 +324,7 @@ _PARSE = {
     "prompt_upload_min": _whole,
     "cache_upload": _choice(CACHE_UPLOADS),
     "prompt_stream_min": _whole,
+    "state_checkpoints": _whole,
     "kv_type": _choice(KV_TYPES, KV_ALIASES),
     "weights": _choice(WEIGHT_MODES),
     "cpu_moe": _cpu_moe,
@@ -354,6 +361,8 @@ def _check(o: EngineOptions) -> None:
         raise UsageError(f"EngineOptions.prompt_upload_min={o.prompt_upload_min!r}: expected None or a number ≥ 0")
     if not isinstance(o.prompt_stream_min, int) or o.prompt_stream_min < 0:
         raise UsageError(f"EngineOptions.prompt_stream_min={o.prompt_stream_min!r}: expected a number ≥ 0")
+    if not isinstance(o.state_checkpoints, int) or o.state_checkpoints < 0:
+        raise UsageError(f"EngineOptions.state_checkpoints={o.state_checkpoints!r}: expected a number ≥ 0")
     if o.launch_table is not None and not isinstance(o.launch_table, MappingProxyType):
         object.__setattr__(o, "launch_table", _freeze_table("EngineOptions.launch_table", dict(o.launch_table)))
 

@@ -72,16 +72,33 @@ class _Store:
 class RecurrentState:
     """One Gated DeltaNet layer's state: the conv window ``conv`` float32 [K−1, C] (the last K−1 inputs of
     its depthwise conv) and the delta-rule state ``ssm`` float32 [Hv, dv, dk]. Its size is fixed: it
-    does not grow with the context."""
+    does not grow with the context. Both tensors are written in place only (:meth:`assign`, :meth:`reset`),
+    so a decode CUDA graph that captured their addresses keeps reading and writing the live state."""
 
     def __init__(self, conv_rows: int, conv_dim: int, heads: int, dv: int, dk: int, device: torch.device):
         self.conv = torch.zeros(conv_rows, conv_dim, dtype=torch.float32, device=device)
         self.ssm = torch.zeros(heads, dv, dk, dtype=torch.float32, device=device)
+        # The last step's roll-back points where it kept them (KVCache.keep_steps): (its conv inputs after the
+        # window before [K−1+T, C], the delta-rule state before it and after each of its T tokens).
+        self.steps: tuple[torch.Tensor, list[torch.Tensor]] | None = None
 
+    def rewind(self, n: int) -> None:
+        """Back to the state after the first ``n`` tokens (0 … T) of the last step, which kept its steps."""
+        inputs, states = self.steps
+        K1 = self.conv.shape[0]
+        self.assign(inputs[n : n + K1], states[n])
+
+    @torch.inference_mode()
+    def assign(self, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """The state after a step: conv [K−1, C], ssm [Hv, dv, dk] copied into the state's own tensors."""
+        self.conv.copy_(conv)
+        self.ssm.copy_(ssm)
+
+    @torch.inference_mode()
     def reset(self) -> None:
-        # New zeros, not zero_(): the steps replace the tensors under inference mode.
-        self.conv = torch.zeros_like(self.conv)
-        self.ssm = torch.zeros_like(self.ssm)
+        # Under inference mode: the tensors may have been made under it (a cache built inside a forward pass).
+        self.conv.zero_()
+        self.ssm.zero_()
 
     @property
     def nbytes(self) -> int:
@@ -112,6 +129,10 @@ class KVCache:
         self.k, self.v = {}, {}
         self.recurrent: dict[int, RecurrentState] = dict(recurrent or {})
         self.state_pos = 0  # the position the recurrent states have consumed up to
+        # Set by a caller about to run a verify pass (speculative decoding): each step of several tokens keeps
+        # every token's recurrent state, so that :meth:`rollback` can return to the last accepted token.
+        self.keep_steps = False
+        self._step_start = 0
         for i, dev in layers.items():
             if charge is not None:
                 charge(i, kv_layer_bytes(types[i], kv_dim, n_ctx))
@@ -141,6 +162,34 @@ class KVCache:
         every position they consumed and cannot step back: all of them or nothing."""
         return keep if not self.recurrent or keep == held == self.state_pos else 0
 
+    def snapshot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Host copies of every recurrent state (conv, ssm), layer by layer, at :attr:`state_pos` (a checkpoint)."""
+        return [(s.conv.to("cpu", copy=True), s.ssm.to("cpu", copy=True)) for s in self.recurrent.values()]
+
+    def restore(self, snap: list[tuple[torch.Tensor, torch.Tensor]], pos: int) -> None:
+        """The recurrent states back to ``snap`` (a :meth:`snapshot` taken at position ``pos``), in place; K/V
+        rows below ``pos`` are the caller's to know valid (they are written by position and kept)."""
+        for s, (conv, ssm) in zip(self.recurrent.values(), snap, strict=True):
+            s.assign(conv, ssm)
+        self.state_pos = pos
+
+    def rollback(self, pos: int) -> None:
+        """After a step of several tokens run with :attr:`keep_steps`: the recurrent states back to position
+        ``pos`` (from the step's start to its end), as if only the tokens before ``pos`` had been processed.
+        K/V rows from ``pos`` on are left to be overwritten (they are written by position)."""
+        start = self._step_start
+        kept = all(s.steps is not None for s in self.recurrent.values())
+        if not (kept and start <= pos <= self.state_pos):
+            raise UsageError(
+                f"cannot roll the recurrent state back to position {pos}: the last step kept its states for "
+                f"positions {start} … {self.state_pos}"
+                if kept
+                else "the last step kept no states (keep_steps)"
+            )
+        for s in self.recurrent.values():
+            s.rewind(pos - start)
+        self.state_pos = pos
+
     def enter(self, start: int, T: int) -> None:
         """A step of T tokens at ``start`` begins: recurrent states restart at position 0 and otherwise
         continue only from where they are (a :class:`UsageError` for any other start)."""
@@ -154,7 +203,9 @@ class KVCache:
                 f"the recurrent state is at position {self.state_pos} and cannot continue at {start}: "
                 "linear-attention layers cannot step back (process the prompt again from position 0)"
             )
-        self.state_pos = start + T
+        for s in self.recurrent.values():
+            s.steps = None  # the previous step's roll-back points no longer apply
+        self._step_start, self.state_pos = start, start + T
 
     @property
     def nbytes(self) -> int:

@@ -14,6 +14,8 @@ ARCHS = [
     ("mixtral", "llama", {"experts": 4, "experts_used": 2}),
     ("llama", "llama", {}),
     ("qwen3", "qwen3", {}),
+    ("qwen35moe", "qwen35moe", {"full_attn_interval": 2}),  # [GDN, attention]: the state updated in place
+    ("qwen3next", "qwen3next", {"full_attn_interval": 2}),
 ]
 CTX = 64
 

@@ -1,6 +1,7 @@
 """Gated DeltaNet hybrids (qwen35moe, qwen35, qwen3next) on the CPU: the layer against its float64
 step-by-step reference, prefill against decode, the recurrent state's rules, multi-turn reuse, and device
-placements refused with a UsageError. Logits against llama.cpp: tests/test_parity_llama.py."""
+placements' pricing of the state. Logits against llama.cpp: tests/test_parity_llama.py; every placement equal to
+the CPU path: tests/test_runtime.py and tests/test_graph_decode.py."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from engine import config
 from engine.api import LoadOptions, Session
-from engine.errors import MetadataError, PlanError, UsageError
+from engine.errors import MetadataError, UsageError
 from engine.generate import SamplingParams
 from engine.gguf import open_gguf
 from engine.models import build_model
@@ -19,7 +21,8 @@ from engine.models.args import hybrid_fields
 from engine.models.blocks import GatedDeltaNet
 from engine.models.layers import delta_net_reference, gated_delta_chunked, gated_delta_rule, l2_norm, rms_norm
 from engine.models.ops import TorchOps
-from engine.plan import DeviceProfile, PlanRequest
+from engine.plan import DeviceProfile, PlanRequest, device_bytes, kv_layer_bytes
+from engine.plan.sizing import layer_cache_bytes
 from engine.synth.writer import write_model
 
 ARCHS = ["qwen35moe", "qwen35", "qwen3next"]
@@ -188,19 +191,38 @@ def test_follow_up_turn_processes_only_new_tokens(files):
         assert follow == [e.token_id for e in fresh.generate(prompt_ids=p2, params=SamplingParams.greedy(max_tokens=3))]
 
 
-def test_device_placement_is_a_usage_error(files):
-    """The planner keeps every layer on the CPU (no device step for these layers yet) and refuses -g N; a
-    placement with device layers is refused up front by apply; the session keeps working on the CPU."""
-    with Session.load(str(files["qwen35moe"]), LoadOptions(n_ctx=128)) as s:
+def test_planner_places_gdn_layers_and_prices_their_fixed_state(files):
+    """Every placement is open to the hybrids (placements equal the CPU path: tests/test_runtime.py,
+    tests/test_graph_decode.py). A device layer's cache is its K/V (attention) or its recurrent state, priced
+    at the state's real size, which does not grow with the context; the applied cache allocates exactly that."""
+    with Session.load(str(files["qwen35moe"]), LoadOptions(n_ctx=128, device="cpu")) as s:
+        a, spec = s.args, s.spec
+        gdn = [i for i in range(a.n_layer) if a.recurrent[i]]
+        assert [spec.layers[i].state_bytes for i in gdn] == [s.model.new_cache(8).recurrent[i].nbytes for i in gdn]
+        assert all(spec.layers[i].has_kv for i in a.attention_layers)
+        small = device_bytes(spec, n_gpu_layers=a.n_layer, ctx=64, kv_type="f32")
+        large = device_bytes(spec, n_gpu_layers=a.n_layer, ctx=1024, kv_type="f32")
+        per_pos = kv_layer_bytes("f32", spec.kv_dim, 1)  # one position's K and V in one attention layer
+        assert large.kv - small.kv == (1024 - 64) * per_pos * len(a.attention_layers)
+        assert small.kv == sum(spec.layers[i].state_bytes for i in gdn) + 64 * per_pos * len(a.attention_layers)
         auto = s.plan(PlanRequest(ctx=64, n_gpu_layers=-1), DeviceProfile(vram_bytes=1 << 30))
-        assert auto.n_gpu_layers == 0 and "CPU only" in auto.layer_reason
-        with pytest.raises(PlanError, match="CPU only"):
-            s.plan(PlanRequest(ctx=64, n_gpu_layers=2), DeviceProfile(vram_bytes=1 << 30))
-        with pytest.raises(UsageError, match="CPU only"):
-            s.apply(replace(auto, n_gpu_layers=2))
-        with pytest.raises(UsageError, match="CPU only"):
-            s.model.configure([s.model.w] * 4, [torch.device("meta")] * 4, {}, s.model.w)
-        assert len(list(s.generate("still here", params=SamplingParams.greedy(max_tokens=3)))) == 3
+        assert auto.n_gpu_layers == a.n_layer, auto.layer_reason
+        split = s.plan(PlanRequest(ctx=64, n_gpu_layers=2, kv_type="f32"), DeviceProfile(vram_bytes=1 << 30))
+        assert split.device.kv == sum(layer_cache_bytes(spec, i, "f32", 64) for i in range(2))
+        s.apply(split)
+        c = s.applied.cache
+        on_device = sum(c.k[i].nbytes + c.v[i].nbytes for i in c.k if i < 2) + sum(
+            st.nbytes for i, st in c.recurrent.items() if i < 2
+        )
+        assert s.applied.arena.by_kind["kv"] == on_device == split.device.kv
+        # a checkpoint of states on the device: regenerate restores it in place and gives the same reply
+        greedy = SamplingParams.greedy(max_tokens=3)
+        p1 = s.tokenize("still here")
+        first = [e.token_id for e in s.generate(prompt_ids=p1, params=greedy)]
+        p2 = p1 + first + s.tokenize(" more")
+        reply = [e.token_id for e in s.generate(prompt_ids=p2, params=greedy)]
+        events = list(s.generate(prompt_ids=p2, params=greedy))
+        assert events[-1].n_prompt == len(p2) - (len(p1) + 2) and [e.token_id for e in events] == reply
 
 
 class _Meta:
@@ -236,3 +258,94 @@ def test_layer_kinds_follow_llama_cpp_keys():
     assert h["recurrent"] == tuple(bool(f) for f in flags)
     with pytest.raises(MetadataError, match="non-text position"):
         hybrid_fields(_Meta(**{**base, "rope.dimension_sections": [4, 4, 4, 20]}), "qwen35moe", sections=True)
+
+
+def _turn(s: Session, messages: list[dict], n: int = 4) -> tuple[str, int, int]:
+    """One reply as the app asks for it (fit_messages, then generate(messages=...), greedy): (text, prompt
+    tokens processed, the positions the cache held before)."""
+    held = len(s.state.tokens)
+    msgs, _ = s.fit_messages(messages, n)
+    events = list(s.generate(messages=msgs, params=SamplingParams.greedy(max_tokens=n)))
+    return "".join(e.text for e in events), events[-1].n_prompt, held
+
+
+def test_chat_turns_regenerate_and_edit_process_only_the_new_tokens(files):
+    """A scripted 5-turn chat through the session's chat API: each turn processes only its new tokens;
+    regenerate of the last turn restores the checkpoint of the previous turn's end and processes only the last
+    user message, giving the same reply; an edited last message the same, with a fresh session's reply."""
+    users = ["hello there", "tell me more", "and then?", "why so", "last one"]
+    with Session.load(str(files["qwen35moe"]), LoadOptions(n_ctx=512)) as s:
+        assert s.state.checkpoint_limit == s.engine_options.state_checkpoints > 0
+        messages, ends = [], []
+        for k, u in enumerate(users):
+            messages.append({"role": "user", "content": u})
+            ids = s.chat_ids(messages)
+            # the replies so far re-render to the tokens generated (a random model's replies are chosen so)
+            assert ids[: len(s.state.tokens)] == s.state.tokens, k
+            text, n_prompt, held = _turn(s, messages)
+            assert held == (ends[-1] if ends else 0)
+            assert n_prompt == len(ids) - held, (k, n_prompt, len(ids), held)  # only the new tokens
+            ends.append(len(s.state.tokens))
+            messages.append({"role": "assistant", "content": text})
+        assert sorted(s.state.checkpoints) == ends[-s.state.checkpoint_limit :]
+        last = messages.pop()  # regenerate: the last reply dropped, the same messages again
+        ids = s.chat_ids(messages)
+        again, n_prompt, _ = _turn(s, messages)
+        assert n_prompt == len(ids) - ends[-2]  # from the end of the turn before
+        processed = s.detokenize(ids[ends[-2] :])  # the previous reply's unfed last token, then the last message
+        assert users[-1] in processed and users[-2] not in processed, processed
+        assert again == last["content"]
+        messages[-1] = {"role": "user", "content": "an edited question"}  # edit and resend
+        ids = s.chat_ids(messages)
+        edited, n_prompt, _ = _turn(s, messages)
+        assert n_prompt == len(ids) - ends[-2]
+    with Session.load(str(files["qwen35moe"]), LoadOptions(n_ctx=512)) as fresh:
+        text, n_prompt, _ = _turn(fresh, messages)
+        assert n_prompt == len(ids) and text == edited  # the restored state gives the fresh session's reply
+
+
+def test_checkpoints_are_bounded_and_cut_where_the_history_branches(files):
+    """At most ``state_checkpoints`` snapshots (the newest); a branch before the oldest restarts from position 0;
+    0 keeps none (regenerate then processes the whole prompt)."""
+    tokens = list(np.random.default_rng(3).integers(8, 1024, 40))
+    engine = replace(config.current(), state_checkpoints=2)
+    with Session.load(str(files["qwen35"]), LoadOptions(n_ctx=256, engine=engine)) as s:
+        greedy = SamplingParams.greedy(max_tokens=1)
+        for n in (10, 20, 30, 40):
+            list(s.generate(prompt_ids=tokens[:n], params=greedy))
+        assert sorted(s.state.checkpoints) == [30, 40]
+        ev = list(s.generate(prompt_ids=tokens[:35] + [7], params=greedy))[-1]
+        assert ev.n_prompt == 6 and sorted(s.state.checkpoints) == [30, 36]  # from 30; 40 was past the branch
+        ev = list(s.generate(prompt_ids=tokens[:12] + [7], params=greedy))[-1]
+        assert ev.n_prompt == 13  # before every checkpoint: from the first token
+    with Session.load(str(files["qwen35"]), LoadOptions(n_ctx=256, engine=replace(engine, state_checkpoints=0))) as s:
+        list(s.generate(prompt_ids=tokens[:20], params=SamplingParams.greedy(max_tokens=1)))
+        ev = list(s.generate(prompt_ids=tokens[:19] + [7], params=SamplingParams.greedy(max_tokens=1)))[-1]
+        assert not s.state.checkpoints and ev.n_prompt == 20
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_verify_pass_rolls_the_state_back_to_the_last_accepted_token(files, arch):
+    """Speculative decoding's verify pass (several drafted tokens in one step, ``KVCache.keep_steps``) gives the
+    plain pass's logits, and ``KVCache.rollback`` returns the recurrent states to any position of it: the
+    continuation from there equals the tokens processed without the rejected drafts."""
+    tokens = list(np.random.default_rng(4).integers(8, 1024, 30))
+    with open_gguf(files[arch]) as gf:
+        m = build_model(gf)
+        ref = _logits(m, tokens, [30])
+        for accepted in (0, 2, 4):
+            cache = m.new_cache(128)
+            m.forward(tokens[:20], 0, cache)
+            cache.keep_steps = True
+            drafts = tokens[20 : 20 + accepted] + [7] * (4 - accepted)  # the rejected drafts: token 7
+            verify = m.forward(drafts, 20, cache).numpy()
+            cache.keep_steps = False
+            assert np.abs(verify[:accepted] - ref[20 : 20 + accepted]).max(initial=0) <= 1e-4
+            cache.rollback(20 + accepted)
+            rest = m.forward(tokens[20 + accepted :], 20 + accepted, cache).numpy()
+            assert np.abs(rest - ref[20 + accepted :]).max() <= 1e-4, (
+                accepted,
+                np.abs(rest - ref[20 + accepted :]).max(),
+            )
+            with pytest.raises(UsageError, match="kept no states"):
+                cache.rollback(25)

@@ -17,6 +17,7 @@ import torch
 
 from engine.api import LoadOptions, Session
 from engine.errors import UsageError
+from engine.kv_cache import KVCache
 from engine.models.layers import apply_rope, apply_rope_table, attention, attention_static, rope_tables, rope_theta
 from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
 from engine.runtime import graph_decode
@@ -97,7 +98,7 @@ def _off_graph(s: Session, moe: str, n_cpu_moe: int = 0):
 
 
 @pytest.mark.parametrize(("moe", "n_cpu_moe"), [("cpu", 0), ("cache", 0), ("resident", 1)])
-@pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "qwen2moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "qwen2moe", "mixtral", "qwen35moe"])
 def test_step_with_experts_off_the_graph_matches_the_eager_path(paths, name, moe, n_cpu_moe):
     """Routed experts outside the graph (on the CPU, or in the expert cache with misses on the CPU)
     cut the static step into segments at those MoE layers: the trunk runs in the segments, the
@@ -120,13 +121,16 @@ def test_step_with_experts_off_the_graph_matches_the_eager_path(paths, name, moe
             assert static[2]["misses"].sum() > 0 and static[2]["hits"].sum() > 0
 
 
-def test_a_capture_that_fails_mid_step_falls_back_to_the_same_logits(paths, monkeypatch):
+@pytest.mark.parametrize("name", ["qwen2moe", "qwen35moe"])
+def test_a_capture_that_fails_mid_step_falls_back_to_the_same_logits(paths, monkeypatch, name):
     """A capture runs its segment once eagerly (the warm-up) before recording it, and a replay runs it
-    again: a segment must never write what it reads, so running it twice changes nothing. And when a
-    capture fails in the middle of a step, the step goes on eagerly from that segment. Graphs stood in
-    for by re-running the segment (no GPU here); qwen2moe's shared expert rides on the residual."""
+    again: a segment must never write what it reads, so running it twice changes nothing — K/V rows are
+    written again; a Gated DeltaNet state, updated in place, has the warm-up's update undone
+    (``GraphDecode._state_kept``, as ``_capture`` does). And when a capture fails in the middle of a step, the
+    step goes on eagerly from that segment. Graphs stood in for by re-running the segment (no GPU here);
+    qwen2moe's and qwen35moe's shared experts ride on the residual."""
     tokens = random_tokens(N_TOKENS, 1024, seed=5)
-    with Session.load(str(paths["qwen2moe"]), LoadOptions(n_ctx=CTX, device="cpu")) as s:
+    with Session.load(str(paths[name]), LoadOptions(n_ctx=CTX, device="cpu")) as s:
         p = _off_graph(s, "cpu")
         eager, *_ = _both(s, p, tokens)
         s.apply(p, _graphs(s, "eager"))  # the static step, here made to "capture"
@@ -142,7 +146,8 @@ def test_a_capture_that_fails_mid_step_falls_back_to_the_same_logits(paths, monk
 
         def capture(length, seg):
             seen.append((length, seg))
-            g._segment(length, seg)  # the warm-up
+            with g._state_kept(None):
+                g._segment(length, seg)  # the warm-up
             if (length, seg) == (32, 1):
                 raise RuntimeError("operation not permitted when stream is capturing")
             g.graphs.setdefault(length, []).append(Replay(length, seg))
@@ -424,6 +429,8 @@ def test_the_warm_up_before_a_capture_launches_what_the_capture_records(monkeypa
 
     class Stub:
         device, _pool, _side, graphs, _cut_backends = cuda, None, None, {}, []
+        cache = KVCache({}, 16, 32)  # no recurrent states to keep
+        _state_kept = GraphDecode._state_kept
 
         def _segment(self, length, s):
             seen.append((qb.pdl(cuda), ks.moe_act(cuda, True, q4k), capturing["now"]))
@@ -431,3 +438,23 @@ def test_the_warm_up_before_a_capture_launches_what_the_capture_records(monkeypa
     GraphDecode._capture(Stub(), 16)
     assert seen == [(1, "q8", False), (1, "q8", True)]  # the warm-up (not capturing) launches as the capture
     assert (qb.pdl(cuda), ks.moe_act(cuda, True, q4k)) == (0, "f32")  # plain eager launches after it
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
+@pytest.mark.parametrize("moe", ["resident", "cpu"])
+def test_graph_replays_carry_the_gdn_state(tmp_path, arch, moe, engine_env):
+    """Gated DeltaNet layers in captured graphs: each replay updates the recurrent state in place, and a
+    bucket's capture undoes its warm-up's update (else its first token would advance the state twice) —
+    the eager path's logits over two buckets, experts resident in the graph or on the CPU between replays."""
+    engine_env({"SHARPI_DEVICE_ACT": "f32"})
+    path = write_model(tmp_path / "m.gguf", arch, seed=4, layers=4, full_attn_interval=2).path  # GDN, attention x2
+    tokens = random_tokens(24, 1024, seed=8)
+    with Session.load(str(path), LoadOptions(n_ctx=CTX, device="cuda", q8_act=False)) as s:
+        p = whole(s) if moe == "resident" else _off_graph(s, "cpu")
+        eager, graph, g = _both(s, p, tokens, mode="1")
+        assert g.capture and g.replays == len(tokens) and sorted(g.graphs) == [16, 32]
+        scale = max(1.0, float(np.abs(eager[0]).max()))
+        assert np.abs(graph[0] - eager[0]).max() <= 1e-4 * scale, np.abs(graph[0] - eager[0]).max()
+        _same_routes_and_counts(eager, graph)

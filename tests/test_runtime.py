@@ -25,6 +25,10 @@ ARCHS = [
     ("qwen2moe", {}),
     ("mixtral", {"experts": 4, "experts_used": 2}),
     ("qwen3", {}),
+    # Gated DeltaNet hybrids: layers [GDN, attention, GDN] (the recurrent state on the device beside K/V)
+    ("qwen35moe", {"full_attn_interval": 2}),
+    ("qwen35", {"full_attn_interval": 2}),
+    ("qwen3next", {"full_attn_interval": 2}),
 ]
 CTX = 64
 # The simulated device everywhere; the real GPU where there is one (CI has none).

@@ -2,7 +2,9 @@
 
 Plain functions over a model, a KV cache and a tokenizer (gpt-fast style): no hidden state
 beyond the ``CacheState`` that records which token ids the cache holds, so a chat's next turn
-reuses the common prefix instead of recomputing it.
+reuses the common prefix instead of recomputing it. A cache with recurrent states (Gated DeltaNet
+layers) cannot step back, so the state keeps checkpoints of them at the end of every turn: a
+regenerate or an edited message restarts from the last checkpoint at or before where it branches.
 """
 
 from __future__ import annotations
@@ -44,9 +46,38 @@ class TokenConstraint(Protocol):
 
 @dataclass
 class CacheState:
-    """The token ids whose K/V are in the cache, position by position."""
+    """The token ids whose K/V are in the cache, position by position; and, for a cache with recurrent
+    states, ``checkpoints``: position → a snapshot of those states there (``KVCache.snapshot``, host
+    memory), the newest ``checkpoint_limit`` kept (``EngineOptions.state_checkpoints``; each costs the
+    states' bytes, ``ModelSpec`` layers' ``state_bytes`` summed)."""
 
     tokens: list[int] = field(default_factory=list)
+    checkpoint_limit: int = 0
+    checkpoints: dict[int, list] = field(default_factory=dict)
+
+    def checkpoint(self, cache) -> None:
+        """Keep a snapshot of ``cache``'s recurrent states where they stand, if it has any and they are at
+        the end of :attr:`tokens` (the oldest checkpoint goes beyond the limit)."""
+        pos = len(self.tokens)
+        if not cache.recurrent or self.checkpoint_limit <= 0 or cache.state_pos != pos or pos in self.checkpoints:
+            return
+        self.checkpoints[pos] = cache.snapshot()
+        while len(self.checkpoints) > self.checkpoint_limit:
+            del self.checkpoints[min(self.checkpoints)]
+
+    def rewind(self, cache, keep: int, want: int) -> int:
+        """The positions a new prompt keeps: ``keep`` (what the cache itself can reuse, ``reusable_prefix``)
+        or, where the recurrent states would have to step back to ``want`` (the common prefix), the latest
+        checkpoint at or before it, restored into ``cache``. :attr:`tokens` and the checkpoints are cut there."""
+        if keep < want:
+            best = max((p for p in self.checkpoints if keep < p <= want), default=None)
+            if best is not None:
+                cache.restore(self.checkpoints[best], best)
+                keep = best
+        self.tokens = self.tokens[:keep]
+        for p in [p for p in self.checkpoints if p > keep]:
+            del self.checkpoints[p]
+        return keep
 
     def common_prefix(self, ids: list[int]) -> int:
         n = 0
@@ -113,9 +144,18 @@ def generate(
             "shorten it or raise the context size (-c)"
         )
     t0 = time.perf_counter()
-    keep = cache.reusable_prefix(state.common_prefix(prompt_ids), len(state.tokens))
-    state.tokens = state.tokens[:keep]
+    common = state.common_prefix(prompt_ids)
+    keep = state.rewind(cache, cache.reusable_prefix(common, len(state.tokens)), common)
     todo = prompt_ids[keep:]
+    try:
+        yield from _run(model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel, constraint, t0)
+    finally:  # the end of the turn, however it ended: the recurrent states' checkpoint
+        state.checkpoint(cache)
+
+
+def _run(model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel, constraint, t0):
+    """:func:`generate` from the first position the cache lacks (``keep``; ``todo`` the prompt from there)."""
+    n_ctx = cache.n_ctx
     logits = None
     pos = keep
     for c in range(0, len(todo), PREFILL_CHUNK):

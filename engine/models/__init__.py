@@ -14,8 +14,6 @@ from engine.gguf.reader import GGUFFile
 from engine.models.args import ModelArgs
 from engine.models.tensors import TensorSpec, validate_tensors
 
-# Architectures with no device step yet: every placement keeps all their layers on the CPU.
-HOST_ONLY_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 SUPPORTED_ARCHITECTURES = (
     "gemma3",
     "llama",
@@ -60,7 +58,6 @@ def check_model_file(gf: GGUFFile) -> tuple[ModelArgs, list[TensorSpec]]:
 
 
 __all__ = [
-    "HOST_ONLY_ARCHITECTURES",
     "SUPPORTED_ARCHITECTURES",
     "ModelArgs",
     "TensorSpec",

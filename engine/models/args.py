@@ -177,6 +177,12 @@ class HybridArgs(ModelArgs):
     def attention_layers(self) -> list[int]:
         return [i for i in range(self.n_layer) if not self.recurrent[i]]
 
+    @property
+    def state_bytes(self) -> int:
+        """One linear-attention layer's recurrent state (``engine.kv_cache.RecurrentState``), float32: the conv
+        window [ssm_d_conv − 1, conv_dim] and the delta-rule state [ssm_dt_rank, head_v_dim, ssm_d_state]."""
+        return 4 * ((self.ssm_d_conv - 1) * self.conv_dim + self.ssm_dt_rank * self.head_v_dim * self.ssm_d_state)
+
 
 def hybrid_moe_fields(gf: GGUFFile, arch: str) -> dict[str, Any]:
     """A Gated-DeltaNet hybrid's routed and shared experts: :func:`moe_fields` (the expert width defaults to

@@ -136,7 +136,12 @@ class DecoderModel:
 
     def new_cache(self, n_ctx: int, kv_type: str | None = None) -> KVCache:
         """A KV cache for the current placement (host layers use ``kv_type`` when nothing is on a device)."""
-        return KVCache({i: HOST for i in range(self.args.n_layer)}, n_ctx, self.args.kv_dim, kv_type)
+        return self.make_cache(dict.fromkeys(range(self.args.n_layer), HOST), n_ctx, kv_type)
+
+    def make_cache(self, devices: dict[int, torch.device], n_ctx: int, kv_type, charge=None) -> KVCache:
+        """The cache of every layer (layer → device; kv_type one dtype or per layer); charge(layer, nbytes) before
+        each layer's part is allocated (the runtime's device arena). Here: K and V for every layer."""
+        return KVCache(devices, n_ctx, self.args.kv_dim, kv_type, charge=charge)
 
     def _rope(
         self, positions: np.ndarray, device: torch.device, base: float | None = None, scale: float | None = None

@@ -6,8 +6,9 @@ gated full attention (:class:`~engine.models.blocks.Attention` with ``q_gate``);
 :class:`~engine.models.blocks.DecoderLayer` whose second norm is ``post_attention_norm``. The KV cache holds K/V for
 the attention layers only and a :class:`~engine.kv_cache.RecurrentState` per linear-attention layer.
 
-These models run on the host (TorchOps); a placement with layers on a device is refused with a
-:class:`~engine.errors.UsageError` (:attr:`HybridModel.host_only`).
+Every placement runs them: their layers' steps are written on the ops contract (the recurrence and the
+chunked prompt form in torch on any device, ``engine.models.ops.TorchOps.delta_net``), and a device layer's
+state sits on the device beside the attention layers' K/V (:meth:`HybridModel.make_cache`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from engine.errors import UsageError
 from engine.kv_cache import KVCache, RecurrentState
 from engine.models.args import HybridArgs
-from engine.models.base import HOST, DecoderModel
+from engine.models.base import DecoderModel
 from engine.models.blocks import Attention, DecoderLayer, DenseFFN, GatedDeltaNet, MoE
 from engine.models.tensors import (
     TensorSpec,
@@ -49,10 +50,6 @@ class HybridModel(DecoderModel):
     grouping = "tile"
     fused_input = False
     moe = True
-    host_only = (
-        "Gated DeltaNet models (qwen35moe, qwen35, qwen3next) run on the CPU only for now: their recurrent "
-        "layers and gated attention have no device step yet (place no layers on the GPU)"
-    )
 
     def make_layer(self, i: int) -> DecoderLayer:
         w, a = self.lw(i), self.args
@@ -63,20 +60,20 @@ class HybridModel(DecoderModel):
         ffn = MoE(w, i, a, self.experts_of(i), shared_expert=True) if self.moe else DenseFFN(w, i)
         return DecoderLayer(w, i, a, mixer, ffn, ffn_norm="post_attention_norm")
 
-    def configure(self, layer_weights, devices, backends, out_weights, rope_weights=None) -> None:
-        if any(torch.device(d) != HOST for d in devices):
-            raise UsageError(self.host_only)
-        super().configure(layer_weights, devices, backends, out_weights, rope_weights)
-
-    def new_cache(self, n_ctx: int, kv_type: str | None = None) -> KVCache:
-        """K/V for the attention layers; a fixed-size recurrent state for each linear-attention layer."""
+    def make_cache(self, devices: dict[int, torch.device], n_ctx: int, kv_type, charge=None) -> KVCache:
+        """K/V for the attention layers; a fixed-size recurrent state for each linear-attention layer, on its
+        layer's device (charged as the layer's cache: :meth:`DecoderModel.make_cache`)."""
         a = self.args
-        states = {
-            i: RecurrentState(a.ssm_d_conv - 1, a.conv_dim, a.ssm_dt_rank, a.head_v_dim, a.ssm_d_state, HOST)
-            for i in range(a.n_layer)
-            if a.recurrent[i]
-        }
-        return KVCache({i: HOST for i in a.attention_layers}, n_ctx, a.kv_dim, kv_type, recurrent=states)
+        geometry = (a.ssm_d_conv - 1, a.conv_dim, a.ssm_dt_rank, a.head_v_dim, a.ssm_d_state)
+        states = {}
+        for i in range(a.n_layer):
+            if a.recurrent[i]:
+                if charge is not None:
+                    charge(i, a.state_bytes)  # the planner's price (LayerSpec.state_bytes)
+                states[i] = RecurrentState(*geometry, devices[i])
+        attn = {i: devices[i] for i in a.attention_layers}
+        types = {i: kv_type[i] for i in attn} if isinstance(kv_type, dict) else kv_type
+        return KVCache(attn, n_ctx, a.kv_dim, types, charge=charge, recurrent=states)
 
     def forward(self, tokens, start: int, cache: KVCache, all_logits: bool = True) -> torch.Tensor:
         if not cache.recurrent and any(self.args.recurrent):

@@ -252,10 +252,11 @@ def delta_gates(b: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, A: torc
     return torch.sigmoid(b), torch.nn.functional.softplus(a + dt_bias) * A
 
 
-def gated_delta_rule(q, k, v, g, beta, S) -> tuple[torch.Tensor, torch.Tensor]:
+def gated_delta_rule(q, k, v, g, beta, S, states: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule, token by token: q, k [T, H, dk] (L2-normed), v [T, H, dv], g, beta [T, H],
     state S [H, dv, dk] -> (o [T, H, dv], S'). Per token: S ← S·exp(g); d = β(v − S k); S ← S + d kᵀ;
-    o = S q / sqrt(dk) (llama.cpp build_delta_net_autoregressive; its chunked and fused forms equal it)."""
+    o = S q / sqrt(dk) (llama.cpp build_delta_net_autoregressive; its chunked and fused forms equal it).
+    states: a list that receives the state after each token (a verify pass's roll-back points)."""
     T = q.shape[0]
     q = q * (1.0 / float(q.shape[-1]) ** 0.5)
     decay = torch.exp(g)
@@ -266,6 +267,8 @@ def gated_delta_rule(q, k, v, g, beta, S) -> tuple[torch.Tensor, torch.Tensor]:
         d = (v[t] - (S * kt).sum(-1)) * beta[t][:, None]  # [H, dv]
         S = S + d[:, :, None] * kt
         out.append((S * q[t][:, None, :]).sum(-1))
+        if states is not None:
+            states.append(S)
     return torch.stack(out), S
 
 

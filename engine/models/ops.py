@@ -162,9 +162,13 @@ class TorchOps:
         return x * torch.sigmoid(g)
 
     def delta_net(self, dn, qkv, b, a):
+        # Any device, and no host sync for one token: the device step (DeviceStepOps) runs this same method.
         st = self.cache.recurrent[dn.i]
         T = qkv.shape[0]
-        c, st.conv = causal_conv1d(qkv, dn.conv_w.to(qkv.device), st.conv)
+        keep = self.cache.keep_steps and T > 1  # a verify pass: every token's state kept for a roll-back
+        if keep:
+            inputs, states = torch.cat([st.conv, qkv]), [st.ssm.clone()]  # [K-1+T, C]; the state before
+        c, conv = causal_conv1d(qkv, dn.conv_w.to(qkv.device), st.conv)
         c = torch.nn.functional.silu(c)
         kd = dn.n_k_heads * dn.head_k
         q = l2_norm(c[:, :kd].reshape(T, dn.n_k_heads, dn.head_k), dn.eps)
@@ -172,8 +176,12 @@ class TorchOps:
         v = c[:, 2 * kd :].reshape(T, dn.n_v_heads, dn.head_v)
         q, k = expand_heads(q, dn.n_v_heads, dn.grouping), expand_heads(k, dn.n_v_heads, dn.grouping)
         beta, g = delta_gates(b, a, dn.dt_bias.to(b.device), dn.A.to(b.device))
-        rule = gated_delta_rule if T == 1 else gated_delta_chunked  # decode: the recurrence; prompts: chunks
-        o, st.ssm = rule(q, k, v, g, beta, st.ssm)
+        if T == 1 or keep:  # decode and verify passes: the recurrence
+            o, S = gated_delta_rule(q, k, v, g, beta, st.ssm, states if keep else None)
+        else:  # prompts: chunks
+            o, S = gated_delta_chunked(q, k, v, g, beta, st.ssm)
+        st.steps = (inputs, states) if keep else None
+        st.assign(conv, S)  # in place: a decode graph holds the state's addresses
         return o.reshape(T, -1)
 
     def gated_norm(self, dn, o, z):

@@ -170,9 +170,14 @@ def predict(
 
     b_dev = float(spec.trunk_prefix[n])
     b_cpu = float(spec.trunk_bytes - spec.trunk_prefix[n])
-    if n:
-        b_dev += n * 2 * pos * kv_row_bytes(kv_type, spec.kv_dim)
-    b_cpu += (L - n) * 2 * pos * kv_row_bytes(HOST_KV_TYPE, spec.kv_dim)
+    # Read per token: attention layers' K/V up to the position, linear-attention layers' fixed-size state.
+    for i, lay in enumerate(spec.layers):
+        row = kv_row_bytes(kv_type if i < n else HOST_KV_TYPE, spec.kv_dim)
+        read = 2 * pos * row if lay.has_kv else lay.state_bytes
+        if i < n:
+            b_dev += read
+        else:
+            b_cpu += read
     out = spec.output_norm_bytes + spec.output_bytes
     if n == L:
         b_dev += out

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from engine.config import ENV_CPU_MOE
 from engine.kv_layout import resolve_kv_type  # noqa: F401  (re-exported by engine.plan)
-from engine.models import HOST_ONLY_ARCHITECTURES
 from engine.plan.costmodel import CACHE, CPU, MODES, RESIDENT, Prediction, predict
 from engine.plan.placement import LayerPlacement, Placement
 from engine.plan.profile import DeviceProfile
@@ -28,12 +27,13 @@ from engine.plan.sizing import (
     STREAM_SPLIT_CHUNK,
     DeviceBytes,
     PlanError,
+    cache_bytes,
     check_kv_geometry,
     check_kv_type,
     device_bytes,
     expert_slot_layout,
     host_bytes,
-    kv_layer_bytes,
+    layer_cache_bytes,
     resident_expert_bytes,
     stream_slots,
 )
@@ -157,11 +157,7 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
     def fits(n: int) -> bool:
         return dev(n).total <= budget
 
-    if spec.arch in HOST_ONLY_ARCHITECTURES:
-        if request.n_gpu_layers > 0:
-            raise PlanError(f"{spec.arch} runs on the CPU only for now (no device step yet): use -g 0")
-        n, layer_reason = 0, f"{spec.arch} runs on the CPU only for now (no device step yet)"
-    elif request.n_gpu_layers == -1:
+    if request.n_gpu_layers == -1:
         n = _max_prefix(fits, L)
         layer_reason = _layer_reason(spec, profile, dev, n)
     else:
@@ -255,7 +251,7 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
         ctx=ctx,
         kv_type=kv,
         kv_bytes=final.kv,
-        host_kv_bytes=(L - n) * kv_layer_bytes(HOST_KV_TYPE, spec.kv_dim, ctx),
+        host_kv_bytes=cache_bytes(spec, range(n, L), HOST_KV_TYPE, ctx),
         budget_bytes=budget,
         device=final,
         host_bytes=host_bytes(spec, n_gpu_layers=n, ctx=ctx),
@@ -423,7 +419,7 @@ def _layer_placement(spec: ModelSpec, i: int, n: int, n_cpu_moe: int, mode: str,
         experts=experts,
         trunk_bytes=lay.trunk_bytes,
         components=dict(lay.trunk),
-        kv_bytes=kv_layer_bytes(layer_kv, spec.kv_dim, ctx),
+        kv_bytes=layer_cache_bytes(spec, i, layer_kv, ctx),
         kv_type=layer_kv,
         routed_bytes=lay.routed_bytes,
     )

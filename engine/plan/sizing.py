@@ -5,7 +5,8 @@ functions (KV rows, expert-slot stride, scratch estimate), and a test pins the t
 they cannot drift. Accounting rules (see ``docs/planner.md``):
 
 - a device-resident layer holds its trunk tensors (attention q/k/v/o, norms, biases, router,
-  shared expert and its gate, dense FFN) and its K and V caches, ``2 × ctx × kv_row_bytes``;
+  shared expert and its gate, dense FFN) and its cache (:func:`layer_cache_bytes`): K and V,
+  ``2 × ctx × kv_row_bytes``, or a linear-attention layer's fixed-size recurrent state, whatever the context;
   routed experts (``ffn_*_exps``) are never part of a layer: they live in the expert-slot pool;
 - the expert-slot pool of a cache is ``slots × stride``; a slot holds one expert's gate, up and down
   matrices, each role sized for the largest over all layers and aligned to :data:`SLOT_ALIGN` (a slot
@@ -33,7 +34,7 @@ from engine.kv_layout import (  # noqa: F401  (re-exported: the planner's sizing
     kv_layer_bytes,
     kv_row_bytes,
 )
-from engine.models.layers import ATTN_SCORE_BYTES
+from engine.models.layers import ATTN_SCORE_BYTES, DELTA_CHUNK
 from engine.plan.spec import ROLES, ModelSpec
 
 SLOT_ALIGN = 256  # bytes; each role's matrix in a slot starts on this boundary
@@ -98,14 +99,35 @@ def scratch_estimate(spec: ModelSpec, ctx: int, n_ubatch: int = DEFAULT_UBATCH) 
     up and their product (3·F_exp) and the expert's output and its weighted copy (2·D); dense:
     3·F_dense + 2·D; plus the attention scores of one block of queries (scores, masked scores and
     probabilities, each at most ``ATTN_SCORE_BYTES``, or all heads × micro-batch × context if
-    smaller) and one row of logits (V). A runtime that needs more must grow this formula, not work
-    around it.
+    smaller) and one row of logits (V). A Gated DeltaNet layer (where the model has them) needs, per
+    token, its conv input, window and output (3·C), the gate z, q and k over the value heads, v, o and
+    the normed o (≈ 6·inner), and per value head its chunked delta rule's four [chunk × chunk] matrices
+    per chunk (``layers.gated_delta_chunked``); the larger of the two mixers is counted. A runtime that
+    needs more must grow this formula, not work around it.
     """
     D, K = spec.n_embd, spec.n_expert_used
     ffn = max(K * (3 * spec.n_ff_exp + 2 * D), 3 * spec.n_ff_dense + 2 * D)
     per_token = 2 * D + 2 * spec.q_dim + 2 * spec.kv_dim + spec.n_expert + ffn
     scores = min(ATTN_SCORE_BYTES, 4 * spec.n_head * n_ubatch * ctx)
-    return 4 * (n_ubatch * per_token + spec.n_vocab) + 3 * scores
+    gdn = 0
+    if spec.ssm_heads:
+        chunks = -(-n_ubatch // DELTA_CHUNK) * DELTA_CHUNK
+        gdn = (
+            4 * n_ubatch * (3 * spec.ssm_conv_dim + 6 * spec.ssm_inner) + 4 * 4 * spec.ssm_heads * chunks * DELTA_CHUNK
+        )
+    return 4 * (n_ubatch * per_token + spec.n_vocab) + max(3 * scores, gdn)
+
+
+def layer_cache_bytes(spec: ModelSpec, layer: int, kv_type: str, ctx: int) -> int:
+    """Layer ``layer``'s cache: its K and V at ``ctx`` positions in ``kv_type``, or (a Gated DeltaNet layer) its
+    recurrent state, float32 and the same at every context."""
+    lay = spec.layers[layer]
+    return kv_layer_bytes(kv_type, spec.kv_dim, ctx) if lay.has_kv else lay.state_bytes
+
+
+def cache_bytes(spec: ModelSpec, layers, kv_type: str, ctx: int) -> int:
+    """:func:`layer_cache_bytes` summed over ``layers``."""
+    return sum(layer_cache_bytes(spec, i, kv_type, ctx) for i in layers)
 
 
 def global_device_bytes(spec: ModelSpec, n_gpu_layers: int) -> int:
@@ -125,7 +147,7 @@ class DeviceBytes:
     reserve: int  # driver context, library workspaces, allocator slack (from the profile)
     scratch: int  # activations (see scratch_estimate)
     trunk: int  # trunk tensors of the device-resident layers
-    kv: int  # K and V caches of the device-resident layers
+    kv: int  # caches of the device-resident layers: K and V, or a linear-attention layer's state
     globals: int  # output norm + output matrix (if the last layer is resident), rope factors
     experts: int  # expert pool: cache slots × stride, or resident layers' experts at their own strides
     stream: int = 0  # prompt-streaming staging slots × stride (host experts of device layers, long prompts)
@@ -168,7 +190,7 @@ def device_bytes(
         reserve=reserve,
         scratch=scratch_estimate(spec, ctx) if scratch is None else scratch,
         trunk=spec.trunk_prefix[n],
-        kv=n * kv_layer_bytes(kv_type, spec.kv_dim, ctx),
+        kv=cache_bytes(spec, range(n), kv_type, ctx),
         globals=global_device_bytes(spec, n),
         experts=expert_slots * expert_slot_layout(spec).stride if expert_bytes is None else expert_bytes,
         stream=stream_slots * expert_slot_layout(spec).stride,
@@ -190,7 +212,7 @@ def host_bytes(spec: ModelSpec, *, n_gpu_layers: int, ctx: int) -> int:
     output if it stays on the host, and every routed expert (read from the memory map)."""
     n = max(0, min(n_gpu_layers, spec.n_layer))
     b = spec.token_embd_bytes + spec.trunk_bytes - spec.trunk_prefix[n] + spec.routed_bytes
-    b += (spec.n_layer - n) * kv_layer_bytes(HOST_KV_TYPE, spec.kv_dim, ctx)
+    b += cache_bytes(spec, range(n, spec.n_layer), HOST_KV_TYPE, ctx)
     if n < spec.n_layer:
         b += spec.output_norm_bytes + (0 if spec.tied_output else spec.output_bytes)
     if n == 0:
@@ -223,5 +245,5 @@ def host_load(
     if copy_weights:
         weights = spec.trunk_bytes + spec.output_bytes
         weights += spec.routed_bytes if experts else 0
-    kv = spec.n_layer * kv_layer_bytes(kv_type, spec.kv_dim, ctx)
+    kv = cache_bytes(spec, range(spec.n_layer), kv_type, ctx)
     return HostLoad(weights, kv, scratch_estimate(spec, ctx, n_ubatch))

@@ -106,12 +106,19 @@ class LayerSpec:
 
     trunk: {component: bytes} for the tensors that stay with the layer (see :data:`COMPONENTS`).
     expert_role_bytes: {role: bytes of one routed expert's matrix} (empty for a dense layer).
+    state_bytes: a linear-attention layer's fixed-size recurrent state (it then has no K/V); 0 for attention.
     """
 
     index: int
     trunk: dict[str, int]
     n_expert: int = 0
     expert_role_bytes: dict[str, int] = field(default_factory=dict)
+    state_bytes: int = 0
+
+    @property
+    def has_kv(self) -> bool:
+        """Whether the layer keeps K and V per position (attention); else its cache is ``state_bytes``."""
+        return self.state_bytes == 0
 
     @property
     def trunk_bytes(self) -> int:
@@ -158,6 +165,10 @@ class ModelSpec:
     output_norm_bytes: int
     rope_freqs_bytes: int = 0
     tied_output: bool = False
+    # Gated DeltaNet layers (0 without): the conv's width (q | k | v), the value heads and their total width.
+    ssm_conv_dim: int = 0
+    ssm_heads: int = 0
+    ssm_inner: int = 0
     # Derived in __post_init__: prefix sums of layer trunk bytes (len n_layer + 1), and the
     # largest bytes of one routed expert per role over all layers.
     trunk_prefix: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -208,6 +219,7 @@ class ModelSpec:
                 "trunk": dict(lay.trunk),
                 "n_expert": lay.n_expert,
                 "expert_role_bytes": dict(lay.expert_role_bytes),
+                "state_bytes": lay.state_bytes,
             }
             for lay in self.layers
         ]
@@ -281,8 +293,15 @@ class ModelSpec:
                 if comp is None:
                     raise AssertionError(f"tensor {s.name!r} has no sizing component; add it to _TRUNK_OF")
                 trunk[s.layer][comp] = trunk[s.layer].get(comp, 0) + int(t.nbytes)
+        recurrent = getattr(args, "recurrent", ())  # Gated DeltaNet hybrids: which layers hold a state, not K/V
         layers = tuple(
-            LayerSpec(i, {c: trunk[i][c] for c in COMPONENTS if c in trunk[i]}, n_exp[i], roles[i])
+            LayerSpec(
+                i,
+                {c: trunk[i][c] for c in COMPONENTS if c in trunk[i]},
+                n_exp[i],
+                roles[i],
+                args.state_bytes if i < len(recurrent) and recurrent[i] else 0,
+            )
             for i in range(args.n_layer)
         )
         embd = glob.get("token_embd.weight", 0)
@@ -306,4 +325,7 @@ class ModelSpec:
             output_norm_bytes=glob.get("output_norm.weight", 0),
             rope_freqs_bytes=glob.get("rope_freqs.weight", 0),
             tied_output=tied,
+            ssm_conv_dim=args.conv_dim if recurrent else 0,
+            ssm_heads=args.ssm_dt_rank if recurrent else 0,
+            ssm_inner=args.ssm_d_inner if recurrent else 0,
         )

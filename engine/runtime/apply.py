@@ -16,7 +16,6 @@ import torch
 
 from engine import config
 from engine.config import EngineOptions
-from engine.errors import UsageError
 from engine.experts import CpuExperts
 from engine.kv_cache import KVCache
 from engine.models.base import HOST, DecoderModel
@@ -79,8 +78,6 @@ def apply_placement(
         model.profiler.clear_resident()
         return Applied(p, device, None, cache, None, options=options)
 
-    if getattr(model, "host_only", None):
-        raise UsageError(model.host_only)
     arena = DeviceArena(device, p.budget_bytes)
     arena.charge("reserve", p.device.reserve)  # driver/context slack and activations: priced, not
     arena.charge("scratch", p.device.scratch)  # allocated as tensors (torch's allocator holds them)
@@ -120,7 +117,8 @@ def apply_placement(
         backends.update({i: stream for i in host_layers})
     kv_layers = {i: (device if i < G else HOST) for i in range(L)}
     kv_types = {i: (p.kv_type if i < G else HOST_KV_TYPE) for i in range(L)}
-    cache = KVCache(kv_layers, p.ctx, a.kv_dim, kv_types, charge=lambda i, n: arena.charge("kv", n) if i < G else None)
+    # The cache of a device layer (its K/V, or a linear-attention layer's fixed-size state) is charged as "kv".
+    cache = model.make_cache(kv_layers, p.ctx, kv_types, charge=lambda i, n: arena.charge("kv", n) if i < G else None)
     model.profiler.clear_resident()
     globals_w = DeviceWeights(w, arena, "globals", options)
     model.configure(layer_w, devices, backends, globals_w if G >= L else w, rope_weights=globals_w)

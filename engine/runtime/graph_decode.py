@@ -22,6 +22,10 @@ misses), and the next segment's graph copies its output back in.
 The product's 12 GiB placement decodes this way (docs/benchmarks-gpu.md, "The 12 GiB placement as
 CUDA-graph segments").
 
+Gated DeltaNet layers (qwen35moe, qwen35, qwen3next) run in the graph too: their recurrent state is updated
+in place (``RecurrentState.assign``), so each replay advances the live state; a capture's eager warm-up has
+its update undone (:meth:`GraphDecode._state_kept`).
+
 The routes (expert ids per MoE layer) leave the graph with the logits, so the profiler's calls,
 hits and heat and ``MoE.last_ids`` stay true, recorded once per step.
 
@@ -32,6 +36,7 @@ static step without capturing, on any device (the CPU simulated device in CI: ho
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -215,12 +220,16 @@ class GraphDecode:
     # -- binding ----------------------------------------------------------------------------------
     def bind(self, cache) -> bool:
         """Use ``cache`` (its tensors are baked into the graphs): a new cache drops the graphs.
-        False when some layer's K/V is not on this device (then the eager path serves)."""
+        False when some layer's K/V or recurrent state is not on this device (then the eager path serves).
+        A Gated DeltaNet layer's state (``RecurrentState``) is updated in place by the step, so the graphs
+        follow it; the cache's ``enter`` still runs per token (``HybridModel.forward``) to keep its position."""
         if cache is self.cache:
             return True
         self.graphs, self._pool, self.cache = {}, None, None
         stores = [*cache.k.values(), *cache.v.values()]
-        if len(cache.k) < self.model.args.n_layer or not all(_same_device(s.q.device, self.device) for s in stores):
+        states = [t for st in cache.recurrent.values() for t in (st.conv, st.ssm)]  # written in place by the step
+        every_layer = len(cache.k) + len(cache.recurrent) >= self.model.args.n_layer
+        if not every_layer or not all(_same_device(t.device, self.device) for t in [*(s.q for s in stores), *states]):
             return False
         a = self.model.args
         cos, sin = self.model._rope(np.arange(cache.n_ctx), self.device)  # [n_ctx, rope_dim/2]
@@ -273,10 +282,11 @@ class GraphDecode:
         if self._side is None:  # one warm-up stream for every capture: the caching allocator and cuBLAS keep
             self._side = torch.cuda.Stream(self.device)  # memory per stream (a 32 MiB workspace each)
         side = self._side
-        side.wait_stream(cur)
-        with torch.cuda.stream(side), qblocks.graph_warmup():
-            self._segment(length, s)
-        cur.wait_stream(side)
+        with self._state_kept(cur):
+            side.wait_stream(cur)
+            with torch.cuda.stream(side), qblocks.graph_warmup():
+                self._segment(length, s)
+            cur.wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
@@ -284,6 +294,17 @@ class GraphDecode:
         with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
             self._segment(length, s)
         self.graphs.setdefault(length, []).append(g)
+
+    @contextmanager
+    def _state_kept(self, stream):
+        """The linear-attention layers' states as they were before a capture's warm-up: K/V writes repeat
+        harmlessly (the same rows again), but a recurrent state updated in place would advance twice — by the
+        warm-up and by the replay — so the warm-up's update is undone (copies on ``stream``, ordered with it)."""
+        saved = [(st, st.conv.clone(), st.ssm.clone()) for st in self.cache.recurrent.values()]
+        yield
+        with torch.cuda.stream(stream):
+            for st, conv, ssm in saved:
+                st.assign(conv, ssm)
 
     def _token(self, length: int) -> None:
         """Every segment of a token, each cut's CPU experts launched as a host node on the current stream
@@ -304,10 +325,11 @@ class GraphDecode:
         cur = torch.cuda.current_stream(self.device)
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
-        self._side.wait_stream(cur)
-        with torch.cuda.stream(self._side), qblocks.graph_warmup():
-            self._token(length)
-        cur.wait_stream(self._side)
+        with self._state_kept(cur):
+            self._side.wait_stream(cur)
+            with torch.cuda.stream(self._side), qblocks.graph_warmup():
+                self._token(length)
+            cur.wait_stream(self._side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from engine.models.layers import apply_rope_table, attention_static, rms_norm_fused, route, silu_mul
-from engine.models.ops import Route
+from engine.models.ops import Route, TorchOps
 from engine.runtime import step_kernels
 
 if TYPE_CHECKING:
@@ -126,6 +126,12 @@ class DeviceStepOps:
 
     def silu_mul(self, g, u):
         return silu_mul(g, u)
+
+    # The gated attention's output gate and the Gated DeltaNet core are the reference's own methods: one token
+    # of them is torch ops with no host sync (the recurrence, the state written in place), so they capture.
+    sigmoid_mul = TorchOps.sigmoid_mul
+    delta_net = TorchOps.delta_net
+    gated_norm = TorchOps.gated_norm
 
     def sigmoid_gate(self, s, x, w):
         return s * torch.sigmoid(x @ w)[:, None]

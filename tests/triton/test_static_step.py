@@ -24,10 +24,11 @@ GEOMETRY = {name: (arch, geo) for name, arch, geo in ARCHS}
 
 
 @pytest.mark.parametrize("kv", ["f32", "bf16"])
-@pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "qwen2moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "qwen2moe", "mixtral", "qwen35moe", "qwen3next"])
 def test_static_step_with_the_fused_step_kernels(name, kv, synth_model):
     """The whole static step with the fused kernels (qk_rope_kv among them) equals the eager path: per-head
-    norms (qwen3moe), projection norms (olmoe), q/k/v bias (qwen2moe), pair rotation (mixtral)."""
+    norms (qwen3moe), projection norms (olmoe), q/k/v bias (qwen2moe), pair rotation (mixtral), gated attention
+    with partial RoPE beside Gated DeltaNet layers (qwen35moe, qwen3next)."""
     arch, geo = GEOMETRY[name]
     path = synth_model(arch, seed=3, layers=2, **geo).path
     tokens = random_tokens(20, 1024, seed=1)

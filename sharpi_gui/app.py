@@ -51,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
         help="send TEXT once the model is loaded, print the answer and exit (0: answered, 1: failed, 2: timed out)",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="with --ask: seconds to wait for the answer")
+    p.add_argument("--screenshot", metavar="PNG", help="with --ask: save the window there once answered")
     return p
 
 
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ask:
         from sharpi_gui.scripted import ScriptedQuestion
 
-        question = ScriptedQuestion(window, args.ask, args.timeout)
+        question = ScriptedQuestion(window, args.ask, args.timeout, screenshot=args.screenshot)
         question.done.connect(app.exit)
     if window.open_initial(args.model) is None and args.ask:
         print("sharpi-gui --ask: no model to open (give one, or install the demo model)", file=sys.stderr)

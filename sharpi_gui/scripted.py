@@ -25,11 +25,18 @@ class ScriptedQuestion(QObject):
     done = Signal(int)
 
     def __init__(
-        self, window, text: str, timeout_s: float = 600.0, out: TextIO | None = None, err: TextIO | None = None
+        self,
+        window,
+        text: str,
+        timeout_s: float = 600.0,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
+        screenshot: str | None = None,
     ):
         super().__init__(window)
         self.window, self.text = window, text
         self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.screenshot = screenshot  # where to save the window once answered (None: nowhere)
         self.answer: str | None = None
         self.status: int | None = None
         self._sent = False
@@ -70,6 +77,8 @@ class ScriptedQuestion(QObject):
             return self._finish(EXIT_FAILED, f"the answer did not finish (finish reason {reason!r})")
         self.answer = msg.content
         print(msg.content, file=self.out, flush=True)
+        if self.screenshot and not self.window.grab().save(self.screenshot):
+            return self._finish(EXIT_FAILED, f"the screenshot could not be written to {self.screenshot}")
         self._finish(EXIT_OK, "")
 
     def _finish(self, status: int, why: str) -> None:

@@ -23,23 +23,24 @@ def model_path(synth_model):
 
 
 def test_ask_flag_parses():
-    args = _parser().parse_args(["--ask", "What is 2+2?", "--timeout", "30"])
-    assert args.ask == "What is 2+2?" and args.timeout == 30.0
+    args = _parser().parse_args(["--ask", "What is 2+2?", "--timeout", "30", "--screenshot", "a.png"])
+    assert args.ask == "What is 2+2?" and args.timeout == 30.0 and args.screenshot == "a.png"
 
 
 def test_scripted_question_prints_the_answer(qtbot, tmp_path, model_path):
     w = make_window(qtbot, tmp_path, simulate_device=False)
     w.settings.sampling = {"temperature": 0.0, "max_tokens": 6}
     out, err = io.StringIO(), io.StringIO()
-    q = ScriptedQuestion(
-        w, "What is a generator?", timeout_s=(LOAD_TIMEOUT_MS + GEN_TIMEOUT_MS) / 1000, out=out, err=err
-    )
+    shot = tmp_path / "answered.png"
+    limit_s = (LOAD_TIMEOUT_MS + GEN_TIMEOUT_MS) / 1000
+    q = ScriptedQuestion(w, "What is a generator?", timeout_s=limit_s, out=out, err=err, screenshot=str(shot))
     with qtbot.waitSignal(q.done, timeout=LOAD_TIMEOUT_MS + GEN_TIMEOUT_MS + 10_000) as done:
         w.open_model(str(model_path))
     assert done.args == [EXIT_OK], err.getvalue()
     saved = w.ctx.chat.messages
     assert [m.role for m in saved] == ["user", "assistant"] and saved[0].content == "What is a generator?"
     assert out.getvalue() == saved[1].content + "\n" and saved[1].content.strip()
+    assert shot.stat().st_size > 1000  # the window, once answered
 
 
 def test_scripted_question_fails_when_the_model_cannot_load(qtbot, tmp_path):

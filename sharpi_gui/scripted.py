@@ -17,6 +17,7 @@ from sharpi_gui import data as D
 
 ANSWERED = ("eos", "stop", "length")  # the finish reasons of an answer (engine.generate.events FINISH_*)
 EXIT_OK, EXIT_FAILED, EXIT_TIMEOUT = 0, 1, 2
+SETTLE_MS = 300  # --screenshot: time for the last bubble to take its final height
 
 
 class ScriptedQuestion(QObject):
@@ -77,9 +78,16 @@ class ScriptedQuestion(QObject):
             return self._finish(EXIT_FAILED, f"the answer did not finish (finish reason {reason!r})")
         self.answer = msg.content
         print(msg.content, file=self.out, flush=True)
-        if self.screenshot and not self.window.grab().save(self.screenshot):
-            return self._finish(EXIT_FAILED, f"the screenshot could not be written to {self.screenshot}")
-        self._finish(EXIT_OK, "")
+        if self.screenshot:  # after the transcript has laid out the finished reply
+            QTimer.singleShot(SETTLE_MS, self._shoot)
+        else:
+            self._finish(EXIT_OK, "")
+
+    def _shoot(self) -> None:
+        if self.window.grab().save(self.screenshot):
+            self._finish(EXIT_OK, "")
+        else:
+            self._finish(EXIT_FAILED, f"the screenshot could not be written to {self.screenshot}")
 
     def _finish(self, status: int, why: str) -> None:
         if self.status is not None:

@@ -10,8 +10,10 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from PySide6.QtCore import QSettings
+from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication
 
 from sharpi_gui.bridge import EngineBridge, app_data_dir
@@ -21,6 +23,8 @@ from sharpi_gui.settings import APPLICATION, ORGANIZATION, Settings
 from sharpi_gui.store import ConversationStore
 from sharpi_gui.theme import ThemeManager
 from sharpi_gui.views.main_window import MainWindow
+
+ICON = Path(__file__).with_name("sharpi.svg")
 
 
 def create_window(
@@ -44,6 +48,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="GGUF model to open (default: the last one, else the demo model)")
     p.add_argument("--data-dir", help="where conversations are stored (default: the user data directory)")
     p.add_argument("--dark", action=argparse.BooleanOptionalAction, default=None, help="force the dark/light theme")
+    p.add_argument(
+        "--ask",
+        metavar="TEXT",
+        help="send TEXT once the model is loaded, print the answer and exit (0: answered, 1: failed, 2: timed out)",
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="with --ask: seconds to wait for the answer")
+    p.add_argument("--screenshot", metavar="PNG", help="with --ask: save the window there once answered")
     return p
 
 
@@ -71,11 +82,21 @@ def main(argv: list[str] | None = None) -> int:
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setOrganizationName(ORGANIZATION)
     app.setApplicationName(APPLICATION)
+    app.setWindowIcon(QIcon(str(ICON)))
+    app.setDesktopFileName("sharpi")  # packaging/app/sharpi.desktop: the desktop shell's icon and name
     # No application display name: Qt would append it to every window title ("SharpI — model — SharpI").
     themes = ThemeManager(app, dark=args.dark)
     window = create_window(args.data_dir, None, themes)
     window.show()
-    window.open_initial(args.model)
+    if args.ask:
+        from sharpi_gui.scripted import ScriptedQuestion
+
+        question = ScriptedQuestion(window, args.ask, args.timeout, screenshot=args.screenshot)
+        question.done.connect(app.exit)
+    if window.open_initial(args.model) is None and args.ask:
+        print("sharpi-gui --ask: no model to open (give one, or install the demo model)", file=sys.stderr)
+        window.ctx.close()
+        return 1
     rc = app.exec()
     window.ctx.close()  # if the loop ended without closing the window (a no-op otherwise)
     return rc

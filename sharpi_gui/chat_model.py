@@ -8,6 +8,7 @@ the bridge is handed in.
 from __future__ import annotations
 
 import json
+import os
 
 from PySide6.QtCore import QObject, Signal
 
@@ -34,6 +35,7 @@ class ChatModel(QObject):
     notice = Signal(object)  # Failure to show inline in the transcript
     info = Signal(str)  # a note (Markdown) to show inline in the transcript, not an error
     busyChanged = Signal(bool)
+    presetsChanged = Signal()  # the loaded model's presets changed (another model, one saved or deleted)
 
     def __init__(self, store: ConversationStore, bridge, settings: Settings, parent: QObject | None = None):
         super().__init__(parent)
@@ -46,6 +48,9 @@ class ChatModel(QObject):
         self.tokens_at_stop: int | None = None
         self._rid = 0
         self._stream_cid = 0
+        self._stream_parent: int | None = None  # the message the streaming reply answers
+        self.model_name = ""  # the loaded model's file name: presets are kept per model file
+        bridge.loaded.connect(self._on_model_loaded)
         bridge.token.connect(self._on_token)
         bridge.trimmed.connect(self._on_trimmed)
         self._told_trimmed: set[int] = set()  # conversations already told that old turns are left out
@@ -163,22 +168,92 @@ class ChatModel(QObject):
             self.new_conversation()
         if self.current.title == UNTITLED and not self.messages:
             self.rename(self.current.id, _title_from(text))
-        msg = self.store.add_message(self.current.id, "user", text)
+        parent = self.messages[-1].id if self.messages else None
+        msg = self.store.add_message(self.current.id, "user", text, parent_id=parent)
         self.messages.append(msg)
         self.messageAdded.emit(msg)
         self._reload_list()
         return self._start()
 
     def regenerate(self) -> bool:
-        """Drop the last reply (if any) and generate it again."""
+        """Answer the last question again; the previous reply stays, as an alternative (← 1/2 →)."""
         if self.busy or self.current is None or not self.messages:
             return False
         if self.messages[-1].role == "assistant":
-            self.store.delete_message(self.messages.pop().id)
+            self.messages.pop()
             self.currentChanged.emit()
         if not self.messages or self.messages[-1].role != "user":
             return False
         return self._start()
+
+    def edit_and_resend(self, mid: int, text: str) -> bool:
+        """Send ``text`` in place of the question ``mid`` and answer it: a new branch beside the old one,
+        which stays reachable with the arrows of the edited question."""
+        text = text.strip()
+        at = next((i for i, m in enumerate(self.messages) if m.id == mid), None)
+        if not text or self.busy or at is None or self.messages[at].role != "user":
+            return False
+        if not self.bridge.has_model:
+            self.notice.emit(D.Failure(D.ERR_NO_MODEL, "No model", "Open a model first (File → Open, Ctrl+O)."))
+            return False
+        parent = self.messages[at].parent_id
+        self.messages = self.messages[:at]
+        msg = self.store.add_message(self.current.id, "user", text, parent_id=parent)
+        self.messages.append(msg)
+        self.currentChanged.emit()
+        self._reload_list()
+        return self._start()
+
+    def branch(self, mid: int) -> D.Branch:
+        """Where message ``mid`` sits among its alternatives."""
+        return self.store.branch(mid)
+
+    def switch_branch(self, mid: int, step: int) -> bool:
+        """Show the alternative ``step`` places from message ``mid`` (-1: the one before, 1: the next),
+        down to the newest message below it."""
+        if self.busy or self.current is None:
+            return False
+        b = self.store.branch(mid)
+        to = b.index + step
+        if b.count == 0 or not 0 <= to < b.count:
+            return False
+        self.store.set_leaf(self.current.id, self.store.latest_leaf_under(b.sibling_ids[to]))
+        self.select(self.current.id)
+        return True
+
+    def search(self, query: str) -> list[D.SearchHit]:
+        """Conversations whose title or messages (any branch) contain ``query``."""
+        return self.store.search(query)
+
+    # -- presets --------------------------------------------------------------------------------------
+    def _on_model_loaded(self, card, _limits=None) -> None:
+        self.model_name = os.path.basename(card.path)
+        self.presetsChanged.emit()
+
+    def presets(self) -> list[D.Preset]:
+        """The presets of the loaded model."""
+        return self.store.presets(self.model_name) if self.model_name else []
+
+    def save_preset(self, name: str) -> D.Preset | None:
+        """Save the open conversation's system prompt and the sampling settings as ``name`` for the
+        loaded model (replacing a preset of that name)."""
+        name = " ".join(name.split())
+        if not name or not self.model_name:
+            return None
+        system = self.current.system_prompt if self.current else self.settings.default_system_prompt
+        preset = self.store.save_preset(self.model_name, name, system, self.settings.sampling)
+        self.presetsChanged.emit()
+        return preset
+
+    def apply_preset(self, preset: D.Preset) -> None:
+        """Use ``preset``: its system prompt in the open conversation, its sampling settings from now on."""
+        self.settings.sampling = dict(preset.sampling)
+        self.set_system_prompt(preset.system_prompt)
+        self.currentChanged.emit()
+
+    def delete_preset(self, preset: D.Preset) -> None:
+        self.store.delete_preset(preset.id)
+        self.presetsChanged.emit()
 
     def stop(self) -> None:
         if self.busy:
@@ -205,6 +280,7 @@ class ChatModel(QObject):
             self.notice.emit(D.Failure(D.ERR_ENGINE, "Busy", "The engine is busy (loading or applying); try again."))
             return False
         self._rid, self._stream_cid, self.stream, self.tokens_at_stop = rid, self.current.id, "", None
+        self._stream_parent = self.messages[-1].id if self.messages else None
         self.streamStarted.emit()
         self.busyChanged.emit(True)
         return True
@@ -238,13 +314,15 @@ class ChatModel(QObject):
             "prompt_tok_s": round(stats.prompt_tok_s, 2),
             "decode_tok_s": round(stats.decode_tok_s, 2),
         }
-        msg = self.store.add_message(self._stream_cid, "assistant", self.stream, meta)
+        msg = self.store.add_message(self._stream_cid, "assistant", self.stream, meta, parent_id=self._stream_parent)
         if self.current and self.current.id == self._stream_cid:
             self.messages.append(msg)
         return msg
 
     def _end(self, msg: D.Message | None) -> None:
         self._rid = 0
+        if msg is None and self.current is not None and self.current.id == self._stream_cid:
+            self.select(self.current.id)  # nothing new: the branch shown before (a regenerated reply comes back)
         self.streamEnded.emit(msg)
         self.busyChanged.emit(False)
         self._reload_list()

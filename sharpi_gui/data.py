@@ -235,6 +235,39 @@ class Message:
     content: str
     created: float  # seconds since the epoch
     meta: dict = field(default_factory=dict)  # speed figures, finish reason
+    parent_id: int | None = None  # the message this one answers or follows (None: the first of a branch)
+
+
+@dataclass(frozen=True)
+class Branch:
+    """Where a message sits among its alternatives: the ``index``-th (0-based) of ``count`` messages
+    with the same parent (regenerated replies, edited questions), and their ids in order."""
+
+    index: int
+    count: int
+    sibling_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    """A conversation that matches a search: its id and title, and a snippet of the first matching
+    message ("" when only the title matches)."""
+
+    conversation_id: int
+    title: str
+    snippet: str
+    message_id: int | None = None
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A system prompt and sampling settings saved for one model (``model``: the model's name)."""
+
+    id: int
+    model: str
+    name: str
+    system_prompt: str
+    sampling: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The CLI follows llama.cpp's spellings where it has them: --version, -f, -ctk/-ctv, -m for inspect."""
+"""The CLI follows llama.cpp's spellings where it has them: --version, -f, -ctk/-ctv (f16 too), -t, -m for inspect."""
 
 from __future__ import annotations
 
@@ -36,3 +36,29 @@ def test_prompt_from_a_file_and_llama_cpp_cache_types(model, tmp_path, capsys):
     assert main(["run", "-m", model, "-p", "x", "-n", "1", "-ctk", "q8_0", "-ctv", "f32"]) == 2
     assert "share one cache type" in capsys.readouterr().err
     assert main(["run", "-m", model, "-f", str(tmp_path / "missing.txt"), "-n", "1"]) == 2
+
+
+def test_threads_and_f16_cache_types(model, capsys):
+    import numba
+    import torch
+
+    before = numba.get_num_threads(), torch.get_num_threads()
+    try:
+        assert (
+            main(["run", "-m", model, "-p", "x", "-n", "1", "-t", "1", "-ctk", "f16", "-ctv", "f16", "--temp", "0"])
+            == 0
+        )
+        assert numba.get_num_threads() == 1 and torch.get_num_threads() == 1  # run generates on this thread
+    finally:
+        numba.set_num_threads(before[0])
+        torch.set_num_threads(before[1])
+    err = capsys.readouterr().err
+    assert "KV cache type f16 is kept as bf16" in err and "KV bf16" in err
+    assert main(["run", "-m", model, "-p", "x", "-n", "1", "-ctk", "f16", "-ctv", "bf16"]) == 0  # the same type
+    capsys.readouterr()
+    assert main(["run", "-m", model, "-p", "x", "-n", "1", "-t", "0"]) == 2
+    assert "-t/--threads 0" in capsys.readouterr().err
+    for cmd in (["logits", "--tokens", "1", "--out", "x.npy"], ["bench", "kernels"]):
+        with pytest.raises(SystemExit) as e:
+            main([*cmd, "-t", "1", "--help"])
+        assert e.value.code == 0 and "-t THREADS, --threads THREADS" in capsys.readouterr().out

@@ -110,7 +110,7 @@ def test_stop_within_one_token_and_stopped_reply_saved(qtbot, tmp_path, model_pa
     assert "stopped" in w.chat.transcript.bubbles[-1].footer.text()
 
 
-def test_regenerate_replaces_the_last_reply(qtbot, tmp_path, model_path):
+def test_regenerate_keeps_the_previous_reply(qtbot, tmp_path, model_path):
     w = make_window(qtbot, tmp_path)
     load(qtbot, w, model_path)
     w.settings.sampling = {"temperature": 1.0, "seed": 1, "max_tokens": 6}
@@ -122,6 +122,7 @@ def test_regenerate_replaces_the_last_reply(qtbot, tmp_path, model_path):
     roles = [m.role for m in w.ctx.store.messages(w.ctx.chat.current.id)]
     assert roles == ["user", "assistant"]
     assert [b.role for b in w.chat.transcript.bubbles] == ["user", "assistant"]
+    assert len(w.ctx.store.all_messages(w.ctx.chat.current.id)) == 3  # the first reply is kept (test_gui_branches)
 
 
 def test_enter_sends_shift_enter_adds_a_line(qtbot, tmp_path, model_path):

@@ -175,6 +175,19 @@ def test_no_display_is_said_plainly():
     assert no_display_reason({"DISPLAY": ":0"}) == "" and no_display_reason({"QT_QPA_PLATFORM": "offscreen"}) == ""
 
 
+def test_sharpi_gui_without_a_display_says_so_and_exits(tmp_path):
+    import subprocess
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("Linux: Qt's platforms elsewhere need no DISPLAY")
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
+    cmd = [sys.executable, "-m", "sharpi_gui.app", "--data-dir", str(tmp_path)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "no display to open a window on" in r.stderr, r.stderr
+    assert "libxcb-cursor0" not in r.stderr and "Traceback" not in r.stderr
+
+
 def test_export_a_conversation_and_copy_a_message(qtbot, tmp_path, monkeypatch, model_path):
     import json
 

@@ -6,13 +6,14 @@ import argparse
 
 import numpy as np
 
-from engine.cli.common import add_model_args, add_placement_args, export_expert_stats, load_session
+from engine.cli.common import add_model_args, add_placement_args, add_threads_arg, export_expert_stats, load_session
 from engine.errors import UsageError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("logits", help="write the logits of every position of a token sequence")
     add_model_args(p)
+    add_threads_arg(p)
     p.add_argument("--tokens", required=True, help="comma-separated token ids")
     p.add_argument("--out", required=True, help="output .npy file")
     p.add_argument("--decode", action="store_true", help="feed tokens one at a time instead of one batch")

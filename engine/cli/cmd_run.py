@@ -14,6 +14,7 @@ from engine.cli.common import (
     add_placement_args,
     add_route_args,
     add_sampling_args,
+    add_threads_arg,
     export_expert_stats,
     load_session,
     sampling_from_args,
@@ -29,6 +30,7 @@ log = logging.getLogger("sharpi.run")
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="generate text from a prompt, or chat interactively")
     add_model_args(p)
+    add_threads_arg(p)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("-p", "--prompt", help="raw prompt text (no chat template)")
     g.add_argument("-f", "--file", dest="prompt_file", help="raw prompt text read from a file (as -p)")

@@ -13,6 +13,11 @@ from engine.generate import SamplingParams
 from engine.plan import AUTO, DeviceProfile
 from engine.plan.sizing import KV_TYPES
 
+# llama.cpp's default cache type, accepted as its spelling: the KV cache keeps it as bf16 (the same two
+# bytes a value; there is no IEEE half KV cache here), and says so.
+KV_ALIASES = {"f16": "bf16"}
+CLI_KV_TYPES = (*KV_TYPES, *KV_ALIASES)
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF model file (default: the bundled demo model)")
@@ -23,10 +28,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default=AUTO_CTX,
         help="context size in tokens (default: the model's training context, at most 4096, as in the app)",
     )
-    p.add_argument("--kv-type", choices=KV_TYPES, default=None, help="KV cache dtype (default $SHARPI_KV_DTYPE or f32)")
+    p.add_argument(
+        "--kv-type",
+        choices=CLI_KV_TYPES,
+        default=None,
+        help="KV cache dtype (default $SHARPI_KV_DTYPE or f32; f16 is kept as bf16)",
+    )
     # llama.cpp's spellings (one type for K and V here); without them "-ctk q8_0" would read as "-c tk"
-    p.add_argument("-ctk", "--cache-type-k", dest="cache_type_k", choices=KV_TYPES, default=None, help="as --kv-type")
-    p.add_argument("-ctv", "--cache-type-v", dest="cache_type_v", choices=KV_TYPES, default=None, help="as --kv-type")
+    p.add_argument(
+        "-ctk", "--cache-type-k", dest="cache_type_k", choices=CLI_KV_TYPES, default=None, help="as --kv-type"
+    )
+    p.add_argument(
+        "-ctv", "--cache-type-v", dest="cache_type_v", choices=CLI_KV_TYPES, default=None, help="as --kv-type"
+    )
     p.add_argument(
         "--weights",
         choices=("auto", "copy", "mmap"),
@@ -156,11 +170,35 @@ def _speeds(model: str, device: str | None, req) -> DeviceProfile | None:
 
 
 def kv_type_from_args(a: argparse.Namespace) -> str | None:
-    """The one KV type --kv-type, -ctk and -ctv ask for (they must agree: K and V share a type here)."""
-    asked = {t for t in (a.kv_type, getattr(a, "cache_type_k", None), getattr(a, "cache_type_v", None)) if t}
+    """The one KV type --kv-type, -ctk and -ctv ask for (they must agree: K and V share a type here);
+    f16 is read as bf16, with a note on stderr."""
+    given = [t for t in (a.kv_type, getattr(a, "cache_type_k", None), getattr(a, "cache_type_v", None)) if t]
+    for t in dict.fromkeys(given):
+        if t in KV_ALIASES:
+            print(f"sharpi: KV cache type {t} is kept as {KV_ALIASES[t]} (the same size)", file=sys.stderr)
+    asked = {KV_ALIASES.get(t, t) for t in given}
     if len(asked) > 1:
         raise UsageError(f"K and V share one cache type here; asked for {', '.join(sorted(asked))}")
     return asked.pop() if asked else None
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's -t, for the commands that generate on the calling thread (run, logits)."""
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+def set_threads(threads: int | None) -> None:
+    """Run the CPU kernels (numba, torch) of this thread on ``threads`` threads (None: all cores)."""
+    if threads is None:
+        return
+    import numba
+    import torch
+
+    most = numba.config.NUMBA_NUM_THREADS
+    if not 1 <= threads <= most:
+        raise UsageError(f"-t/--threads {threads}: give 1 to {most} (the CPU threads numba was started with)")
+    numba.set_num_threads(threads)
+    torch.set_num_threads(threads)
 
 
 def load_session(a: argparse.Namespace, refuse_unrunnable: bool = False) -> Session:
@@ -187,6 +225,7 @@ def load_session(a: argparse.Namespace, refuse_unrunnable: bool = False) -> Sess
             print(f"\rloading {a.model}: [{'#' * done}{'.' * (total - done)}] {what:<24}", end=end, file=sys.stderr)
 
     a.kv_type = kv_type_from_args(a)
+    set_threads(getattr(a, "threads", None))
     req = placement_request(a) if hasattr(a, "n_gpu_layers") else None
     device = getattr(a, "device", None)
     opts = LoadOptions(

@@ -8,8 +8,10 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
+    QComboBox,
     QHBoxLayout,
     QLabel,
+    QLineEdit,
     QListWidget,
     QListWidgetItem,
     QMenu,
@@ -52,6 +54,9 @@ class ConversationList(QWidget):
         lay.setContentsMargins(8, 8, 4, 8)
         title = QLabel("Conversations")
         title.setStyleSheet("font-weight: 600;")
+        self.search = QLineEdit()
+        self.search.setPlaceholderText("Search conversations")
+        self.search.setClearButtonEnabled(True)
         self.list = QListWidget()
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         row = QHBoxLayout()
@@ -61,6 +66,7 @@ class ConversationList(QWidget):
         for b in (self.new_button, self.rename_button, self.delete_button):
             row.addWidget(b)
         lay.addWidget(title)
+        lay.addWidget(self.search)
         lay.addWidget(self.list, 1)
         lay.addLayout(row)
 
@@ -86,6 +92,14 @@ class ChatView(QWidget):
         self.system_edit.setPlaceholderText("Instructions the model sees before the conversation (optional)")
         self.system_edit.setMaximumHeight(90)
         self.system_edit.setVisible(False)
+        self.preset_box = QComboBox()  # the loaded model's presets: system prompt + sampling
+        self.preset_box.setToolTip("Presets of this model: a system prompt and sampling settings")
+        self.preset_box.setMinimumContentsLength(16)
+        self.save_preset_button = QToolButton()
+        self.save_preset_button.setText("Save preset…")
+        self.save_preset_button.setToolTip(
+            "Save this conversation's system prompt and the sampling settings for this model"
+        )
         self._system_timer = QTimer(self)
         self._system_timer.setSingleShot(True)
         self._system_timer.setInterval(400)
@@ -102,13 +116,22 @@ class ChatView(QWidget):
         self.send_button.setDefault(True)
         self.stop_button = QPushButton("Stop")
         self.regen_button = QPushButton("Regenerate")
-        for b in (self.send_button, self.stop_button, self.regen_button):
+        self.cancel_edit_button = QPushButton("Cancel edit")
+        self.cancel_edit_button.setVisible(False)
+        self.editing: int | None = None  # the question being edited (Send resends it as a new branch)
+        for b in (self.send_button, self.stop_button, self.regen_button, self.cancel_edit_button):
             buttons.addWidget(b)
         buttons.addStretch(1)
         inrow = QHBoxLayout()
         inrow.addWidget(self.input, 1)
         inrow.addLayout(buttons)
-        rlay.addWidget(self.system_toggle, 0, Qt.AlignmentFlag.AlignLeft)
+        top = QHBoxLayout()
+        top.addWidget(self.system_toggle)
+        top.addStretch(1)
+        top.addWidget(QLabel("Preset:"))
+        top.addWidget(self.preset_box)
+        top.addWidget(self.save_preset_button)
+        rlay.addLayout(top)
         rlay.addWidget(self.system_edit)
         rlay.addWidget(self.transcript, 1)
         rlay.addWidget(self.status_line)
@@ -128,6 +151,13 @@ class ChatView(QWidget):
         c.delete_button.clicked.connect(self.delete_current)
         c.list.currentItemChanged.connect(self._on_pick)
         c.list.customContextMenuRequested.connect(self._context_menu)
+        c.search.textChanged.connect(lambda _t: self._render_list())
+        self.transcript.branchRequested.connect(model.switch_branch)
+        self.transcript.editRequested.connect(self.edit_message)
+        self.cancel_edit_button.clicked.connect(self.cancel_edit)
+        self.preset_box.activated.connect(self._on_preset)
+        self.save_preset_button.clicked.connect(self.save_preset)
+        model.presetsChanged.connect(self._render_presets)
         self.input.submitted.connect(self.send)
         self.send_button.clicked.connect(self.send)
         self.stop_button.clicked.connect(model.stop)
@@ -139,7 +169,9 @@ class ChatView(QWidget):
         # model -> rendering
         model.conversationsChanged.connect(self._render_list)
         model.currentChanged.connect(self._render_current)
-        model.messageAdded.connect(lambda m: self.transcript.add_message(m.role, m.content, m.meta))
+        model.messageAdded.connect(
+            lambda m: self.transcript.add_message(m.role, m.content, m.meta, m.id, model.branch(m.id))
+        )
         model.streamStarted.connect(self.transcript.begin_stream)
         model.streamText.connect(self._on_stream)
         model.streamEnded.connect(self._on_stream_end)
@@ -148,13 +180,47 @@ class ChatView(QWidget):
         model.busyChanged.connect(lambda _b: self._render_buttons())
         self._render_list()
         self._render_current()
+        self._render_presets()
         self.restyle(theme)
 
     # -- intents --------------------------------------------------------------------------------------
     def send(self) -> None:
         text = self.input.toPlainText()
-        if self.model.send(text):
+        if self.editing is not None:
+            if self.model.edit_and_resend(self.editing, text):
+                self.input.clear()
+                self.cancel_edit()
+        elif self.model.send(text):
             self.input.clear()
+
+    def edit_message(self, mid: int) -> None:
+        """Put question ``mid`` in the input box; Send resends it as a new branch (the old one is kept)."""
+        msg = next((m for m in self.model.messages if m.id == mid), None)
+        if msg is None or msg.role != "user":
+            return
+        self.editing = mid
+        self.input.setPlainText(msg.content)
+        self.input.setFocus()
+        self.send_button.setText("Resend")
+        self.cancel_edit_button.setVisible(True)
+
+    def cancel_edit(self) -> None:
+        self.editing = None
+        self.send_button.setText("Send")
+        self.cancel_edit_button.setVisible(False)
+
+    def save_preset(self) -> None:
+        if not self.model.model_name:
+            return
+        name = dialogs.ask_text(self, "Save preset", f"Preset name for {self.model.model_name}:", "")
+        preset = self.model.save_preset(name) if name else None
+        if preset is not None:
+            self.preset_box.setCurrentIndex(self.preset_box.findText(preset.name))
+
+    def _on_preset(self, index: int) -> None:
+        preset = self.preset_box.itemData(index)
+        if preset is not None:
+            self.model.apply_preset(preset)
 
     def rename_current(self) -> None:
         conv = self.model.current
@@ -227,18 +293,37 @@ class ChatView(QWidget):
         lst.blockSignals(True)
         lst.clear()
         current = self.model.current.id if self.model.current else None
-        for conv in self.model.conversations:
-            item = QListWidgetItem(conv.title)
-            item.setData(Qt.ItemDataRole.UserRole, conv.id)
-            item.setToolTip(conv.title)
+        query = self.conversations.search.text().strip()
+        if query:  # the conversations that match, each with the first matching line
+            rows = [(h.conversation_id, h.title, h.snippet * (h.snippet != h.title)) for h in self.model.search(query)]
+        else:
+            rows = [(c.id, c.title, "") for c in self.model.conversations]
+        for cid, title, snippet in rows:
+            item = QListWidgetItem(f"{title}\n{snippet}" if snippet else title)
+            item.setData(Qt.ItemDataRole.UserRole, cid)
+            item.setToolTip(snippet or title)
             lst.addItem(item)
-            if conv.id == current:
+            if cid == current:
                 lst.setCurrentItem(item)
         lst.blockSignals(False)
 
+    def _render_presets(self) -> None:
+        box = self.preset_box
+        box.blockSignals(True)
+        box.clear()
+        presets = self.model.presets()
+        box.addItem("(none)" if presets or self.model.model_name else "(no model)", None)
+        for p in presets:
+            box.addItem(p.name, p)
+        box.blockSignals(False)
+        box.setEnabled(bool(presets))
+        self.save_preset_button.setEnabled(bool(self.model.model_name))
+
     def _render_current(self) -> None:
         m = self.model
-        self.transcript.set_messages(m.messages)
+        if self.editing is not None and all(x.id != self.editing for x in m.messages):
+            self.cancel_edit()
+        self.transcript.set_messages(m.messages, {x.id: m.branch(x.id) for x in m.messages})
         if m.streaming_here:
             self.transcript.begin_stream()
             self.transcript.update_stream(m.stream)
@@ -265,7 +350,7 @@ class ChatView(QWidget):
     def _on_stream_end(self, message) -> None:
         here = message is None or (self.model.current is not None and message.conversation_id == self.model.current.id)
         if here:
-            self.transcript.end_stream(message)
+            self.transcript.end_stream(message, None if message is None else self.model.branch(message.id))
         self._render_buttons()
 
     def restyle(self, theme: Theme) -> None:

@@ -6,6 +6,7 @@ handed in, never imported), renders, and routes the user's intents to the models
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer
@@ -39,6 +40,7 @@ class MainWindow(QMainWindow):
         super().__init__(parent)
         self.ctx = ctx
         self.bridge, self.settings = ctx.bridge, ctx.settings
+        self.interactive = True  # False: errors go to stderr, not to dialogs (a scripted run, sharpi-gui --ask)
         theme = ctx.theme
         self.setObjectName("main-window")
         self.setWindowTitle(APP_NAME)
@@ -172,7 +174,7 @@ class MainWindow(QMainWindow):
         b.warning.connect(lambda text: self.statusBar().showMessage(text, 10000))
         b.waiting.connect(lambda _rid: self.statusBar().showMessage("The chat waits for an API request to finish…"))
         b.busyChanged.connect(self._on_busy)
-        self.ctx.placement.applyFailed.connect(lambda f: dialogs.show_error(self, f))
+        self.ctx.placement.applyFailed.connect(self.show_error)
         self.ctx.chat.statsChanged.connect(self._render_stats)
         self.ctx.chat.notice.connect(self._on_chat_notice)
         self.experts_dock.panel.exportRequested.connect(self.export_dialog)
@@ -250,7 +252,7 @@ class MainWindow(QMainWindow):
             return
         self.settings.remove_recent_model(self.bridge.loading_path)  # not reopened at the next start
         self.statusBar().clearMessage()
-        dialogs.show_error(self, failure)
+        self.show_error(failure)
 
     def _on_busy(self, state: str) -> None:
         self.placement_dock.panel.set_busy(state != "idle")
@@ -280,6 +282,14 @@ class MainWindow(QMainWindow):
         self.experts_dock.panel.set_theme(theme)
 
     # -- actions ----------------------------------------------------------------------------------------
+    def show_error(self, failure: D.Failure) -> None:
+        """An error dialog; with :attr:`interactive` off (``sharpi-gui --ask``), a line on stderr instead of
+        a dialog nobody will close."""
+        if self.interactive:
+            dialogs.show_error(self, failure)
+        else:
+            print(f"sharpi-gui: {failure.title}: {failure.message}", file=sys.stderr, flush=True)
+
     def open_model(self, path: str) -> bool:
         """Load ``path`` now, or, while a reply streams, stop it and load when the engine is free."""
         if self.bridge.load(path, self.settings.ctx_for(path), self.settings.kv_type, self.settings.placement):

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication, QTextOption
-from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QScrollArea,
+    QSizePolicy,
+    QTextBrowser,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
 
 from sharpi_gui import data as D
 from sharpi_gui.markdown import to_html
@@ -40,11 +50,21 @@ class _MarkdownText(QTextBrowser):
 
 
 class MessageWidget(QFrame):
-    """One message: its role, its markdown text, and (for replies) the speed figures."""
+    """One message: its role, its markdown text, and (for replies) the speed figures; for a stored
+    message, Copy, Edit (questions) and the arrows between its alternatives (← 1/2 →)."""
 
-    def __init__(self, role: str, text: str, meta: dict | None, theme: Theme, parent: QWidget | None = None):
+    def __init__(
+        self,
+        role: str,
+        text: str,
+        meta: dict | None,
+        theme: Theme,
+        parent: QWidget | None = None,
+        mid: int | None = None,
+    ):
         super().__init__(parent)
         self.role = role
+        self.mid = mid
         self.setObjectName("bubble")
         self.text = text
         lay = QVBoxLayout(self)
@@ -52,12 +72,36 @@ class MessageWidget(QFrame):
         lay.setSpacing(2)
         self.header = QLabel(ROLE_NAMES.get(role, role))
         self.header.setObjectName("role")
+        head = QHBoxLayout()
+        head.setContentsMargins(0, 0, 0, 0)
+        head.addWidget(self.header)
+        head.addStretch(1)
+
+        def tool(text: str, tip: str) -> QToolButton:
+            b = QToolButton(self)
+            b.setText(text)
+            b.setToolTip(tip)
+            b.setAutoRaise(True)
+            head.addWidget(b)
+            return b
+
+        self.prev_button = tool("←", "The previous alternative")
+        self.branch_label = QLabel()
+        self.branch_label.setObjectName("meta")
+        head.addWidget(self.branch_label)
+        self.next_button = tool("→", "The next alternative")
+        self.edit_button = tool("Edit", "Edit this question and send it again (the old branch is kept)")
+        self.copy_button = tool("Copy", "Copy this message")
+        self.copy_button.clicked.connect(self.copy)
+        self.edit_button.setVisible(role == "user" and mid is not None)
+        self.copy_button.setVisible(role in ("user", "assistant"))
+        self.set_branch(None)
         self.body = _MarkdownText(self)
         self.body.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.body.customContextMenuRequested.connect(self._context_menu)
         self.footer = QLabel()
         self.footer.setObjectName("meta")
-        lay.addWidget(self.header)
+        lay.addLayout(head)
         lay.addWidget(self.body)
         lay.addWidget(self.footer)
         self.set_text(text)
@@ -70,6 +114,16 @@ class MessageWidget(QFrame):
             self.body.setPlainText(text)  # what the user typed, exactly
         else:
             self.body.setHtml(to_html(text))  # CommonMark, Python's __names__ kept (sharpi_gui.markdown)
+
+    def set_branch(self, branch: D.Branch | None) -> None:
+        """Show "← i/n →" when the message has alternatives."""
+        many = branch is not None and branch.count > 1
+        for w in (self.prev_button, self.branch_label, self.next_button):
+            w.setVisible(many)
+        if many:
+            self.branch_label.setText(f"{branch.index + 1}/{branch.count}")
+            self.prev_button.setEnabled(branch.index > 0)
+            self.next_button.setEnabled(branch.index < branch.count - 1)
 
     def copy(self) -> None:
         """The whole message to the clipboard, as written (Markdown for replies)."""
@@ -117,6 +171,9 @@ class MessageWidget(QFrame):
 class TranscriptView(QScrollArea):
     """The open conversation's messages; follows the bottom while the user has not scrolled up."""
 
+    branchRequested = Signal(int, int)  # message id, step (-1: the previous alternative, 1: the next)
+    editRequested = Signal(int)  # message id of a question to edit
+
     def __init__(self, theme: Theme = LIGHT, parent: QWidget | None = None):
         super().__init__(parent)
         self.theme = theme
@@ -158,17 +215,33 @@ class TranscriptView(QScrollArea):
         self._follow = True
         self.placeholder.setVisible(bool(self.placeholder.text()))
 
-    def set_messages(self, messages: list[D.Message]) -> None:
+    def set_messages(self, messages: list[D.Message], branches: dict[int, D.Branch] | None = None) -> None:
         self.clear()
         for m in messages:
-            self.add_message(m.role, m.content, m.meta)
+            self.add_message(m.role, m.content, m.meta, m.id, (branches or {}).get(m.id))
 
-    def add_message(self, role: str, text: str, meta: dict | None = None) -> MessageWidget:
-        w = MessageWidget(role, text, meta, self.theme, self._box)
+    def add_message(
+        self,
+        role: str,
+        text: str,
+        meta: dict | None = None,
+        mid: int | None = None,
+        branch: D.Branch | None = None,
+    ) -> MessageWidget:
+        w = MessageWidget(role, text, meta, self.theme, self._box, mid)
+        self._connect(w, branch)
         self._lay.insertWidget(self._lay.count() - 1, w)
         self.bubbles.append(w)
         self.placeholder.setVisible(False)
         return w
+
+    def _connect(self, w: MessageWidget, branch: D.Branch | None) -> None:
+        w.set_branch(branch)
+        if w.mid is not None:
+            mid = w.mid
+            w.prev_button.clicked.connect(lambda: self.branchRequested.emit(mid, -1))
+            w.next_button.clicked.connect(lambda: self.branchRequested.emit(mid, 1))
+            w.edit_button.clicked.connect(lambda: self.editRequested.emit(mid))
 
     def add_notice(self, text: str) -> MessageWidget:
         return self.add_message("notice", text)
@@ -202,7 +275,7 @@ class TranscriptView(QScrollArea):
             self.streaming.set_text(self._pending)
             self._pending = None
 
-    def end_stream(self, message: D.Message | None) -> None:
+    def end_stream(self, message: D.Message | None, branch: D.Branch | None = None) -> None:
         self._render_timer.stop()
         if self.streaming is None:
             return
@@ -213,6 +286,8 @@ class TranscriptView(QScrollArea):
         else:
             self.streaming.set_text(message.content)
             self.streaming.set_meta(message.meta)
+            self.streaming.mid = message.id
+            self._connect(self.streaming, branch)
         self.streaming, self._pending = None, None
 
     def restyle(self, theme: Theme) -> None:

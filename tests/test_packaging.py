@@ -1,6 +1,6 @@
 """The packaged app's static parts: the .desktop entry names the installed command and icon, the spec
 bundles the demo model and the icon exists (the bundle itself is built and launched under Xvfb by
-packaging/build_app.sh, a CI step of its own)."""
+packaging/build_app.sh, a CI step of its own, after .ci/run)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
     p.add_argument("--gen", type=int, default=32, help="generated tokens (default 32)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs; medians are reported (default 3)")
-    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--kv-type", choices=("f32", "bf16", "q8_0"), default=None)
     p.add_argument("--exact-float", action="store_true", help="exact dequantized weights, no activation rounding")
     p.add_argument("--vs-llama-cpp", action="store_true", help="also run llama.cpp (CPU) on the file and print ratios")
@@ -95,7 +95,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     cal.add_argument(
         "-m", "--model", default=None, help="GGUF whose expert types/shape to measure (default: 30B-A3B Q4_K_M)"
     )
-    cal.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    cal.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     cal.add_argument("--force", action="store_true", help="measure again even if a cached profile exists")
     cal.add_argument("--json", action="store_true", help="print the profile as JSON (DeviceProfile.to_dict)")
     cal.set_defaults(func=run_calibrate)

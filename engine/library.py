@@ -122,7 +122,7 @@ def judge(path: str | os.PathLike, ram: int | None = None, vram: int | None = No
     kind, reason = check(path, ram=ram, vram=vram)
     if kind:
         return replace(entry, verdict=f"cannot run: {kind}", detail=reason)
-    base = profile or DeviceProfile()
+    base = profile or (_cpu_calibration(path) if not vram else None) or DeviceProfile()
     ctx = default_ctx(spec.n_ctx_train)
     try:
         p = plan(spec, replace(base, vram_bytes=vram), PlanRequest(ctx=ctx, n_gpu_layers=-1 if vram else 0))
@@ -134,9 +134,35 @@ def judge(path: str | os.PathLike, ram: int | None = None, vram: int | None = No
         where = "everything on the CPU" + ("" if vram else " (no GPU)")
     tok_s = p.predicted_tok_s.get(p.moe_mode)
     source = profile_source(base)
-    speeds = "measured speeds" if source == "measured" else "default speeds, not measured here"
+    if source == "measured":
+        speeds = "measured speeds"
+    elif source == "partly measured":
+        speeds = "speeds measured here (the CPU experts' rate for another expert shape)"
+    else:
+        speeds = "default speeds, not measured here (`sharpi bench calibrate --device cpu` measures them)"
     verdict = f"runs: {where}, context {ctx:,}"
     return replace(entry, runnable=True, verdict=verdict, detail=verdict, predicted_tok_s=tok_s, speeds=speeds)
+
+
+def _cpu_calibration(path: Path):
+    """This machine's cached CPU calibration (``sharpi bench calibrate --device cpu``: the CPU experts' rate,
+    a token's and a host layer's fixed costs) for ``path``'s expert shape — else the default shape's, its
+    expert rate then not marked measured — or None (none cached, or calibration off). Never measures."""
+    from engine.bench import calibrate as cal
+    from engine.gguf import open_gguf
+
+    if cal.calibration_disabled():
+        return None
+    try:
+        with open_gguf(path) as gf:
+            shape = cal.ExpertShape.from_gguf(gf) or cal.DEFAULT_SHAPE
+        prof = cal.load_cached("cpu", shape)
+        if prof is None:  # another shape's rate on this CPU is nearer than the default's (not marked measured)
+            other = cal.load_cached("cpu", cal.DEFAULT_SHAPE)
+            prof = other and replace(other, measured=tuple(f for f in other.measured if f != "cpu_expert_gbps"))
+        return prof or cal.load_cached("cpu", shape, partial=True)
+    except Exception:  # an unreadable cache or file: the default speeds, labelled as such
+        return None
 
 
 def scan(folders: Iterable[Path], ram: int | None = None, vram: int | None = None, profile=None):

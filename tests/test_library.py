@@ -36,7 +36,8 @@ def test_find_files_takes_each_model_once_and_blobs_by_magic(shelf):
     assert found == ["model.gguf", "notes.gguf", "qwen3-30b-geometry.gguf", "sha256-abc"]
 
 
-def test_verdicts(shelf):
+def test_verdicts(shelf, engine_env, tmp_path):
+    engine_env({"SHARPI_CALIBRATION_DIR": str(tmp_path / "no-calibration")})  # not this machine's cache
     ok = judge(shelf / "model.gguf", ram=64 << 30, vram=0)
     assert ok.runnable and ok.architecture == "qwen3moe" and ok.quant == "Q8_0"
     assert "everything on the CPU" in ok.verdict and ok.predicted_tok_s > 0 and "default speeds" in ok.speeds
@@ -48,6 +49,37 @@ def test_verdicts(shelf):
     assert not bad.runnable and "not a usable GGUF" in bad.verdict
     gpu = judge(shelf / "model.gguf", ram=64 << 30, vram=8 << 30)
     assert gpu.runnable and "on the GPU" in gpu.verdict
+
+
+def test_cpu_verdicts_use_this_machines_cpu_calibration(shelf, engine_env, tmp_path, monkeypatch):
+    """Without a GPU, the prediction uses the CPU calibration cached on this machine (`sharpi bench calibrate
+    --device cpu`) for the file's expert shape, else the default shape's fixed costs and rate (the rate then
+    not counted as measured); never one with calibration off, never for a GPU verdict."""
+    from engine.bench import calibrate as cal
+    from engine.plan import DeviceProfile
+    from engine.plan.profile import OVERHEAD_FIELDS
+
+    engine_env({"SHARPI_CALIBRATION_DIR": str(tmp_path)})
+    fields = ("cpu_expert_gbps", "h2d_gbps", "device_gbps", "sync_us", *OVERHEAD_FIELDS)
+    slow = DeviceProfile(cpu_expert_gbps=2.0, token_us=2000.0, host_layer_us=900.0, measured=fields)
+    model = shelf / "model.gguf"
+    default = judge(model, ram=64 << 30, vram=0).predicted_tok_s  # nothing cached: the default speeds
+    monkeypatch.setattr(cal, "load_cached", lambda device, shape=cal.DEFAULT_SHAPE, partial=False, options=None: slow)
+    got = judge(model, ram=64 << 30, vram=0)
+    assert got.speeds == "measured speeds" and got.predicted_tok_s < default / 3  # the slow machine's numbers
+    only_default_shape = {cal.DEFAULT_SHAPE}
+    monkeypatch.setattr(
+        cal,
+        "load_cached",
+        lambda device, shape=cal.DEFAULT_SHAPE, partial=False, options=None: (
+            slow if shape in only_default_shape else None
+        ),
+    )
+    other = judge(model, ram=64 << 30, vram=0)
+    assert "another expert shape" in other.speeds and other.predicted_tok_s == pytest.approx(got.predicted_tok_s)
+    assert "default speeds" in judge(model, ram=64 << 30, vram=8 << 30).speeds  # a GPU verdict: not the CPU's
+    engine_env({"SHARPI_CALIBRATION_DIR": str(tmp_path), "SHARPI_NO_CALIBRATE": "1"})
+    assert judge(model, ram=64 << 30, vram=0).predicted_tok_s == pytest.approx(default)
 
 
 def test_default_folders_are_the_usual_download_places(tmp_path):

@@ -90,8 +90,13 @@ def find_files(folders: Iterable[Path], limit: int = 2000) -> Iterator[Path]:
                     return
 
 
-def judge(path: str | os.PathLike, ram: int | None = None, vram: int | None = None, profile=None) -> LibraryEntry:
-    """The verdict on one file from its header: can it run here, how it would be placed, how fast."""
+def judge(
+    path: str | os.PathLike, ram: int | None = None, vram: int | None = None, profile=None, cpu_profile=None
+) -> LibraryEntry:
+    """The verdict on one file from its header: can it run here, how it would be placed, how fast.
+    ``profile``: the speeds to plan with (None: the defaults); ``cpu_profile``: path -> this machine's
+    measured CPU speeds for that file, or None — used for a verdict without a GPU when ``profile`` is None
+    (``engine.bench.calibrate.cached_cpu_profile``)."""
     from engine.errors import SharpIError
     from engine.gguf import open_gguf
     from engine.modelinfo import describe
@@ -122,7 +127,7 @@ def judge(path: str | os.PathLike, ram: int | None = None, vram: int | None = No
     kind, reason = check(path, ram=ram, vram=vram)
     if kind:
         return replace(entry, verdict=f"cannot run: {kind}", detail=reason)
-    base = profile or (_cpu_calibration(path) if not vram else None) or DeviceProfile()
+    base = profile or (cpu_profile(path) if cpu_profile is not None and not vram else None) or DeviceProfile()
     ctx = default_ctx(spec.n_ctx_train)
     try:
         p = plan(spec, replace(base, vram_bytes=vram), PlanRequest(ctx=ctx, n_gpu_layers=-1 if vram else 0))
@@ -144,28 +149,7 @@ def judge(path: str | os.PathLike, ram: int | None = None, vram: int | None = No
     return replace(entry, runnable=True, verdict=verdict, detail=verdict, predicted_tok_s=tok_s, speeds=speeds)
 
 
-def _cpu_calibration(path: Path):
-    """This machine's cached CPU calibration (``sharpi bench calibrate --device cpu``: the CPU experts' rate,
-    a token's and a host layer's fixed costs) for ``path``'s expert shape — else the default shape's, its
-    expert rate then not marked measured — or None (none cached, or calibration off). Never measures."""
-    from engine.bench import calibrate as cal
-    from engine.gguf import open_gguf
-
-    if cal.calibration_disabled():
-        return None
-    try:
-        with open_gguf(path) as gf:
-            shape = cal.ExpertShape.from_gguf(gf) or cal.DEFAULT_SHAPE
-        prof = cal.load_cached("cpu", shape)
-        if prof is None:  # another shape's rate on this CPU is nearer than the default's (not marked measured)
-            other = cal.load_cached("cpu", cal.DEFAULT_SHAPE)
-            prof = other and replace(other, measured=tuple(f for f in other.measured if f != "cpu_expert_gbps"))
-        return prof or cal.load_cached("cpu", shape, partial=True)
-    except Exception:  # an unreadable cache or file: the default speeds, labelled as such
-        return None
-
-
-def scan(folders: Iterable[Path], ram: int | None = None, vram: int | None = None, profile=None):
+def scan(folders: Iterable[Path], ram: int | None = None, vram: int | None = None, profile=None, cpu_profile=None):
     """:func:`judge` over every GGUF file under ``folders``."""
     for path in find_files(folders):
-        yield judge(path, ram=ram, vram=vram, profile=profile)
+        yield judge(path, ram=ram, vram=vram, profile=profile, cpu_profile=cpu_profile)

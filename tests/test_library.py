@@ -54,7 +54,7 @@ def test_verdicts(shelf, engine_env, tmp_path):
 def test_cpu_verdicts_use_this_machines_cpu_calibration(shelf, engine_env, tmp_path, monkeypatch):
     """Without a GPU, the prediction uses the CPU calibration cached on this machine (`sharpi bench calibrate
     --device cpu`) for the file's expert shape, else the default shape's fixed costs and rate (the rate then
-    not counted as measured); never one with calibration off, never for a GPU verdict."""
+    not counted as measured); nothing with calibration off, and never for a GPU verdict."""
     from engine.bench import calibrate as cal
     from engine.plan import DeviceProfile
     from engine.plan.profile import OVERHEAD_FIELDS
@@ -63,23 +63,24 @@ def test_cpu_verdicts_use_this_machines_cpu_calibration(shelf, engine_env, tmp_p
     fields = ("cpu_expert_gbps", "h2d_gbps", "device_gbps", "sync_us", *OVERHEAD_FIELDS)
     slow = DeviceProfile(cpu_expert_gbps=2.0, token_us=2000.0, host_layer_us=900.0, measured=fields)
     model = shelf / "model.gguf"
-    default = judge(model, ram=64 << 30, vram=0).predicted_tok_s  # nothing cached: the default speeds
+    cached = cal.cached_cpu_profile
+    assert cached(model) is None  # nothing cached here
+    default = judge(model, ram=64 << 30, vram=0, cpu_profile=cached).predicted_tok_s
     monkeypatch.setattr(cal, "load_cached", lambda device, shape=cal.DEFAULT_SHAPE, partial=False, options=None: slow)
-    got = judge(model, ram=64 << 30, vram=0)
+    got = judge(model, ram=64 << 30, vram=0, cpu_profile=cached)
     assert got.speeds == "measured speeds" and got.predicted_tok_s < default / 3  # the slow machine's numbers
-    only_default_shape = {cal.DEFAULT_SHAPE}
     monkeypatch.setattr(
         cal,
         "load_cached",
         lambda device, shape=cal.DEFAULT_SHAPE, partial=False, options=None: (
-            slow if shape in only_default_shape else None
+            slow if shape == cal.DEFAULT_SHAPE else None
         ),
     )
-    other = judge(model, ram=64 << 30, vram=0)
+    other = judge(model, ram=64 << 30, vram=0, cpu_profile=cached)
     assert "another expert shape" in other.speeds and other.predicted_tok_s == pytest.approx(got.predicted_tok_s)
-    assert "default speeds" in judge(model, ram=64 << 30, vram=8 << 30).speeds  # a GPU verdict: not the CPU's
+    assert "default speeds" in judge(model, ram=64 << 30, vram=8 << 30, cpu_profile=cached).speeds  # a GPU verdict
     engine_env({"SHARPI_CALIBRATION_DIR": str(tmp_path), "SHARPI_NO_CALIBRATE": "1"})
-    assert judge(model, ram=64 << 30, vram=0).predicted_tok_s == pytest.approx(default)
+    assert cached(model) is None
 
 
 def test_default_folders_are_the_usual_download_places(tmp_path):

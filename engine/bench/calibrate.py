@@ -216,6 +216,27 @@ def load_cached(
     return _profile_from(data, shape, partial) if data else None
 
 
+def cached_cpu_profile(path, options: EngineOptions | None = None) -> DeviceProfile | None:
+    """This machine's cached CPU calibration (``sharpi bench calibrate --device cpu``: the CPU experts' rate,
+    a token's and a host layer's fixed costs) for the expert shape of the GGUF at ``path`` — else the
+    default shape's, its expert rate then not marked measured — or None (none cached, calibration off, or
+    an unreadable file). Never measures (the model library's verdicts without a GPU)."""
+    from engine.gguf import open_gguf
+
+    if calibration_disabled(options):
+        return None
+    try:
+        with open_gguf(path) as gf:
+            shape = ExpertShape.from_gguf(gf) or DEFAULT_SHAPE
+        prof = load_cached("cpu", shape, options=options)
+        if prof is None:  # another shape's rate on this CPU is nearer than the default's (not marked measured)
+            other = load_cached("cpu", DEFAULT_SHAPE, options=options)
+            prof = other and replace(other, measured=tuple(f for f in other.measured if f != "cpu_expert_gbps"))
+        return prof or load_cached("cpu", shape, partial=True, options=options)
+    except Exception:  # an unreadable cache or file: the default speeds, labelled as such
+        return None
+
+
 # -- measurements ----------------------------------------------------------------------------------
 def random_blocks(qtype: QType, rows: int, n: int, rng: np.random.Generator) -> np.ndarray:
     """Random, well-scaled weights of ``qtype``: uint8 [rows, row_bytes] block bytes for a quantized

@@ -665,14 +665,17 @@ class EngineBridge(QObject):
         """Judge every GGUF file under ``folders`` from its header (engine.library: can it run here, how
         it would be placed, its predicted tok/s) on a background thread; entries arrive one by one
         (libraryEntry), then libraryDone. The planner uses the loaded model's device profile (this
-        machine's calibrated speeds on CUDA) when there is one."""
+        machine's calibrated speeds on CUDA) when there is one; without a GPU, this machine's cached CPU
+        calibration for each file (engine.bench.calibrate.cached_cpu_profile) where there is one."""
         cur = self._worker.current
         profile = cur.profile if cur is not None and cur.limits.has_gpu else None
 
         def work() -> None:
+            from engine.bench.calibrate import cached_cpu_profile
+
             n = 0
             try:
-                for e in library_scan([Path(f) for f in folders], profile=profile):
+                for e in library_scan([Path(f) for f in folders], profile=profile, cpu_profile=cached_cpu_profile):
                     self.libraryEntry.emit(D.LibraryEntry(**vars(e)))
                     n += 1
             except Exception:  # a scan never takes the app down; what was found stays

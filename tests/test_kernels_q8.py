@@ -12,20 +12,9 @@ from engine.kernels.activations import quantize_q8_0, quantize_q8_K, round_f16
 from engine.kernels.dispatch import matmul, matvec
 from engine.kernels.prepare import prepare_weight
 from engine.kernels.testing import random_weight
-from engine.quant import QType, dequantize
+from engine.quant import WEIGHT_TYPES, QType, dequantize
 
-ALL = [
-    QType.F32,
-    QType.F16,
-    QType.BF16,
-    QType.Q8_0,
-    QType.Q4_0,
-    QType.Q5_0,
-    QType.Q4_K,
-    QType.Q5_K,
-    QType.Q6_K,
-    QType.MXFP4,
-]
+ALL = list(WEIGHT_TYPES)
 K_QUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
 
 

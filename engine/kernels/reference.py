@@ -32,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.quant.formats import QType, block_format
+from engine.quant.reference import MXFP4_VALUES
 
 QK = 256  # super-block size of the K-quants
 
@@ -183,7 +184,7 @@ def unpack(qtype: QType, raw: np.ndarray) -> Unpacked:
     if qtype == QType.MXFP4:  # e | qs[16]: codes index the doubled e2m1 values, scale 2^(e-128)
         qs = blk[..., 1:17].astype(np.int64)
         idx = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [R, nb, 32]
-        q = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int64)[idx]
+        q = MXFP4_VALUES.astype(np.int64)[idx]
         d = np.ldexp(1.0, blk[..., 0].astype(np.int64) - 128)  # [R, nb] float64, exact
         return Unpacked(q.reshape(R, -1), d, zeros, ones, ones * 0, 32, 32)
     if qtype in (QType.Q4_K, QType.Q5_K):

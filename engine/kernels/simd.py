@@ -26,6 +26,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, models, register_model
 
 from engine import config
+from engine.quant.reference import MXFP4_VALUES as _MXFP4_TABLE
 
 
 class Vec(types.Type):
@@ -205,8 +206,8 @@ def load_nibbles16(typingctx, arr, off):
     return I8x32(arr, off), codegen
 
 
-# MXFP4 (e2m1) codes as signed bytes, doubled: ggml's kvalues_mxfp4 (gguf.quants.MXFP4.kvalues).
-MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+# MXFP4 (e2m1) codes as signed bytes, doubled: ggml's kvalues_mxfp4 (engine.quant.reference's table).
+MXFP4_VALUES = tuple(int(v) for v in _MXFP4_TABLE)
 
 
 @intrinsic

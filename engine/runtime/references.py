@@ -31,6 +31,7 @@ import torch
 
 from engine.models.layers import apply_rope_table, rms_norm_fused, route_softmax_topk, silu_mul
 from engine.quant.formats import QType, block_format
+from engine.quant.reference import MXFP4_VALUES
 
 QBLK = 32  # activation block of the q8 rule (triton_q8.QBLK)
 
@@ -78,9 +79,7 @@ def _q5_0(b):  # dequantize_row_q5_0: 32 high bits in a little-endian uint32
 
 
 def _mxfp4(b):  # dequantize_row_mxfp4: e8m0 exponent, low nibbles are elements 0..15, high 16..31
-    values = torch.tensor(
-        [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32, device=b.device
-    )
+    values = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=b.device)
     e = b[..., 0].to(torch.int32)
     bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32, device=b.device) << e, (e - 1) << 23)
     d = bits.view(torch.float32)  # 2^(e-128)

@@ -8,7 +8,7 @@
 #   bash packaging/gpu_sidebyside/driver.sh poll SECONDS   # wait for it (at most SECONDS), pack results into $OUT
 # LIST: main (the acceptance table of issue #24, ~15 min), quick (one pair of rows), or a file of rows
 # "S name args..." (SharpI: `sharpi bench -m F args...`), "R name args..." (SharpI fed random decode tokens, as
-# llama-bench's tg is), "L name args..." (llama-bench -m F -p 512 -n 64 -r 2 args...).
+# llama-bench's tg is), "L name args..." (llama-bench -m F -p 512 -n 64 -r 2 args...); leading VAR=value words of an S or R row are its environment.
 # The job builds llama-bench (sm_90, ~4–5 min on 16 cores) while it writes the model file, then runs each row
 # under `timeout`, sampling nvidia-smi every 250 ms. Results: /tmp/sbs (summary.txt, table.md, logs).
 # TESTS="pytest args" (environment of `start`) also runs those CUDA tests while llama.cpp builds (tests.txt).
@@ -82,12 +82,13 @@ vram_off() { kill $VP 2>/dev/null; wait $VP 2>/dev/null; echo "$1 peak MiB: $(gr
 row() {  # KIND NAME ARGS...
   local kind=$1 n=$2; shift 2
   [ -e $R/synth.ok ] || { log "skip $n (no model)"; return; }
-  local cmd to=480
+  local cmd to=480 envs=()
+  while [ $# -gt 0 ] && [[ $1 =~ ^[A-Z_][A-Z0-9_]*= ]]; do envs+=("$1"); shift; done  # "S name VAR=1 args": env
   case $kind in
     L) [ -e $R/build.ok ] || { log "skip $n (no llama-bench)"; return; }
        cmd=(env LD_LIBRARY_PATH=$LBLIB $B/bin/llama-bench -m $F -p 512 -n 64 -r 2 "$@"); to=300 ;;
-    S) cmd=(python3 -m engine.cli.main bench -m $F --prompt 512 --gen 64 --repeat 2 --device cuda --json "$@") ;;
-    R) cmd=(python3 $HERE/randtok_bench.py bench -m $F --prompt 512 --gen 64 --repeat 2 --device cuda --json "$@") ;;
+    S) cmd=(env "${envs[@]}" python3 -m engine.cli.main bench -m $F --prompt 512 --gen 64 --repeat 2 --device cuda --json "$@") ;;
+    R) cmd=(env "${envs[@]}" python3 $HERE/randtok_bench.py bench -m $F --prompt 512 --gen 64 --repeat 2 --device cuda --json "$@") ;;
   esac
   log "start $n: ${cmd[*]}"; echo "=== $kind $n: ${cmd[*]}" >> $R/summary.txt
   vram_on $n; timeout $to "${cmd[@]}" > $R/$n.out 2> $R/$n.err; local rc=$?; vram_off $n

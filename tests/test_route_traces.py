@@ -161,8 +161,9 @@ def test_record_routes_flag(model, tmp_path):
 
 
 def _run(s, tokens, n_decode, forced=None):
-    """Logits of a prompt and n_decode decoded tokens (greedy, or ``forced`` tokens) and the MoE layers' last ids."""
-    cache = s.model.new_cache(CTX)
+    """Logits of a prompt and n_decode decoded tokens (greedy, or ``forced`` tokens) on a fresh session's cache
+    (placed where its layers are)."""
+    cache = s.cache
     rows = [s.model.forward(tokens, 0, cache, all_logits=False)[-1].numpy()]
     fed = []
     for i in range(n_decode):

@@ -99,6 +99,9 @@ def test_every_placement_matches_the_cpu_engine(paths, name, device):
     tokens = random_tokens(20, 1024, seed=1)
     with _session(paths[name], device) as s:
         ref_prefill, ref_decode = _run(s, tokens)
+        # A GPU's Gated DeltaNet prompt sums its chunked recurrence in another order than the CPU's (measured on an
+        # H200: up to 1.25e-5): the F32 standard's 1e-4 there, 1e-5 everywhere else.
+        tol = 1e-4 if device == "cuda" and any(getattr(s.args, "recurrent", ())) else 1e-5
         for label, req, g, slots in _cases(s):
             placement = s.plan(PlanRequest(ctx=CTX, kv_type="f32", **req), _profile_for(s, n_gpu_layers=g, slots=slots))
             assert placement.n_gpu_layers == g, (label, placement.layer_reason)
@@ -114,8 +117,8 @@ def test_every_placement_matches_the_cpu_engine(paths, name, device):
                 assert st.streamed_layers == host_layers and st.streamed_bytes > 0, label
             else:
                 assert st is None or st.streamed_layers == 0, label
-            assert np.abs(prefill - ref_prefill).max() <= 1e-5, (label, np.abs(prefill - ref_prefill).max())
-            assert np.abs(decode - ref_decode).max() <= 1e-5, (label, np.abs(decode - ref_decode).max())
+            assert np.abs(prefill - ref_prefill).max() <= tol, (label, np.abs(prefill - ref_prefill).max())
+            assert np.abs(decode - ref_decode).max() <= tol, (label, np.abs(decode - ref_decode).max())
             # What the runtime allocated is what the planner priced, kind by kind.
             priced = placement.device.to_dict()
             priced.pop("total")

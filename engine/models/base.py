@@ -135,7 +135,7 @@ class DecoderModel:
         return {i: stacks(i, False) for i in range(self.args.n_layer)}
 
     def new_cache(self, n_ctx: int, kv_type: str | None = None) -> KVCache:
-        """A KV cache for the current placement (host layers use ``kv_type`` when nothing is on a device)."""
+        """A KV cache with every layer on the host (the CPU engine's); a placed session's is ``Session.cache``."""
         return self.make_cache(dict.fromkeys(range(self.args.n_layer), HOST), n_ctx, kv_type)
 
     def make_cache(self, devices: dict[int, torch.device], n_ctx: int, kv_type, charge=None) -> KVCache:

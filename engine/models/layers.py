@@ -243,7 +243,10 @@ def expand_heads(x: torch.Tensor, n: int, grouping: str) -> torch.Tensor:
     r = n // x.shape[1]
     if r == 1:
         return x
-    return x.repeat(1, r, 1) if grouping == "tile" else x.repeat_interleave(r, dim=1)
+    if grouping == "tile":
+        return x.repeat(1, r, 1)
+    T, Hk, d = x.shape  # repeat_interleave with an int copies its repeats from the host: not capturable
+    return x.unsqueeze(2).expand(T, Hk, r, d).reshape(T, n, d)
 
 
 def delta_gates(b: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor):

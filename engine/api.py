@@ -43,7 +43,7 @@ AUTO_CTX = 0  # LoadOptions.n_ctx: the model's own default context, engine.plan.
 @dataclass(frozen=True)
 class LoadOptions:
     n_ctx: int = 4096  # context size in tokens; AUTO_CTX (0) = default_ctx(the model's training context)
-    kv_type: str | None = None  # f32 | bf16 | q8_0; None = engine.kv_type ($SHARPI_KV_DTYPE) or f32
+    kv_type: str | None = None  # f32 | bf16 | q8_0; None = engine.kv_type ($SHARPI_KV_DTYPE) or DEFAULT_KV_TYPE
     q8_act: bool = True  # quantize activations like llama.cpp before quantized dot products
     device: str | None = None  # "cuda" | "cpu" (the simulated device); None = cuda if available
     placement: PlanRequest | None = None  # None = everything on the CPU
@@ -137,7 +137,7 @@ def memory_plan(
     if 256 <= 256 * lo < ctx:
         n = 256 * lo
         fits.append(f"a context of at most {n} tokens (-c {n})" + ("" if copy_best else " with the weights mapped"))
-    if kv_type == "f32":
+    if kv_type != "q8_0":
         q8 = host_load(spec, ctx=ctx, kv_type="q8_0", copy_weights=copy_best, experts=experts)
         if q8.total <= avail:
             fits.append(f"a q8_0 KV cache (--kv-type q8_0: needs {_gib(q8.total)})")
@@ -410,8 +410,10 @@ class Session:
 
     def plan(self, request: PlanRequest, profile: DeviceProfile | None = None) -> Placement:
         """The planner's placement for this model (pure and fast: no allocation, no measuring).
-        A request's ``cuda_graphs`` and ``prompt_stream`` left None follow the session's options (``cuda_graph``,
-        ``prompt_stream_min``)."""
+        A request's ``kv_type``, ``cuda_graphs`` and ``prompt_stream`` left None follow the session's (its KV type,
+        ``cuda_graph``, ``prompt_stream_min``)."""
+        if request.kv_type is None:
+            request = replace(request, kv_type=self.kv_type)
         if request.cuda_graphs is None:
             request = replace(request, cuda_graphs=self.engine_options.cuda_graph != "off")
         if request.prompt_stream is None:

@@ -171,7 +171,7 @@ class EngineOptions:
     # (engine.generate.loop.CacheState; whole number ≥ 0, 0: none).
     state_checkpoints: int = 4
     # SHARPI_KV_DTYPE: the KV cache dtype when neither --kv-type nor LoadOptions.kv_type says:
-    # f32 | bf16 | q8_0 (aliases fp32, float32, q8); None (unset) = f32.
+    # f32 | bf16 | q8_0 (aliases fp32, float32, q8); None (unset) = engine.kv_layout.DEFAULT_KV_TYPE (bf16).
     kv_type: str | None = None
     # SHARPI_WEIGHTS: how host matrices are held (--weights / --mmap): "copy" — copied out of the memory map
     # into anonymous memory (the faster reads, engine.models.weights); "mmap" — left in the map, page-cache

@@ -52,10 +52,15 @@ def kv_layer_bytes(kv_type: str, kv_dim: int, ctx: int) -> int:
     return 2 * ctx * kv_row_bytes(kv_type, kv_dim)
 
 
+# The cache dtype when nothing asks for one: bf16 halves f32's bytes (memory and decode reads; llama.cpp's default
+# is f16, the same size) with f32's exponent range, so no key or value overflows. Exact comparisons ask for f32.
+DEFAULT_KV_TYPE = "bf16"
+
+
 def resolve_kv_type(kv_type: str | None = None, default: str | None = None) -> str:
     """``--kv-type`` if given, else ``default`` (``EngineOptions.kv_type``: ``SHARPI_KV_DTYPE``), else
-    f32; checked."""
-    value = (kv_type or default or "f32").lower()
+    ``DEFAULT_KV_TYPE``; checked."""
+    value = (kv_type or default or DEFAULT_KV_TYPE).lower()
     value = KV_ALIASES.get(value, value)  # the spellings SHARPI_KV_DTYPE accepts
     check_kv_type(value)
     return value

@@ -103,7 +103,7 @@ class PlanSettings:
 
     vram_bytes: int
     ctx: int
-    kv_type: str = "f32"
+    kv_type: str = "bf16"  # the engine's default (engine.kv_layout.DEFAULT_KV_TYPE; tests hold them equal)
     moe: str = MOE_AUTO
     n_gpu_layers: int = -1
 

@@ -109,7 +109,9 @@ class Settings:
         if vram < 0 or moe not in MOE_CHOICES or g < -1:
             return None
         # the context is the model's own (ctx_for): the bridge sets it when it places the model
-        return PlanSettings(vram_bytes=vram, ctx=AUTO_CTX, kv_type=self.kv_type or "f32", moe=moe, n_gpu_layers=g)
+        return PlanSettings(
+            vram_bytes=vram, ctx=AUTO_CTX, kv_type=self.kv_type or PlanSettings.kv_type, moe=moe, n_gpu_layers=g
+        )
 
     @placement.setter
     def placement(self, s: PlanSettings | None) -> None:

@@ -21,11 +21,18 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+# The suite holds paths to each other and to llama.cpp (itself run with f32 K and V) at float32 tolerances, so
+# its sessions, and the CLI children they start, default to an f32 KV cache. The product's default (bf16:
+# engine.kv_layout.DEFAULT_KV_TYPE) is tested where a test names it (test_config, test_host_decode,
+# test_demo_model).
+os.environ.setdefault("SHARPI_KV_DTYPE", "f32")
 
 
 def pytest_configure(config) -> None:

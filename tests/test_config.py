@@ -190,3 +190,13 @@ def test_only_config_reads_or_writes_the_environment():
         if pattern.search(line)
     ]
     assert bad == []
+
+
+def test_one_default_kv_type_everywhere():
+    """The engine, the planner and the app's plan settings default to one KV dtype (bf16)."""
+    from engine.kv_layout import DEFAULT_KV_TYPE, resolve_kv_type
+    from engine.plan import PlanRequest
+    from sharpi_gui.data import PlanSettings
+
+    assert DEFAULT_KV_TYPE == "bf16"
+    assert resolve_kv_type() == resolve_kv_type(PlanRequest().kv_type) == PlanSettings.kv_type == DEFAULT_KV_TYPE

@@ -315,3 +315,16 @@ def test_sharpi_run_without_a_demo_model_says_so(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(demo, "candidate_paths", lambda options=None: [tmp_path / "missing.gguf"])
     assert main(["run", "-p", "x", "-n", "1"]) != 0
     assert "no -m/--model given" in capsys.readouterr().err
+
+
+def test_the_default_bf16_cache_answers_as_f32(demo_path, session):
+    """The product's default KV dtype (bf16, half of f32's bytes) leaves the trained demo's greedy answers as
+    an f32 cache gives them."""
+    from engine.api import LoadOptions, Session
+    from engine.kv_layout import DEFAULT_KV_TYPE
+
+    assert session.kv_type == "f32"  # the suite's sessions (tests/conftest.py)
+    with Session.load(str(demo_path), LoadOptions(n_ctx=512, kv_type=DEFAULT_KV_TYPE)) as narrow:
+        assert narrow.kv_type == "bf16"
+        for q in ("Explain the for statement.", "What is a dictionary?", "How do I open a file?"):
+            assert _ask(narrow, q)[1] == _ask(session, q)[1], q

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine.api import LoadOptions, Session
-from engine.models.host import attention_rows, qk_norm_rope_rows, rms_norm_rows, route_rows
+from engine.kernels.host_layers import store_kv_rows
+from engine.models.host import attention_rows, host_kv, qk_norm_rope_rows, rms_norm_rows, route_rows
 from engine.models.layers import apply_rope, attention, rms_norm, rope_theta, route_softmax_topk
 from engine.synth.writer import write_model
 from tests.oracle import random_tokens
@@ -80,6 +81,37 @@ def test_attention_rows(H, Hkv, start, T, hd):
     np.testing.assert_allclose(attention_rows(q, K, V, start, H, Hkv, hd), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("start,T", [(36, 1), (600, 1), (0, 9), (5, 6)])
+def test_attention_rows_reads_a_bf16_cache(start, T):
+    """A bf16 cache (its bit patterns as uint16) gives the float32 kernel's result on the same values widened:
+    bit for bit, one kernel compiled per cache dtype."""
+    H, Hkv, hd, P = 8, 2, 64, start + T
+    r = _rng(5)
+    q = r.standard_normal((T, H * hd), dtype=np.float32)
+    K, V = (torch.from_numpy(r.standard_normal((P + 3, Hkv * hd), dtype=np.float32)).bfloat16() for _ in range(2))
+    bits = [t.view(torch.int16).numpy().view(np.uint16) for t in (K, V)]
+    wide = [t.float().numpy() for t in (K, V)]
+    got = attention_rows(q, bits[0], bits[1], start, H, Hkv, hd)
+    assert np.array_equal(got, attention_rows(q, wide[0], wide[1], start, H, Hkv, hd))
+
+
+def test_kv_rows_store_as_torch_rounds():
+    """store_kv_rows writes float32 rows into a bf16 cache exactly as torch's conversion does (nearest even,
+    ties and subnormals included), and into a float32 cache unchanged."""
+    r = _rng(6)
+    X = (r.standard_normal((5, 256)) * np.exp(r.uniform(-40, 40, (5, 256)))).astype(np.float32)
+    X[0, :6] = np.array([0x3F808000, 0x3F818000, 0x3F808001, 0x00008000, 0x7F7FFFFF, 0x80018000], np.uint32).view(
+        np.float32
+    )
+    C = np.zeros((9, 256), np.uint16)
+    store_kv_rows(C, 3, X)
+    want = torch.from_numpy(X).bfloat16().view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(C[3:8], want) and not C[:3].any() and not C[8:].any()
+    F = np.zeros((9, 256), np.float32)
+    store_kv_rows(F, 2, X)
+    assert np.array_equal(F[2:7], X)
+
+
 @pytest.mark.parametrize("renorm", [True, False])
 def test_route_rows(renorm):
     logits = _rng(4).standard_normal((5, 64), dtype=np.float32) * 3
@@ -106,20 +138,41 @@ def test_host_path_matches_torch_layers(tmp_path, arch):
         assert np.abs(f - w).max() <= 1e-5 * max(1.0, np.abs(w).max())
 
 
+@pytest.mark.parametrize("arch", ["qwen3moe", "llama"])
+def test_host_path_with_a_bf16_cache_matches_torch_layers(tmp_path, arch):
+    """With a bf16 KV cache the host kernels write and read the cache in place (the fused step for the MoE); the
+    torch layers convert through the cache's own write and read: the same logits, prefill and decode."""
+    geo = {"experts": 4, "experts_used": 2} if arch == "llama" else {}
+    path = write_model(tmp_path / f"{arch}.gguf", arch, seed=5, layers=2, **geo).path
+    tokens = random_tokens(12, 1024, seed=2)
+    with Session.load(str(path), LoadOptions(n_ctx=32, device="cpu", kv_type="bf16")) as s:
+        assert s.cache.storage_dtype() == torch.bfloat16
+        assert host_kv(s.cache, 0, 0, 1)[0].dtype == np.uint16
+        fast = s.logits(tokens, batch=True), s.logits(tokens, batch=False)
+        for layer in s.model.layers:
+            layer.host = False
+            layer.fused = None
+        slow = s.logits(tokens, batch=True), s.logits(tokens, batch=False)
+    for f, w in zip(fast, slow):
+        assert np.abs(f - w).max() <= 1e-5 * max(1.0, np.abs(w).max())
+
+
 @pytest.mark.parametrize(
     "arch,v_type",
     [("qwen3moe", "Q6_K"), ("olmoe", "Q8_0")],  # q/k/v in one loop; v apart (Q8_0 activations)
 )
-def test_fused_host_step_is_bit_identical(tmp_path, arch, v_type):
+@pytest.mark.parametrize("kv_type", ["f32", "bf16"])
+def test_fused_host_step_is_bit_identical(tmp_path, arch, v_type, kv_type):
     """The one-call host step (engine.models.host) equals the step-by-step host path exactly,
-    on a quantized file mixing types the way Q4_K_M files do."""
+    on a quantized file mixing types the way Q4_K_M files do, with either host cache dtype."""
     path = write_model(
         tmp_path / f"{arch}.gguf", arch, seed=6, layers=2, weight_type="Q4_K",
         type_overrides={"*attn_v*": v_type, "*ffn_down_exps*": "Q6_K", "*attn_output*": "Q5_0"},
     ).path  # fmt: skip
     tokens = random_tokens(10, 1024, seed=3)
-    with Session.load(str(path), LoadOptions(n_ctx=32, device="cpu")) as s:
+    with Session.load(str(path), LoadOptions(n_ctx=32, device="cpu", kv_type=kv_type)) as s:
         assert all(layer.fused is not None for layer in s.model.layers)
+        assert all(host_kv(s.cache, i, 0, 1) is not None for i in range(2))
         fused = s.logits(tokens, batch=False)
         routes = [layer.ffn.last_ids.clone() for layer in s.model.layers]
         calls = s.stats().calls.copy()

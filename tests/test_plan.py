@@ -389,7 +389,7 @@ def test_cli_summary_and_json(geo, capsys, engine_env):
     assert ("C" * 16 in out) == ("mode      cache" in out) and ("G" * 16 in out) == ("mode      cpu" in out)
     assert main(["plan", "-m", path, "--vram", "2.5GiB", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["n_gpu_layers"] == 16 and d["kv_type"] == "f32" and d["moe_mode"] in ("cpu", "cache", "resident")
+    assert d["n_gpu_layers"] == 16 and d["kv_type"] == "bf16" and d["moe_mode"] in ("cpu", "cache", "resident")
     engine_env({"SHARPI_CPU_MOE": "1", "SHARPI_KV_DTYPE": "q8_0"})
     assert main(["plan", "-m", path, "--vram", "2.5GiB", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)

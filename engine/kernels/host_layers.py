@@ -29,9 +29,11 @@ from engine.kernels.simd import (
     F32x8,
     hsum_f32,
     load_f32x8,
+    load_kv8,
     prefetch,
     prefetch_array,
     prefetch_distance,
+    store_kv8,
     vadd,
     vfma,
     vfma_s,
@@ -137,8 +139,8 @@ def _dot_f32(a, ao, b, bo, n):
     a0 = zero_f32()
     a1 = zero_f32()
     for d in range(0, n, 16):
-        a0 = vfma(load_f32x8(a, ao + d), load_f32x8(b, bo + d), a0)
-        a1 = vfma(load_f32x8(a, ao + d + 8), load_f32x8(b, bo + d + 8), a1)
+        a0 = vfma(load_f32x8(a, ao + d), load_kv8(b, bo + d), a0)
+        a1 = vfma(load_f32x8(a, ao + d + 8), load_kv8(b, bo + d + 8), a1)
     return hsum_f32(vadd(a0, a1))
 
 
@@ -155,8 +157,8 @@ def _dot4_f32(a, ao, b, bo, n):
     e0 = zero_f32()
     e1 = zero_f32()
     for d in range(0, n, 16):
-        k0 = load_f32x8(b, bo + d)
-        k1 = load_f32x8(b, bo + d + 8)
+        k0 = load_kv8(b, bo + d)
+        k1 = load_kv8(b, bo + d + 8)
         o = ao + d
         a0 = vfma(load_f32x8(a, o), k0, a0)
         a1 = vfma(load_f32x8(a, o + 8), k1, a1)
@@ -185,14 +187,14 @@ def _pv64(Vf, kvd, o, P, sa, out, oo):
     a7 = zero_f32()
     for p in range(P):
         w = sa[p]
-        a0 = vfma_s(load_f32x8(Vf, o), w, a0)
-        a1 = vfma_s(load_f32x8(Vf, o + 8), w, a1)
-        a2 = vfma_s(load_f32x8(Vf, o + 16), w, a2)
-        a3 = vfma_s(load_f32x8(Vf, o + 24), w, a3)
-        a4 = vfma_s(load_f32x8(Vf, o + 32), w, a4)
-        a5 = vfma_s(load_f32x8(Vf, o + 40), w, a5)
-        a6 = vfma_s(load_f32x8(Vf, o + 48), w, a6)
-        a7 = vfma_s(load_f32x8(Vf, o + 56), w, a7)
+        a0 = vfma_s(load_kv8(Vf, o), w, a0)
+        a1 = vfma_s(load_kv8(Vf, o + 8), w, a1)
+        a2 = vfma_s(load_kv8(Vf, o + 16), w, a2)
+        a3 = vfma_s(load_kv8(Vf, o + 24), w, a3)
+        a4 = vfma_s(load_kv8(Vf, o + 32), w, a4)
+        a5 = vfma_s(load_kv8(Vf, o + 40), w, a5)
+        a6 = vfma_s(load_kv8(Vf, o + 48), w, a6)
+        a7 = vfma_s(load_kv8(Vf, o + 56), w, a7)
         o += kvd
     _store_f32x8(out, oo, a0)
     _store_f32x8(out, oo + 8, a1)
@@ -202,6 +204,21 @@ def _pv64(Vf, kvd, o, P, sa, out, oo):
     _store_f32x8(out, oo + 40, a5)
     _store_f32x8(out, oo + 48, a6)
     _store_f32x8(out, oo + 56, a7)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def store_kv_row(row, x):
+    """row = x (float32 [n], n % 8 == 0) for a KV-cache row of float32, or of bf16 bit patterns (uint16, rounded
+    to nearest even as torch rounds)."""
+    for i in range(0, x.shape[0], 8):
+        store_kv8(row, i, load_f32x8(x, i))
+
+
+@njit(cache=True, nogil=True)
+def store_kv_rows(C, start, X):
+    """Rows start … start+T−1 of the cache C [n_ctx, W] (float32, or bf16 bits as uint16) = X float32 [T, W]."""
+    for t in range(X.shape[0]):
+        store_kv_row(C[start + t], X[t])
 
 
 SPLIT = 256  # decode: positions per attention work item (more items than KV heads for many cores)
@@ -224,7 +241,7 @@ def _attend(q, out, t0, o0, B, Kf, Vf, kvd, p0, P, kh, g, hd, scale, ml):
         p = p0 + i
         o = p * kvd + ko + ahead
         if o + hd <= Kf.shape[0]:
-            for c in range(0, hd, 16):
+            for c in range(0, hd, 64 // Kf.itemsize):  # one hint a cache line
                 prefetch(Kf, o + c)
                 prefetch(Vf, o + c)
         for b in range(max(0, i - (P - B)), B):  # the tokens that see position p
@@ -284,10 +301,10 @@ def _attend(q, out, t0, o0, B, Kf, Vf, kvd, p0, P, kh, g, hd, scale, ml):
             b3 = zero_f32()
             o = ko + dc
             for p in range(n):
-                v0 = load_f32x8(Vp, o)
-                v1 = load_f32x8(Vp, o + 8)
-                v2 = load_f32x8(Vp, o + 16)
-                v3 = load_f32x8(Vp, o + 24)
+                v0 = load_kv8(Vp, o)
+                v1 = load_kv8(Vp, o + 8)
+                v2 = load_kv8(Vp, o + 16)
+                v3 = load_kv8(Vp, o + 24)
                 wa, wb = sa[p], sb[p]
                 a0 = vfma_s(v0, wa, a0)
                 a1 = vfma_s(v1, wa, a1)
@@ -313,8 +330,8 @@ def _attend(q, out, t0, o0, B, Kf, Vf, kvd, p0, P, kh, g, hd, scale, ml):
             b1 = zero_f32()
             o = ko + d32
             for p in range(n):
-                v0 = load_f32x8(Vp, o)
-                v1 = load_f32x8(Vp, o + 8)
+                v0 = load_kv8(Vp, o)
+                v1 = load_kv8(Vp, o + 8)
                 a0 = vfma_s(v0, sa[p], a0)
                 a1 = vfma_s(v1, sa[p], a1)
                 b0 = vfma_s(v0, sb[p], b0)
@@ -525,8 +542,8 @@ def decode_moe_layer(
         v += bv
     qk_norm_rope_one(q, k, q_norm, k_norm, qk_mode, eps, cos[0], sin[0], neox, H, Hkv, hd)
     q2 = q.reshape(1, q.shape[0])
-    Kc[pos] = k
-    Vc[pos] = v
+    store_kv_row(Kc[pos], k)
+    store_kv_row(Vc[pos], v)
     o = attention_rows(q2, Kc, Vc, pos, H, Hkv, hd)  # [1, H*hd]
     a = quantize_for(qt_o, o)
     x = x + gemv_q8(qt_o, wo, so, a[0], a[1], a[2], a[3])

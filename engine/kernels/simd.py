@@ -192,6 +192,54 @@ def load_bf16x8(typingctx, arr, off):
 
 
 @intrinsic
+def load_kv8(typingctx, arr, off):
+    """8 values of a KV-cache row as float32: a float32 array read as is, a uint16 array read as bf16 bit
+    patterns (exact widening). The array's dtype picks the format when the kernel compiles."""
+    _check_array(arr, (types.float32, types.uint16), "load_kv8")
+    bf16 = arr.dtype == types.uint16
+
+    def codegen(context, builder, sig, args):
+        if not bf16:
+            return builder.load(_data_ptr(context, builder, sig.args[0], args[0], args[1], _vt(F32x8)), align=4)
+        h = builder.load(
+            _data_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(ir.IntType(16), 8)), align=2
+        )
+        u = builder.shl(builder.zext(h, _vt(I32x8)), _const(_vt(I32x8), 16))
+        return builder.bitcast(u, _vt(F32x8))
+
+    return F32x8(arr, off), codegen
+
+
+@intrinsic
+def store_kv8(typingctx, arr, off, v):
+    """arr[off:off+8] = v (F32x8): float32 as is, or for a uint16 array bf16 bit patterns rounded to nearest
+    even (torch's float32 → bfloat16 conversion; a NaN stays a quiet NaN). No bounds check."""
+    _check_array(arr, (types.float32, types.uint16), "store_kv8")
+    if v != F32x8:
+        raise TypingError(f"store_kv8: expected an F32x8 value, got {v}")
+    bf16 = arr.dtype == types.uint16
+
+    def codegen(context, builder, sig, args):
+        if not bf16:
+            ptr = _data_ptr(context, builder, sig.args[0], args[0], args[1], _vt(F32x8))
+            builder.store(args[2], ptr, align=4)
+            return context.get_dummy_value()
+        i32 = _vt(I32x8)
+        u = builder.bitcast(args[2], i32)
+        odd = builder.and_(builder.lshr(u, _const(i32, 16)), _const(i32, 1))
+        r = builder.lshr(builder.add(builder.add(u, _const(i32, 0x7FFF)), odd), _const(i32, 16))
+        nan = builder.fcmp_unordered("uno", args[2], args[2])
+        quiet = builder.or_(builder.lshr(u, _const(i32, 16)), _const(i32, 0x40))
+        r = builder.select(nan, quiet, r)
+        h = builder.trunc(r, ir.VectorType(ir.IntType(16), 8))
+        ptr = _data_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(ir.IntType(16), 8))
+        builder.store(h, ptr, align=2)
+        return context.get_dummy_value()
+
+    return types.none(arr, off, v), codegen
+
+
+@intrinsic
 def load_nibbles16(typingctx, arr, off):
     """16 bytes at ``off`` -> 32 bytes: low nibbles then high nibbles (q4_0/q5_0 element order)."""
     _check_array(arr, (types.uint8, types.int8), "load_nibbles16")

@@ -23,6 +23,7 @@ from engine.kernels.host_layers import (
     qk_norm_rope_rows,
     rms_norm_rows,
     route_rows,
+    store_kv_rows,
 )
 from engine.kernels.moe_fused import FUSED_TYPES
 from engine.models.layers import gelu_mul, route
@@ -43,12 +44,18 @@ def host_array(t: torch.Tensor | None) -> np.ndarray:
 
 
 def host_kv(cache: KVCache, i: int, start: int, T: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Layer i's K and V stores [n_ctx, kv_dim] as numpy when they are float32 on the host (written in
-    place), else None (then the cache's own write and read convert)."""
-    if cache.kv_types.get(i) != "f32" or cache.k[i].q.device.type != "cpu":
+    """Layer i's K and V stores [n_ctx, kv_dim] as numpy when they are float32 or bf16 on the host (bf16 as its
+    bit patterns, uint16; the host kernels read and write both in place: ``store_kv_rows``, ``attention_rows``),
+    else None (then the cache's own write and read convert)."""
+    kind = cache.kv_types.get(i)
+    if kind not in ("f32", "bf16") or cache.k[i].q.device.type != "cpu":
         return None
     if start + T > cache.n_ctx:
         raise UsageError(f"context full: position {start + T} exceeds the context of {cache.n_ctx}")
+    if kind == "bf16":
+        return cache.k[i].q.view(torch.int16).numpy().view(np.uint16), cache.v[i].q.view(torch.int16).numpy().view(
+            np.uint16
+        )
     return cache.k[i].q.numpy(), cache.v[i].q.numpy()
 
 
@@ -85,8 +92,8 @@ class HostOps:
         )
         kv = host_kv(self.cache, i, self.start, T)
         if kv is not None:
-            kv[0][self.start : self.start + T] = k
-            kv[1][self.start : self.start + T] = v
+            store_kv_rows(kv[0], self.start, k)
+            store_kv_rows(kv[1], self.start, v)
         else:
             self.cache.write(i, self.start, torch.from_numpy(k), torch.from_numpy(v))
         return q

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import ENV_CPU_MOE
-from engine.kv_layout import resolve_kv_type  # noqa: F401  (re-exported by engine.plan)
+from engine.kv_layout import resolve_kv_type  # re-exported by engine.plan
 from engine.plan.costmodel import CACHE, CPU, MODES, RESIDENT, Prediction, predict
 from engine.plan.placement import LayerPlacement, Placement
 from engine.plan.profile import DeviceProfile
@@ -53,7 +53,8 @@ CTX_STEP = 256  # recommended contexts are multiples of this
 class PlanRequest:
     """What the user asked for.
 
-    ctx: context length (tokens) the KV cache holds. kv_type: f32 | bf16 | q8_0.
+    ctx: context length (tokens) the KV cache holds. kv_type: f32 | bf16 | q8_0; None: the default
+    (``DEFAULT_KV_TYPE``; ``Session.plan``: the session's).
     n_gpu_layers: -1 = as many as fit, N = layers 0..N-1 on the device (N > n_layer = all).
     moe: auto | cpu | cache | resident; moe_source names what set a non-auto value (shown in the
     reason; an environment override falls back quietly when impossible, a flag is an error).
@@ -67,7 +68,7 @@ class PlanRequest:
     """
 
     ctx: int = 4096
-    kv_type: str = "f32"
+    kv_type: str | None = None
     n_gpu_layers: int = -1
     moe: str = AUTO
     moe_source: str = ""
@@ -104,7 +105,7 @@ def _check_request(req: PlanRequest) -> None:
 
     if not is_int(req.ctx) or req.ctx <= 0:
         raise PlanError(f"context length must be a positive integer, got {req.ctx!r}")
-    if req.kv_type not in KV_TYPES:
+    if req.kv_type is not None and req.kv_type not in KV_TYPES:
         check_kv_type(req.kv_type)
     if not is_int(req.n_gpu_layers) or req.n_gpu_layers < -1:
         raise PlanError(f"n_gpu_layers must be -1 (auto) or a layer count >= 0, got {req.n_gpu_layers!r}")
@@ -132,7 +133,7 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
     """Place ``spec`` on ``profile`` as ``request`` asks. Pure; raises :class:`PlanError` for an
     impossible or malformed request (never returns a negative byte count)."""
     _check_request(request)
-    L, ctx, kv = spec.n_layer, request.ctx, request.kv_type
+    L, ctx, kv = spec.n_layer, request.ctx, resolve_kv_type(request.kv_type)
     budget = profile.vram_bytes
     notes: list[str] = []
     if request.n_gpu_layers != 0:

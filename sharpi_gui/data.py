@@ -30,6 +30,7 @@ ERR_CANNOT_RUN = "cannot-run"  # refused before loading: no weights, or more tha
 ERR_CANCELLED = "cancelled"  # the user cancelled the load
 
 PREPARING = "Preparing CPU kernels, first run only"  # load progress while the model's kernels compile
+CALIBRATING = "Measuring this CPU for speed predictions, first run only"  # the background CPU calibration
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class LibraryEntry:
     detail: str = ""  # the verdict in full
     predicted_tok_s: float | None = None
     speeds: str = ""  # where the prediction's speeds come from
+    calibrated: bool = False  # measured on this machine (else the speed is labelled uncalibrated)
 
 
 @dataclass(frozen=True)

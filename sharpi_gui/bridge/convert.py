@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.api import Session
-from engine.bench.calibrate import speed_profile
+from engine.bench.calibrate import cached_cpu_profile, speed_profile
 from engine.errors import (
     ChatTemplateError,
     DeviceMemoryError,
@@ -155,7 +155,7 @@ def preview(settings: D.PlanSettings, p) -> D.PlanPreview:
         predicted_tok_s=tuple(p.predicted_tok_s.items()),
         resident_split=p.resident_split or 0,
         predicted_hit_rate=p.to_dict()["predicted_hit_rate"],
-        speeds_source=profile_source(p.profile),
+        speeds_source=profile_source(p.profile, cpu_only=p.n_gpu_layers == 0),
         speeds_device=p.profile.name,
         expert_slots=p.expert_slots,
         expert_slots_needed=p.expert_slots_needed,
@@ -269,8 +269,12 @@ def limits(
 
 def device_profile(session: Session) -> DeviceProfile:
     """The GPU's memory and its calibrated speeds (measured once per machine, a few seconds, on
-    the first load with CUDA; cached after), or the simulated device's default budget and speeds."""
+    the first load with CUDA; cached after); without a GPU, this CPU's cached calibration for the model
+    (engine.bench.calibrate.cached_cpu_profile, measured in the background on the first launch) with the
+    default device figures; else the default budget and speeds."""
     speeds = speed_profile(session.device, session.gf, measure=True, options=session.engine_options)
+    if speeds is None and session.device.type != "cuda":
+        speeds = cached_cpu_profile(session.info.path, session.engine_options)
     if speeds is not None:
         session.set_device_profile(speeds)
     return session.device_profile()

@@ -74,8 +74,19 @@ class MainWindow(QMainWindow):
         self.cancel_button = QPushButton("Cancel")
         self.cancel_button.setToolTip("Stop loading (the model open before stays)")
         self.cancel_button.setVisible(False)
+        # This CPU's calibration, measured in the background on the first launch without a GPU.
+        self.calib_label = QLabel()
+        self.calib_label.setObjectName("calibration-line")
+        self.calib_label.setVisible(False)
+        self.calib_cancel = QPushButton("Skip")
+        self.calib_cancel.setToolTip(
+            "Stop measuring this CPU (predicted speeds stay uncalibrated until the next start)"
+        )
+        self.calib_cancel.setVisible(False)
         sb.addPermanentWidget(self.progress)
         sb.addPermanentWidget(self.cancel_button)
+        sb.addPermanentWidget(self.calib_label)
+        sb.addPermanentWidget(self.calib_cancel)
         for label in self.status.values():
             label.setContentsMargins(6, 0, 6, 0)
             sb.addPermanentWidget(label)
@@ -174,10 +185,34 @@ class MainWindow(QMainWindow):
         b.warning.connect(lambda text: self.statusBar().showMessage(text, 10000))
         b.waiting.connect(lambda _rid: self.statusBar().showMessage("The chat waits for an API request to finish…"))
         b.busyChanged.connect(self._on_busy)
+        b.calibrationProgress.connect(self._on_calibration_progress)
+        b.calibrationEnded.connect(self._on_calibration_ended)
+        self.calib_cancel.clicked.connect(b.cancel_calibration)
         self.ctx.placement.applyFailed.connect(self.show_error)
         self.ctx.chat.statsChanged.connect(self._render_stats)
         self.ctx.chat.notice.connect(self._on_chat_notice)
         self.experts_dock.panel.exportRequested.connect(self.export_dialog)
+
+    def _on_calibration_progress(self, step: int, steps: int, what: str) -> None:
+        count = f" — {step} of {steps}" if steps else ""
+        self.calib_label.setText(f"{D.CALIBRATING}{count}")
+        self.calib_label.setToolTip(f"measuring {what}; the chat stays usable (asking pauses it)")
+        self.calib_label.setVisible(True)
+        self.calib_cancel.setVisible(True)
+
+    def _on_calibration_ended(self, how: str, detail: str) -> None:
+        if how == "paused":  # a question is being answered: measuring resumes when it is done
+            self.calib_label.setText(f"{D.CALIBRATING} — paused while the model answers")
+            return
+        self.calib_label.setVisible(False)
+        self.calib_cancel.setVisible(False)
+        text = {
+            "done": f"This CPU is calibrated ({detail}): predicted speeds are now measured ones",
+            "cancelled": "CPU calibration skipped: predicted speeds stay uncalibrated until the next start",
+            "failed": f"CPU calibration failed; predicted speeds stay uncalibrated ({detail})",
+        }.get(how, "")
+        if text:
+            self.statusBar().showMessage(text, 10000)
 
     def _on_chat_notice(self, failure: D.Failure) -> None:
         """The model's chat template failed: offer ChatML in its place, never silently."""

@@ -88,6 +88,7 @@ def gen_stats(ev) -> D.GenStats:
         decode_tok_s=ev.decode_tok_s,
         finish_reason=ev.finish_reason,
         message=ev.message,
+        decode_hit_rate=ev.decode_hit_rate,
     )
 
 
@@ -170,9 +171,8 @@ def stats_frame(snap) -> D.StatsFrame:
     """A :class:`ProfilerSnapshot` as the experts dock draws it (heat and residency unchanged)."""
     lookups = snap.hits + snap.misses  # [L, E]
     ratio = np.divide(snap.hits, lookups, out=np.zeros(lookups.shape), where=lookups > 0)
-    lat = snap.step_latency_s
-    decode = (snap.step_tokens == 1) & (lat > 0)  # one-token passes; prompt chunks are not decode speed
-    tok_s = np.divide(1.0, lat, out=np.full(lat.shape, np.nan), where=decode)
+    gap = snap.step_interval_s  # token to token, as the generation loop (and the status bar) counts it
+    tok_s = np.divide(1.0, gap, out=np.full(gap.shape, np.nan), where=np.isfinite(gap) & (gap > 0))
     return D.StatsFrame(
         n_layer=snap.n_layer,
         n_expert=snap.calls.shape[1],
@@ -185,6 +185,9 @@ def stats_frame(snap) -> D.StatsFrame:
         upload_mb_s=snap.step_upload_mb_s,
         tokens_total=snap.tokens_total,
         has_cache=bool(lookups.any()),
+        decode_tok_s=snap.decode.tok_s,
+        decode_hit_rate=snap.decode.hit_rate,
+        decode_tokens=snap.decode.tokens,
     )
 
 

@@ -25,7 +25,7 @@ from PySide6.QtWidgets import (
 from sharpi_gui import data as D
 from sharpi_gui.views import dialogs
 from sharpi_gui.views.chat import ChatView
-from sharpi_gui.views.experts import ExpertsDock
+from sharpi_gui.views.experts import ExpertsDock, decode_text
 from sharpi_gui.views.library import LibraryDialog
 from sharpi_gui.views.model_card import ModelCardDialog
 from sharpi_gui.views.placement import PlacementDock
@@ -299,7 +299,9 @@ class MainWindow(QMainWindow):
     def _render_stats(self, s: D.GenStats) -> None:
         st = self.status
         st["prompt"].setText(f"prompt {s.prompt_tok_s:.1f} tok/s" if s.n_prompt else "prompt — tok/s")
-        st["decode"].setText(f"decode {s.decode_tok_s:.1f} tok/s" if s.decode_tok_s else "decode — tok/s")
+        st["decode"].setText(
+            f"decode {decode_text(s.decode_tok_s, s.decode_hit_rate)}" if s.decode_tok_s else "decode — tok/s"
+        )
         st["ttft"].setText(f"TTFT {s.ttft_s * 1000:.0f} ms" if s.ttft_s else "TTFT —")
         n_ctx = s.n_ctx or (self.card.n_ctx if self.card else 0)
         st["ctx"].setText(f"context {s.n_ctx_used:,} / {n_ctx:,}" if n_ctx else "context —")

@@ -35,7 +35,8 @@ class LibraryEntry:
     verdict: str = ""  # a few words: why not, or how it would be placed
     detail: str = ""  # the verdict in full (a refusal's whole reason)
     predicted_tok_s: float | None = None  # the placement's predicted decode speed
-    speeds: str = ""  # where the prediction's speeds come from ("default speeds", "measured ...")
+    speeds: str = ""  # where the prediction's speeds come from ("measured speeds", "uncalibrated: ...")
+    calibrated: bool = False  # the prediction rests on speeds measured on this machine for this file
 
 
 def default_folders(env: Mapping[str, str], home: Path | None = None) -> list[Path]:
@@ -96,7 +97,8 @@ def judge(
     """The verdict on one file from its header: can it run here, how it would be placed, how fast.
     ``profile``: the speeds to plan with (None: the defaults); ``cpu_profile``: path -> this machine's
     measured CPU speeds for that file, or None — used for a verdict without a GPU when ``profile`` is None
-    (``engine.bench.calibrate.cached_cpu_profile``)."""
+    (``engine.bench.calibrate.cached_cpu_profile``). A prediction not from speeds measured here says so:
+    ``speeds`` starts "uncalibrated" or "partly calibrated" and ``calibrated`` is False."""
     from engine.errors import SharpIError
     from engine.gguf import open_gguf
     from engine.modelinfo import describe
@@ -138,15 +140,25 @@ def judge(
     else:
         where = "everything on the CPU" + ("" if vram else " (no GPU)")
     tok_s = p.predicted_tok_s.get(p.moe_mode)
-    source = profile_source(base)
+    source = profile_source(base, cpu_only=not p.n_gpu_layers)
     if source == "measured":
         speeds = "measured speeds"
     elif source == "partly measured":
-        speeds = "speeds measured here (the CPU experts' rate for another expert shape)"
+        speeds = "partly calibrated: this CPU's fixed costs are measured, this file's matrix shapes are not"
     else:
-        speeds = "default speeds, not measured here (`sharpi bench calibrate --device cpu` measures them)"
+        speeds = (
+            "uncalibrated: default speeds, not measured here (`sharpi bench calibrate --device host` measures them)"
+        )
     verdict = f"runs: {where}, context {ctx:,}"
-    return replace(entry, runnable=True, verdict=verdict, detail=verdict, predicted_tok_s=tok_s, speeds=speeds)
+    return replace(
+        entry,
+        runnable=True,
+        verdict=verdict,
+        detail=verdict,
+        predicted_tok_s=tok_s,
+        speeds=speeds,
+        calibrated=source == "measured",
+    )
 
 
 def scan(folders: Iterable[Path], ram: int | None = None, vram: int | None = None, profile=None, cpu_profile=None):

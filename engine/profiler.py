@@ -1,8 +1,14 @@
 """The expert profiler: always on, cheap, and read by the GUI through plain-data snapshots.
 
 Per (layer, expert): routed calls, device-cache hits, misses, uploaded bytes, decayed heat and
-residency. Per forward pass ("token step"): latency, hit rate and upload MB/s, kept in a ring of
-the last ``history`` steps. Recording is a few numpy adds per MoE layer; a snapshot copies a few
+residency. Per forward pass ("token step"): latency, hit rate and upload MB/s, and for a decoded token
+the interval to the next one as the generation loop saw it, kept in a ring of the last ``history`` steps.
+
+The decode window (``engine.generate.events.DecodeWindow``) is the one source of the decode speed and hit rate people see:
+the generation loop marks each sampled token (:meth:`ExpertProfiler.decode_started`, :meth:`decode_token`)
+and reports the window's figures in its events (the status bar); a snapshot carries the same window and
+the per-token intervals it sums (the experts dock's plot). tok/s = tokens after the first ÷ the time from
+the first to the last; hit rate = the cache's hits ÷ lookups between them. Recording is a few numpy adds per MoE layer; a snapshot copies a few
 small arrays. Export writes JSON (everything) and CSV (one row per layer × expert).
 """
 
@@ -12,11 +18,13 @@ import csv
 import json
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from engine.generate.events import DecodeClock, DecodeWindow
 
 HEAT_DECAY = 0.98  # per token: heat halves after ~34 tokens without a call
 
@@ -38,6 +46,11 @@ class ProfilerSnapshot:
     step_hit_rate: np.ndarray  # float64 [N]: hits / (hits + misses) in each pass (nan: no cache)
     step_upload_mb_s: np.ndarray  # float64 [N]: MB uploaded / latency in each pass
     tokens_total: int  # tokens through the model since the last reset
+    # float64 [N]: for a one-token pass of a generation, the time from the token it was fed to the next one
+    # sampled (the pass, sampling, and whatever the loop's consumer did); nan elsewhere. 1 / it is the
+    # decode speed token by token; the window's tok/s is their count over their sum.
+    step_interval_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    decode: DecodeWindow = field(default_factory=DecodeWindow)  # the latest generation's decode window
 
     @property
     def hit_rate(self) -> float:
@@ -59,8 +72,17 @@ class ProfilerSnapshot:
             "uploaded_bytes": arr(self.uploaded_bytes),
             "heat": arr(self.heat),
             "resident": arr(self.resident),
+            "decode": {
+                "tokens": self.decode.tokens,
+                "seconds": self.decode.seconds,
+                "tok_s": self.decode.tok_s,
+                "hit_rate": self.decode.hit_rate,
+                "hits": self.decode.hits,
+                "misses": self.decode.misses,
+            },
             "steps": {
                 "latency_s": arr(self.step_latency_s),
+                "interval_s": arr(self.step_interval_s),
                 "tokens": arr(self.step_tokens),
                 "hit_rate": arr(self.step_hit_rate),
                 "upload_mb_s": arr(self.step_upload_mb_s),
@@ -85,11 +107,14 @@ class ExpertProfiler:
             self.uploaded = np.zeros((L, E), np.int64)
             self.heat = np.zeros((L, E), np.float64)
             self.resident = np.zeros((L, E), bool)
-            self._steps = np.full((self.history, 4), np.nan)  # latency, tokens, hit rate, MB/s
+            self._steps = np.full((self.history, 5), np.nan)  # latency, tokens, hit rate, MB/s, interval
             self._n_steps = 0
             self.tokens_total = 0
             self._t0 = None
             self._mark = (0, 0, 0)
+            self._clock = DecodeClock(lambda: (int(self.hits.sum()), int(self.misses.sum())))
+            self._decode_last = 0.0
+            self._decode_step = -1  # the ring's count when the latest token was sampled
 
     # -- recording (engine thread) --------------------------------------------------------------
     def record_route(self, layer: int, ids: np.ndarray) -> None:
@@ -142,9 +167,28 @@ class ExpertProfiler:
             h, m, u = int(self.hits.sum()) - h0, int(self.misses.sum()) - m0, int(self.uploaded.sum()) - u0
             self.heat *= HEAT_DECAY**n_tokens
             self.tokens_total += n_tokens
-            row = (dt, n_tokens, h / (h + m) if h + m else np.nan, u / 1e6 / dt if dt > 0 else 0.0)
+            row = (dt, n_tokens, h / (h + m) if h + m else np.nan, u / 1e6 / dt if dt > 0 else 0.0, np.nan)
             self._steps[self._n_steps % self.history] = row
             self._n_steps += 1
+
+    def decode_started(self, now: float) -> DecodeWindow:
+        """The generation loop sampled a reply's first token at ``now`` (perf_counter): a new window."""
+        with self._lock:
+            self._decode_last = now
+            self._decode_step = self._n_steps
+            return self._clock.start(now)
+
+    def decode_token(self, now: float) -> DecodeWindow:
+        """The loop sampled the next token at ``now``: the window grows by one token, and the one-token
+        pass since the previous token gets the interval between the two."""
+        with self._lock:
+            if self._n_steps == self._decode_step + 1:  # exactly the pass this interval contains
+                row = self._steps[(self._n_steps - 1) % self.history]
+                if row[1] == 1:
+                    row[4] = now - self._decode_last
+            self._decode_last = now
+            self._decode_step = self._n_steps
+            return self._clock.tick(now)
 
     # -- reading (any thread) ---------------------------------------------------------------------
     def snapshot(self) -> ProfilerSnapshot:
@@ -166,6 +210,8 @@ class ExpertProfiler:
                 step_hit_rate=steps[:, 2].copy(),
                 step_upload_mb_s=steps[:, 3].copy(),
                 tokens_total=self.tokens_total,
+                step_interval_s=steps[:, 4].copy(),
+                decode=self._clock.window,
             )
 
 

@@ -33,13 +33,21 @@ def create_window(
     themes: ThemeManager | None = None,
     simulate_device: bool = False,
     keys: KeyStore | None = None,
+    calibrate_cpu: bool = True,
 ) -> MainWindow:
     """A main window over a fresh bridge; ``data_dir`` / ``qsettings`` default to the user's.
     ``simulate_device``: without a GPU, offer the engine's simulated device (tests of the device
     placement controls); the app never does, it says there is no GPU. ``keys``: where API keys are kept
-    (default: the OS keyring)."""
+    (default: the OS keyring). ``calibrate_cpu``: without a GPU, measure this CPU in the background after the
+    first model is warmed up (once per machine; the predictions' speeds)."""
     store = ConversationStore(data_dir if data_dir is not None else app_data_dir())
-    ctx = AppContext.build(EngineBridge(simulate_device=simulate_device), store, Settings(qsettings), themes, keys)
+    ctx = AppContext.build(
+        EngineBridge(simulate_device=simulate_device, calibrate_cpu=calibrate_cpu),
+        store,
+        Settings(qsettings),
+        themes,
+        keys,
+    )
     return MainWindow(ctx)
 
 

@@ -30,6 +30,7 @@ ERR_CANNOT_RUN = "cannot-run"  # refused before loading: no weights, or more tha
 ERR_CANCELLED = "cancelled"  # the user cancelled the load
 
 PREPARING = "Preparing CPU kernels, first run only"  # load progress while the model's kernels compile
+CALIBRATING = "Measuring this CPU for speed predictions, first run only"  # the background CPU calibration
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class GenStats:
     decode_tok_s: float = 0.0
     finish_reason: str | None = None
     message: str = ""
+    decode_hit_rate: float | None = None  # the expert cache's, over the same tokens (None: no cache)
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,7 @@ class LibraryEntry:
     detail: str = ""  # the verdict in full
     predicted_tok_s: float | None = None
     speeds: str = ""  # where the prediction's speeds come from
+    calibrated: bool = False  # measured on this machine (else the speed is labelled uncalibrated)
 
 
 @dataclass(frozen=True)
@@ -201,9 +204,10 @@ class StatsFrame:
 
     heat: float64 [L, E] decayed access heat. residency: float64 [L, E] 1.0 where the expert is
     on the device. hit_ratio: float64 [L, E] hits / (hits + misses), 0 where never looked up.
-    calls: int64 [L, E]. Series float64 [N] over the last N forward passes: tok_s (1 ÷ latency of
-    one-token decode passes, nan for prompt chunks), hit_rate (nan where no cache was consulted),
-    upload_mb_s.
+    calls: int64 [L, E]. Series float64 [N] over the last N forward passes: tok_s (1 ÷ the interval from
+    a decoded token to the next, as the generation loop saw it; nan for prompt chunks), hit_rate (nan where no
+    cache was consulted), upload_mb_s. decode_tok_s / decode_hit_rate / decode_tokens: the latest reply's
+    decode window (engine.profiler.DecodeWindow) — the figures the status bar shows.
     """
 
     n_layer: int
@@ -217,6 +221,9 @@ class StatsFrame:
     upload_mb_s: np.ndarray
     tokens_total: int
     has_cache: bool  # any hit or miss recorded (False in CPU-only mode)
+    decode_tok_s: float = 0.0
+    decode_hit_rate: float | None = None
+    decode_tokens: int = 0
 
     @classmethod
     def empty(cls, n_layer: int = 1, n_expert: int = 1) -> StatsFrame:

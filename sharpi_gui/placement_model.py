@@ -41,6 +41,7 @@ class PlacementModel(QObject):
         self._timer.timeout.connect(self._on_timer)
         bridge.loaded.connect(self._on_loaded)
         bridge.applied.connect(self._on_applied)
+        bridge.calibrated.connect(self._on_calibrated)
         bridge.applyFailed.connect(self.applyFailed)
 
     @property
@@ -135,3 +136,9 @@ class PlacementModel(QObject):
 
     def _on_applied(self, card, limits: D.PlacementLimits) -> None:
         self._on_loaded(card, limits)
+
+    def _on_calibrated(self, _card, limits: D.PlacementLimits) -> None:
+        """This CPU's calibration arrived: the same limits, predictions from measured speeds (what-if kept)."""
+        self.machine = limits
+        if not self.whatif:
+            self._show(limits)

@@ -54,18 +54,25 @@ def memory_keyring():
     return MemoryKeyring()
 
 
-def make_window(qtbot, directory: Path, show: bool = True, simulate_device: bool = True, keys=None):
+def make_window(
+    qtbot, directory: Path, show: bool = True, simulate_device: bool = True, keys=None, calibrate_cpu: bool = False
+):
     """A MainWindow storing conversations and settings under ``directory``; closed by qtbot.
     ``simulate_device``: without a GPU the placement controls work on the engine's simulated device
     (what the device-placement tests need); False: the app as a user without a GPU sees it. ``keys``: a
-    KeyStore (default: one over :func:`memory_keyring`, never the user's keyring)."""
+    KeyStore (default: one over :func:`memory_keyring`, never the user's keyring). ``calibrate_cpu``: run the
+    background CPU calibration as the app does (off: tests that do not test it never spawn it)."""
     from sharpi_gui.app import create_window
     from sharpi_gui.keys import KeyStore
 
     isolate_application()
     keys = keys if keys is not None else KeyStore(memory_keyring())
     window = create_window(
-        str(Path(directory) / "data"), settings_file(directory), simulate_device=simulate_device, keys=keys
+        str(Path(directory) / "data"),
+        settings_file(directory),
+        simulate_device=simulate_device,
+        keys=keys,
+        calibrate_cpu=calibrate_cpu,
     )
     qtbot.addWidget(window, before_close_func=lambda w: w.ctx.close())
     if show:

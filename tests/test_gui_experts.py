@@ -138,3 +138,34 @@ def test_export_from_the_button_and_the_menu(qtbot, cached, tmp_path, monkeypatc
     # Cancelling the dialog writes nothing.
     w.actions_by_name["export"].trigger()
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["button.json", "menu.json"]
+
+
+def test_dock_and_status_bar_report_one_decode_window(qtbot, cached):
+    """The experts dock and the status bar show the same decode tok/s and hit rate over the same tokens:
+    both read the profiler's decode window; the dock's per-token plot is 1 ÷ the intervals that window sums."""
+    from sharpi_gui.views.experts import decode_text
+
+    w = cached
+    w.settings.sampling = {"max_tokens": 16, "seed": 7}
+    with qtbot.waitSignal(w.bridge.finished, timeout=GEN_TIMEOUT_MS) as done:
+        w.ctx.chat.send("Name three mountains")
+    final = done.args[1]
+    frame = w.bridge.poll_stats(force=True)
+    assert final.n_generated > 2 and frame.decode_tokens == final.n_generated - 1
+    assert frame.decode_tok_s == final.decode_tok_s > 0
+    assert frame.decode_hit_rate == final.decode_hit_rate is not None  # a cache placement: it has lookups
+    shown = decode_text(final.decode_tok_s, final.decode_hit_rate)
+    assert w.status["decode"].text() == f"decode {shown}"
+    assert f"last reply: decode {shown}" in w.experts_dock.panel.info.text()
+    # The plotted per-token speeds are the window's: their count over the sum of their intervals.
+    per_token = frame.tok_s[np.isfinite(frame.tok_s)][-frame.decode_tokens :]
+    assert len(per_token) == frame.decode_tokens
+    assert frame.decode_tokens / float(np.sum(1.0 / per_token)) == pytest.approx(frame.decode_tok_s, rel=1e-9)
+    # The window's hit rate is the plotted per-pass rates' lookups over those same passes.
+    snap = session_of(w).stats()
+    assert snap.decode.hits + snap.decode.misses > 0
+    export = snap.to_dict()["decode"]
+    assert export["tok_s"] == frame.decode_tok_s and export["hit_rate"] == frame.decode_hit_rate
+    if os.environ.get("SHARPI_SCREENSHOTS"):
+        qtbot.wait(300)
+        w.grab().save(os.path.join(os.environ["SHARPI_SCREENSHOTS"], "decode-window.png"))

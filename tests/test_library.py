@@ -51,34 +51,31 @@ def test_verdicts(shelf, engine_env, tmp_path):
     assert gpu.runnable and "on the GPU" in gpu.verdict
 
 
-def test_cpu_verdicts_use_this_machines_cpu_calibration(shelf, engine_env, tmp_path, monkeypatch):
+def test_cpu_verdicts_use_this_machines_cpu_calibration(shelf, engine_env, tmp_path):
     """Without a GPU, the prediction uses the CPU calibration cached on this machine (`sharpi bench calibrate
-    --device cpu`) for the file's expert shape, else the default shape's fixed costs and rate (the rate then
-    not counted as measured); nothing with calibration off, and never for a GPU verdict."""
+    --device host`, which the app runs on its first launch): its fixed costs, and the rates measured for this
+    file's shapes — else those rates' defaults, the verdict then "partly calibrated"; nothing with calibration
+    off, and never for a GPU verdict. Without any, the prediction is labelled uncalibrated."""
     from engine.bench import calibrate as cal
-    from engine.plan import DeviceProfile
-    from engine.plan.profile import OVERHEAD_FIELDS
 
     engine_env({"SHARPI_CALIBRATION_DIR": str(tmp_path)})
-    fields = ("cpu_expert_gbps", "h2d_gbps", "device_gbps", "sync_us", *OVERHEAD_FIELDS)
-    slow = DeviceProfile(cpu_expert_gbps=2.0, token_us=2000.0, host_layer_us=900.0, measured=fields)
     model = shelf / "model.gguf"
     cached = cal.cached_cpu_profile
     assert cached(model) is None  # nothing cached here
-    default = judge(model, ram=64 << 30, vram=0, cpu_profile=cached).predicted_tok_s
-    monkeypatch.setattr(cal, "load_cached", lambda device, shape=cal.DEFAULT_SHAPE, partial=False, options=None: slow)
+    default = judge(model, ram=64 << 30, vram=0, cpu_profile=cached)
+    assert default.speeds.startswith("uncalibrated") and not default.calibrated
+    shape, trunk = cal._model_shapes(model)
+    fixed = {"token_us": 2000.0, "host_layer_us": 900.0}
+    cal._write(cal.host_key(), {"profile": fixed, "cpu_expert_gbps": {"other": 1.0}, "cpu_trunk_gbps": {}})
+    partly = judge(model, ram=64 << 30, vram=0, cpu_profile=cached)
+    assert partly.speeds.startswith("partly calibrated") and not partly.calibrated
+    assert partly.predicted_tok_s < default.predicted_tok_s / 3  # the slow machine's fixed costs
+    rates = {"cpu_expert_gbps": {shape.key: 2.0}, "cpu_trunk_gbps": {trunk.key: 2.0}}
+    cal._write(cal.host_key(), {"profile": fixed, **rates})
     got = judge(model, ram=64 << 30, vram=0, cpu_profile=cached)
-    assert got.speeds == "measured speeds" and got.predicted_tok_s < default / 3  # the slow machine's numbers
-    monkeypatch.setattr(
-        cal,
-        "load_cached",
-        lambda device, shape=cal.DEFAULT_SHAPE, partial=False, options=None: (
-            slow if shape == cal.DEFAULT_SHAPE else None
-        ),
-    )
-    other = judge(model, ram=64 << 30, vram=0, cpu_profile=cached)
-    assert "another expert shape" in other.speeds and other.predicted_tok_s == pytest.approx(got.predicted_tok_s)
-    assert "default speeds" in judge(model, ram=64 << 30, vram=8 << 30, cpu_profile=cached).speeds  # a GPU verdict
+    assert got.speeds == "measured speeds" and got.calibrated and got.predicted_tok_s < partly.predicted_tok_s
+    gpu = judge(model, ram=64 << 30, vram=8 << 30, cpu_profile=cached)  # a GPU verdict
+    assert "default speeds" in gpu.speeds and not gpu.calibrated
     engine_env({"SHARPI_CALIBRATION_DIR": str(tmp_path), "SHARPI_NO_CALIBRATE": "1"})
     assert cached(model) is None
 

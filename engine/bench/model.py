@@ -347,14 +347,15 @@ def predicted_at(session, placement, mode: str, position: int, observed_hit_rate
 def prediction_report(session, report: dict) -> dict:
     """What the planner predicted for the placement just benchmarked, at the decode's mean
     position: {"profile_source", "predicted_tok_s" (every mode), "predicted_decode_tok_s" (this
-    mode), "predicted_at_measured_hit_rate" (cache only), "prediction_error"} — or {} when the
-    model ran on the CPU without a placement."""
+    mode), "predicted_at_measured_hit_rate" (cache only), "prediction_error"}. A model on the CPU without
+    a placement is predicted with this machine's cached CPU calibration (``sharpi bench calibrate --device
+    host``; the defaults, said so, without one) — what the app's library and placement dock show."""
     from engine.plan.profile import profile_source
 
     p = session.placement
-    if p is None:
-        return {}
     pos = report["prompt_tokens"] + report["gen_tokens"] // 2
+    if p is None:
+        return _cpu_prediction(session, report, pos)
     modes = [m for m in p.predicted_tok_s]
     out = {
         "profile_source": profile_source(p.profile),
@@ -369,6 +370,24 @@ def prediction_report(session, report: dict) -> dict:
     if mine:
         out["prediction_error"] = mine / report["decode_tok_s"] - 1  # + = predicted too fast
     return out
+
+
+def _cpu_prediction(session, report: dict, pos: int) -> dict:
+    from engine.bench.calibrate import cached_cpu_profile
+    from engine.plan import DeviceProfile, predict
+    from engine.plan.profile import profile_source
+
+    prof = cached_cpu_profile(session.info.path, session.engine_options) or DeviceProfile(vram_bytes=0)
+    # host layers keep their cache as the engine does (engine.kv_layout.HOST_KV_TYPE: predict's own choice)
+    tok_s = predict(session.spec, prof, mode="cpu", n_gpu_layers=0, kv_type="f32", position=pos).tok_s
+    return {
+        "profile_source": profile_source(prof, cpu_only=True),
+        "profile": prof.to_dict(),
+        "prediction_position": pos,
+        "predicted_tok_s": {"cpu": tok_s},
+        "predicted_decode_tok_s": tok_s,
+        "prediction_error": tok_s / report["decode_tok_s"] - 1,
+    }
 
 
 def compare_modes(session, prompt: int, gen: int, repeat: int, *, threads: int = 1) -> dict:

@@ -91,7 +91,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "paths (a few seconds) and cache it; `--moe auto` on CUDA uses the cached profile. "
         "--json prints the DeviceProfile form `sharpi plan --profile FILE` reads.",
     )
-    cal.add_argument("--device", choices=("cuda", "cpu"), default=None, help="cuda, or cpu = the simulated device")
+    cal.add_argument(
+        "--device",
+        choices=("cuda", "cpu", "host"),
+        default=None,
+        help="cuda; host = the CPU alone, as a machine without a GPU runs (the app measures this on its first "
+        "launch without a GPU; the model library and placement dock predict with it); cpu = the simulated device",
+    )
     cal.add_argument(
         "-m", "--model", default=None, help="GGUF whose expert types/shape to measure (default: 30B-A3B Q4_K_M)"
     )
@@ -319,6 +325,41 @@ def run_device_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate_host(args: argparse.Namespace) -> int:
+    """``--device host``: the CPU alone (engine.bench.calibrate.calibrate_host). Progress lines on stderr
+    ("measuring ... (k of N)") are what the app's background calibration shows."""
+    import sys
+
+    import numba
+
+    from engine.bench import calibrate as cal
+    from engine.plan.profile import describe_profile
+
+    steps = iter(range(1, 100))
+
+    def progress(what: str) -> None:
+        print(f"measuring {what} ({next(steps)} of {cal.HOST_STEPS}) ...", file=sys.stderr, flush=True)
+
+    c = cal.calibrate_host(args.model, use_cache=not args.force, progress=progress)
+    if args.json:
+        print(json.dumps(c.profile.to_dict(), indent=2))
+        return 0
+    how = "cached" if c.cached else f"measured in {c.seconds:.1f} s"
+    print(f"device     {c.profile.name} ({how}; {numba.get_num_threads()} CPU threads)")
+    for i, line in enumerate(describe_profile(c.profile)):
+        print(("profile    " if i == 0 else "           ") + line)
+    print("           (* = measured on this machine; only the CPU's fields apply without a device)")
+    runs = c.details.get("host_probe_runs")
+    if runs:
+        print(
+            f"fit        token and host-layer costs from {len(runs)} probes, rms error {c.details['host_fit_rms_relative']:.0%}:"
+        )
+        for r in runs:
+            print(f"           {r['layers']:>2} layers  {r['ms']:7.3f} ms/token (model {r['fitted_ms']:.3f})")
+    print(f"cache      {c.path}")
+    return 0
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
     import sys
 
@@ -328,12 +369,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from engine.bench import calibrate as cal
     from engine.plan.profile import describe_profile
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "host")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available (use --device cpu for the simulated device)")
     threads = args.threads or os.cpu_count() or 1
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     torch.set_num_threads(threads)
+    if device == "host":
+        return _calibrate_host(args)
     shape, trunk = cal.DEFAULT_SHAPE, "Q4_K"
     if args.model:
         from engine.gguf import open_gguf

@@ -24,6 +24,7 @@ from engine.generate.events import (
     FINISH_EOS,
     FINISH_LENGTH,
     FINISH_STOP,
+    DecodeClock,
     GenerationEvent,
 )
 from engine.generate.sampling import Sampler, SamplingParams
@@ -176,6 +177,8 @@ def _run(model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel,
     detok = tokenizer.detokenizer()
     history = list(prompt_ids)
     n_gen, ttft, t_first = 0, 0.0, None
+    # The decode speed and hit rate come from the model's profiler (one window, what the experts dock reads).
+    meter = getattr(model, "profiler", None) or DecodeClock()
     while True:
         row = logits[-1].numpy()
         tok = sampler(constraint.mask(row) if constraint is not None else row, history)
@@ -184,16 +187,20 @@ def _run(model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel,
         now = time.perf_counter()
         if t_first is None:
             t_first, ttft = now, now - t0
+            window = meter.decode_started(now)
+        else:
+            window = meter.decode_token(now)
         n_gen += 1
         history.append(tok)
-        decode_tps = (n_gen - 1) / (now - t_first) if n_gen > 1 and now > t_first else 0.0
+        decode_tps = window.tok_s
+        hit = window.hit_rate
         if tokenizer.is_eog(tok):
             tail = stops.flush()
-            yield _event(tail, tok, state, n_ctx, len(todo), n_gen, ttft, prompt_tps, decode_tps, FINISH_EOS)
+            yield _event(tail, tok, state, n_ctx, len(todo), n_gen, ttft, prompt_tps, decode_tps, FINISH_EOS, hit=hit)
             return
         text, stopped = stops.feed(detok.push(tok))
         if stopped:
-            yield _event(text, tok, state, n_ctx, len(todo), n_gen, ttft, prompt_tps, decode_tps, FINISH_STOP)
+            yield _event(text, tok, state, n_ctx, len(todo), n_gen, ttft, prompt_tps, decode_tps, FINISH_STOP, hit=hit)
             return
         finish, msg = None, ""
         if n_gen >= params.max_tokens:
@@ -204,14 +211,14 @@ def _run(model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel,
             finish = FINISH_CANCELLED
         if finish:
             text += stops.feed(detok.flush())[0] + stops.flush()
-            yield _event(text, tok, state, n_ctx, len(todo), n_gen, ttft, prompt_tps, decode_tps, finish, msg)
+            yield _event(text, tok, state, n_ctx, len(todo), n_gen, ttft, prompt_tps, decode_tps, finish, msg, hit=hit)
             return
-        yield _event(text, tok, state, n_ctx, len(todo), n_gen, ttft, prompt_tps, decode_tps)
+        yield _event(text, tok, state, n_ctx, len(todo), n_gen, ttft, prompt_tps, decode_tps, hit=hit)
         logits = model.forward([tok], len(state.tokens), cache, all_logits=False)
         state.tokens.append(tok)
 
 
-def _event(text, tok, state, n_ctx, n_prompt, n_gen, ttft, ptps, dtps, finish=None, msg=""):
+def _event(text, tok, state, n_ctx, n_prompt, n_gen, ttft, ptps, dtps, finish=None, msg="", hit=None):
     return GenerationEvent(
         text=text,
         token_id=tok,
@@ -224,6 +231,7 @@ def _event(text, tok, state, n_ctx, n_prompt, n_gen, ttft, ptps, dtps, finish=No
         decode_tok_s=dtps,
         finish_reason=finish,
         message=msg,
+        decode_hit_rate=hit,
     )
 
 

@@ -3,14 +3,15 @@
 
 For one decoded token at context position ``p`` (docs/planner.md states it in full):
 
-    t = B_dev / device_gbps + B_cpu / cpu_expert_gbps + B_h2d / h2d_gbps + n_sync · sync_us
-        + Σ_f count_f · f          (f over the profile's OVERHEAD_FIELDS, in µs)
+    t = B_dev / device_gbps + B_cpu / cpu_expert_gbps + B_trunk / cpu_trunk_gbps + B_h2d / h2d_gbps
+        + n_sync · sync_us + Σ_f count_f · f          (f over the profile's OVERHEAD_FIELDS, in µs)
 
     B_dev = trunk of device layers + their K/V rows (2·p·row bytes each) + device output
             + experts served from the device (resident: K·e per layer; cache: h·K·e)
-    B_cpu = trunk of host layers + their f32 K/V rows + host output + one embedding row
-            + experts computed on the host (host layers, first n_cpu_moe layers, mode cpu: K·e;
-              cache: the misses, (1−h)·K·e)
+    B_trunk = trunk of host layers + their f32 K/V rows + host output + one embedding row
+              (at cpu_trunk_gbps; a profile without that rate reads them at cpu_expert_gbps)
+    B_cpu = experts computed on the host (host layers, first n_cpu_moe layers, mode cpu: K·e;
+            cache: the misses, (1−h)·K·e)
     B_h2d = cache misses uploaded into the slot pool, (1−h)·K·e
     n_sync = 2 (embedding row in, logits/hidden out, when any layer is on the device)
            + 2 per device layer whose experts run on the host (always, or on a miss:
@@ -169,7 +170,7 @@ def predict(
     pos = max(0, position)
 
     b_dev = float(spec.trunk_prefix[n])
-    b_cpu = float(spec.trunk_bytes - spec.trunk_prefix[n])
+    b_trunk = float(spec.trunk_bytes - spec.trunk_prefix[n])
     # Read per token: attention layers' K/V up to the position, linear-attention layers' fixed-size state.
     for i, lay in enumerate(spec.layers):
         row = kv_row_bytes(kv_type if i < n else HOST_KV_TYPE, spec.kv_dim)
@@ -177,13 +178,14 @@ def predict(
         if i < n:
             b_dev += read
         else:
-            b_cpu += read
+            b_trunk += read
     out = spec.output_norm_bytes + spec.output_bytes
     if n == L:
         b_dev += out
     else:
-        b_cpu += out
-    b_cpu += spec.token_embd_bytes / max(1, spec.n_vocab)
+        b_trunk += out
+    b_trunk += spec.token_embd_bytes / max(1, spec.n_vocab)
+    b_cpu = 0.0
     b_h2d = 0.0
     n_sync = 2.0 if n else 0.0
     counts = dict.fromkeys(OVERHEAD_FIELDS, 0.0)
@@ -235,7 +237,7 @@ def predict(
 
     secs = {
         "device": b_dev / (profile.device_gbps * 1e9),
-        "cpu": b_cpu / (profile.cpu_expert_gbps * 1e9),
+        "cpu": b_cpu / (profile.cpu_expert_gbps * 1e9) + b_trunk / (profile.trunk_gbps * 1e9),
         "h2d": b_h2d / (profile.h2d_gbps * 1e9),
         "sync": n_sync * profile.sync_us * 1e-6,
         "fixed": sum(c * getattr(profile, f) for f, c in counts.items()) * 1e-6,
@@ -244,7 +246,7 @@ def predict(
         mode=mode,
         seconds=sum(secs.values()),
         hit_rate=h_mean,
-        bytes_by_link={"device": b_dev, "cpu": b_cpu, "h2d": b_h2d},
+        bytes_by_link={"device": b_dev, "cpu": b_cpu + b_trunk, "h2d": b_h2d, "cpu_trunk": b_trunk},
         seconds_by_link=secs,
         overhead_counts=counts,
     )

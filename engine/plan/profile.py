@@ -66,7 +66,10 @@ class DeviceProfile:
     reserve_bytes: part of it never available to tensors (context, workspaces, slack).
     scratch_bytes: activation scratch; ``None`` = estimate from the model and context
         (:func:`engine.plan.sizing.scratch_estimate`).
-    cpu_expert_gbps: host GB/s (1e9 B/s) for weights computed on the CPU (experts, host layers).
+    cpu_expert_gbps: host GB/s (1e9 B/s) for routed experts computed on the CPU (``engine.ops.moe_ffn``
+        at the model's expert shape: a tiny shape's per-expert call costs are in this rate).
+    cpu_trunk_gbps: host GB/s for the other bytes a host layer reads (attention and shared matrices, the
+        output matrix, K/V rows); None: ``cpu_expert_gbps`` (what a profile without it has always meant).
     h2d_gbps: host→device copy GB/s (expert uploads on cache misses).
     device_gbps: device memory GB/s (trunk, KV and cached experts read per token).
     sync_us: cost of one host↔device crossing in microseconds.
@@ -93,6 +96,7 @@ class DeviceProfile:
     reserve_bytes: int = DEFAULT_RESERVE
     scratch_bytes: int | None = None
     cpu_expert_gbps: float = DEFAULT_CPU_EXPERT_GBPS
+    cpu_trunk_gbps: float | None = None
     h2d_gbps: float = DEFAULT_H2D_GBPS
     device_gbps: float = DEFAULT_DEVICE_GBPS
     sync_us: float = DEFAULT_SYNC_US
@@ -115,6 +119,9 @@ class DeviceProfile:
                 raise PlanError(f"profile {f} must be a non-negative integer, got {v!r}")
         if self.scratch_bytes is not None and (not isinstance(self.scratch_bytes, int) or self.scratch_bytes < 0):
             raise PlanError(f"profile scratch_bytes must be a non-negative integer or None, got {self.scratch_bytes!r}")
+        t = self.cpu_trunk_gbps
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf")):
+            raise PlanError(f"profile cpu_trunk_gbps must be a positive number or None, got {t!r}")
         for f in _GBPS_FIELDS:
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not v > 0 or v == float("inf"):
@@ -135,6 +142,11 @@ class DeviceProfile:
         bad = [m for m in self.measured if m not in known]
         if bad:
             raise PlanError(f"profile measured names unknown fields {bad}")
+
+    @property
+    def trunk_gbps(self) -> float:
+        """GB/s of a host layer's bytes besides its routed experts."""
+        return self.cpu_trunk_gbps if self.cpu_trunk_gbps is not None else self.cpu_expert_gbps
 
     @property
     def is_measured(self) -> bool:
@@ -176,6 +188,7 @@ class DeviceProfile:
 
 _LABELS: dict[str, tuple[str, str]] = {
     "cpu_expert_gbps": ("CPU experts", "GB/s"),
+    "cpu_trunk_gbps": ("CPU trunk", "GB/s"),
     "h2d_gbps": ("host→device", "GB/s"),
     "device_gbps": ("device", "GB/s"),
     "sync_us": ("sync", "µs"),
@@ -196,17 +209,24 @@ def describe_profile(profile: DeviceProfile) -> list[str]:
     def item(f: str) -> str:
         label, unit = _LABELS[f]
         v = getattr(profile, f)
-        num = f"{v:.3g}" if f in _GBPS_FIELDS or f == "expert_skew" else f"{v:.0f}"
+        num = f"{v:.3g}" if f in (*_GBPS_FIELDS, "cpu_trunk_gbps", "expert_skew") else f"{v:.0f}"
         return f"{label} {num}{' ' + unit if unit else ''}{'*' if f in profile.measured else ''}"
 
-    first = ", ".join(item(f) for f in (*_GBPS_FIELDS, "sync_us", "expert_skew"))
+    trunk = ("cpu_trunk_gbps",) if profile.cpu_trunk_gbps is not None else ()
+    first = ", ".join(item(f) for f in (*_GBPS_FIELDS[:1], *trunk, *_GBPS_FIELDS[1:], "sync_us", "expert_skew"))
     second = "fixed costs: " + ", ".join(item(f) for f in OVERHEAD_FIELDS)
     return [first, second]
 
 
-def profile_source(profile: DeviceProfile) -> str:
-    """``measured`` (every speed field measured), ``partly measured`` or ``defaults``."""
-    speed = {*_GBPS_FIELDS, "sync_us", *OVERHEAD_FIELDS}
+# What a placement with every layer on the CPU costs by (engine.plan.costmodel): a calibration of the
+# CPU alone (``engine.bench.calibrate.calibrate_host``) measures exactly these.
+CPU_FIELDS: tuple[str, ...] = ("cpu_expert_gbps", "cpu_trunk_gbps", "token_us", "host_layer_us")
+
+
+def profile_source(profile: DeviceProfile, cpu_only: bool = False) -> str:
+    """``measured`` (every speed field measured), ``partly measured`` or ``defaults``; with ``cpu_only``
+    (a placement without a device) only the fields such a placement costs by count (:data:`CPU_FIELDS`)."""
+    speed = set(CPU_FIELDS) if cpu_only else {*_GBPS_FIELDS, "sync_us", *OVERHEAD_FIELDS}
     got = speed & set(profile.measured)
     if not got:
         return "defaults"

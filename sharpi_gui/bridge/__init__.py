@@ -358,6 +358,7 @@ class _Worker(QObject):
 # -- the facade (lives on the UI thread) -------------------------------------------------------------
 
 IDLE, LOADING, GENERATING, APPLYING = "idle", "loading", "generating", "applying"
+CAL_RUNNING, CAL_DONE, CAL_PAUSED, CAL_CANCELLED, CAL_FAILED = "running", "done", "paused", "cancelled", "failed"
 
 
 class EngineBridge(QObject):
@@ -384,6 +385,11 @@ class EngineBridge(QObject):
     serverRequest = Signal(object)  # ServerRequest: one answered API request (any thread emits; queued)
     remoteConnected = Signal(object)  # RemoteInfo: the chat now streams from this endpoint
     remoteModels = Signal(int, object, str)  # ticket, the model ids listed (None on failure), the error
+    # The CPU calibration (engine.bench.calibrate.calibrate_host) the app runs in the background without a GPU:
+    calibrationProgress = Signal(int, int, str)  # step, steps, what is measured
+    calibrationEnded = Signal(str, str)  # CAL_DONE | CAL_PAUSED | CAL_CANCELLED | CAL_FAILED, a detail
+    calibrated = Signal(object, object)  # ModelCard, PlacementLimits: the loaded model's predictions, now measured
+    _calibrationDone = Signal(bool, float, str)  # from the job's reader thread
 
     _doLoad = Signal(str, int, str, object)
     _doGenerate = Signal(int, object, object, object)
@@ -393,9 +399,18 @@ class EngineBridge(QObject):
 
     default_sampling = DEFAULT_SAMPLING  # the engine's sampling defaults (the settings dialog's "restore")
 
-    def __init__(self, parent: QObject | None = None, simulate_device: bool = False) -> None:
+    def __init__(
+        self, parent: QObject | None = None, simulate_device: bool = False, calibrate_cpu: bool = False
+    ) -> None:
         super().__init__(parent)
         preload_engine()  # once per process; later calls find everything imported
+        # Without a GPU, measure this CPU once (in a child process, after the model is warmed up) so that
+        # predictions are this machine's; the app does, tests opt in.
+        self.calibrate_cpu = calibrate_cpu
+        self.calibration_state = ""  # "" (none needed or not yet), CAL_RUNNING, or how it last ended
+        self._calib_job = None
+        self._calib_user_cancelled = False
+        self._calibrationDone.connect(self._on_calibration_done)
         self._state = IDLE
         self._rid = 0
         self._stop_event: threading.Event | None = None  # the generation in progress
@@ -515,6 +530,7 @@ class EngineBridge(QObject):
         if self._state != IDLE or not self.has_model:
             return 0
         self._rid += 1
+        self._pause_calibration()  # the chat never waits for it, nor shares the cores with it
         params = {**DEFAULT_SAMPLING, **{k: v for k, v in (sampling or {}).items() if k in SAMPLING_KEYS}}
         self._set_state(GENERATING)
         # made with the request: a Stop before the worker starts it (or while it waits for an API request) is not lost
@@ -696,8 +712,93 @@ class EngineBridge(QObject):
             return None
         return str(p) if p and Path(p).is_file() else None
 
+    # -- the CPU calibration (no GPU: the predictions' speeds, measured once per machine) ---------------
+    def calibration_needed(self) -> bool:
+        """Whether the loaded model runs on the CPU alone and this machine's CPU calibration lacks something
+        its predictions need (engine.bench.calibrate.host_calibration_needed: cached after the first run)."""
+        from engine.bench.calibrate import host_calibration_needed
+
+        cur = self._local
+        if cur is None or cur.limits.has_gpu or cur.session.device.type == "cuda":
+            return False
+        return host_calibration_needed(cur.card.path, cur.session.engine_options)
+
+    def start_calibration(self) -> bool:
+        """Measure this CPU in the background for the loaded model (a few seconds; a child process), unless
+        it is cached, running, cancelled by the user, or the engine is busy; ``calibrationProgress`` and
+        ``calibrationEnded`` follow. Returns whether it started."""
+        import numba
+
+        from engine.bench.calibrate import HostCalibrationJob
+
+        if self._calib_job is not None and self._calib_job.running:
+            return False
+        if self._calib_user_cancelled or self._state != IDLE or not self.calibration_needed():
+            return False
+        cur = self._local
+        job = HostCalibrationJob(
+            cur.card.path,
+            on_progress=lambda k, n, what: self.calibrationProgress.emit(k, n, what),
+            on_done=lambda ok, secs, msg: self._calibrationDone.emit(ok, secs, msg),
+            threads=numba.get_num_threads(),
+            options=cur.session.engine_options,
+        )
+        self._calib_job = job
+        self.calibration_state = CAL_RUNNING
+        self.calibrationProgress.emit(0, 0, "starting")
+        job.start()
+        return True
+
+    def cancel_calibration(self) -> None:
+        """The user's Cancel: stop measuring, and do not start again until the next launch."""
+        self._calib_user_cancelled = True
+        job = self._calib_job
+        if job is not None and job.running:
+            job.cancel()
+
+    def _pause_calibration(self) -> None:
+        job = self._calib_job
+        if job is not None and job.running:
+            self.calibration_state = CAL_PAUSED
+            job.cancel()
+
+    def _on_calibration_done(self, ok: bool, seconds: float, message: str) -> None:
+        self._calib_job = None
+        if ok:
+            self.calibration_state = CAL_DONE
+            self.calibrationEnded.emit(CAL_DONE, f"{seconds:.1f} s")
+            cur = self._local
+            if cur is not None and self._state == IDLE:
+                self._refresh_cpu_profile(cur)
+        elif self._calib_user_cancelled:
+            self.calibration_state = CAL_CANCELLED
+            self.calibrationEnded.emit(CAL_CANCELLED, message)
+        elif self.calibration_state == CAL_PAUSED:
+            self.calibrationEnded.emit(CAL_PAUSED, message)  # starts again when the engine is idle
+            if self._state == IDLE:
+                self.start_calibration()
+        else:
+            self.calibration_state = CAL_FAILED
+            log.warning("CPU calibration failed: %s", message)
+            self.calibrationEnded.emit(CAL_FAILED, message)
+
+    def _refresh_cpu_profile(self, cur: C.Loaded) -> None:
+        """The loaded CPU model's predictions with the calibration just measured (the placement dock's)."""
+        profile = C.device_profile(cur.session)
+        limits = C.limits(
+            cur.session, cur.spec, profile, None, cur.limits.measured_tok_s, self._worker.offers_device(cur.session)
+        )
+        loaded = replace(cur, profile=profile, limits=limits)
+        if self._worker.current is cur:
+            self._worker.current = loaded
+            self.calibrated.emit(loaded.card, loaded.limits)
+
     def shutdown(self) -> None:
         """Stop any generation, close the model and end the worker thread (blocks until it does)."""
+        job, self._calib_job = self._calib_job, None
+        if job is not None and job.running:
+            self._calib_user_cancelled = True
+            job.cancel()
         if not self._thread.isRunning():
             return
         self.stop_server()
@@ -712,6 +813,11 @@ class EngineBridge(QObject):
         self._last_tokens = -1
         self._set_state(IDLE)
         self.loaded.emit(loaded.card, loaded.limits)
+        self._resume_calibration()
+
+    def _resume_calibration(self) -> None:
+        if self.calibrate_cpu and self._state == IDLE:
+            self.start_calibration()
 
     def _on_connected(self, remote: C.Remote) -> None:
         self._last_tokens = -1
@@ -725,10 +831,12 @@ class EngineBridge(QObject):
     def _on_finished(self, rid: int, stats: D.GenStats) -> None:
         self._set_state(IDLE)
         self.finished.emit(rid, stats)
+        self._resume_calibration()
 
     def _on_failed(self, rid: int, failure: D.Failure) -> None:
         self._set_state(IDLE)
         self.failed.emit(rid, failure)
+        self._resume_calibration()
 
     def _on_applied(self, loaded: C.Loaded) -> None:
         self._set_state(IDLE)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.api import Session
-from engine.bench.calibrate import speed_profile
+from engine.bench.calibrate import cached_cpu_profile, speed_profile
 from engine.errors import (
     ChatTemplateError,
     DeviceMemoryError,
@@ -88,6 +88,7 @@ def gen_stats(ev) -> D.GenStats:
         decode_tok_s=ev.decode_tok_s,
         finish_reason=ev.finish_reason,
         message=ev.message,
+        decode_hit_rate=ev.decode_hit_rate,
     )
 
 
@@ -155,7 +156,7 @@ def preview(settings: D.PlanSettings, p) -> D.PlanPreview:
         predicted_tok_s=tuple(p.predicted_tok_s.items()),
         resident_split=p.resident_split or 0,
         predicted_hit_rate=p.to_dict()["predicted_hit_rate"],
-        speeds_source=profile_source(p.profile),
+        speeds_source=profile_source(p.profile, cpu_only=p.n_gpu_layers == 0),
         speeds_device=p.profile.name,
         expert_slots=p.expert_slots,
         expert_slots_needed=p.expert_slots_needed,
@@ -170,9 +171,8 @@ def stats_frame(snap) -> D.StatsFrame:
     """A :class:`ProfilerSnapshot` as the experts dock draws it (heat and residency unchanged)."""
     lookups = snap.hits + snap.misses  # [L, E]
     ratio = np.divide(snap.hits, lookups, out=np.zeros(lookups.shape), where=lookups > 0)
-    lat = snap.step_latency_s
-    decode = (snap.step_tokens == 1) & (lat > 0)  # one-token passes; prompt chunks are not decode speed
-    tok_s = np.divide(1.0, lat, out=np.full(lat.shape, np.nan), where=decode)
+    gap = snap.step_interval_s  # token to token, as the generation loop (and the status bar) counts it
+    tok_s = np.divide(1.0, gap, out=np.full(gap.shape, np.nan), where=np.isfinite(gap) & (gap > 0))
     return D.StatsFrame(
         n_layer=snap.n_layer,
         n_expert=snap.calls.shape[1],
@@ -185,6 +185,9 @@ def stats_frame(snap) -> D.StatsFrame:
         upload_mb_s=snap.step_upload_mb_s,
         tokens_total=snap.tokens_total,
         has_cache=bool(lookups.any()),
+        decode_tok_s=snap.decode.tok_s,
+        decode_hit_rate=snap.decode.hit_rate,
+        decode_tokens=snap.decode.tokens,
     )
 
 
@@ -269,8 +272,12 @@ def limits(
 
 def device_profile(session: Session) -> DeviceProfile:
     """The GPU's memory and its calibrated speeds (measured once per machine, a few seconds, on
-    the first load with CUDA; cached after), or the simulated device's default budget and speeds."""
+    the first load with CUDA; cached after); without a GPU, this CPU's cached calibration for the model
+    (engine.bench.calibrate.cached_cpu_profile, measured in the background on the first launch) with the
+    default device figures; else the default budget and speeds."""
     speeds = speed_profile(session.device, session.gf, measure=True, options=session.engine_options)
+    if speeds is None and session.device.type != "cuda":
+        speeds = cached_cpu_profile(session.info.path, session.engine_options)
     if speeds is not None:
         session.set_device_profile(speeds)
     return session.device_profile()

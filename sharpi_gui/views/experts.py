@@ -47,6 +47,11 @@ def _nice_ceiling(x: float) -> float:
     return 10.0 * k
 
 
+def decode_text(tok_s: float, hit_rate: float | None) -> str:
+    """A reply's decode speed (and cache hit rate) as the status bar and the experts dock both write it."""
+    return f"{tok_s:.1f} tok/s" + ("" if hit_rate is None else f" · hit rate {hit_rate:.0%}")
+
+
 def _ticks(n: int, most: int = 12) -> list[tuple[int, str]]:
     """Integer tick positions 0..n-1, at most ~``most`` of them."""
     step = max(1, -(-n // most))
@@ -167,6 +172,8 @@ class ExpertsPanel(QWidget):
                 self._ranges[i] = (xr, top)
                 self.series_plots[i].setRange(xRange=(0, xr), yRange=(0, top), padding=0.02)
         note = f"{frame.tokens_total:,} tokens profiled · {frame.n_layer} layers × {frame.n_expert} experts"
+        if frame.decode_tokens:  # the status bar's figures: the same window
+            note += f" · last reply: decode {decode_text(frame.decode_tok_s, frame.decode_hit_rate)}"
         if not frame.has_cache:
             note += " · no cache lookups (experts on the CPU)"
         self.info.setText(note)

@@ -144,7 +144,7 @@ class LibraryDialog(QDialog):
         ):
             speed = f"{self.measured_tok_s:,.1f} tok/s (measured)"
         else:
-            speed = f"≈ {e.predicted_tok_s:,.1f} tok/s"
+            speed = f"≈ {e.predicted_tok_s:,.1f} tok/s" + ("" if e.calibrated else " (uncalibrated)")
         cells = (
             e.name,
             e.architecture,
@@ -165,8 +165,8 @@ class LibraryDialog(QDialog):
     def _on_done(self, n: int) -> None:
         runnable = sum(e.runnable for e in self.entries)
         self.status.setText(
-            f"{n} GGUF files, {runnable} can run here. Predicted speeds use the planner's default speeds "
-            "unless measured; hover a verdict for the whole reason."
+            f"{n} GGUF files, {runnable} can run here. Speeds marked uncalibrated use the planner's default "
+            "speeds (this CPU is measured once, in the background); hover a verdict for the whole reason."
         )
         self.rescan_button.setEnabled(True)
 

@@ -25,7 +25,7 @@ from PySide6.QtWidgets import (
 from sharpi_gui import data as D
 from sharpi_gui.views import dialogs
 from sharpi_gui.views.chat import ChatView
-from sharpi_gui.views.experts import ExpertsDock
+from sharpi_gui.views.experts import ExpertsDock, decode_text
 from sharpi_gui.views.library import LibraryDialog
 from sharpi_gui.views.model_card import ModelCardDialog
 from sharpi_gui.views.placement import PlacementDock
@@ -74,8 +74,19 @@ class MainWindow(QMainWindow):
         self.cancel_button = QPushButton("Cancel")
         self.cancel_button.setToolTip("Stop loading (the model open before stays)")
         self.cancel_button.setVisible(False)
+        # This CPU's calibration, measured in the background on the first launch without a GPU.
+        self.calib_label = QLabel()
+        self.calib_label.setObjectName("calibration-line")
+        self.calib_label.setVisible(False)
+        self.calib_cancel = QPushButton("Skip")
+        self.calib_cancel.setToolTip(
+            "Stop measuring this CPU (predicted speeds stay uncalibrated until the next start)"
+        )
+        self.calib_cancel.setVisible(False)
         sb.addPermanentWidget(self.progress)
         sb.addPermanentWidget(self.cancel_button)
+        sb.addPermanentWidget(self.calib_label)
+        sb.addPermanentWidget(self.calib_cancel)
         for label in self.status.values():
             label.setContentsMargins(6, 0, 6, 0)
             sb.addPermanentWidget(label)
@@ -174,10 +185,34 @@ class MainWindow(QMainWindow):
         b.warning.connect(lambda text: self.statusBar().showMessage(text, 10000))
         b.waiting.connect(lambda _rid: self.statusBar().showMessage("The chat waits for an API request to finish…"))
         b.busyChanged.connect(self._on_busy)
+        b.calibrationProgress.connect(self._on_calibration_progress)
+        b.calibrationEnded.connect(self._on_calibration_ended)
+        self.calib_cancel.clicked.connect(b.cancel_calibration)
         self.ctx.placement.applyFailed.connect(self.show_error)
         self.ctx.chat.statsChanged.connect(self._render_stats)
         self.ctx.chat.notice.connect(self._on_chat_notice)
         self.experts_dock.panel.exportRequested.connect(self.export_dialog)
+
+    def _on_calibration_progress(self, step: int, steps: int, what: str) -> None:
+        count = f" — {step} of {steps}" if steps else ""
+        self.calib_label.setText(f"{D.CALIBRATING}{count}")
+        self.calib_label.setToolTip(f"measuring {what}; the chat stays usable (asking pauses it)")
+        self.calib_label.setVisible(True)
+        self.calib_cancel.setVisible(True)
+
+    def _on_calibration_ended(self, how: str, detail: str) -> None:
+        if how == "paused":  # a question is being answered: measuring resumes when it is done
+            self.calib_label.setText(f"{D.CALIBRATING} — paused while the model answers")
+            return
+        self.calib_label.setVisible(False)
+        self.calib_cancel.setVisible(False)
+        text = {
+            "done": f"This CPU is calibrated ({detail}): predicted speeds are now measured ones",
+            "cancelled": "CPU calibration skipped: predicted speeds stay uncalibrated until the next start",
+            "failed": f"CPU calibration failed; predicted speeds stay uncalibrated ({detail})",
+        }.get(how, "")
+        if text:
+            self.statusBar().showMessage(text, 10000)
 
     def _on_chat_notice(self, failure: D.Failure) -> None:
         """The model's chat template failed: offer ChatML in its place, never silently."""
@@ -264,7 +299,9 @@ class MainWindow(QMainWindow):
     def _render_stats(self, s: D.GenStats) -> None:
         st = self.status
         st["prompt"].setText(f"prompt {s.prompt_tok_s:.1f} tok/s" if s.n_prompt else "prompt — tok/s")
-        st["decode"].setText(f"decode {s.decode_tok_s:.1f} tok/s" if s.decode_tok_s else "decode — tok/s")
+        st["decode"].setText(
+            f"decode {decode_text(s.decode_tok_s, s.decode_hit_rate)}" if s.decode_tok_s else "decode — tok/s"
+        )
         st["ttft"].setText(f"TTFT {s.ttft_s * 1000:.0f} ms" if s.ttft_s else "TTFT —")
         n_ctx = s.n_ctx or (self.card.n_ctx if self.card else 0)
         st["ctx"].setText(f"context {s.n_ctx_used:,} / {n_ctx:,}" if n_ctx else "context —")

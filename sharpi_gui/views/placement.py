@@ -312,6 +312,8 @@ def cpu_summary(pv: D.PlanPreview, limits: D.PlacementLimits, t: Theme) -> str:
     if limits.measured_tok_s:
         rows.append(f"<b>Decode speed on this CPU: {limits.measured_tok_s:,.1f} tok/s</b>")
         rows.append(f"{small}measured when the model loaded (the warm-up's last tokens)</span>")
+        if predicted is not None:
+            rows.append(f"{small}predicted {predicted:,.1f} tok/s — {html.escape(speeds_note(pv))}</span>")
     elif predicted is not None:
         rows.append(f"<b>Predicted decode speed on this CPU: {predicted:,.1f} tok/s</b>")
         rows.append(f"{small}{html.escape(speeds_note(pv))}</span>")
@@ -326,8 +328,8 @@ def speeds_note(pv: D.PlanPreview) -> str:
     if pv.speeds_source == "measured":
         return f"from speeds measured on this machine{where}"
     if pv.speeds_source == "partly measured":
-        return f"from speeds partly measured on this machine{where}, partly default"
-    return "from default speeds, not measured on this machine (a rough guide)"
+        return f"partly calibrated: from speeds partly measured on this machine{where}, partly default"
+    return "uncalibrated: from default speeds, not measured on this machine (a rough guide)"
 
 
 class PlacementDock(QDockWidget):

@@ -217,6 +217,11 @@ class StatsFrame:
     upload_mb_s: np.ndarray
     tokens_total: int
     has_cache: bool  # any hit or miss recorded (False in CPU-only mode)
+    # The cache's hits split by how the expert got there: a miss's upload (demand) or a prediction (prefetch,
+    # SHARPI_CACHE_PREFETCH); recall: the share of the predicted layers' experts the prediction named (nan: none).
+    demand_hits: int = 0
+    prefetch_hits: int = 0
+    prefetch_recall: float = float("nan")
 
     @classmethod
     def empty(cls, n_layer: int = 1, n_expert: int = 1) -> StatsFrame:

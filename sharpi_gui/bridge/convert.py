@@ -173,6 +173,8 @@ def stats_frame(snap) -> D.StatsFrame:
     lat = snap.step_latency_s
     decode = (snap.step_tokens == 1) & (lat > 0)  # one-token passes; prompt chunks are not decode speed
     tok_s = np.divide(1.0, lat, out=np.full(lat.shape, np.nan), where=decode)
+    pf_hits = int(snap.prefetch_hits.sum()) if snap.prefetch_hits is not None else 0
+    pred = snap.prediction.sum(axis=0) if snap.prediction is not None else np.zeros(3, np.int64)
     return D.StatsFrame(
         n_layer=snap.n_layer,
         n_expert=snap.calls.shape[1],
@@ -185,6 +187,9 @@ def stats_frame(snap) -> D.StatsFrame:
         upload_mb_s=snap.step_upload_mb_s,
         tokens_total=snap.tokens_total,
         has_cache=bool(lookups.any()),
+        demand_hits=int(snap.hits.sum()) - pf_hits,
+        prefetch_hits=pf_hits,
+        prefetch_recall=float(pred[2] / pred[1]) if pred[1] else float("nan"),
     )
 
 

@@ -59,6 +59,7 @@ ENV = MappingProxyType(
         "cuda_graph": "SHARPI_CUDA_GRAPH",
         "prompt_upload_min": "SHARPI_PROMPT_UPLOAD_MIN",
         "cache_upload": "SHARPI_CACHE_UPLOAD",
+        "cache_prefetch": "SHARPI_CACHE_PREFETCH",
         "host_nodes": "SHARPI_HOST_NODES",
         "prompt_stream_min": "SHARPI_PROMPT_STREAM_MIN",
         "state_checkpoints": "SHARPI_STATE_CHECKPOINTS",
@@ -160,6 +161,14 @@ class EngineOptions:
     # worker thread behind the next steps, in the table once landed — or "inline" — copied between steps,
     # the next step waiting for them; None (unset) = background on CUDA, inline on the simulated device.
     cache_upload: str | None = None
+    # SHARPI_CACHE_PREFETCH: predictive prefetch in the expert cache (``cache`` mode) — while a cached MoE layer
+    # runs a decode step, the next cached layer's router applied to this layer's normed input (pre-gating)
+    # predicts the next layer's experts, and up to this many of its predicted misses a layer and step are
+    # uploaded (the strongest predicted first) behind this step's demand misses (engine.runtime.expert_cache).
+    # It changes where experts are computed, never the result. While on, decode runs without CUDA graphs (the
+    # table a graph reads changes only between steps). Whole number ≥ 0; 0 (default): off — off until its
+    # speed is measured on a GPU box (docs/benchmarks.md, *Predictive prefetch*).
+    cache_prefetch: int = 0
     # SHARPI_PROMPT_STREAM_MIN: tokens from which a batch copies the host-placed experts of a device layer
     # (--moe cpu, the first n_cpu_moe layers) to the device and computes them there, as llama.cpp does
     # above 32 (engine.runtime.expert_stream; whole number ≥ 0; 0: never, and the planner reserves no
@@ -323,6 +332,7 @@ _PARSE = {
     "cuda_graph": _cuda_graph,
     "prompt_upload_min": _whole,
     "cache_upload": _choice(CACHE_UPLOADS),
+    "cache_prefetch": _whole,
     "prompt_stream_min": _whole,
     "state_checkpoints": _whole,
     "kv_type": _choice(KV_TYPES, KV_ALIASES),
@@ -359,6 +369,8 @@ def _check(o: EngineOptions) -> None:
         raise UsageError(f"EngineOptions.kv_type={o.kv_type!r}: expected None or one of {', '.join(KV_TYPES)}")
     if o.prompt_upload_min is not None and (not isinstance(o.prompt_upload_min, int) or o.prompt_upload_min < 0):
         raise UsageError(f"EngineOptions.prompt_upload_min={o.prompt_upload_min!r}: expected None or a number ≥ 0")
+    if not isinstance(o.cache_prefetch, int) or o.cache_prefetch < 0:
+        raise UsageError(f"EngineOptions.cache_prefetch={o.cache_prefetch!r}: expected a number ≥ 0")
     if not isinstance(o.prompt_stream_min, int) or o.prompt_stream_min < 0:
         raise UsageError(f"EngineOptions.prompt_stream_min={o.prompt_stream_min!r}: expected a number ≥ 0")
     if not isinstance(o.state_checkpoints, int) or o.state_checkpoints < 0:

@@ -51,11 +51,25 @@ class ProfilerSnapshot:
     # decode speed token by token; the window's tok/s is their count over their sum.
     step_interval_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     decode: DecodeWindow = field(default_factory=DecodeWindow)  # the latest generation's decode window
+    # Predictive prefetch (engine.runtime.expert_cache, EngineOptions.cache_prefetch); zeros when it is off.
+    prefetched: np.ndarray | None = None  # int64 [L, E]: uploads made on a prediction, not a miss
+    prefetch_hits: np.ndarray | None = None  # int64 [L, E]: hits on a prefetched expert (its first use)
+    # int64 [L, 3]: per layer, over the decode steps it was predicted in: experts predicted, experts it then
+    # chose, and both (recall = both / chose, precision = both / predicted)
+    prediction: np.ndarray | None = None
 
     @property
     def hit_rate(self) -> float:
         h, m = int(self.hits.sum()), int(self.misses.sum())
         return h / (h + m) if h + m else float("nan")
+
+    def prefetch_recall(self) -> np.ndarray:
+        """float64 [L]: per layer, the share of its chosen experts the prediction named (nan: not predicted)."""
+        return _ratio(self.prediction, 2, 1, self.n_layer)
+
+    def prefetch_precision(self) -> np.ndarray:
+        """float64 [L]: per layer, the share of the predicted experts it then chose (nan: not predicted)."""
+        return _ratio(self.prediction, 2, 0, self.n_layer)
 
     def to_dict(self) -> dict[str, Any]:
         def arr(a: np.ndarray) -> list:
@@ -79,6 +93,14 @@ class ProfilerSnapshot:
                 "hit_rate": self.decode.hit_rate,
                 "hits": self.decode.hits,
                 "misses": self.decode.misses,
+            },
+            "prefetch": {
+                "uploads": int(self.prefetched.sum()) if self.prefetched is not None else 0,
+                "hits": int(self.prefetch_hits.sum()) if self.prefetch_hits is not None else 0,
+                "recall": arr(self.prefetch_recall()),
+                "precision": arr(self.prefetch_precision()),
+                "prefetched": arr(self.prefetched) if self.prefetched is not None else None,
+                "prefetch_hits": arr(self.prefetch_hits) if self.prefetch_hits is not None else None,
             },
             "steps": {
                 "latency_s": arr(self.step_latency_s),
@@ -108,6 +130,9 @@ class ExpertProfiler:
             self.heat = np.zeros((L, E), np.float64)
             self.resident = np.zeros((L, E), bool)
             self._steps = np.full((self.history, 5), np.nan)  # latency, tokens, hit rate, MB/s, interval
+            self.prefetched = np.zeros((L, E), np.int64)
+            self.prefetch_hits = np.zeros((L, E), np.int64)
+            self.prediction = np.zeros((L, 3), np.int64)
             self._n_steps = 0
             self.tokens_total = 0
             self._t0 = None
@@ -143,6 +168,17 @@ class ExpertProfiler:
             np.add.at(self.misses[layer], np.asarray(miss_ids, np.int64), 1)
             for e, b in uploaded.items():
                 self.uploaded[layer, e] += b
+
+    def record_prefetch(self, layer: int, uploaded: np.ndarray = (), hits: np.ndarray = ()) -> None:
+        """Experts of ``layer`` uploaded on a prediction, and hits on experts a prediction brought in."""
+        with self._lock:
+            np.add.at(self.prefetched[layer], np.asarray(uploaded, np.int64), 1)
+            np.add.at(self.prefetch_hits[layer], np.asarray(hits, np.int64), 1)
+
+    def record_prediction(self, layer: int, predicted: int, chosen: int, both: int) -> None:
+        """One step's prediction of ``layer``'s experts against what it chose (counts)."""
+        with self._lock:
+            self.prediction[layer] += (predicted, chosen, both)
 
     def set_resident(self, layer: int, experts: np.ndarray, value: bool = True) -> None:
         with self._lock:
@@ -212,7 +248,17 @@ class ExpertProfiler:
                 tokens_total=self.tokens_total,
                 step_interval_s=steps[:, 4].copy(),
                 decode=self._clock.window,
+                prefetched=self.prefetched.copy(),
+                prefetch_hits=self.prefetch_hits.copy(),
+                prediction=self.prediction.copy(),
             )
+
+
+def _ratio(counts: np.ndarray | None, num: int, den: int, n_layer: int) -> np.ndarray:
+    if counts is None:
+        return np.full(n_layer, np.nan)
+    d = counts[:, den].astype(np.float64)
+    return np.divide(counts[:, num], d, out=np.full(len(d), np.nan), where=d > 0)
 
 
 def export(snapshot: ProfilerSnapshot, prefix: str | Path) -> tuple[Path, Path]:

@@ -224,6 +224,11 @@ class StatsFrame:
     decode_tok_s: float = 0.0
     decode_hit_rate: float | None = None
     decode_tokens: int = 0
+    # The cache's hits split by how the expert got there: a miss's upload (demand) or a prediction (prefetch,
+    # SHARPI_CACHE_PREFETCH); recall: the share of the predicted layers' experts the prediction named (nan: none).
+    demand_hits: int = 0
+    prefetch_hits: int = 0
+    prefetch_recall: float = float("nan")
 
     @classmethod
     def empty(cls, n_layer: int = 1, n_expert: int = 1) -> StatsFrame:

@@ -169,3 +169,38 @@ def test_dock_and_status_bar_report_one_decode_window(qtbot, cached):
     if os.environ.get("SHARPI_SCREENSHOTS"):
         qtbot.wait(300)
         w.grab().save(os.path.join(os.environ["SHARPI_SCREENSHOTS"], "decode-window.png"))
+
+
+def test_prefetch_hits_beside_demand_hits(qtbot, tmp_path, model_path, engine_env):
+    """With predictive prefetch on (SHARPI_CACHE_PREFETCH), the dock's line splits the cache's hits into
+    demand and prefetched ones, as the engine's snapshot counts them, with the prediction's recall."""
+    engine_env({"SHARPI_CACHE_PREFETCH": "2"})
+    w = make_window(qtbot, tmp_path)
+    w.settings.set_ctx_for(str(model_path), 2048)
+    load(qtbot, w, model_path)
+    sess = session_of(w)
+    probe = sess.plan(PlanRequest(ctx=2048, moe="cpu"), sess.device_profile())
+
+    def slots(budget):
+        p = sess.plan(PlanRequest(ctx=2048, moe="cache"), sess.device_profile().with_budget(budget))
+        return p.expert_slots_allocated if p.moe_mode == "cache" else 0
+
+    # a cache of a few slots (of the model's 16 experts), where predictions have something to upload
+    budget = next(b for n in range(16) if 3 <= slots(b := probe.device.total - n * probe.expert_slot_bytes) <= 8)
+    with qtbot.waitSignal(w.bridge.applied, timeout=GEN_TIMEOUT_MS):
+        w.bridge.apply(PlanSettings(vram_bytes=budget, ctx=2048, moe="cache"))
+    w.settings.sampling = {"max_tokens": 12, "seed": 5}
+    with qtbot.waitSignal(w.bridge.finished, timeout=GEN_TIMEOUT_MS):
+        w.ctx.chat.send("Name three rivers")
+    model, panel = w.ctx.experts, w.experts_dock.panel
+    model.poll(force=True)
+    qtbot.waitUntil(lambda: model.frame is not None and model.frame.tokens_total > 0, timeout=GEN_TIMEOUT_MS)
+    snap = session_of(w).stats()
+    f = model.frame
+    assert f.prefetch_hits == int(snap.prefetch_hits.sum()) > 0
+    assert f.demand_hits + f.prefetch_hits == int(snap.hits.sum())
+    assert 0 <= f.prefetch_recall <= 1
+    assert f"{f.demand_hits:,} demand, {f.prefetch_hits:,} prefetched" in panel.info.text()
+    assert "prediction recall" in panel.info.text()
+    if os.environ.get("SHARPI_SCREENSHOTS"):
+        w.experts_dock.grab().save(os.path.join(os.environ["SHARPI_SCREENSHOTS"], "experts-dock-prefetch.png"))

@@ -271,3 +271,27 @@ def test_replay_inside_captured_cuda_graphs(model, moe):
         calls = s.stats().calls
     counts = np.stack([np.bincount(ids[:, j].ravel(), minlength=own.n_expert) for j in range(own.n_layers)])
     np.testing.assert_array_equal(calls, counts)
+
+
+def test_serve_records_routes_until_it_stops(model, tmp_path, monkeypatch, capsys):
+    """``sharpi serve --record-routes FILE``: the routes of what the server ran, written when it stops; the
+    server never replays (its answers are the model's own)."""
+    import time
+
+    import engine.server
+
+    def fake_serve(host, bind, port, options, on_listening=None):  # a server that answers one request and stops
+        deadline = time.monotonic() + 120
+        while host.session is None and not host.error and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert host.session is not None, host.error
+        host.session.logits([1, 2, 3], batch=True)
+
+    monkeypatch.setattr(engine.server, "serve", fake_serve)
+    path = tmp_path / "served.npz"
+    assert main(["serve", "-m", model, "--port", "0", "--record-routes", str(path)]) == 0
+    t = load_trace(path)
+    assert t.n_tokens == 3 and t.meta["source"] == "recorded"
+    assert f"routes: {path}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "-m", model, "--replay-routes", str(path)])

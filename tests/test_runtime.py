@@ -386,3 +386,45 @@ def test_streamed_experts_in_small_halves_equal_the_cpu_backend(paths, device):
         short = torch.zeros((T - 1, D), device=device)
         st.forward(0, short, torch.zeros((T - 1, K), dtype=torch.int64, device=device), short[:, :K])
         assert st.streamed_layers == L and st.streamed_bytes == copied * per_expert
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefetch_moves_experts_never_the_logits(paths, device):
+    """EngineOptions.cache_prefetch: while a cached layer decodes, the next layer's router on this layer's input
+    predicts its experts and the missing ones are uploaded — the logits equal prefetch off's and the CPU
+    engine's; the uploads happen, are hit, and the prediction is scored per layer (recall, precision)."""
+    tokens = random_tokens(16, 1024, seed=7)
+    with _session(paths["qwen3moe"], device) as s:
+        ref = s.logits(tokens, batch=False)
+        L, E, K = s.args.n_layer, s.args.n_expert, s.args.n_expert_used
+        placement = s.plan(
+            PlanRequest(ctx=CTX, n_gpu_layers=L, moe="cache"), _profile_for(s, n_gpu_layers=L, slots=L * E // 2)
+        )
+        results = {}
+        for n in (0, 4):
+            s.apply(placement, replace(s.engine_options, cache_prefetch=n, cache_upload="inline"))
+            assert s.applied.experts.prefetch_max == n
+            s.reset_stats()
+            results[n] = (s.logits(tokens, batch=False), s.stats())
+        (off, st_off), (on, st) = results[0], results[4]
+        assert np.abs(on - off).max() <= 1e-5 and np.abs(on - ref).max() <= 1e-5
+        assert int(st_off.prefetched.sum()) == 0 and int(st_off.prediction.sum()) == 0
+        assert s.applied.graph == ""  # prefetch decodes without CUDA graphs
+        # every layer but the first is predicted once a step; each prediction names K experts
+        assert st.prediction[0].tolist() == [0, 0, 0]
+        assert (st.prediction[1:, 0] == len(tokens) * K).all() and (st.prediction[1:, 1] == len(tokens) * K).all()
+        recall, precision = st.prefetch_recall(), st.prefetch_precision()
+        assert np.isnan(recall[0]) and ((recall[1:] >= 0) & (recall[1:] <= 1)).all()
+        np.testing.assert_array_equal(recall[1:], precision[1:])  # K predicted, K chosen
+        # uploads on predictions, at most 4 a layer and step, and some of them hit before any miss of theirs
+        assert 0 < int(st.prefetched.sum()) <= 4 * (L - 1) * len(tokens) and int(st.prefetched[0].sum()) == 0
+        assert int(st.prefetch_hits.sum()) > 0 and (st.prefetch_hits <= st.prefetched).all()
+        # a prefetched expert that hit was a hit the demand path would have missed: fewer misses than without
+        assert int(st.misses.sum()) < int(st_off.misses.sum())
+        d = st.to_dict()["prefetch"]
+        assert d["uploads"] == int(st.prefetched.sum()) and d["recall"][0] is None
+        from engine.bench.model import prefetch_report  # what `sharpi bench --json` prints
+
+        r = prefetch_report(st)
+        assert prefetch_report(st_off) is None and r["hits"] == int(st.prefetch_hits.sum())
+        assert r["recall"] == pytest.approx(np.nanmean(recall[1:])) and r["recall_by_layer"][0] is None

@@ -168,6 +168,23 @@ def _llama_available() -> bool:
     return True
 
 
+def prefetch_report(st) -> dict | None:
+    """The expert cache's predictive prefetch over the run (``EngineOptions.cache_prefetch``), None where no
+    layer was predicted: uploads, hits on them, and per layer the prediction's recall and precision."""
+    if st.prediction is None or not st.prediction.any():
+        return None
+    p = st.prediction
+    rec, prec = st.prefetch_recall(), st.prefetch_precision()
+    return {
+        "uploads": int(st.prefetched.sum()),
+        "hits": int(st.prefetch_hits.sum()),
+        "recall": float(p[:, 2].sum() / p[:, 1].sum()),
+        "precision": float(p[:, 2].sum() / p[:, 0].sum()),
+        "recall_by_layer": [None if np.isnan(x) else round(float(x), 4) for x in rec],
+        "precision_by_layer": [None if np.isnan(x) else round(float(x), 4) for x in prec],
+    }
+
+
 def bench_session(
     session,
     prompt: int,
@@ -247,6 +264,7 @@ def bench_session(
         "hit_rate": None if np.isnan(st.hit_rate) else st.hit_rate,
         "upload_gb_s": upload_gbps,
         "median_step_ms": float(np.median(steps)) * 1e3 if len(steps) else None,
+        "prefetch": prefetch_report(st),
     }
     report["rss_ratio"] = report["rss_bytes"] / report["file_bytes"] if report["rss_bytes"] else None
     if vs_llama_cpp:

@@ -245,6 +245,12 @@ def run_model(args: argparse.Namespace) -> int:
         )
     if report["hit_rate"] is not None:
         print(f"cache      hit rate {report['hit_rate']:.1%}, uploads {report['upload_gb_s']:.2f} GB/s")
+    pf = report.get("prefetch")
+    if pf:
+        print(
+            f"prefetch   {pf['uploads']} uploads, {pf['hits']} hit; prediction recall {pf['recall']:.1%}, "
+            f"precision {pf['precision']:.1%}"
+        )
     if report.get("predicted_tok_s"):
         preds = " | ".join(f"{m} {_tok(v)}" for m, v in report["predicted_tok_s"].items())
         err = report.get("prediction_error")

@@ -1,11 +1,14 @@
-"""``sharpi serve [-m FILE] [--host H] [--port N]``: the OpenAI-compatible HTTP server."""
+"""``sharpi serve [-m FILE] [--host H] [--port N] [--record-routes FILE]``: the OpenAI-compatible HTTP server.
+
+``--record-routes FILE`` records the routes of everything the server runs from the load on and writes the
+trace when the server stops (Ctrl-C, SIGTERM)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from engine.cli.common import add_model_args, add_placement_args, load_session
+from engine.cli.common import add_model_args, add_placement_args, add_route_args, load_session, save_route_recording
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,6 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-id", default=None, help="the model's name in the API (default: the file name's stem)")
     p.add_argument("--max-queue", type=int, default=8, help="requests that may wait for the model (more get 429)")
     add_placement_args(p)
+    add_route_args(p, replay=False)
     p.set_defaults(func=run)
 
 
@@ -34,9 +38,16 @@ def run(a: argparse.Namespace) -> int:
             a.model = str(demo_model_path())
         except FileNotFoundError as e:
             raise UsageError(f"no -m/--model given and {e}") from None
-    host = ModelHost.load_in_background(
-        a.model, lambda progress: load_session(a), model_id=a.model_id, max_queue=a.max_queue
-    )
+    recording = []  # the route recorder, once the session has loaded (--record-routes)
+
+    def load(progress):
+        session = load_session(a)
+        if a.record_routes:
+            recording.append(session.record_routes())
+            print(f"sharpi: recording routes into {a.record_routes} (written when the server stops)", file=sys.stderr)
+        return session
+
+    host = ModelHost.load_in_background(a.model, load, model_id=a.model_id, max_queue=a.max_queue)
 
     def listening(url: str) -> None:
         print(
@@ -48,4 +59,7 @@ def run(a: argparse.Namespace) -> int:
         serve(host, a.host, a.port, ServerOptions(api_key=a.api_key), on_listening=listening)
     except OSError as e:
         raise UsageError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
+    finally:
+        if recording:
+            save_route_recording(a, recording[0])
     return 0

@@ -80,8 +80,9 @@ def add_placement_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_route_args(p: argparse.ArgumentParser) -> None:
-    """``--record-routes`` / ``--replay-routes`` (run and bench: the commands that act on them)."""
+def add_route_args(p: argparse.ArgumentParser, replay: bool = True) -> None:
+    """``--record-routes`` (run, bench, serve) and ``--replay-routes`` (run and bench; not ``replay``: serve,
+    whose answers must be the model's own)."""
     g = p.add_argument_group("routing traces")
     g.add_argument(
         "--record-routes",
@@ -90,6 +91,8 @@ def add_route_args(p: argparse.ArgumentParser) -> None:
         help="record every MoE layer's routes of everything run into FILE (.npz routing trace, engine.routes); "
         "tokens then run layer by layer (no decode graph): the same output, slower",
     )
+    if not replay:
+        return
     g.add_argument(
         "--replay-routes",
         metavar="FILE",

@@ -19,6 +19,7 @@ from engine.config import EngineOptions
 from engine.experts import CpuExperts
 from engine.kv_cache import KVCache
 from engine.models.base import HOST, DecoderModel
+from engine.models.layers import route
 from engine.plan.placement import Placement
 from engine.plan.sizing import HOST_KV_TYPE, expert_slot_layout, layer_slot_layout
 from engine.plan.spec import ModelSpec
@@ -124,7 +125,20 @@ def apply_placement(
     model.configure(layer_w, devices, backends, globals_w if G >= L else w, rope_weights=globals_w)
     if cached is not None and p.moe_mode == "resident":
         cached.preload(pin=True)
+    if cached is not None and p.moe_mode == "cache" and cached.prefetch_max > 0:
+        order = sorted(cache_layers)
+        cached.set_predictors({i: (n, _pre_gate(model, n)) for i, n in zip(order, order[1:])})
     # Everything of a decode step on the device: one-token steps replay a CUDA graph.
     model.decode_graph = g = graph_decode.for_placement(model, p, device, options)
     graph = "" if g is None else g.describe()
     return Applied(p, device, arena, cache, cached, graph, options, stream)
+
+
+def _pre_gate(model: DecoderModel, n: int):
+    """Layer ``n``'s router and routing applied to the input of the MoE layer before it (pre-gating)."""
+
+    def routing(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        moe = model.layers[n].moe
+        return route(moe.router(x), moe.routing)
+
+    return routing

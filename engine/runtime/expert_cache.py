@@ -10,12 +10,26 @@ and computed on the device with the hits (copying 2–3 MB beats the CPU's work 
 llama.cpp likewise moves a large batch's experts to the GPU); its rarer misses run on the CPU, grouped by
 expert. ``resident`` is the same pool filled with every expert and pinned.
 
+**Predictive prefetch** (``EngineOptions.cache_prefetch`` = N > 0, decode steps): after a cached layer has
+served its experts (its hits on the device, its misses on the CPU), the next cached layer's router is applied
+to this layer's normed input (pre-gating: the residual stream changes little from one layer to the next),
+and up to N of the next layer's predicted experts not in the pool are uploaded now, the strongest predicted
+first, never evicting an expert this token uses in this layer or is predicted to use in the next. The
+uploads are copied on the copy stream and land before the next layer computes; they are skipped while a
+step's demand uploads are still in flight behind the decode (a prefetch never delays a demand miss's upload),
+and a step's demand uploads go up after the layers (``end_step``), when the step's prefetches have landed.
+Every expert computes the same bytes on either side, so prefetch moves work, never changes the result.
+The profiler counts each prediction against the layer's actual choice (recall, precision) and the hits on
+prefetched experts.
+
 In a one-token step (a decode CUDA graph) the device half computes the hits — every expert, where the
 pool is pinned — with the slots looked up on the device, and the host half the misses after the replay;
 the pool changes only between steps (``end_step``), so the table the graph reads stays true.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -81,6 +95,17 @@ class CachedExperts(ExpertBackend):
         self._expert_bytes = self.pool.expert_bytes  # (layer, role) -> uint8 [E, row bytes] views of the map
         self.queue: list[tuple[int, int]] = []  # (layer, expert) to upload at the end of the step
         self._profiler: ExpertProfiler | None = None
+        self.prefetch_max = self.options.cache_prefetch  # experts a layer and decode step (0: no prefetch)
+        # layer -> (the next cached layer, its routing of this layer's normed input: ids, weights [T, K])
+        self._predictors: dict[int, tuple[int, Callable]] = {}
+        self._predicted: dict[int, np.ndarray] = {}  # layer -> this step's predicted experts, strongest first
+        self._prefetched: set[tuple[int, int]] = set()  # brought in by a prediction, not used since
+        self.prefetch_skipped = 0  # prefetches not made: demand uploads were in flight
+
+    def set_predictors(self, predictors: dict[int, tuple[int, Callable]]) -> None:
+        """For predictive prefetch: {cached layer: (next cached layer, routing)}, where ``routing(x)`` maps this
+        layer's normed input [T, D] to the next layer's router's choice (ids int64, weights [T, K])."""
+        self._predictors = dict(predictors)
 
     @property
     def profiler(self) -> ExpertProfiler | None:
@@ -127,7 +152,10 @@ class CachedExperts(ExpertBackend):
             eager = [e for e in miss if counts[e] >= self.prompt_upload_min]
         else:
             eager = []
+        if self._predicted or self._prefetched:
+            self._score_prefetch(layer, experts, hit)
         loaded = [e for e in eager if self.pool.upload(layer, e, working)]
+        self._prefetched.difference_update((layer, e) for e in loaded)
         if loaded:
             self.pool.sync()
         hit_set, miss = set(hit) | set(loaded), [e for e in miss if e not in loaded]
@@ -139,7 +167,41 @@ class CachedExperts(ExpertBackend):
         if miss:
             y = y + self._host_outputs(layer, x, ids_h, weights, set(miss)).to(x.device)
             self.queue.extend((layer, e) for e in miss)
+        if T == 1 and self.prefetch_max > 0 and layer in self._predictors and self.upload_policy == "async":
+            self._prefetch(layer, x, working)
         return y
+
+    def _score_prefetch(self, layer: int, experts: np.ndarray, hit: list[int]) -> None:
+        """This pass's experts of ``layer`` against the prediction made for it, and its hits on prefetched ones."""
+        pred = self._predicted.pop(layer, None)
+        if pred is not None and self.profiler is not None:
+            self.profiler.record_prediction(layer, len(pred), len(experts), len(np.intersect1d(pred, experts)))
+        used = [e for e in hit if (layer, e) in self._prefetched]
+        self._prefetched.difference_update((layer, e) for e in used)
+        if used and self.profiler is not None:
+            self.profiler.record_prefetch(layer, hits=used)
+
+    def _prefetch(self, layer: int, x: torch.Tensor, working: set) -> None:
+        """Predict the next cached layer's experts from ``x`` (this layer's normed input) and upload up to
+        ``prefetch_max`` of those not in the pool, strongest first (see the module docstring)."""
+        nxt, routing = self._predictors[layer]
+        ids, w = routing(x)
+        ids_h, w_h = ids.cpu().numpy().reshape(-1), w.float().cpu().numpy().reshape(-1)
+        pred = ids_h[np.argsort(-w_h, kind="stable")]
+        self._predicted[nxt] = pred
+        self.pool.publish()  # demand uploads that have landed enter the table
+        if self.pool.in_flight:  # demand uploads still copying behind the decode: they keep the link
+            self.prefetch_skipped += 1
+            return
+        keep = working | {(nxt, int(e)) for e in pred}
+        todo = [int(e) for e in pred if self.pool.slots_h[nxt, e] < 0][: self.prefetch_max]
+        done = [e for e in todo if self.pool.upload(nxt, e, keep)]
+        if done:
+            self.pool.sync()
+            self.pool.refresh_table()
+            self._prefetched.update((nxt, e) for e in done)
+            if self.profiler is not None:
+                self.profiler.record_prefetch(nxt, uploaded=done)
 
     def _device_outputs(self, layer, x, ids_h, weights, hit_set: set) -> torch.Tensor:
         """Σ over the (token, slot) pairs served from the pool of weight · expert output: [T, D]."""
@@ -240,4 +302,6 @@ class CachedExperts(ExpertBackend):
         """Upload this step's misses (bounded), oldest first; the rest are dropped. On CUDA they are copied
         behind the next steps and enter the table once landed (``ExpertPool.upload_later``)."""
         queue, self.queue = self.queue[: self.max_uploads], []
+        self._prefetched.difference_update(queue)
+        self._predicted.clear()  # a prediction is for the layer's next pass in this step only
         self.pool.upload_later(queue)

@@ -264,6 +264,11 @@ class ExpertPool:
         self.refresh_table()
         return n
 
+    @property
+    def in_flight(self) -> int:
+        """Batches of background uploads not yet in the table."""
+        return len(self._jobs)
+
     def drain(self) -> None:
         """Wait for every background upload and put it in the table."""
         self.publish(wait=True)

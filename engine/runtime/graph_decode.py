@@ -99,7 +99,7 @@ def for_placement(
 ) -> GraphDecode | None:
     """The graph decoder for an applied placement, or None where it does not apply: not every
     layer's trunk on the device, ``options.cuda_graph`` "off" (default options: ``config.current()``),
-    or a device other than CUDA unless it is "eager", or an architecture the device step does not compute
+    or a device other than CUDA unless it is "eager", ``cache`` mode with prefetch on, or an architecture the device step does not compute
     (``model.graph_step``). Routed experts wholly on the device (a pinned
     pool) run inside the graph; any with a host half (``cpu`` and ``cache`` modes, layers below
     ``n_cpu_moe``) cut the step into segments and that half runs between the replays."""
@@ -111,6 +111,8 @@ def for_placement(
     a = model.args
     if placement.n_gpu_layers < a.n_layer:
         return None
+    if options.cache_prefetch and placement.moe_mode == "cache":
+        return None  # prefetch changes the expert table inside a step, which a graph reads as captured
     moe = [i for i, layer in enumerate(model.layers) if layer.moe is not None]
     host = [i for i in moe if model.experts_of(i).step_plan(i).host]
     inside = [i for i in moe if i not in host]

@@ -173,6 +173,8 @@ def stats_frame(snap) -> D.StatsFrame:
     ratio = np.divide(snap.hits, lookups, out=np.zeros(lookups.shape), where=lookups > 0)
     gap = snap.step_interval_s  # token to token, as the generation loop (and the status bar) counts it
     tok_s = np.divide(1.0, gap, out=np.full(gap.shape, np.nan), where=np.isfinite(gap) & (gap > 0))
+    pf_hits = int(snap.prefetch_hits.sum()) if snap.prefetch_hits is not None else 0
+    pred = snap.prediction.sum(axis=0) if snap.prediction is not None else np.zeros(3, np.int64)
     return D.StatsFrame(
         n_layer=snap.n_layer,
         n_expert=snap.calls.shape[1],
@@ -188,6 +190,9 @@ def stats_frame(snap) -> D.StatsFrame:
         decode_tok_s=snap.decode.tok_s,
         decode_hit_rate=snap.decode.hit_rate,
         decode_tokens=snap.decode.tokens,
+        demand_hits=int(snap.hits.sum()) - pf_hits,
+        prefetch_hits=pf_hits,
+        prefetch_recall=float(pred[2] / pred[1]) if pred[1] else float("nan"),
     )
 
 

@@ -176,6 +176,10 @@ class ExpertsPanel(QWidget):
             note += f" · last reply: decode {decode_text(frame.decode_tok_s, frame.decode_hit_rate)}"
         if not frame.has_cache:
             note += " · no cache lookups (experts on the CPU)"
+        else:
+            note += f"\ncache hits: {frame.demand_hits:,} demand, {frame.prefetch_hits:,} prefetched"
+            if frame.prefetch_recall == frame.prefetch_recall:  # not nan: predictions were made
+                note += f" (prediction recall {frame.prefetch_recall:.0%})"
         self.info.setText(note)
         self.export_button.setEnabled(True)
 

@@ -120,7 +120,8 @@ class KVCache:
     ):
         """kv_type: one dtype for every layer (None: f32), or per layer; charge(layer, nbytes) is called before
         each layer's K and V are allocated (the runtime's device arena)."""
-        types = kv_type if isinstance(kv_type, dict) else dict.fromkeys(layers, resolve_kv_type(kv_type))
+        # a bare cache is the exact one (f32); sessions pass their resolved type (DEFAULT_KV_TYPE unless asked)
+        types = kv_type if isinstance(kv_type, dict) else dict.fromkeys(layers, resolve_kv_type(kv_type or "f32"))
         for t in set(types.values()):
             check_kv_geometry(t, kv_dim)  # the planner's guard: q8_0 rows split into 32-blocks
         self.n_ctx, self.kv_dim = n_ctx, kv_dim

@@ -216,7 +216,8 @@ def store_kv_row(row, x):
 
 @njit(cache=True, nogil=True)
 def store_kv_rows(C, start, X):
-    """Rows start … start+T−1 of the cache C [n_ctx, W] (float32, or bf16 bits as uint16) = X float32 [T, W]."""
+    """Rows start … start+T−1 of the cache C [n_ctx, W] (float32, or bf16 bits as uint16) = X float32 [T, W],
+    C-contiguous (the vector loads read each row's memory as packed)."""
     for t in range(X.shape[0]):
         store_kv_row(C[start + t], X[t])
 

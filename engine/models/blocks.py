@@ -188,13 +188,25 @@ class GatedDeltaNet:
         """h [T, D] (normed) -> [T, D]; advances the layer's conv and delta-rule states by T tokens."""
         if self.fused_input:
             qkvz, ba = ops.linears(self.w_in, h, hq)
-            qkvz, ba = qkvz[:, self.qkvz_order], ba[:, self.ba_order]
+            qkvz, ba = qkvz[:, self._order("qkvz_order", qkvz)], ba[:, self._order("ba_order", ba)]
             C, Hv = self.conv_dim, self.n_v_heads
             qkv, z, b, a = qkvz[:, :C], qkvz[:, C:], ba[:, :Hv], ba[:, Hv:]
         else:
             qkv, z, b, a = ops.linears(self.w_in, h, hq)
         o = ops.delta_net(self, qkv, b, a)  # [T, Hv·dv]
         return ops.linears((self.out,), ops.gated_norm(self, o, z))[0]
+
+    def _order(self, name: str, x):
+        """The column order ``name`` as an index on x's device, made once a device (a numpy index would be
+        copied from the host at every call, which a CUDA graph capture refuses); numpy rows index with it as is."""
+        order = getattr(self, name)
+        if isinstance(x, np.ndarray):
+            return order
+        cache = self.__dict__.setdefault("_orders", {})
+        key = (name, x.device)
+        if key not in cache:
+            cache[key] = torch.from_numpy(order).to(x.device)
+        return cache[key]
 
     def wants_q8_input(self) -> bool:
         return False

@@ -92,8 +92,8 @@ class HostOps:
         )
         kv = host_kv(self.cache, i, self.start, T)
         if kv is not None:
-            store_kv_rows(kv[0], self.start, k)
-            store_kv_rows(kv[1], self.start, v)
+            store_kv_rows(kv[0], self.start, np.ascontiguousarray(k))
+            store_kv_rows(kv[1], self.start, np.ascontiguousarray(v))
         else:
             self.cache.write(i, self.start, torch.from_numpy(k), torch.from_numpy(v))
         return q
@@ -101,7 +101,9 @@ class HostOps:
     def attend(self, attn, q, q8=False):
         a, T, i = attn.a, q.shape[0], attn.i
         kv = host_kv(self.cache, i, self.start, T)
-        if kv is None:
+        if kv is None or (T > 1 and kv[0].dtype != np.float32):
+            # a prompt reuses each K/V row for many query rows: widened once (torch, all threads) rather than
+            # at every load (measured: a 512-token prompt 8 % slower reading bf16 in the kernel)
             kv = tuple(t.numpy() for t in self.cache.read(i, self.start + T))
         return attention_rows(q, kv[0], kv[1], self.start, a.n_head, a.n_head_kv, a.head_dim), None  # [T, H·hd]
 

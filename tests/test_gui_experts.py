@@ -40,7 +40,7 @@ def cached(qtbot, tmp_path, model_path):
     probe = sess.plan(PlanRequest(ctx=2048, moe="cpu"), sess.device_profile())
     budget = probe.device.total + 5 * probe.expert_slot_bytes
     with qtbot.waitSignal(w.bridge.applied, timeout=GEN_TIMEOUT_MS):
-        w.bridge.apply(PlanSettings(vram_bytes=budget, ctx=2048, moe="cache"))
+        w.bridge.apply(PlanSettings(vram_bytes=budget, ctx=2048, kv_type=sess.kv_type, moe="cache"))
     w.settings.sampling = {"max_tokens": 8, "seed": 5}
     with qtbot.waitSignal(w.bridge.finished, timeout=GEN_TIMEOUT_MS):
         w.ctx.chat.send("Name three rivers")
@@ -188,7 +188,7 @@ def test_prefetch_hits_beside_demand_hits(qtbot, tmp_path, model_path, engine_en
     # a cache of a few slots (of the model's 16 experts), where predictions have something to upload
     budget = next(b for n in range(16) if 3 <= slots(b := probe.device.total - n * probe.expert_slot_bytes) <= 8)
     with qtbot.waitSignal(w.bridge.applied, timeout=GEN_TIMEOUT_MS):
-        w.bridge.apply(PlanSettings(vram_bytes=budget, ctx=2048, moe="cache"))
+        w.bridge.apply(PlanSettings(vram_bytes=budget, ctx=2048, kv_type=sess.kv_type, moe="cache"))
     w.settings.sampling = {"max_tokens": 12, "seed": 5}
     with qtbot.waitSignal(w.bridge.finished, timeout=GEN_TIMEOUT_MS):
         w.ctx.chat.send("Name three rivers")

@@ -60,7 +60,6 @@ ENV = MappingProxyType(
         "prompt_upload_min": "SHARPI_PROMPT_UPLOAD_MIN",
         "cache_upload": "SHARPI_CACHE_UPLOAD",
         "cache_prefetch": "SHARPI_CACHE_PREFETCH",
-        "host_nodes": "SHARPI_HOST_NODES",
         "prompt_stream_min": "SHARPI_PROMPT_STREAM_MIN",
         "state_checkpoints": "SHARPI_STATE_CHECKPOINTS",
         "kv_type": "SHARPI_KV_DTYPE",
@@ -149,11 +148,6 @@ class EngineOptions:
     # a CUDA device replay captured CUDA graphs; "eager" — the same static step, not captured, on any
     # device (the simulated device in tests); "off" (also 0/false/no) — the eager path.
     cuda_graph: str = "graph"
-    # SHARPI_HOST_NODES: 1 turns on the whole-token graph — where every MoE layer that cuts a captured step
-    # has its experts wholly on the CPU (``cpu`` mode, the first n_cpu_moe layers), one CUDA graph a token
-    # runs them in host nodes (engine.kernels.moe_host) instead of one graph a segment with Python between.
-    # Off by default until its speed is measured side by side on a GPU box (docs/lab-notebook.md).
-    host_nodes: bool = False
     # SHARPI_PROMPT_UPLOAD_MIN: tokens of a prompt a missed cached expert needs to be uploaded and run
     # on the device (whole number ≥ 0; 0: never); None (unset) = expert_cache.PROMPT_UPLOAD_MIN (16).
     prompt_upload_min: int | None = None
@@ -324,7 +318,6 @@ _PARSE = {
     "device_act": _choice(ACT_MODES),
     "prefill_precision": _choice(PREFILL_PRECISIONS),
     "pdl": _flag,
-    "host_nodes": _flag,
     "pdl_prefetch": _flag,
     "triton_table": _triton_table,
     "launch_table": _launch_table,

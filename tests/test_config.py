@@ -50,7 +50,6 @@ def test_an_empty_environment_gives_the_documented_defaults():
         ("SHARPI_CUDA_GRAPH", "eager", "cuda_graph", "eager"),
         ("SHARPI_PROMPT_UPLOAD_MIN", "0", "prompt_upload_min", 0),
         ("SHARPI_CACHE_UPLOAD", "inline", "cache_upload", "inline"),
-        ("SHARPI_HOST_NODES", "1", "host_nodes", True),
         ("SHARPI_CACHE_UPLOAD", "background", "cache_upload", "background"),
         ("SHARPI_PROMPT_STREAM_MIN", "0", "prompt_stream_min", 0),
         ("SHARPI_PROMPT_STREAM_MIN", "64", "prompt_stream_min", 64),

@@ -313,38 +313,6 @@ def test_segment_replays_with_experts_on_the_host_match_eager_decode(tmp_path, m
         _same_routes_and_counts(eager, graph)
 
 
-@pytest.mark.cuda
-@CUDA
-@pytest.mark.parametrize(("moe", "n_cpu_moe"), [("cpu", 0), ("resident", 2)])
-def test_whole_token_graph_runs_the_cpu_experts_in_host_nodes(tmp_path, moe, n_cpu_moe, engine_env):
-    """Where every cut's experts are on the CPU (``cpu``, or llama.cpp's split: the first n_cpu_moe layers),
-    a token replays one graph whose host nodes run them (engine.kernels.moe_host) — the same logits as the
-    eager path, routes and counts equal; ``SHARPI_HOST_NODES=0`` (the default) gives a graph a segment."""
-    engine_env({"SHARPI_DEVICE_ACT": "f32", "SHARPI_HOST_NODES": "1"})
-    geo = dict(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8, experts_used=2, expert_ff=256)
-    path = write_model(tmp_path / "m.gguf", "qwen3moe", seed=5, weight_type="Q4_K", type_overrides={"*ffn_down*": "Q6_K"},
-                       **geo).path  # fmt: skip
-    tokens = random_tokens(24, 1024, seed=9)
-    with Session.load(str(path), LoadOptions(n_ctx=CTX, device="cuda")) as s:
-        eager, graph, g = _both(s, _off_graph(s, moe, n_cpu_moe), tokens, mode="1")
-        cuts = n_cpu_moe or s.args.n_layer
-        assert g.whole_token and "one a token" in g.describe()
-        assert g.replays == len(tokens) and sorted(g.graphs) == [16, 32]
-        assert all(len(v) == 1 for v in g.graphs.values()) and g.cuts == ["cpu"] * cuts
-        scale = max(1.0, float(np.abs(eager[0]).max()))
-        assert np.abs(graph[0] - eager[0]).max() <= 1e-4 * scale, np.abs(graph[0] - eager[0]).max()
-        _same_routes_and_counts(eager, graph)
-        s.apply(
-            _off_graph(s, moe, n_cpu_moe),
-            s.engine_options.with_env({"SHARPI_CUDA_GRAPH": "1", "SHARPI_HOST_NODES": "0"}),
-        )
-        seg = _decode(s, tokens)
-        g = s.model.decode_graph
-        assert not g.whole_token and all(len(v) == cuts + 1 for v in g.graphs.values())
-        assert np.abs(seg[0] - graph[0]).max() <= 1e-5 * scale
-        _same_routes_and_counts(seg, graph)
-
-
 def test_bench_bound_is_device_memory_only_when_everything_is_on_cuda():
     """`sharpi bench` compares decode with the device's bandwidth only when every layer and every
     routed expert sit on a CUDA device; otherwise with the host's read bandwidth."""

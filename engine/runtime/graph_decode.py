@@ -177,10 +177,6 @@ class GraphDecode:
         self._cut_moe = np.asarray(cut, np.int64)
         self._cut_routes = np.zeros((len(cut), K), np.int64)
         self._cut_backends = list({id(b): b for b in (model.experts_of(i) for i in cut)}.values())
-        # The whole-token graph (``EngineOptions.host_nodes``): where every cut is "cpu", one graph a token
-        # with the CPU experts in host nodes; their descriptors are made at the first capture.
-        self._nodes = None if len(self.segments) == 1 else _host_nodes_plan(model, self, options)
-        self._node_desc = None
         self._stream = None  # the stream a step runs on (looked up once a step: the lookup costs ~50 µs)
         self._fused = kernel_select.step_kernels(device, options)  # few, larger launches for the glue between matrices
         self._consts: dict = {}  # DeviceStepOps' values made once (outside any capture)
@@ -203,18 +199,11 @@ class GraphDecode:
         the replays) or "cache" (hits inside the graph, misses on the CPU)."""
         return [self._kind[j] for j in range(len(self.segments) - 1)]
 
-    @property
-    def whole_token(self) -> bool:
-        """Whether a token replays one graph whose host nodes run the CPU experts (else a graph a segment)."""
-        return self.capture and self._nodes is not None
-
     def describe(self) -> str:
         n = len(self.segments)
         how = "CUDA graphs" if self.capture else "static, not captured"
         if n == 1:
             return how
-        if self.whole_token:
-            return f"{how}, one a token (routed experts of {n - 1} layers on the CPU in its host nodes)"
         where = {"cpu": "routed experts on the CPU between them",
                  "cache": "expert-cache hits inside them, misses on the CPU between them"}  # fmt: skip
         return f"{how}, {n} a token ({'; '.join(where[k] for k in dict.fromkeys(self.cuts))})"
@@ -308,51 +297,6 @@ class GraphDecode:
             for st, conv, ssm in saved:
                 st.assign(conv, ssm)
 
-    def _token(self, length: int) -> None:
-        """Every segment of a token, each cut's CPU experts launched as a host node on the current stream
-        (eagerly, or recorded into a capture)."""
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        for s in range(len(self.segments)):
-            self._segment(length, s)
-            if s < len(self._node_desc):
-                self._nodes.launch(stream, self._node_desc[s])
-
-    def _capture_token(self, length: int) -> None:
-        """Capture the whole token for attention length ``length`` as one graph (after an eager warm-up of
-        it on the side stream, as :meth:`_capture`); the host nodes' descriptors are made on first use."""
-        if self._node_desc is None:
-            self._node_desc = self._nodes.descriptors(self)
-        for b in self._cut_backends:
-            b.settle()
-        cur = torch.cuda.current_stream(self.device)
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        with self._state_kept(cur):
-            self._side.wait_stream(cur)
-            with torch.cuda.stream(self._side), qblocks.graph_warmup():
-                self._token(length)
-            cur.wait_stream(self._side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
-            self._token(length)
-        self.graphs[length] = [g]
-
-    def _run_token(self, length: int) -> bool:
-        """The token as one replay (captured first when this bucket needs it); False when the capture failed
-        (then the step runs segment by segment from here on)."""
-        if length not in self.graphs:
-            try:
-                self._capture_token(length)
-            except Exception as e:  # the segment path serves instead
-                log.warning("whole-token CUDA graph failed, one graph a segment instead: %s", e)
-                torch.cuda.synchronize(self.device)
-                self._nodes, self.graphs, self._pool = None, {}, None
-                return False
-        self.graphs[length][0].replay()
-        return True
-
     def _run(self, length: int, s: int) -> None:
         """Segment ``s``: replayed (captured first when this bucket reaches it), or run eagerly."""
         if self.capture and len(self.graphs.get(length, ())) <= s:
@@ -384,20 +328,14 @@ class GraphDecode:
         self._in.copy_(self._in_h, non_blocking=True)
         L = bucket(pos, cache.n_ctx)
         self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        token = self.whole_token and self._run_token(L)
-        if not token:
-            for s, seg in enumerate(self.segments):
-                self._run(L, s)
-                if seg.moe is not None:
-                    self._host_experts(s, seg.moe)
+        for s, seg in enumerate(self.segments):
+            self._run(L, s)
+            if seg.moe is not None:
+                self._host_experts(s, seg.moe)
         if self.capture:
             self.replays += 1
         self._out_h.copy_(self._out, non_blocking=True)
         self._sync()
-        if token and self._nodes is not None:  # the host nodes' routes, from the cuts' pinned rows
-            self._nodes.check(self._node_desc)
-            for s in range(len(self.segments) - 1):
-                self._cut_routes[s] = self._np[s][2][0]
         self.steps += 1
         self._stream = None
         self._record(self._routes_h.numpy().copy(), self.moe_layers, hits=True)  # the resident pool: all hits
@@ -429,74 +367,3 @@ class GraphDecode:
         self.model.profiler.record_routes(layers, routes, hits=hits)
         for j, i in enumerate(layers):
             self.model.layers[i].ffn.last_ids = torch.from_numpy(routes[j : j + 1])
-
-
-class _HostNodes:
-    """The CPU experts of a whole-token graph's cuts as CUDA host nodes (``cuLaunchHostFunc`` on the
-    capturing stream; ``engine.kernels.moe_host`` computes them, on the driver's callback thread)."""
-
-    def __init__(self, launch_fn, layers: list[int]):
-        self._launch_fn = launch_fn
-        self.layers = layers
-        self._keep: list = []  # the stacks and hand-over arrays the descriptors point into
-
-    def descriptors(self, g: GraphDecode) -> np.ndarray:
-        """One descriptor row per cut (int64 [n_cut, N_FIELDS]), over each cut's pinned hand-over row."""
-        from engine.kernels import moe_host, moe_host_node
-
-        self.address = moe_host_node.node_address()  # compiled on first use
-        rows = []
-        for s, i in enumerate(self.layers):
-            stacks = g.model.experts_of(i).host_stacks(i)
-            if not moe_host.applies(stacks, g.model.experts_of(i).q8_act):
-                raise ValueError(f"layer {i}'s host stacks do not fit the host node")
-            h, weights, ids, y = g._np[s]
-            rows.append(moe_host.descriptor(stacks, h[0], weights[0], ids[0], y[0]))
-            self._keep.append(stacks)
-        self._status = moe_host.STATUS
-        return np.ascontiguousarray(np.stack(rows))
-
-    def launch(self, stream: int, row: np.ndarray) -> None:
-        rc = self._launch_fn(stream, self.address, row.ctypes.data)
-        if rc != 0:
-            raise RuntimeError(f"cuLaunchHostFunc failed: CUDA error {rc}")
-
-    def check(self, desc: np.ndarray) -> None:
-        """After a token: a cut whose routing chose an expert id outside the layer's range is an error."""
-        bad = np.flatnonzero(desc[:, self._status])
-        if len(bad):
-            from engine.errors import ModelError
-
-            raise ModelError(
-                f"routing chose an expert outside the layer at MoE layer {self.layers[bad[0]]} (NaN router scores?)"
-            )
-
-
-def _host_nodes_plan(model, g: GraphDecode, options: EngineOptions) -> _HostNodes | None:
-    """The host nodes for ``g``'s cuts where the whole-token graph applies: the option on, CUDA graphs on a
-    CUDA device, every cut's experts wholly on the CPU (``CpuExperts``) in types the fused q8 kernels take,
-    numba at its default thread count (the callback thread's), and the CUDA driver's ``cuLaunchHostFunc``
-    found. None otherwise (a graph a segment)."""
-    import ctypes
-
-    import numba
-
-    from engine.experts import CpuExperts
-    from engine.kernels import moe_host
-
-    if not (options.host_nodes and g.capture and g.device.type == "cuda"):
-        return None
-    if numba.get_num_threads() != numba.config.NUMBA_NUM_THREADS:
-        return None
-    layers = [seg.moe for seg in g.segments[:-1]]
-    for i in layers:
-        b = model.experts_of(i)
-        if not isinstance(b, CpuExperts) or not moe_host.applies(b.stacks[i], b.q8_act):
-            return None
-    try:
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchHostFunc
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return _HostNodes(fn, layers)

@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gen", type=int, default=32, help="generated tokens (default 32)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs; medians are reported (default 3)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--kv-type", choices=("f32", "bf16", "q8_0"), default=None)
+    p.add_argument("--kv-type", choices=("f32", "bf16", "q8_0"), default=None, help="KV cache dtype (default: bf16)")
     p.add_argument("--exact-float", action="store_true", help="exact dequantized weights, no activation rounding")
     p.add_argument("--vs-llama-cpp", action="store_true", help="also run llama.cpp (CPU) on the file and print ratios")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")

@@ -83,7 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="context length in tokens (default: the model's training context, at most 4096, as sharpi run)",
     )
     p.add_argument(
-        "--kv-type", choices=KV_TYPES, default=None, help="KV cache dtype (default: $SHARPI_KV_DTYPE, else f32)"
+        "--kv-type", choices=KV_TYPES, default=None, help="KV cache dtype (default: $SHARPI_KV_DTYPE, else bf16)"
     )
     p.add_argument(
         "-g",

@@ -32,7 +32,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--kv-type",
         choices=CLI_KV_TYPES,
         default=None,
-        help="KV cache dtype (default $SHARPI_KV_DTYPE or f32; f16 is kept as bf16)",
+        help="KV cache dtype (default $SHARPI_KV_DTYPE or bf16; f16 is kept as bf16, the same size)",
     )
     # llama.cpp's spellings (one type for K and V here); without them "-ctk q8_0" would read as "-c tk"
     p.add_argument(

@@ -152,7 +152,10 @@ def test_unsupported_architecture_lists_supported(tmp_path, tiny):
     # Same-length rename of the architecture value keeps the file otherwise valid.
     p = tmp_path / "arch.gguf"
     p.write_bytes(data.replace(b"qwen3moe", b"qwen9moe"))
-    with open_gguf(p) as gf, pytest.raises(UnsupportedArchitectureError, match="supported: gemma3, llama, olmoe"):
+    with (
+        open_gguf(p) as gf,
+        pytest.raises(UnsupportedArchitectureError, match="supported: gemma3, glm4moe, llama, olmoe"),
+    ):
         read_args(gf)
 
 

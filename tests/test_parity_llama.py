@@ -28,6 +28,9 @@ F32_MODELS = [
     ("qwen35moe-tied-mha", "qwen35moe", {"tied_output": True, "ssm_groups": 4, "full_attn_interval": 2}),
     ("qwen35-dense", "qwen35", {}),
     ("qwen3next", "qwen3next", {}),
+    # GLM-4.5: a dense layer, two MoE layers (sigmoid scores, selection bias, shared expert), a NextN block not run
+    ("glm4moe", "glm4moe", {}),
+    ("glm4moe-qknorm-scaled-tied", "glm4moe", {"qk_norm": True, "expert_scale": 2.5, "tied_output": True}),
 ]
 N_POS = 40
 
@@ -105,6 +108,24 @@ def test_quantized_logits_statistically_equal(quant_models, q, monkeypatch):
     assert mean_q8 < 0.05 and agree_q8 >= 0.95, (q, mean_q8, agree_q8)
     mean_f, agree_f = _stats(_ours(path, tokens, batch=True, q8_act=False), ref)
     assert mean_f < 0.1 and agree_f >= 0.90, (q, mean_f, agree_f)
+
+
+@pytest.mark.parametrize("q", ["Q8_0", "Q4_K"])
+def test_glm4moe_quantized_logits_statistically_equal(tmp_path, q, monkeypatch):
+    """GLM-4.5's routing (sigmoid scores, the selection bias, the scaling factor) on quantized weights: within
+    the thresholds of test_quantized_logits_statistically_equal, both activation modes."""
+    from engine.kernels import bf16
+
+    monkeypatch.setattr(bf16, "MODE", bf16.OFF)
+    path = write_model(tmp_path / f"glm4moe-{q}.gguf", "glm4moe", seed=11, weight_type=q, expert_scale=2.5).path
+    tokens = random_tokens(64, 1024, seed=9)
+    ref = llama_logits(path, tokens)
+    mean_q8, agree_q8 = _stats(_ours(path, tokens, batch=True, q8_act=True), ref)
+    assert mean_q8 < 0.05 and agree_q8 >= 0.95, (q, mean_q8, agree_q8)
+    mean_f, agree_f = _stats(_ours(path, tokens, batch=True, q8_act=False), ref)
+    assert mean_f < 0.1 and agree_f >= 0.90, (q, mean_f, agree_f)
+    mean_d, agree_d = _stats(_ours(path, tokens, batch=False, q8_act=True), ref)  # decode, token by token
+    assert mean_d < 0.05 and agree_d >= 0.95, (q, mean_d, agree_d)
 
 
 @pytest.mark.parametrize("group", ["*attn_q.weight", "*ffn_up_exps*", "output.weight"])

@@ -46,6 +46,8 @@ class Geo:
         self.embd = self.output = self.output_norm = 0
         for p in written.tensors:
             d = p.decl
+            if d.layer is not None and d.layer >= s.layers:
+                continue  # a NextN block (GLM-4.5): stored after the trunk, not loaded
             if d.kind == S.EXPERTS:
                 self.routed[d.layer] += p.nbytes
                 role = d.name.split(".")[2].split("_")[1]  # blk.N.ffn_gate_exps.weight -> gate
@@ -189,6 +191,8 @@ def test_narrower_kv_grows_expert_budget_by_exactly_the_kv_saved(geo, narrow):
         ("mixtral-8x7b", 3 * GiB // 2, 8192, "q8_0", None),  # split
         ("qwen1.5-moe-a2.7b", 8 * GiB, 8192, "bf16", 24),
         ("qwen3-30b-a3b", 3 * GiB, 32768, "f32", None),  # split
+        ("glm-4.5-air", 12 * GiB, 4096, "bf16", 46),  # a dense first layer, 45 MoE layers
+        ("glm-4.5-air", 3 * GiB, 16384, "f32", None),  # split
     ],
 )
 def test_profiles_and_layer_splits_are_maximal(geo, name, vram, ctx, kv, want_layers):

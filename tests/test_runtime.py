@@ -29,6 +29,8 @@ ARCHS = [
     ("qwen35moe", {"full_attn_interval": 2}),
     ("qwen35", {"full_attn_interval": 2}),
     ("qwen3next", {"full_attn_interval": 2}),
+    # a dense layer, then two MoE layers (biased sigmoid routing, scaled, a shared expert) and a NextN block
+    ("glm4moe", {"expert_scale": 2.5}),
 ]
 CTX = 64
 # The simulated device everywhere; the real GPU where there is one (CI has none).
@@ -69,21 +71,28 @@ def _profile_for(session, *, n_gpu_layers: int, slots: int) -> DeviceProfile:
     return DeviceProfile(vram_bytes=need + slots * stride, reserve_bytes=0)
 
 
+def _moe_layers(session) -> list[int]:
+    """The layers with routed experts (GLM-4.5's leading layers are dense)."""
+    return [layer.index for layer in session.spec.layers if layer.is_moe]
+
+
 def _cases(session):
     L = session.args.n_layer
-    needed = L * session.args.n_expert
+    moe = _moe_layers(session)
+    needed = len(moe) * session.args.n_expert
+    first = moe[0] + 1 if moe else 1  # n_cpu_moe keeping the first MoE layer's experts on the CPU
     cases = [("cpu", dict(n_gpu_layers=L, moe="cpu"), L, 0)]
     if session.args.is_moe:
         for frac in (0.1, 0.5, 1.0):
             cases.append((f"cache{int(frac * 100)}", dict(n_gpu_layers=L, moe="cache"), L, max(1, int(needed * frac))))
         cases.append(("resident", dict(n_gpu_layers=L, moe="resident"), L, needed))
-        cases.append(("n_cpu_moe", dict(n_gpu_layers=L, moe="cache", n_cpu_moe=1), L, needed))
+        cases.append(("n_cpu_moe", dict(n_gpu_layers=L, moe="cache", n_cpu_moe=first), L, needed))
         # Host experts of device layers streamed to the device for a long prompt: room for two halves of a
         # layer's experts after the mode's pool (all layers' experts on the host; the first one's, beside a
         # resident pool; a split's device layers).
         E = session.args.n_expert
         cases.append(("stream", dict(n_gpu_layers=L, moe="cpu"), L, 2 * E))
-        cases.append(("stream_n_cpu_moe", dict(n_gpu_layers=L, moe="resident", n_cpu_moe=1), L, needed - E + 2 * E))
+        cases.append(("stream_n_cpu_moe", dict(n_gpu_layers=L, moe="resident", n_cpu_moe=first), L, needed - E + 2 * E))
         cases.append(("stream_split", dict(n_gpu_layers=L - 1, moe="cpu"), L - 1, 2 * E))
     cases += [(f"split{g}", dict(n_gpu_layers=g, moe="cpu"), g, 0) for g in (1, L - 1)]
     return cases
@@ -112,7 +121,7 @@ def test_every_placement_matches_the_cpu_engine(paths, name, device):
             prefill, decode = _run(s, tokens)
             st = s.applied.stream
             if streamed:  # the prompt's host experts really ran on the device: every streamed layer, once
-                host_layers = min(g, req.get("n_cpu_moe", g))
+                host_layers = sum(i < min(g, req.get("n_cpu_moe", g)) for i in _moe_layers(s))
                 assert placement.stream_slots > 0, (label, placement.notes)
                 assert st.streamed_layers == host_layers and st.streamed_bytes > 0, label
             else:

@@ -213,6 +213,21 @@ REAL = {
         "blk.0.ffn_gate_inp_shexp.weight": ((2048,), QType.F32),
         "blk.0.ffn_down_shexp.weight": ((2048, 5632), QType.Q6_K),
     },
+    "glm-4.5-air": {
+        "token_embd.weight": ((151552, 4096), QType.Q4_K),
+        "blk.0.attn_q.weight": ((12288, 4096), QType.Q4_K),
+        "blk.0.attn_q.bias": ((12288,), QType.F32),
+        "blk.0.post_attention_norm.weight": ((4096,), QType.F32),
+        "blk.0.ffn_gate.weight": ((10944, 4096), QType.Q4_K),
+        "blk.1.exp_probs_b.bias": ((128,), QType.F32),
+        "blk.1.ffn_gate_inp.weight": ((128, 4096), QType.F32),
+        "blk.1.ffn_gate_exps.weight": ((128, 1408, 4096), QType.Q4_K),
+        "blk.1.ffn_down_exps.weight": ((128, 4096, 1408), QType.Q8_0),  # Q6_K layer, 1408 % 256 != 0
+        "blk.6.ffn_down_exps.weight": ((128, 4096, 1408), QType.Q5_0),  # Q4_K layer
+        "blk.1.ffn_up_shexp.weight": ((1408, 4096), QType.Q4_K),
+        "blk.46.nextn.eh_proj.weight": ((4096, 8192), QType.Q4_K),  # the NextN block after the 46 layers
+        "output.weight": ((151552, 4096), QType.Q6_K),
+    },
     "mixtral-8x7b": {
         "token_embd.weight": ((32000, 4096), QType.Q4_K),
         "blk.3.attn_k.weight": ((1024, 4096), QType.Q8_0),

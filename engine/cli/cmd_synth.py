@@ -40,10 +40,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("--experts-used", "experts_used", "experts per token K"),
         ("--expert-ff", "expert_ff", "routed expert FFN width"),
         ("--ff", "ff", "dense FFN width (feed_forward_length)"),
-        ("--shared-ff", "shared_ff", "shared expert width (qwen2moe, qwen35moe, qwen3next)"),
+        ("--shared-ff", "shared_ff", "shared expert width (qwen2moe, qwen35moe, qwen3next; glm4moe: × expert-ff)"),
         ("--vocab", "vocab", "vocabulary size (= embedding rows)"),
         ("--ctx", "ctx", "training context length"),
-        ("--rope-dim", "rope_dim", "rotated dims per head (qwen35*, qwen3next; default a quarter-ish head)"),
+        ("--rope-dim", "rope_dim", "rotated dims per head (qwen35*, qwen3next, glm4moe; default a part of the head)"),
+        ("--dense-lead", "dense_lead", "glm4moe: leading layers with a dense FFN"),
+        ("--nextn", "nextn", "glm4moe: NextN/MTP blocks after the layers"),
         ("--ssm-conv", "ssm_conv", "GDN conv taps (qwen35*, qwen3next)"),
         ("--ssm-state", "ssm_state", "GDN key/value head width"),
         ("--ssm-groups", "ssm_groups", "GDN key heads"),
@@ -55,6 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--sliding-window", dest="sliding_window", type=int, help="gemma3: attention.sliding_window")
     g.add_argument("--tied-output", dest="tied_output", action="store_true", default=None, help="omit output.weight")
     g.add_argument("--rope-freqs", dest="rope_freqs", action="store_true", default=None, help="llama: rope_freqs")
+    g.add_argument("--expert-scale", dest="expert_scale", type=float, help="glm4moe: routed scaling factor")
+    g.add_argument("--qk-norm", dest="qk_norm", action="store_true", default=None, help="glm4moe: per-head q/k norms")
     p.add_argument("--type", default="F32", help="weight type of the matrices (F32 F16 BF16 Q8_0 Q4_0 Q5_0 Q4_K ...)")
     p.add_argument(
         "--override",

@@ -16,6 +16,7 @@ from engine.models.tensors import TensorSpec, validate_tensors
 
 SUPPORTED_ARCHITECTURES = (
     "gemma3",
+    "glm4moe",
     "llama",
     "olmoe",
     "qwen2moe",

@@ -132,7 +132,12 @@ class DecoderModel:
                 return ExpertStacks(*(w.resident(n) for n in names))
             return ExpertStacks(*(w.prepared(n) for n in names), resident=lambda: stacks(i, True))
 
-        return {i: stacks(i, False) for i in range(self.args.n_layer)}
+        return {i: stacks(i, False) for i in self.moe_layers()}
+
+    def moe_layers(self) -> list[int]:
+        """The layers with routed experts: every layer of a MoE model unless an architecture says otherwise
+        (GLM-4.5's leading dense layers)."""
+        return list(range(self.args.n_layer)) if self.args.is_moe else []
 
     def new_cache(self, n_ctx: int, kv_type: str | None = None) -> KVCache:
         """A KV cache with every layer on the host (the CPU engine's); a placed session's is ``Session.cache``."""

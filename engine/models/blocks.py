@@ -101,13 +101,22 @@ class DenseFFN:
 
 
 class MoE:
-    """Router → the layer's routing (``routing``: softmax top-k today) → routed experts through the backend
-    (+ optional gated shared expert)."""
+    """Router → the layer's routing (``routing``: softmax top-k unless the architecture gives its own, e.g.
+    GLM-4.5's biased sigmoid) → routed experts through the backend (+ optional shared expert, gated where the
+    file has ``ffn_gate_inp_shexp``)."""
 
-    def __init__(self, w: Weights, i: int, a: ModelArgs, experts: ExpertBackend, shared_expert: bool = False):
+    def __init__(
+        self,
+        w: Weights,
+        i: int,
+        a: ModelArgs,
+        experts: ExpertBackend,
+        shared_expert: bool = False,
+        routing: Routing | None = None,
+    ):
         p = f"blk.{i}."
         self.i = i
-        self.routing = Routing(k=a.n_expert_used, renormalise=a.norm_topk)
+        self.routing = routing or Routing(k=a.n_expert_used, renormalise=a.norm_topk)
         self.router = w.linear(p + "ffn_gate_inp.weight")  # [E, D]
         self.experts = experts
         self.shared = DenseFFN(w, i, "_shexp") if shared_expert else None

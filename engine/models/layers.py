@@ -190,17 +190,21 @@ class Routing:
     renormalise: bool  # the k weights rescaled to sum 1 (Qwen3, Mixtral) or not (OLMoE, Qwen2-MoE)
     kind: str = "softmax"  # a key of ROUTERS
     bias: torch.Tensor | None = None  # "sigmoid": float32 [E] added to the scores to choose, never to weigh
+    scale: float = 1.0  # "sigmoid": the routed scaling factor multiplying the (renormalised) weights
 
 
 def route_sigmoid_bias(logits: torch.Tensor, r: Routing) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (ids int64 [T, k], weights float32 [T, k]): sigmoid scores, the k largest of
-    scores + ``r.bias`` chosen, weighted by their unbiased scores, optionally renormalised (GLM-4.5,
-    DeepSeek-V3: llama.cpp build_moe_ffn with LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID and exp_probs_b)."""
+    scores + ``r.bias`` chosen, weighted by their unbiased scores, optionally renormalised, then multiplied by
+    ``r.scale`` (GLM-4.5, DeepSeek-V3: llama.cpp build_moe_ffn with LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID,
+    exp_probs_b and the expert_weights_scale w_scale)."""
     scores = torch.sigmoid(logits)  # [T, E]
     ids = torch.topk(scores if r.bias is None else scores + r.bias, r.k, dim=-1).indices  # [T, k]
     w = scores.gather(-1, ids)
     if r.renormalise:
         w = w / w.sum(dim=-1, keepdim=True)
+    if r.scale != 1.0:
+        w = w * r.scale
     return ids, w
 
 

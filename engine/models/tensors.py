@@ -89,10 +89,12 @@ def moe_specs(i: int, a: ModelArgs, norm: str = "ffn_norm") -> list[TensorSpec]:
     ]
 
 
-def shared_expert_specs(i: int, a: ModelArgs) -> list[TensorSpec]:
+def shared_expert_specs(i: int, a: ModelArgs, gated: bool = True) -> list[TensorSpec]:
+    """The shared expert's gate/up/down; ``gated``: with its sigmoid gate vector (Qwen2-MoE; GLM-4.5 adds the
+    shared expert ungated)."""
     D, F = a.n_embd, a.n_ff_shexp
-    return [
-        TensorSpec(blk(i, "ffn_gate_inp_shexp.weight"), (D,), layer=i),
+    gate = [TensorSpec(blk(i, "ffn_gate_inp_shexp.weight"), (D,), layer=i)] if gated else []
+    return gate + [
         TensorSpec(blk(i, "ffn_gate_shexp.weight"), (F, D), layer=i),
         TensorSpec(blk(i, "ffn_up_shexp.weight"), (F, D), layer=i),
         TensorSpec(blk(i, "ffn_down_shexp.weight"), (D, F), layer=i),

@@ -46,6 +46,7 @@ _TRUNK_OF: dict[str, str] = {
     "attn_k.bias": BIAS,
     "attn_v.bias": BIAS,
     "ffn_gate_inp.weight": ROUTER,
+    "exp_probs_b.bias": ROUTER,
     "ffn_gate_inp_shexp.weight": SHEXP_GATE,
     "ffn_gate_shexp.weight": SHEXP,
     "ffn_up_shexp.weight": SHEXP,

@@ -87,7 +87,7 @@ def apply_placement(
     devices = [device if i < G else HOST for i in range(L)]
     backends = {i: host_experts for i in range(L)} if host_experts else {}
     cached = None
-    cache_layers = {i for i in range(min(G, L)) if a.is_moe and i >= p.n_cpu_moe}
+    cache_layers = {i for i in range(min(G, L)) if spec.layers[i].is_moe and i >= p.n_cpu_moe}
     if p.moe_mode in ("cache", "resident") and cache_layers and p.expert_slots_allocated:
         cached = CachedExperts(
             model.expert_stacks(),

@@ -82,6 +82,18 @@ GEOMETRIES: dict[str, RealModel] = {
         "spm",
         None,
     ),
+    # Z.ai's config: 46 layers (the first dense, first_k_dense_replace = 1) and one NextN/MTP block after them
+    # (block_count 47, as llama.cpp's converter writes it), half of each head rotated (partial_rotary_factor 0.5).
+    "glm-4.5-air": RealModel(
+        "GLM-4.5-Air",
+        make_spec(
+            "glm4moe", layers=46, dense_lead=1, nextn=1, hidden=4096, heads=96, kv_heads=8, head_dim=128,
+            experts=128, experts_used=8, expert_ff=1408, shared_ff=1408, ff=10944, vocab=151552, ctx=131072,
+            rope_base=1e6, rms_eps=1e-5, rope_dim=64, qkv_bias=True, expert_scale=1.0,
+        ),
+        "bpe",
+        "llama-bpe",  # a stand-in: the real file's pre-tokenizer is "glm4", which the tokenizer does not know yet
+    ),
 }  # fmt: skip
 
 

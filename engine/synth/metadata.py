@@ -44,7 +44,7 @@ def write_hparams(w: GGUFWriter, s: SynthSpec, *, name: str, file_type: QType) -
     w.add_uint32(QUANTIZATION_VERSION, gguf.GGML_QUANT_VERSION)
     w.add_uint32(k(keys.CONTEXT_LENGTH), s.ctx)
     w.add_uint32(k(keys.EMBEDDING_LENGTH), s.hidden)
-    w.add_uint32(k(keys.BLOCK_COUNT), s.layers)
+    w.add_uint32(k(keys.BLOCK_COUNT), s.blocks)
     w.add_uint32(k(keys.FEED_FORWARD_LENGTH), s.ff)
     w.add_uint32(k(keys.HEAD_COUNT), s.heads)
     w.add_uint32(k(keys.HEAD_COUNT_KV), s.kv_heads)
@@ -57,9 +57,16 @@ def write_hparams(w: GGUFWriter, s: SynthSpec, *, name: str, file_type: QType) -
     if s.is_moe:
         w.add_uint32(k(keys.EXPERT_COUNT), s.experts)
         w.add_uint32(k(keys.EXPERT_USED_COUNT), s.experts_used)
-        if s.arch in ("qwen3moe", "qwen2moe", "qwen35moe", "qwen3next"):
+        if s.arch in ("qwen3moe", "qwen2moe", "qwen35moe", "qwen3next", "glm4moe"):
             w.add_uint32(k(keys.EXPERT_FEED_FORWARD_LENGTH), s.expert_ff)
-        if s.shared_ff:
+        if s.arch == "glm4moe":  # the shared expert as a count of expert widths, sigmoid routing
+            w.add_uint32(k(keys.EXPERT_SHARED_COUNT), s.shared_ff // s.expert_ff)
+            w.add_uint32(k(keys.LEADING_DENSE_BLOCK_COUNT), s.dense_lead)
+            w.add_float32(k(keys.EXPERT_WEIGHTS_SCALE), s.expert_scale)
+            w.add_bool(k(keys.EXPERT_WEIGHTS_NORM), True)
+            w.add_uint32(k(keys.EXPERT_GATING_FUNC), int(gguf.ExpertGatingFuncType.SIGMOID))
+            w.add_uint32(k(keys.NEXTN_PREDICT_LAYERS), s.nextn)
+        elif s.shared_ff:
             w.add_uint32(k(keys.EXPERT_SHARED_FEED_FORWARD_LENGTH), s.shared_ff)
     if s.sliding_window:
         w.add_uint32(k(keys.SLIDING_WINDOW), s.sliding_window)

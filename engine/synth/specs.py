@@ -28,6 +28,7 @@ ARCHS: tuple[str, ...] = (
     "qwen35",
     "qwen3next",
     "gemma3",
+    "glm4moe",
 )
 HYBRIDS = ("qwen35moe", "qwen35", "qwen3next")  # Gated DeltaNet + gated full attention
 
@@ -82,6 +83,12 @@ class SynthSpec:
     ssm_v_heads: int = 0  # value heads (ssm.time_step_rank); ssm.inner_size = ssm_v_heads * ssm_state
     full_attn_interval: int = 0  # every n-th layer is full attention (full_attention_interval)
     sliding_window: int = 0  # gemma3: attention.sliding_window (five of six layers slide)
+    # glm4moe: the first dense_lead layers have a dense FFN of width ff; shared_ff is expert_shared_count
+    # experts of expert_ff; nextn NextN/MTP blocks follow the ``layers`` trunk blocks (block_count counts both).
+    dense_lead: int = 0
+    nextn: int = 0
+    expert_scale: float = 1.0  # expert_weights_scale (the routed scaling factor)
+    qk_norm: bool = False  # per-head q/k RMS norms (GLM-4.5 355B has them, Air not)
 
     @property
     def is_moe(self) -> bool:
@@ -98,6 +105,11 @@ class SynthSpec:
     @property
     def n_rot(self) -> int:
         return self.rope_dim or self.head_dim
+
+    @property
+    def blocks(self) -> int:
+        """Blocks in the file: the trunk's layers and the NextN blocks after them."""
+        return self.layers + self.nextn
 
     @property
     def is_hybrid(self) -> bool:
@@ -124,6 +136,11 @@ _DEFAULTS: dict[str, dict] = {
     # Six layers: five sliding-window layers and one global, as llama.cpp's set_swa_pattern(6).
     "gemma3": dict(layers=6, ff=512, kv_heads=1, rope_base=1e6, sliding_window=8, tied_output=True),
 }
+# One dense layer, two MoE layers and a NextN block, partial RoPE, as GLM-4.5-Air at a small scale.
+_DEFAULTS["glm4moe"] = dict(
+    layers=3, dense_lead=1, nextn=1, experts=8, experts_used=3, expert_ff=256, shared_ff=256, ff=512,
+    qkv_bias=True, rope_dim=32, rope_base=1e6, rms_eps=1e-5,
+)  # fmt: skip
 _HYBRID = dict(
     layers=4, rope_dim=16, ssm_conv=4, ssm_state=32, ssm_groups=2, ssm_v_heads=4, full_attn_interval=4, rope_base=1e6
 )
@@ -180,9 +197,16 @@ def _validate(s: SynthSpec) -> None:
         (s.is_moe or s.ff > 0, "a dense model needs ff > 0"),
         (not (s.is_moe and s.arch in ("qwen3", "qwen35", "gemma3")), f"{s.arch} is dense (no experts)"),
         ((s.sliding_window > 0) == (s.arch == "gemma3"), "gemma3 needs sliding_window > 0; no other family has one"),
-        (not s.qkv_bias or s.arch == "qwen2moe", "qkv_bias is a qwen2moe feature"),
+        (not s.qkv_bias or s.arch in ("qwen2moe", "glm4moe"), "qkv_bias is a qwen2moe and glm4moe feature"),
         (not s.rope_freqs or s.arch == "llama", "rope_freqs is a llama feature"),
-        (not s.shared_ff or s.arch in ("qwen2moe", "qwen35moe", "qwen3next"), "no shared expert in this family"),
+        (
+            not s.shared_ff or s.arch in ("qwen2moe", "qwen35moe", "qwen3next", "glm4moe"),
+            "no shared expert in this family",
+        ),
+        (
+            s.arch == "glm4moe" or not (s.dense_lead or s.nextn or s.qk_norm or s.expert_scale != 1.0),
+            "dense_lead, nextn, qk_norm and expert_scale are glm4moe features",
+        ),
         (0 <= s.rope_dim <= s.head_dim and s.rope_dim % 2 == 0, f"rope_dim {s.rope_dim} invalid for {s.head_dim}"),
         (not s.tied_output or s.arch not in ("qwen2moe", "olmoe"), f"llama.cpp requires output.weight for {s.arch}"),
     ]
@@ -192,6 +216,13 @@ def _validate(s: SynthSpec) -> None:
     if s.arch == "olmoe":
         # llama.cpp sizes OLMoE's k-norm with the embedding length: fewer KV heads are rejected there.
         checks.append((s.kv_heads == s.heads, "olmoe needs kv_heads == heads (llama.cpp's k-norm is [D])"))
+    if s.arch == "glm4moe":
+        checks += [
+            (0 <= s.dense_lead <= s.layers and s.nextn >= 0, "need 0 <= dense_lead <= layers and nextn >= 0"),
+            (not s.dense_lead or s.ff > 0, "leading dense layers need ff > 0"),
+            (s.shared_ff % s.expert_ff == 0, "glm4moe's shared expert is a whole number of experts (expert_ff)"),
+            (s.expert_scale > 0, "expert_scale must be positive"),
+        ]
     if s.is_hybrid:
         ssm = (s.ssm_conv, s.ssm_state, s.ssm_groups, s.ssm_v_heads, s.full_attn_interval)
         checks += [
@@ -199,8 +230,8 @@ def _validate(s: SynthSpec) -> None:
             (s.ssm_v_heads % max(s.ssm_groups, 1) == 0, "ssm_v_heads must be a multiple of ssm_groups"),
             (s.is_moe == (s.arch != "qwen35"), f"{s.arch} {'has' if s.arch != 'qwen35' else 'has no'} experts"),
         ]
-    else:
-        checks.append((not s.rope_dim, "rope_dim is a hybrid (qwen35*, qwen3next) feature"))
+    elif s.arch != "glm4moe":
+        checks.append((not s.rope_dim, "rope_dim is a hybrid (qwen35*, qwen3next) and glm4moe feature"))
     for ok, msg in checks:
         if not ok:
             raise UsageError(f"invalid {s.arch} geometry: {msg}")
@@ -234,13 +265,16 @@ def tensor_layout(s: SynthSpec) -> list[TensorDecl]:
     out = [TensorDecl(tensor_name(T.TOKEN_EMBD), (V, D), EMBEDDING)]
     if s.rope_freqs:
         out.append(TensorDecl(tensor_name(T.ROPE_FREQS), (s.head_dim // 2,), ROPE_FREQS))
-    for i in range(s.layers):
+    for i in range(s.blocks):
 
         def add(t: MODEL_TENSOR, shape: tuple[int, ...], kind: str, suffix: str = "weight", i: int = i) -> None:
             out.append(TensorDecl(tensor_name(t, suffix, i), shape, kind, i))
 
         if s.is_hybrid:
             _hybrid_layer(s, i, add)
+            continue
+        if s.arch == "glm4moe":
+            _glm4moe_layer(s, i, add)
             continue
 
         add(T.ATTN_NORM, (D,), NORM)
@@ -283,6 +317,47 @@ def tensor_layout(s: SynthSpec) -> list[TensorDecl]:
         out.append(TensorDecl(tensor_name(T.OUTPUT), (V, D), OUTPUT))
     _check_names(s.arch, out)
     return out
+
+
+def _glm4moe_layer(s: SynthSpec, i: int, add) -> None:
+    """One block as llama.cpp's ``load_arch_tensors`` of glm4moe creates it: q/k/v biases, optional per-head
+    q/k norms, ``post_attention_norm`` before the FFN; a dense FFN in the first ``dense_lead`` blocks, else the
+    router, the selection bias ``exp_probs_b``, the routed experts and an ungated shared expert; blocks past the
+    trunk are NextN blocks that add ``nextn.eh_proj`` [2D -> D] and its norms."""
+    T = MODEL_TENSOR
+    D = s.hidden
+    add(T.ATTN_NORM, (D,), NORM)
+    add(T.ATTN_Q, (s.q_dim, D), MATRIX)
+    add(T.ATTN_K, (s.kv_dim, D), MATRIX)
+    add(T.ATTN_V, (s.kv_dim, D), MATRIX)
+    add(T.ATTN_Q, (s.q_dim,), BIAS, "bias")
+    add(T.ATTN_K, (s.kv_dim,), BIAS, "bias")
+    add(T.ATTN_V, (s.kv_dim,), BIAS, "bias")
+    if s.qk_norm:
+        add(T.ATTN_Q_NORM, (s.head_dim,), NORM)
+        add(T.ATTN_K_NORM, (s.head_dim,), NORM)
+    add(T.ATTN_OUT, (D, s.q_dim), MATRIX)
+    add(T.ATTN_POST_NORM, (D,), NORM)
+    if i < s.dense_lead:
+        add(T.FFN_GATE, (s.ff, D), MATRIX)
+        add(T.FFN_UP, (s.ff, D), MATRIX)
+        add(T.FFN_DOWN, (D, s.ff), MATRIX)
+    else:
+        E, F, Fs = s.experts, s.expert_ff, s.shared_ff
+        add(T.FFN_GATE_INP, (E, D), ROUTER)
+        add(T.FFN_EXP_PROBS_B, (E,), BIAS, "bias")
+        add(T.FFN_GATE_EXP, (E, F, D), EXPERTS)
+        add(T.FFN_UP_EXP, (E, F, D), EXPERTS)
+        add(T.FFN_DOWN_EXP, (E, D, F), EXPERTS)
+        if Fs:
+            add(T.FFN_GATE_SHEXP, (Fs, D), MATRIX)
+            add(T.FFN_UP_SHEXP, (Fs, D), MATRIX)
+            add(T.FFN_DOWN_SHEXP, (D, Fs), MATRIX)
+    if i >= s.layers:
+        add(T.NEXTN_EH_PROJ, (D, 2 * D), MATRIX)
+        add(T.NEXTN_ENORM, (D,), NORM)
+        add(T.NEXTN_HNORM, (D,), NORM)
+        add(T.NEXTN_SHARED_HEAD_NORM, (D,), NORM)
 
 
 def _hybrid_layer(s: SynthSpec, i: int, add) -> None:

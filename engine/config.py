@@ -160,8 +160,9 @@ class EngineOptions:
     # predicts the next layer's experts, and up to this many of its predicted misses a layer and step are
     # uploaded (the strongest predicted first) behind this step's demand misses (engine.runtime.expert_cache).
     # It changes where experts are computed, never the result. While on, decode runs without CUDA graphs (the
-    # table a graph reads changes only between steps). Whole number ≥ 0; 0 (default): off — off until its
-    # speed is measured on a GPU box (docs/benchmarks.md, *Predictive prefetch*).
+    # table a graph reads changes only between steps). Whole number ≥ 0; 0 (default): off — measured on an H200
+    # at 12 GiB, 2 a layer decoded 9.5 tok/s against 97 without (the graphs' loss outweighs its hits;
+    # docs/benchmarks.md), so it stays off until it runs inside the graphs.
     cache_prefetch: int = 0
     # SHARPI_PROMPT_STREAM_MIN: tokens from which a batch copies the host-placed experts of a device layer
     # (--moe cpu, the first n_cpu_moe layers) to the device and computes them there, as llama.cpp does

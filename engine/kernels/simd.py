@@ -182,13 +182,18 @@ def load_bf16x8(typingctx, arr, off):
     _check_array(arr, (types.uint16, types.int16), "load_bf16x8")
 
     def codegen(context, builder, sig, args):
-        h = builder.load(
-            _data_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(ir.IntType(16), 8)), align=2
-        )
-        u = builder.shl(builder.zext(h, _vt(I32x8)), _const(_vt(I32x8), 16))
-        return builder.bitcast(u, _vt(F32x8))
+        return _load_bf16(context, builder, sig, args)
 
     return F32x8(arr, off), codegen
+
+
+def _load_bf16(context, builder, sig, args):
+    """Codegen: 8 bf16 bit patterns at element args[1] of the 1-D array args[0], widened exactly to float32."""
+    h = builder.load(
+        _data_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(ir.IntType(16), 8)), align=2
+    )
+    u = builder.shl(builder.zext(h, _vt(I32x8)), _const(_vt(I32x8), 16))
+    return builder.bitcast(u, _vt(F32x8))
 
 
 @intrinsic
@@ -201,11 +206,7 @@ def load_kv8(typingctx, arr, off):
     def codegen(context, builder, sig, args):
         if not bf16:
             return builder.load(_data_ptr(context, builder, sig.args[0], args[0], args[1], _vt(F32x8)), align=4)
-        h = builder.load(
-            _data_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(ir.IntType(16), 8)), align=2
-        )
-        u = builder.shl(builder.zext(h, _vt(I32x8)), _const(_vt(I32x8), 16))
-        return builder.bitcast(u, _vt(F32x8))
+        return _load_bf16(context, builder, sig, args)
 
     return F32x8(arr, off), codegen
 

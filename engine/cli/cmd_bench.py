@@ -336,10 +336,7 @@ def _calibrate_host(args: argparse.Namespace) -> int:
     ("measuring ... (k of N)") are what the app's background calibration shows."""
     import sys
 
-    import numba
-
     from engine.bench import calibrate as cal
-    from engine.plan.profile import describe_profile
 
     steps = iter(range(1, 100))
 
@@ -347,23 +344,34 @@ def _calibrate_host(args: argparse.Namespace) -> int:
         print(f"measuring {what} ({next(steps)} of {cal.HOST_STEPS}) ...", file=sys.stderr, flush=True)
 
     c = cal.calibrate_host(args.model, use_cache=not args.force, progress=progress)
+    if _print_profile(args, c, [], "only the CPU's fields apply without a device"):
+        runs = c.details.get("host_probe_runs")
+        if runs:
+            rms = c.details["host_fit_rms_relative"]
+            print(f"fit        token and host-layer costs from {len(runs)} probes, rms error {rms:.0%}:")
+            for r in runs:
+                print(f"           {r['layers']:>2} layers  {r['ms']:7.3f} ms/token (model {r['fitted_ms']:.3f})")
+        print(f"cache      {c.path}")
+    return 0
+
+
+def _print_profile(args: argparse.Namespace, c, heads: list[str], note: str) -> bool:
+    """A calibration's profile: JSON (then False: nothing more to print) or its text head (True)."""
+    import numba
+
+    from engine.plan.profile import describe_profile
+
     if args.json:
         print(json.dumps(c.profile.to_dict(), indent=2))
-        return 0
+        return False
     how = "cached" if c.cached else f"measured in {c.seconds:.1f} s"
     print(f"device     {c.profile.name} ({how}; {numba.get_num_threads()} CPU threads)")
+    for line in heads:
+        print(line)
     for i, line in enumerate(describe_profile(c.profile)):
         print(("profile    " if i == 0 else "           ") + line)
-    print("           (* = measured on this machine; only the CPU's fields apply without a device)")
-    runs = c.details.get("host_probe_runs")
-    if runs:
-        print(
-            f"fit        token and host-layer costs from {len(runs)} probes, rms error {c.details['host_fit_rms_relative']:.0%}:"
-        )
-        for r in runs:
-            print(f"           {r['layers']:>2} layers  {r['ms']:7.3f} ms/token (model {r['fitted_ms']:.3f})")
-    print(f"cache      {c.path}")
-    return 0
+    print(f"           (* = measured on this machine; {note})")
+    return True
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -373,7 +381,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
     import torch
 
     from engine.bench import calibrate as cal
-    from engine.plan.profile import describe_profile
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "host")
     if device == "cuda" and not torch.cuda.is_available():
@@ -397,15 +404,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
             print(f"measuring {what} ...", file=sys.stderr)
 
     c = cal.calibrate(device, shape, trunk_qtype=trunk, use_cache=not args.force, progress=progress)
-    if args.json:
-        print(json.dumps(c.profile.to_dict(), indent=2))
+    if not _print_profile(args, c, [f"experts    {shape.key}"], "the rest are defaults"):
         return 0
-    how = "cached" if c.cached else f"measured in {c.seconds:.1f} s"
-    print(f"device     {c.profile.name} ({how}; {numba.get_num_threads()} CPU threads)")
-    print(f"experts    {shape.key}")
-    for i, line in enumerate(describe_profile(c.profile)):
-        print(("profile    " if i == 0 else "           ") + line)
-    print("           (* = measured on this machine; the rest are defaults)")
     runs = c.details.get("fixed_cost_runs")
     if runs:
         print(f"fit        fixed costs from {len(runs)} probe runs, rms error {c.details['fit_rms_relative']:.0%}:")

@@ -97,7 +97,7 @@ def judge(
     """The verdict on one file from its header: can it run here, how it would be placed, how fast.
     ``profile``: the speeds to plan with (None: the defaults); ``cpu_profile``: path -> this machine's
     measured CPU speeds for that file, or None — used for a verdict without a GPU when ``profile`` is None
-    (``engine.bench.calibrate.cached_cpu_profile``). A prediction not from speeds measured here says so:
+    (``engine.bench.calibrate_host.cached_cpu_profile``). A prediction not from speeds measured here says so:
     ``speeds`` starts "uncalibrated" or "partly calibrated" and ``calibrated`` is False."""
     from engine.errors import SharpIError
     from engine.gguf import open_gguf

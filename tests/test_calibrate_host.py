@@ -1,4 +1,4 @@
-"""The CPU alone calibrated (engine.bench.calibrate.calibrate_host): what a machine without a GPU predicts
+"""The CPU alone calibrated (engine.bench.calibrate_host.calibrate_host): what a machine without a GPU predicts
 with — the routed experts' and the trunk's rates at the model's shapes, the fixed costs of a token and a
 host layer fitted from probes with their bytes taken off — cached, cancellable, and run in a child process
 the app can stop; and the cost model's CPU-only formula held to a measured profile."""
@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from engine.bench import calibrate as cal
+from engine.bench import calibrate_host as hc
 from engine.gguf import open_gguf
 from engine.library import judge
 from engine.plan import DeviceProfile, ModelSpec, predict
@@ -27,8 +28,9 @@ def demo():
 @pytest.fixture
 def cal_dir(tmp_path, monkeypatch):
     set_engine_env(monkeypatch, {"SHARPI_CALIBRATION_DIR": str(tmp_path / "cal"), "SHARPI_NO_CALIBRATE": None})
-    monkeypatch.setattr(cal, "CPU_WORKING_SET", 16 << 20)  # quick: the rates' values are not what is tested
-    monkeypatch.setattr(cal, "HOST_PROBE_LAYERS", (1, 3))
+    for mod in (cal, hc):  # quick: the rates' values are not what is tested
+        monkeypatch.setattr(mod, "CPU_WORKING_SET", 16 << 20)
+    monkeypatch.setattr(hc, "HOST_PROBE_LAYERS", (1, 3))
     return tmp_path / "cal"
 
 
@@ -36,10 +38,10 @@ def test_fit_recovers_the_fixed_costs():
     layers = [1, 2, 4, 8]
     priced = [1e-4 * n for n in layers]  # the probes' bytes at their rates
     secs = [p + (180.0 + 45.0 * n) * 1e-6 for p, n in zip(priced, layers)]
-    token, layer, rel = cal.fit_host_costs(layers, secs, priced)
+    token, layer, rel = hc.fit_host_costs(layers, secs, priced)
     assert token == pytest.approx(180.0, rel=1e-6) and layer == pytest.approx(45.0, rel=1e-6) and rel < 1e-9
     # costs are never negative, even where the bytes priced more than the step took
-    token, layer, _ = cal.fit_host_costs([1, 2], [2e-4, 2.5e-4], [1e-4, 3e-4])
+    token, layer, _ = hc.fit_host_costs([1, 2], [2e-4, 2.5e-4], [1e-4, 3e-4])
     assert token >= 0 and layer >= 0
 
 
@@ -77,27 +79,27 @@ def test_cpu_prediction_is_the_formula_over_a_measured_profile(demo):
 
 
 def test_host_calibration_is_measured_once_and_feeds_the_library(cal_dir, demo):
-    assert cal.host_calibration_needed(demo) and cal.cached_cpu_profile(demo) is None
-    before = judge(demo, ram=64 << 30, vram=0, cpu_profile=cal.cached_cpu_profile)
+    assert hc.host_calibration_needed(demo) and hc.cached_cpu_profile(demo) is None
+    before = judge(demo, ram=64 << 30, vram=0, cpu_profile=hc.cached_cpu_profile)
     assert not before.calibrated and before.speeds.startswith("uncalibrated")
     seen: list[str] = []
-    c = cal.calibrate_host(demo, progress=seen.append)
-    assert not c.cached and len(seen) == 3 + len(cal.HOST_PROBE_LAYERS)
+    c = hc.calibrate_host(demo, progress=seen.append)
+    assert not c.cached and len(seen) == 3 + len(hc.HOST_PROBE_LAYERS)
     assert set(c.profile.measured) == set(CPU_FIELDS)
     assert profile_source(c.profile, cpu_only=True) == "measured"
     assert c.profile.cpu_trunk_gbps > 0 and c.profile.token_us > 0
     # a restart finds it cached: nothing is measured again
-    assert not cal.host_calibration_needed(demo)
-    again = cal.calibrate_host(demo, progress=seen.append)
-    assert again.cached and len(seen) == 3 + len(cal.HOST_PROBE_LAYERS) and again.profile == c.profile
-    after = judge(demo, ram=64 << 30, vram=0, cpu_profile=cal.cached_cpu_profile)
+    assert not hc.host_calibration_needed(demo)
+    again = hc.calibrate_host(demo, progress=seen.append)
+    assert again.cached and len(seen) == 3 + len(hc.HOST_PROBE_LAYERS) and again.profile == c.profile
+    after = judge(demo, ram=64 << 30, vram=0, cpu_profile=hc.cached_cpu_profile)
     assert after.calibrated and after.speeds == "measured speeds" and after.predicted_tok_s != before.predicted_tok_s
 
 
 def test_a_cancelled_calibration_caches_nothing(cal_dir, demo):
-    with pytest.raises(cal.CalibrationCancelled):
-        cal.calibrate_host(demo, stop=lambda: True)
-    assert cal.host_calibration_needed(demo) and not list(cal_dir.glob("*.json"))
+    with pytest.raises(hc.CalibrationCancelled):
+        hc.calibrate_host(demo, stop=lambda: True)
+    assert hc.host_calibration_needed(demo) and not list(cal_dir.glob("*.json"))
 
 
 def test_the_child_process_job_reports_progress_and_stops_on_cancel(cal_dir, demo):
@@ -112,10 +114,10 @@ def test_the_child_process_job_reports_progress_and_stops_on_cancel(cal_dir, dem
         result.append((ok, msg))
         ended.set()
 
-    job = cal.HostCalibrationJob(demo, lambda k, n, w: steps.append((k, n, w)), done, threads=1, options=opts)
+    job = hc.HostCalibrationJob(demo, lambda k, n, w: steps.append((k, n, w)), done, threads=1, options=opts)
     assert job.command()[-4:] == ["-m", demo, "--threads", "1"]
     job.start()
     assert job.running
     job.cancel()
     assert ended.wait(30) and result == [(False, "cancelled")] and not job.running
-    assert cal.host_calibration_needed(demo, opts)
+    assert hc.host_calibration_needed(demo, opts)

@@ -57,21 +57,22 @@ def test_cpu_verdicts_use_this_machines_cpu_calibration(shelf, engine_env, tmp_p
     file's shapes — else those rates' defaults, the verdict then "partly calibrated"; nothing with calibration
     off, and never for a GPU verdict. Without any, the prediction is labelled uncalibrated."""
     from engine.bench import calibrate as cal
+    from engine.bench import calibrate_host as hc
 
     engine_env({"SHARPI_CALIBRATION_DIR": str(tmp_path)})
     model = shelf / "model.gguf"
-    cached = cal.cached_cpu_profile
+    cached = hc.cached_cpu_profile
     assert cached(model) is None  # nothing cached here
     default = judge(model, ram=64 << 30, vram=0, cpu_profile=cached)
     assert default.speeds.startswith("uncalibrated") and not default.calibrated
-    shape, trunk = cal._model_shapes(model)
+    shape, trunk = hc._model_shapes(model)
     fixed = {"token_us": 2000.0, "host_layer_us": 900.0}
-    cal._write(cal.host_key(), {"profile": fixed, "cpu_expert_gbps": {"other": 1.0}, "cpu_trunk_gbps": {}})
+    cal._write(hc.host_key(), {"profile": fixed, "cpu_expert_gbps": {"other": 1.0}, "cpu_trunk_gbps": {}})
     partly = judge(model, ram=64 << 30, vram=0, cpu_profile=cached)
     assert partly.speeds.startswith("partly calibrated") and not partly.calibrated
     assert partly.predicted_tok_s < default.predicted_tok_s / 3  # the slow machine's fixed costs
     rates = {"cpu_expert_gbps": {shape.key: 2.0}, "cpu_trunk_gbps": {trunk.key: 2.0}}
-    cal._write(cal.host_key(), {"profile": fixed, **rates})
+    cal._write(hc.host_key(), {"profile": fixed, **rates})
     got = judge(model, ram=64 << 30, vram=0, cpu_profile=cached)
     assert got.speeds == "measured speeds" and got.calibrated and got.predicted_tok_s < partly.predicted_tok_s
     gpu = judge(model, ram=64 << 30, vram=8 << 30, cpu_profile=cached)  # a GPU verdict

@@ -391,7 +391,7 @@ def prediction_report(session, report: dict) -> dict:
 
 
 def _cpu_prediction(session, report: dict, pos: int) -> dict:
-    from engine.bench.calibrate import cached_cpu_profile
+    from engine.bench.calibrate_host import cached_cpu_profile
     from engine.plan import DeviceProfile, predict
     from engine.plan.profile import profile_source
 

@@ -332,11 +332,11 @@ def run_device_kernels(args: argparse.Namespace) -> int:
 
 
 def _calibrate_host(args: argparse.Namespace) -> int:
-    """``--device host``: the CPU alone (engine.bench.calibrate.calibrate_host). Progress lines on stderr
+    """``--device host``: the CPU alone (engine.bench.calibrate_host.calibrate_host). Progress lines on stderr
     ("measuring ... (k of N)") are what the app's background calibration shows."""
     import sys
 
-    from engine.bench import calibrate as cal
+    from engine.bench import calibrate_host as cal
 
     steps = iter(range(1, 100))
 

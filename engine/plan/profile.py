@@ -219,7 +219,7 @@ def describe_profile(profile: DeviceProfile) -> list[str]:
 
 
 # What a placement with every layer on the CPU costs by (engine.plan.costmodel): a calibration of the
-# CPU alone (``engine.bench.calibrate.calibrate_host``) measures exactly these.
+# CPU alone (``engine.bench.calibrate_host.calibrate_host``) measures exactly these.
 CPU_FIELDS: tuple[str, ...] = ("cpu_expert_gbps", "cpu_trunk_gbps", "token_us", "host_layer_us")
 
 

@@ -385,7 +385,7 @@ class EngineBridge(QObject):
     serverRequest = Signal(object)  # ServerRequest: one answered API request (any thread emits; queued)
     remoteConnected = Signal(object)  # RemoteInfo: the chat now streams from this endpoint
     remoteModels = Signal(int, object, str)  # ticket, the model ids listed (None on failure), the error
-    # The CPU calibration (engine.bench.calibrate.calibrate_host) the app runs in the background without a GPU:
+    # The CPU calibration (engine.bench.calibrate_host.calibrate_host) the app runs in the background without a GPU:
     calibrationProgress = Signal(int, int, str)  # step, steps, what is measured
     calibrationEnded = Signal(str, str)  # CAL_DONE | CAL_PAUSED | CAL_CANCELLED | CAL_FAILED, a detail
     calibrated = Signal(object, object)  # ModelCard, PlacementLimits: the loaded model's predictions, now measured
@@ -682,12 +682,12 @@ class EngineBridge(QObject):
         it would be placed, its predicted tok/s) on a background thread; entries arrive one by one
         (libraryEntry), then libraryDone. The planner uses the loaded model's device profile (this
         machine's calibrated speeds on CUDA) when there is one; without a GPU, this machine's cached CPU
-        calibration for each file (engine.bench.calibrate.cached_cpu_profile) where there is one."""
+        calibration for each file (engine.bench.calibrate_host.cached_cpu_profile) where there is one."""
         cur = self._worker.current
         profile = cur.profile if cur is not None and cur.limits.has_gpu else None
 
         def work() -> None:
-            from engine.bench.calibrate import cached_cpu_profile
+            from engine.bench.calibrate_host import cached_cpu_profile
 
             n = 0
             try:
@@ -715,8 +715,8 @@ class EngineBridge(QObject):
     # -- the CPU calibration (no GPU: the predictions' speeds, measured once per machine) ---------------
     def calibration_needed(self) -> bool:
         """Whether the loaded model runs on the CPU alone and this machine's CPU calibration lacks something
-        its predictions need (engine.bench.calibrate.host_calibration_needed: cached after the first run)."""
-        from engine.bench.calibrate import host_calibration_needed
+        its predictions need (engine.bench.calibrate_host.host_calibration_needed: cached after the first run)."""
+        from engine.bench.calibrate_host import host_calibration_needed
 
         cur = self._local
         if cur is None or cur.limits.has_gpu or cur.session.device.type == "cuda":
@@ -729,7 +729,7 @@ class EngineBridge(QObject):
         ``calibrationEnded`` follow. Returns whether it started."""
         import numba
 
-        from engine.bench.calibrate import HostCalibrationJob
+        from engine.bench.calibrate_host import HostCalibrationJob
 
         if self._calib_job is not None and self._calib_job.running:
             return False

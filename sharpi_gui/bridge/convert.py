@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from engine.api import Session
-from engine.bench.calibrate import cached_cpu_profile, speed_profile
+from engine.bench.calibrate import speed_profile
+from engine.bench.calibrate_host import cached_cpu_profile
 from engine.errors import (
     ChatTemplateError,
     DeviceMemoryError,
@@ -278,7 +279,7 @@ def limits(
 def device_profile(session: Session) -> DeviceProfile:
     """The GPU's memory and its calibrated speeds (measured once per machine, a few seconds, on
     the first load with CUDA; cached after); without a GPU, this CPU's cached calibration for the model
-    (engine.bench.calibrate.cached_cpu_profile, measured in the background on the first launch) with the
+    (engine.bench.calibrate_host.cached_cpu_profile, measured in the background on the first launch) with the
     default device figures; else the default budget and speeds."""
     speeds = speed_profile(session.device, session.gf, measure=True, options=session.engine_options)
     if speeds is None and session.device.type != "cuda":

@@ -14,9 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 QT = ("PySide6", "shiboken6", "pyqtgraph", "PyQt5", "PyQt6", "sharpi_gui")
 HEAVY = ("torch", "numba", "engine")
-BRIDGE = (
-    "sharpi_gui/bridge"  # the package: EngineBridge (__init__), its worker (worker), the conversions to plain data (convert)
-)
+BRIDGE = "sharpi_gui/bridge"  # the package: EngineBridge (__init__), its worker (worker), the conversions to plain data (convert)
 # Modules of the app that compose the window and may import the bridge.
 COMPOSERS = ("sharpi_gui/app.py", BRIDGE)
 

@@ -36,7 +36,66 @@ from engine.kernels.testing import random_weight
 from engine.quant.formats import QType, block_format
 from engine.runtime import kernel_select as ks
 from engine.runtime import triton_moe as tm
+from engine.runtime import triton_qblocks as qb
 from engine.runtime.references import dequantize
+
+triton, tl = qb.triton, qb.tl
+
+
+@triton.jit
+def _dequant_kernel(W, OFF, OUT, rows, n, row_bytes, nb, QT: tl.constexpr, TS: tl.constexpr, QK: tl.constexpr,
+                    PW: tl.constexpr, NPART: tl.constexpr, ALIGN: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr):
+    """OUT[g] (bf16 [rows, n]) = the quantized matrix at byte OFF[g] of W, dequantized (prototype)."""
+    g = tl.program_id(2)
+    base = tl.load(OFF + g)
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = r < rows
+    b = tl.program_id(1) * NB + tl.arange(0, NB)
+    boff, m2 = qb.block_offsets(tl.multiple_of(base, 16) + r.to(tl.int64) * row_bytes, b, nb, rmask, TS, ALIGN)
+    l = tl.arange(0, PW)
+    for i in tl.static_range(NPART):
+        w = qb.part(W, boff, m2, QT, i, PW)
+        col = b[:, None] * QK + i * PW + l[None, :]
+        ptr = OUT + g.to(tl.int64) * rows * n + r[:, None, None].to(tl.int64) * n + col[None, :, :]
+        tl.store(ptr, qb.round_bf16(w).to(tl.bfloat16), mask=m2[:, :, None])
+
+
+def dequant_bf16(pool_flat, offs, q, rows, n, out=None):
+    G = offs.shape[0]
+    out = torch.empty((G, rows, n), dtype=torch.bfloat16, device=pool_flat.device) if out is None else out
+    geo = qb.geometry(q)
+    nb = n // geo["QK"]
+    NB = 2 if geo["QK"] == 256 else 8
+    _dequant_kernel[(triton.cdiv(rows, 64), triton.cdiv(nb, NB), G)](
+        pool_flat, offs, out, rows, n, block_format(q).row_bytes(n), nb, BR=64, NB=NB, num_warps=4, **geo)
+    return out
+
+
+def moe_dq_gmm(pool, stride, slot_off, x, w, roles, q):
+    """Prototype: every expert's matrices dequantized to bf16 scratch, then torch._grouped_mm over the
+    pairs sorted by expert (two grouped GEMMs: gate|up, down)."""
+    T, K_ = slot_off.shape
+    flat = pool.reshape(-1)
+    e_off = torch.arange(E, device=x.device, dtype=torch.int64) * stride
+    gu = torch.empty((E, 2 * F, D), dtype=torch.bfloat16, device=x.device)
+    dequant_bf16(flat, e_off + roles["gate"][0], q, F, D, gu[:, :F])
+    dequant_bf16(flat, e_off + roles["up"][0], q, F, D, gu[:, F:])
+    wd = dequant_bf16(flat, e_off + roles["down"][0], q, D, F)
+    return gmm_part(gu, wd, slot_off // stride, x, w), (gu, wd)
+
+
+def gmm_part(gu, wd, eid, x, w):
+    T, K_ = eid.shape
+    flat = eid.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    xs = x.to(torch.bfloat16)[order // K_]
+    y = torch._grouped_mm(xs, gu.transpose(1, 2), offs=offs)  # [J, 2F]
+    h = (torch.nn.functional.silu(y[:, :F].float()) * y[:, F:].float()).to(torch.bfloat16)
+    d = torch._grouped_mm(h, wd.transpose(1, 2), offs=offs)  # [J, D]
+    out = torch.empty((T * K_, D), dtype=torch.float32, device=x.device)
+    out[order] = d.float() * w.reshape(-1)[order, None]
+    return out.view(T, K_, D).sum(1)
 
 D, F, E, K = 2048, 768, 128, 8
 TRUNK = {"q": (4096, 2048), "k": (512, 2048), "o": (2048, 4096)}  # v has k's shape
@@ -142,6 +201,17 @@ def bench_type(q: QType, T: int, reps: int, rng, dev) -> None:
     A, B = torch.randn(J, D, device=dev, dtype=torch.bfloat16), torch.randn(F, D, device=dev, dtype=torch.bfloat16)
     cells["torch"] = (3 * timed(lambda: A @ B.T, reps), None)
     row("moe", 6.0 * J * F * D, cells)
+    if hasattr(torch, "_grouped_mm"):
+        try:
+            y, (gu, wd) = moe_dq_gmm(pool, stride, slot_off, x, w, roles, q)
+            eid = slot_off // stride
+            c2 = {
+                "dq+gmm": (timed(lambda: moe_dq_gmm(pool, stride, slot_off, x, w, roles, q), reps), rel(y, res["f32"])),
+                "gmm only": (timed(lambda: gmm_part(gu, wd, eid, x, w), reps), None),
+            }
+            row("moe*", 6.0 * J * F * D, c2)
+        except Exception as e:  # noqa: BLE001
+            print(f"  moe* dq+gmm failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
     for k in layer:
         layer[k] += cells[k][0]
     print("  layer  " + "  ".join(f"{k} {ms:7.3f} ms -> {T / (LAYERS * ms / 1e3):8.0f} tok/s" for k, ms in layer.items()))

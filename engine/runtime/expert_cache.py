@@ -101,6 +101,7 @@ class CachedExperts(ExpertBackend):
         self._predicted: dict[int, np.ndarray] = {}  # layer -> this step's predicted experts, strongest first
         self._prefetched: set[tuple[int, int]] = set()  # brought in by a prediction, not used since
         self.prefetch_skipped = 0  # prefetches not made: demand uploads were in flight
+        self._late_routes: list[tuple[int, torch.Tensor]] = []  # resident layers' routes still being copied out
 
     def set_predictors(self, predictors: dict[int, tuple[int, Callable]]) -> None:
         """For predictive prefetch: {cached layer: (next cached layer, routing)}, where ``routing(x)`` maps this
@@ -125,6 +126,13 @@ class CachedExperts(ExpertBackend):
 
     # -- eager: T tokens ----------------------------------------------------------------------------------
     def forward(self, layer, x, ids, weights):
+        table = self.pool.pinned_offsets.get(layer)
+        if table is not None and self._fused[layer] and ids.device == x.device:
+            # Resident: every expert is on the device for good, so nothing here waits for the routes on the
+            # host; they are copied out behind the layer and recorded once the pass ends (end_step).
+            if self.profiler is not None:
+                self._late_routes.append((layer, ids.to("cpu", non_blocking=True)))
+            return self.compute.fused_pairs(layer, table[ids], x, weights.to(x.device))
         ids_h = ids.cpu().numpy()  # routing decides what runs where: an explicit host boundary
         if self.profiler is not None:
             self.profiler.record_route(layer, ids_h)
@@ -298,9 +306,23 @@ class CachedExperts(ExpertBackend):
     def settle(self) -> None:
         self.pool.drain()
 
+    def _record_late_routes(self) -> None:
+        """The resident layers' routes of this pass to the profiler, as :meth:`forward` records a cache's:
+        every pair a hit (one wait for the last copy, at the pass's end)."""
+        late, self._late_routes = self._late_routes, []
+        if not late or self.profiler is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        for layer, ids in late:
+            ids_h = ids.numpy()
+            self.profiler.record_route(layer, ids_h)
+            self.profiler.record_cache(layer, ids_h.reshape(-1), ids_h[:0].reshape(-1), {})
+
     def end_step(self) -> None:
         """Upload this step's misses (bounded), oldest first; the rest are dropped. On CUDA they are copied
         behind the next steps and enter the table once landed (``ExpertPool.upload_later``)."""
+        self._record_late_routes()
         queue, self.queue = self.queue[: self.max_uploads], []
         self._prefetched.difference_update(queue)
         self._predicted.clear()  # a prediction is for the layer's next pass in this step only

@@ -5,6 +5,8 @@ the interpreter minutes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -183,3 +185,34 @@ def test_streamed_experts_in_small_halves_through_the_fused_kernels(tmp_path, de
             err = ((got - ref).norm() / ref.norm()).item()
             assert err < TOL, (layer, err)
         assert st.streamed_layers == L
+
+
+def test_resident_prompt_stays_on_the_device_and_records_its_routes(tmp_path, device, monkeypatch):
+    """A prompt through resident experts (interpreter and CUDA): the grouped kernel over the pinned slot table,
+    with no route copied to the host inside the pass (``CachedExperts._serve``, the host-routed path, never
+    runs); the routes reach the profiler when the pass ends, every pair a hit; the logits are the CPU
+    engine's."""
+    from engine.api import LoadOptions, Session
+    from engine.config import current
+    from engine.plan import DeviceProfile, PlanRequest
+    from engine.runtime.expert_cache import CachedExperts
+    from engine.synth.writer import write_model
+    from tests.oracle import random_tokens
+
+    def no_host_routing(*a, **k):
+        raise AssertionError("a resident layer routed through the host")
+
+    path = write_model(tmp_path / "q.gguf", "qwen3moe", seed=5, layers=2, weight_type="Q4_K").path
+    engine = replace(current(), prefill_precision="f32")
+    tokens = random_tokens(12, 1024, seed=3)  # > TRITON_MAX_T: the grouped prefill kernel
+    with Session.load(str(path), LoadOptions(n_ctx=32, device=device, q8_act=False, engine=engine)) as s:
+        ref = s.logits(tokens)
+        L, K = s.args.n_layer, s.args.n_expert_used
+        s.apply(s.plan(PlanRequest(ctx=32, n_gpu_layers=L, moe="resident"), DeviceProfile(vram_bytes=1 << 30)))
+        monkeypatch.setattr(CachedExperts, "_serve", no_host_routing)
+        s.reset_stats()
+        got = s.logits(tokens)
+        st = s.stats()
+        assert np.abs(got - ref).max() <= 1e-4 * max(1.0, float(np.abs(ref).max()))
+        assert st.calls.sum(1).tolist() == [len(tokens) * K] * L
+        assert st.hits.sum() == len(tokens) * K * L and st.misses.sum() == 0

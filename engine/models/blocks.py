@@ -17,7 +17,7 @@ from engine.kv_cache import KVCache
 from engine.models.args import ModelArgs
 from engine.models.host import HostMoEStep, HostOps
 from engine.models.layers import Routing
-from engine.models.ops import Ops, TorchOps, plus
+from engine.models.ops import FusedTorchOps, Ops, plus
 from engine.models.weights import Linear, Weights
 
 
@@ -275,5 +275,5 @@ class DecoderLayer:
                     return torch.from_numpy(out[None])
             x, y = self.step(HostOps(start, cache, c, s), X)
             return torch.from_numpy(x + y)
-        x, y = self.step(TorchOps(start, cache, cos, sin), x)
+        x, y = self.step(FusedTorchOps(start, cache, cos, sin), x)
         return x + y

@@ -98,6 +98,35 @@ def _attention_rows(
     return out.permute(2, 0, 1, 3).reshape(T, H * hd)
 
 
+def attention_fused(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int = 0, scale: float | None = None
+) -> torch.Tensor:
+    """:func:`attention` in torch's ``scaled_dot_product_attention`` (float32 in, float32 softmax: on CUDA
+    its memory-efficient kernel, no scores materialised; on the CPU its flash kernel): equal up to float32
+    rounding. K and V are widened to the H query heads first (the kernels' GQA needs half precision); where
+    those copies would outgrow the scratch priced for :func:`attention`'s scores (3 × :data:`ATTN_SCORE_BYTES`,
+    a long context), :func:`attention` serves."""
+    T, H, hd = q.shape
+    P, Hkv = k.shape[0], k.shape[1]
+    if 2 * H * P * hd * k.element_size() > 3 * ATTN_SCORE_BYTES:
+        return attention(q, k, v, start, window, scale)
+    g = H // Hkv
+    kh = k.permute(1, 0, 2)[:, None].expand(Hkv, g, P, hd).reshape(1, H, P, hd)
+    vh = v.permute(1, 0, 2)[:, None].expand(Hkv, g, P, hd).reshape(1, H, P, hd)
+    qh = q.permute(1, 0, 2)[None]  # [1, H, T, hd]
+    s = 1.0 / float(hd) ** 0.5 if scale is None else scale
+    if start == 0 and T == P and not (window and window < P):
+        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=s)
+    else:
+        qpos = torch.arange(start, start + T, device=q.device)[:, None]
+        kpos = torch.arange(P, device=q.device)[None, :]
+        seen = kpos <= qpos
+        if window:
+            seen = seen & (qpos - kpos < window)
+        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen, scale=s)
+    return out[0].permute(1, 0, 2).reshape(T, H * hd)
+
+
 def rms_norm_fused(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
     """:func:`rms_norm` as torch's one fused op (one kernel on CUDA instead of six): the static
     decode step's norm; equal to :func:`rms_norm` up to float32 rounding."""

@@ -6,6 +6,8 @@ the rope rows:
 
 - :class:`TorchOps` (here): the reference, torch on any device, T tokens at host positions — the
   eager path, prefill and decode, on the host or a device;
+- :class:`FusedTorchOps` (here): the same math in fewer, larger torch launches, what a device layer runs
+  eagerly (a prompt on a GPU is bound by the host's launches, not the GPU's work);
 - ``engine.models.host.HostOps``: numpy arrays through the numba twins (``engine.kernels.host_layers``),
   for layers whose matrices are all in host memory;
 - ``engine.runtime.step_ops.DeviceStepOps``: one token at a device position over a static cache
@@ -26,6 +28,7 @@ import torch
 from engine.models.layers import (
     apply_rope,
     attention,
+    attention_fused,
     causal_conv1d,
     delta_gates,
     expand_heads,
@@ -35,6 +38,7 @@ from engine.models.layers import (
     gelu_mul,
     l2_norm,
     rms_norm,
+    rms_norm_fused,
     route,
     silu_mul,
 )
@@ -198,3 +202,35 @@ class TorchOps:
     def experts(self, moe, h, hq, r):
         moe.last_ids = r.ids
         return moe.experts.forward(moe.i, h, r.ids, r.weights)
+
+
+class FusedTorchOps(TorchOps):
+    """:class:`TorchOps`'s math in fewer launches, equal up to float32 rounding (tests/test_ops.py holds the
+    two together): one-kernel norms (torch's ``rms_norm``), q and k head-normed and rotated as one tensor,
+    attention in torch's ``scaled_dot_product_attention`` (:func:`engine.models.layers.attention_fused`).
+    What device layers run eagerly: a prompt's layer is ~100 small launches, and on a GPU their host cost,
+    not the kernels, sets its time."""
+
+    def add_norm(self, x, y, w, eps, q8=False):
+        x = x if y is None else x + y
+        return x, rms_norm_fused(x, w, eps), None
+
+    def rms_norm(self, x, w, eps):
+        return rms_norm_fused(x, w, eps)
+
+    def rope_store(self, attn, q, k, v, head_norms):
+        a, T = attn.a, q.shape[0]
+        H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
+        qk = torch.cat([q.reshape(T, H, hd), k.reshape(T, Hkv, hd)], dim=1)  # [T, H + Hkv, hd]
+        if head_norms is not None:  # per head (Qwen3): q's weights on q's heads, k's on k's
+            w = torch.cat([head_norms[0].expand(H, hd), head_norms[1].expand(Hkv, hd)])
+            qk = rms_norm_fused(qk, None, a.rms_eps) * w
+        qk = apply_rope(qk, self.cos, self.sin, a.rope_neox)
+        self.cache.write(attn.i, self.start, qk[:, H:].reshape(T, -1), v)
+        return qk[:, :H]
+
+    def attend(self, attn, q, q8=False):
+        a, end = attn.a, self.start + q.shape[0]
+        K, V = self.cache.read(attn.i, end)
+        shape = (end, a.n_head_kv, a.head_dim)
+        return attention_fused(q, K.reshape(shape), V.reshape(shape), self.start, attn.window, attn.scale), None

@@ -3,7 +3,9 @@ prompt's forward pass (last position's logits only, as generation runs it) timed
 torch.profiler (CPU and CUDA activity), its CUDA kernels grouped by name — µs and launches a prompt, largest
 first — and the sum of kernel time against the wall time (the gap is the host: Python, launches, syncs).
 
-    PYTHONPATH=. python3 labs/prompt_profile.py F [--tokens 512] [--vram 30]
+    PYTHONPATH=. python3 labs/prompt_profile.py F [--tokens 512] [--vram 30] [--ops torch] [--no-profile]
+
+--ops torch runs the device layers on TorchOps (the reference ops) instead of FusedTorchOps, for an A/B.
 
 Results: docs/benchmarks-gpu.md, "A prompt with everything on the GPU".
 """
@@ -26,7 +28,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--vram", type=int, default=30)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--ops", choices=("fused", "torch"), default="fused")
+    ap.add_argument("--no-profile", action="store_true")
     a = ap.parse_args()
+    if a.ops == "torch":
+        import engine.models.blocks as blocks
+        from engine.models.ops import TorchOps
+
+        blocks.FusedTorchOps = TorchOps
     T, n_ctx = a.tokens, a.tokens + 64
     with Session.load(a.path, LoadOptions(n_ctx=n_ctx, device="cuda")) as s:
         p = s.plan(PlanRequest(ctx=n_ctx, n_gpu_layers=s.args.n_layer, moe="resident"),
@@ -49,8 +58,10 @@ def main() -> None:
             run(ids)
             walls.append((time.perf_counter() - t) * 1e3)
         wall = statistics.median(walls)
-        print(f"{T}-token prompt, {s.args.n_layer} layers: wall {wall:.1f} ms ({T / wall * 1e3:.0f} tok/s); runs "
+        print(f"[{a.ops} ops] {T}-token prompt, {s.args.n_layer} layers: wall {wall:.1f} ms ({T / wall * 1e3:.0f} tok/s); runs "
               + ", ".join(f"{w:.1f}" for w in walls), flush=True)  # fmt: skip
+        if a.no_profile:
+            return
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         ) as prof:

@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ops", choices=("fused", "torch"), default="fused")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--cprofile", action="store_true", help="the host's Python time by function (cProfile) instead")
     a = ap.parse_args()
     if a.ops == "torch":
         import engine.models.blocks as blocks
@@ -61,6 +62,18 @@ def main() -> None:
         print(f"[{a.ops} ops] {T}-token prompt, {s.args.n_layer} layers: wall {wall:.1f} ms ({T / wall * 1e3:.0f} tok/s); runs "
               + ", ".join(f"{w:.1f}" for w in walls), flush=True)  # fmt: skip
         if a.no_profile:
+            return
+        if a.cprofile:
+            import cProfile
+            import pstats
+
+            pr = cProfile.Profile()
+            pr.enable()
+            run(prompts[2])
+            pr.disable()
+            st = pstats.Stats(pr)
+            st.sort_stats("tottime").print_stats(35)
+            st.sort_stats("cumulative").print_stats(40)
             return
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]

@@ -101,7 +101,16 @@ OLD_H100 = {
     "moe_gate_up:Q6_K:L": {"BR": 4, "NB": 2, "num_warps": 4},
     "moe_gate_up:Q8_0:L": {"BR": 4, "NB": 16, "num_warps": 4},
 }
-OLD_LAUNCH = {"default": {**OLD_GEMV_DEFAULT, **OLD_MOE_DEFAULT}, "NVIDIA H100 80GB HBM3": OLD_H100}
+# The H200's table (2026-11-27): the prompt kernel's winners for Q4_K from labs/prefill_tc.py --sweep on an H200.
+H200 = {
+    "grouped_bf16:Q4_K:M": {"BR": 128, "BT": 64, "NB": 1, "num_warps": 4},
+    "grouped_bf16:Q4_K:S": {"BR": 128, "BT": 32, "NB": 1, "num_warps": 8},
+}
+OLD_LAUNCH = {
+    "default": {**OLD_GEMV_DEFAULT, **OLD_MOE_DEFAULT},
+    "NVIDIA H100 80GB HBM3": OLD_H100,
+    "NVIDIA H200": H200,
+}
 OLD_CLASSES = ((1024, "S"), (4096, "M"), (1 << 62, "L"))
 
 
@@ -121,7 +130,7 @@ def old_launch(kernel: str, qtype: QType, out_rows: int, device_name: str, versi
 KERNELS = sorted({k.split(":")[0] for t in (*OLD_LAUNCH.values(), *OLD_BY_TRITON.values()) for k in t})
 QTYPES = (QType.Q4_0, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q5_0, QType.F32)
 ROWS = (1, 512, 1024, 1025, 4096, 4097, 6144, 1 << 20)  # every shape class and its edges
-DEVICES = ("", "NVIDIA H100 80GB HBM3", "Some Other GPU")
+DEVICES = ("", "NVIDIA H100 80GB HBM3", "NVIDIA H200", "Some Other GPU")
 VERSIONS = ((0, 0), (3, 4), (3, 6), (3, 7), (3, 8), (3, 9), (3, 10), (4, 0))
 
 
@@ -135,7 +144,7 @@ def test_the_json_tables_are_the_old_dicts():
     assert names == KERNELS
     assert _plain(ks.DEFAULT) == OLD_LAUNCH["default"]
     assert {k: _plain(v) for k, v in ks.BY_TRITON.items()} == OLD_BY_TRITON
-    assert {k: _plain(v) for k, v in ks.BY_DEVICE.items()} == {"NVIDIA_H100_80GB_HBM3": OLD_H100}
+    assert {k: _plain(v) for k, v in ks.BY_DEVICE.items()} == {"NVIDIA_H100_80GB_HBM3": OLD_H100, "NVIDIA_H200": H200}
     # integers stay integers (a float 4.0 would change a constexpr's specialisation)
     for table in (ks.DEFAULT, *ks.BY_TRITON.values(), *ks.BY_DEVICE.values()):
         for settings in table.values():

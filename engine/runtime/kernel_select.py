@@ -287,5 +287,15 @@ def launch(
 
 
 def device_name(device: torch.device) -> str:
-    """The name the GPU tables are keyed by (``torch.cuda.get_device_name``); "" off CUDA."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    """The name the GPU tables are keyed by (``torch.cuda.get_device_name``); "" off CUDA. Asked once per
+    device: every kernel launch looks its settings up by it, and torch's query costs ~15 µs of host time."""
+    return (
+        _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+        if device.type == "cuda"
+        else ""
+    )
+
+
+@cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)

@@ -1,4 +1,4 @@
-"""triton_moe.tile_starts: the tile table of the grouped prompt kernel, built on the device without a host
+"""triton_moe.tile_starts_reference (the torch ops the one-launch kernel is held to in tests/triton/test_prefill.py): the tile table of the grouped prompt kernel, built on the device without a host
 sync — every entry of a group covered by exactly one tile of at most BT entries of that group, skipped
 entries by none, and the table no larger than max_tiles says (the grid the kernel is launched with)."""
 
@@ -36,7 +36,7 @@ def test_tile_starts_cover_each_group_once(BT, seed):
     seg = flat[torch.argsort(flat, stable=True)]
     J, groups = seg.numel(), min(T * K, E)
     n = tm.max_tiles(J, groups, BT)
-    tlo = tm.tile_starts(seg, BT, n)
+    tlo = tm.tile_starts_reference(seg, BT, n)
     want = _tiles_by_hand(seg.tolist(), BT)
     assert len(want) <= n  # the bound holds
     assert tlo.tolist() == want + [-1] * (n - len(want))
@@ -44,4 +44,4 @@ def test_tile_starts_cover_each_group_once(BT, seed):
 
 def test_tile_starts_of_nothing_but_skipped_entries():
     seg = torch.full((5,), -1, dtype=torch.int64)
-    assert tm.tile_starts(seg, 4, tm.max_tiles(5, 5, 4)).tolist() == [-1] * tm.max_tiles(5, 5, 4)
+    assert tm.tile_starts_reference(seg, 4, tm.max_tiles(5, 5, 4)).tolist() == [-1] * tm.max_tiles(5, 5, 4)

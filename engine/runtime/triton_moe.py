@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import config
 from engine.config import EngineOptions
 from engine.models.layers import silu_mul
 from engine.quant.formats import QType, block_format
@@ -266,11 +267,54 @@ def operand(X: torch.Tensor, precision: str) -> torch.Tensor:
     return X.to(torch.bfloat16 if precision == "bf16" else torch.float32).contiguous()
 
 
+if triton is not None:
+
+    @triton.jit
+    def _max_i32(a, b):
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def _tile_starts_kernel(SEG, OUT, J, n_tiles, BT: tl.constexpr, CH: tl.constexpr):
+        """One program walks the J entries CH at a time, carrying the tiles found so far and the start of the
+        group running into the next chunk: :func:`tile_starts_reference`'s table in one launch."""
+        count = tl.zeros([], dtype=tl.int32)  # tiles found so far
+        gstart = tl.zeros([], dtype=tl.int32)  # where the group running into this chunk started
+        for c0 in range(0, J, CH):
+            j = c0 + tl.arange(0, CH)
+            m = j < J
+            s = tl.load(SEG + j, mask=m, other=-1)
+            sp = tl.load(SEG + j - 1, mask=m & (j > 0), other=-1)
+            new = (s != sp) | (j == 0)
+            start = tl.associative_scan(tl.where(new, j, 0), 0, _max_i32)  # each entry's group start
+            start = tl.maximum(start, gstart)
+            head = m & (s >= 0) & ((j - start) % BT == 0)
+            hi = head.to(tl.int32)
+            idx = count + tl.cumsum(hi, 0) - 1
+            tl.store(OUT + idx, j.to(tl.int64), mask=head & (idx < n_tiles))
+            count += tl.sum(hi, 0)
+            gstart = tl.max(tl.where(m, start, 0), 0)
+        for t0 in range(0, n_tiles, CH):
+            t = t0 + tl.arange(0, CH)
+            tl.store(OUT + t, tl.full([CH], -1, tl.int64), mask=(t >= count) & (t < n_tiles))
+
+
 def tile_starts(seg: torch.Tensor, BT: int, n_tiles: int) -> torch.Tensor:
     """The tiles of :func:`grouped_matmul` over entries sorted by group: int64 [n_tiles], each tile's first
     entry (−1: no tile). seg int64 [J]: each entry's group (its matrix's byte offset), equal groups
     consecutive, −1 for entries to skip. A group of c entries has ceil(c / BT) tiles; n_tiles must bound
-    their sum (Σ ceil(c_g / BT) ≤ (J + G·(BT − 1)) / BT for G groups). Device ops only, no host sync."""
+    their sum (Σ ceil(c_g / BT) ≤ (J + G·(BT − 1)) / BT for G groups). No host sync: one Triton launch where
+    Triton runs (a prompt's layer is bound by its launches' host cost), else :func:`tile_starts_reference`."""
+    J = seg.shape[0]
+    if triton is None or (seg.device.type != "cuda" and not config.current().triton_interpret):
+        return tile_starts_reference(seg, BT, n_tiles)
+    out = torch.empty(n_tiles, dtype=torch.int64, device=seg.device)
+    if n_tiles:
+        _tile_starts_kernel[(1,)](seg.contiguous(), out, J, n_tiles, BT=BT, CH=1024, num_warps=4)
+    return out
+
+
+def tile_starts_reference(seg: torch.Tensor, BT: int, n_tiles: int) -> torch.Tensor:
+    """:func:`tile_starts` in torch ops (about 17 launches): the reference the kernel is held to."""
     J = seg.shape[0]
     pos = torch.arange(J, dtype=torch.int64, device=seg.device)
     new = torch.ones(J, dtype=torch.bool, device=seg.device)
@@ -368,7 +412,8 @@ def moe_prefill(
     n_experts: int | None = None,
 ) -> torch.Tensor:
     """:func:`moe_decode`'s contract for many tokens: pairs sorted by slot, each expert's weight
-    tiles read once per BT of its tokens (three grouped launches and a deterministic combine), on the
+    tiles read once per BT of its tokens (three grouped launches — two where up's rows follow gate's in the
+    slot with the same type — and a deterministic combine), on the
     operands ``kernel_select.prefill_precision`` picks. No host sync: the grid is bounded by the pairs
     and ``n_experts`` (the most distinct slots the pairs can name: the layer's experts; default T·K,
     or the pool's slots when it is [n_slots, stride])."""
@@ -386,8 +431,12 @@ def moe_prefill(
     (go, gq, F, D), (uo, uq, _, _), (do, dq, _, _) = (roles[r] for r in ("gate", "up", "down"))
     xo = operand(x, precision)  # rounded once for gate and up
     tiles: dict = {}
-    g = grouped_matmul(pool, seg, go, tok, xo, gq, F, D, groups, options=options, tiles=tiles)
-    u = grouped_matmul(pool, seg, uo, tok, xo, uq, F, D, groups, options=options, tiles=tiles)
+    if gq == uq and uo == go + F * block_format(gq).row_bytes(D):  # up's rows follow gate's: one launch of 2F rows
+        gu = grouped_matmul(pool, seg, go, tok, xo, gq, 2 * F, D, groups, options=options, tiles=tiles)
+        g, u = gu[:, :F], gu[:, F:]
+    else:
+        g = grouped_matmul(pool, seg, go, tok, xo, gq, F, D, groups, options=options, tiles=tiles)
+        u = grouped_matmul(pool, seg, uo, tok, xo, uq, F, D, groups, options=options, tiles=tiles)
     h = operand(silu_mul(g, u), precision)  # [J, F], sorted order
     ident = torch.arange(J, dtype=torch.int64, device=x.device)
     d = grouped_matmul(pool, seg, do, ident, h, dq, D, F, groups, options=options, tiles=tiles)  # [J, D]

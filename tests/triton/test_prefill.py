@@ -132,3 +132,19 @@ def test_moe_prefill_bf16_matches_the_rounded_reference(case):
     assert _rel(y, refs.moe_prefill_bf16_reference(pool, slot_off, x, w, roles)) <= TIGHT_MOE
     # three bf16 products in a row: a few u relative to the exact result (loose; the tight check is above)
     assert _rel(y, refs.moe_decode_reference(pool, slot_off, x, w, roles)) <= 8 * U
+
+
+@pytest.mark.parametrize("BT", [1, 3, 32, 64])
+@pytest.mark.parametrize("J", [1, 7, 1024, 2500])  # a chunk of the kernel is 1024 entries: groups run across chunks
+def test_tile_starts_kernel_equals_its_reference(BT, J):
+    """The one-launch tile table against the torch ops it replaces: sorted groups with skipped (−1) entries
+    first, groups spanning the kernel's chunks, table lengths from max_tiles (and one longer: −1 after)."""
+    rng = np.random.default_rng((BT, J))
+    E = int(rng.integers(1, 40))
+    seg = torch.from_numpy(np.sort(rng.integers(-1, E, J)) * 4096).clamp(min=-1)
+    seg = seg.to(DEVICE)
+    n = tm.max_tiles(J, min(J, E + 1), BT)
+    for size in (n, n + 5):
+        got = tm.tile_starts(seg, BT, size)
+        assert got.device.type == DEVICE
+        assert got.cpu().tolist() == tm.tile_starts_reference(seg, BT, size).cpu().tolist()

@@ -461,6 +461,8 @@ def gemv_q8(qt, raw, s, qa, da, asum, bsums):
         legacy.gemv_q4_0_q8(raw, s, rows, xi, qa, da, asum, out)
     elif qt == 6:
         legacy.gemv_q5_0_q8(raw, s, rows, xi, qa, da, asum, out)
+    elif qt == 39:
+        legacy.gemv_mxfp4_q8(raw, s, rows, xi, qa, da, asum, out)
     else:
         out[:] = np.nan
     return out.reshape(R)

@@ -31,6 +31,7 @@ KERNELS = {
     QType.Q4_0: (legacy.gemv_q4_0_f, legacy.gemv_q4_0_q8),
     QType.Q5_0: (legacy.gemv_q5_0_f, legacy.gemv_q5_0_q8),
     QType.MXFP4: (legacy.gemv_mxfp4_f, legacy.gemv_mxfp4_q8),
+    QType.Q3_K: (kquants_exact.gemv_q3_k_f, kquants.gemv_q3_k_q8),
     QType.Q4_K: (kquants_exact.gemv_q4_k_f, kquants.gemv_q4_k_q8),
     QType.Q5_K: (kquants_exact.gemv_q5_k_f, kquants.gemv_q5_k_q8),
     QType.Q6_K: (kquants_exact.gemv_q6_k_f, kquants.gemv_q6_k_q8),

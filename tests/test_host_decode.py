@@ -163,6 +163,7 @@ def test_host_path_with_a_bf16_cache_matches_torch_layers(tmp_path, arch):
         ("qwen3moe", "Q6_K", "Q5_0"),  # q/k/v in one loop
         ("olmoe", "Q8_0", "Q5_0"),  # v apart (Q8_0 activations)
         ("qwen3moe", "Q3_K", "Q3_K"),  # Q3_K rows in the q/k/v loop and the o GEMV
+        ("qwen3moe", "Q2_K", "Q2_K"),  # Q2_K likewise
         ("qwen3moe", "Q6_K", "MXFP4"),  # an MXFP4 o GEMV
     ],
 )

@@ -23,6 +23,8 @@ CASES = [
     (QType.MXFP4, QType.MXFP4, QType.MXFP4),  # gpt-oss's experts
     (QType.Q3_K, QType.Q3_K, QType.Q3_K),
     (QType.Q3_K, QType.Q3_K, QType.Q6_K),  # a Q3_K_M-like mix
+    (QType.Q2_K, QType.Q2_K, QType.Q2_K),
+    (QType.Q2_K, QType.Q2_K, QType.Q3_K),  # a Q2_K file's mix
 ]
 
 

@@ -87,6 +87,19 @@ def _dequant_q5_0(f: dict[str, np.ndarray]) -> np.ndarray:
 # ---------------------------------------------------------------- 256-element K-quants
 
 
+def _dequant_q2_k(f: dict[str, np.ndarray]) -> np.ndarray:
+    # dequantize_row_q2_K: 2 halves of 128; in half h, element 32j + l (j = 0..3) is bits 2j..2j+1 of
+    # qs[32h + l]. 16 sub-blocks of 16, byte s of scales = sc | m << 4 (4 bits each);
+    # y = (d*sc) * q - (dmin*m) (the products exact in float32, one rounding in the difference)
+    nb = f["qs"].shape[0]
+    d, dmin = fp16_to_f32(f["d"]), fp16_to_f32(f["dmin"])  # [nb, 1]
+    sc = f["scales"]  # [nb, 16]
+    d_sub = (d * (sc & 0xF).astype(_F32))[:, :, None]  # [nb, 16, 1]
+    m_sub = (dmin * (sc >> 4).astype(_F32))[:, :, None]
+    q = (f["qs"].reshape(nb, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3
+    return (d_sub * q.reshape(nb, 16, 16).astype(_F32) - m_sub).reshape(nb, 256)
+
+
 def unpack_scales_k3(scales: np.ndarray) -> np.ndarray:
     """The 16 six-bit sub-block scales of a Q3_K block, as stored (0..63; the value is this − 32).
 
@@ -182,6 +195,7 @@ DEQUANTIZE_BLOCKS: dict[QType, Callable[[dict[str, np.ndarray]], np.ndarray]] = 
     QType.Q8_0: _dequant_q8_0,
     QType.Q4_0: _dequant_q4_0,
     QType.Q5_0: _dequant_q5_0,
+    QType.Q2_K: _dequant_q2_k,
     QType.Q3_K: _dequant_q3_k,
     QType.Q4_K: _dequant_q4_k,
     QType.Q5_K: _dequant_q5_k,

@@ -87,6 +87,17 @@ def _mxfp4(b):  # dequantize_row_mxfp4: e8m0 exponent, low nibbles are elements 
     return d[..., None] * values[torch.cat([lo, hi], -1).long()]
 
 
+def _q2_k(b):  # dequantize_row_q2_K: 16 (scale | min << 4) bytes, qs[64], d, dmin; element 128h + 32j + l
+    lead = b.shape[:-1]
+    s = b[..., 0:16].to(torch.int32)
+    qs = b[..., 16:80].to(torch.int32).reshape(*lead, 2, 1, 32)
+    q = ((qs >> (2 * torch.arange(4, device=b.device, dtype=torch.int32))[:, None]) & 3).float().reshape(*lead, 16, 16)
+    d, dmin = _f16(b[..., 80:82]), _f16(b[..., 82:84])
+    dl = d[..., None] * (s & 0xF).float()  # [.., 16]
+    ml = dmin[..., None] * (s >> 4).float()
+    return (dl[..., None] * q - ml[..., None]).flatten(-2)
+
+
 def _q3_k(b):  # dequantize_row_q3_K: hmask[32], qs[64], 12 bytes of 6-bit scales, d; element 128h + 32j + l
     lead = b.shape[:-1]
     s = b[..., 96:108].to(torch.int32)
@@ -139,6 +150,7 @@ _BLOCK_FNS = {
     QType.Q8_0: _q8_0,
     QType.Q4_0: _q4_0,
     QType.Q5_0: _q5_0,
+    QType.Q2_K: _q2_k,
     QType.Q3_K: _q3_k,
     QType.Q4_K: _q4_k,
     QType.Q5_K: _q5_k,

@@ -42,7 +42,7 @@ def _gather_all(R: int) -> tuple[np.ndarray, np.ndarray]:
     return rows, xi
 
 
-_K_QUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
+_K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K)
 _LEGACY = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.MXFP4)  # Q8_0 activations
 
 

@@ -158,16 +158,22 @@ def test_host_path_with_a_bf16_cache_matches_torch_layers(tmp_path, arch):
 
 
 @pytest.mark.parametrize(
-    "arch,v_type",
-    [("qwen3moe", "Q6_K"), ("olmoe", "Q8_0")],  # q/k/v in one loop; v apart (Q8_0 activations)
+    "arch,v_type,o_type",
+    [
+        ("qwen3moe", "Q6_K", "Q5_0"),  # q/k/v in one loop
+        ("olmoe", "Q8_0", "Q5_0"),  # v apart (Q8_0 activations)
+        ("qwen3moe", "Q3_K", "Q3_K"),  # Q3_K rows in the q/k/v loop and the o GEMV
+        ("qwen3moe", "Q2_K", "Q2_K"),  # Q2_K likewise
+        ("qwen3moe", "Q6_K", "MXFP4"),  # an MXFP4 o GEMV
+    ],
 )
 @pytest.mark.parametrize("kv_type", ["f32", "bf16"])
-def test_fused_host_step_is_bit_identical(tmp_path, arch, v_type, kv_type):
+def test_fused_host_step_is_bit_identical(tmp_path, arch, v_type, o_type, kv_type):
     """The one-call host step (engine.models.host) equals the step-by-step host path exactly,
     on a quantized file mixing types the way Q4_K_M files do, with either host cache dtype."""
     path = write_model(
         tmp_path / f"{arch}.gguf", arch, seed=6, layers=2, weight_type="Q4_K",
-        type_overrides={"*attn_v*": v_type, "*ffn_down_exps*": "Q6_K", "*attn_output*": "Q5_0"},
+        type_overrides={"*attn_v*": v_type, "*ffn_down_exps*": "Q6_K", "*attn_output*": o_type},
     ).path  # fmt: skip
     tokens = random_tokens(10, 1024, seed=3)
     with Session.load(str(path), LoadOptions(n_ctx=32, device="cpu", kv_type=kv_type)) as s:

@@ -21,6 +21,10 @@ CASES = [
     (QType.Q4_0, QType.Q4_0, QType.Q5_K),
     (QType.Q5_K, QType.Q5_K, QType.Q5_0),
     (QType.MXFP4, QType.MXFP4, QType.MXFP4),  # gpt-oss's experts
+    (QType.Q3_K, QType.Q3_K, QType.Q3_K),
+    (QType.Q3_K, QType.Q3_K, QType.Q6_K),  # a Q3_K_M-like mix
+    (QType.Q2_K, QType.Q2_K, QType.Q2_K),
+    (QType.Q2_K, QType.Q2_K, QType.Q3_K),  # a Q2_K file's mix
 ]
 
 

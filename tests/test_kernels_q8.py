@@ -15,7 +15,7 @@ from engine.kernels.testing import random_weight
 from engine.quant import WEIGHT_TYPES, QType, dequantize
 
 ALL = list(WEIGHT_TYPES)
-K_QUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
+K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K)
 
 
 def awkward_activations(rng: np.random.Generator, T: int, n: int) -> np.ndarray:
@@ -144,7 +144,7 @@ def test_matvec_matmul_q8(qtype):
 def test_q8_reference_independent_of_unpack():
     """The integer-dot reference equals dequantized-weights × dequantized-activations."""
     rng = np.random.default_rng(14)
-    for qtype in (QType.Q4_0, QType.Q5_K, QType.Q6_K):
+    for qtype in (QType.Q4_0, QType.Q2_K, QType.Q3_K, QType.Q5_K, QType.Q6_K):
         raw = random_weight(qtype, (5, 512), rng)
         X = rng.standard_normal((2, 512), dtype=np.float32)
         Xq = rounded_activations(qtype, X).reshape(2, 512)

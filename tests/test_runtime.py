@@ -137,11 +137,14 @@ def test_every_placement_matches_the_cpu_engine(paths, name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_every_placement_of_mxfp4_experts_matches_the_cpu_engine(tmp_path, device):
-    """gpt-oss's weight format (MXFP4, every matrix here): the device runs it through the torch reference
-    dequantizer (no Triton kernel for it yet), the CPU through the numba kernels — exact-float activations
-    on both, the same logits on every placement."""
-    path = write_model(tmp_path / "mx.gguf", "qwen3moe", seed=3, layers=3, weight_type="MXFP4").path
+@pytest.mark.parametrize("weight_type", ["MXFP4", "Q3_K", "Q2_K"])
+def test_every_placement_of_reference_only_types_matches_the_cpu_engine(tmp_path, device, weight_type):
+    """Weight types without a Triton kernel (gpt-oss's MXFP4, Q3_K, Q2_K; every matrix here): the device runs
+    them through the torch reference dequantizer, the CPU through the numba kernels — exact-float
+    activations on both, the same logits on every placement."""
+    m = write_model(tmp_path / "m.gguf", "qwen3moe", seed=3, layers=3, weight_type=weight_type)
+    assert not m.fallbacks  # every matrix of the type (rows of 256)
+    path = m.path
     tokens = random_tokens(20, 1024, seed=2)
     engine = replace(config.current(), prefill_precision="f32")
     with Session.load(str(path), LoadOptions(n_ctx=CTX, device=device, engine=engine, q8_act=False)) as s:

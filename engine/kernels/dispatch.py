@@ -31,19 +31,21 @@ KERNELS = {
     QType.Q4_0: (legacy.gemv_q4_0_f, legacy.gemv_q4_0_q8),
     QType.Q5_0: (legacy.gemv_q5_0_f, legacy.gemv_q5_0_q8),
     QType.MXFP4: (legacy.gemv_mxfp4_f, legacy.gemv_mxfp4_q8),
+    QType.Q2_K: (kquants_exact.gemv_q2_k_f, kquants.gemv_q2_k_q8),
+    QType.Q3_K: (kquants_exact.gemv_q3_k_f, kquants.gemv_q3_k_q8),
     QType.Q4_K: (kquants_exact.gemv_q4_k_f, kquants.gemv_q4_k_q8),
     QType.Q5_K: (kquants_exact.gemv_q5_k_f, kquants.gemv_q5_k_q8),
     QType.Q6_K: (kquants_exact.gemv_q6_k_f, kquants.gemv_q6_k_q8),
 }
 _FLOAT = (QType.F32, QType.F16, QType.BF16)
 _LEGACY = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.MXFP4)  # Q8_0 activations
-_MINS = (QType.Q4_K, QType.Q5_K)  # exact kernels need per-32 sums of x for the mins
+_MINS = {QType.Q4_K: 32, QType.Q5_K: 32, QType.Q2_K: 16}  # exact kernels: sums of x over each sub-block
 
 
 def prepare_activations(qtype: QType, X: np.ndarray, *, q8_act: bool) -> tuple[np.ndarray, ...]:
     """X float32 [K, n] -> the activation arrays the ``qtype`` kernel takes after ``xi``.
 
-    exact: (X,) or (X, Xs [K, n/32]) for Q4_K/Q5_K. q8_act: float types (X rounded to the
+    exact: (X,) or (X, Xs) for Q4_K/Q5_K (Xs [K, n/32]) and Q2_K (Xs [K, n/16]). q8_act: float types (X rounded to the
     weight's float type,); Q8_0/Q4_0/Q5_0 (qa, da, asum); K-quants (qa, da, bsums).
     Compute once and reuse for every weight of the same type that reads the same X.
     """
@@ -56,7 +58,7 @@ def prepare_activations(qtype: QType, X: np.ndarray, *, q8_act: bool) -> tuple[n
         return (X,)
     if not q8_act:
         if qtype in _MINS:
-            return X, X.reshape(X.shape[0], -1, 32).sum(axis=-1, dtype=np.float32)
+            return X, X.reshape(X.shape[0], -1, _MINS[qtype]).sum(axis=-1, dtype=np.float32)
         return (X,)
     if qtype in _LEGACY:
         return quantize_q8_0(X)

@@ -455,12 +455,18 @@ def gemv_q8(qt, raw, s, qa, da, asum, bsums):
         kquants.gemv_q5_k_q8(raw, s, rows, xi, qa, da, bsums, out)
     elif qt == 14:
         kquants.gemv_q6_k_q8(raw, s, rows, xi, qa, da, bsums, out)
+    elif qt == 11:
+        kquants.gemv_q3_k_q8(raw, s, rows, xi, qa, da, bsums, out)
+    elif qt == 10:
+        kquants.gemv_q2_k_q8(raw, s, rows, xi, qa, da, bsums, out)
     elif qt == 8:
         legacy.gemv_q8_0_q8(raw, s, rows, xi, qa, da, asum, out)
     elif qt == 2:
         legacy.gemv_q4_0_q8(raw, s, rows, xi, qa, da, asum, out)
     elif qt == 6:
         legacy.gemv_q5_0_q8(raw, s, rows, xi, qa, da, asum, out)
+    elif qt == 39:
+        legacy.gemv_mxfp4_q8(raw, s, rows, xi, qa, da, asum, out)
     else:
         out[:] = np.nan
     return out.reshape(R)
@@ -504,7 +510,7 @@ def qkv_q8(qt0, w0, s0, qt1, w1, s1, qt2, w2, s2, qa, da, asum, bsums):
 
 @njit(cache=True, nogil=True, inline="always")
 def _k_family(qt):
-    return qt == 12 or qt == 13 or qt == 14
+    return qt == 10 or qt == 11 or qt == 12 or qt == 13 or qt == 14
 
 
 @njit(cache=True, nogil=True)

@@ -1,4 +1,4 @@
-"""GEMV kernels for the 256-element K-quant types Q4_K, Q5_K and Q6_K.
+"""GEMV kernels for the 256-element K-quant types Q2_K, Q3_K, Q4_K, Q5_K and Q6_K.
 
 Gather signature shared by all families (see ``engine.kernels.dispatch``)::
 
@@ -6,14 +6,14 @@ Gather signature shared by all families (see ``engine.kernels.dispatch``)::
            <activations>, out float32 [M, T])
     out[i, t] = W[rows[i]] · x[xi[i] + t]
 
-``s`` holds (d, dmin) interleaved per block for Q4_K/Q5_K and d for Q6_K (``prepare``).
+``s`` holds (d, dmin) interleaved per block for Q2_K/Q4_K/Q5_K and d for Q3_K/Q6_K (``prepare``).
 
 This module holds the Q8-activation kernels (``*_q8``; the exact-float ones are in
 ``kquants_exact``). They take
 ggml Q8_K activations qa int8 [K, n], da float32 [K, n/256], bsums int16 [K, n/16] and follow
-``ggml_vec_dot_q{4,5,6}_K_q8_K``: per block, exact integer sums Σ_s sc_s·Σ q·q_a (pmaddubsw,
-then pmaddwd by the broadcast sub-block scale) scaled by d·d_a; the mins (Q4_K/Q5_K) and the
-−32 offset of Q6_K are applied through the bsums.
+``ggml_vec_dot_q{2,3,4,5,6}_K_q8_K``: per block, exact integer sums Σ_s sc_s·Σ q·q_a (pmaddubsw,
+then pmaddwd by the broadcast sub-block scale) scaled by d·d_a; the mins (Q2_K/Q4_K/Q5_K) and the
+−32 offset of Q6_K (−4 of Q3_K) are applied through the bsums.
 
 Block layouts (ggml-common.h):
 q4_K = d | dmin | scales[12] (8 packed 6-bit scale/min pairs) | qs[128]: chunk j of 64 elements
@@ -22,7 +22,11 @@ q5_K = as q4_K with qh[32] before qs: bit 2j / 2j+1 of qh[l] is the fifth bit of
 sub-block 2j / 2j+1; q6_K = ql[128] | qh[64] | scales int8[16] | d; each 128-element half h uses
 ql[64h..64h+64] and qh[32h..32h+32]; quarter k (32 elements) takes low (k = 0, 1) or high
 (k = 2, 3) nibbles of ql[64h + 32(k mod 2) + l] and bits 2k, 2k+1 of qh[32h + l]; value q − 32,
-sub-blocks of 16 elements (``dequantize_row_q6_K``).
+sub-blocks of 16 elements (``dequantize_row_q6_K``); q3_K = hmask[32] | qs[64] | scales[12] (16
+packed 6-bit scales, value − 32) | d; quarter j of half h (elements 128h + 32j + l) takes bits 2j, 2j+1
+of qs[32h + l] and, as bit 2, bit 4h + j of hmask[l]; value q − 4 (the code 0..7 here), sub-blocks of 16
+(``dequantize_row_q3_K``); q2_K = scales[16] (sub-block s: scale | min << 4) | qs[64] | d | dmin, the
+codes as q3_K's low 2 bits (qs at byte 16), sub-blocks of 16 (``dequantize_row_q2_K``).
 
 For prefill (T > 1 tokens per row) four tokens share one decode of the weight codes and scales.
 """
@@ -37,6 +41,7 @@ from engine.kernels.simd import (
     dup_high16,
     fma_i32,
     hsum_f32,
+    k3_scales,
     k4_scales,
     load_i8x16_as_i16,
     load_i8x32,
@@ -47,6 +52,7 @@ from engine.kernels.simd import (
     prefetch_array,
     prefetch_distance,
     splat8,
+    splat16,
     vand,
     vor,
     vshl,
@@ -92,6 +98,37 @@ def _q6k_codes(w, o, h):
     q2 = vor(vand(ql1, m15), vshl(vand(vshr(qh, 2), m3), 4))
     q3 = vor(vshr(ql0, 4), vshl(vand(vshr(qh, 4), m3), 4))
     q4 = vor(vshr(ql1, 4), vshl(vshr(qh, 6), 4))
+    return q1, q2, q3, q4
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q2k_codes(w, o, h):
+    """The four 32-element quarters of half h of the q2_K block at byte o, 0..3."""
+    q = load_i8x32(w, o + 16 + 32 * h)
+    m3 = splat8(3)
+    return vand(q, m3), vand(vshr(q, 2), m3), vand(vshr(q, 4), m3), vshr(q, 6)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def k2_scales(w, o):
+    """The 16 scale bytes of the q2_K block at byte o -> (scales, mins) as I16x16, 4 bits each."""
+    v = load_i8x16_as_i16(w, o)
+    m15 = splat16(15)
+    return vand(v, m15), vand(vshr(v, 4), m15)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q3k_codes(w, o, h):
+    """The four 32-element quarters of half h of the q3_K block at byte o, 0..7 (the value + 4)."""
+    q = load_i8x32(w, o + 32 + 32 * h)
+    hm = load_i8x32(w, o)
+    m3 = splat8(3)
+    one = splat8(1)
+    b = 4 * h
+    q1 = vor(vand(q, m3), vshl(vand(vshr(hm, b), one), 2))
+    q2 = vor(vand(vshr(q, 2), m3), vshl(vand(vshr(hm, b + 1), one), 2))
+    q3 = vor(vand(vshr(q, 4), m3), vshl(vand(vshr(hm, b + 2), one), 2))
+    q4 = vor(vshr(q, 6), vshl(vand(vshr(hm, b + 3), one), 2))
     return q1, q2, q3, q4
 
 
@@ -177,6 +214,35 @@ def _dot_q6_k_q8(w, s, qa, da, bsums):
         iacc = _q6_offset(bsums, b, sc)
         for h in range(2):
             q1, q2, q3, q4 = _q6k_codes(w, o, h)
+            iacc = _q6_quarters(q1, q2, q3, q4, qa, 256 * b + 128 * h, sc, 8 * h, iacc)
+        acc = fma_i32(iacc, s[b] * da[b], acc)
+    return hsum_f32(acc)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot_q2_k_q8(w, s, qa, da, bsums):
+    acc = zero_f32()
+    for b in range(s.shape[0] // 2):
+        o = b * 84
+        sc, mn = k2_scales(w, o)
+        acc = fma_i32(madd(load_i16x16(bsums, 16 * b), mn), -s[2 * b + 1] * da[b], acc)  # Σ m·bsum
+        iacc = zero_i32()
+        for h in range(2):
+            q1, q2, q3, q4 = _q2k_codes(w, o, h)
+            iacc = _q6_quarters(q1, q2, q3, q4, qa, 256 * b + 128 * h, sc, 8 * h, iacc)
+        acc = fma_i32(iacc, s[2 * b] * da[b], acc)
+    return hsum_f32(acc)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot_q3_k_q8(w, s, qa, da, bsums):
+    acc = zero_f32()
+    for b in range(s.shape[0]):
+        o = b * 110
+        sc = k3_scales(w, o + 96)  # 16 signed sub-block scales
+        iacc = _q3_offset(bsums, b, sc)
+        for h in range(2):
+            q1, q2, q3, q4 = _q3k_codes(w, o, h)
             iacc = _q6_quarters(q1, q2, q3, q4, qa, 256 * b + 128 * h, sc, 8 * h, iacc)
         acc = fma_i32(iacc, s[b] * da[b], acc)
     return hsum_f32(acc)
@@ -268,6 +334,75 @@ def _q6_quarters(q1, q2, q3, q4, qa, xo, sc, g, iacc):
 def _q6_offset(bsums, b, sc):
     """−32·Σ_s sc_s·bsum_s as I32x8 lanes: the codes are stored with +32."""
     return vsub(zero_i32(), vshl(madd(load_i16x16(bsums, 16 * b), sc), 5))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q3_offset(bsums, b, sc):
+    """−4·Σ_s sc_s·bsum_s as I32x8 lanes: the codes are taken with +4."""
+    return vsub(zero_i32(), vshl(madd(load_i16x16(bsums, 16 * b), sc), 2))
+
+
+@njit(cache=True, nogil=True)
+def _dot4_q2_k_q8(w, s, qa, da, bsums, k):
+    a0, a1, a2, a3 = qa[k], qa[k + 1], qa[k + 2], qa[k + 3]
+    f0 = zero_f32()
+    f1 = zero_f32()
+    f2 = zero_f32()
+    f3 = zero_f32()
+    for b in range(s.shape[0] // 2):
+        o = b * 84
+        sc, mn = k2_scales(w, o)
+        dmin = -s[2 * b + 1]
+        f0 = fma_i32(madd(load_i16x16(bsums[k], 16 * b), mn), dmin * da[k, b], f0)
+        f1 = fma_i32(madd(load_i16x16(bsums[k + 1], 16 * b), mn), dmin * da[k + 1, b], f1)
+        f2 = fma_i32(madd(load_i16x16(bsums[k + 2], 16 * b), mn), dmin * da[k + 2, b], f2)
+        f3 = fma_i32(madd(load_i16x16(bsums[k + 3], 16 * b), mn), dmin * da[k + 3, b], f3)
+        i0 = zero_i32()
+        i1 = zero_i32()
+        i2 = zero_i32()
+        i3 = zero_i32()
+        for h in range(2):
+            q1, q2, q3, q4 = _q2k_codes(w, o, h)
+            xo = 256 * b + 128 * h
+            i0 = _q6_quarters(q1, q2, q3, q4, a0, xo, sc, 8 * h, i0)
+            i1 = _q6_quarters(q1, q2, q3, q4, a1, xo, sc, 8 * h, i1)
+            i2 = _q6_quarters(q1, q2, q3, q4, a2, xo, sc, 8 * h, i2)
+            i3 = _q6_quarters(q1, q2, q3, q4, a3, xo, sc, 8 * h, i3)
+        d = s[2 * b]
+        f0 = fma_i32(i0, d * da[k, b], f0)
+        f1 = fma_i32(i1, d * da[k + 1, b], f1)
+        f2 = fma_i32(i2, d * da[k + 2, b], f2)
+        f3 = fma_i32(i3, d * da[k + 3, b], f3)
+    return hsum_f32(f0), hsum_f32(f1), hsum_f32(f2), hsum_f32(f3)
+
+
+@njit(cache=True, nogil=True)
+def _dot4_q3_k_q8(w, s, qa, da, bsums, k):
+    a0, a1, a2, a3 = qa[k], qa[k + 1], qa[k + 2], qa[k + 3]
+    f0 = zero_f32()
+    f1 = zero_f32()
+    f2 = zero_f32()
+    f3 = zero_f32()
+    for b in range(s.shape[0]):
+        o = b * 110
+        sc = k3_scales(w, o + 96)
+        i0 = _q3_offset(bsums[k], b, sc)
+        i1 = _q3_offset(bsums[k + 1], b, sc)
+        i2 = _q3_offset(bsums[k + 2], b, sc)
+        i3 = _q3_offset(bsums[k + 3], b, sc)
+        for h in range(2):
+            q1, q2, q3, q4 = _q3k_codes(w, o, h)
+            xo = 256 * b + 128 * h
+            i0 = _q6_quarters(q1, q2, q3, q4, a0, xo, sc, 8 * h, i0)
+            i1 = _q6_quarters(q1, q2, q3, q4, a1, xo, sc, 8 * h, i1)
+            i2 = _q6_quarters(q1, q2, q3, q4, a2, xo, sc, 8 * h, i2)
+            i3 = _q6_quarters(q1, q2, q3, q4, a3, xo, sc, 8 * h, i3)
+        d = s[b]
+        f0 = fma_i32(i0, d * da[k, b], f0)
+        f1 = fma_i32(i1, d * da[k + 1, b], f1)
+        f2 = fma_i32(i2, d * da[k + 2, b], f2)
+        f3 = fma_i32(i3, d * da[k + 3, b], f3)
+    return hsum_f32(f0), hsum_f32(f1), hsum_f32(f2), hsum_f32(f3)
 
 
 @njit(cache=True, nogil=True)
@@ -376,5 +511,57 @@ def gemv_q6_k_q8(raw, s, rows, xi, qa, da, bsums, out):
                 r = rows[i]
                 k = xi[i]
                 out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q6_k_q8(
+                    raw[r], s[r], qa, da, bsums, k + t
+                )
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def gemv_q3_k_q8(raw, s, rows, xi, qa, da, bsums, out):
+    M, T = out.shape
+    T4 = T - T % 4
+    ahead = prefetch_distance(raw)
+    for c in prange((M + CHUNK - 1) // CHUNK):
+        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(s[rows[j]])
+            r = rows[i]
+            k = xi[i]
+            for t in range(T4, T):  # decode: the only pass, streaming the rows
+                out[i, t] = _dot_q3_k_q8(raw[r], s[r], qa[k + t], da[k + t], bsums[k + t])
+        # Prefill: four tokens against every row of the chunk, then the next four, so the
+        # tokens' activations and the chunk's rows both stay in L1.
+        for t in range(0, T4, 4):
+            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+                r = rows[i]
+                k = xi[i]
+                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q3_k_q8(
+                    raw[r], s[r], qa, da, bsums, k + t
+                )
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def gemv_q2_k_q8(raw, s, rows, xi, qa, da, bsums, out):
+    M, T = out.shape
+    T4 = T - T % 4
+    ahead = prefetch_distance(raw)
+    for c in prange((M + CHUNK - 1) // CHUNK):
+        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(s[rows[j]])
+            r = rows[i]
+            k = xi[i]
+            for t in range(T4, T):  # decode: the only pass, streaming the rows
+                out[i, t] = _dot_q2_k_q8(raw[r], s[r], qa[k + t], da[k + t], bsums[k + t])
+        # Prefill: four tokens against every row of the chunk, then the next four, so the
+        # tokens' activations and the chunk's rows both stay in L1.
+        for t in range(0, T4, 4):
+            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+                r = rows[i]
+                k = xi[i]
+                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q2_k_q8(
                     raw[r], s[r], qa, da, bsums, k + t
                 )

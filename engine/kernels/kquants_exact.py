@@ -1,8 +1,9 @@
-"""Exact-float GEMV kernels for Q4_K, Q5_K and Q6_K: multiply by the exactly dequantized weights.
+"""Exact-float GEMV kernels for Q2_K, Q3_K, Q4_K, Q5_K and Q6_K: multiply by the exactly dequantized weights.
 
 Gather signature as in ``engine.kernels.kquants``; activations are X float32 [K, n] and, for
 Q4_K/Q5_K, Xs float32 [K, n/32] (sums of x over each 32-element sub-block) so that the mins cost
-one multiply per sub-block: Σ (d·sc·q − dmin·m)·x = Σ_s d·sc_s·Σ q·x − dmin·Σ_s m_s·Xs_s.
+one multiply per sub-block: Σ (d·sc·q − dmin·m)·x = Σ_s d·sc_s·Σ q·x − dmin·Σ_s m_s·Xs_s (Q2_K: Xs
+float32 [K, n/16], its sub-blocks' sums).
 The integer codes are widened to float32 in registers; sub-block sums are lane-wise F32x8.
 """
 
@@ -11,11 +12,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from engine.kernels.kquants import CHUNK, _q4k_codes, _q5k_codes, _q6k_codes
+from engine.kernels.kquants import CHUNK, _q2k_codes, _q3k_codes, _q4k_codes, _q5k_codes, _q6k_codes, k2_scales
 from engine.kernels.simd import (
     hsum_f32,
     i8_to_f32,
     i16_to_f32,
+    k3_scales,
     k4_scales,
     lane16,
     load_f32x8,
@@ -112,6 +114,83 @@ def _dot_q6_k_f(w, s, x):
             a3 = _q6_quarter_f(vsub(q3, off), x, xo + 64, d, sc, g + 4, a3)
             a4 = _q6_quarter_f(vsub(q4, off), x, xo + 96, d, sc, g + 6, a4)
     return hsum_f32(vadd(vadd(a1, a2), vadd(a3, a4)))
+
+
+@njit(cache=True, nogil=True)
+def _dot_q2_k_f(w, s, x, xs):
+    a1 = zero_f32()
+    a2 = zero_f32()
+    a3 = zero_f32()
+    a4 = zero_f32()
+    acc_m = zero_f32()
+    for b in range(s.shape[0] // 2):
+        o = b * 84
+        d = s[2 * b]
+        sc, mn = k2_scales(w, o)
+        t = vfma(i16_to_f32(mn, 0), load_f32x8(xs, 16 * b), zero_f32())
+        acc_m = vfma_s(vfma(i16_to_f32(mn, 1), load_f32x8(xs, 16 * b + 8), t), -s[2 * b + 1], acc_m)
+        for h in range(2):
+            q1, q2, q3, q4 = _q2k_codes(w, o, h)
+            xo = 256 * b + 128 * h
+            g = 8 * h
+            a1 = _q6_quarter_f(q1, x, xo, d, sc, g, a1)
+            a2 = _q6_quarter_f(q2, x, xo + 32, d, sc, g + 2, a2)
+            a3 = _q6_quarter_f(q3, x, xo + 64, d, sc, g + 4, a3)
+            a4 = _q6_quarter_f(q4, x, xo + 96, d, sc, g + 6, a4)
+    return hsum_f32(vadd(vadd(vadd(a1, a2), vadd(a3, a4)), acc_m))
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def gemv_q2_k_f(raw, s, rows, xi, X, Xs, out):
+    M, T = out.shape
+    ahead = prefetch_distance(raw)
+    for c in prange((M + CHUNK - 1) // CHUNK):
+        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(s[rows[j]])
+            r = rows[i]
+            for t in range(T):
+                k = xi[i] + t
+                out[i, t] = _dot_q2_k_f(raw[r], s[r], X[k], Xs[k])
+
+
+@njit(cache=True, nogil=True)
+def _dot_q3_k_f(w, s, x):
+    a1 = zero_f32()
+    a2 = zero_f32()
+    a3 = zero_f32()
+    a4 = zero_f32()
+    off = splat8(4)
+    for b in range(s.shape[0]):
+        o = b * 110
+        d = s[b]
+        sc = k3_scales(w, o + 96)
+        for h in range(2):
+            q1, q2, q3, q4 = _q3k_codes(w, o, h)
+            xo = 256 * b + 128 * h
+            g = 8 * h
+            a1 = _q6_quarter_f(vsub(q1, off), x, xo, d, sc, g, a1)
+            a2 = _q6_quarter_f(vsub(q2, off), x, xo + 32, d, sc, g + 2, a2)
+            a3 = _q6_quarter_f(vsub(q3, off), x, xo + 64, d, sc, g + 4, a3)
+            a4 = _q6_quarter_f(vsub(q4, off), x, xo + 96, d, sc, g + 6, a4)
+    return hsum_f32(vadd(vadd(a1, a2), vadd(a3, a4)))
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def gemv_q3_k_f(raw, s, rows, xi, X, out):
+    M, T = out.shape
+    ahead = prefetch_distance(raw)
+    for c in prange((M + CHUNK - 1) // CHUNK):
+        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(s[rows[j]])
+            r = rows[i]
+            for t in range(T):
+                out[i, t] = _dot_q3_k_f(raw[r], s[r], X[xi[i] + t])
 
 
 @njit(cache=True, nogil=True, parallel=True)

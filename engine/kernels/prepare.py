@@ -11,6 +11,8 @@ Q8_0            d per 32-block (S = n/32)               4/34 = 11.8 %
 Q4_0, Q5_0      d per 32-block                          4/18 = 22 %, 4/22 = 18 %
 Q4_K, Q5_K      (d, dmin) per 256-block (S = 2·n/256)   8/144 = 5.6 %, 8/176 = 4.5 %
 Q6_K            d per 256-block (S = n/256)             4/210 = 1.9 %
+Q3_K            d per 256-block (S = n/256)             4/110 = 3.6 %
+Q2_K            (d, dmin) per 256-block (S = 2·n/256)   8/84 = 9.5 %
 MXFP4           2^(e-128) per 32-block (S = n/32)       4/17 = 24 %
 F32, F16, BF16  none (S = 0)                            0
 ==============  ======================================  ===========================
@@ -33,6 +35,8 @@ _SCALE_OFFSETS: dict[QType, tuple[int, ...]] = {
     QType.Q4_K: (0, 2),  # d, dmin
     QType.Q5_K: (0, 2),
     QType.Q6_K: (208,),
+    QType.Q3_K: (108,),
+    QType.Q2_K: (80, 82),  # d, dmin
 }
 _FLOAT_DTYPES = {QType.F32: np.float32, QType.F16: np.uint16, QType.BF16: np.uint16}
 

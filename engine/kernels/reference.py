@@ -13,8 +13,8 @@ Two variants of ``y = W·x``, for every weight type:
   Q8_0, Q4_0, Q5_0,     Q8_0             x86 ``quantize_row_q8_0`` (AVX path): d = amax/127
   MXFP4
                                          stored as fp16; q = round-half-even(x · (127/amax))
-  Q4_K, Q5_K, Q6_K      Q8_K             ``quantize_row_q8_K_ref``: iscale = -127/max where max
-                                         is the signed value of largest magnitude;
+  Q2_K, Q3_K, Q4_K,     Q8_K             ``quantize_row_q8_K_ref``: iscale = -127/max where max
+  Q5_K, Q6_K                             is the signed value of largest magnitude;
                                          q = min(127, nearest_int(iscale·x)); d = 1/iscale (f32);
                                          bsums = sums of 16 consecutive q
   F16                   F16              round-to-nearest-even fp32 → fp16
@@ -37,7 +37,7 @@ from engine.quant.reference import MXFP4_VALUES
 QK = 256  # super-block size of the K-quants
 
 LEGACY_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.MXFP4)
-K_TYPES = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
+K_TYPES = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K)
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 
 
@@ -136,6 +136,24 @@ def _k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+def _k3_scales(s: np.ndarray) -> np.ndarray:
+    """12 packed bytes [..., 12] -> the 16 six-bit Q3_K scales [..., 16] (0..63, value − 32 not applied),
+    written from ggml's ``dequantize_row_q3_K`` word shuffle: aux[0..3] = 32-bit words."""
+    w = np.ascontiguousarray(s.astype(np.uint8)).view("<u4").astype(np.int64)  # [..., 3]
+    a0, a1, tmp = w[..., 0], w[..., 1], w[..., 2]
+    m1, m2 = 0x03030303, 0x0F0F0F0F
+    aux = np.stack(
+        [
+            (a0 & m2) | (((tmp >> 0) & m1) << 4),
+            (a1 & m2) | (((tmp >> 2) & m1) << 4),
+            ((a0 >> 4) & m2) | (((tmp >> 4) & m1) << 4),
+            ((a1 >> 4) & m2) | (((tmp >> 6) & m1) << 4),
+        ],
+        axis=-1,
+    ).astype("<u4")
+    return aux.view(np.uint8).astype(np.int64)  # [..., 16]
+
+
 class Unpacked:
     """A quantized matrix as integer codes and scales.
 
@@ -197,6 +215,21 @@ def unpack(qtype: QType, raw: np.ndarray) -> Unpacked:
             bit = np.arange(8).reshape(4, 2, 1)
             q = q | (((qh[:, :, None, None, :] >> bit) & 1) << 4)
         return Unpacked(q.reshape(R, -1), d, dmin, sc.reshape(R, -1), m.reshape(R, -1), QK, 32)
+    if qtype == QType.Q2_K:  # scales[16] (sc | m << 4) | qs[64] | d | dmin; element 128h + 32j + l
+        qs = blk[..., 16:80].astype(np.int64).reshape(R, nb, 2, 1, 32)
+        q = (qs >> (2 * np.arange(4)).reshape(4, 1)) & 3  # [R, nb, 2 halves, 4, 32]
+        s = blk[..., 0:16].astype(np.int64)  # [R, nb, 16]
+        d, dmin = _f16(blk[..., 80:82]), _f16(blk[..., 82:84])
+        return Unpacked(q.reshape(R, -1), d, dmin, (s & 15).reshape(R, -1), (s >> 4).reshape(R, -1), QK, 16)
+    if qtype == QType.Q3_K:  # hmask[32] | qs[64] | scales[12] | d; element 128h + 32j + l
+        qs = blk[..., 32:96].astype(np.int64).reshape(R, nb, 2, 1, 32)
+        low = (qs >> (2 * np.arange(4)).reshape(4, 1)) & 3  # [R, nb, 2 halves, 4, 32]
+        hm = blk[..., 0:32].astype(np.int64).reshape(R, nb, 1, 1, 32)
+        high = (hm >> np.arange(8).reshape(2, 4, 1)) & 1  # bit 4h + j
+        q = low - 4 * (1 - high)  # −4..3
+        sc = _k3_scales(blk[..., 96:108]) - 32  # [R, nb, 16]
+        d = _f16(blk[..., 108:110])
+        return Unpacked(q.reshape(R, -1), d, zeros, sc.reshape(R, -1), np.zeros_like(sc).reshape(R, -1), QK, 16)
     if qtype == QType.Q6_K:
         ql = blk[..., 0:128].astype(np.int64).reshape(R, nb, 2, 64)  # per 128-half: 64 bytes
         qh = blk[..., 128:192].astype(np.int64).reshape(R, nb, 2, 32)
@@ -253,9 +286,9 @@ def matmul_ref(qtype: QType, raw: np.ndarray, X: np.ndarray, *, q8_act: bool) ->
     nsub = QK // S
     isum = (sub_dot * u.sc[None]).reshape(T, R, -1, nsub).sum(-1)  # [T, R, nb] exact integers
     y = np.einsum("trb,rb,tb->tr", isum.astype(np.float64), u.d, da.astype(np.float64))
-    if qtype in (QType.Q4_K, QType.Q5_K):  # mins use the activation sums over each 32-block
-        asum = bsums.astype(np.int64).reshape(T, -1, 2).sum(-1)  # [T, n/32]
-        msum = (u.m[None] * asum[:, None, :]).reshape(T, R, -1, 8).sum(-1)  # [T, R, nb]
+    if qtype in (QType.Q2_K, QType.Q4_K, QType.Q5_K):  # mins use the activation sums over each sub-block
+        asum = bsums.astype(np.int64).reshape(T, -1, S // 16).sum(-1)  # [T, n/S]
+        msum = (u.m[None] * asum[:, None, :]).reshape(T, R, -1, nsub).sum(-1)  # [T, R, nb]
         y -= np.einsum("trb,rb,tb->tr", msum.astype(np.float64), u.dmin, da.astype(np.float64))
     return y.astype(np.float32)
 

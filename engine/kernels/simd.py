@@ -331,6 +331,41 @@ def k4_scales(typingctx, arr, off):
     return I16x16(arr, off), codegen
 
 
+@intrinsic
+def k3_scales(typingctx, arr, off):
+    """The 12 packed bytes of a q3_K block at ``off`` -> I16x16 of its 16 signed sub-block scales
+    (the stored 6 bits − 32): low 4 bits in bytes 0..7 (scales 0..7 low nibbles, 8..15 high), top 2
+    bits in bytes 8..11 — ggml ``dequantize_row_q3_K``'s kmask1/kmask2 shuffle on 32-bit words.
+    """
+    _check_array(arr, (types.uint8, types.int8), "k3_scales")
+
+    def codegen(context, builder, sig, args):
+        p = _data_ptr(context, builder, sig.args[0], args[0], args[1], _i32)
+        a = builder.load(p, align=1)
+        b = builder.load(builder.gep(p, [ir.Constant(_i32, 1)]), align=1)
+        t = builder.load(builder.gep(p, [ir.Constant(_i32, 2)]), align=1)
+
+        def k(x):
+            return ir.Constant(_i32, x)
+
+        def top(shift):
+            return builder.shl(builder.and_(builder.lshr(t, k(shift)), k(0x03030303)), k(4))
+
+        parts = (
+            builder.or_(builder.and_(a, k(0x0F0F0F0F)), top(0)),
+            builder.or_(builder.and_(b, k(0x0F0F0F0F)), top(2)),
+            builder.or_(builder.and_(builder.lshr(a, k(4)), k(0x0F0F0F0F)), top(4)),
+            builder.or_(builder.and_(builder.lshr(b, k(4)), k(0x0F0F0F0F)), top(6)),
+        )
+        v = ir.Constant(ir.VectorType(_i32, 4), ir.Undefined)
+        for i, part in enumerate(parts):
+            v = builder.insert_element(v, part, k(i))
+        wide = builder.zext(builder.bitcast(v, ir.VectorType(ir.IntType(8), 16)), _vt(I16x16))
+        return builder.sub(wide, _const(_vt(I16x16), 32))
+
+    return I16x16(arr, off), codegen
+
+
 # --- lane-wise integer ops ------------------------------------------------------------------
 
 

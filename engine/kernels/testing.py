@@ -14,6 +14,8 @@ _FP16_FIELDS = {
     QType.Q4_K: (0, 2),
     QType.Q5_K: (0, 2),
     QType.Q6_K: (208,),
+    QType.Q3_K: (108,),
+    QType.Q2_K: (80, 82),
     QType.MXFP4: (),  # its scale is the exponent byte: set below
 }
 

@@ -82,6 +82,12 @@ FORMATS: dict[QType, BlockFormat] = {
             ("qh", "u1", 32),
             ("qs", "u1", 128),
         ),
+        # block_q2_K: 16 sub-block (scale | min << 4) bytes, 2-bit codes (bits 2j of qs[32h + l] for element
+        # 128h + 32j + l), fp16 d and dmin
+        _fmt(QType.Q2_K, 256, ("scales", "u1", 16), ("qs", "u1", 64), ("d", "<f2", 1), ("dmin", "<f2", 1)),
+        # block_q3_K: high bit of every element (bit 4h + j of hmask[l] for element 128h + 32j + l), low
+        # 2 bits (bits 2j of qs[32h + l]), 16 six-bit sub-block scales (value − 32) packed in 12 bytes, fp16 d
+        _fmt(QType.Q3_K, 256, ("hmask", "u1", 32), ("qs", "u1", 64), ("scales", "u1", 12), ("d", "<f2", 1)),
         # block_q6_K: low 4 bits, high 2 bits, 16 signed 8-bit sub-block scales, fp16 scale
         _fmt(QType.Q6_K, 256, ("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2", 1)),
         # block_mxfp4: e8m0 shared exponent (scale 2^(e-128) of the doubled e2m1 codes), 32 nibbles
@@ -100,6 +106,8 @@ WEIGHT_TYPES: tuple[QType, ...] = (
     QType.Q8_0,
     QType.Q4_0,
     QType.Q5_0,
+    QType.Q2_K,
+    QType.Q3_K,
     QType.Q4_K,
     QType.Q5_K,
     QType.Q6_K,

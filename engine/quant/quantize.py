@@ -297,6 +297,70 @@ def _quant_q6_k(x: np.ndarray) -> np.ndarray:
     return _pack(QType.Q6_K, nb, ql=ql, qh=qh, scales=sc, d=d)
 
 
+def _quant_q2_k(x: np.ndarray) -> np.ndarray:
+    """Test data, not ggml's search: SharpI does not reproduce ``quantize_row_q2_K_ref``
+    (``make_qkx2_quants``' refit), only writes valid, well-spread blocks. Each sub-block of 16 takes
+    the range [a·min(x, 0), a·max(x)] with the a of 1, 0.9, 0.8, 0.7 that fits it best (least squares on
+    the unrounded scale: the outer values may clip); scales and negated mins become 4-bit multiples of
+    fp16 d and dmin (the largest → 15, as ggml), and every element the nearest of 0..3 against its
+    stored scale and min."""
+    nb = len(x)
+    xs = x.reshape(nb, 16, 16)
+    lo, hi = np.minimum(xs.min(axis=2), 0), xs.max(axis=2)  # [nb, 16]
+    shrink = np.array([1.0, 0.9, 0.8, 0.7], _F32)[:, None, None]
+    s = (hi - lo) * shrink / _F32(3)  # [4, nb, 16]
+    q = np.clip(nearest_int((xs - (lo * shrink)[..., None]) / np.where(s > 0, s, _F32(1))[..., None]), 0, 3)
+    err = ((q * s[..., None] + (lo * shrink)[..., None] - xs) ** 2).sum(axis=-1)  # [4, nb, 16]
+    a = shrink[err.argmin(axis=0), 0, 0]  # [nb, 16]
+    mins, scales = -lo * a, (hi - lo) * a / _F32(3)
+    max_scale, max_min = scales.max(axis=1), mins.max(axis=1)  # [nb]
+    d, dmin = _to_f16(max_scale / _F32(15)), _to_f16(max_min / _F32(15))
+    ls = np.clip(nearest_int(scales * _recip_or_zero(d.astype(_F32))[:, None]), 0, 15)
+    lm = np.clip(nearest_int(mins * _recip_or_zero(dmin.astype(_F32))[:, None]), 0, 15)
+    d_sub = (d.astype(_F32)[:, None] * ls)[:, :, None]  # [nb, 16, 1]
+    m_sub = (dmin.astype(_F32)[:, None] * lm)[:, :, None]
+    live = d_sub > 0
+    q = np.where(live, np.clip(nearest_int((xs + m_sub) / np.where(live, d_sub, _F32(1))), 0, 3), 0)
+    L = q.astype(np.uint8).reshape(nb, 2, 4, 32)  # [half h, j, l]: element 128h + 32j + l
+    qs = (L << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(axis=2, dtype=np.uint8)
+    sc = ls.astype(np.uint8) | (lm.astype(np.uint8) << 4)
+    return _pack(QType.Q2_K, nb, scales=sc, qs=qs.reshape(nb, 64), d=d, dmin=dmin)
+
+
+def pack_scales_k3(ls: np.ndarray) -> np.ndarray:
+    """16 six-bit Q3_K scales uint8 [nb, 16] (0..63) -> the 12 packed bytes [nb, 12]; inverse of
+    :func:`engine.quant.reference.unpack_scales_k3`."""
+    ls = ls.astype(np.uint8)
+    low = (ls[:, 0:8] & 0xF) | ((ls[:, 8:16] & 0xF) << 4)
+    top = (ls >> 4).reshape(-1, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[None, :, None]  # [nb, i // 4, i % 4]
+    return np.concatenate([low, top.sum(axis=1, dtype=np.uint8)], axis=1)
+
+
+def _quant_q3_k(x: np.ndarray) -> np.ndarray:
+    """Test data, not ggml's search: SharpI does not reproduce ``quantize_row_q3_K_ref``
+    (``make_q3_quants``' iterative refit), only writes valid, well-spread blocks. Each sub-block of 16
+    gets the scale that maps its value of largest magnitude to −4 (as ggml's starting point); the 16
+    scales become 6-bit multiples of an fp16 d (the largest in magnitude → −32, as ggml), and every
+    element the nearest of −4..3 times its stored scale."""
+    nb = len(x)
+    xs = x.reshape(nb, 16, 16)
+    scales = _signed_absmax(xs.reshape(-1, 16)).reshape(nb, 16) / _F32(-4)  # [nb, 16]
+    max_scale = _signed_absmax(scales)  # [nb]
+    zero = np.abs(max_scale) < GROUP_MAX_EPS
+    iscale = _F32(-32) / np.where(zero, _F32(1), max_scale)
+    d = np.where(zero, np.float16(0), _to_f16(_F32(1) / iscale))
+    ls = np.clip(nearest_int(iscale[:, None] * scales), -32, 31)  # [nb, 16]
+    ls[zero] = 0
+    d_sub = (d.astype(_F32)[:, None] * ls)[:, :, None]  # [nb, 16, 1]
+    live = d_sub != 0
+    q = np.where(live, np.clip(nearest_int(xs / np.where(live, d_sub, _F32(1))), -4, 3), 0)
+    L = (q + 4).astype(np.uint8).reshape(nb, 2, 4, 32)  # [half h, j, l]: element 128h + 32j + l
+    qs = ((L & 3) << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(axis=2, dtype=np.uint8)
+    hbits = (L >> 2).reshape(nb, 8, 32) << np.arange(8, dtype=np.uint8)[None, :, None]  # bit 4h + j
+    hmask = hbits.sum(axis=1, dtype=np.uint8)
+    return _pack(QType.Q3_K, nb, hmask=hmask, qs=qs.reshape(nb, 64), scales=pack_scales_k3(ls + 32), d=d)
+
+
 def _quant_mxfp4(x: np.ndarray) -> np.ndarray:
     # gguf.quants.MXFP4: e = floor(log2(amax)) - 2 + 127 (0 for a zero block), then each element the
     # nearest of the doubled e2m1 values times 2^(e-128) (the first on a tie)
@@ -316,6 +380,8 @@ QUANTIZE_BLOCKS: dict[QType, Callable[[np.ndarray], np.ndarray]] = {
     QType.Q8_0: _quant_q8_0,
     QType.Q4_0: _quant_q4_0,
     QType.Q5_0: _quant_q5_0,
+    QType.Q2_K: _quant_q2_k,
+    QType.Q3_K: _quant_q3_k,
     QType.Q4_K: _quant_q4_k,
     QType.Q5_K: _quant_q5_k,
     QType.Q6_K: _quant_q6_k,
@@ -344,7 +410,7 @@ def quantize(x: np.ndarray, qtype: QType | int) -> np.ndarray:
     """Encode float values in a weight type.
 
     x: float [..., n] (converted to float32 first). n must be a multiple of 32 for
-    Q8_0/Q4_0/Q5_0 and of 256 for Q4_K/Q5_K/Q6_K (ValueError otherwise).
+    Q8_0/Q4_0/Q5_0/MXFP4 and of 256 for the K-quants (ValueError otherwise).
     Returns uint8 [..., row_bytes] for block types; float32 [..., n] for F32, float16 [..., n]
     for F16 and the bfloat16 bit patterns uint16 [..., n] for BF16.
     """

@@ -87,6 +87,47 @@ def _dequant_q5_0(f: dict[str, np.ndarray]) -> np.ndarray:
 # ---------------------------------------------------------------- 256-element K-quants
 
 
+def _dequant_q2_k(f: dict[str, np.ndarray]) -> np.ndarray:
+    # dequantize_row_q2_K: 2 halves of 128; in half h, element 32j + l (j = 0..3) is bits 2j..2j+1 of
+    # qs[32h + l]. 16 sub-blocks of 16, byte s of scales = sc | m << 4 (4 bits each);
+    # y = (d*sc) * q - (dmin*m) (the products exact in float32, one rounding in the difference)
+    nb = f["qs"].shape[0]
+    d, dmin = fp16_to_f32(f["d"]), fp16_to_f32(f["dmin"])  # [nb, 1]
+    sc = f["scales"]  # [nb, 16]
+    d_sub = (d * (sc & 0xF).astype(_F32))[:, :, None]  # [nb, 16, 1]
+    m_sub = (dmin * (sc >> 4).astype(_F32))[:, :, None]
+    q = (f["qs"].reshape(nb, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3
+    return (d_sub * q.reshape(nb, 16, 16).astype(_F32) - m_sub).reshape(nb, 256)
+
+
+def unpack_scales_k3(scales: np.ndarray) -> np.ndarray:
+    """The 16 six-bit sub-block scales of a Q3_K block, as stored (0..63; the value is this − 32).
+
+    scales: uint8 [..., 12] -> uint8 [..., 16]. Scale i keeps its low 4 bits in byte i (i < 8, low
+    nibble) or byte i − 8 (i ≥ 8, high nibble), its top 2 bits in bits 2(i // 4) of byte 8 + i % 4
+    (ggml ``dequantize_row_q3_K``'s kmask1/kmask2 shuffle).
+    """
+    s = scales.astype(np.uint8, copy=False)
+    low = np.concatenate([s[..., 0:8] & 0xF, s[..., 0:8] >> 4], axis=-1)  # [..., 16]
+    top = (s[..., None, 8:12] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [..., 4 (i // 4), 4 (i % 4)]
+    return low | (top.reshape(*s.shape[:-1], 16) << 4)
+
+
+def _dequant_q3_k(f: dict[str, np.ndarray]) -> np.ndarray:
+    # dequantize_row_q3_K: 2 halves of 128. In half h, element 32j + l (j = 0..3) has its low 2 bits
+    # in bits 2j..2j+1 of qs[32h + l] and its high bit in bit 4h + j of hmask[l]; the value is
+    # low − 4 where the high bit is clear, low where it is set. 16 sub-blocks of 16, scale (sc − 32):
+    # y = (d*(sc − 32)) * q (both products exact in float32)
+    nb = f["qs"].shape[0]
+    d = fp16_to_f32(f["d"])  # [nb, 1]
+    sc = unpack_scales_k3(f["scales"]).astype(np.int8) - np.int8(32)  # [nb, 16]
+    low = (f["qs"].reshape(nb, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3
+    high = (f["hmask"].reshape(nb, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 2, 4, 1)) & 1
+    q = (low.astype(np.int8) - ((high ^ 1) << 2).astype(np.int8)).reshape(nb, 16, 16).astype(_F32)
+    d_sub = (d * sc.astype(_F32))[:, :, None]  # [nb, 16, 1]
+    return (d_sub * q).reshape(nb, 256)
+
+
 def _dequant_q4_k(f: dict[str, np.ndarray]) -> np.ndarray:
     # dequantize_row_q4_K: 8 sub-blocks of 32. Chunk c (64 elements) reads qs[32c:32c+32]:
     # sub-block 2c from the low nibbles, 2c+1 from the high ones; y = (d*sc) * q - (dmin*m)
@@ -154,6 +195,8 @@ DEQUANTIZE_BLOCKS: dict[QType, Callable[[dict[str, np.ndarray]], np.ndarray]] = 
     QType.Q8_0: _dequant_q8_0,
     QType.Q4_0: _dequant_q4_0,
     QType.Q5_0: _dequant_q5_0,
+    QType.Q2_K: _dequant_q2_k,
+    QType.Q3_K: _dequant_q3_k,
     QType.Q4_K: _dequant_q4_k,
     QType.Q5_K: _dequant_q5_k,
     QType.Q6_K: _dequant_q6_k,

@@ -87,6 +87,31 @@ def _mxfp4(b):  # dequantize_row_mxfp4: e8m0 exponent, low nibbles are elements 
     return d[..., None] * values[torch.cat([lo, hi], -1).long()]
 
 
+def _q2_k(b):  # dequantize_row_q2_K: 16 (scale | min << 4) bytes, qs[64], d, dmin; element 128h + 32j + l
+    lead = b.shape[:-1]
+    s = b[..., 0:16].to(torch.int32)
+    qs = b[..., 16:80].to(torch.int32).reshape(*lead, 2, 1, 32)
+    q = ((qs >> (2 * torch.arange(4, device=b.device, dtype=torch.int32))[:, None]) & 3).float().reshape(*lead, 16, 16)
+    d, dmin = _f16(b[..., 80:82]), _f16(b[..., 82:84])
+    dl = d[..., None] * (s & 0xF).float()  # [.., 16]
+    ml = dmin[..., None] * (s >> 4).float()
+    return (dl[..., None] * q - ml[..., None]).flatten(-2)
+
+
+def _q3_k(b):  # dequantize_row_q3_K: hmask[32], qs[64], 12 bytes of 6-bit scales, d; element 128h + 32j + l
+    lead = b.shape[:-1]
+    s = b[..., 96:108].to(torch.int32)
+    low4 = torch.cat([s[..., 0:8] & 0xF, s[..., 0:8] >> 4], -1)  # [.., 16]
+    top = (s[..., None, 8:12] >> (2 * torch.arange(4, device=b.device, dtype=torch.int32))[:, None]) & 3
+    sc = ((low4 | (top.reshape(*lead, 16) << 4)) - 32).float()  # scale i: low bits byte i % 8, top 2 bits
+    qs = b[..., 32:96].to(torch.int32).reshape(*lead, 2, 1, 32)
+    low = (qs >> (2 * torch.arange(4, device=b.device, dtype=torch.int32))[:, None]) & 3  # [.., 2, 4, 32]
+    hm = b[..., 0:32].to(torch.int32).reshape(*lead, 1, 1, 32)
+    high = (hm >> torch.arange(8, device=b.device, dtype=torch.int32).reshape(2, 4, 1)) & 1  # bit 4h + j
+    q = (low - 4 * (1 - high)).float().reshape(*lead, 16, 16)
+    return (_f16(b[..., 108:110])[..., None, None] * sc[..., None] * q).flatten(-2)
+
+
 def _q4_k(b):  # dequantize_row_q4_K: 4 chunks of 64: low nibbles then high nibbles of 32 bytes
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     sc, m = _scale_min_k4(b[..., 4:16])  # [.., 8]
@@ -125,6 +150,8 @@ _BLOCK_FNS = {
     QType.Q8_0: _q8_0,
     QType.Q4_0: _q4_0,
     QType.Q5_0: _q5_0,
+    QType.Q2_K: _q2_k,
+    QType.Q3_K: _q3_k,
     QType.Q4_K: _q4_k,
     QType.Q5_K: _q5_k,
     QType.Q6_K: _q6_k,

@@ -4,7 +4,7 @@ Type rules, as llama.cpp's quantizer applies them (``llama_tensor_get_type`` in
 ``src/llama-quant.cpp``): norms, biases, the router and other 1-D tensors stay F32; K-quants need
 rows that are a multiple of 256, so a tensor with shorter rows falls back to a 32-block type
 (Q4_K -> Q5_0, Q5_K -> Q5_0 *where llama.cpp uses Q5_1, which SharpI does not support*,
-Q6_K -> Q8_0); a 32-block type on rows not a multiple of 32 falls back to F16.
+Q6_K -> Q8_0, Q2_K and Q3_K -> Q4_0 *where llama.cpp uses IQ4_NL, also unsupported: the same 4.5 bits*); a 32-block type on rows not a multiple of 32 falls back to F16.
 """
 
 from __future__ import annotations
@@ -19,7 +19,13 @@ from engine.errors import UsageError
 from engine.quant.formats import WEIGHT_TYPES, QType, block_format, tensor_bytes
 from engine.synth.specs import QUANTIZABLE_KINDS, TensorDecl
 
-K_FALLBACK: dict[QType, QType] = {QType.Q4_K: QType.Q5_0, QType.Q5_K: QType.Q5_0, QType.Q6_K: QType.Q8_0}
+K_FALLBACK: dict[QType, QType] = {
+    QType.Q2_K: QType.Q4_0,
+    QType.Q3_K: QType.Q4_0,
+    QType.Q4_K: QType.Q5_0,
+    QType.Q5_K: QType.Q5_0,
+    QType.Q6_K: QType.Q8_0,
+}
 
 
 def parse_qtype(t: QType | int | str) -> QType:

@@ -43,6 +43,19 @@ def _q6_k(b: np.ndarray, s: float) -> None:  # element = 16·d·(q − 32), q un
     b[:, 192:208], b[:, 208:210] = 16, _f16(s / (16 * 18.5))
 
 
+def _q2_k(b: np.ndarray, s: float) -> None:  # element = 8·d·q − 8·dmin, q uniform 0..3 (mean 1.5, std 1.118)
+    d = s / (8 * 1.118)
+    b[:, 0:16], b[:, 80:82], b[:, 82:84] = 0x88, _f16(d), _f16(1.5 * d)
+
+
+# Q3_K: sub-block scales alternating +16, −16 (stored 48, 16), so a row's elements average to 0
+_K3_SCALES = np.array([0] * 8 + [0xFF, 0x55, 0xFF, 0x55], np.uint8)
+
+
+def _q3_k(b: np.ndarray, s: float) -> None:  # element = ±16·d·(q − 4), q uniform 0..7 (rms 2.35)
+    b[:, 96:108], b[:, 108:110] = _K3_SCALES, _f16(s / (16 * 2.35))
+
+
 def _q8_0(b: np.ndarray, s: float) -> None:  # element = d·q, q uniform −128..127
     b[:, 0:2] = _f16(s / 73.9)
 
@@ -63,6 +76,8 @@ _FIELDS: dict[QType, Callable[[np.ndarray, float], None]] = {
     QType.Q4_K: _q4_k,
     QType.Q5_K: _q5_k,
     QType.Q6_K: _q6_k,
+    QType.Q3_K: _q3_k,
+    QType.Q2_K: _q2_k,
     QType.Q8_0: _q8_0,
     QType.Q4_0: _q4_0,
     QType.Q5_0: _q5_0,

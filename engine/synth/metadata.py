@@ -26,6 +26,8 @@ FILE_TYPES: dict[QType, LlamaFileType] = {
     QType.Q8_0: LlamaFileType.MOSTLY_Q8_0,
     QType.Q4_0: LlamaFileType.MOSTLY_Q4_0,
     QType.Q5_0: LlamaFileType.MOSTLY_Q5_0,
+    QType.Q2_K: LlamaFileType.MOSTLY_Q2_K,
+    QType.Q3_K: LlamaFileType.MOSTLY_Q3_K_M,
     QType.Q4_K: LlamaFileType.MOSTLY_Q4_K_M,
     QType.Q5_K: LlamaFileType.MOSTLY_Q5_K_M,
     QType.Q6_K: LlamaFileType.MOSTLY_Q6_K,

@@ -85,7 +85,8 @@ def write_model(
         ``head_dim``, ``experts``, ``experts_used``, ``expert_ff``, ``ff``, ``shared_ff``, ``vocab``,
         ``ctx``, ``rope_base``, ``rms_eps``, ``tied_output``, ``qkv_bias``, ``rope_freqs``);
         unspecified ones take tiny per-architecture defaults.
-    weight_type: type of every matrix (F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K, MXFP4);
+    weight_type: type of every matrix (F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q2_K, Q3_K, Q4_K, Q5_K,
+        Q6_K, MXFP4);
         ``type_overrides`` maps glob patterns to types (see :func:`plan_types`).
     tokenizer: ``"bpe"`` (default; ``"spm"`` for ``llama``) and ``pre`` its pre-tokenizer
         (``qwen2`` default, ``llama-bpe``, ``olmo``, ``default``); or a ready :class:`Vocab`

@@ -19,9 +19,12 @@ Use them from any test module::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -33,6 +36,12 @@ import pytest
 # engine.kv_layout.DEFAULT_KV_TYPE) is tested where a test names it (test_config, test_host_decode,
 # test_demo_model).
 os.environ.setdefault("SHARPI_KV_DTYPE", "f32")
+# Nor does it read or write this machine's calibration cache: a calibration made here (the app's, a benchmark's)
+# changes the speeds every plan is made with, so a test expecting the default speeds failed on a machine that had
+# one. Tests of the cache point SHARPI_CALIBRATION_DIR at folders of their own.
+_CALIBRATION_DIR = tempfile.mkdtemp(prefix="sharpi-tests-calibration-")
+atexit.register(shutil.rmtree, _CALIBRATION_DIR, True)
+os.environ.setdefault("SHARPI_CALIBRATION_DIR", _CALIBRATION_DIR)
 
 
 def pytest_configure(config) -> None:

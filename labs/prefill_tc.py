@@ -60,9 +60,10 @@ def _dequant_kernel(W, OFF, OUT, rows, n, row_bytes, nb, QT: tl.constexpr, TS: t
         tl.store(ptr, qb.round_bf16(w).to(tl.bfloat16), mask=m2[:, :, None])
 
 
-def dequant_bf16(pool_flat, offs, q, rows, n, out=None):
+def dequant_bf16(pool_flat, offs, q, rows, n):
+    """bf16 [G, rows, n], contiguous: the G matrices at byte offsets ``offs``, dequantized."""
     G = offs.shape[0]
-    out = torch.empty((G, rows, n), dtype=torch.bfloat16, device=pool_flat.device) if out is None else out
+    out = torch.empty((G, rows, n), dtype=torch.bfloat16, device=pool_flat.device)
     geo = qb.geometry(q)
     nb = n // geo["QK"]
     NB = 2 if geo["QK"] == 256 else 8
@@ -77,9 +78,7 @@ def moe_dq_gmm(pool, stride, slot_off, x, w, roles, q):
     T, K_ = slot_off.shape
     flat = pool.reshape(-1)
     e_off = torch.arange(E, device=x.device, dtype=torch.int64) * stride
-    gu = torch.empty((E, 2 * F, D), dtype=torch.bfloat16, device=x.device)
-    dequant_bf16(flat, e_off + roles["gate"][0], q, F, D, gu[:, :F])
-    dequant_bf16(flat, e_off + roles["up"][0], q, F, D, gu[:, F:])
+    gu = torch.cat([dequant_bf16(flat, e_off + roles[r][0], q, F, D) for r in ("gate", "up")], 1)  # [E, 2F, D]
     wd = dequant_bf16(flat, e_off + roles["down"][0], q, D, F)
     return gmm_part(gu, wd, slot_off // stride, x, w), (gu, wd)
 

@@ -17,20 +17,11 @@ import numpy as np
 import pytest
 
 from engine.quant import FORMATS, QType, block_format, dequantize, quantize
+from engine.quant.formats import WEIGHT_TYPES
 from engine.quant.quantize import pack_scale_min_k4
 from engine.quant.reference import block_fields, unpack_scale_min_k4
 
-BLOCK_TYPES = [
-    QType.Q8_0,
-    QType.Q4_0,
-    QType.Q5_0,
-    QType.Q2_K,
-    QType.Q3_K,
-    QType.Q4_K,
-    QType.Q5_K,
-    QType.Q6_K,
-    QType.MXFP4,
-]
+BLOCK_TYPES = [t for t in WEIGHT_TYPES if block_format(t).block_size > 1]
 K_TYPES = [QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K]
 # Quantized by a simple scale fit for test data, not ggml's search (engine.quant.quantize): bytes differ
 NOT_GGML_QUANTIZER = (QType.Q2_K, QType.Q3_K)

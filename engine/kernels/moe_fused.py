@@ -21,19 +21,9 @@ from engine.kernels.activations import quantize_q8_0, quantize_q8_K
 from engine.kernels.kquants import _dot2_q4_k_q8, _dot_q2_k_q8, _dot_q3_k_q8, _dot_q4_k_q8, _dot_q5_k_q8, _dot_q6_k_q8
 from engine.kernels.legacy import _dot_mxfp4_q8, _dot_q4_0_q8, _dot_q5_0_q8, _dot_q8_0_q8
 from engine.kernels.simd import prefetch, prefetch_array, prefetch_distance
-from engine.quant.formats import QType
+from engine.quant.formats import WEIGHT_TYPES, QType, block_format
 
-FUSED_TYPES = (
-    QType.Q8_0,
-    QType.Q4_0,
-    QType.Q5_0,
-    QType.Q2_K,
-    QType.Q3_K,
-    QType.Q4_K,
-    QType.Q5_K,
-    QType.Q6_K,
-    QType.MXFP4,
-)
+FUSED_TYPES = tuple(t for t in WEIGHT_TYPES if block_format(t).block_size > 1)  # every block type we load
 _K_IDS = (int(QType.Q2_K), int(QType.Q3_K), int(QType.Q4_K), int(QType.Q5_K), int(QType.Q6_K))
 CHUNK = 16
 

@@ -75,6 +75,17 @@ def attention(
     return torch.cat([_attention_rows(q[i : i + rows], k, v, start + i, window, scale) for i in range(0, T, rows)])
 
 
+def _unseen(start: int, T: int, P: int, window: int, device) -> torch.Tensor:
+    """bool [T, P]: which keys the queries at start … start+T−1 may not see — later positions, and with a
+    ``window`` those window or more behind (llama.cpp's causal and LLAMA_SWA_TYPE_STANDARD masks)."""
+    qpos = torch.arange(start, start + T, device=device)[:, None]
+    kpos = torch.arange(P, device=device)[None, :]
+    masked = kpos > qpos
+    if window:
+        masked = masked | (qpos - kpos >= window)
+    return masked
+
+
 def _attention_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int = 0, scale: float | None = None
 ) -> torch.Tensor:
@@ -87,12 +98,7 @@ def _attention_rows(
     vh = v.permute(1, 0, 2)[:, None]  # [Hkv, 1, P, hd]
     scores = torch.matmul(qh, kh) * (1.0 / float(hd) ** 0.5 if scale is None else scale)  # [Hkv, g, T, P]
     if T > 1 or start + T < P or (window and window < P):
-        qpos = torch.arange(start, start + T, device=q.device)[:, None]
-        kpos = torch.arange(P, device=q.device)[None, :]
-        masked = kpos > qpos
-        if window:
-            masked = masked | (qpos - kpos >= window)
-        scores = scores.masked_fill(masked, float("-inf"))
+        scores = scores.masked_fill(_unseen(start, T, P, window, q.device), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, vh)  # [Hkv, g, T, hd]
     return out.permute(2, 0, 1, 3).reshape(T, H * hd)
@@ -118,11 +124,7 @@ def attention_fused(
     if start == 0 and T == P and not (window and window < P):
         out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=s)
     else:
-        qpos = torch.arange(start, start + T, device=q.device)[:, None]
-        kpos = torch.arange(P, device=q.device)[None, :]
-        seen = kpos <= qpos
-        if window:
-            seen = seen & (qpos - kpos < window)
+        seen = ~_unseen(start, T, P, window, q.device)
         out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen, scale=s)
     return out[0].permute(1, 0, 2).reshape(T, H * hd)
 

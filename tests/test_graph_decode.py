@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.api import LoadOptions, Session
-from engine.errors import UsageError
+from engine.errors import ModelError, UsageError
 from engine.kv_cache import KVCache
 from engine.models.layers import apply_rope, apply_rope_table, attention, attention_static, rope_tables, rope_theta
 from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
@@ -83,6 +83,33 @@ def test_static_step_matches_the_eager_path(paths, name):
             st = static[2]
             assert int(st["calls"].sum()) == N_TOKENS * s.args.n_layer * s.args.n_expert_used
             assert (st["hits"] == st["calls"]).all() and st["misses"].sum() == 0
+
+
+@pytest.mark.parametrize(("arch", "embd"), [("qwen3moe", "Q4_K"), ("qwen3", "Q6_K"), ("llama", "F16")])
+def test_static_step_decodes_a_quantized_token_embd(tmp_path, arch, embd):
+    """The step embeds its token on the device from the stored row (any type token_embd has): the eager
+    path's logits, and their sum (the finiteness test's input) made in the step."""
+    path = write_model(tmp_path / "m.gguf", arch, seed=5, layers=2, type_overrides={"token_embd.weight": embd}).path
+    tokens = random_tokens(N_TOKENS, 1024, seed=2)
+    with Session.load(str(path), LoadOptions(n_ctx=CTX, device="cpu")) as s:
+        assert s.model.embed.ref.qtype.name == embd
+        eager, static, g = _both(s, whole(s), tokens)
+        assert np.abs(static[0] - eager[0]).max() <= 1e-5
+        assert g.last_total == pytest.approx(float(static[0][-1].sum(dtype=np.float64)), rel=1e-5, abs=1e-3)
+
+
+def test_a_nan_in_the_static_step_is_a_model_error(tmp_path):
+    """The step's logits sum (made on the device) carries a NaN into the model's finiteness test."""
+    from tests.test_nonfinite import _damage
+
+    path = write_model(tmp_path / "m.gguf", "qwen3", seed=5, layers=2).path
+    bad = _damage(path, "bad.gguf", "output.weight", float("nan"), tmp_path)
+    with Session.load(bad, LoadOptions(n_ctx=CTX, device="cpu")) as s:
+        s.apply(whole(s), _graphs(s, "eager"))
+        assert s.model.decode_graph is not None
+        with pytest.raises(ModelError, match="computed NaN or infinity"):
+            s.logits([1, 2], batch=False)
+        assert s.model.decode_graph.steps == 1 and np.isnan(s.model.decode_graph.last_total)
 
 
 def _off_graph(s: Session, moe: str, n_cpu_moe: int = 0):

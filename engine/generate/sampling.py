@@ -129,7 +129,7 @@ def head_order(x: np.ndarray, k: int) -> np.ndarray:
     V = len(x)
     if k >= V:
         return np.argsort(-x, kind="stable")
-    key = x.astype(np.float32)
+    key = x.astype(np.float32, copy=False)
     if k <= NUMBA_MAX_K:
         cand = _at_least_kth(key, k)
     else:
@@ -146,9 +146,14 @@ class Sampler:
         self.p = params
         self.rng = np.random.default_rng(params.seed)
 
+    def penalises(self, history: list[int] | None) -> bool:
+        """Whether :meth:`apply_penalties` changes anything for ``history``."""
+        p = self.p
+        return bool(history) and (p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
+
     def apply_penalties(self, logits: np.ndarray, history: list[int]) -> np.ndarray:
         p = self.p
-        if not history or (p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
+        if not self.penalises(history):
             return logits
         recent = np.asarray(history[-p.repeat_last_n :] if p.repeat_last_n > 0 else history, dtype=np.int64)
         ids, counts = np.unique(recent, return_counts=True)
@@ -167,13 +172,18 @@ class Sampler:
     def __call__(self, logits: np.ndarray, history: list[int] | None = None) -> int:
         """logits float32 [V] -> token id: :meth:`reference`'s draw, without sorting the vocabulary."""
         p = self.p
-        x = self.apply_penalties(np.asarray(logits, dtype=np.float64), history or [])
+        x = np.asarray(logits)
+        if x.dtype != np.float32 or self.penalises(history):
+            x = self.apply_penalties(np.asarray(logits, dtype=np.float64), history or [])
+        # else float32 as given: its order is float64's (exact widening), and the head's values are widened
+        # before any arithmetic (_softmax_head), so no copy of the vocabulary is made
         if p.temperature <= 0:
             return int(np.argmax(x))
         V = len(x)
         if p.top_k > 0:
             order, z, probs = self._top_p(*self._softmax_head(x, head_order(x, p.top_k)))
         else:
+            x = np.asarray(x, dtype=np.float64)
             # no top-k: probabilities over the whole vocabulary, over a sorted head grown (×8) until it
             # holds every token the chain can keep — the top-p cut falls inside it, or its last token is
             # already under the min-p bar — or is the whole vocabulary. (The total is summed in index
@@ -200,8 +210,8 @@ class Sampler:
 
     @staticmethod
     def _softmax_head(x, order):
-        """(order, its logits z, their softmax over the head)."""
-        z = x[order]
+        """(order, its logits z as float64, their softmax over the head)."""
+        z = x[order].astype(np.float64)
         probs = np.exp(z - z[0])
         return order, z, probs / probs.sum()
 

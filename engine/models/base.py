@@ -63,9 +63,10 @@ class DecoderModel:
         (Gemma 3's sliding-window layers)."""
         return self.args.rope_base, self.args.rope_scale
 
-    def embed_tokens(self, tokens: np.ndarray) -> torch.Tensor:
-        """The rows of ``token_embd`` for ``tokens`` [T], scaled by :attr:`embed_scale` -> float32 [T, D]."""
-        x = self.embed(tokens)
+    def embed_tokens(self, tokens: np.ndarray, device: torch.device | None = None) -> torch.Tensor:
+        """The rows of ``token_embd`` for ``tokens`` [T], scaled by :attr:`embed_scale` -> float32 [T, D] on the
+        host, or made on ``device`` where one is given (the same values: ``Embedding.on``)."""
+        x = self.embed(tokens) if device is None else self.embed.on(tokens, device)
         if self.embed_scale is not None:
             x = x * np.float32(self.embed_scale)
         return x
@@ -174,19 +175,20 @@ class DecoderModel:
         if T == 1 and self.decode_graph is not None and (tap is None or not tap.layerwise):
             if start + 1 > cache.n_ctx:
                 raise UsageError(f"context full: position {start + 1} exceeds the context of {cache.n_ctx}")
-            logits = self.decode_graph.step(self.embed_tokens(tokens), start, cache)
+            logits = self.decode_graph.step(int(tokens[0]), start, cache)
             if logits is not None:  # None: this cache is not the device's (the eager path serves)
                 self.profiler.end_step(1)
                 if tap is not None:
                     tap.end_pass(1)
-                return self._finite(logits, tokens, None)
+                return self._finite(logits, tokens, None, total=self.decode_graph.last_total)
         positions = np.arange(start, start + T)
         if T == 1 and tap is None:
             trace: list = []
             logits = self._host_decode(tokens, positions, cache, trace)
             if logits is not None:
                 return self._finite(logits, tokens, trace)
-        x = self.embed_tokens(tokens)  # [T, D] host
+        first = self.devices[0] if self.devices else HOST
+        x = self.embed_tokens(tokens, first if first.type == "cuda" and T > 1 else None)  # [T, D]
         trace = [_probe(x)]  # each layer's output (or its sum), only to name where a NaN/Inf first appeared
         ropes: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, (layer, dev) in enumerate(zip(self.layers, self.devices)):
@@ -207,15 +209,20 @@ class DecoderModel:
         ops.end_of_prompt(T)
         return self._finite(logits, tokens, trace)
 
-    def _finite(self, logits: torch.Tensor, tokens: np.ndarray, trace: list | None) -> torch.Tensor:
+    def _finite(
+        self, logits: torch.Tensor, tokens: np.ndarray, trace: list | None, total: float | None = None
+    ) -> torch.Tensor:
         """``logits``, if every value is finite; else a :class:`ModelError` naming where the first NaN or
         infinity appeared: the token embeddings, a layer's output (``trace``: the embeddings, then each
         layer's output, of this forward pass) or the output head. One pass over the logits; the trace is
         read only when they are broken (a device graph step has none: the error names no layer).
 
         The test is the sum's (NaN and infinities carry into it): 14 us on a 151936-token row against 290 for
-        ``isfinite(...).all()``, one thread; a sum that overflows from finite values is checked element-wise."""
-        if bool(torch.isfinite(logits.sum())) or bool(torch.isfinite(logits).all()):
+        ``isfinite(...).all()``, one thread; a sum that overflows from finite values is checked element-wise.
+        ``total``: that sum where the pass made it already (a decode graph's, on the device)."""
+        if total is None:
+            total = float(logits.sum())
+        if np.isfinite(total) or bool(torch.isfinite(logits).all()):
             return logits
         where = "the output (output_norm.weight / output.weight)"
         if trace is None or any(x is None for x in trace):
@@ -261,7 +268,7 @@ class DecoderModel:
             trace.append(x)
         self.profiler.record_routes(self._route_layers, routes)
         for j, f in enumerate(steps):
-            f.moe.last_ids = torch.from_numpy(routes[j : j + 1])
+            f.moe.set_last_row(routes, j)
         for b in {id(b): b for b in self._backends.values()}.values():
             b.end_step()
         logits = self.output(rms_norm(torch.from_numpy(x[None]), self.out_norm, a.rms_eps)).to(HOST)

@@ -122,7 +122,8 @@ class MoE:
         self.shared = DenseFFN(w, i, "_shexp") if shared_expert else None
         # Qwen2-MoE: the shared expert's output is scaled by sigmoid(x · w), w [D] F32.
         self.shared_gate = w.optional_vector(p + "ffn_gate_inp_shexp.weight") if shared_expert else None
-        self.last_ids: torch.Tensor | None = None  # [T, K], for tests and the profiler
+        self._last_ids: torch.Tensor | None = None  # [T, K], for tests and the profiler
+        self._last_row: tuple[np.ndarray, int] | None = None  # (routes [n, K], row): last_ids, not yet made
         # The model's route tap (DecoderModel.set_route_tap: engine.routes' recorder or replayer), or None; while
         # set, the layer's routing goes through tap.route and the layer never runs its fused host step.
         self.tap = None
@@ -142,6 +143,24 @@ class MoE:
                 s = ops.sigmoid_gate(s, h, self.shared_gate)
             y = plus(y, s)
         return y
+
+    @property
+    def last_ids(self) -> torch.Tensor | None:
+        """The experts the last pass chose, int [T, K] (None before any pass)."""
+        if self._last_row is not None:
+            routes, j = self._last_row
+            self._last_ids, self._last_row = torch.from_numpy(routes[j : j + 1]), None
+        return self._last_ids
+
+    @last_ids.setter
+    def last_ids(self, ids: torch.Tensor | None) -> None:
+        self._last_ids, self._last_row = ids, None
+
+    def set_last_row(self, routes: np.ndarray, j: int) -> None:
+        """``last_ids`` = routes[j : j + 1] (routes int [n, K], one row a layer of a one-token step, not
+        written again), made only when read: a decode step records every layer's routes without a
+        tensor a layer."""
+        self._last_row = (routes, j)
 
     def wants_q8_input(self) -> bool:
         """Whether the backend's device half takes x's q8 copy now (the lean Q4_K kernels on q8

@@ -1,13 +1,14 @@
 """Decode of one token as replays of captured CUDA graphs (issue #7: Python off the token path).
 
 Where every layer's trunk sits on one device — attention, norms, routers, the KV cache and the
-output there — a token's step needs nothing from the host but its embedded row and its position.
+output there — a token's step needs nothing from the host but its id and its position.
 With the routed experts ``resident`` (every expert in the pinned slot pool) or no routed experts,
 :class:`GraphDecode` runs the step as:
 
-    one H2D copy (x row | position, one buffer) → graph replay → one D2H copy (logits | routes)
+    one H2D copy (position | the token's stored row of token_embd) → graph replay → D2H copies (logits,
+    routes, the logits' sum)
 
-and everything else — attention with the K/V write at a device position, routing top-k, the
+and everything else — the token's embedding, attention with the K/V write at a device position, routing top-k, the
 experts' slots looked up on the device, the fused MoE kernels — runs inside the graph: the layers'
 one ``step`` on :class:`~engine.runtime.step_ops.DeviceStepOps` (the same math as the eager path, on
 ops that need no host sync; usable uncaptured too). Attention runs over a static length, one set of graphs per power-of-two
@@ -47,6 +48,7 @@ from engine.config import EngineOptions
 from engine.models.layers import rope_tables
 from engine.runtime import kernel_select, step_attention
 from engine.runtime import triton_qblocks as qblocks
+from engine.runtime.references import dequantize
 from engine.runtime.step_ops import DeviceStepOps
 
 log = logging.getLogger(__name__)
@@ -133,24 +135,28 @@ class GraphDecode:
         self.segments = segments(a.n_layer, list(host_moe))
         D, V, K = a.n_embd, model.output.out_features, max(a.n_expert_used, 1)
         self.D, self.V = D, V
-        pin = device.type == "cuda"
-        # One input buffer: the embedded row float32 [D], then the position int64 (8-aligned).
-        self._xo = _align8(D * 4)
-        self._in = torch.zeros(self._xo + 8, dtype=torch.uint8, device=device)
-        self._in_h = torch.zeros(self._xo + 8, dtype=torch.uint8, pin_memory=pin)
-        self.x = self._in[: D * 4].view(torch.float32).view(1, D)
-        self.pos = self._in[self._xo :].view(torch.int64)  # [1]
-        # One output buffer: logits float32 [V], then the routes int64 [n_moe, K] (8-aligned).
-        self._ro = _align8(V * 4)
-        n_out = self._ro + 8 * len(moe_layers) * K
-        self._out = torch.zeros(n_out, dtype=torch.uint8, device=device)
-        self._out_h = torch.zeros(n_out, dtype=torch.uint8, pin_memory=pin)
-        self.logits = self._out[: V * 4].view(torch.float32).view(1, V)
-        self.routes = self._out[self._ro :].view(torch.int64).view(len(moe_layers), K)
-        self._x_h = self._in_h[: D * 4].view(torch.float32).view(1, D)
-        self._pos_h = self._in_h[self._xo :].view(torch.int64)
-        self._logits_h = self._out_h[: V * 4].view(torch.float32).view(1, V)
-        self._routes_h = self._out_h[self._ro :].view(torch.int64).view(len(moe_layers), K)
+        pin = self._pin = device.type == "cuda"
+        # One input buffer: the position int64, then the token's row of token_embd as stored (16-aligned), which
+        # the graph decodes (Embedding.on's arithmetic: the host's values) — no host dequantizing a token.
+        emb = model.embed.ref
+        self._embed_type, self._embed_scale = emb.qtype, model.embed_scale
+        self._table = emb.data.view(np.uint8).reshape(emb.shape[0], -1)  # [n_vocab, row bytes], the mapped file
+        rb = self._table.shape[1]
+        self._in = torch.zeros(16 + rb, dtype=torch.uint8, device=device)
+        self._in_h = torch.zeros(16 + rb, dtype=torch.uint8, pin_memory=pin)
+        self.pos = self._in[:8].view(torch.int64)  # [1]
+        self.row = self._in[16:].view(1, rb)
+        self._pos_h = self._in_h[:8].view(torch.int64)
+        self._row_h = self._in_h[16:].numpy()
+        # The sum of the logits, made in the graph (NaN and infinities carry into it: the model's finiteness
+        # test reads one number, not the vocabulary)
+        self.total = torch.zeros(1, dtype=torch.float32, device=device)
+        self._total_h = torch.zeros(1, dtype=torch.float32, pin_memory=pin)
+        self.last_total = float("nan")  # the last step's, on the host
+        # The graph's outputs: logits float32 [1, V] and the routes int64 [n_moe, K] (copied out each step).
+        self.logits = torch.zeros((1, V), dtype=torch.float32, device=device)
+        self.routes = torch.zeros((len(moe_layers), K), dtype=torch.int64, device=device)
+        self._routes_h = torch.zeros((len(moe_layers), K), dtype=torch.int64, pin_memory=pin)
         self._route_rows = {int(i): self.routes[j : j + 1] for j, i in enumerate(moe_layers)}  # [1, K] views
         if len(self.segments) > 1:  # experts on the host between segments
             # What a segment hands over: the normed row h float32 [D] | weights float32 [K] | ids int64
@@ -247,11 +253,12 @@ class GraphDecode:
                             routes=self._route_rows, consts=self._consts, fused=self._fused, attend=self._attend)  # fmt: skip
         if s:  # the host half's output, from pinned memory: a copy in the graph
             self.y_in.copy_(self._y_h, non_blocking=True)
-        x, y = (self.x, None) if s == 0 else (self._carry[(s - 1) % 2], self.y_in)
+        x, y = (self._embedded(), None) if s == 0 else (self._carry[(s - 1) % 2], self.y_in)
         for i in range(seg.first, seg.stop):
             x, y = m.layers[i].step(ops, x, y)
         if seg.moe is None:
             self.logits.copy_(m.output(ops.add_norm(x, y, m.out_norm, m.args.rms_eps)[1]))
+            self.total.copy_(self.logits.sum().view(1))
             return
         cut = ops.cut  # layer seg.moe's: the device half (and any shared expert) is in y
         self._carry[s % 2].copy_(x if y is None else x + y)
@@ -259,6 +266,12 @@ class GraphDecode:
         self.weights.copy_(cut.weights)
         self.ids.copy_(cut.ids)
         self._hand_h[s].copy_(self._hand, non_blocking=True)  # the hand-over to pinned memory for the host half
+
+    def _embedded(self) -> torch.Tensor:
+        """The step's token embedded, float32 [1, D]: its stored row decoded on the device, scaled as
+        ``DecoderModel.embed_tokens`` scales it."""
+        x = dequantize(self.row, self._embed_type, self.D)
+        return x if self._embed_scale is None else x * np.float32(self._embed_scale)
 
     def _capture(self, length: int, s: int = 0) -> None:
         """Capture segment ``s`` for attention length ``length`` (a bucket) into a graph of the shared
@@ -317,13 +330,13 @@ class GraphDecode:
         for g in self.graphs[length]:
             g.replay()
 
-    def step(self, row: torch.Tensor, pos: int, cache) -> torch.Tensor | None:
-        """Decode one token: row float32 [1, D] (the embedded token, host), at position ``pos``
-        (< cache.n_ctx: the caller checks) -> logits float32 [1, V] on the host; None when this
-        cache cannot be served here (the caller runs the eager path)."""
+    def step(self, token: int, pos: int, cache) -> torch.Tensor | None:
+        """Decode one token id at position ``pos`` (< cache.n_ctx: the caller checks) -> logits float32
+        [1, V] on the host (their sum in :attr:`last_total`); None when this cache cannot be served here
+        (the caller runs the eager path)."""
         if not self.bind(cache):
             return None
-        self._x_h.copy_(row)
+        self._row_h[:] = self._table[token]
         self._pos_h[0] = pos
         self._in.copy_(self._in_h, non_blocking=True)
         L = bucket(pos, cache.n_ctx)
@@ -334,15 +347,21 @@ class GraphDecode:
                 self._host_experts(s, seg.moe)
         if self.capture:
             self.replays += 1
-        self._out_h.copy_(self._out, non_blocking=True)
+        # The logits straight into a tensor of the caller's (page-locked where the device is CUDA: torch's
+        # caching host allocator hands a freed one back), the routes into the step's own buffer.
+        logits = torch.empty((1, self.V), dtype=torch.float32, pin_memory=self._pin)
+        logits.copy_(self.logits, non_blocking=True)
+        self._routes_h.copy_(self.routes, non_blocking=True)
+        self._total_h.copy_(self.total, non_blocking=True)
         self._sync()
+        self.last_total = float(self._total_h[0])
         self.steps += 1
         self._stream = None
         self._record(self._routes_h.numpy().copy(), self.moe_layers, hits=True)  # the resident pool: all hits
         self._record(self._cut_routes.copy(), self._cut_moe, hits=False)
         for b in self._cut_backends:
             b.end_step()
-        return self._logits_h.clone()
+        return logits
 
     def _sync(self) -> None:
         if self._stream is not None:
@@ -366,4 +385,4 @@ class GraphDecode:
             return
         self.model.profiler.record_routes(layers, routes, hits=hits)
         for j, i in enumerate(layers):
-            self.model.layers[i].ffn.last_ids = torch.from_numpy(routes[j : j + 1])
+            self.model.layers[i].ffn.set_last_row(routes, j)

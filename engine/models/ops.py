@@ -154,7 +154,8 @@ class TorchOps:
         a, end = attn.a, self.start + q.shape[0]
         K, V = self.cache.read(attn.i, end)
         shape = (end, a.n_head_kv, a.head_dim)
-        return attention(q, K.reshape(shape), V.reshape(shape), self.start, attn.window, attn.scale), None
+        sinks = attn.sinks
+        return attention(q, K.reshape(shape), V.reshape(shape), self.start, attn.window, attn.scale, sinks), None
 
     def silu_mul(self, g, u):
         return silu_mul(g, u)
@@ -233,4 +234,5 @@ class FusedTorchOps(TorchOps):
         a, end = attn.a, self.start + q.shape[0]
         K, V = self.cache.read(attn.i, end)
         shape = (end, a.n_head_kv, a.head_dim)
-        return attention_fused(q, K.reshape(shape), V.reshape(shape), self.start, attn.window, attn.scale), None
+        K, V = K.reshape(shape), V.reshape(shape)
+        return attention_fused(q, K, V, self.start, attn.window, attn.scale, attn.sinks), None

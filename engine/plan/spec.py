@@ -45,6 +45,13 @@ _TRUNK_OF: dict[str, str] = {
     "attn_q.bias": BIAS,
     "attn_k.bias": BIAS,
     "attn_v.bias": BIAS,
+    "attn_output.bias": BIAS,
+    "attn_sinks.weight": BIAS,  # gpt-oss: a sink logit per head
+    "ffn_gate_inp.bias": ROUTER,
+    # gpt-oss's per-expert biases: small ([E, F], [E, D] float32), held with the layer's trunk
+    "ffn_gate_exps.bias": BIAS,
+    "ffn_up_exps.bias": BIAS,
+    "ffn_down_exps.bias": BIAS,
     "ffn_gate_inp.weight": ROUTER,
     "exp_probs_b.bias": ROUTER,
     "ffn_gate_inp_shexp.weight": SHEXP_GATE,

@@ -152,3 +152,101 @@ def test_mxfp4_experts_statistically_equal_llama_cpp(tmp_path, q8_act):
     for got in (pre, dec):
         mean, agree = float(np.abs(got - want).mean()), float((got.argmax(-1) == want.argmax(-1)).mean())
         assert mean < mean_max and agree >= agree_min, (mean, agree)
+
+
+# -- sliding-window layers keep their window (and a slack) in a ring ---------------------------------------------
+
+
+def test_ring_keeps_the_window_and_computes_the_same(synth_model, monkeypatch):
+    """With a slack of 4 the even layer's K/V is a ring of 12 rows (window 8) under a 64-position context:
+    a whole prompt, the same prompt in two parts (the second longer than the ring) and token-by-token decode all
+    give the logits of the full-length cache."""
+    from engine import kv_layout
+
+    m = synth_model("gpt-oss", "F32")
+    toks = random_tokens(N, 1024, seed=3)
+    with open_gguf(m.path) as gf:
+        model = build_model(gf, q8_act=False)
+        full = _forward(model, toks)
+        monkeypatch.setattr(kv_layout, "KV_WINDOW_SLACK", 4)
+        cache = model.new_cache(64)
+        assert cache.rings == {0: (8, 12)} and cache.k[0].q.shape[0] == 12 and cache.k[1].q.shape[0] == 64
+        np.testing.assert_allclose(model.forward(toks, 0, cache).numpy(), full, atol=1e-5)
+        cache = model.new_cache(64)
+        parts = [model.forward(toks[:5], 0, cache), model.forward(toks[5:], 5, cache)]
+        np.testing.assert_allclose(torch.cat(parts).numpy(), full, atol=1e-5)
+        cache = model.new_cache(64)
+        dec = np.concatenate([model.forward([t], i, cache).numpy() for i, t in enumerate(toks)])
+        np.testing.assert_allclose(dec, full, atol=1e-5)
+        # a new prompt may reuse a prefix only where the ring still holds the window before it
+        # (the ring holds positions 28 … 39; the query at `keep` needs keep − 7 … keep − 1)
+        assert cache.reusable_prefix(N, N) == N and cache.reusable_prefix(N - 5, N) == N - 5
+        assert cache.reusable_prefix(N - 6, N) == 0
+
+
+@pytest.mark.llama
+def test_ring_equals_llama_cpp(synth_model, monkeypatch):
+    """The ring (12 rows for the window of 8) against llama.cpp's full-size SWA cache: ≤ 1e-4, prompt and decode."""
+    from engine import kv_layout
+
+    pytest.importorskip("llama_cpp")
+    m = synth_model("gpt-oss", "F32")
+    toks = random_tokens(N, 1024, seed=3)
+    want = llama_logits(m.path, toks)
+    monkeypatch.setattr(kv_layout, "KV_WINDOW_SLACK", 4)
+    with open_gguf(m.path) as gf:
+        model = build_model(gf)
+        pre = _forward(model, toks)
+        cache = model.new_cache(64)
+        dec = np.concatenate([model.forward([t], i, cache).numpy() for i, t in enumerate(toks)])
+    assert np.abs(pre - want).max() <= 1e-4 and np.abs(dec - want).max() <= 1e-4
+
+
+def test_planner_prices_the_ring_and_mxfp4(synth_geometry):
+    """gpt-oss-120b at 4096 and 32768 positions: the 18 sliding layers' K/V is priced at 128 + 256 positions, the
+    18 global ones' at the context; one expert's gate is 2880·2880 MXFP4 elements (17 bytes per 32)."""
+    from engine.kv_layout import KV_WINDOW_SLACK, kv_layer_bytes
+    from engine.plan.sizing import cache_bytes, layer_cache_bytes
+    from engine.plan.spec import ModelSpec
+
+    g = synth_geometry("gpt-oss-120b")
+    with open_gguf(g.path) as gf:
+        spec = ModelSpec.from_gguf(gf)
+    assert [lay.kv_window for lay in spec.layers[:4]] == [128, 0, 128, 0]
+    assert spec.layers[0].expert_role_bytes["gate"] == 2880 * 2880 // 32 * 17
+    ring = kv_layer_bytes("bf16", 512, 128 + KV_WINDOW_SLACK)
+    for ctx in (4096, 32768):
+        assert layer_cache_bytes(spec, 0, "bf16", ctx) == ring
+        assert layer_cache_bytes(spec, 1, "bf16", ctx) == kv_layer_bytes("bf16", 512, ctx)
+        assert cache_bytes(spec, range(36), "bf16", ctx) == 18 * ring + 18 * kv_layer_bytes("bf16", 512, ctx)
+
+
+def test_every_placement_with_the_ring_matches_the_cpu_engine(tmp_path, monkeypatch):
+    """tests/test_runtime.py's placements (cpu, cache, resident, n_cpu_moe, streamed, splits) with the sliding
+    layers' K/V in a ring (slack 4: 12 rows of the 64-position context): the CPU engine's logits, and the runtime
+    allocates what the planner priced, kind by kind."""
+    from dataclasses import replace
+
+    from engine import kv_layout
+    from engine.plan import PlanRequest
+    from engine.synth.writer import write_model
+    from tests.test_runtime import CTX, STREAM_MIN, _cases, _profile_for, _run, _session
+
+    monkeypatch.setattr(kv_layout, "KV_WINDOW_SLACK", 4)
+    path = write_model(tmp_path / "g.gguf", "gpt-oss", seed=3, layers=3).path
+    tokens = random_tokens(20, 1024, seed=1)
+    with _session(path) as s:
+        assert set(s.cache.rings) == {0, 2}
+        ref_prefill, ref_decode = _run(s, tokens)
+        for label, req, g, slots in _cases(s):
+            placement = s.plan(PlanRequest(ctx=CTX, kv_type="f32", **req), _profile_for(s, n_gpu_layers=g, slots=slots))
+            streamed = label.startswith("stream")
+            s.apply(placement, replace(s.engine_options, prompt_stream_min=STREAM_MIN) if streamed else None)
+            prefill, decode = _run(s, tokens)
+            assert np.abs(prefill - ref_prefill).max() <= 1e-5, label
+            assert np.abs(decode - ref_decode).max() <= 1e-5, label
+            priced = placement.device.to_dict()
+            priced.pop("total")
+            assert dict(s.applied.arena.by_kind) == {
+                k: v for k, v in priced.items() if v or k in s.applied.arena.by_kind
+            }

@@ -154,7 +154,7 @@ class DecoderModel:
     def make_cache(self, devices: dict[int, torch.device], n_ctx: int, kv_type, charge=None) -> KVCache:
         """The cache of every layer (layer → device; kv_type one dtype or per layer); charge(layer, nbytes) before
         each layer's part is allocated (the runtime's device arena). Here: K and V for every layer."""
-        return KVCache(devices, n_ctx, self.args.kv_dim, kv_type, charge=charge)
+        return KVCache(devices, n_ctx, self.args.kv_dim, kv_type, charge=charge, windows=self.args.kv_windows())
 
     def _rope(
         self, positions: np.ndarray, device: torch.device, base: float | None = None, scale: float | None = None

@@ -45,6 +45,9 @@ class Args(ModelArgs):
     def is_sliding(self, i: int) -> bool:
         return self.sliding_window > 0 and i % SWA_PATTERN < SWA_PATTERN - 1
 
+    def layer_window(self, i: int) -> int:
+        return self.sliding_window if self.is_sliding(i) else 0
+
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> Args:
         def k(template: str) -> str:
@@ -123,7 +126,7 @@ class Model(DecoderModel):
         if w is not self.w:  # a device layer: its experts' biases on the device with its trunk (priced there)
             t = [w.vector(blk(i, f"ffn_{r}_exps.bias")).reshape(a.n_expert, -1) for r in ("gate", "up", "down")]
             glu.on_device[t[0].device.type] = tuple(t)
-        window = a.sliding_window if a.is_sliding(i) else 0
+        window = a.layer_window(i)
         attn = Attention(w, i, a, qkv_bias=True, window=window, o_bias=True, sinks=True)
         routing = Routing(k=a.n_expert_used, renormalise=False, kind="topk_softmax")
         moe = MoE(w, i, a, self.experts_of(i), routing=routing, router_bias=True)

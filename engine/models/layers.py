@@ -104,11 +104,12 @@ def attention(
     window: int = 0,
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_start: int = 0,
 ) -> torch.Tensor:
     """Causal GQA attention of T new queries over all cached positions.
 
-    q [T, H, hd] at positions start..start+T-1; k, v [P, Hkv, hd] for positions 0..P-1
-    (P = start + T). Returns [T, H*hd]. Softmax in float32 with scale 1/sqrt(hd), or ``scale``
+    q [T, H, hd] at positions start..start+T-1; k, v [P, Hkv, hd] for positions k_start..k_start+P-1
+    (k_start + P = start + T; k_start > 0: a sliding window's ring gave only the positions it sees). Returns [T, H*hd]. Softmax in float32 with scale 1/sqrt(hd), or ``scale``
     (llama.cpp's build_attn_mha with kq_scale). ``window`` > 0: a sliding window, the query at p
     sees the keys at p − window < p' ≤ p (llama.cpp's LLAMA_SWA_TYPE_STANDARD masks p − p' ≥ window).
     Queries go in row blocks whose scores fit :data:`ATTN_SCORE_BYTES` (each row's softmax is its
@@ -119,17 +120,18 @@ def attention(
     P = k.shape[0]
     rows = max(1, ATTN_SCORE_BYTES // (4 * H * P))
     if rows >= T:
-        return _attention_rows(q, k, v, start, window, scale, sinks)
+        return _attention_rows(q, k, v, start, window, scale, sinks, k_start)
     return torch.cat(
-        [_attention_rows(q[i : i + rows], k, v, start + i, window, scale, sinks) for i in range(0, T, rows)]
+        [_attention_rows(q[i : i + rows], k, v, start + i, window, scale, sinks, k_start) for i in range(0, T, rows)]
     )
 
 
-def _unseen(start: int, T: int, P: int, window: int, device) -> torch.Tensor:
-    """bool [T, P]: which keys the queries at start … start+T−1 may not see — later positions, and with a
-    ``window`` those window or more behind (llama.cpp's causal and LLAMA_SWA_TYPE_STANDARD masks)."""
+def _unseen(start: int, T: int, P: int, window: int, device, k_start: int = 0) -> torch.Tensor:
+    """bool [T, P]: which keys (positions k_start … k_start+P−1) the queries at start … start+T−1 may not see —
+    later positions, and with a ``window`` those window or more behind (llama.cpp's causal and
+    LLAMA_SWA_TYPE_STANDARD masks)."""
     qpos = torch.arange(start, start + T, device=device)[:, None]
-    kpos = torch.arange(P, device=device)[None, :]
+    kpos = torch.arange(k_start, k_start + P, device=device)[None, :]
     masked = kpos > qpos
     if window:
         masked = masked | (qpos - kpos >= window)
@@ -144,8 +146,10 @@ def _attention_rows(
     window: int = 0,
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_start: int = 0,
 ) -> torch.Tensor:
-    """:func:`attention` of one block of queries (positions start.. start+T-1) over k, v [P, Hkv, hd]."""
+    """:func:`attention` of one block of queries (positions start.. start+T-1) over k, v [P, Hkv, hd] of
+    positions k_start … k_start+P−1."""
     T, H, hd = q.shape
     P, Hkv = k.shape[0], k.shape[1]
     g = H // Hkv
@@ -153,8 +157,8 @@ def _attention_rows(
     kh = k.permute(1, 2, 0)[:, None]  # [Hkv, 1, hd, P]
     vh = v.permute(1, 0, 2)[:, None]  # [Hkv, 1, P, hd]
     scores = torch.matmul(qh, kh) * (1.0 / float(hd) ** 0.5 if scale is None else scale)  # [Hkv, g, T, P]
-    if T > 1 or start + T < P or (window and window < P):
-        scores = scores.masked_fill(_unseen(start, T, P, window, q.device), float("-inf"))
+    if T > 1 or start + T < k_start + P or (window and window < P):
+        scores = scores.masked_fill(_unseen(start, T, P, window, q.device, k_start), float("-inf"))
     if sinks is None:
         probs = torch.softmax(scores, dim=-1)
     else:  # the sink's column joins the softmax, then is dropped: it only takes probability away
@@ -172,6 +176,7 @@ def attention_fused(
     window: int = 0,
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_start: int = 0,
 ) -> torch.Tensor:
     """:func:`attention` in torch's ``scaled_dot_product_attention`` (float32 in, float32 softmax: on CUDA
     its memory-efficient kernel, no scores materialised; on the CPU its flash kernel): equal up to float32
@@ -182,7 +187,7 @@ def attention_fused(
     T, H, hd = q.shape
     P, Hkv = k.shape[0], k.shape[1]
     if sinks is not None or 2 * H * P * hd * k.element_size() > 3 * ATTN_SCORE_BYTES:
-        return attention(q, k, v, start, window, scale, sinks)
+        return attention(q, k, v, start, window, scale, sinks, k_start)
     g = H // Hkv
     kh = k.permute(1, 0, 2)[:, None].expand(Hkv, g, P, hd).reshape(1, H, P, hd)
     vh = v.permute(1, 0, 2)[:, None].expand(Hkv, g, P, hd).reshape(1, H, P, hd)
@@ -191,7 +196,7 @@ def attention_fused(
     if start == 0 and T == P and not (window and window < P):
         out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=s)
     else:
-        seen = ~_unseen(start, T, P, window, q.device)
+        seen = ~_unseen(start, T, P, window, q.device, k_start)
         out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen, scale=s)
     return out[0].permute(1, 0, 2).reshape(T, H * hd)
 

@@ -115,6 +115,7 @@ class LayerSpec:
     trunk: {component: bytes} for the tensors that stay with the layer (see :data:`COMPONENTS`).
     expert_role_bytes: {role: bytes of one routed expert's matrix} (empty for a dense layer).
     state_bytes: a linear-attention layer's fixed-size recurrent state (it then has no K/V); 0 for attention.
+    kv_window: a sliding-window layer's window (its K/V a ring of ``kv_layout.kv_rows`` positions); 0: all of them.
     """
 
     index: int
@@ -122,6 +123,7 @@ class LayerSpec:
     n_expert: int = 0
     expert_role_bytes: dict[str, int] = field(default_factory=dict)
     state_bytes: int = 0
+    kv_window: int = 0
 
     @property
     def has_kv(self) -> bool:
@@ -228,6 +230,7 @@ class ModelSpec:
                 "n_expert": lay.n_expert,
                 "expert_role_bytes": dict(lay.expert_role_bytes),
                 "state_bytes": lay.state_bytes,
+                "kv_window": lay.kv_window,
             }
             for lay in self.layers
         ]
@@ -309,6 +312,7 @@ class ModelSpec:
                 n_exp[i],
                 roles[i],
                 args.state_bytes if i < len(recurrent) and recurrent[i] else 0,
+                args.layer_window(i),
             )
             for i in range(args.n_layer)
         )

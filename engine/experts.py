@@ -24,6 +24,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from engine.kernels.moe import ExpertGLU
 from engine.kernels.prepare import PreparedWeight
 from engine.profiler import ExpertProfiler
 
@@ -33,12 +34,14 @@ class ExpertStacks:
     """One MoE layer's routed experts: gate, up [E, F, D] and down [E, D, F] prepared weights.
 
     ``resident``, when given, returns the same stacks with their bytes copied out of the memory
-    map (``Weights.resident``): what the CPU backend computes from."""
+    map (``Weights.resident``): what the CPU backend computes from. ``glu``: the experts' biases and
+    activation where they are not plain SwiGLU (gpt-oss), which every backend applies."""
 
     gate: PreparedWeight
     up: PreparedWeight
     down: PreparedWeight
     resident: Callable[[], ExpertStacks] | None = None
+    glu: ExpertGLU | None = None
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,7 @@ class CpuExperts(ExpertBackend):
         from engine import ops
 
         s = self.host_stacks(layer)
-        return ops.moe_ffn(s.gate, s.up, s.down, X, ids, weights, q8_act=self.q8_act)
+        return ops.moe_ffn(s.gate, s.up, s.down, X, ids, weights, q8_act=self.q8_act, glu=s.glu)
 
     def end_step(self) -> None:
         pass

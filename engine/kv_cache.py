@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.errors import UsageError
-from engine.kv_layout import check_kv_geometry, kv_layer_bytes, resolve_kv_type
+from engine.kv_layout import check_kv_geometry, kv_layer_bytes, kv_rows, resolve_kv_type
 
 
 def _q8_0_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,6 +35,32 @@ class _Store:
         else:
             dt = torch.float32 if kv_type == "f32" else torch.bfloat16
             self.q = torch.zeros(n_ctx, width, dtype=dt, device=device)
+
+    def rounded(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, width] f32 as a write then a read would return it (the store's rounding)."""
+        if self.kv_type == "f32":
+            return x
+        if self.kv_type != "q8_0":
+            return x.to(self.q.dtype).to(torch.float32)
+        q, d = _q8_0_rows(x)
+        T = x.shape[0]
+        return (q.to(torch.float32).reshape(T, -1, 32) * d.to(torch.float32)[..., None]).reshape(T, -1)
+
+    def write_ring(self, start: int, x: torch.Tensor) -> None:
+        """x [T, width] f32 at positions start … start+T−1 of a ring of ``rows`` rows (position p in row p mod
+        rows; of more than ``rows`` positions only the last ones are kept)."""
+        R, T = self.q.shape[0], x.shape[0]
+        if T > R:
+            start, x = start + T - R, x[T - R :]
+            T = R
+        rows = torch.arange(start, start + T, device=self.q.device) % R
+        self.write_at(rows, x)
+
+    def read_rows(self, rows: torch.Tensor) -> torch.Tensor:  # [n, width] f32 of the given rows
+        if self.kv_type != "q8_0":
+            return self.q[rows].to(torch.float32)
+        q = self.q[rows].to(torch.float32).reshape(len(rows), -1, 32)
+        return (q * self.d[rows].to(torch.float32)[..., None]).reshape(len(rows), -1)
 
     def write(self, start: int, x: torch.Tensor) -> None:  # x [T, width] f32
         T = x.shape[0]
@@ -107,7 +133,9 @@ class RecurrentState:
 
 class KVCache:
     """K and V for ``layers`` (layer index → device), each [n_ctx, kv_dim]; ``recurrent``: the state of
-    each linear-attention layer (layer index → :class:`RecurrentState`), at position :attr:`state_pos`."""
+    each linear-attention layer (layer index → :class:`RecurrentState`), at position :attr:`state_pos`;
+    ``windows``: layer → the window of a sliding-window layer, whose K and V are a ring of
+    ``kv_layout.kv_rows(n_ctx, window)`` rows (the window and a slack), read by :meth:`window_span`."""
 
     def __init__(
         self,
@@ -117,6 +145,7 @@ class KVCache:
         kv_type: str | dict[int, str] | None = None,
         charge=None,
         recurrent: dict[int, RecurrentState] | None = None,
+        windows: dict[int, int] | None = None,
     ):
         """kv_type: one dtype for every layer (None: f32), or per layer; charge(layer, nbytes) is called before
         each layer's K and V are allocated (the runtime's device arena)."""
@@ -134,23 +163,53 @@ class KVCache:
         # every token's recurrent state, so that :meth:`rollback` can return to the last accepted token.
         self.keep_steps = False
         self._step_start = 0
+        # Sliding-window layers whose ring is shorter than the context (layer → (window, rows)).
+        self.rings: dict[int, tuple[int, int]] = {}
+        for i, w in (windows or {}).items():
+            if i in layers and kv_rows(n_ctx, w) < n_ctx:
+                self.rings[i] = (w, kv_rows(n_ctx, w))
         for i, dev in layers.items():
+            rows = self.rings[i][1] if i in self.rings else n_ctx
             if charge is not None:
-                charge(i, kv_layer_bytes(types[i], kv_dim, n_ctx))
-            self.k[i] = _Store(n_ctx, kv_dim, types[i], dev)
-            self.v[i] = _Store(n_ctx, kv_dim, types[i], dev)
+                charge(i, kv_layer_bytes(types[i], kv_dim, rows))  # the planner's price (sizing.layer_cache_bytes)
+            self.k[i] = _Store(rows, kv_dim, types[i], dev)
+            self.v[i] = _Store(rows, kv_dim, types[i], dev)
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v [T, kv_dim] at positions start … start+T−1."""
         end = start + k.shape[0]
         if end > self.n_ctx:
             raise UsageError(f"context full: position {end} exceeds the context of {self.n_ctx}")
+        if layer in self.rings:
+            self.k[layer].write_ring(start, k)
+            self.v[layer].write_ring(start, v)
+            return
         self.k[layer].write(start, k)
         self.v[layer].write(start, v)
 
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of positions 0 … end−1 [end, kv_dim] (f32)."""
+        """K, V of positions 0 … end−1 [end, kv_dim] (f32); a ring layer's: :meth:`window_span` instead."""
+        if layer in self.rings:
+            raise UsageError(f"layer {layer} keeps a sliding window of K/V: read it with window_span")
         return self.k[layer].read(end), self.v[layer].read(end)
+
+    def window_span(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v [T, kv_dim] at positions start … start+T−1 of a sliding-window layer and return what its
+        queries there attend over: (first position p0, K, V [start+T−p0, kv_dim] f32 of positions p0 …
+        start+T−1), p0 the first position the window of the query at ``start`` sees. The positions before
+        ``start`` are read before the write (a long prompt's own rows may overwrite them in a ring); the new
+        ones as the store rounds them."""
+        window, rows = self.rings.get(layer, (0, self.n_ctx))
+        p0 = max(0, start - window + 1) if window else 0
+        if layer not in self.rings:
+            self.write(layer, start, k, v)
+            K, V = self.read(layer, start + k.shape[0])
+            return p0, K[p0:], V[p0:]
+        ks, vs = self.k[layer], self.v[layer]
+        old = torch.arange(p0, start, device=ks.q.device) % rows
+        K0, V0 = ks.read_rows(old), vs.read_rows(old)
+        self.write(layer, start, k, v)
+        return p0, torch.cat([K0, ks.rounded(k)]), torch.cat([V0, vs.rounded(v)])
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [T, kv_dim] at positions start.. and return all K, V [start+T, kv_dim] (f32)."""
@@ -160,7 +219,11 @@ class KVCache:
     def reusable_prefix(self, keep: int, held: int) -> int:
         """How many of the ``held`` cached positions a new prompt sharing ``keep`` of them can reuse:
         ``keep`` where only K/V are cached (they are written by position), but recurrent states hold
-        every position they consumed and cannot step back: all of them or nothing."""
+        every position they consumed and cannot step back: all of them or nothing; a sliding-window layer's
+        ring holds its last rows only: ``keep`` where the window before it is still there, else nothing."""
+        for window, rows in self.rings.values():
+            if max(0, keep - window + 1) < held - rows:
+                return 0
         return keep if not self.recurrent or keep == held == self.state_pos else 0
 
     def snapshot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -16,6 +16,7 @@ __all__ = [
     "check_kv_type",
     "kv_layer_bytes",
     "kv_row_bytes",
+    "kv_rows",
     "resolve_kv_type",
 ]
 
@@ -50,6 +51,17 @@ def kv_row_bytes(kv_type: str, kv_dim: int) -> int:
 def kv_layer_bytes(kv_type: str, kv_dim: int, ctx: int) -> int:
     """One layer's cache: K and V, each ``[ctx, kv_dim]`` of ``kv_type``."""
     return 2 * ctx * kv_row_bytes(kv_type, kv_dim)
+
+
+# Rows a sliding-window layer's cache keeps beyond its window: positions a new prompt (a regenerated reply) or a
+# verify pass's roll-back may step back over while the window before them stays in the ring.
+KV_WINDOW_SLACK = 256
+
+
+def kv_rows(ctx: int, window: int = 0) -> int:
+    """Positions one layer's cache holds at context ``ctx``: all of them, or for a layer attending to the last
+    ``window`` positions only (sliding-window attention), its window and :data:`KV_WINDOW_SLACK` in a ring."""
+    return min(ctx, window + KV_WINDOW_SLACK) if window > 0 else ctx
 
 
 # The cache dtype when nothing asks for one: bf16 halves f32's bytes (memory and decode reads; llama.cpp's default

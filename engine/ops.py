@@ -101,15 +101,17 @@ def moe_ffn(
     *,
     q8_act: bool,
     skip: np.ndarray | None = None,
+    glu=None,
 ) -> np.ndarray:
     """Routed experts for T tokens: X float32 [T, D], ids int64 [T, K], weights float32 [T, K] -> [T, D];
-    skip bool [T, K] or None: pairs left out (computed elsewhere: the expert cache's hits)."""
+    skip bool [T, K] or None: pairs left out (computed elsewhere: the expert cache's hits); glu: the experts'
+    biases and activation where not plain SwiGLU (``engine.kernels.moe.ExpertGLU``, gpt-oss)."""
     if skip is not None and not np.any(skip):
         skip = None
     if _use_reference:
         from engine.kernels.grouped import grouped_moe_ffn_ref
 
-        return grouped_moe_ffn_ref(gate, up, down, X, ids, weights, q8_act=q8_act, skip=skip)
+        return grouped_moe_ffn_ref(gate, up, down, X, ids, weights, q8_act=q8_act, skip=skip, glu=glu)
     if X.shape[0] == 1:  # decode: the fused per-token kernel over the kept pairs
         from engine.kernels.moe import moe_ffn as moe_ffn_token
 
@@ -119,10 +121,10 @@ def moe_ffn(
                 return np.zeros((1, down.rows), np.float32)
             ids, weights = ids[:, keep], weights[:, keep]
         I, W = np.ascontiguousarray(ids[0]), np.ascontiguousarray(weights[0])
-        return moe_ffn_token(gate, up, down, X[0], I, W, q8_act=q8_act)[None, :]
+        return moe_ffn_token(gate, up, down, X[0], I, W, q8_act=q8_act, glu=glu)[None, :]
     from engine.kernels.grouped import grouped_moe_ffn  # prefill: each selected expert once
 
-    return grouped_moe_ffn(gate, up, down, X, ids, weights, q8_act=q8_act, skip=skip)
+    return grouped_moe_ffn(gate, up, down, X, ids, weights, q8_act=q8_act, skip=skip, glu=glu)
 
 
 PROMPT_SCRATCH_TOKENS = 32  # forward passes this long used prompt-sized scratch

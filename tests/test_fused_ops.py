@@ -39,6 +39,19 @@ def test_attention_fused_equals_attention(device, start, T, window, scale):
     _close(attention_fused(q, k, v, start, window, scale), attention(q, k, v, start, window, scale))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_over_a_window_span_equals_the_full_keys(device):
+    """A sliding-window layer's ring gives only the positions its queries see (``k_start`` on): the same output
+    as the full keys, through the reference and the SDPA path."""
+    rng = np.random.default_rng(4)
+    start, T, window = 9, 5, 4
+    P, p0 = start + T, start - window + 1
+    q, k, v = _t(rng, T, H, HD, device=device), _t(rng, P, HKV, HD, device=device), _t(rng, P, HKV, HD, device=device)
+    full = attention(q, k, v, start, window)
+    _close(attention(q, k[p0:], v[p0:], start, window, k_start=p0), full)
+    _close(attention_fused(q, k[p0:], v[p0:], start, window, k_start=p0), full)
+
+
 def test_attention_fused_falls_back_for_a_long_context(monkeypatch):
     """Past the priced scratch the widened K/V copies are not made: the row-blocked reference serves."""
     import engine.models.layers as layers
@@ -60,7 +73,7 @@ def test_fused_ops_equal_the_reference(device, neox, rope_dim, head_norm):
     rng = np.random.default_rng(7)
     T, start, D = 6, 4, 64
     a = SimpleNamespace(n_head=H, n_head_kv=HKV, head_dim=HD, rms_eps=1e-6, rope_neox=neox)
-    attn = SimpleNamespace(a=a, i=0, window=0, scale=None)
+    attn = SimpleNamespace(a=a, i=0, window=0, scale=None, sinks=None)
     theta = torch.from_numpy(rope_theta(np.arange(start, start + T), rope_dim, 10000.0)).to(device)
     cos, sin = torch.cos(theta), torch.sin(theta)
     caches = [KVCache({0: torch.device(device)}, 16, HKV * HD) for _ in range(2)]

@@ -154,7 +154,7 @@ def test_unsupported_architecture_lists_supported(tmp_path, tiny):
     p.write_bytes(data.replace(b"qwen3moe", b"qwen9moe"))
     with (
         open_gguf(p) as gf,
-        pytest.raises(UnsupportedArchitectureError, match="supported: gemma3, glm4moe, llama, olmoe"),
+        pytest.raises(UnsupportedArchitectureError, match="supported: gemma3, glm4moe, gpt-oss, llama, olmoe"),
     ):
         read_args(gf)
 

@@ -31,6 +31,8 @@ F32_MODELS = [
     # GLM-4.5: a dense layer, two MoE layers (sigmoid scores, selection bias, shared expert), a NextN block not run
     ("glm4moe", "glm4moe", {}),
     ("glm4moe-qknorm-scaled-tied", "glm4moe", {"qk_norm": True, "expert_scale": 2.5, "tied_output": True}),
+    # gpt-oss: a sliding layer (window 8) and a global one, sinks, YaRN, biased router and experts, clamped SwiGLU
+    ("gpt-oss", "gpt-oss", {}),
 ]
 N_POS = 40
 

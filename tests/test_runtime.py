@@ -31,6 +31,9 @@ ARCHS = [
     ("qwen3next", {"full_attn_interval": 2}),
     # a dense layer, then two MoE layers (biased sigmoid routing, scaled, a shared expert) and a NextN block
     ("glm4moe", {"expert_scale": 2.5}),
+    # sliding, global, sliding layers; sinks, YaRN, biased experts with the clamped SwiGLU (torch references on
+    # the device, the numba kernels' gather path on the host)
+    ("gpt-oss", {}),
 ]
 CTX = 64
 # The simulated device everywhere; the real GPU where there is one (CI has none).

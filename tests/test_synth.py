@@ -24,6 +24,7 @@ VARIANTS = {
     "llama": ("llama", {"rope_freqs": True}),
     "mixtral": ("llama", {"experts": 4, "experts_used": 2}),
     "qwen3": ("qwen3", {"tied_output": True}),
+    "gpt-oss": ("gpt-oss", {}),
 }
 
 
@@ -230,6 +231,25 @@ REAL = {
         "blk.46.nextn.eh_proj.weight": ((4096, 8192), QType.Q4_K),  # the NextN block after the 46 layers
         "output.weight": ((151552, 4096), QType.Q6_K),
     },
+    # OpenAI's MXFP4 experts (and their biases), the sinks, q/k/v/o biases; other matrices Q8_0 here
+    "gpt-oss-20b": {
+        "token_embd.weight": ((201088, 2880), QType.Q8_0),
+        "blk.0.attn_q.weight": ((4096, 2880), QType.Q8_0),
+        "blk.0.attn_k.weight": ((512, 2880), QType.Q8_0),
+        "blk.0.attn_output.weight": ((2880, 4096), QType.Q8_0),
+        "blk.0.attn_output.bias": ((2880,), QType.F32),
+        "blk.0.attn_sinks.weight": ((64,), QType.F32),
+        "blk.0.ffn_gate_inp.bias": ((32,), QType.F32),
+        "blk.23.ffn_gate_exps.weight": ((32, 2880, 2880), QType.MXFP4),
+        "blk.23.ffn_down_exps.weight": ((32, 2880, 2880), QType.MXFP4),
+        "blk.23.ffn_up_exps.bias": ((32, 2880), QType.F32),
+        "output.weight": ((201088, 2880), QType.Q8_0),
+    },
+    "gpt-oss-120b": {
+        "blk.35.ffn_up_exps.weight": ((128, 2880, 2880), QType.MXFP4),
+        "blk.35.ffn_down_exps.bias": ((128, 2880), QType.F32),
+        "blk.35.post_attention_norm.weight": ((2880,), QType.F32),
+    },
     "mixtral-8x7b": {
         "token_embd.weight": ((32000, 4096), QType.Q4_K),
         "blk.3.attn_k.weight": ((1024, 4096), QType.Q8_0),
@@ -259,6 +279,14 @@ def test_qwen3_geometry_matches_published_size(synth_geometry):
     assert 17.0e9 < g.file_size < 18.7e9  # Q4_K_M files are 17-18.6 GB
     down = [p for p in g.tensors if p.name.endswith("ffn_down_exps.weight")]
     assert sum(p.qtype == QType.Q6_K for p in down) == sum(use_more_bits(i, 48) for i in range(48)) == 24
+
+
+@pytest.mark.parametrize("name, low, high", [("gpt-oss-20b", 11.8e9, 12.4e9), ("gpt-oss-120b", 62.0e9, 65.0e9)])
+def test_gpt_oss_geometry_matches_published_size(synth_geometry, name, low, high):
+    """The MXFP4 files OpenAI's models are published as (ggml-org's gpt-oss-20b / 120b GGUFs: about 12.1 and
+    63.4 GB), from their geometry: experts MXFP4, the rest Q8_0 here."""
+    g = synth_geometry(name)
+    assert low < g.file_size < high, g.file_size
 
 
 def test_cli_writes_model_and_geometry(tmp_path, capsys):

@@ -51,10 +51,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("--ssm-groups", "ssm_groups", "GDN key heads"),
         ("--ssm-v-heads", "ssm_v_heads", "GDN value heads (a multiple of --ssm-groups)"),
         ("--full-attn-interval", "full_attn_interval", "every n-th layer is full attention"),
+        ("--yarn-orig-ctx", "yarn_orig_ctx", "gpt-oss: YaRN's original context (rope.scaling.original_context_length)"),
     ):
         g.add_argument(flag, dest=field, type=int, help=helptext)
     g.add_argument("--rope-base", dest="rope_base", type=float, help="RoPE frequency base")
-    g.add_argument("--sliding-window", dest="sliding_window", type=int, help="gemma3: attention.sliding_window")
+    g.add_argument(
+        "--sliding-window", dest="sliding_window", type=int, help="gemma3, gpt-oss: attention.sliding_window"
+    )
+    g.add_argument("--yarn-factor", dest="yarn_factor", type=float, help="gpt-oss: YaRN RoPE scaling factor (0: none)")
     g.add_argument("--tied-output", dest="tied_output", action="store_true", default=None, help="omit output.weight")
     g.add_argument("--rope-freqs", dest="rope_freqs", action="store_true", default=None, help="llama: rope_freqs")
     g.add_argument("--expert-scale", dest="expert_scale", type=float, help="glm4moe: routed scaling factor")

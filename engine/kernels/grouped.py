@@ -283,6 +283,7 @@ def grouped_moe_ffn(
     *,
     q8_act: bool,
     skip: np.ndarray | None = None,
+    glu=None,
 ) -> np.ndarray:
     """Y[t] = Σ_k weights[t, k] · down[ids[t, k]] · (SiLU(gate[·]·X[t]) ⊙ up[·]·X[t]), grouped.
 
@@ -291,7 +292,8 @@ def grouped_moe_ffn(
     [T, D], bit-identical to ``moe.moe_ffn`` per token (over each token's kept pairs) for the fused
     types (Q8_0, Q4_0, Q5_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4 with ``q8_act``) where no expert has enough tokens for
     the bf16 units. Other types run each selected expert once over its tokens through
-    ``dispatch.gemv_acts``.
+    ``dispatch.gemv_acts``, as do experts with biases or another activation (``glu``, an
+    ``engine.kernels.moe.ExpertGLU``: gpt-oss).
     """
     X = np.ascontiguousarray(X, dtype=np.float32)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
@@ -309,7 +311,7 @@ def grouped_moe_ffn(
         weights = np.where(skip, np.float32(0.0), weights)  # a dropped pair's row of o is 0: it adds +0
         offsets, pairs = bucket_by_expert(np.where(skip, E, ids), E + 1)  # bucket E: the dropped pairs
         dropped, pairs, offsets = pairs[offsets[E] :], pairs[: offsets[E]], offsets[: E + 1]
-    if fused_grouped(gate, up, down, q8_act):
+    if glu is None and fused_grouped(gate, up, down, q8_act):
         o = scratch.buffer("pairs", T * K * down.rows).reshape(T * K, down.rows)  # o[t·K + k]: pair (t, k)'s output
         counts = np.diff(offsets)
         big = np.zeros(gate.n_experts, np.uint8)  # experts with enough tokens for the bf16 units
@@ -326,7 +328,7 @@ def grouped_moe_ffn(
             _bf16_experts(gate, up, down, X, offsets, pairs, K, np.flatnonzero(big), o)
         o[dropped] = 0.0
         return reduce_pairs(o, weights)
-    return _grouped_gather(gate, up, down, X, offsets, pairs, weights, q8_act, dropped)
+    return _grouped_gather(gate, up, down, X, offsets, pairs, weights, q8_act, dropped, glu)
 
 
 def _bf16_experts(gate, up, down, X, offsets, pairs, K, experts, o) -> None:
@@ -349,10 +351,11 @@ def _bf16_experts(gate, up, down, X, offsets, pairs, K, experts, o) -> None:
         o[p] = bf16.mm(h, torch.from_numpy(dn)).numpy()
 
 
-def _grouped_gather(gate, up, down, X, offsets, pairs, weights, q8_act, dropped) -> np.ndarray:
+def _grouped_gather(gate, up, down, X, offsets, pairs, weights, q8_act, dropped, glu=None) -> np.ndarray:
     """Any weight type: per selected expert, three gather GEMVs over its contiguous token rows
-    (the pairs ``dropped`` add nothing)."""
+    (the pairs ``dropped`` add nothing); ``glu``: the experts' biases and activation (None: SwiGLU)."""
     from engine.kernels.dispatch import gemv_acts, prepare_activations
+    from engine.kernels.moe import glu_act
 
     T, K = weights.shape
     F, D = gate.rows, down.rows
@@ -366,14 +369,17 @@ def _grouped_gather(gate, up, down, X, offsets, pairs, weights, q8_act, dropped)
         xi = np.full(F, p0, np.int64)
         g = gemv_acts(gate, ag, rows, xi, n, q8_act=q8_act)  # [F, n]
         u = gemv_acts(up, au, rows, xi, n, q8_act=q8_act)
-        with np.errstate(over="ignore"):
-            h[p0 : p0 + n] = (g / (np.float32(1.0) + np.exp(-g)) * u).T
+        if glu is None:
+            h[p0 : p0 + n] = glu_act(None, g, u).T
+        else:
+            h[p0 : p0 + n] = glu.hidden(np.full(n, e), g.T, u.T)
     ad = prepare_activations(down.qtype, h, q8_act=q8_act)
     o = np.empty((T * K, D), np.float32)
     o[dropped] = 0.0
     for e, p0, n in groups:
         rows = np.arange(e * D, (e + 1) * D, dtype=np.int64)
-        o[pairs[p0 : p0 + n]] = gemv_acts(down, ad, rows, np.full(D, p0, np.int64), n, q8_act=q8_act).T
+        oe = gemv_acts(down, ad, rows, np.full(D, p0, np.int64), n, q8_act=q8_act).T
+        o[pairs[p0 : p0 + n]] = oe if glu is None else glu.out(np.full(n, e), oe)
     o = o.reshape(T, K, D)
     y = np.zeros((T, D), np.float32)
     for k in range(K):  # top-k order
@@ -391,6 +397,7 @@ def grouped_moe_ffn_ref(
     *,
     q8_act: bool,
     skip: np.ndarray | None = None,
+    glu=None,
 ) -> np.ndarray:
     """numpy reference of :func:`grouped_moe_ffn`: ``reference.moe_ffn_ref`` token by token, over
     each token's pairs not in ``skip``."""
@@ -403,5 +410,5 @@ def grouped_moe_ffn_ref(
     y = np.zeros((len(X), down.rows), np.float32)
     for t in range(len(X)):
         if keep[t].any():
-            y[t] = moe_ffn_ref(qts, g, u, d, X[t], ids[t][keep[t]], weights[t][keep[t]], q8_act=q8_act)
+            y[t] = moe_ffn_ref(qts, g, u, d, X[t], ids[t][keep[t]], weights[t][keep[t]], q8_act=q8_act, glu=glu)
     return y

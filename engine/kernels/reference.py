@@ -308,19 +308,34 @@ def moe_ffn_ref(
     weights: np.ndarray,
     *,
     q8_act: bool,
+    glu=None,
 ) -> np.ndarray:
     """Routed experts for one token: Σ_k w_k · down[e_k] · (silu(gate[e_k]·x) ⊙ up[e_k]·x).
 
     gate_raw, up_raw [E, F, row_bytes]; down_raw [E, D, row_bytes]; x float32 [D];
-    ids int [K]; weights float32 [K] -> float32 [D].
+    ids int [K]; weights float32 [K] -> float32 [D]. ``glu`` (an ``engine.kernels.moe.ExpertGLU``): the
+    biases and activation of gpt-oss's experts, w_k · (down[e_k]·act(gate[e_k]·x + bg, up[e_k]·x + bu) + bd),
+    in float64 here.
     """
     y = np.zeros(down_raw.shape[1], np.float64)
     for e, w in zip(ids, weights):
         g = matvec_ref(qtypes[0], gate_raw[e], x, q8_act=q8_act).astype(np.float64)
         u = matvec_ref(qtypes[1], up_raw[e], x, q8_act=q8_act).astype(np.float64)
+        if glu is None:
+            with np.errstate(over="ignore"):
+                h = (g / (1.0 + np.exp(-g)) * u).astype(np.float32)
+            y += float(w) * matvec_ref(qtypes[2], down_raw[e], h, q8_act=q8_act)
+            continue
+        g = g + (0.0 if glu.gate_bias is None else glu.gate_bias[e])
+        u = u + (0.0 if glu.up_bias is None else glu.up_bias[e])
         with np.errstate(over="ignore"):
-            h = (g / (1.0 + np.exp(-g)) * u).astype(np.float32)
-        y += float(w) * matvec_ref(qtypes[2], down_raw[e], h, q8_act=q8_act)
+            if glu.act == "swiglu_oai":
+                xg, yu = np.minimum(g, glu.limit), np.clip(u, -glu.limit, glu.limit)
+                h = (xg / (1.0 + np.exp(-glu.alpha * xg)) * (yu + 1.0)).astype(np.float32)
+            else:
+                h = (g / (1.0 + np.exp(-g)) * u).astype(np.float32)
+        o = matvec_ref(qtypes[2], down_raw[e], h, q8_act=q8_act).astype(np.float64)
+        y += float(w) * (o + (0.0 if glu.down_bias is None else glu.down_bias[e]))
     return y.astype(np.float32)
 
 

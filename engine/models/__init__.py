@@ -17,6 +17,7 @@ from engine.models.tensors import TensorSpec, validate_tensors
 SUPPORTED_ARCHITECTURES = (
     "gemma3",
     "glm4moe",
+    "gpt-oss",
     "llama",
     "olmoe",
     "qwen2moe",
@@ -33,7 +34,7 @@ def arch_module(arch: str) -> ModuleType:
         raise UnsupportedArchitectureError(
             f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    return importlib.import_module(f"engine.models.{arch}")
+    return importlib.import_module(f"engine.models.{arch.replace('-', '_')}")  # gpt-oss: engine.models.gpt_oss
 
 
 def read_args(gf: GGUFFile) -> ModelArgs:

@@ -50,6 +50,15 @@ class ModelArgs:
         """Width of one position's K (or V) for one layer: ``n_head_kv * head_dim``."""
         return self.n_head_kv * self.head_dim
 
+    def layer_window(self, i: int) -> int:
+        """The positions layer i's attention sees (its own included) where it slides, else 0: what its K/V
+        cache keeps (``kv_layout.kv_rows``). Families with sliding-window layers say which (Gemma 3, gpt-oss)."""
+        return 0
+
+    def kv_windows(self) -> dict[int, int]:
+        """{layer: window} of the sliding-window layers."""
+        return {i: w for i in range(self.n_layer) if (w := self.layer_window(i))}
+
     def describe(self) -> dict[str, Any]:
         from dataclasses import asdict
 

@@ -13,6 +13,7 @@ import torch
 from engine import ops
 from engine.errors import ModelError, UsageError
 from engine.experts import CpuExperts, ExpertBackend, ExpertStacks
+from engine.kernels.moe import ExpertGLU
 from engine.kv_cache import KVCache
 from engine.models.args import ModelArgs
 from engine.models.host import host_kv
@@ -51,6 +52,8 @@ class DecoderModel:
     # Architecture quirks the skeleton reads (set by a subclass): the token embeddings are multiplied by
     # ``embed_scale`` where it is not None (Gemma: sqrt(n_embd)).
     embed_scale: float | None = None
+    # YaRN RoPE scaling (``layers.YaRN``) of every layer's rotation, or None (gpt-oss sets it).
+    yarn = None
     # Whether the one-token device step (``runtime.step_ops.DeviceStepOps``, CUDA-graph decode) computes this
     # architecture; where not, device layers decode on the eager torch ops as they run a prompt.
     graph_step: bool = True
@@ -126,14 +129,19 @@ class DecoderModel:
     def expert_stacks(self) -> dict[int, ExpertStacks]:
         """Every MoE layer's stacks, mapped; ``.resident()`` gives the host copies (CpuExperts)."""
         w = self.w
+        glus = {i: self.expert_glu(i) for i in self.moe_layers()}
 
         def stacks(i: int, resident: bool) -> ExpertStacks:
             names = [f"blk.{i}.ffn_{r}_exps.weight" for r in ("gate", "up", "down")]
             if resident:
-                return ExpertStacks(*(w.resident(n) for n in names))
-            return ExpertStacks(*(w.prepared(n) for n in names), resident=lambda: stacks(i, True))
+                return ExpertStacks(*(w.resident(n) for n in names), glu=glus[i])
+            return ExpertStacks(*(w.prepared(n) for n in names), resident=lambda: stacks(i, True), glu=glus[i])
 
         return {i: stacks(i, False) for i in self.moe_layers()}
+
+    def expert_glu(self, i: int) -> ExpertGLU | None:
+        """Layer i's routed experts' biases and activation where they are not plain SwiGLU (gpt-oss), else None."""
+        return None
 
     def moe_layers(self) -> list[int]:
         """The layers with routed experts: every layer of a MoE model unless an architecture says otherwise
@@ -147,7 +155,7 @@ class DecoderModel:
     def make_cache(self, devices: dict[int, torch.device], n_ctx: int, kv_type, charge=None) -> KVCache:
         """The cache of every layer (layer → device; kv_type one dtype or per layer); charge(layer, nbytes) before
         each layer's part is allocated (the runtime's device arena). Here: K and V for every layer."""
-        return KVCache(devices, n_ctx, self.args.kv_dim, kv_type, charge=charge)
+        return KVCache(devices, n_ctx, self.args.kv_dim, kv_type, charge=charge, windows=self.args.kv_windows())
 
     def _rope(
         self, positions: np.ndarray, device: torch.device, base: float | None = None, scale: float | None = None
@@ -155,6 +163,10 @@ class DecoderModel:
         a = self.args
         base = a.rope_base if base is None else base
         scale = a.rope_scale if scale is None else scale
+        if self.yarn is not None:  # ggml's rope_yarn: the mixed angles, cos and sin scaled
+            theta, mscale = self.yarn.angles(positions, a.rope_dim, base)
+            theta = torch.from_numpy(theta).to(device)
+            return torch.cos(theta) * float(mscale), torch.sin(theta) * float(mscale)
         theta = torch.from_numpy(rope_theta(positions, a.rope_dim, base, scale)).to(device)
         ff = self._freq_factors.get(device, self._freq_factors[HOST])
         if ff is not None:

@@ -30,7 +30,9 @@ class Attention:
     """Pre-normed GQA self-attention with RoPE and an optional q/k norm and q/k/v bias; ``q_gate``: the q
     projection gives each head its query and an output gate ([q_h | gate_h] per head), and the attention
     output is multiplied by sigmoid(gate) before the output projection (Qwen3.5, Qwen3-Next); ``window`` > 0:
-    sliding-window attention over the last ``window`` positions; ``scale``: the score scale (None: 1/sqrt(hd))."""
+    sliding-window attention over the last ``window`` positions; ``scale``: the score scale (None: 1/sqrt(hd));
+    ``o_bias``: the output projection has a bias; ``sinks``: each head has a learned sink logit in its softmax
+    (``attn_sinks``, gpt-oss)."""
 
     def __init__(
         self,
@@ -42,18 +44,21 @@ class Attention:
         q_gate: bool = False,
         window: int = 0,
         scale: float | None = None,
+        o_bias: bool = False,
+        sinks: bool = False,
     ):
         p = f"blk.{i}."
         self.i, self.a, self.qk_norm, self.q_gate = i, a, qk_norm, q_gate
         self.window, self.scale = window, scale
+        self.sinks = w.vector(p + "attn_sinks.weight") if sinks else None  # float32 [H]
         self.wq = w.linear(p + "attn_q.weight", p + "attn_q.bias" if qkv_bias else None)
         self.wk = w.linear(p + "attn_k.weight", p + "attn_k.bias" if qkv_bias else None)
         self.wv = w.linear(p + "attn_v.weight", p + "attn_v.bias" if qkv_bias else None)
-        self.wo = w.linear(p + "attn_output.weight")
+        self.wo = w.linear(p + "attn_output.weight", p + "attn_output.bias" if o_bias else None)
         self.q_norm = w.vector(p + "attn_q_norm.weight") if qk_norm else None
         self.k_norm = w.vector(p + "attn_k_norm.weight") if qk_norm else None
-        # HostOps.attend; the host ops have no output gate (sigmoid_mul), window or other scale yet.
-        host_ok = a.head_dim % 16 == 0 and not q_gate and not window and scale is None
+        # HostOps.attend; the host ops have no output gate (sigmoid_mul), window, other scale or sinks yet.
+        host_ok = a.head_dim % 16 == 0 and not q_gate and not window and scale is None and not sinks
         self.host = _on_host(self.wq, self.wk, self.wv, self.wo) and host_ok
 
     def step(self, ops: Ops, h, hq=None):
@@ -103,7 +108,8 @@ class DenseFFN:
 class MoE:
     """Router → the layer's routing (``routing``: softmax top-k unless the architecture gives its own, e.g.
     GLM-4.5's biased sigmoid) → routed experts through the backend (+ optional shared expert, gated where the
-    file has ``ffn_gate_inp_shexp``)."""
+    file has ``ffn_gate_inp_shexp``). The experts' own biases and activation, where not plain SwiGLU, are the
+    backend's data (``ExpertStacks.glu``, from ``DecoderModel.expert_glu``)."""
 
     def __init__(
         self,
@@ -113,11 +119,13 @@ class MoE:
         experts: ExpertBackend,
         shared_expert: bool = False,
         routing: Routing | None = None,
+        router_bias: bool = False,
     ):
         p = f"blk.{i}."
         self.i = i
         self.routing = routing or Routing(k=a.n_expert_used, renormalise=a.norm_topk)
-        self.router = w.linear(p + "ffn_gate_inp.weight")  # [E, D]
+        # [E, D], with a bias [E] where the file has one (gpt-oss's ffn_gate_inp.bias)
+        self.router = w.linear(p + "ffn_gate_inp.weight", p + "ffn_gate_inp.bias" if router_bias else None)
         self.experts = experts
         self.shared = DenseFFN(w, i, "_shexp") if shared_expert else None
         # Qwen2-MoE: the shared expert's output is scaled by sigmoid(x · w), w [D] F32.

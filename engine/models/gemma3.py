@@ -43,6 +43,9 @@ class Args(ModelArgs):
     def is_sliding(self, i: int) -> bool:
         return self.sliding_window > 0 and i % SWA_PATTERN < SWA_PATTERN - 1
 
+    def layer_window(self, i: int) -> int:
+        return self.sliding_window if self.is_sliding(i) else 0
+
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> Args:
         c = common_fields(gf, ARCH)
@@ -82,7 +85,7 @@ class Model(DecoderModel):
 
     def make_layer(self, i: int) -> DecoderLayer:
         w, a = self.lw(i), self.args
-        window = a.sliding_window if a.is_sliding(i) else 0
+        window = a.layer_window(i)
         attn = Attention(w, i, a, qk_norm="head", window=window, scale=a.attn_scale)
         ffn = DenseFFN(w, i, act="gelu")
         return DecoderLayer(w, i, a, attn, ffn, post_norms=("post_attention_norm", "post_ffw_norm"))

@@ -48,8 +48,8 @@ def host_kv(cache: KVCache, i: int, start: int, T: int) -> tuple[np.ndarray, np.
     bit patterns, uint16; the host kernels read and write both in place: ``store_kv_rows``, ``attention_rows``),
     else None (then the cache's own write and read convert)."""
     kind = cache.kv_types.get(i)
-    if kind not in ("f32", "bf16") or cache.k[i].q.device.type != "cpu":
-        return None
+    if kind not in ("f32", "bf16") or cache.k[i].q.device.type != "cpu" or i in cache.rings:
+        return None  # (a sliding-window ring is not indexed by position)
     if start + T > cache.n_ctx:
         raise UsageError(f"context full: position {start + T} exceeds the context of {cache.n_ctx}")
     if kind == "bf16":

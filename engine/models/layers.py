@@ -34,6 +34,47 @@ def rope_theta(positions: np.ndarray, rope_dim: int, base: float, scale: float =
     return theta * p[:, None]
 
 
+@dataclass(frozen=True)
+class YaRN:
+    """YaRN RoPE scaling as ggml's ``rope_yarn`` applies it (``ggml_rope_ext`` with ext_factor ≠ 0): each pair's
+    angle mixes the interpolated p·θ_i/factor and the extrapolated p·θ_i by a ramp over the pairs between the
+    correction dims of ``beta_fast`` and ``beta_slow`` (``ggml_rope_yarn_corr_dims`` for the original
+    context ``n_ctx_orig``), and cos and sin are scaled by ``attn_factor``·(1 + 0.1·ln factor)."""
+
+    factor: float  # 1 / freq_scale
+    n_ctx_orig: int
+    ext_factor: float = 1.0
+    attn_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    def corr_dims(self, rope_dim: int, base: float) -> tuple[float, float]:
+        """ggml_rope_yarn_corr_dims: the first and last pair index of the ramp (float32 as ggml)."""
+
+        def dim(n_rot: float) -> float:
+            num = np.float32(rope_dim) * np.log(np.float32(self.n_ctx_orig / (n_rot * 2 * np.pi)), dtype=np.float32)
+            return float(num / (np.float32(2) * np.log(np.float32(base), dtype=np.float32)))
+
+        start, end = np.floor(dim(self.beta_fast)), np.ceil(dim(self.beta_slow))
+        return max(0.0, float(start)), min(rope_dim - 1.0, float(end))
+
+    def angles(self, positions: np.ndarray, rope_dim: int, base: float) -> tuple[np.ndarray, np.float32]:
+        """(θ float32 [T, rope_dim/2], the cos/sin scale) for integer ``positions``."""
+        theta_extrap = rope_theta(positions, rope_dim, base, 1.0)  # [T, half]
+        freq_scale = np.float32(1.0 / self.factor)
+        theta_interp = freq_scale * theta_extrap
+        mscale = np.float32(self.attn_factor)
+        if self.ext_factor == 0.0:
+            return theta_interp, mscale
+        low, high = self.corr_dims(rope_dim, base)
+        i = np.arange(rope_dim // 2, dtype=np.float32)
+        y = (i - np.float32(low)) / np.float32(max(0.001, high - low))
+        ramp = (np.float32(1) - np.minimum(np.float32(1), np.maximum(np.float32(0), y))) * np.float32(self.ext_factor)
+        theta = theta_interp * (np.float32(1) - ramp) + theta_extrap * ramp
+        mscale = mscale * (np.float32(1) + np.float32(0.1) * np.log(np.float32(1) / freq_scale, dtype=np.float32))
+        return theta.astype(np.float32), np.float32(mscale)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
     """x [T, heads, hd]; rotate the first rope_dim dims. NEOX pairs (i, i+rd/2); normal pairs (2i, 2i+1)."""
     rd = cos.shape[-1] * 2
@@ -56,30 +97,41 @@ ATTN_SCORE_BYTES = 32 << 20
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int = 0, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    window: int = 0,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    k_start: int = 0,
 ) -> torch.Tensor:
     """Causal GQA attention of T new queries over all cached positions.
 
-    q [T, H, hd] at positions start..start+T-1; k, v [P, Hkv, hd] for positions 0..P-1
-    (P = start + T). Returns [T, H*hd]. Softmax in float32 with scale 1/sqrt(hd), or ``scale``
+    q [T, H, hd] at positions start..start+T-1; k, v [P, Hkv, hd] for positions k_start..k_start+P-1
+    (k_start + P = start + T; k_start > 0: a sliding window's ring gave only the positions it sees). Returns [T, H*hd]. Softmax in float32 with scale 1/sqrt(hd), or ``scale``
     (llama.cpp's build_attn_mha with kq_scale). ``window`` > 0: a sliding window, the query at p
     sees the keys at p − window < p' ≤ p (llama.cpp's LLAMA_SWA_TYPE_STANDARD masks p − p' ≥ window).
     Queries go in row blocks whose scores fit :data:`ATTN_SCORE_BYTES` (each row's softmax is its
-    own, so the blocks change nothing).
+    own, so the blocks change nothing). ``sinks`` float32 [H]: each head's learned sink logit, a column in the
+    softmax that takes probability but adds no value (gpt-oss: ggml_soft_max_add_sinks).
     """
     T, H, hd = q.shape
     P = k.shape[0]
     rows = max(1, ATTN_SCORE_BYTES // (4 * H * P))
     if rows >= T:
-        return _attention_rows(q, k, v, start, window, scale)
-    return torch.cat([_attention_rows(q[i : i + rows], k, v, start + i, window, scale) for i in range(0, T, rows)])
+        return _attention_rows(q, k, v, start, window, scale, sinks, k_start)
+    return torch.cat(
+        [_attention_rows(q[i : i + rows], k, v, start + i, window, scale, sinks, k_start) for i in range(0, T, rows)]
+    )
 
 
-def _unseen(start: int, T: int, P: int, window: int, device) -> torch.Tensor:
-    """bool [T, P]: which keys the queries at start … start+T−1 may not see — later positions, and with a
-    ``window`` those window or more behind (llama.cpp's causal and LLAMA_SWA_TYPE_STANDARD masks)."""
+def _unseen(start: int, T: int, P: int, window: int, device, k_start: int = 0) -> torch.Tensor:
+    """bool [T, P]: which keys (positions k_start … k_start+P−1) the queries at start … start+T−1 may not see —
+    later positions, and with a ``window`` those window or more behind (llama.cpp's causal and
+    LLAMA_SWA_TYPE_STANDARD masks)."""
     qpos = torch.arange(start, start + T, device=device)[:, None]
-    kpos = torch.arange(P, device=device)[None, :]
+    kpos = torch.arange(k_start, k_start + P, device=device)[None, :]
     masked = kpos > qpos
     if window:
         masked = masked | (qpos - kpos >= window)
@@ -87,9 +139,17 @@ def _unseen(start: int, T: int, P: int, window: int, device) -> torch.Tensor:
 
 
 def _attention_rows(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int = 0, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    window: int = 0,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    k_start: int = 0,
 ) -> torch.Tensor:
-    """:func:`attention` of one block of queries (positions start.. start+T-1) over k, v [P, Hkv, hd]."""
+    """:func:`attention` of one block of queries (positions start.. start+T-1) over k, v [P, Hkv, hd] of
+    positions k_start … k_start+P−1."""
     T, H, hd = q.shape
     P, Hkv = k.shape[0], k.shape[1]
     g = H // Hkv
@@ -97,25 +157,37 @@ def _attention_rows(
     kh = k.permute(1, 2, 0)[:, None]  # [Hkv, 1, hd, P]
     vh = v.permute(1, 0, 2)[:, None]  # [Hkv, 1, P, hd]
     scores = torch.matmul(qh, kh) * (1.0 / float(hd) ** 0.5 if scale is None else scale)  # [Hkv, g, T, P]
-    if T > 1 or start + T < P or (window and window < P):
-        scores = scores.masked_fill(_unseen(start, T, P, window, q.device), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if T > 1 or start + T < k_start + P or (window and window < P):
+        scores = scores.masked_fill(_unseen(start, T, P, window, q.device, k_start), float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # the sink's column joins the softmax, then is dropped: it only takes probability away
+        sink = sinks.to(scores.dtype).reshape(Hkv, g, 1, 1).expand(Hkv, g, T, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :P]
     out = torch.matmul(probs, vh)  # [Hkv, g, T, hd]
     return out.permute(2, 0, 1, 3).reshape(T, H * hd)
 
 
 def attention_fused(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int = 0, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    window: int = 0,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    k_start: int = 0,
 ) -> torch.Tensor:
     """:func:`attention` in torch's ``scaled_dot_product_attention`` (float32 in, float32 softmax: on CUDA
     its memory-efficient kernel, no scores materialised; on the CPU its flash kernel): equal up to float32
     rounding. K and V are widened to the H query heads first (the kernels' GQA needs half precision); where
     those copies would outgrow the scratch priced for :func:`attention`'s scores (3 × :data:`ATTN_SCORE_BYTES`,
-    a long context), :func:`attention` serves."""
+    a long context), and where the heads have ``sinks`` (torch's kernels have no sink column), :func:`attention`
+    serves."""
     T, H, hd = q.shape
     P, Hkv = k.shape[0], k.shape[1]
-    if 2 * H * P * hd * k.element_size() > 3 * ATTN_SCORE_BYTES:
-        return attention(q, k, v, start, window, scale)
+    if sinks is not None or 2 * H * P * hd * k.element_size() > 3 * ATTN_SCORE_BYTES:
+        return attention(q, k, v, start, window, scale, sinks, k_start)
     g = H // Hkv
     kh = k.permute(1, 0, 2)[:, None].expand(Hkv, g, P, hd).reshape(1, H, P, hd)
     vh = v.permute(1, 0, 2)[:, None].expand(Hkv, g, P, hd).reshape(1, H, P, hd)
@@ -124,7 +196,7 @@ def attention_fused(
     if start == 0 and T == P and not (window and window < P):
         out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=s)
     else:
-        seen = ~_unseen(start, T, P, window, q.device)
+        seen = ~_unseen(start, T, P, window, q.device, k_start)
         out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen, scale=s)
     return out[0].permute(1, 0, 2).reshape(T, H * hd)
 
@@ -184,6 +256,24 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU (ggml_swiglu_oai): x = min(gate, limit), y = clamp(up, ±limit),
+    x·sigmoid(alpha·x)·(y + 1)."""
+    x = gate.clamp(max=limit)
+    y = up.clamp(-limit, limit)
+    return x / (1.0 + torch.exp(-alpha * x)) * (y + 1.0)
+
+
+def expert_glu(glu, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The routed experts' gated activation: ``glu`` (an ``engine.kernels.moe.ExpertGLU``) names it; None is
+    SwiGLU. Its biases are the caller's (they are per expert)."""
+    if glu is None or glu.act == "silu":
+        return silu_mul(gate, up)
+    if glu.act == "swiglu_oai":
+        return swiglu_oai(gate, up, glu.alpha, glu.limit)
+    raise ValueError(f"unknown expert activation {glu.act!r}")
+
+
 def gelu_tanh_ggml(x: torch.Tensor) -> torch.Tensor:
     """GELU, tanh form, as ggml's CPU op computes it (``ggml_vec_gelu_f32`` under ``GGML_GELU_FP16``): 0 at
     x ≤ −10, x at x ≥ 10, else the float32 tanh form of x rounded to float16, itself rounded to float16 (the
@@ -239,10 +329,19 @@ def route_sigmoid_bias(logits: torch.Tensor, r: Routing) -> tuple[torch.Tensor, 
     return ids, w
 
 
+def route_topk_softmax(logits: torch.Tensor, r: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (ids int64 [T, k], weights float32 [T, k]): the k largest logits chosen, their
+    weights the softmax over those k alone (gpt-oss: llama.cpp build_moe_ffn with
+    LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT)."""
+    top, ids = torch.topk(logits, r.k, dim=-1)
+    return ids, torch.softmax(top, dim=-1)
+
+
 # One function per routing kind: (logits [T, E], routing) -> (ids int64 [T, k], weights float32 [T, k]).
 ROUTERS = {
     "softmax": lambda logits, r: route_softmax_topk(logits, r.k, r.renormalise),
     "sigmoid": route_sigmoid_bias,
+    "topk_softmax": route_topk_softmax,
 }
 
 

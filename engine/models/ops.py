@@ -147,14 +147,30 @@ class TorchOps:
         if head_norms is not None:  # per head (Qwen3)
             q, k = rms_norm(q, head_norms[0], a.rms_eps), rms_norm(k, head_norms[1], a.rms_eps)
         q, k = apply_rope(q, self.cos, self.sin, a.rope_neox), apply_rope(k, self.cos, self.sin, a.rope_neox)
-        self.cache.write(attn.i, self.start, k.reshape(T, -1), v)
+        self._store(attn, k.reshape(T, -1), v)
         return q
 
+    def _store(self, attn, k, v) -> None:
+        """k, v [T, kv_dim] into layer attn.i's cache; a sliding-window layer keeps what its queries see
+        (``KVCache.window_span``: its ring may overwrite rows they need) for :meth:`_keys`."""
+        if attn.window:
+            self._span = self.cache.window_span(attn.i, self.start, k, v)
+        else:
+            self.cache.write(attn.i, self.start, k, v)
+
+    def _keys(self, attn, end: int):
+        """(first position, K, V [end − first, Hkv, hd]) the layer's queries up to ``end`` attend over."""
+        a = attn.a
+        if attn.window:
+            p0, K, V = self._span
+        else:
+            p0, (K, V) = 0, self.cache.read(attn.i, end)
+        shape = (end - p0, a.n_head_kv, a.head_dim)
+        return p0, K.reshape(shape), V.reshape(shape)
+
     def attend(self, attn, q, q8=False):
-        a, end = attn.a, self.start + q.shape[0]
-        K, V = self.cache.read(attn.i, end)
-        shape = (end, a.n_head_kv, a.head_dim)
-        return attention(q, K.reshape(shape), V.reshape(shape), self.start, attn.window, attn.scale), None
+        p0, K, V = self._keys(attn, self.start + q.shape[0])
+        return attention(q, K, V, self.start, attn.window, attn.scale, attn.sinks, p0), None
 
     def silu_mul(self, g, u):
         return silu_mul(g, u)
@@ -226,11 +242,9 @@ class FusedTorchOps(TorchOps):
             w = torch.cat([head_norms[0].expand(H, hd), head_norms[1].expand(Hkv, hd)])
             qk = rms_norm_fused(qk, None, a.rms_eps) * w
         qk = apply_rope(qk, self.cos, self.sin, a.rope_neox)
-        self.cache.write(attn.i, self.start, qk[:, H:].reshape(T, -1), v)
+        self._store(attn, qk[:, H:].reshape(T, -1), v)
         return qk[:, :H]
 
     def attend(self, attn, q, q8=False):
-        a, end = attn.a, self.start + q.shape[0]
-        K, V = self.cache.read(attn.i, end)
-        shape = (end, a.n_head_kv, a.head_dim)
-        return attention_fused(q, K.reshape(shape), V.reshape(shape), self.start, attn.window, attn.scale), None
+        p0, K, V = self._keys(attn, self.start + q.shape[0])
+        return attention_fused(q, K, V, self.start, attn.window, attn.scale, attn.sinks, p0), None

@@ -171,10 +171,12 @@ def predict(
 
     b_dev = float(spec.trunk_prefix[n])
     b_trunk = float(spec.trunk_bytes - spec.trunk_prefix[n])
-    # Read per token: attention layers' K/V up to the position, linear-attention layers' fixed-size state.
+    # Read per token: attention layers' K/V up to the position (a sliding-window layer's: its window at most),
+    # linear-attention layers' fixed-size state.
     for i, lay in enumerate(spec.layers):
         row = kv_row_bytes(kv_type if i < n else HOST_KV_TYPE, spec.kv_dim)
-        read = 2 * pos * row if lay.has_kv else lay.state_bytes
+        seen = min(pos, lay.kv_window) if lay.kv_window else pos
+        read = 2 * seen * row if lay.has_kv else lay.state_bytes
         if i < n:
             b_dev += read
         else:

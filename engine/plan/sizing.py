@@ -6,7 +6,8 @@ they cannot drift. Accounting rules (see ``docs/planner.md``):
 
 - a device-resident layer holds its trunk tensors (attention q/k/v/o, norms, biases, router,
   shared expert and its gate, dense FFN) and its cache (:func:`layer_cache_bytes`): K and V,
-  ``2 × ctx × kv_row_bytes``, or a linear-attention layer's fixed-size recurrent state, whatever the context;
+  ``2 × ctx × kv_row_bytes`` (a sliding-window layer: ``2 × kv_rows(ctx, window) × kv_row_bytes``, its window and
+  a slack in a ring), or a linear-attention layer's fixed-size recurrent state, whatever the context;
   routed experts (``ffn_*_exps``) are never part of a layer: they live in the expert-slot pool;
 - the expert-slot pool of a cache is ``slots × stride``; a slot holds one expert's gate, up and down
   matrices, each role sized for the largest over all layers and aligned to :data:`SLOT_ALIGN` (a slot
@@ -33,6 +34,7 @@ from engine.kv_layout import (  # noqa: F401  (re-exported: the planner's sizing
     check_kv_type,
     kv_layer_bytes,
     kv_row_bytes,
+    kv_rows,
 )
 from engine.models.layers import ATTN_SCORE_BYTES, DELTA_CHUNK
 from engine.plan.spec import ROLES, ModelSpec
@@ -119,10 +121,11 @@ def scratch_estimate(spec: ModelSpec, ctx: int, n_ubatch: int = DEFAULT_UBATCH) 
 
 
 def layer_cache_bytes(spec: ModelSpec, layer: int, kv_type: str, ctx: int) -> int:
-    """Layer ``layer``'s cache: its K and V at ``ctx`` positions in ``kv_type``, or (a Gated DeltaNet layer) its
-    recurrent state, float32 and the same at every context."""
+    """Layer ``layer``'s cache: its K and V at ``ctx`` positions in ``kv_type`` — a sliding-window layer's at the
+    positions of its ring (``kv_rows``: its window and a slack), whatever the context — or (a Gated DeltaNet layer)
+    its recurrent state, float32 and the same at every context."""
     lay = spec.layers[layer]
-    return kv_layer_bytes(kv_type, spec.kv_dim, ctx) if lay.has_kv else lay.state_bytes
+    return kv_layer_bytes(kv_type, spec.kv_dim, kv_rows(ctx, lay.kv_window)) if lay.has_kv else lay.state_bytes
 
 
 def cache_bytes(spec: ModelSpec, layers, kv_type: str, ctx: int) -> int:

@@ -45,6 +45,13 @@ _TRUNK_OF: dict[str, str] = {
     "attn_q.bias": BIAS,
     "attn_k.bias": BIAS,
     "attn_v.bias": BIAS,
+    "attn_output.bias": BIAS,
+    "attn_sinks.weight": BIAS,  # gpt-oss: a sink logit per head
+    "ffn_gate_inp.bias": ROUTER,
+    # gpt-oss's per-expert biases: small ([E, F], [E, D] float32), held with the layer's trunk
+    "ffn_gate_exps.bias": BIAS,
+    "ffn_up_exps.bias": BIAS,
+    "ffn_down_exps.bias": BIAS,
     "ffn_gate_inp.weight": ROUTER,
     "exp_probs_b.bias": ROUTER,
     "ffn_gate_inp_shexp.weight": SHEXP_GATE,
@@ -108,6 +115,7 @@ class LayerSpec:
     trunk: {component: bytes} for the tensors that stay with the layer (see :data:`COMPONENTS`).
     expert_role_bytes: {role: bytes of one routed expert's matrix} (empty for a dense layer).
     state_bytes: a linear-attention layer's fixed-size recurrent state (it then has no K/V); 0 for attention.
+    kv_window: a sliding-window layer's window (its K/V a ring of ``kv_layout.kv_rows`` positions); 0: all of them.
     """
 
     index: int
@@ -115,6 +123,7 @@ class LayerSpec:
     n_expert: int = 0
     expert_role_bytes: dict[str, int] = field(default_factory=dict)
     state_bytes: int = 0
+    kv_window: int = 0
 
     @property
     def has_kv(self) -> bool:
@@ -221,6 +230,7 @@ class ModelSpec:
                 "n_expert": lay.n_expert,
                 "expert_role_bytes": dict(lay.expert_role_bytes),
                 "state_bytes": lay.state_bytes,
+                "kv_window": lay.kv_window,
             }
             for lay in self.layers
         ]
@@ -302,6 +312,7 @@ class ModelSpec:
                 n_exp[i],
                 roles[i],
                 args.state_bytes if i < len(recurrent) and recurrent[i] else 0,
+                args.layer_window(i),
             )
             for i in range(args.n_layer)
         )

@@ -230,13 +230,15 @@ class CachedExperts(ExpertBackend):
         if len(t_idx) <= 64:
             # Decode, reference: gather the pairs' slots and run one batched matmul per role.
             slots = torch.tensor([self.slru.slot((layer, int(ids_h[t, k]))) for t, k in zip(t_idx, k_idx)])
-            out = self.compute.pair_outputs(layer, slots.to(self.device), x[torch.from_numpy(t_idx).to(x.device)])
+            experts = torch.from_numpy(ids_h[t_idx, k_idx].astype(np.int64)).to(self.device)
+            xp = x[torch.from_numpy(t_idx).to(x.device)]
+            out = self.compute.pair_outputs(layer, slots.to(self.device), xp, experts)
             wp = w[torch.from_numpy(t_idx).to(x.device), torch.from_numpy(k_idx).to(x.device)]  # [P]
             return y.index_add_(0, torch.from_numpy(t_idx).to(x.device), out * wp[:, None])
         for e in sorted(hit_set):  # prefill: each expert once over all its tokens
             t, k = np.nonzero(ids_h == e)
             ti, ki = torch.from_numpy(t).to(x.device), torch.from_numpy(k).to(x.device)
-            out = self.compute.expert_rows(layer, self.slru.slot((layer, e)), x[ti])
+            out = self.compute.expert_rows(layer, self.slru.slot((layer, e)), x[ti], int(e))
             y.index_add_(0, ti, out * w[ti, ki][:, None])
         return y
 
@@ -248,7 +250,7 @@ class CachedExperts(ExpertBackend):
         W = np.ascontiguousarray(weights.detach().cpu().numpy(), dtype=np.float32)
         ids = np.ascontiguousarray(ids_h, dtype=np.int64)
         skip = ~np.isin(ids, np.fromiter(miss, np.int64, len(miss)))
-        return torch.from_numpy(ops.moe_ffn(s.gate, s.up, s.down, X, ids, W, q8_act=self.q8_act, skip=skip))
+        return torch.from_numpy(ops.moe_ffn(s.gate, s.up, s.down, X, ids, W, q8_act=self.q8_act, skip=skip, glu=s.glu))
 
     # -- a one-token step: the device half (hits; all where pinned), the host half (misses) ---------------
     def step_plan(self, layer: int) -> StepPlan:
@@ -277,12 +279,12 @@ class CachedExperts(ExpertBackend):
                 if slot_off is None:
                     slot_off = table[ids]  # [1, K] byte offsets, looked up on the device
                 return self.compute.fused_pairs(layer, slot_off, x, weights, xq)
-            return self.compute.weighted_slots(layer, self.pool.slots_dev[layer][ids[0]], x, weights)
+            return self.compute.weighted_slots(layer, self.pool.slots_dev[layer][ids[0]], x, weights, ids[0])
         slots = self.pool.slots_dev[layer].index_select(0, ids.reshape(-1)).reshape(ids.shape)  # [1, K], -1: absent
         if self._fused[layer]:
             off = torch.where(slots >= 0, self.pool.slot_off_dev[slots.clamp(min=0)], -1)  # the kernels skip -1
             return self.compute.fused_pairs(layer, off, x, weights, xq)
-        return self.compute.weighted_slots(layer, slots[0], x, weights)
+        return self.compute.weighted_slots(layer, slots[0], x, weights, ids[0])
 
     def host_part(self, layer, X, ids, weights):
         """The misses of one token (the device half took the hits): computed by the CPU kernels, counted,
@@ -301,7 +303,8 @@ class CachedExperts(ExpertBackend):
         self.queue.extend((layer, int(e)) for e in np.sort(ids[~in_pool]))
         s, ks = self.stacks[layer], np.flatnonzero(~in_pool)
         I = np.ascontiguousarray(ids[ks][None])
-        return ops.moe_ffn(s.gate, s.up, s.down, X, I, np.ascontiguousarray(weights[:, ks]), q8_act=self.q8_act)
+        W = np.ascontiguousarray(weights[:, ks])
+        return ops.moe_ffn(s.gate, s.up, s.down, X, I, W, q8_act=self.q8_act, glu=s.glu)
 
     def settle(self) -> None:
         self.pool.drain()

@@ -246,7 +246,7 @@ class StreamedExperts(ExpertBackend):
             for e in part:
                 t, k = np.nonzero(ids_h == e)
                 ti, ki = torch.from_numpy(t).to(x.device), torch.from_numpy(k).to(x.device)
-                out = self.compute.expert_rows(layer, int(slot[e]), x[ti])
+                out = self.compute.expert_rows(layer, int(slot[e]), x[ti], int(e))
                 y.index_add_(0, ti, out * w[ti, ki][:, None])
         if cur is not None:
             end = torch.cuda.Event(enable_timing=True)

@@ -13,7 +13,7 @@ import torch
 from engine import config
 from engine.config import EngineOptions
 from engine.experts import ExpertStacks
-from engine.models.layers import silu_mul
+from engine.models.layers import expert_glu
 from engine.runtime import kernel_select as ks
 from engine.runtime import triton_moe
 from engine.runtime.device import TRITON_MAX_T, fused_kernels
@@ -32,11 +32,13 @@ class PoolCompute:
         self.pool, self.stacks, self.q8_act = pool, stacks, q8_act
         self.options = options if options is not None else config.current()
         self.device = pool.device
-        # Layers whose three roles the fused Triton kernels read in place.
+        # Layers whose three roles the fused Triton kernels read in place (plain SwiGLU experts only: biased,
+        # clamped experts, gpt-oss's, take the torch references).
         self.fused = {
-            i: all(fused_kernels(self.device, getattr(s, r).qtype, self.options) for r in ROLES)
+            i: s.glu is None and all(fused_kernels(self.device, getattr(s, r).qtype, self.options) for r in ROLES)
             for i, s in stacks.items()
         }
+        self._glu: dict[int, tuple] = {}  # layer -> its ExpertGLU's biases on the device
 
     def roles(self, layer: int) -> dict:
         """{role: (byte offset in a slot, qtype, rows, n)} for the fused kernels."""
@@ -62,24 +64,56 @@ class PoolCompute:
         return y.to(x.dtype)
 
     # -- torch references -----------------------------------------------------------------------------
-    def weighted_slots(self, layer: int, slots: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """One token, no host sync: Σ_k w[0, k] · the output of the expert in slot ``slots[k]`` (int64 [K];
-        −1: not in the pool, contributes 0) for x [1, D] -> [1, D]."""
-        out = self.pair_outputs(layer, slots.clamp(min=0), x.expand(slots.shape[0], -1))  # [K, D]
+    def weighted_slots(
+        self, layer: int, slots: torch.Tensor, x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """One token, no host sync: Σ_k w[0, k] · the output of expert ``experts[k]`` in slot ``slots[k]``
+        (int64 [K]; −1: not in the pool, contributes 0) for x [1, D] -> [1, D]."""
+        out = self.pair_outputs(layer, slots.clamp(min=0), x.expand(slots.shape[0], -1), experts)  # [K, D]
         out = torch.where((slots >= 0)[:, None], out * w[0][:, None], 0.0)  # slot 0 may hold anything
         return out.sum(0, keepdim=True)
 
-    def pair_outputs(self, layer: int, slots: torch.Tensor, xp: torch.Tensor) -> torch.Tensor:
-        """down(SiLU(gate·x) · up·x) of each pair's slot, unweighted: slots int64 [P] (on the device), xp
-        [P, D] each pair's token -> [P, D]."""
+    def pair_outputs(self, layer: int, slots: torch.Tensor, xp: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """down(SiLU(gate·x) · up·x) of each pair's slot, unweighted (with the layer's biases and activation where
+        it has them: ``ExpertStacks.glu``): slots, experts int64 [P] (on the device: each pair's slot and expert),
+        xp [P, D] each pair's token -> [P, D]."""
         g, u, d = self.slot_matrices(layer, slots)  # [P, F, D], [P, F, D], [P, D, F]
         xc = xp[:, :, None]  # [P, D, 1]
-        return torch.bmm(d, silu_mul(torch.bmm(g, xc), torch.bmm(u, xc)))[:, :, 0]
+        h = self._hidden(layer, experts, torch.bmm(g, xc)[:, :, 0], torch.bmm(u, xc)[:, :, 0])
+        return self._out(layer, experts, torch.bmm(d, h[:, :, None])[:, :, 0])
 
-    def expert_rows(self, layer: int, slot: int, x: torch.Tensor) -> torch.Tensor:
-        """The expert in ``slot`` over the rows x [n, D] -> [n, D] (a prompt: each expert once)."""
+    def expert_rows(self, layer: int, slot: int, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """Expert ``expert``, in ``slot``, over the rows x [n, D] -> [n, D] (a prompt: each expert once)."""
         g, u, d = self.slot_matrices(layer, torch.tensor([slot], device=self.device))
-        return silu_mul(x @ g[0].T, x @ u[0].T) @ d[0].T
+        return self._out(layer, expert, self._hidden(layer, expert, x @ g[0].T, x @ u[0].T) @ d[0].T)
+
+    def _biases(self, layer: int) -> tuple:
+        """The layer's expert biases (gate, up, down; None where absent) on the device, made once."""
+        if layer not in self._glu:
+            glu = self.stacks[layer].glu
+            dev = lambda a: None if a is None else torch.from_numpy(a).to(self.device)  # noqa: E731
+            if glu is None:
+                self._glu[layer] = (None, None, None)
+            elif self.device.type in glu.on_device:  # the layer's own copies on this device
+                self._glu[layer] = glu.on_device[self.device.type]
+            else:
+                self._glu[layer] = tuple(dev(b) for b in (glu.gate_bias, glu.up_bias, glu.down_bias))
+        return self._glu[layer]
+
+    def _hidden(self, layer: int, experts, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """act(g + bg, u + bu): g, u [P, F], row p of expert experts[p] (or one expert for all rows) -> [P, F]."""
+        glu = self.stacks[layer].glu
+        if glu is None:
+            return expert_glu(None, g, u)
+        bg, bu, _ = self._biases(layer)
+        g = g if bg is None else g + bg[experts]
+        u = u if bu is None else u + bu[experts]
+        return expert_glu(glu, g, u)
+
+    def _out(self, layer: int, experts, o: torch.Tensor) -> torch.Tensor:
+        """o + bd: o [P, D] (row p of expert experts[p], or one expert for all)."""
+        bd = self._biases(layer)[2] if self.stacks[layer].glu is not None else None
+        return o if bd is None else o + bd[experts]
 
     def slot_matrices(self, layer: int, slots: torch.Tensor) -> list[torch.Tensor]:
         """Dequantized gate, up [P, F, D] and down [P, D, F] of the experts in ``slots``."""

@@ -36,12 +36,15 @@ from engine.synth.tokenizer import Vocab, build_vocab, write_tokenizer
 
 @dataclass(frozen=True)
 class RealModel:
-    """A published model's geometry and tokenizer kind."""
+    """A published model's geometry and tokenizer kind; ``recipe``: its weight types, "q4_k_m" (the
+    approximation in the module docstring) or "mxfp4" (gpt-oss as OpenAI ships it: routed experts MXFP4, every
+    other matrix Q8_0 — an approximation of the published files, whose non-expert matrices are wider)."""
 
     title: str
     spec: SynthSpec
     tokenizer: str  # "bpe" | "spm"
     pre: str | None
+    recipe: str = "q4_k_m"
 
 
 GEOMETRIES: dict[str, RealModel] = {
@@ -93,6 +96,31 @@ GEOMETRIES: dict[str, RealModel] = {
         ),
         "bpe",
         "llama-bpe",  # a stand-in: the real file's pre-tokenizer is "glm4", which the tokenizer does not know yet
+    ),
+    # OpenAI's config.json: 24 / 36 layers alternating sliding (128) and full attention, 64 query heads of 64 and 8
+    # KV heads on a 2880 residual, 32 / 128 experts of 2880 (top 4), YaRN ×32 from 4096 positions, o200k_harmony's
+    # 201088-token vocabulary.
+    "gpt-oss-20b": RealModel(
+        "gpt-oss-20b",
+        make_spec(
+            "gpt-oss", layers=24, hidden=2880, heads=64, kv_heads=8, head_dim=64, experts=32, experts_used=4,
+            expert_ff=2880, vocab=201088, ctx=131072, rope_base=150000.0, rms_eps=1e-5, sliding_window=128,
+            yarn_factor=32.0, yarn_orig_ctx=4096,
+        ),
+        "bpe",
+        "llama-bpe",  # a stand-in: the real files' pre-tokenizer is "gpt-4o" (o200k), which the tokenizer lacks
+        "mxfp4",
+    ),
+    "gpt-oss-120b": RealModel(
+        "gpt-oss-120b",
+        make_spec(
+            "gpt-oss", layers=36, hidden=2880, heads=64, kv_heads=8, head_dim=64, experts=128, experts_used=4,
+            expert_ff=2880, vocab=201088, ctx=131072, rope_base=150000.0, rms_eps=1e-5, sliding_window=128,
+            yarn_factor=32.0, yarn_orig_ctx=4096,
+        ),
+        "bpe",
+        "llama-bpe",
+        "mxfp4",
     ),
 }  # fmt: skip
 
@@ -171,10 +199,13 @@ def write_geometry(path: str | os.PathLike, model_name: str) -> GeometryFile:
     model = GEOMETRIES[key]
     spec = model.spec
     decls = tensor_layout(spec)
-    plans = plan_types(decls, QType.Q4_K, q4_k_m_overrides(spec, decls))
+    if model.recipe == "mxfp4":
+        plans, file_type = plan_types(decls, QType.Q8_0, {"*_exps": QType.MXFP4}), QType.MXFP4
+    else:
+        plans, file_type = plan_types(decls, QType.Q4_K, q4_k_m_overrides(spec, decls)), QType.Q4_K
     vocab = build_vocab(model.tokenizer, spec.vocab, model.pre)
 
     path = Path(path)
     name = f"{model.title} (geometry only, no weights)"
-    data_offset, end = write_sparse(path, spec, plans, vocab, name, QType.Q4_K)
+    data_offset, end = write_sparse(path, spec, plans, vocab, name, file_type)
     return GeometryFile(path, model, tuple(plans), vocab, data_offset, end)

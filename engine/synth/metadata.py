@@ -59,7 +59,7 @@ def write_hparams(w: GGUFWriter, s: SynthSpec, *, name: str, file_type: QType) -
     if s.is_moe:
         w.add_uint32(k(keys.EXPERT_COUNT), s.experts)
         w.add_uint32(k(keys.EXPERT_USED_COUNT), s.experts_used)
-        if s.arch in ("qwen3moe", "qwen2moe", "qwen35moe", "qwen3next", "glm4moe"):
+        if s.arch in ("qwen3moe", "qwen2moe", "qwen35moe", "qwen3next", "glm4moe", "gpt-oss"):
             w.add_uint32(k(keys.EXPERT_FEED_FORWARD_LENGTH), s.expert_ff)
         if s.arch == "glm4moe":  # the shared expert as a count of expert widths, sigmoid routing
             w.add_uint32(k(keys.EXPERT_SHARED_COUNT), s.shared_ff // s.expert_ff)
@@ -72,6 +72,10 @@ def write_hparams(w: GGUFWriter, s: SynthSpec, *, name: str, file_type: QType) -
             w.add_uint32(k(keys.EXPERT_SHARED_FEED_FORWARD_LENGTH), s.shared_ff)
     if s.sliding_window:
         w.add_uint32(k(keys.SLIDING_WINDOW), s.sliding_window)
+    if s.yarn_factor:  # gpt-oss: what llama.cpp's converter writes of the HF rope_scaling
+        w.add_string(k(keys.ROPE_SCALING_TYPE), "yarn")
+        w.add_float32(k(keys.ROPE_SCALING_FACTOR), s.yarn_factor)
+        w.add_uint32(k(keys.ROPE_SCALING_ORIG_CTX_LEN), s.yarn_orig_ctx or s.ctx)
     if s.is_hybrid:
         w.add_uint32(k(keys.SSM_CONV_KERNEL), s.ssm_conv)
         w.add_uint32(k(keys.SSM_STATE_SIZE), s.ssm_state)

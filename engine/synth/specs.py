@@ -29,6 +29,7 @@ ARCHS: tuple[str, ...] = (
     "qwen3next",
     "gemma3",
     "glm4moe",
+    "gpt-oss",
 )
 HYBRIDS = ("qwen35moe", "qwen35", "qwen3next")  # Gated DeltaNet + gated full attention
 
@@ -42,6 +43,7 @@ BIAS = "bias"  # projection bias [n] (F32)
 ROUTER = "router"  # ffn_gate_inp [E, D] (F32, as llama.cpp's quantizer keeps it)
 SHEXP_GATE = "shexp_gate"  # qwen2moe ffn_gate_inp_shexp [D] (F32)
 ROPE_FREQS = "rope_freqs"  # llama rope_freqs [head_dim / 2] (F32)
+SINKS = "sinks"  # gpt-oss attn_sinks [H]: each head's sink logit (F32)
 SSM_CONV = "ssm_conv"  # Gated DeltaNet depthwise conv kernels [C, K] (F32)
 SSM_A = "ssm_a"  # Gated DeltaNet −exp(A_log) [Hv] (F32, negative)
 
@@ -89,6 +91,9 @@ class SynthSpec:
     nextn: int = 0
     expert_scale: float = 1.0  # expert_weights_scale (the routed scaling factor)
     qk_norm: bool = False  # per-head q/k RMS norms (GLM-4.5 355B has them, Air not)
+    # gpt-oss: YaRN RoPE scaling by yarn_factor from a yarn_orig_ctx-token original context (0: none)
+    yarn_factor: float = 0.0
+    yarn_orig_ctx: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -140,6 +145,11 @@ _DEFAULTS: dict[str, dict] = {
 _DEFAULTS["glm4moe"] = dict(
     layers=3, dense_lead=1, nextn=1, experts=8, experts_used=3, expert_ff=256, shared_ff=256, ff=512,
     qkv_bias=True, rope_dim=32, rope_base=1e6, rms_eps=1e-5,
+)  # fmt: skip
+# Two layers (sliding, then global: llama.cpp's set_swa_pattern(2)), YaRN as the real files (factor 32 from 4096).
+_DEFAULTS["gpt-oss"] = dict(
+    layers=2, experts=8, experts_used=4, expert_ff=256, sliding_window=8, rope_base=150000.0, rms_eps=1e-5,
+    yarn_factor=32.0, yarn_orig_ctx=4096,
 )  # fmt: skip
 _HYBRID = dict(
     layers=4, rope_dim=16, ssm_conv=4, ssm_state=32, ssm_groups=2, ssm_v_heads=4, full_attn_interval=4, rope_base=1e6
@@ -196,8 +206,13 @@ def _validate(s: SynthSpec) -> None:
         ),
         (s.is_moe or s.ff > 0, "a dense model needs ff > 0"),
         (not (s.is_moe and s.arch in ("qwen3", "qwen35", "gemma3")), f"{s.arch} is dense (no experts)"),
-        ((s.sliding_window > 0) == (s.arch == "gemma3"), "gemma3 needs sliding_window > 0; no other family has one"),
+        (
+            (s.sliding_window > 0) == (s.arch in ("gemma3", "gpt-oss")),
+            "gemma3 and gpt-oss need sliding_window > 0; no other family has one",
+        ),
         (not s.qkv_bias or s.arch in ("qwen2moe", "glm4moe"), "qkv_bias is a qwen2moe and glm4moe feature"),
+        (s.arch == "gpt-oss" or not (s.yarn_factor or s.yarn_orig_ctx), "yarn_factor is a gpt-oss feature"),
+        (s.yarn_factor >= 0 and s.yarn_orig_ctx >= 0, "yarn_factor and yarn_orig_ctx must not be negative"),
         (not s.rope_freqs or s.arch == "llama", "rope_freqs is a llama feature"),
         (
             not s.shared_ff or s.arch in ("qwen2moe", "qwen35moe", "qwen3next", "glm4moe"),
@@ -230,7 +245,7 @@ def _validate(s: SynthSpec) -> None:
             (s.ssm_v_heads % max(s.ssm_groups, 1) == 0, "ssm_v_heads must be a multiple of ssm_groups"),
             (s.is_moe == (s.arch != "qwen35"), f"{s.arch} {'has' if s.arch != 'qwen35' else 'has no'} experts"),
         ]
-    elif s.arch != "glm4moe":
+    elif s.arch not in ("glm4moe",):
         checks.append((not s.rope_dim, "rope_dim is a hybrid (qwen35*, qwen3next) and glm4moe feature"))
     for ok, msg in checks:
         if not ok:
@@ -275,6 +290,9 @@ def tensor_layout(s: SynthSpec) -> list[TensorDecl]:
             continue
         if s.arch == "glm4moe":
             _glm4moe_layer(s, i, add)
+            continue
+        if s.arch == "gpt-oss":
+            _gpt_oss_layer(s, i, add)
             continue
 
         add(T.ATTN_NORM, (D,), NORM)
@@ -358,6 +376,33 @@ def _glm4moe_layer(s: SynthSpec, i: int, add) -> None:
         add(T.NEXTN_ENORM, (D,), NORM)
         add(T.NEXTN_HNORM, (D,), NORM)
         add(T.NEXTN_SHARED_HEAD_NORM, (D,), NORM)
+
+
+def _gpt_oss_layer(s: SynthSpec, i: int, add) -> None:
+    """One block as llama.cpp's ``load_arch_tensors`` of LLM_ARCH_OPENAI_MOE creates it: q/k/v/o with biases, the
+    per-head sinks, ``post_attention_norm`` before the FFN, a biased router, and routed experts with a bias per
+    expert and role ([E, F] for gate and up, [E, D] for down)."""
+    T = MODEL_TENSOR
+    D, E, F = s.hidden, s.experts, s.expert_ff
+    add(T.ATTN_NORM, (D,), NORM)
+    add(T.ATTN_Q, (s.q_dim, D), MATRIX)
+    add(T.ATTN_K, (s.kv_dim, D), MATRIX)
+    add(T.ATTN_V, (s.kv_dim, D), MATRIX)
+    add(T.ATTN_OUT, (D, s.q_dim), MATRIX)
+    add(T.ATTN_Q, (s.q_dim,), BIAS, "bias")
+    add(T.ATTN_K, (s.kv_dim,), BIAS, "bias")
+    add(T.ATTN_V, (s.kv_dim,), BIAS, "bias")
+    add(T.ATTN_OUT, (D,), BIAS, "bias")
+    add(T.ATTN_SINKS, (s.heads,), SINKS)
+    add(T.ATTN_POST_NORM, (D,), NORM)
+    add(T.FFN_GATE_INP, (E, D), ROUTER)
+    add(T.FFN_GATE_INP, (E,), BIAS, "bias")
+    add(T.FFN_GATE_EXP, (E, F, D), EXPERTS)
+    add(T.FFN_UP_EXP, (E, F, D), EXPERTS)
+    add(T.FFN_DOWN_EXP, (E, D, F), EXPERTS)
+    add(T.FFN_GATE_EXP, (E, F), BIAS, "bias")
+    add(T.FFN_UP_EXP, (E, F), BIAS, "bias")
+    add(T.FFN_DOWN_EXP, (E, D), BIAS, "bias")
 
 
 def _hybrid_layer(s: SynthSpec, i: int, add) -> None:

@@ -174,6 +174,8 @@ def _random(d: S.TensorDecl, rng: np.random.Generator, shape: tuple[int, ...], t
         return 1.0 + NORM_JITTER * rng.standard_normal(shape, dtype=np.float32)
     if d.kind == S.BIAS:
         return BIAS_STD * rng.standard_normal(shape, dtype=np.float32)
+    if d.kind == S.SINKS:  # sink logits of the order of the scores, so they take a visible share
+        return rng.standard_normal(shape, dtype=np.float32)
     if d.kind == S.SSM_A:  # −exp(A_log): a decay per head
         return -np.exp(0.5 * rng.standard_normal(shape, dtype=np.float32))
     if d.kind == S.ROPE_FREQS:

@@ -47,7 +47,6 @@ def preload_engine() -> None:
     typing registries and its thread pool. Imports on the worker held the GIL and froze the
     window for up to ~280 ms (measured with py-spy); here they cost ~250 ms once, before the
     window shows. (numba's thread pool starts on the worker, see worker._lower_engine_priority.)"""
-    import importlib
 
     from numba.core.registry import cpu_target
 
@@ -56,7 +55,7 @@ def preload_engine() -> None:
     import engine.tokenizer.chat  # noqa: F401
 
     for arch in engine.models.SUPPORTED_ARCHITECTURES:
-        importlib.import_module(f"engine.models.{arch}")
+        engine.models.arch_module(arch)  # its module (gpt-oss: engine.models.gpt_oss)
     cpu_target.target_context.refresh()  # numba's lazy registry import (~70 modules)
     # Everything imported so far lives as long as the process. A full garbage collection scans it
     # all while holding the GIL (128 ms measured, triggered on the worker during a load); frozen

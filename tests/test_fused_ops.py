@@ -102,18 +102,19 @@ def test_fused_ops_equal_the_reference(device, neox, rope_dim, head_norm):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_embedding_rows_on_the_device_equal_the_hosts(device):
-    """A prompt's embeddings made on the device (``Embedding.on``: raw rows up, decoded there) are the host's
+    """A prompt's embeddings made on the device (``embedding_rows``: raw rows up, decoded there) are the host's
     exactly, for every weight type a token_embd can have."""
     from engine.gguf.reader import TensorRef
     from engine.models.weights import Embedding
     from engine.quant import WEIGHT_TYPES, quantize
+    from engine.runtime.device import embedding_rows
 
     rng = np.random.default_rng(7)
     ids = np.array([5, 0, 63, 5, 17, 40, 2])
     for qt in WEIGHT_TYPES:
         x = (rng.standard_normal((64, 256)) * 2).astype(np.float32)
         data = np.ascontiguousarray(quantize(x, qt))
-        e = Embedding(TensorRef("token_embd.weight", qt, (64, 256), data.nbytes, 0, data))
-        got = e.on(ids, torch.device(device))
+        ref = TensorRef("token_embd.weight", qt, (64, 256), data.nbytes, 0, data)
+        got = embedding_rows(ref, ids, torch.device(device))
         assert got.device.type == device and got.dtype == torch.float32
-        assert torch.equal(got.cpu(), e(ids)), qt.name
+        assert torch.equal(got.cpu(), Embedding(ref)(ids)), qt.name

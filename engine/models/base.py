@@ -45,6 +45,9 @@ class DecoderModel:
         # The one-token step as a CUDA graph (engine.runtime.graph_decode.GraphDecode), set by the
         # runtime for placements wholly on one device; dropped by every configure.
         self.decode_graph = None
+        # Rows of token_embd decoded on a device, (ref, ids, device) -> float32 [T, D] equal to the host's (the
+        # runtime's ``embedding_rows``, set when a placement is applied; used where the first layer is on CUDA)
+        self.device_embed = None
         # engine.routes.RouteRecorder (or None): every MoE layer's routes, see set_route_tap.
         self.route_tap = None
         self.configure([w] * L, [HOST] * L, {i: host_experts for i in range(L)} if host_experts else {}, w)
@@ -68,8 +71,8 @@ class DecoderModel:
 
     def embed_tokens(self, tokens: np.ndarray, device: torch.device | None = None) -> torch.Tensor:
         """The rows of ``token_embd`` for ``tokens`` [T], scaled by :attr:`embed_scale` -> float32 [T, D] on the
-        host, or made on ``device`` where one is given (the same values: ``Embedding.on``)."""
-        x = self.embed(tokens) if device is None else self.embed.on(tokens, device)
+        host, or made on ``device`` where one is given (the same values: :attr:`device_embed`)."""
+        x = self.embed(tokens) if device is None else self.device_embed(self.embed.ref, tokens, device)
         if self.embed_scale is not None:
             x = x * np.float32(self.embed_scale)
         return x
@@ -200,7 +203,8 @@ class DecoderModel:
             if logits is not None:
                 return self._finite(logits, tokens, trace)
         first = self.devices[0] if self.devices else HOST
-        x = self.embed_tokens(tokens, first if first.type == "cuda" and T > 1 else None)  # [T, D]
+        on = first.type == "cuda" and T > 1 and self.device_embed is not None
+        x = self.embed_tokens(tokens, first if on else None)  # [T, D]
         trace = [_probe(x)]  # each layer's output (or its sum), only to name where a NaN/Inf first appeared
         ropes: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, (layer, dev) in enumerate(zip(self.layers, self.devices)):

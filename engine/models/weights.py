@@ -66,18 +66,6 @@ class Embedding:
         rows = self.ref.data[np.asarray(ids, dtype=np.int64)]
         return torch.from_numpy(np.ascontiguousarray(dequantize(rows, self.ref.qtype), dtype=np.float32))
 
-    def on(self, ids: np.ndarray, device: torch.device) -> torch.Tensor:
-        """The same rows dequantized on ``device`` (bit-equal to the host's: the torch reference
-        dequantizer does the host's float operations in its order): only the rows' raw bytes cross, and a
-        prompt's hundreds of rows are decoded by a few device kernels instead of NumPy on one core."""
-        from engine.runtime.references import dequantize as dequantize_torch  # (the runtime imports this module)
-
-        rows = np.ascontiguousarray(self.ref.data[np.asarray(ids, dtype=np.int64)])
-        raw = torch.from_numpy(rows.view(np.uint8).reshape(len(rows), -1))
-        if device.type == "cuda":
-            raw = raw.pin_memory().to(device, non_blocking=True)
-        return dequantize_torch(raw.to(device), self.ref.qtype, self.ref.shape[-1])
-
 
 HUGE_PAGE = 2 << 20
 RESIDENT_MIN_BYTES = 1 << 20  # smaller matrices stay mapped (a copy would not pay for its page)

@@ -24,7 +24,7 @@ from engine.plan.placement import Placement
 from engine.plan.sizing import HOST_KV_TYPE, expert_slot_layout, layer_slot_layout
 from engine.plan.spec import ModelSpec
 from engine.runtime import graph_decode
-from engine.runtime.device import DeviceArena, DeviceWeights
+from engine.runtime.device import DeviceArena, DeviceWeights, embedding_rows
 from engine.runtime.expert_cache import CachedExperts
 from engine.runtime.expert_stream import StreamedExperts
 
@@ -128,6 +128,7 @@ def apply_placement(
     if cached is not None and p.moe_mode == "cache" and cached.prefetch_max > 0:
         order = sorted(cache_layers)
         cached.set_predictors({i: (n, _pre_gate(model, n)) for i, n in zip(order, order[1:])})
+    model.device_embed = embedding_rows  # a prompt's embeddings made where its first layer runs
     # Everything of a decode step on the device: one-token steps replay a CUDA graph.
     model.decode_graph = g = graph_decode.for_placement(model, p, device, options)
     graph = "" if g is None else g.describe()

@@ -16,6 +16,7 @@ import torch
 from engine import config
 from engine.config import EngineOptions
 from engine.errors import DeviceMemoryError
+from engine.gguf.reader import TensorRef
 from engine.kernels.prepare import PreparedWeight
 from engine.models.weights import Weights
 from engine.quant.formats import QType
@@ -105,6 +106,17 @@ class DeviceArena:
 def raw_bytes(w: PreparedWeight) -> np.ndarray:
     """The weight's file bytes as uint8 [R, row_bytes] (F32/F16/BF16 rows viewed as bytes)."""
     return np.ascontiguousarray(w.raw).view(np.uint8).reshape(w.raw.shape[0], -1)
+
+
+def embedding_rows(ref: TensorRef, ids: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``Embedding(ref)(ids)`` made on ``device``: float32 [T, n], bit-equal to the host's (the torch reference
+    dequantizer does the host's float operations in its order). Only the rows' stored bytes cross, and a
+    prompt's hundreds of rows are decoded by a few device kernels instead of NumPy on one core."""
+    rows = np.ascontiguousarray(ref.data[np.asarray(ids, dtype=np.int64)])
+    raw = torch.from_numpy(rows.view(np.uint8).reshape(len(rows), -1))
+    if device.type == "cuda":
+        raw = raw.pin_memory().to(device, non_blocking=True)
+    return dequantize(raw.to(device), ref.qtype, ref.shape[-1])
 
 
 class DeviceLinear:

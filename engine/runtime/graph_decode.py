@@ -137,7 +137,7 @@ class GraphDecode:
         self.D, self.V = D, V
         pin = self._pin = device.type == "cuda"
         # One input buffer: the position int64, then the token's row of token_embd as stored (16-aligned), which
-        # the graph decodes (Embedding.on's arithmetic: the host's values) — no host dequantizing a token.
+        # the graph decodes (embedding_rows' arithmetic: the host's values) — no host dequantizing a token.
         emb = model.embed.ref
         self._embed_type, self._embed_scale = emb.qtype, model.embed_scale
         self._table = emb.data.view(np.uint8).reshape(emb.shape[0], -1)  # [n_vocab, row bytes], the mapped file

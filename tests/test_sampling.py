@@ -158,3 +158,18 @@ def test_extreme_finite_settings_still_draw_a_token(settings):
     tok = s(logits, history)
     assert 0 <= tok < 1000
     assert Sampler(SamplingParams(seed=1, **settings)).reference(logits, history) == tok
+
+
+@pytest.mark.parametrize("V", [1000, 32000, 151936, 262147])
+def test_chunked_selection_equals_the_scan(V):
+    """The head selection by chunk maxima (_at_least_kth) returns the plain heap scan's indices exactly: random,
+    many ties, sorted both ways (the bound's worst and best cases), and NaN (the scan's path)."""
+    from engine.generate.sampling import _at_least_kth, _scan_at_least_kth
+
+    rng = np.random.default_rng(V)
+    x = (rng.standard_normal(V) * 3).astype(np.float32)
+    nan = x.copy()
+    nan[::7] = np.nan
+    for key in (x, np.round(x), np.sort(x), np.sort(x)[::-1].copy(), nan, np.zeros(V, np.float32)):
+        for k in (1, 2, 40, 100, 1024):
+            assert np.array_equal(_at_least_kth(key, k), _scan_at_least_kth(key, k)), (k, key[:3])

@@ -88,12 +88,11 @@ class SamplingParams:
 
 
 @njit(cache=True, nogil=True)
-def _at_least_kth(key: np.ndarray, k: int) -> np.ndarray:
-    """Indices i (ascending) with key[i] >= the k-th largest of key (NaN never counts), in two passes: a
-    k-slot min-heap finds that value, then a scan collects. Fewer than k entries back: NaN among the
-    k largest (the caller sorts instead)."""
+def _kth_largest(vals: np.ndarray, k: int) -> np.float32:
+    """The k-th largest of ``vals`` float32 (NaN never counts; -inf where fewer than k values count): a
+    k-slot min-heap over one pass."""
     heap = np.full(k, -np.inf, dtype=np.float32)
-    for v in key:
+    for v in vals:
         if v > heap[0]:  # replace the smallest of the k largest so far, sift down
             heap[0] = v
             i = 0
@@ -108,17 +107,73 @@ def _at_least_kth(key: np.ndarray, k: int) -> np.ndarray:
                     i = c
                 else:
                     break
-    thr = heap[0]
+    return heap[0]
+
+
+@njit(cache=True, nogil=True)
+def _at_least(key: np.ndarray, thr: np.float32, idx: np.ndarray) -> np.ndarray:
+    """The entries of ``idx`` (ascending) whose key is >= thr."""
     n = 0
-    for v in key:
-        n += v >= thr
+    for i in idx:
+        n += key[i] >= thr
     out = np.empty(n, dtype=np.int64)
     j = 0
-    for i in range(len(key)):
+    for i in idx:
         if key[i] >= thr:
             out[j] = i
             j += 1
     return out
+
+
+@njit(cache=True, nogil=True)
+def _scan_at_least_kth(key: np.ndarray, k: int) -> np.ndarray:
+    """Indices i (ascending) with key[i] >= the k-th largest of key (NaN never counts): the heap over every
+    entry, then a scan. Fewer than k entries back: NaN among the k largest (the caller sorts instead)."""
+    return _at_least(key, _kth_largest(key, k), np.arange(len(key)))
+
+
+@njit(cache=True, nogil=True)
+def _chunks_at_least_kth(key: np.ndarray, k: int, maxima: np.ndarray, size: int) -> np.ndarray:
+    """:func:`_scan_at_least_kth` given the maxima of key's chunks of ``size`` (the last chunk takes the
+    remainder; no NaN among them): the k-th largest maximum bounds the k-th largest entry from below (k
+    chunks each hold an entry at least that large), so only chunks reaching the bound are read."""
+    V, n_ch = len(key), len(maxima)
+    t0 = _kth_largest(maxima, k)
+    cand = np.empty(V, dtype=np.int64)  # only its first n entries are written
+    n = 0
+    for c in range(n_ch):
+        if maxima[c] < t0:
+            continue
+        hi = V if c == n_ch - 1 else (c + 1) * size
+        for i in range(c * size, hi):
+            if key[i] >= t0:
+                cand[n] = i
+                n += 1
+    vals = np.empty(n, dtype=np.float32)
+    for j in range(n):
+        vals[j] = key[cand[j]]
+    return _at_least(key, _kth_largest(vals, k), cand[:n])
+
+
+CHUNKS_PER_K = 8  # chunks a head of k reads the maxima of (the bound's candidates: about k + a few)
+
+
+def _at_least_kth(key: np.ndarray, k: int) -> np.ndarray:
+    """Indices i (ascending) with key[i] >= the k-th largest of key (float32; NaN never counts). Fewer than k
+    entries back: NaN among the k largest (the caller sorts instead). The chunks' maxima come from NumPy's
+    vectorised max (one pass over the vocabulary); then only the few chunks that can hold the k largest are
+    read (:func:`_chunks_at_least_kth`); a key with NaN takes the plain scan (:func:`_scan_at_least_kth`)."""
+    V = len(key)
+    size = V // (CHUNKS_PER_K * k)
+    if size < 16:
+        return _scan_at_least_kth(key, k)
+    n_ch = V // size
+    maxima = key[: n_ch * size].reshape(n_ch, size).max(1)
+    if n_ch * size < V:
+        maxima[-1] = max(maxima[-1], key[n_ch * size :].max())
+    if np.isnan(maxima).any():
+        return _scan_at_least_kth(key, k)
+    return _chunks_at_least_kth(key, k, maxima, size)
 
 
 def head_order(x: np.ndarray, k: int) -> np.ndarray:

@@ -60,6 +60,7 @@ ENV = MappingProxyType(
         "prompt_upload_min": "SHARPI_PROMPT_UPLOAD_MIN",
         "cache_upload": "SHARPI_CACHE_UPLOAD",
         "cache_prefetch": "SHARPI_CACHE_PREFETCH",
+        "cache_policy": "SHARPI_CACHE_POLICY",
         "prompt_stream_min": "SHARPI_PROMPT_STREAM_MIN",
         "state_checkpoints": "SHARPI_STATE_CHECKPOINTS",
         "kv_type": "SHARPI_KV_DTYPE",
@@ -78,6 +79,10 @@ KV_TYPES = ("f32", "bf16", "q8_0")  # engine.plan.sizing.KV_TYPES (tests/test_co
 KV_ALIASES = MappingProxyType({"fp32": "f32", "float32": "f32", "q8": "q8_0"})
 CUDA_GRAPH_MODES = ("graph", "eager", "off")
 CACHE_UPLOADS = ("background", "inline")
+# The expert cache's slot policies (engine.runtime.slot_policies.SLOT_POLICIES; tests/test_config.py holds them
+# equal) and the default, the policy `sharpi bench cache` calls default.
+CACHE_POLICIES = ("lru", "slru", "dlfu")
+DEFAULT_CACHE_POLICY = "dlfu"
 ACT_MODES = ("q8", "f32")
 WEIGHT_MODES = ("auto", "copy", "mmap")  # EngineOptions.weights
 PREFILL_PRECISIONS = ("bf16", "f32")
@@ -164,6 +169,12 @@ class EngineOptions:
     # at 12 GiB, 2 a layer decoded 9.5 tok/s against 97 without (the graphs' loss outweighs its hits;
     # docs/benchmarks.md), so it stays off until it runs inside the graphs.
     cache_prefetch: int = 0
+    # SHARPI_CACHE_POLICY (--cache-policy): which expert the cache (``cache`` mode) evicts for a miss, and whether
+    # it admits the miss at all (engine.runtime.slot_policies): "lru", "slru" (segmented LRU) or "dlfu" (the
+    # default: decayed-frequency residency with hysteresis, which keeps a frequently used expert over a one-off
+    # and leaves a miss on the CPU rather than thrash; the best of the three on routing traces, docs/benchmarks.md).
+    # It changes where experts are computed, never the result.
+    cache_policy: str = DEFAULT_CACHE_POLICY
     # SHARPI_PROMPT_STREAM_MIN: tokens from which a batch copies the host-placed experts of a device layer
     # (--moe cpu, the first n_cpu_moe layers) to the device and computes them there, as llama.cpp does
     # above 32 (engine.runtime.expert_stream; whole number ≥ 0; 0: never, and the planner reserves no
@@ -327,6 +338,7 @@ _PARSE = {
     "prompt_upload_min": _whole,
     "cache_upload": _choice(CACHE_UPLOADS),
     "cache_prefetch": _whole,
+    "cache_policy": _choice(CACHE_POLICIES),
     "prompt_stream_min": _whole,
     "state_checkpoints": _whole,
     "kv_type": _choice(KV_TYPES, KV_ALIASES),
@@ -349,6 +361,7 @@ def _check(o: EngineOptions) -> None:
         "device_kernels": ("triton", "reference"),
         "cuda_graph": CUDA_GRAPH_MODES,
         "weights": WEIGHT_MODES,
+        "cache_policy": CACHE_POLICIES,
     }
     for name, allowed in choices.items():
         if getattr(o, name) not in allowed:

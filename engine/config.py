@@ -70,6 +70,7 @@ ENV = MappingProxyType(
         "calibration_dir": "SHARPI_CALIBRATION_DIR",
         "demo_model": "SHARPI_DEMO_MODEL",
         "data_dir": "SHARPI_DATA_DIR",
+        "routes_dir": "SHARPI_ROUTES_DIR",
         "engine_nice": "SHARPI_ENGINE_NICE",
     }
 )
@@ -211,6 +212,9 @@ class EngineOptions:
     # -- the desktop app (read by sharpi_gui's bridge and handed to the app) ---------------------------
     # SHARPI_DATA_DIR: where the app keeps conversations; None = the platform's user data directory.
     data_dir: Path | None = None
+    # SHARPI_ROUTES_DIR: the user's routing history — recorded routing traces (.npz) the planner's expert-cache
+    # hit-rate curve is taken from (engine.routes.history); None = the user data directory's "routes".
+    routes_dir: Path | None = None
     # SHARPI_ENGINE_NICE: how much nicer than the UI thread the app's engine threads run (Linux), 0 = off.
     engine_nice: int = 4
 
@@ -348,6 +352,7 @@ _PARSE = {
     "calibration_dir": lambda var, raw: Path(raw).expanduser(),
     "demo_model": lambda var, raw: Path(raw).expanduser(),
     "data_dir": lambda var, raw: Path(raw).expanduser(),
+    "routes_dir": lambda var, raw: Path(raw).expanduser(),
     "engine_nice": _whole,
 }
 _DEFAULTS = {f.name: f.default for f in fields(EngineOptions)}

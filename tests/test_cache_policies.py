@@ -201,10 +201,10 @@ def test_profile_hit_curve_round_trip_and_checks():
 def test_the_planner_prices_the_cache_with_the_routing_curve(synth_model, tmp_path, capsys):
     import json
 
-    from engine.bench.cache import hit_curve
     from engine.cli.main import main
     from engine.plan.costmodel import curve_hit_rate
     from engine.routes import save_trace
+    from engine.runtime.hit_curves import hit_curve
 
     trace = replace(QWEN3_30B_A3B, n_layers=2).generate(prompt=32, decode=96, turns=1)
     curve = hit_curve(trace)
@@ -229,11 +229,17 @@ def test_the_planner_prices_the_cache_with_the_routing_curve(synth_model, tmp_pa
         "--json",
     ]
     plans = []
-    for extra in ([], ["--routes", str(path)]):
+    for extra in (["--skew", "1"], ["--routes", str(path)], []):
         assert main(base + extra) == 0
         plans.append(json.loads(capsys.readouterr().out))
-    zipf, routed = plans
+    zipf, routed, default = plans
     cap = routed["expert_capacity"]
     assert 0 < cap < 1 and routed["profile"]["hit_curve"] == [list(p) for p in curve]
+    assert routed["profile"]["hit_curve_source"] == f"routing trace {path}"
     assert routed["predicted_hit_rate"] == pytest.approx(curve_hit_rate(cap, curve))
     assert zipf["profile"]["hit_curve"] == [] and zipf["predicted_hit_rate"] != routed["predicted_hit_rate"]
+    # no routing history here (the suite's own empty SHARPI_ROUTES_DIR): the synthetic curve, said so
+    assert default["profile"]["hit_curve_source"] == "synthetic Qwen3-30B-A3B routing"
+    assert default["profile"]["hit_curve"] and default["predicted_hit_rate"] != zipf["predicted_hit_rate"]
+    assert main(base[:-1]) == 0
+    assert "cache hit rates from synthetic Qwen3-30B-A3B routing" in capsys.readouterr().out

@@ -426,6 +426,25 @@ class Session:
             )
         return self._curve
 
+    @property
+    def routing_history(self) -> bool:
+        """Whether plans take the cache's hit-rate curve from the user's routing history (when it has any)."""
+        return self._use_history
+
+    @property
+    def cache_policy(self) -> str:
+        """The expert cache's slot policy (``EngineOptions.cache_policy``) later placements run with."""
+        return self.engine_options.cache_policy
+
+    def set_cache_policy(self, name: str) -> None:
+        """Use slot policy ``name`` (engine.config.CACHE_POLICIES) for the expert cache from now on; a cache in
+        force is rebuilt with it (re-applied: the pool starts empty and the KV cache fresh). Where experts run
+        changes, never the output."""
+        options = replace(self.engine_options, cache_policy=name)  # checked: a UsageError names the choices
+        self.engine_options = options
+        if self.applied is not None and self.applied.experts is not None and self.placement.moe_mode == "cache":
+            self.apply(self.placement)
+
     def set_routing_history(self, use: bool) -> None:
         """Whether later plans take the hit-rate curve from the user's routing history ("use my routing
         history"; :class:`LoadOptions` ``routing_history``)."""

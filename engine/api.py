@@ -58,8 +58,8 @@ class LoadOptions:
     # (MemAvailable, within a cgroup's limit). Checked before anything is copied (memory_plan).
     ram_budget: int | None = None
     # "Use my routing history": the planner prices the expert cache with the hit-rate curve of the user's recorded
-    # routing traces (engine.routes.history) when there are any of this model's geometry; False (or none): the
-    # synthetic Qwen3-30B-A3B curve. A device_profile with its own hit_curve overrides both.
+    # routing traces (engine.routes.history) when there are any of this model's geometry; False (or none):
+    # EngineOptions.hit_curve (the Zipf guess, or the synthetic curve). A device_profile's own hit_curve overrides.
     routing_history: bool = True
 
 
@@ -408,7 +408,7 @@ class Session:
             if self._cuda_reserve is None:
                 self._cuda_reserve = cuda_reserve(self.device)
             base = replace(base, reserve_bytes=self._cuda_reserve, measured=(*base.measured, "reserve_bytes"))
-        if self.spec.is_moe and not base.hit_curve:
+        if self.spec.is_moe and not base.hit_curve:  # the routing history's curve, else the fallback's (or Zipf)
             curve = self.hit_curve()
             base = replace(base, hit_curve=curve.points, hit_curve_source=curve.detail)
         return replace(base, vram_bytes=vram, name=base.name or name)

@@ -199,8 +199,8 @@ class PlanPreview:
     # "partly measured" or "defaults" (documented guesses); speeds_device names the machine.
     speeds_source: str = "defaults"
     speeds_device: str = ""
-    # Where the cache's predicted hit rates come from: "your routing history: 2 traces, 1,536 tokens",
-    # "synthetic Qwen3-30B-A3B routing", or "" (no curve: the Zipf guess).
+    # Where the cache's predicted hit rates come from: "your routing history: 2 traces, 1,536 tokens", "synthetic
+    # Qwen3-30B-A3B routing", "the Zipf popularity guess (no routing history of this model)", or "" (not said).
     hit_curve_source: str = ""
     expert_slots: int = 0
     expert_slots_needed: int = 0

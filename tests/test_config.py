@@ -65,6 +65,7 @@ def test_an_empty_environment_gives_the_documented_defaults():
         ("SHARPI_DEMO_MODEL", "/tmp/m.gguf", "demo_model", Path("/tmp/m.gguf")),
         ("SHARPI_DATA_DIR", "/tmp/chats", "data_dir", Path("/tmp/chats")),
         ("SHARPI_ROUTES_DIR", "/tmp/routes", "routes_dir", Path("/tmp/routes")),
+        ("SHARPI_HIT_CURVE", "Synthetic", "hit_curve", "synthetic"),
         ("SHARPI_ENGINE_NICE", "0", "engine_nice", 0),
     ],
 )

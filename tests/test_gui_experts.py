@@ -222,10 +222,10 @@ def test_policy_selector_rebuilds_the_cache_and_recording_feeds_the_routing_hist
     sess = session_of(w)
     assert sess.applied.experts.slots.name == "lru" and sess.cache_policy == "lru" and model.policy == "lru"
     assert w.ctx.placement.limits.cache_policy == "lru"
-    # Recording: the suite's routing history is empty, so the placement dock says "synthetic" first.
+    # Recording: the suite's routing history is empty, so the placement dock names the Zipf guess first.
     placement = w.placement_dock.panel
     qtbot.waitUntil(lambda: w.ctx.placement.preview is not None and w.ctx.placement.preview.ok)
-    assert "cache hit rates from synthetic Qwen3-30B-A3B routing" in placement.summary.text()
+    assert "cache hit rates from the Zipf popularity guess" in placement.summary.text()
     assert placement.history.isChecked() and placement.history.isVisible()
     routes = tmp_path / "my-routes"
     sess.engine_options = replace(sess.engine_options, routes_dir=routes)  # this test's own history
@@ -242,10 +242,10 @@ def test_policy_selector_rebuilds_the_cache_and_recording_feeds_the_routing_hist
     assert len(saved) == 1 and Path(saved[0]).parent == routes and Path(saved[0]).is_file()
     qtbot.waitUntil(lambda: "your routing history: 1 trace" in placement.summary.text(), timeout=GEN_TIMEOUT_MS)
     assert w.ctx.placement.preview.hit_curve_source.startswith("your routing history: 1 trace, ")
-    # "Use my routing history" unchecked: back to the synthetic curve
+    # "Use my routing history" unchecked: back to the Zipf guess
     with qtbot.waitSignal(w.bridge.applied, timeout=GEN_TIMEOUT_MS):
         placement.history.setChecked(False)
-    qtbot.waitUntil(lambda: "synthetic Qwen3-30B-A3B" in placement.summary.text(), timeout=GEN_TIMEOUT_MS)
+    qtbot.waitUntil(lambda: "Zipf popularity guess" in placement.summary.text(), timeout=GEN_TIMEOUT_MS)
     assert not session_of(w).routing_history and not placement.history.isChecked()
     if os.environ.get("SHARPI_SCREENSHOTS"):
         w.experts_dock.grab().save(os.path.join(os.environ["SHARPI_SCREENSHOTS"], "experts-dock-policy.png"))

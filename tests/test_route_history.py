@@ -30,16 +30,19 @@ def _trace(E=8, k=2, seed=0, tokens=96):
     return SyntheticRouting(n_expert=E, k=k, n_layers=3).generate(prompt=16, decode=tokens - 16, turns=1, seed=seed)
 
 
-def test_no_history_gives_the_synthetic_curve_and_caches_it(tmp_path, cal, monkeypatch):
+def test_no_history_gives_the_fallback_and_the_synthetic_curve_is_cached(tmp_path, cal, monkeypatch):
     opts = _opts(tmp_path, cal)
-    c = H.planner_curve(8, 2, options=opts)
-    assert c.source == H.SOURCE_SYNTHETIC and c.traces == 0 and "synthetic" in c.detail
+    z = H.planner_curve(8, 2, options=opts)  # EngineOptions.hit_curve's default: the planner's Zipf guess
+    assert z.source == H.SOURCE_ZIPF and z.points == () and z.detail == H.ZIPF_DETAIL
+    c = H.planner_curve(8, 2, options=replace(opts, hit_curve="synthetic"))
+    assert c == H.planner_curve(8, 2, options=opts, fallback="synthetic")
+    assert c.source == H.SOURCE_SYNTHETIC and c.traces == 0 and c.detail == H.SYNTHETIC_DETAIL
     caps = [x for x, _ in c.points]
     assert caps == sorted(caps) and all(0 < h < 1 for _, h in c.points)
     assert [h for _, h in c.points] == sorted(h for _, h in c.points)  # more room, more hits
     # the second time from the disk cache: no replay
     monkeypatch.setattr("engine.runtime.hit_curves.hit_curve", lambda *a, **k: pytest.fail("replayed again"))
-    assert H.planner_curve(8, 2, options=opts) == c
+    assert H.planner_curve(8, 2, options=opts, fallback="synthetic") == c
 
 
 def test_the_history_of_this_geometry_gives_the_curve(tmp_path, cal):
@@ -57,9 +60,9 @@ def test_the_history_of_this_geometry_gives_the_curve(tmp_path, cal):
     ca, cb = hit_curve(a), hit_curve(b)  # weighted by tokens
     want = [round((ha * 96 + hb * 64) / 160, 4) for (_, ha), (_, hb) in zip(ca, cb)]
     assert [h for _, h in c.points] == pytest.approx(want, abs=1e-4)
-    assert H.planner_curve(8, 2, options=opts, use_history=False).source == H.SOURCE_SYNTHETIC
+    assert H.planner_curve(8, 2, options=opts, use_history=False).source == H.SOURCE_ZIPF
     assert H.planner_curve(16, 4, options=opts).traces == 1  # the other model's own history
-    assert H.planner_curve(32, 4, options=opts).source == H.SOURCE_SYNTHETIC  # none of that geometry
+    assert H.planner_curve(32, 4, options=opts).source == H.SOURCE_ZIPF  # none of that geometry
 
 
 def test_a_session_plans_with_its_users_routing_history(tmp_path, cal, synth_model):
@@ -67,8 +70,7 @@ def test_a_session_plans_with_its_users_routing_history(tmp_path, cal, synth_mod
     opts = _opts(tmp_path, cal)
     with Session.load(str(path), LoadOptions(n_ctx=64, device="cpu", engine=opts)) as s:
         prof = s.device_profile(1 << 30)
-        assert prof.hit_curve_source == "synthetic Qwen3-30B-A3B routing" and prof.hit_curve
-        synthetic = prof.hit_curve
+        assert prof.hit_curve_source == H.ZIPF_DETAIL and prof.hit_curve == ()  # no history yet: Zipf
         rec = s.record_routes()
         s.logits(list(range(1, 40)), batch=False)
         s.stop_recording_routes()
@@ -76,12 +78,13 @@ def test_a_session_plans_with_its_users_routing_history(tmp_path, cal, synth_mod
         assert saved.endswith(".npz") and history.history_traces(opts)
         prof = s.device_profile(1 << 30)
         assert prof.hit_curve_source == "your routing history: 1 trace, 39 tokens"
-        assert prof.hit_curve != synthetic  # this model's routing, not Qwen3's
+        assert prof.hit_curve == s.hit_curve().points and len(prof.hit_curve) == len(H.CURVE_CAPACITIES)
         p = s.plan(PlanRequest(ctx=64, n_gpu_layers=-1, moe="cache"), prof)
         assert p.profile.hit_curve_source.startswith("your routing history")
         s.set_routing_history(False)  # "use my routing history" unchecked
-        assert s.device_profile(1 << 30).hit_curve == synthetic
-    off = LoadOptions(n_ctx=64, device="cpu", engine=opts, routing_history=False)
+        assert s.device_profile(1 << 30).hit_curve == ()
+    off = LoadOptions(n_ctx=64, device="cpu", engine=replace(opts, hit_curve="synthetic"), routing_history=False)
     with Session.load(str(path), off) as s:
         assert s.hit_curve().source == H.SOURCE_SYNTHETIC
+        assert s.device_profile(1 << 30).hit_curve_source == H.SYNTHETIC_DETAIL
         assert np.isfinite([h for _, h in s.hit_curve().points]).all()

@@ -121,7 +121,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="the cache's hit rate against capacity from routing: a recorded trace (--record-routes FILE) or "
         "'synthetic' (Qwen3-30B-A3B's published statistics), replayed with the default policy; default: the "
-        "user's routing history of the model's geometry ($SHARPI_ROUTES_DIR), else synthetic; --skew: Zipf",
+        "user's routing history of the model's geometry ($SHARPI_ROUTES_DIR), else $SHARPI_HIT_CURVE (zipf)",
     )
     p.add_argument("--bench", action="store_true", help="time the planner over a swept VRAM budget and exit")
     p.set_defaults(func=run)
@@ -184,7 +184,7 @@ def _profile(args: argparse.Namespace) -> DeviceProfile:
         if args.routes == "synthetic":
             from engine.runtime.hit_curves import planner_curve
 
-            curve = planner_curve(0, 0, use_history=False)  # the synthetic curve (cached on disk)
+            curve = planner_curve(0, 0, use_history=False, fallback="synthetic")  # cached on disk
             base["hit_curve"], base["hit_curve_source"] = [list(p) for p in curve.points], curve.detail
         else:
             from engine.routes import load_trace
@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     with open_gguf(args.model) as gf:
         spec = ModelSpec.from_gguf(gf)
     if spec.is_moe and not profile.hit_curve and args.skew is None:
-        # as a session plans `auto`: the user's routing history of this geometry, else the synthetic curve
+        # as a session plans `auto`: the user's routing history of this geometry, else SHARPI_HIT_CURVE's
         from dataclasses import replace
 
         from engine.runtime.hit_curves import planner_curve
@@ -283,7 +283,7 @@ def print_summary(p: Placement, *, every_layer: bool = False, out=None) -> None:
     for line in describe_profile(prof):
         w(f"          {line}")
     w(f"          ({profile_source(prof)}{'; * = measured' if prof.measured else ''})")
-    if prof.hit_curve:
+    if prof.hit_curve or prof.hit_curve_source:
         w(f"          cache hit rates from {prof.hit_curve_source or 'a given curve'}")
     w(
         f"request   ctx {p.ctx}, KV {p.kv_type}"

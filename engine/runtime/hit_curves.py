@@ -3,8 +3,9 @@
 
 :func:`planner_curve` takes the default policy's curve from the user's routing history
 (:mod:`engine.routes.history`) — its traces of the model's geometry (experts a layer, experts a token), when there
-are any and the user lets it ("use my routing history") — else from the synthetic Qwen3-30B-A3B trace
-(:mod:`engine.routes.synthetic`). A curve takes seconds to replay, so each is cached on disk (``hit-curves``
+are any and the user lets it ("use my routing history") — else what ``EngineOptions.hit_curve`` names: the
+planner's Zipf popularity guess (no curve; the default) or the synthetic Qwen3-30B-A3B trace's curve
+(:mod:`engine.routes.synthetic`). Why Zipf stays the default: docs/planner.md, *Cache hit rate*. A curve takes seconds to replay, so each is cached on disk (``hit-curves``
 beside the calibrations), keyed by the trace file (its size and modification time), the policy and its knobs.
 """
 
@@ -27,7 +28,9 @@ from engine.runtime.slot_policies import SLOT_POLICIES
 
 log = logging.getLogger(__name__)
 
-SOURCE_HISTORY, SOURCE_SYNTHETIC = "history", "synthetic"
+SOURCE_HISTORY, SOURCE_SYNTHETIC, SOURCE_ZIPF = "history", "synthetic", "zipf"
+SYNTHETIC_DETAIL = "synthetic Qwen3-30B-A3B routing"
+ZIPF_DETAIL = "the Zipf popularity guess (no routing history of this model)"
 CURVE_CAPACITIES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 CURVE_LAYERS = 8  # layers of a trace replayed for a curve
 CURVE_VERSION = 1  # bump when the replay changes what a cached curve would hold
@@ -38,7 +41,7 @@ class CurveChoice:
     """A hit-rate curve and where it came from (plain data: the app shows ``detail``)."""
 
     points: tuple[tuple[float, float], ...]  # (capacity, hit rate), capacities ascending
-    source: str  # SOURCE_HISTORY | SOURCE_SYNTHETIC
+    source: str  # SOURCE_HISTORY | SOURCE_SYNTHETIC | SOURCE_ZIPF (then no points)
     detail: str  # e.g. "your routing history: 2 traces, 1,536 tokens"
     traces: int = 0  # history traces used
     tokens: int = 0  # their tokens
@@ -59,12 +62,20 @@ def hit_curve(
 
 
 def planner_curve(
-    n_expert: int, k: int, *, use_history: bool = True, options: EngineOptions | None = None, policy: str | None = None
+    n_expert: int,
+    k: int,
+    *,
+    use_history: bool = True,
+    options: EngineOptions | None = None,
+    policy: str | None = None,
+    fallback: str | None = None,
 ) -> CurveChoice:
     """The hit-rate curve for a model with ``n_expert`` experts a layer and ``k`` a token: from the history's
     traces of that geometry (their curves averaged, weighted by tokens) when ``use_history`` and there are
-    any, else the synthetic trace's. A trace that cannot be read is skipped (and logged)."""
+    any, else ``fallback`` (default ``EngineOptions.hit_curve``): "zipf" (no points: the planner's Zipf model)
+    or "synthetic" (the synthetic trace's curve). A trace that cannot be read is skipped (and logged)."""
     policy = policy or DEFAULT_POLICY
+    fallback = fallback or (options or config.current()).hit_curve
     if use_history:
         curves, tokens = [], []
         for path in history_traces(options):
@@ -81,7 +92,9 @@ def planner_curve(
             n = len(curves)
             detail = f"your routing history: {n} trace{'s' * (n != 1)}, {total:,} tokens"
             return CurveChoice(points, SOURCE_HISTORY, detail, n, total)
-    return CurveChoice(_synthetic_curve(policy, options), SOURCE_SYNTHETIC, "synthetic Qwen3-30B-A3B routing")
+    if fallback == SOURCE_SYNTHETIC:
+        return CurveChoice(_synthetic_curve(policy, options), SOURCE_SYNTHETIC, SYNTHETIC_DETAIL)
+    return CurveChoice((), SOURCE_ZIPF, ZIPF_DETAIL)
 
 
 def _policy_key(policy: str) -> dict:

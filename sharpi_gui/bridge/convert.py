@@ -159,7 +159,7 @@ def preview(settings: D.PlanSettings, p) -> D.PlanPreview:
         predicted_hit_rate=p.to_dict()["predicted_hit_rate"],
         speeds_source=profile_source(p.profile, cpu_only=p.n_gpu_layers == 0),
         speeds_device=p.profile.name,
-        hit_curve_source=p.profile.hit_curve_source if p.profile.hit_curve else "",
+        hit_curve_source=p.profile.hit_curve_source,
         expert_slots=p.expert_slots,
         expert_slots_needed=p.expert_slots_needed,
         kv_bytes=p.kv_bytes,

@@ -88,7 +88,7 @@ class PlacementPanel(QWidget):
         self.history = QCheckBox("Use my routing history")
         self.history.setToolTip(
             "Predict the expert cache's hit rates from the routing you recorded (the experts dock's Record "
-            "routing) instead of a synthetic Qwen3-30B-A3B routing; auto then picks the mode for your use"
+            "routing) instead of a generic guess; auto then picks the mode for your use"
         )
         self.history.setEnabled(False)
         self.vram_title = QLabel("VRAM budget")

@@ -210,10 +210,6 @@ class EngineOptions:
     # -- files ------------------------------------------------------------------------------------------
     # SHARPI_DEMO_MODEL: the demo GGUF `sharpi run` and the app use without -m (engine.demo).
     demo_model: Path | None = None
-
-    # -- the desktop app (read by sharpi_gui's bridge and handed to the app) ---------------------------
-    # SHARPI_DATA_DIR: where the app keeps conversations; None = the platform's user data directory.
-    data_dir: Path | None = None
     # SHARPI_ROUTES_DIR: the user's routing history — recorded routing traces (.npz) the planner's expert-cache
     # hit-rate curve is taken from (engine.routes.history); None = the user data directory's "routes".
     routes_dir: Path | None = None
@@ -223,6 +219,10 @@ class EngineOptions:
     # Zipf stays the default: with the synthetic curve `auto` picks the cache at 12 GiB on the 30B geometry, and
     # on an H200 under that routing the cache decoded 35 tok/s against the resident split's 62 (docs/planner.md).
     hit_curve: str = "zipf"
+
+    # -- the desktop app (read by sharpi_gui's bridge and handed to the app) ---------------------------
+    # SHARPI_DATA_DIR: where the app keeps conversations; None = the platform's user data directory.
+    data_dir: Path | None = None
     # SHARPI_ENGINE_NICE: how much nicer than the UI thread the app's engine threads run (Linux), 0 = off.
     engine_nice: int = 4
 

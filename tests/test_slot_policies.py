@@ -92,3 +92,15 @@ def test_make_slots_names_every_policy():
     assert isinstance(make_slots("slru", 3, 2, 8), SegmentedLRU)
     with pytest.raises(ValueError, match="unknown cache policy"):
         make_slots("belady", 3, 2, 8)
+
+
+def test_dlfu_keeps_its_own_copy_of_the_window():
+    """The static step hands every token's routes in one reused buffer: the window must not see it change."""
+    buf = np.zeros((1, 2), np.int64)
+    reused, fresh = SlotDecayedLFU(2, 1, 8), SlotDecayedLFU(2, 1, 8)
+    for row in ([0, 1], [2, 3], [4, 5]) * 4:
+        buf[0] = row
+        reused.observe(0, buf)
+        fresh.observe(0, np.array([row]))
+    np.testing.assert_array_equal(reused.in_window, fresh.in_window)
+    np.testing.assert_allclose(reused.score(), fresh.score())

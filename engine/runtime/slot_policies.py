@@ -169,8 +169,8 @@ class SlotDecayedLFU(SlotPolicy):
         self._score: np.ndarray | None = None  # until the next observe
 
     def observe(self, layer, ids):
-        ids = np.asarray(ids, np.int64).reshape(len(ids), -1)
-        T = len(ids)
+        ids = np.array(ids, np.int64).reshape(len(ids), -1)  # a copy: the window keeps rows of it (a caller's
+        T = len(ids)  # buffer, e.g. the static step's routes, is overwritten next step)
         if T == 0:
             return
         decays = ((self.recent, self.recent_decay), (self.freq, self.freq_decay), (self.long, self.long_decay))

@@ -57,6 +57,10 @@ class LoadOptions:
     # RAM the loader may allocate (host weight copies, KV, scratch); None = what the system reports available
     # (MemAvailable, within a cgroup's limit). Checked before anything is copied (memory_plan).
     ram_budget: int | None = None
+    # "Use my routing history": the planner prices the expert cache with the hit-rate curve of the user's recorded
+    # routing traces (engine.routes.history) when there are any of this model's geometry; False (or none):
+    # EngineOptions.hit_curve (the Zipf guess, or the synthetic curve). A device_profile's own hit_curve overrides.
+    routing_history: bool = True
 
 
 @dataclass(frozen=True)
@@ -208,6 +212,8 @@ class Session:
             report(3, 4, "placing the model")
             self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
             self._speeds: DeviceProfile | None = options.device_profile
+            self._use_history = options.routing_history
+            self._curve = None  # engine.routes.history.CurveChoice, once planned with
             self._cuda_reserve: int | None = None
             self.applied: Applied | None = None
             self.cache = self.model.new_cache(self.n_ctx, self.kv_type)
@@ -402,7 +408,57 @@ class Session:
             if self._cuda_reserve is None:
                 self._cuda_reserve = cuda_reserve(self.device)
             base = replace(base, reserve_bytes=self._cuda_reserve, measured=(*base.measured, "reserve_bytes"))
+        if self.spec.is_moe and not base.hit_curve:  # the routing history's curve, else the fallback's (or Zipf)
+            curve = self.hit_curve()
+            base = replace(base, hit_curve=curve.points, hit_curve_source=curve.detail)
         return replace(base, vram_bytes=vram, name=base.name or name)
+
+    def hit_curve(self):
+        """The expert cache's hit rate against capacity the planner prices ``cache`` with: an
+        :class:`engine.routes.history.CurveChoice` (points, and whether they come from the user's routing
+        history or the synthetic trace). Replayed once (seconds; cached on disk), then kept."""
+        if self._curve is None:
+            from engine.runtime.hit_curves import planner_curve
+
+            spec = self.spec
+            self._curve = planner_curve(
+                spec.n_expert, spec.n_expert_used, use_history=self._use_history, options=self.engine_options
+            )
+        return self._curve
+
+    @property
+    def routing_history(self) -> bool:
+        """Whether plans take the cache's hit-rate curve from the user's routing history (when it has any)."""
+        return self._use_history
+
+    @property
+    def cache_policy(self) -> str:
+        """The expert cache's slot policy (``EngineOptions.cache_policy``) later placements run with."""
+        return self.engine_options.cache_policy
+
+    def set_cache_policy(self, name: str) -> None:
+        """Use slot policy ``name`` (engine.config.CACHE_POLICIES) for the expert cache from now on; a cache in
+        force is rebuilt with it (re-applied: the pool starts empty and the KV cache fresh). Where experts run
+        changes, never the output."""
+        options = replace(self.engine_options, cache_policy=name)  # checked: a UsageError names the choices
+        self.engine_options = options
+        if self.applied is not None and self.applied.experts is not None and self.placement.moe_mode == "cache":
+            self.apply(self.placement)
+
+    def set_routing_history(self, use: bool) -> None:
+        """Whether later plans take the hit-rate curve from the user's routing history ("use my routing
+        history"; :class:`LoadOptions` ``routing_history``)."""
+        if bool(use) != self._use_history:
+            self._use_history, self._curve = bool(use), None
+
+    def save_routes_to_history(self, recorder: RouteRecorder) -> str:
+        """Write what ``recorder`` (:meth:`record_routes`) holds into the routing history; returns the file's
+        path. Later curves include it (:meth:`set_routing_history` to re-read it now)."""
+        from engine.routes.history import save_to_history
+
+        path = save_to_history(recorder.trace(), self.engine_options)
+        self._curve = None
+        return str(path)
 
     def set_device_profile(self, profile: DeviceProfile | None) -> None:
         """Use ``profile``'s speeds for later plans (None: back to the defaults)."""

@@ -60,6 +60,7 @@ ENV = MappingProxyType(
         "prompt_upload_min": "SHARPI_PROMPT_UPLOAD_MIN",
         "cache_upload": "SHARPI_CACHE_UPLOAD",
         "cache_prefetch": "SHARPI_CACHE_PREFETCH",
+        "cache_policy": "SHARPI_CACHE_POLICY",
         "prompt_stream_min": "SHARPI_PROMPT_STREAM_MIN",
         "state_checkpoints": "SHARPI_STATE_CHECKPOINTS",
         "kv_type": "SHARPI_KV_DTYPE",
@@ -69,6 +70,8 @@ ENV = MappingProxyType(
         "calibration_dir": "SHARPI_CALIBRATION_DIR",
         "demo_model": "SHARPI_DEMO_MODEL",
         "data_dir": "SHARPI_DATA_DIR",
+        "routes_dir": "SHARPI_ROUTES_DIR",
+        "hit_curve": "SHARPI_HIT_CURVE",
         "engine_nice": "SHARPI_ENGINE_NICE",
     }
 )
@@ -78,6 +81,11 @@ KV_TYPES = ("f32", "bf16", "q8_0")  # engine.plan.sizing.KV_TYPES (tests/test_co
 KV_ALIASES = MappingProxyType({"fp32": "f32", "float32": "f32", "q8": "q8_0"})
 CUDA_GRAPH_MODES = ("graph", "eager", "off")
 CACHE_UPLOADS = ("background", "inline")
+# The expert cache's slot policies (engine.runtime.slot_policies.SLOT_POLICIES; tests/test_config.py holds them
+# equal) and the default, the policy `sharpi bench cache` calls default.
+CACHE_POLICIES = ("lru", "slru", "dlfu")
+HIT_CURVES = ("zipf", "synthetic")  # EngineOptions.hit_curve
+DEFAULT_CACHE_POLICY = "dlfu"
 ACT_MODES = ("q8", "f32")
 WEIGHT_MODES = ("auto", "copy", "mmap")  # EngineOptions.weights
 PREFILL_PRECISIONS = ("bf16", "f32")
@@ -164,6 +172,12 @@ class EngineOptions:
     # at 12 GiB, 2 a layer decoded 9.5 tok/s against 97 without (the graphs' loss outweighs its hits;
     # docs/benchmarks.md), so it stays off until it runs inside the graphs.
     cache_prefetch: int = 0
+    # SHARPI_CACHE_POLICY (--cache-policy): which expert the cache (``cache`` mode) evicts for a miss, and whether
+    # it admits the miss at all (engine.runtime.slot_policies): "lru", "slru" (segmented LRU) or "dlfu" (the
+    # default: decayed-frequency residency with hysteresis, which keeps a frequently used expert over a one-off
+    # and leaves a miss on the CPU rather than thrash; the best of the three on routing traces, docs/benchmarks.md).
+    # It changes where experts are computed, never the result.
+    cache_policy: str = DEFAULT_CACHE_POLICY
     # SHARPI_PROMPT_STREAM_MIN: tokens from which a batch copies the host-placed experts of a device layer
     # (--moe cpu, the first n_cpu_moe layers) to the device and computes them there, as llama.cpp does
     # above 32 (engine.runtime.expert_stream; whole number ≥ 0; 0: never, and the planner reserves no
@@ -196,6 +210,15 @@ class EngineOptions:
     # -- files ------------------------------------------------------------------------------------------
     # SHARPI_DEMO_MODEL: the demo GGUF `sharpi run` and the app use without -m (engine.demo).
     demo_model: Path | None = None
+    # SHARPI_ROUTES_DIR: the user's routing history — recorded routing traces (.npz) the planner's expert-cache
+    # hit-rate curve is taken from (engine.routes.history); None = the user data directory's "routes".
+    routes_dir: Path | None = None
+    # SHARPI_HIT_CURVE: how the planner prices the expert cache's hit rate when the user's routing history has no
+    # trace of the model's geometry (or is not to be used): "zipf" (the default: the Zipf popularity guess) or
+    # "synthetic" (the default policy's curve on the synthetic Qwen3-30B-A3B trace, engine.runtime.hit_curves).
+    # Zipf stays the default: with the synthetic curve `auto` picks the cache at 12 GiB on the 30B geometry, and
+    # on an H200 under that routing the cache decoded 35 tok/s against the resident split's 62 (docs/planner.md).
+    hit_curve: str = "zipf"
 
     # -- the desktop app (read by sharpi_gui's bridge and handed to the app) ---------------------------
     # SHARPI_DATA_DIR: where the app keeps conversations; None = the platform's user data directory.
@@ -327,6 +350,7 @@ _PARSE = {
     "prompt_upload_min": _whole,
     "cache_upload": _choice(CACHE_UPLOADS),
     "cache_prefetch": _whole,
+    "cache_policy": _choice(CACHE_POLICIES),
     "prompt_stream_min": _whole,
     "state_checkpoints": _whole,
     "kv_type": _choice(KV_TYPES, KV_ALIASES),
@@ -336,6 +360,8 @@ _PARSE = {
     "calibration_dir": lambda var, raw: Path(raw).expanduser(),
     "demo_model": lambda var, raw: Path(raw).expanduser(),
     "data_dir": lambda var, raw: Path(raw).expanduser(),
+    "routes_dir": lambda var, raw: Path(raw).expanduser(),
+    "hit_curve": _choice(HIT_CURVES),
     "engine_nice": _whole,
 }
 _DEFAULTS = {f.name: f.default for f in fields(EngineOptions)}
@@ -349,6 +375,8 @@ def _check(o: EngineOptions) -> None:
         "device_kernels": ("triton", "reference"),
         "cuda_graph": CUDA_GRAPH_MODES,
         "weights": WEIGHT_MODES,
+        "cache_policy": CACHE_POLICIES,
+        "hit_curve": HIT_CURVES,
     }
     for name, allowed in choices.items():
         if getattr(o, name) not in allowed:

@@ -16,6 +16,21 @@ MOE_AUTO = "auto"
 MOE_MODES = ("cpu", "cache", "resident")
 MOE_CHOICES = (MOE_AUTO, *MOE_MODES)
 KV_TYPES = ("f32", "bf16", "q8_0")
+# The expert cache's slot policies and the default (engine.config.CACHE_POLICIES / DEFAULT_CACHE_POLICY; tests hold
+# them equal): which experts the GPU cache keeps.
+CACHE_POLICIES = ("lru", "slru", "dlfu")
+DEFAULT_CACHE_POLICY = "dlfu"
+CACHE_POLICY_LABELS = {
+    "lru": "LRU",
+    "slru": "segmented LRU",
+    "dlfu": "decayed frequency (default)",
+}
+CACHE_POLICY_TIPS = {
+    "lru": "keeps the most recently used experts; every miss is uploaded",
+    "slru": "LRU that protects experts used twice from a scan of one-offs",
+    "dlfu": "keeps experts by recent and long-run use; a miss that would push out a busier expert runs on the "
+    "CPU instead of being uploaded (the best of the three on routing traces)",
+}
 
 # Kinds of failure a view may show differently (dialog titles, inline notes).
 ERR_BAD_FILE = "bad-file"  # not a usable GGUF
@@ -128,6 +143,8 @@ class PlacementLimits:
     has_gpu: bool = True  # False: no CUDA device; the model runs on the CPU and nothing else is offered
     n_ctx_train: int = 0  # the context the model was trained for (the context slider's top)
     measured_tok_s: float = 0.0  # decode tok/s the warm-up measured at load (0: not measured)
+    cache_policy: str = DEFAULT_CACHE_POLICY  # the expert cache's policy in force (the experts dock's selector)
+    routing_history: bool = True  # "use my routing history": the cache's hit-rate curve from the user's traces
     whatif: PlacementLimits | None = None  # without a GPU: the controls for planning a hypothetical one
 
 
@@ -182,6 +199,9 @@ class PlanPreview:
     # "partly measured" or "defaults" (documented guesses); speeds_device names the machine.
     speeds_source: str = "defaults"
     speeds_device: str = ""
+    # Where the cache's predicted hit rates come from: "your routing history: 2 traces, 1,536 tokens", "synthetic
+    # Qwen3-30B-A3B routing", "the Zipf popularity guess (no routing history of this model)", or "" (not said).
+    hit_curve_source: str = ""
     expert_slots: int = 0
     expert_slots_needed: int = 0
     kv_bytes: int = 0

@@ -69,6 +69,12 @@ class PlacementModel(QObject):
     def set_gpu_layers(self, n: int) -> None:
         self._change(n_gpu_layers=int(n))
 
+    def set_routing_history(self, use: bool) -> bool:
+        """ "Use my routing history" for the cache's hit rates (re-plans when the bridge has re-priced)."""
+        if self.limits is None or bool(use) == self.limits.routing_history:
+            return False
+        return self.bridge.set_routing_history(bool(use))
+
     def reset(self) -> None:
         """Back to the placement in force (or, on the CPU, to the proposal the controls began with)."""
         if self.limits is not None:

@@ -42,6 +42,10 @@ os.environ.setdefault("SHARPI_KV_DTYPE", "f32")
 _CALIBRATION_DIR = tempfile.mkdtemp(prefix="sharpi-tests-calibration-")
 atexit.register(shutil.rmtree, _CALIBRATION_DIR, True)
 os.environ.setdefault("SHARPI_CALIBRATION_DIR", _CALIBRATION_DIR)
+# Nor the user's routing history (the planner's cache hit-rate curve): an empty folder of the suite's own.
+_ROUTES_DIR = tempfile.mkdtemp(prefix="sharpi-tests-routes-")
+atexit.register(shutil.rmtree, _ROUTES_DIR, True)
+os.environ.setdefault("SHARPI_ROUTES_DIR", _ROUTES_DIR)
 
 
 def pytest_configure(config) -> None:

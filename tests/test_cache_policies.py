@@ -198,13 +198,13 @@ def test_profile_hit_curve_round_trip_and_checks():
         DeviceProfile.from_dict({"hit_curve": [[0.1, 0.2, 0.3]]})
 
 
-def test_the_planner_prices_the_cache_with_the_routing_curve(synth_model, tmp_path, capsys):
+def test_the_planner_prices_the_cache_with_the_routing_curve(synth_model, tmp_path, capsys, engine_env):
     import json
 
-    from engine.bench.cache import hit_curve
     from engine.cli.main import main
     from engine.plan.costmodel import curve_hit_rate
     from engine.routes import save_trace
+    from engine.runtime.hit_curves import hit_curve
 
     trace = replace(QWEN3_30B_A3B, n_layers=2).generate(prompt=32, decode=96, turns=1)
     curve = hit_curve(trace)
@@ -229,11 +229,22 @@ def test_the_planner_prices_the_cache_with_the_routing_curve(synth_model, tmp_pa
         "--json",
     ]
     plans = []
-    for extra in ([], ["--routes", str(path)]):
+    for extra in (["--skew", "1"], ["--routes", str(path)], []):
         assert main(base + extra) == 0
         plans.append(json.loads(capsys.readouterr().out))
-    zipf, routed = plans
+    zipf, routed, default = plans
     cap = routed["expert_capacity"]
     assert 0 < cap < 1 and routed["profile"]["hit_curve"] == [list(p) for p in curve]
+    assert routed["profile"]["hit_curve_source"] == f"routing trace {path}"
     assert routed["predicted_hit_rate"] == pytest.approx(curve_hit_rate(cap, curve))
     assert zipf["profile"]["hit_curve"] == [] and zipf["predicted_hit_rate"] != routed["predicted_hit_rate"]
+    # no routing history here (the suite's own empty SHARPI_ROUTES_DIR): Zipf (SHARPI_HIT_CURVE's default), said so
+    assert default["profile"]["hit_curve_source"].startswith("the Zipf popularity guess")
+    assert default["profile"]["hit_curve"] == []
+    assert main(base[:-1]) == 0
+    assert "cache hit rates from the Zipf popularity guess" in capsys.readouterr().out
+    engine_env({"SHARPI_HIT_CURVE": "synthetic"})
+    assert main(base) == 0
+    synthetic = json.loads(capsys.readouterr().out)
+    assert synthetic["profile"]["hit_curve_source"] == "synthetic Qwen3-30B-A3B routing"
+    assert synthetic["profile"]["hit_curve"] and synthetic["predicted_hit_rate"] != zipf["predicted_hit_rate"]

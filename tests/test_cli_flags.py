@@ -62,3 +62,24 @@ def test_threads_and_f16_cache_types(model, capsys):
         with pytest.raises(SystemExit) as e:
             main([*cmd, "-t", "1", "--help"])
         assert e.value.code == 0 and "-t THREADS, --threads THREADS" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cmd", ["run", "bench", "serve"])
+def test_cache_policy_flag_on_run_bench_and_serve(cmd):
+    from engine.cli.main import build_parser
+
+    extra = ["-p", "x"] if cmd == "run" else []
+    a = build_parser().parse_args([cmd, *extra, "--cache-policy", "lru"])
+    assert a.cache_policy == "lru"
+    assert build_parser().parse_args([cmd, *extra]).cache_policy is None  # unset: SHARPI_CACHE_POLICY or the default
+
+
+def test_cache_policy_reaches_the_cache(model, capsys):
+    argv = ["run", "-m", model, "-p", "x", "-n", "2", "--temp", "0", "--device", "cpu", "--vram", "1GiB"]
+    assert main([*argv, "--moe", "cache", "--cache-policy", "lru"]) == 0
+    assert "cache policy lru" in capsys.readouterr().err
+    assert main([*argv, "--moe", "cache"]) == 0
+    assert "cache policy dlfu" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--cache-policy", "belady"])  # offline only: no runtime policy
+    assert e.value.code == 2

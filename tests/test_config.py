@@ -51,6 +51,8 @@ def test_an_empty_environment_gives_the_documented_defaults():
         ("SHARPI_PROMPT_UPLOAD_MIN", "0", "prompt_upload_min", 0),
         ("SHARPI_CACHE_UPLOAD", "inline", "cache_upload", "inline"),
         ("SHARPI_CACHE_UPLOAD", "background", "cache_upload", "background"),
+        ("SHARPI_CACHE_POLICY", "LRU", "cache_policy", "lru"),
+        ("SHARPI_CACHE_POLICY", "slru", "cache_policy", "slru"),
         ("SHARPI_PROMPT_STREAM_MIN", "0", "prompt_stream_min", 0),
         ("SHARPI_PROMPT_STREAM_MIN", "64", "prompt_stream_min", 64),
         ("SHARPI_KV_DTYPE", "q8", "kv_type", "q8_0"),
@@ -62,6 +64,8 @@ def test_an_empty_environment_gives_the_documented_defaults():
         ("SHARPI_CALIBRATION_DIR", "/tmp/x", "calibration_dir", Path("/tmp/x")),
         ("SHARPI_DEMO_MODEL", "/tmp/m.gguf", "demo_model", Path("/tmp/m.gguf")),
         ("SHARPI_DATA_DIR", "/tmp/chats", "data_dir", Path("/tmp/chats")),
+        ("SHARPI_ROUTES_DIR", "/tmp/routes", "routes_dir", Path("/tmp/routes")),
+        ("SHARPI_HIT_CURVE", "Synthetic", "hit_curve", "synthetic"),
         ("SHARPI_ENGINE_NICE", "0", "engine_nice", 0),
     ],
 )
@@ -143,6 +147,18 @@ def test_the_snapshot_and_a_scoped_override(engine_env):
     with config.overriding(pdl=False) as o:
         assert config.current() is o and not o.pdl
     assert config.current().pdl
+
+
+def test_cache_policies_agree_with_the_runtime_and_the_bench():
+    from engine.runtime.cache_policies import DEFAULT_POLICY
+    from engine.runtime.slot_policies import DEFAULT_SLOT_POLICY, SLOT_POLICIES
+
+    assert tuple(SLOT_POLICIES) == config.CACHE_POLICIES
+    assert config.DEFAULT_CACHE_POLICY == DEFAULT_SLOT_POLICY == DEFAULT_POLICY == EngineOptions().cache_policy
+    with pytest.raises(UsageError, match="SHARPI_CACHE_POLICY"):
+        EngineOptions.from_env({"SHARPI_CACHE_POLICY": "belady"})  # offline only: no runtime policy
+    with pytest.raises(UsageError, match="cache_policy"):
+        EngineOptions(cache_policy="fifo")
 
 
 def test_kv_types_agree_with_the_planner():

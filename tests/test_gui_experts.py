@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -204,3 +205,56 @@ def test_prefetch_hits_beside_demand_hits(qtbot, tmp_path, model_path, engine_en
     assert "prediction recall" in panel.info.text()
     if os.environ.get("SHARPI_SCREENSHOTS"):
         w.experts_dock.grab().save(os.path.join(os.environ["SHARPI_SCREENSHOTS"], "experts-dock-prefetch.png"))
+
+
+def test_policy_selector_rebuilds_the_cache_and_recording_feeds_the_routing_history(
+    qtbot, cached, engine_env, tmp_path
+):
+    """The dock's policy selector: the engine's cache runs the policy chosen (the same replies); Record routing
+    saves the model's routing into the routing history, and the placement dock then prices the cache with it."""
+    w = cached
+    panel, model = w.experts_dock.panel, w.ctx.experts
+    sess = session_of(w)
+    assert panel.policy_box.currentData() == model.policy == "dlfu" == sess.applied.experts.slots.name
+    assert panel.policy_box.itemData(panel.policy_box.currentIndex(), Qt.ItemDataRole.ToolTipRole)
+    with qtbot.waitSignal(w.bridge.applied, timeout=GEN_TIMEOUT_MS):
+        panel.policy_box.setCurrentIndex(panel.policy_box.findData("lru"))
+    sess = session_of(w)
+    assert sess.applied.experts.slots.name == "lru" and sess.cache_policy == "lru" and model.policy == "lru"
+    assert w.ctx.placement.limits.cache_policy == "lru"
+    # Recording: the suite's routing history is empty, so the placement dock names the Zipf guess first.
+    placement = w.placement_dock.panel
+    qtbot.waitUntil(lambda: w.ctx.placement.preview is not None and w.ctx.placement.preview.ok)
+    assert "cache hit rates from the Zipf popularity guess" in placement.summary.text()
+    assert placement.history.isChecked() and placement.history.isVisible()
+    routes = tmp_path / "my-routes"
+    sess.engine_options = replace(sess.engine_options, routes_dir=routes)  # this test's own history
+    qtbot.waitUntil(lambda: panel.record_button.isEnabled())
+    panel.record_button.click()
+    assert w.bridge.recording_routes and panel.record_button.text() == "Stop recording"
+    with qtbot.waitSignal(w.bridge.finished, timeout=GEN_TIMEOUT_MS):
+        w.ctx.chat.send("And three mountains")
+    saved = []
+    panel.recordSaved.connect(saved.append)
+    with qtbot.waitSignal(w.bridge.applied, timeout=GEN_TIMEOUT_MS):  # re-priced with the new trace
+        panel.record_button.click()
+    assert not w.bridge.recording_routes and panel.record_button.text() == "Record routing"
+    assert len(saved) == 1 and Path(saved[0]).parent == routes and Path(saved[0]).is_file()
+    qtbot.waitUntil(lambda: "your routing history: 1 trace" in placement.summary.text(), timeout=GEN_TIMEOUT_MS)
+    assert w.ctx.placement.preview.hit_curve_source.startswith("your routing history: 1 trace, ")
+    # "Use my routing history" unchecked: back to the Zipf guess
+    with qtbot.waitSignal(w.bridge.applied, timeout=GEN_TIMEOUT_MS):
+        placement.history.setChecked(False)
+    qtbot.waitUntil(lambda: "Zipf popularity guess" in placement.summary.text(), timeout=GEN_TIMEOUT_MS)
+    assert not session_of(w).routing_history and not placement.history.isChecked()
+    if os.environ.get("SHARPI_SCREENSHOTS"):
+        w.experts_dock.grab().save(os.path.join(os.environ["SHARPI_SCREENSHOTS"], "experts-dock-policy.png"))
+        w.placement_dock.grab().save(os.path.join(os.environ["SHARPI_SCREENSHOTS"], "placement-dock-curve.png"))
+
+
+def test_cache_policies_agree_with_the_engine():
+    from engine import config
+    from sharpi_gui import data as D
+
+    assert D.CACHE_POLICIES == config.CACHE_POLICIES and D.DEFAULT_CACHE_POLICY == config.DEFAULT_CACHE_POLICY
+    assert set(D.CACHE_POLICY_LABELS) == set(D.CACHE_POLICY_TIPS) == set(D.CACHE_POLICIES)

@@ -1,6 +1,6 @@
 """Hybrid runtime on the simulated device: every placement gives the CPU engine's logits.
 
-``device="cpu"`` stands in for a GPU with a byte budget, so the slot pool, the SLRU, misses,
+``device="cpu"`` stands in for a GPU with a byte budget, so the slot pool, its slot policy, misses,
 uploads, the profiler and the arena's accounting all run here; CUDA changes only the device.
 """
 
@@ -194,7 +194,7 @@ def test_small_cache_evicts_and_stays_correct(paths, device):
         s.apply(s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe="cache"), _profile_for(s, n_gpu_layers=L, slots=3)))
         assert np.abs(s.logits(tokens, batch=False) - ref).max() <= 1e-5
         s.applied.experts.pool.drain()  # CUDA: the last steps' uploads, copied behind the decode, land
-        assert s.applied.experts.slru.evictions > 0
+        assert s.applied.experts.slots.evictions > 0
         assert int(s.stats().resident.sum()) == 3
 
 
@@ -240,11 +240,62 @@ def test_prompt_uploads_its_experts_and_stays_correct(paths, device, threshold, 
             EngineOptions.from_env({"SHARPI_PROMPT_UPLOAD_MIN": bad})
 
 
-def _table_agrees_with_the_slru(pool) -> None:
-    """Every expert the table points at holds that slot in the SLRU, and every cached expert is in the table."""
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", ["lru", "slru", "dlfu"])
+@pytest.mark.parametrize("graph", ["off", "eager"])
+def test_every_cache_policy_moves_experts_never_the_logits(paths, device, policy, graph):
+    """Each slot policy (EngineOptions.cache_policy) on a small and a half-size cache, prompt and token by token,
+    eager and in the static one-token step: the CPU engine's logits; the policies differ in which experts they
+    keep (so in where the experts ran), and dlfu refuses some misses a slot (they stay on the CPU)."""
+    tokens = random_tokens(20, 1024, seed=4)
+    with _session(paths["qwen3moe"], device) as s:
+        ref_prefill, ref_decode = _run(s, tokens)
+        L, E = s.args.n_layer, s.args.n_expert
+        for slots in (max(3, L * E // 10), L * E // 2):
+            placement = s.plan(PlanRequest(ctx=CTX, kv_type="f32", n_gpu_layers=L, moe="cache"),
+                               _profile_for(s, n_gpu_layers=L, slots=slots))  # fmt: skip
+            s.apply(placement, replace(s.engine_options, cache_policy=policy, cuda_graph=graph))
+            assert s.applied.experts.slots.name == policy
+            s.reset_stats()
+            prefill, decode = _run(s, tokens)
+            assert np.abs(prefill - ref_prefill).max() <= 1e-5, (slots, np.abs(prefill - ref_prefill).max())
+            assert np.abs(decode - ref_decode).max() <= 1e-5, (slots, np.abs(decode - ref_decode).max())
+            st = s.stats()
+            assert st.hits.sum() > 0 and st.misses.sum() > 0
+            pool = s.applied.experts.pool
+            pool.drain()
+            _table_agrees_with_the_policy(pool)
+            assert len(pool.slots) <= slots
+
+
+def test_cache_policies_differ_in_where_experts_run(paths):
+    """The same decode on a small cache: dlfu refuses misses a slot (fewer uploads than misses) where LRU
+    admits every one, so their hits differ — and their logits do not."""
+    tokens = random_tokens(24, 1024, seed=6)
+    got = {}
+    with _session(paths["qwen3moe"]) as s:
+        L, E = s.args.n_layer, s.args.n_expert
+        placement = s.plan(PlanRequest(ctx=CTX, kv_type="f32", n_gpu_layers=L, moe="cache"),
+                           _profile_for(s, n_gpu_layers=L, slots=L * E // 4))  # fmt: skip
+        for policy in ("lru", "dlfu"):
+            s.apply(placement, replace(s.engine_options, cache_policy=policy, cuda_graph="off"))
+            s.reset_stats()
+            logits = s.logits(tokens, batch=False)
+            st = s.stats()
+            stride = sum(s.applied.experts._expert_bytes[(0, r)].shape[1] for r in ("gate", "up", "down"))
+            got[policy] = (logits, int(st.hits.sum()), int(st.misses.sum()), int(st.uploaded_bytes.sum()) // stride)
+    (lru_logits, lru_hits, lru_miss, lru_up), (d_logits, d_hits, d_miss, d_up) = got["lru"], got["dlfu"]
+    assert np.abs(lru_logits - d_logits).max() <= 1e-5  # the same sums, over other device/CPU splits
+    assert lru_up == lru_miss  # LRU uploads every miss
+    assert d_up < d_miss  # dlfu leaves some on the CPU
+    assert lru_hits != d_hits
+
+
+def _table_agrees_with_the_policy(pool) -> None:
+    """Every expert the table points at holds that slot in the slot policy, and every cached expert is in the table."""
     table = {(int(i), int(e)): int(pool.slots_h[i, e]) for i, e in zip(*np.nonzero(pool.slots_h >= 0))}
-    cached = pool.slru.keys()  # (layer, expert) of every slot in use
-    assert table == {key: pool.slru.slot(key) for key in cached}
+    cached = pool.slots.keys()  # (layer, expert) of every slot in use
+    assert table == {key: pool.slots.slot(key) for key in cached}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -264,21 +315,21 @@ def test_background_uploads_enter_the_table_once_landed(paths, device, slots):
         assert pool.background
         s.reset()
         s.model.forward([tokens[0]], 0, s.cache)  # one step: its misses admitted and being copied, not in the table
-        cached = pool.slru.keys()
+        cached = pool.slots.keys()
         pending = [key for key in cached if pool.slots_h[key] < 0]
-        assert pending and len(pool.slru) == len(pending)
+        assert pending and len(pool.slots) == len(pending)
         s.model.settle()  # what a re-placement and closing the session do: the copies land, in the table
-        _table_agrees_with_the_slru(pool)
+        _table_agrees_with_the_policy(pool)
         s.reset_stats()
         got = s.logits(tokens, batch=False)
         assert np.abs(got - ref).max() <= 1e-5
         pool.drain()
-        _table_agrees_with_the_slru(pool)
+        _table_agrees_with_the_policy(pool)
         missed = {(int(i), int(e)) for i, e in zip(*np.nonzero(s.stats().misses > 0))}
         if slots:
-            assert pool.slru.evictions > 0 and len(pool.slru) == slots
+            assert pool.slots.evictions > 0 and len(pool.slots) == slots
         else:  # room for all: every expert missed is in the table now, none dropped
-            assert pool.background_dropped == 0 and missed <= set(pool.slru.keys())
+            assert pool.background_dropped == 0 and missed <= set(pool.slots.keys())
         s.reset()
         s.model.forward([tokens[1]], 0, s.cache)  # copies in flight as the session closes: they end first
 

@@ -90,21 +90,6 @@ def run(
     }
 
 
-CURVE_CAPACITIES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-
-
-def hit_curve(trace: RouteTrace, capacities=CURVE_CAPACITIES, layers: int = 8) -> tuple[tuple[float, float], ...]:
-    """The default policy's hit rate at each capacity on the first ``layers`` layers of ``trace`` (0: all): the
-    planner's ``DeviceProfile.hit_curve``."""
-    L = trace.n_layers if layers <= 0 else min(layers, trace.n_layers)
-    out = []
-    for c in capacities:
-        n_slots = max(0, round(c * trace.n_expert))
-        hits = sum(int(make(DEFAULT_POLICY, n_slots, trace.n_expert).run(trace.layer(j)).sum()) for j in range(L))
-        out.append((float(c), round(hits / (trace.n_tokens * L * trace.k), 4)))
-    return tuple(out)
-
-
 def _cache_us(hits: np.ndarray, uploads: int, e: int, p: DeviceProfile) -> float:
     """The cache mode's expert cost (µs) over one layer's whole trace (see the module docstring)."""
     n_hit = int(hits.sum())

@@ -120,7 +120,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="FILE|synthetic",
         default=None,
         help="the cache's hit rate against capacity from routing: a recorded trace (--record-routes FILE) or "
-        "'synthetic' (Qwen3-30B-A3B's published statistics), replayed with the default policy, instead of --skew",
+        "'synthetic' (Qwen3-30B-A3B's published statistics), replayed with the default policy; default: the "
+        "user's routing history of the model's geometry ($SHARPI_ROUTES_DIR), else $SHARPI_HIT_CURVE (zipf)",
     )
     p.add_argument("--bench", action="store_true", help="time the planner over a swept VRAM budget and exit")
     p.set_defaults(func=run)
@@ -178,19 +179,19 @@ def _profile(args: argparse.Namespace) -> DeviceProfile:
             measured.add(name)
     base["measured"] = sorted(measured)
     if getattr(args, "routes", None):
-        from engine.bench.cache import hit_curve
+        from engine.runtime.hit_curves import hit_curve
 
         if args.routes == "synthetic":
-            from dataclasses import replace
+            from engine.runtime.hit_curves import planner_curve
 
-            from engine.routes.synthetic import QWEN3_30B_A3B
-
-            trace = replace(QWEN3_30B_A3B, n_layers=8).generate()
+            curve = planner_curve(0, 0, use_history=False, fallback="synthetic")  # cached on disk
+            base["hit_curve"], base["hit_curve_source"] = [list(p) for p in curve.points], curve.detail
         else:
             from engine.routes import load_trace
 
             trace = load_trace(args.routes)
-        base["hit_curve"] = [list(p) for p in hit_curve(trace)]
+            base["hit_curve"] = [list(p) for p in hit_curve(trace)]
+            base["hit_curve_source"] = f"routing trace {args.routes}"
     return DeviceProfile.from_dict(base)
 
 
@@ -202,6 +203,14 @@ def run(args: argparse.Namespace) -> int:
     mode, source = resolve_moe(args.moe, args.cpu_moe, opts.cpu_moe)
     with open_gguf(args.model) as gf:
         spec = ModelSpec.from_gguf(gf)
+    if spec.is_moe and not profile.hit_curve and args.skew is None:
+        # as a session plans `auto`: the user's routing history of this geometry, else SHARPI_HIT_CURVE's
+        from dataclasses import replace
+
+        from engine.runtime.hit_curves import planner_curve
+
+        curve = planner_curve(spec.n_expert, spec.n_expert_used, options=opts)
+        profile = replace(profile, hit_curve=curve.points, hit_curve_source=curve.detail)
     request = PlanRequest(
         ctx=args.ctx or default_ctx(spec.n_ctx_train),
         kv_type=resolve_kv_type(args.kv_type, opts.kv_type),
@@ -274,6 +283,8 @@ def print_summary(p: Placement, *, every_layer: bool = False, out=None) -> None:
     for line in describe_profile(prof):
         w(f"          {line}")
     w(f"          ({profile_source(prof)}{'; * = measured' if prof.measured else ''})")
+    if prof.hit_curve or prof.hit_curve_source:
+        w(f"          cache hit rates from {prof.hit_curve_source or 'a given curve'}")
     w(
         f"request   ctx {p.ctx}, KV {p.kv_type}"
         + (f"; experts of layers 0-{p.n_cpu_moe - 1} on the CPU" if p.n_cpu_moe else "")

@@ -76,6 +76,14 @@ def add_placement_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--n-cpu-moe", type=int, default=0, help="keep the experts of the first N layers on the CPU")
     g.add_argument("--device", choices=("cuda", "cpu"), default=None, help="cuda, or cpu = the simulated device")
     g.add_argument(
+        "--cache-policy",
+        choices=config.CACHE_POLICIES,
+        default=None,
+        help="which experts the GPU expert cache (--moe cache) keeps: lru, slru or dlfu (decayed frequency with "
+        "hysteresis; misses it will not keep run on the CPU); default $SHARPI_CACHE_POLICY or "
+        f"{config.DEFAULT_CACHE_POLICY}. Changes where experts run, never the output",
+    )
+    g.add_argument(
         "--expert-stats", metavar="FILE", default=None, help="write expert profiler stats (FILE.json, FILE.csv)"
     )
 
@@ -243,6 +251,8 @@ def load_session(a: argparse.Namespace, refuse_unrunnable: bool = False) -> Sess
     )
     if getattr(a, "weights", None):
         opts = replace(opts, engine=replace(opts.engine, weights=a.weights))
+    if getattr(a, "cache_policy", None):
+        opts = replace(opts, engine=replace(opts.engine, cache_policy=a.cache_policy))
     session = Session.load(a.model, opts, progress)
     if not getattr(a, "quiet", False):
         where = session.applied.describe() if session.applied else f"all layers on the CPU, KV {session.kv_type}"

@@ -88,7 +88,11 @@ class DeviceProfile:
     expert_skew: Zipf exponent of expert popularity (0 = uniform) for the cache hit-rate model.
     hit_curve: the cache's hit rate against capacity measured on routing traces — (capacity, hit rate) pairs,
         capacities ascending in (0, 1) (``engine.bench.cache.hit_curve``: the default policy replayed on the
-        user's recorded traces or the synthetic one); when given it replaces the Zipf model; empty: Zipf.
+        user's recorded traces or the synthetic one: ``engine.runtime.hit_curves.planner_curve``); when given it
+        replaces the Zipf model; empty: Zipf.
+    hit_curve_source: where ``hit_curve`` came from, in words for people (e.g. "your routing history: 2
+        traces, 1,536 tokens", "synthetic Qwen3-30B-A3B routing", or with no curve "the Zipf popularity guess
+        (...)"); empty: not said.
     measured: names of the fields above that were measured rather than defaulted.
     """
 
@@ -109,6 +113,7 @@ class DeviceProfile:
     graph_layer_us: float = DEFAULT_GRAPH_LAYER_US
     expert_skew: float = DEFAULT_SKEW
     hit_curve: tuple[tuple[float, float], ...] = ()
+    hit_curve_source: str = ""
     measured: tuple[str, ...] = ()
     name: str = ""
 

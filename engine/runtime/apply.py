@@ -49,7 +49,8 @@ class Applied:
         step = f", one-token steps: {self.graph}" if self.graph else ""
         st = self.stream
         stream = f", prompts of ≥ {st.min_tokens} tokens stream host experts to the device" if st else ""
-        return f"{where}, KV {p.kv_type}, experts {p.moe_mode} ({p.moe_reason}){stream}{step}"
+        policy = f", cache policy {self.experts.slots.name}" if self.experts and p.moe_mode == "cache" else ""
+        return f"{where}, KV {p.kv_type}, experts {p.moe_mode} ({p.moe_reason}){policy}{stream}{step}"
 
 
 def apply_placement(

@@ -9,9 +9,10 @@ the same token while a slot outside the token is free to go (the runtime's worki
 =========  ===================================================================================================
 ``lru``    least recently used; every miss is admitted
 ``slru``   the runtime's segmented LRU (:class:`engine.runtime.slru.SegmentedLRU`, used as is)
-``dlfu``   decayed-frequency residency with anti-thrash hysteresis (the seed's residency planner): a score per
-           expert, ×``decay`` a token, +1 a use; a miss replaces the lowest-scored resident outside the token
-           only if its score beats that one's by ``margin``, else it is bypassed
+``dlfu``   the runtime's decayed-frequency residency with anti-thrash hysteresis (the seed's residency planner,
+           :class:`engine.runtime.slot_policies.SlotDecayedLFU`, used as is): a score per expert, decayed a
+           token, +1 a use; a miss replaces the lowest-scored resident outside the token only if its score
+           beats that one's by ``margin``, else it is bypassed
 ``admit``  LRU eviction behind a frequency admission filter (TinyLFU's idea): a miss is admitted only if its
            decayed use count is at least the LRU victim's, else bypassed
 ``belady`` the offline optimum (needs the whole trace): after each token keep the ``n_slots`` experts, among
@@ -27,6 +28,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from engine.runtime.slot_policies import DEFAULT_SLOT_POLICY, SlotDecayedLFU
 from engine.runtime.slru import SegmentedLRU
 
 
@@ -101,52 +103,27 @@ class SLRU(CachePolicy):
 
 
 class DecayedLFU(CachePolicy):
-    """Two decayed use counts an expert: ``recent`` (×``RECENT_DECAY`` a token: the last few tokens, where reuse
-    is strongest) and ``freq`` (×``FREQ_DECAY``: the layer's drifting popularity), scored ``recent + freq ·
-    FREQ_WEIGHT``. A miss takes a free slot, else replaces the lowest-scored resident outside the token when it
-    scores more than that one plus ``margin`` (hysteresis: near-ties do not swap back and forth); otherwise it
-    is bypassed. Tuned on the synthetic Qwen3-30B-A3B trace (docs/benchmarks.md, *Expert-cache policies*)."""
+    """The runtime's ``dlfu`` (:class:`engine.runtime.slot_policies.SlotDecayedLFU`, used as is) over one layer:
+    a token's misses asking for a slot strongest first, the token's experts its working set."""
 
     name = "dlfu"
-    RECENT_DECAY = 0.7
-    FREQ_DECAY = 0.99
-    FREQ_WEIGHT = 1 / 32
-    MARGIN = 0.05
 
-    def __init__(self, n_slots: int, n_expert: int, margin: float | None = None, **decays: float):
+    def __init__(self, n_slots: int, n_expert: int, **kw: float):
         super().__init__(n_slots, n_expert)
-        self.margin = self.MARGIN if margin is None else margin
-        self.recent_decay = decays.get("recent_decay", self.RECENT_DECAY)
-        self.freq_decay = decays.get("freq_decay", self.FREQ_DECAY)
-        self.freq_weight = decays.get("freq_weight", self.FREQ_WEIGHT)
-        self.recent = np.zeros(n_expert)
-        self.freq = np.zeros(n_expert)
-        self.resident = np.zeros(n_expert, bool)
+        self.slots = SlotDecayedLFU(n_slots, 1, n_expert, **kw)
 
     def step(self, ids):
         ids = np.asarray(ids, np.int64)
-        hits = self.resident[ids].copy()
-        self.recent *= self.recent_decay
-        self.freq *= self.freq_decay
-        self.recent[ids] += 1.0
-        self.freq[ids] += 1.0
-        score = self.recent + self.freq * self.freq_weight
-        mine = np.zeros(self.n_expert, bool)
-        mine[ids] = True
+        hits = self.slots.resident[0, ids].copy()
+        self.slots.observe(0, ids[None])
+        score = self.slots.score()[0]
+        working = [(0, int(e)) for e in ids]
         for e in sorted(ids[~hits].tolist(), key=lambda x: (-score[x], x)):  # the strongest newcomers first
-            if self.resident.sum() < self.n_slots:
-                self.resident[e] = True
-                continue
-            candidates = np.flatnonzero(self.resident & ~mine)
-            if candidates.size == 0:
-                break
-            victim = candidates[np.argmin(score[candidates])]
-            if score[e] > score[victim] + self.margin:
-                self.resident[victim], self.resident[e] = False, True
+            self.slots.admit((0, e), working)
         return hits
 
     def holds(self, e):
-        return bool(self.resident[e])
+        return bool(self.slots.resident[0, e])
 
 
 class AdmitLRU(CachePolicy):
@@ -225,8 +202,9 @@ def next_use(ids: np.ndarray) -> np.ndarray:
 POLICIES: dict[str, type[CachePolicy]] = {p.name: p for p in (LRU, SLRU, DecayedLFU, AdmitLRU, Belady)}
 
 
-# The policy `sharpi bench cache` calls the default (the one the cache's hit-rate model should assume).
-DEFAULT_POLICY = "dlfu"
+# The policy `sharpi bench cache` calls the default: the runtime cache's default, whose hit rates the planner's
+# hit-rate curve assumes.
+DEFAULT_POLICY = DEFAULT_SLOT_POLICY
 
 
 def replay(policy: str | type[CachePolicy], ids: np.ndarray, n_slots: int, n_expert: int, **kw) -> np.ndarray:

@@ -88,9 +88,11 @@ class CachedExperts(ExpertBackend):
             prompt_upload_threshold(self.options) if prompt_upload_min is None else prompt_upload_min
         )
         background = {"background": True, "inline": False}.get(self.options.cache_upload)  # None: on CUDA
-        self.pool = ExpertPool(stacks, layers, arena, layout, n_slots, max_uploads, layer_layouts, background)
+        self.pool = ExpertPool(
+            stacks, layers, arena, layout, n_slots, max_uploads, layer_layouts, background, self.options.cache_policy
+        )
         self.compute = PoolCompute(self.pool, stacks, q8_act, self.options)
-        self.slru = self.pool.slru
+        self.slots = self.pool.slots  # the slot policy (engine.runtime.slot_policies)
         self._fused = self.compute.fused  # layer -> the fused Triton kernels serve its three roles
         self._expert_bytes = self.pool.expert_bytes  # (layer, role) -> uint8 [E, row bytes] views of the map
         self.queue: list[tuple[int, int]] = []  # (layer, expert) to upload at the end of the step
@@ -146,10 +148,11 @@ class CachedExperts(ExpertBackend):
             self.pool.drain()  # uploads behind the decode land first: a prompt may upload and evict
         experts = np.unique(ids_h)
         working = {(layer, int(e)) for e in experts}
+        self.slots.observe(layer, ids_h)
         hit, miss = [], []
         for e in experts:  # in the table: a hit (an expert still being copied in is a miss)
             if self.pool.slots_h[layer, e] >= 0:
-                self.slru.hit((layer, int(e)))
+                self.slots.hit((layer, int(e)))
                 hit.append(int(e))
             else:
                 miss.append(int(e))
@@ -229,7 +232,7 @@ class CachedExperts(ExpertBackend):
         t_idx, k_idx = np.nonzero(np.isin(ids_h, list(hit_set)))  # pairs, token-major
         if len(t_idx) <= 64:
             # Decode, reference: gather the pairs' slots and run one batched matmul per role.
-            slots = torch.tensor([self.slru.slot((layer, int(ids_h[t, k]))) for t, k in zip(t_idx, k_idx)])
+            slots = torch.tensor([self.slots.slot((layer, int(ids_h[t, k]))) for t, k in zip(t_idx, k_idx)])
             experts = torch.from_numpy(ids_h[t_idx, k_idx].astype(np.int64)).to(self.device)
             xp = x[torch.from_numpy(t_idx).to(x.device)]
             out = self.compute.pair_outputs(layer, slots.to(self.device), xp, experts)
@@ -238,7 +241,7 @@ class CachedExperts(ExpertBackend):
         for e in sorted(hit_set):  # prefill: each expert once over all its tokens
             t, k = np.nonzero(ids_h == e)
             ti, ki = torch.from_numpy(t).to(x.device), torch.from_numpy(k).to(x.device)
-            out = self.compute.expert_rows(layer, self.slru.slot((layer, e)), x[ti], int(e))
+            out = self.compute.expert_rows(layer, self.slots.slot((layer, e)), x[ti], int(e))
             y.index_add_(0, ti, out * w[ti, ki][:, None])
         return y
 
@@ -292,12 +295,13 @@ class CachedExperts(ExpertBackend):
         if self.upload_policy == "sync":  # the device half did nothing: upload the misses, run all here
             x = torch.from_numpy(X).to(self.device)
             return self._serve(layer, x, ids, torch.from_numpy(weights).to(self.device)).cpu().numpy()
+        self.slots.observe(layer, ids)
         ids = ids[0]
         in_pool = self.pool.slots_h[layer, ids] >= 0  # one token's K experts are distinct
         if self.profiler is not None:
             self.profiler.record_cache(layer, ids[in_pool], ids[~in_pool], {})
         for e in np.sort(ids[in_pool]):  # recency in :meth:`forward`'s order
-            self.slru.hit((layer, int(e)))
+            self.slots.hit((layer, int(e)))
         if in_pool.all():
             return None
         self.queue.extend((layer, int(e)) for e in np.sort(ids[~in_pool]))

@@ -1,4 +1,4 @@
-"""The expert cache's device memory: one slot pool, the SLRU that assigns its slots, the expert → slot
+"""The expert cache's device memory: one slot pool, the slot policy that assigns its slots, the expert → slot
 table, and the uploads that fill it.
 
 The pool is one flat uint8 tensor; a slot holds one expert's raw quantized gate | up | down bytes at
@@ -6,8 +6,9 @@ the role offsets of a slot layout, and the kernels address it by byte offset (:a
 A cache's slots all have the stride of ``engine.plan.sizing.expert_slot_layout`` (the largest expert of
 any layer: a slot serves every layer); resident experts (``layer_layouts``) never move, so each layer's
 are packed at its own ``layer_slot_layout`` stride, slot after slot as they are first filled
-(``engine.plan.sizing.resident_expert_bytes``). The planner prices exactly these bytes. A segmented LRU maps (layer,
-expert) to slots. Uploads copy an expert's bytes from the memory map
+(``engine.plan.sizing.resident_expert_bytes``). The planner prices exactly these bytes. A slot policy
+(``engine.runtime.slot_policies``: lru, slru or dlfu, ``EngineOptions.cache_policy``) maps (layer, expert) to
+slots, and may refuse a miss a slot (it then stays a miss, computed on the CPU). Uploads copy an expert's bytes from the memory map
 through a pinned staging row on a side CUDA stream (on the CPU simulated device: directly); the table
 (host copy, and a device copy refreshed between steps) says where each expert is, -1 where it is not.
 
@@ -30,7 +31,7 @@ from engine.experts import ExpertStacks
 from engine.plan.sizing import SlotLayout
 from engine.profiler import ExpertProfiler
 from engine.runtime.device import DeviceArena, raw_bytes
-from engine.runtime.slru import SegmentedLRU
+from engine.runtime.slot_policies import DEFAULT_SLOT_POLICY, make_slots
 
 ROLES = ("gate", "up", "down")
 BACKGROUND_RING = 16  # pinned staging rows of the background uploads (each reused once its copy has landed)
@@ -69,11 +70,13 @@ class ExpertPool:
         max_uploads: int,
         layer_layouts: dict[int, SlotLayout] | None = None,
         background: bool | None = None,
+        policy: str = DEFAULT_SLOT_POLICY,
     ):
         """layout: the cache's slot layout; layer_layouts: {layer: its own layout} for resident experts
         (``n_slots`` = every expert of ``layers``, packed; no slot is ever reused by another layer);
         background: :meth:`upload_later` copies on a worker thread (None: on CUDA; else at once, as
-        :meth:`upload` does, and published at once — the simulated device's deterministic default)."""
+        :meth:`upload` does, and published at once — the simulated device's deterministic default); policy: the
+        slot policy's name (``engine.runtime.slot_policies.SLOT_POLICIES``)."""
         self.stacks, self.layers, self.layout, self.max_uploads = stacks, set(layers), layout, max_uploads
         self.layer_layouts = layer_layouts
         self.device = arena.device
@@ -87,7 +90,8 @@ class ExpertPool:
         self._packed = 0  # bytes of the packed (resident) pool handed out
         self.pool = arena.empty("experts", (nbytes,), torch.uint8)
         self.slot_off_dev = torch.from_numpy(self.slot_off_h).to(self.device)
-        self.slru = SegmentedLRU(n_slots)
+        n_exp = max((stacks[i].gate.n_experts for i in self.layers), default=0)
+        self.slots = make_slots(policy, n_slots, max(self.layers, default=-1) + 1, max(n_exp, 1))
         self.expert_bytes = {
             (i, r): raw_bytes(getattr(s, r)).reshape(s.gate.n_experts, -1) for i, s in stacks.items() for r in ROLES
         }
@@ -96,9 +100,8 @@ class ExpertPool:
         self._staging: torch.Tensor | None = None  # pinned [max_uploads, stride] on CUDA
         self._staged = 0  # staging rows in use since the last drain
         self._copies_done: torch.cuda.Event | None = None
-        # Expert -> slot of every cached layer (-1: not in the pool), kept with the SLRU by upload; a decode
+        # Expert -> slot of every cached layer (-1: not in the pool), kept with the slot policy by upload; a decode
         # graph reads the device copy, refreshed between tokens (refresh_table) after the uploads it points at.
-        n_exp = max((stacks[i].gate.n_experts for i in self.layers), default=0)
         rows = max(self.layers, default=-1) + 1
         pin = self.device.type == "cuda"
         self._slots_pin = torch.full((rows, n_exp), -1, dtype=torch.int64, pin_memory=pin)
@@ -123,7 +126,7 @@ class ExpertPool:
         pin); False when no slot can be had. Background uploads still in flight land first."""
         if self._jobs:
             self.drain()
-        got = self.slru.admit((layer, e), working)
+        got = self.slots.admit((layer, e), working)
         if got is None:
             return False  # every slot holds an expert this token needs, or a pinned one
         slot, evicted = got
@@ -174,12 +177,12 @@ class ExpertPool:
         they have landed (:meth:`publish`). Returns how many were admitted (none while
         ``BACKGROUND_JOBS`` batches are in flight). Without ``background``: :meth:`upload` each at once."""
         if not self.background:
-            n = sum(self.upload(layer, e, set()) for layer, e in items if (layer, e) not in self.slru)
+            n = sum(self.upload(layer, e, set()) for layer, e in items if (layer, e) not in self.slots)
             self.sync()
             self.refresh_table()
             return n
         self.publish()
-        todo = [(layer, e) for layer, e in dict.fromkeys(items) if (layer, e) not in self.slru]
+        todo = [(layer, e) for layer, e in dict.fromkeys(items) if (layer, e) not in self.slots]
         if not todo:
             return 0
         if len(self._jobs) >= BACKGROUND_JOBS:
@@ -189,9 +192,9 @@ class ExpertPool:
             raise RuntimeError("a packed (resident) expert pool is filled by preload, not behind the decode")
         batch = []
         for layer, e in todo:
-            got = self.slru.admit((layer, e), ())
+            got = self.slots.admit((layer, e), ())
             if got is None:
-                break
+                continue  # the policy keeps what it holds (or every slot is pinned): it stays on the CPU
             slot, evicted = got
             if evicted is not None:
                 self.slots_h[evicted] = -1  # out of the table before its slot is overwritten
@@ -251,7 +254,7 @@ class ExpertPool:
                 torch.cuda.current_stream(self.device).wait_event(done)
             self._jobs.pop(0)
             for layer, e, slot in batch:
-                if self.slru.slot((layer, e)) != slot:
+                if self.slots.slot((layer, e)) != slot:
                     continue  # evicted by a later batch before it landed
                 self.slots_h[layer, e] = slot
                 self._table_dirty = True
@@ -279,7 +282,7 @@ class ExpertPool:
 
     def offset(self, layer: int, e: int) -> int:
         """Byte offset of expert ``e`` of ``layer`` in the pool (it must be in the pool)."""
-        return int(self.slot_off_h[self.slru.slot((layer, e))])
+        return int(self.slot_off_h[self.slots.slot((layer, e))])
 
     def rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """The bytes of ``layer``'s experts in ``slots`` (int64 [P] on the device) -> uint8 [P, stride]."""
@@ -310,7 +313,7 @@ class ExpertPool:
                 if not self.upload(i, e, set()):
                     raise RuntimeError("resident experts need a slot per expert")
                 if pin:
-                    self.slru.pin((i, e))
+                    self.slots.pin((i, e))
         self.sync()
         if self.layer_layouts is not None:
             self.slot_off_dev.copy_(torch.from_numpy(self.slot_off_h))

@@ -16,6 +16,10 @@ PROBATION_SHARE = 0.25
 
 
 class SegmentedLRU:
+    """The ``slru`` slot policy (``engine.runtime.slot_policies``: the same interface)."""
+
+    name = "slru"
+
     def __init__(self, n_slots: int):
         if n_slots < 0:
             raise ValueError("n_slots must be >= 0")
@@ -39,6 +43,9 @@ class SegmentedLRU:
 
     def keys(self) -> list[Hashable]:
         return list(self.probation) + list(self.protected)
+
+    def observe(self, layer: int, ids) -> None:
+        """A layer pass's experts: recency is kept by :meth:`hit` and :meth:`admit` alone."""
 
     def hit(self, key: Hashable) -> int | None:
         """Record a use of ``key``: its slot, promoted/refreshed; None on a miss (nothing changes)."""

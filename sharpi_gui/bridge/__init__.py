@@ -124,6 +124,8 @@ class EngineBridge(QObject):
     _doLoad = Signal(str, int, str, object)
     _doGenerate = Signal(int, object, object, object)
     _doApply = Signal(object)
+    _doCachePolicy = Signal(str)
+    _doRoutingHistory = Signal(bool)
     _doClose = Signal()
     _doConnect = Signal(str, str, str)
 
@@ -159,6 +161,9 @@ class EngineBridge(QObject):
         self._doLoad.connect(self._worker.load)
         self._doGenerate.connect(self._worker.generate)
         self._doApply.connect(self._worker.apply)
+        self._doCachePolicy.connect(self._worker.set_cache_policy)
+        self._doRoutingHistory.connect(self._worker.set_routing_history)
+        self._recorder = None  # the route recorder while the experts dock records routing
         self._doClose.connect(self._worker.close)
         self._doConnect.connect(self._worker.connect_remote)
         self._list_ticket = 0
@@ -379,6 +384,52 @@ class EngineBridge(QObject):
         self._doApply.emit(settings)
         return True
 
+    def set_cache_policy(self, name: str) -> bool:
+        """The expert cache's policy from now on (a cache in force is rebuilt with it, on the worker: the
+        ``applied`` signal follows); False if busy or no local model."""
+        if self._state != IDLE or self._local is None or name not in D.CACHE_POLICIES:
+            return False
+        self._set_state(APPLYING)
+        self._doCachePolicy.emit(name)
+        return True
+
+    def set_routing_history(self, use: bool) -> bool:
+        """ "Use my routing history": re-price the cache with the user's recorded routing (or the synthetic curve),
+        on the worker (replaying a new trace takes seconds); ``applied`` follows. False if busy or no local model."""
+        if self._state != IDLE or self._local is None:
+            return False
+        self._set_state(APPLYING)
+        self._doRoutingHistory.emit(bool(use))
+        return True
+
+    @property
+    def recording_routes(self) -> bool:
+        return self._recorder is not None
+
+    def record_routes(self, on: bool) -> str:
+        """Start recording the loaded model's routing (tokens then run layer by layer: the same output, slower),
+        or stop and save what was recorded into the routing history. Returns the file saved ("" when starting or
+        nothing was recorded); raises OSError when there is no local model or it is busy."""
+        cur = self._local
+        if cur is None:
+            raise OSError("a remote model's routing cannot be recorded" if self.has_model else "no model is loaded")
+        if self._state != IDLE:
+            raise OSError("the model is busy: try again when the reply has finished")
+        if on:
+            if self._recorder is None:
+                self._recorder = cur.session.record_routes()
+            return ""
+        rec, self._recorder = self._recorder, None
+        if rec is None:
+            return ""
+        cur.session.stop_recording_routes()
+        if not rec.n_tokens:
+            return ""
+        path = cur.session.save_routes_to_history(rec)
+        if cur.limits.routing_history:  # the new trace counts at once
+            self.set_routing_history(True)
+        return path
+
     def poll_stats(self, force: bool = False) -> D.StatsFrame | None:
         """Emit and return a fresh :class:`StatsFrame` if tokens went through since the last one."""
         cur = self._local
@@ -541,6 +592,7 @@ class EngineBridge(QObject):
     # -- worker results -------------------------------------------------------------------------
     def _on_loaded(self, loaded: C.Loaded) -> None:
         self._last_tokens = -1
+        self._recorder = None  # it recorded the model closed now
         self._set_state(IDLE)
         self.loaded.emit(loaded.card, loaded.limits)
         self._resume_calibration()
@@ -551,6 +603,7 @@ class EngineBridge(QObject):
 
     def _on_connected(self, remote: C.Remote) -> None:
         self._last_tokens = -1
+        self._recorder = None
         self._set_state(IDLE)
         self.remoteConnected.emit(remote.info)
 

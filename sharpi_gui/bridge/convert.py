@@ -159,6 +159,7 @@ def preview(settings: D.PlanSettings, p) -> D.PlanPreview:
         predicted_hit_rate=p.to_dict()["predicted_hit_rate"],
         speeds_source=profile_source(p.profile, cpu_only=p.n_gpu_layers == 0),
         speeds_device=p.profile.name,
+        hit_curve_source=p.profile.hit_curve_source,
         expert_slots=p.expert_slots,
         expert_slots_needed=p.expert_slots_needed,
         kv_bytes=p.kv_bytes,
@@ -210,6 +211,20 @@ def limits(
     measured_tok_s: float = 0.0,
     offer_device: bool = True,
 ) -> D.PlacementLimits:
+    """:func:`placement_limits` with the session's expert-cache policy and routing-history choice."""
+    got = placement_limits(session, spec, profile, requested, measured_tok_s, offer_device)
+    kw = {"cache_policy": session.cache_policy, "routing_history": session.routing_history}
+    return replace(got, **kw, whatif=replace(got.whatif, **kw) if got.whatif else None)
+
+
+def placement_limits(
+    session: Session,
+    spec: ModelSpec,
+    profile: DeviceProfile,
+    requested: D.PlanSettings | None,
+    measured_tok_s: float = 0.0,
+    offer_device: bool = True,
+) -> D.PlacementLimits:
     """Ranges of the placement controls; ``requested``: the settings that made the placement in
     force (None when the model runs on the CPU: the controls then propose the automatic plan).
     Without a GPU the only placement is the CPU: the controls offer its context and KV type."""
@@ -217,7 +232,7 @@ def limits(
     if not offer_device:
         current = D.PlanSettings(vram_bytes=0, ctx=session.n_ctx, kv_type=session.kv_type, n_gpu_layers=0)
         whatif = replace(
-            limits(session, spec, profile, None, measured_tok_s, offer_device=True),
+            placement_limits(session, spec, profile, None, measured_tok_s, offer_device=True),
             device_name="hypothetical GPU, default speeds",
             in_force="",
         )

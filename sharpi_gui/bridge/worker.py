@@ -277,6 +277,39 @@ class _Worker(QObject):
         self.current = loaded
         self.applied.emit(loaded)
 
+    @Slot(str)
+    def set_cache_policy(self, name: str) -> None:
+        self._changed(lambda s: s.set_cache_policy(name), "Could not change the cache policy")
+
+    @Slot(bool)
+    def set_routing_history(self, use: bool) -> None:
+        self._changed(lambda s: s.set_routing_history(use), "Could not read the routing history")
+
+    def _changed(self, change, title: str) -> None:
+        """Change the loaded session (``change(session)``) and publish it as an apply does: the placement in
+        force (re-applied if the change did), the profile's hit-rate curve, the limits."""
+        cur = self.current
+        if not isinstance(cur, C.Loaded):
+            why = "A remote model is placed by its server." if cur else "Open a model first (File → Open)."
+            self.applyFailed.emit(D.Failure(D.ERR_NO_MODEL, title, why))
+            return
+        try:
+            with self.model_lock:
+                change(cur.session)
+            curve = cur.session.hit_curve()
+            profile = replace(cur.profile, hit_curve=curve.points, hit_curve_source=curve.detail)
+            applied = cur.limits.applied
+            limits = C.limits(
+                cur.session, cur.spec, profile, applied, cur.limits.measured_tok_s, self.offers_device(cur.session)
+            )
+            loaded = replace(cur, profile=profile, card=C.card(cur.session, cur.spec), limits=limits)
+        except Exception as e:
+            self._log(e)
+            self.applyFailed.emit(C.failure(e, title))
+            return
+        self.current = loaded
+        self.applied.emit(loaded)
+
     @Slot()
     def close(self) -> None:
         with self.model_lock:

@@ -1,5 +1,6 @@
 """The experts dock: a layers × experts heatmap (heat, residency or hit ratio) with a colour bar,
-live plots of decode tok/s, cache hit rate and upload MB/s, and export (JSON + CSV + PNG).
+live plots of decode tok/s, cache hit rate and upload MB/s, export (JSON + CSV + PNG), the expert cache's
+policy, and recording the routing into the user's routing history (which the planner learns from).
 Renders an ExpertsModel's frames; the plots write into preallocated numpy buffers."""
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def _ticks(n: int, most: int = 12) -> list[tuple[int, str]]:
 
 class ExpertsPanel(QWidget):
     exportRequested = Signal()
+    recordFailed = Signal(str)  # why recording could not start or stop
+    recordSaved = Signal(str)  # the routing trace saved into the history
 
     def __init__(self, model, theme: Theme = LIGHT, parent: QWidget | None = None):
         super().__init__(parent)
@@ -73,6 +76,23 @@ class ExpertsPanel(QWidget):
         self.export_button = QPushButton("Export…")
         self.export_button.setToolTip("Save the profiler snapshot as JSON + CSV, and this heatmap as PNG (Ctrl+E)")
         self.export_button.setEnabled(False)
+        self.policy_box = QComboBox()
+        for p in D.CACHE_POLICIES:
+            self.policy_box.addItem(D.CACHE_POLICY_LABELS[p], p)
+            self.policy_box.setItemData(
+                self.policy_box.count() - 1, D.CACHE_POLICY_TIPS[p], Qt.ItemDataRole.ToolTipRole
+            )
+        self.policy_box.setCurrentIndex(D.CACHE_POLICIES.index(model.policy))
+        self.policy_box.setToolTip(
+            "Which experts the GPU expert cache keeps (changing it rebuilds a cache in force; never the output)"
+        )
+        self.record_button = QPushButton("Record routing")
+        self.record_button.setCheckable(True)
+        self.record_button.setToolTip(
+            "Record which experts each token uses into your routing history, which the planner's cache hit rates "
+            "learn from (while recording, tokens run layer by layer: the same output, slower)"
+        )
+        self.record_button.setEnabled(False)
         self.info = QLabel("No model loaded.")
         # Its text changes with every frame: it must never resize the plots (a full repaint).
         self.info.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
@@ -81,6 +101,9 @@ class ExpertsPanel(QWidget):
         top.addWidget(QLabel("Show"))
         top.addWidget(self.mode_box)
         top.addStretch(1)
+        top.addWidget(QLabel("Cache policy"))
+        top.addWidget(self.policy_box)
+        top.addWidget(self.record_button)
         top.addWidget(self.export_button)
 
         # Heatmap: rows = layers (0 at the top), columns = experts.
@@ -133,8 +156,12 @@ class ExpertsPanel(QWidget):
 
         self.mode_box.currentIndexChanged.connect(lambda _i: model.set_mode(self.mode_box.currentData()))
         self.export_button.clicked.connect(self.exportRequested)
+        self.policy_box.currentIndexChanged.connect(self._on_policy_box)
+        self.record_button.toggled.connect(self._on_record)
         model.frameChanged.connect(self.render)
         model.modeChanged.connect(self._on_mode)
+        model.policyChanged.connect(self._show_policy)
+        model.recordingChanged.connect(self._show_recording)
         self.set_theme(theme)
 
     # -- rendering ------------------------------------------------------------------------------------
@@ -182,6 +209,32 @@ class ExpertsPanel(QWidget):
                 note += f" (prediction recall {frame.prefetch_recall:.0%})"
         self.info.setText(note)
         self.export_button.setEnabled(True)
+        self.record_button.setEnabled(True)
+
+    def _on_policy_box(self, _index: int) -> None:
+        if not self.model.set_policy(self.policy_box.currentData()):
+            self._show_policy(self.model.policy)  # busy or no model: the selector shows the policy in force
+
+    def _show_policy(self, policy: str) -> None:
+        self.policy_box.blockSignals(True)
+        self.policy_box.setCurrentIndex(D.CACHE_POLICIES.index(policy))
+        self.policy_box.blockSignals(False)
+
+    def _on_record(self, on: bool) -> None:
+        try:
+            path = self.model.set_recording(on)
+        except OSError as e:
+            self._show_recording(self.model.recording)
+            self.recordFailed.emit(str(e))
+            return
+        if path:
+            self.recordSaved.emit(path)
+
+    def _show_recording(self, on: bool) -> None:
+        self.record_button.blockSignals(True)
+        self.record_button.setChecked(on)
+        self.record_button.setText("Stop recording" if on else "Record routing")
+        self.record_button.blockSignals(False)
 
     def _on_mode(self, mode: str) -> None:
         self.mode_box.blockSignals(True)

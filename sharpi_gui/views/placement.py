@@ -85,6 +85,12 @@ class PlacementPanel(QWidget):
         self.whatif = QCheckBox("What if this machine had a GPU? (a plan only: it cannot be applied here)")
         self.whatif.setToolTip("Plan for a hypothetical GPU with default speeds; this machine keeps running on the CPU")
         self.whatif.setVisible(False)
+        self.history = QCheckBox("Use my routing history")
+        self.history.setToolTip(
+            "Predict the expert cache's hit rates from the routing you recorded (the experts dock's Record "
+            "routing) instead of a generic guess; auto then picks the mode for your use"
+        )
+        self.history.setEnabled(False)
         self.vram_title = QLabel("VRAM budget")
         self.moe_title = QLabel("Experts")
         self.layers_title = QLabel("GPU layers")
@@ -108,6 +114,7 @@ class PlacementPanel(QWidget):
         for label in (self.vram_label, self.ctx_label):
             label.setStyleSheet("font-size: 11px;")
         buttons = QHBoxLayout()
+        buttons.addWidget(self.history)
         buttons.addWidget(self.state_label, 1)
         buttons.addWidget(self.reset_button)
         buttons.addWidget(self.apply_button)
@@ -131,6 +138,7 @@ class PlacementPanel(QWidget):
         self.gpu_layers.valueChanged.connect(model.set_gpu_layers)
         self.apply_button.clicked.connect(model.apply)
         self.whatif.toggled.connect(model.set_whatif)
+        self.history.toggled.connect(self._on_history)
         model.whatifChanged.connect(self._render_whatif)
         self.reset_button.clicked.connect(model.reset)
         # model -> rendering
@@ -178,6 +186,8 @@ class PlacementPanel(QWidget):
             w.setVisible(limits.has_gpu)
         self.gpu_layers.setVisible(limits.has_gpu)
         self.layout_view.setVisible(limits.has_gpu)
+        self.history.setVisible(limits.has_gpu and limits.is_moe)  # the cache's hit rates matter only there
+        self._show_history(limits)
         self._render_whatif(self.model.whatif)
 
     def _render_settings(self, s: D.PlanSettings) -> None:
@@ -266,6 +276,8 @@ class PlacementPanel(QWidget):
         if pv.expert_slots_needed:
             hit = "" if pv.predicted_hit_rate is None else f", hit rate ≈ {pv.predicted_hit_rate:.0%}"
             facts.append(f"expert slots {pv.expert_slots}/{pv.expert_slots_needed}{hit}")
+        if pv.hit_curve_source:
+            facts.append(f"cache hit rates from {pv.hit_curve_source}")
         kv = f"KV {D.human_bytes(pv.kv_bytes)} on device"
         if pv.host_kv_bytes:
             kv += f" + {D.human_bytes(pv.host_kv_bytes)} on host"
@@ -278,6 +290,16 @@ class PlacementPanel(QWidget):
         self._render_buttons()
 
     # -- intents --------------------------------------------------------------------------------------
+    def _on_history(self, on: bool) -> None:
+        if not self.model.set_routing_history(on) and self.model.limits is not None:
+            self._show_history(self.model.limits)  # busy: the box shows the choice in force
+
+    def _show_history(self, limits: D.PlacementLimits) -> None:
+        self.history.blockSignals(True)
+        self.history.setChecked(limits.routing_history)
+        self.history.blockSignals(False)
+        self.history.setEnabled(limits.is_moe)
+
     def _on_vram(self, value: int) -> None:
         if self.model.limits is not None:
             self.model.set_vram(value * self.model.limits.vram_step_bytes)

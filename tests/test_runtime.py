@@ -261,9 +261,10 @@ def test_every_cache_policy_moves_experts_never_the_logits(paths, device, policy
             assert np.abs(prefill - ref_prefill).max() <= 1e-5, (slots, np.abs(prefill - ref_prefill).max())
             assert np.abs(decode - ref_decode).max() <= 1e-5, (slots, np.abs(decode - ref_decode).max())
             st = s.stats()
-            assert st.hits.sum() > 0, (slots, st.hits.sum(), st.misses.sum())
-            if slots < L * E // 2:  # a tenth of the experts: some must miss (half may hold all this run asks for)
-                assert st.misses.sum() > 0, (slots, st.hits.sum(), st.misses.sum())
+            # A tenth of the experts must miss (and LRU may hit nothing there: on CUDA three slots against a token's
+            # four experts thrash); half of them must hit (and may hold all that this run asks for)
+            counts = (slots, st.hits.sum(), st.misses.sum())
+            assert (st.misses.sum() if slots < L * E // 2 else st.hits.sum()) > 0, counts
             pool = s.applied.experts.pool
             pool.drain()
             _table_agrees_with_the_policy(pool)

@@ -87,8 +87,9 @@ def test_host_calibration_is_measured_once_and_feeds_the_library(cal_dir, demo):
     assert not c.cached and len(seen) == 3 + len(hc.HOST_PROBE_LAYERS)
     assert set(c.profile.measured) == set(CPU_FIELDS)
     assert profile_source(c.profile, cpu_only=True) == "measured"
-    # the fit's intercept (a token's fixed cost) is clamped at 0: on a busy machine the per-layer slope can take it all
-    assert c.profile.cpu_trunk_gbps > 0 and c.profile.token_us >= 0 and c.profile.host_layer_us > 0
+    # the fit clamps both fixed costs at 0, and on a busy machine either the token's or the layer's can take it all
+    p = c.profile
+    assert p.cpu_trunk_gbps > 0 and min(p.token_us, p.host_layer_us) >= 0 and p.token_us + p.host_layer_us > 0
     # a restart finds it cached: nothing is measured again
     assert not hc.host_calibration_needed(demo)
     again = hc.calibrate_host(demo, progress=seen.append)

@@ -68,6 +68,7 @@ ENV = MappingProxyType(
         "calibrate": "SHARPI_NO_CALIBRATE",
         "calibration_dir": "SHARPI_CALIBRATION_DIR",
         "demo_model": "SHARPI_DEMO_MODEL",
+        "reasoning": "SHARPI_REASONING",
         "data_dir": "SHARPI_DATA_DIR",
         "engine_nice": "SHARPI_ENGINE_NICE",
     }
@@ -81,6 +82,7 @@ CACHE_UPLOADS = ("background", "inline")
 ACT_MODES = ("q8", "f32")
 WEIGHT_MODES = ("auto", "copy", "mmap")  # EngineOptions.weights
 PREFILL_PRECISIONS = ("bf16", "f32")
+REASONING_MODES = ("auto", "off", "think", "harmony")  # EngineOptions.reasoning (engine.generate.reasoning.FORMATS)
 
 # numba's OpenMP workers (libgomp) spin ~300,000 pause loops (~15 ms) after each parallel loop
 # before they sleep. A decode step runs ~100 short loops; when another process wants a core, the
@@ -196,6 +198,14 @@ class EngineOptions:
     # -- files ------------------------------------------------------------------------------------------
     # SHARPI_DEMO_MODEL: the demo GGUF `sharpi run` and the app use without -m (engine.demo).
     demo_model: Path | None = None
+
+    # -- generation -------------------------------------------------------------------------------------
+    # SHARPI_REASONING: how a reply's reasoning is kept apart from its answer (engine.generate.reasoning):
+    # "auto" (default) — the format the model's architecture, vocabulary and chat template say (gpt-oss's
+    # harmony channels, Qwen3/QwQ's <think> … </think>; none for other models); "off" — no separation (the
+    # reasoning stays in the answer text, as the model wrote it); "think" or "harmony" — that format, whatever
+    # the model says.
+    reasoning: str = "auto"
 
     # -- the desktop app (read by sharpi_gui's bridge and handed to the app) ---------------------------
     # SHARPI_DATA_DIR: where the app keeps conversations; None = the platform's user data directory.
@@ -335,6 +345,7 @@ _PARSE = {
     "calibrate": lambda var, raw: not _flag(var, raw),  # the variable says "no calibration"
     "calibration_dir": lambda var, raw: Path(raw).expanduser(),
     "demo_model": lambda var, raw: Path(raw).expanduser(),
+    "reasoning": _choice(REASONING_MODES),
     "data_dir": lambda var, raw: Path(raw).expanduser(),
     "engine_nice": _whole,
 }
@@ -349,6 +360,7 @@ def _check(o: EngineOptions) -> None:
         "device_kernels": ("triton", "reference"),
         "cuda_graph": CUDA_GRAPH_MODES,
         "weights": WEIGHT_MODES,
+        "reasoning": REASONING_MODES,
     }
     for name, allowed in choices.items():
         if getattr(o, name) not in allowed:

@@ -8,7 +8,6 @@ import random
 import threading
 
 import pytest
-import torch
 
 from engine.generate import SamplingParams, generate
 from engine.generate.loop import CacheState
@@ -25,6 +24,7 @@ from engine.gguf import open_gguf
 from engine.synth.tokenizer import BPE_SPECIALS, corpus, train_bpe_vocab
 from engine.synth.writer import write_model
 from engine.tokenizer import load_tokenizer
+from tests.scripted import FlatCache, ScriptedModel
 
 
 def run(fmt: str, pieces, state: str | None = None) -> tuple[str, str, bool]:
@@ -193,27 +193,6 @@ def test_template_messages_name_the_reasoning_as_the_template_does():
 
 
 # -- through the decode loop, on real token ids -----------------------------------------------------------------
-class ScriptedModel:
-    """Emits ``script`` token by token (then its last token forever), whatever the prompt."""
-
-    def __init__(self, script: list[int], n_vocab: int):
-        self.script, self.n_vocab, self.i = list(script), n_vocab, 0
-
-    def forward(self, ids, pos, cache, all_logits=False):
-        row = torch.full((1, self.n_vocab), -1e9)
-        row[0, self.script[min(self.i, len(self.script) - 1)]] = 0.0
-        self.i += 1
-        return row
-
-
-class FlatCache:
-    n_ctx = 4096
-    recurrent = {}
-
-    def reusable_prefix(self, keep, held):
-        return keep
-
-
 def stream(tok, script, prompt, fmt, max_tokens=64, **kw):
     model = ScriptedModel(script, tok.n_vocab)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, **kw)

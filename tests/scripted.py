@@ -7,10 +7,16 @@ import torch
 
 class ScriptedModel:
     """Emits ``script`` token by token, whatever the prompt (then its last token forever); :meth:`restart`
-    begins it again (a new request)."""
+    begins it again (a new request). ``base``: a real model whose other attributes (its profiler, ...) this one
+    lends, for a session that reads them."""
 
-    def __init__(self, script: list[int], n_vocab: int):
-        self.script, self.n_vocab, self.i = list(script), n_vocab, 0
+    def __init__(self, script: list[int], n_vocab: int, base=None):
+        self.script, self.n_vocab, self.i, self._base = list(script), n_vocab, 0, base
+
+    def __getattr__(self, name):
+        if name.startswith("_") or self._base is None:
+            raise AttributeError(name)
+        return getattr(self._base, name)
 
     def restart(self, script: list[int] | None = None) -> None:
         self.script, self.i = list(script if script is not None else self.script), 0

@@ -283,3 +283,14 @@ def test_think_through_the_loop_with_special_and_plain_markers(think_tok, harmon
     # a stop string inside the answer still cuts it
     r, a, evs = stream(tok, [*body, tok.eos_id], prompt, THINK, stop=("there",))
     assert (r, a, evs[-1].finish_reason) == ("The user greets.\n", "Hello ", "stop")
+
+
+def test_the_cli_writes_the_answer_to_stdout_and_the_reasoning_to_stderr(harmony_tok, capsys):
+    from engine.cli.cmd_run import _stream
+
+    tok = harmony_tok
+    script = tok.encode("<|channel|>analysis<|message|>hmm<|end|><|start|>assistant<|channel|>final<|message|>ok")
+    _, _, evs = stream(tok, [*script, tok.token_id("<|return|>")], tok.encode("q"), HARMONY)
+    _stream(None, evs)
+    out = capsys.readouterr()
+    assert out.out == "ok" and out.err == "hmm"

@@ -294,3 +294,50 @@ def test_the_cli_writes_the_answer_to_stdout_and_the_reasoning_to_stderr(harmony
     _stream(None, evs)
     out = capsys.readouterr()
     assert out.out == "ok" and out.err == "hmm"
+
+
+# The rule Qwen3's template follows, written out for this test: an assistant turn's reasoning (its
+# reasoning_content, or the <think> block in its content) is rendered only after the last user message (a tool
+# round in progress); every earlier turn keeps its answer alone.
+QWEN_LIKE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'assistant' %}"
+    "{%- set content = m['content'] %}{%- set thought = m.get('reasoning_content') or '' %}"
+    "{%- if '</think>' in content %}{%- set thought = content.split('</think>')[0].split('<think>')[-1] %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_user and thought %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + thought + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_a_think_models_history_leaves_earlier_reasoning_out(tmp_path):
+    """A Qwen3-style file (the <think> tokens in its vocabulary): the format is detected, and an earlier reply's
+    reasoning handed back as reasoning_content is dropped by the template from the next prompt, kept only for a
+    turn after the last user message."""
+    from dataclasses import replace
+
+    from engine.api import LoadOptions, Session
+
+    vocab = train_bpe_vocab(corpus(), 1024, specials=(*BPE_SPECIALS, "<think>", "</think>"))
+    path = tmp_path / "qwen3.gguf"
+    write_model(path, "qwen3moe", tokenizer=replace(vocab, chat_template=QWEN_LIKE))
+    with Session.load(str(path), LoadOptions(n_ctx=256)) as s:
+        assert s.reasoning == THINK
+        turns = [
+            {"role": "user", "content": "q1"},
+            {"role": "assistant", "content": "a1", "reasoning_content": "EARLIER"},
+            {"role": "user", "content": "q2"},
+        ]
+        prompt = s.render_chat(turns)
+        assert "EARLIER" not in prompt and "<|im_start|>assistant\na1<|im_end|>" in prompt
+        tool_round = [*turns, {"role": "assistant", "content": "calling", "reasoning_content": "NOW"}]
+        assert "<think>\nNOW\n</think>" in s.render_chat(tool_round, add_generation_prompt=False)
+        # the ids a next turn feeds: no earlier reasoning either
+        assert "EARLIER" not in s.detokenize(s.chat_ids(turns))

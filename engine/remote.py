@@ -102,7 +102,8 @@ class RemoteSession:
         if p.frequency_penalty:
             body["frequency_penalty"] = p.frequency_penalty
         if messages is not None:
-            body["messages"] = messages
+            # earlier replies' reasoning stays here: templates drop it anyway, and DeepSeek's API refuses it (400)
+            body["messages"] = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]
             route = "/chat/completions"
         else:
             body["prompt"] = prompt

@@ -143,3 +143,29 @@ def test_http_body_without_the_client(client, session):
         session.model.restart(
             [*session.tokenizer.encode(REPLY, add_bos=False), session.tokenizer.token_id("<|return|>")]
         )
+
+
+def test_the_remote_client_reads_reasoning_deltas(session):
+    """The app's remote chat (engine.remote) against this server: the reasoning arrives as the events'
+    reasoning, and an earlier reply's reasoning_content is not sent on (DeepSeek's API refuses it)."""
+    from engine.generate import SamplingParams
+    from engine.remote import RemoteSession
+
+    session.model.restart()
+    host = ModelHost.from_session(session)
+    with serving(host) as server, RemoteSession(server.url, timeout=60) as r:
+        evs = list(r.generate(messages=QUESTION, params=SamplingParams(temperature=0, max_tokens=64)))
+        assert "".join(e.reasoning for e in evs) == "The user wants a sum."
+        assert "".join(e.text for e in evs) == "2+2=4"
+        sent = []
+        real = r._client.stream
+
+        def spy(method, route, json=None, **kw):
+            sent.append(json)
+            return real(method, route, json=json, **kw)
+
+        r._client.stream = spy
+        session.model.restart()
+        history = [*QUESTION, {"role": "assistant", "content": "2+2=4", "reasoning_content": "r"}, *QUESTION]
+        list(r.generate(messages=history, params=SamplingParams(temperature=0, max_tokens=8)))
+        assert sent and all("reasoning_content" not in m for m in sent[0]["messages"])

@@ -21,6 +21,7 @@ from engine.config import EngineOptions
 from engine.errors import DeviceMemoryError, HostMemoryError, UsageError
 from engine.generate import CacheState, GenerationEvent, SamplingParams, TokenConstraint, generate
 from engine.generate.events import FINISH_CANCELLED
+from engine.generate.reasoning import model_format, template_messages
 from engine.gguf import open_gguf
 from engine.modelinfo import ModelInfo, describe
 from engine.models import check_model_file
@@ -209,6 +210,13 @@ class Session:
             report(2, 4, "loading tokenizer")
             self.tokenizer = load_tokenizer(self.gf)
             self.chat_template = ChatTemplate.from_gguf(self.gf, self.tokenizer)
+            # how replies' reasoning is kept apart from their answer (None: not at all)
+            self.reasoning: str | None = model_format(
+                options.engine.reasoning,
+                self.info.architecture,
+                self.chat_template.source if self.chat_template.from_file else None,
+                lambda text: self.tokenizer.token_id(text) is not None,
+            )
             report(3, 4, "placing the model")
             self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
             self._speeds: DeviceProfile | None = options.device_profile
@@ -250,8 +258,13 @@ class Session:
         """The prompt text of a conversation through the model's own chat template (``tools``: OpenAI-style
         function declarations, which the template writes into the prompt its own way)."""
         return self.chat_template.render(
-            clean_messages(messages), add_generation_prompt=add_generation_prompt, tools=tools or None
+            self._for_template(messages), add_generation_prompt=add_generation_prompt, tools=tools or None
         )
+
+    def _for_template(self, messages: list[dict]) -> list[dict]:
+        """``messages`` cleaned, with earlier replies' ``reasoning_content`` under the template's name for it
+        (:func:`engine.generate.reasoning.template_messages`)."""
+        return template_messages(clean_messages(messages), self.reasoning)
 
     def prompt_ids(
         self,
@@ -279,7 +292,7 @@ class Session:
         and tool messages never (``<|im_end|>`` typed by a user stays text). ``cancel`` stops the render;
         ``tools``: function declarations the template writes into the prompt its own way."""
         text, spans = self.chat_template.render_with_spans(
-            clean_messages(messages), add_generation_prompt, cancel=cancel, tools=tools or None
+            self._for_template(messages), add_generation_prompt, cancel=cancel, tools=tools or None
         )
         return self.tokenizer.encode(text, add_bos=None, parse_special=True, plain_spans=spans)
 
@@ -311,9 +324,12 @@ class Session:
         cancel: threading.Event | None = None,
         tools: list[dict] | None = None,
         constraint: TokenConstraint | None = None,
+        reasoning: bool = True,
     ) -> Iterator[GenerationEvent]:
         """Stream a completion of ``prompt`` (raw text), ``messages`` (chat, with optional ``tools``) or
         ``prompt_ids``. ``constraint``: what the output must match (e.g. :mod:`engine.generate.grammar`).
+        ``reasoning``: the events carry the model's reasoning apart from the answer (:attr:`reasoning`, the
+        format; False: the text whole, as for a raw completion).
 
         ``cancel``: this generation's own stop event. A caller that queues the request to a worker creates
         it with the request, so a Stop that comes before the generation starts (or while the chat template
@@ -336,7 +352,15 @@ class Session:
             return iter([GenerationEvent("", None, 0, 0, len(self.state.tokens), self.n_ctx, 0.0, 0.0, 0.0,
                                          FINISH_CANCELLED, str(e))])  # fmt: skip
         return generate(
-            self.model, self.tokenizer, self.cache, self.state, ids, params or SamplingParams(), cancel, constraint
+            self.model,
+            self.tokenizer,
+            self.cache,
+            self.state,
+            ids,
+            params or SamplingParams(),
+            cancel,
+            constraint,
+            reasoning=self.reasoning if reasoning else None,
         )
 
     def fit_messages(self, messages: list[dict], max_tokens: int) -> tuple[list[dict], int]:

@@ -69,6 +69,7 @@ ENV = MappingProxyType(
         "calibrate": "SHARPI_NO_CALIBRATE",
         "calibration_dir": "SHARPI_CALIBRATION_DIR",
         "demo_model": "SHARPI_DEMO_MODEL",
+        "reasoning": "SHARPI_REASONING",
         "data_dir": "SHARPI_DATA_DIR",
         "routes_dir": "SHARPI_ROUTES_DIR",
         "hit_curve": "SHARPI_HIT_CURVE",
@@ -89,6 +90,7 @@ DEFAULT_CACHE_POLICY = "dlfu"
 ACT_MODES = ("q8", "f32")
 WEIGHT_MODES = ("auto", "copy", "mmap")  # EngineOptions.weights
 PREFILL_PRECISIONS = ("bf16", "f32")
+REASONING_MODES = ("auto", "off", "think", "harmony")  # EngineOptions.reasoning (engine.generate.reasoning.FORMATS)
 
 # numba's OpenMP workers (libgomp) spin ~300,000 pause loops (~15 ms) after each parallel loop
 # before they sleep. A decode step runs ~100 short loops; when another process wants a core, the
@@ -219,6 +221,14 @@ class EngineOptions:
     # Zipf stays the default: with the synthetic curve `auto` picks the cache at 12 GiB on the 30B geometry, and
     # on an H200 under that routing the cache decoded 35 tok/s against the resident split's 62 (docs/planner.md).
     hit_curve: str = "zipf"
+
+    # -- generation -------------------------------------------------------------------------------------
+    # SHARPI_REASONING: how a reply's reasoning is kept apart from its answer (engine.generate.reasoning):
+    # "auto" (default) — the format the model's architecture, vocabulary and chat template say (gpt-oss's
+    # harmony channels, Qwen3/QwQ's <think> … </think>; none for other models); "off" — no separation (the
+    # reasoning stays in the answer text, as the model wrote it); "think" or "harmony" — that format, whatever
+    # the model says.
+    reasoning: str = "auto"
 
     # -- the desktop app (read by sharpi_gui's bridge and handed to the app) ---------------------------
     # SHARPI_DATA_DIR: where the app keeps conversations; None = the platform's user data directory.
@@ -359,6 +369,7 @@ _PARSE = {
     "calibrate": lambda var, raw: not _flag(var, raw),  # the variable says "no calibration"
     "calibration_dir": lambda var, raw: Path(raw).expanduser(),
     "demo_model": lambda var, raw: Path(raw).expanduser(),
+    "reasoning": _choice(REASONING_MODES),
     "data_dir": lambda var, raw: Path(raw).expanduser(),
     "routes_dir": lambda var, raw: Path(raw).expanduser(),
     "hit_curve": _choice(HIT_CURVES),
@@ -377,6 +388,7 @@ def _check(o: EngineOptions) -> None:
         "weights": WEIGHT_MODES,
         "cache_policy": CACHE_POLICIES,
         "hit_curve": HIT_CURVES,
+        "reasoning": REASONING_MODES,
     }
     for name, allowed in choices.items():
         if getattr(o, name) not in allowed:

@@ -102,7 +102,8 @@ class RemoteSession:
         if p.frequency_penalty:
             body["frequency_penalty"] = p.frequency_penalty
         if messages is not None:
-            body["messages"] = messages
+            # earlier replies' reasoning stays here: templates drop it anyway, and DeepSeek's API refuses it (400)
+            body["messages"] = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]
             route = "/chat/completions"
         else:
             body["prompt"] = prompt
@@ -116,7 +117,7 @@ class RemoteSession:
         t0 = time.perf_counter()
         n, ttft, t_first, finish, usage, timings = 0, 0.0, None, None, None, {}
 
-        def event(text: str, done: str | None = None) -> GenerationEvent:
+        def event(text: str, done: str | None = None, reasoning: str = "") -> GenerationEvent:
             now = time.perf_counter()
             tps = (n - 1) / (now - t_first) if t_first is not None and n > 1 and now > t_first else 0.0
             gen = usage.get("completion_tokens", n) if (done and usage) else n
@@ -134,6 +135,7 @@ class RemoteSession:
                 prompt_tok_s=float(timings.get("prompt_per_second") or 0.0),
                 decode_tok_s=float(timings.get("predicted_per_second") or tps) if done else tps,
                 finish_reason=done,
+                reasoning=reasoning,
             )
 
         def cancelled() -> bool:
@@ -166,15 +168,21 @@ class RemoteSession:
                     usage = chunk.get("usage") or usage
                     timings = chunk.get("timings") or timings
                     for choice in chunk.get("choices") or []:
-                        text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                        delta = choice.get("delta") or {}
+                        text = delta.get("content") or choice.get("text") or ""
+                        # the reasoning, as llama.cpp's server and DeepSeek stream it (vLLM: "reasoning")
+                        thought = delta.get("reasoning_content") or delta.get("reasoning") or ""
                         if choice.get("finish_reason"):
                             finish = _FINISH.get(choice["finish_reason"], FINISH_STOP)
-                        if text:
+                        if text or thought:
                             n += 1
                             now = time.perf_counter()
                             if t_first is None:
                                 t_first, ttft = now, now - t0
-                            yield event(text)
+                            yield event(
+                                text if isinstance(text, str) else "",
+                                reasoning=thought if isinstance(thought, str) else "",
+                            )
         except httpx.HTTPError as e:
             if not cancelled():
                 raise RemoteError(f"the connection to {self.base_url} failed: {e}") from None

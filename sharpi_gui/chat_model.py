@@ -30,6 +30,7 @@ class ChatModel(QObject):
     messageAdded = Signal(object)  # Message (user or assistant) appended to the open transcript
     streamStarted = Signal()
     streamText = Signal(str)  # the whole text streamed so far
+    streamReasoning = Signal(str)  # the whole reasoning streamed so far
     streamEnded = Signal(object)  # the saved assistant Message, or None if nothing was produced
     statsChanged = Signal(object)  # GenStats of the latest event
     notice = Signal(object)  # Failure to show inline in the transcript
@@ -44,6 +45,7 @@ class ChatModel(QObject):
         self.current: D.Conversation | None = None
         self.messages: list[D.Message] = []
         self.stream = ""
+        self.reasoning = ""  # the streaming reply's reasoning so far
         self.stats = D.GenStats()
         self.tokens_at_stop: int | None = None
         self._rid = 0
@@ -52,6 +54,7 @@ class ChatModel(QObject):
         self.model_name = ""  # the loaded model's file name: presets are kept per model file
         bridge.loaded.connect(self._on_model_loaded)
         bridge.token.connect(self._on_token)
+        bridge.thought.connect(self._on_thought)
         bridge.trimmed.connect(self._on_trimmed)
         self._told_trimmed: set[int] = set()  # conversations already told that old turns are left out
         bridge.finished.connect(self._on_finished)
@@ -141,7 +144,11 @@ class ChatModel(QObject):
             doc = {
                 "title": conv.title,
                 "system_prompt": conv.system_prompt,
-                "messages": [{"role": m.role, "content": m.content, "created": m.created, **m.meta} for m in msgs],
+                "messages": [
+                    {"role": m.role, "content": m.content, "created": m.created, **m.meta}
+                    | ({"reasoning": m.reasoning} if m.reasoning else {})
+                    for m in msgs
+                ],
             }
             text = json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
         else:
@@ -149,7 +156,9 @@ class ChatModel(QObject):
             if conv.system_prompt.strip():
                 parts.append(f"**System prompt:** {conv.system_prompt.strip()}\n")
             for m in msgs:
-                parts.append(f"## {'You' if m.role == 'user' else 'Assistant'}\n\n{m.content.strip()}\n")
+                thought = "".join(f"> {line}\n" for line in m.reasoning.strip().splitlines()) if m.reasoning else ""
+                thought = f"**Reasoning:**\n\n{thought}\n" if thought else ""
+                parts.append(f"## {'You' if m.role == 'user' else 'Assistant'}\n\n{thought}{m.content.strip()}\n")
             text = "\n".join(parts)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
@@ -267,11 +276,17 @@ class ChatModel(QObject):
             self._rid = 0
 
     def chat_messages(self) -> list[dict]:
-        """The open conversation as the engine's chat messages (system prompt first)."""
+        """The open conversation as the engine's chat messages (system prompt first). A reply's reasoning goes as
+        ``reasoning_content`` beside its answer: the model's chat template keeps or drops it (Qwen3's and
+        gpt-oss's drop it from every earlier turn; a template that knows no reasoning never sees it)."""
         out = []
         if self.current and self.current.system_prompt.strip():
             out.append({"role": "system", "content": self.current.system_prompt})
-        out.extend({"role": m.role, "content": m.content} for m in self.messages)
+        for m in self.messages:
+            msg = {"role": m.role, "content": m.content}
+            if m.role == "assistant" and m.reasoning:
+                msg["reasoning_content"] = m.reasoning
+            out.append(msg)
         return out
 
     def _start(self) -> bool:
@@ -280,6 +295,7 @@ class ChatModel(QObject):
             self.notice.emit(D.Failure(D.ERR_ENGINE, "Busy", "The engine is busy (loading or applying); try again."))
             return False
         self._rid, self._stream_cid, self.stream, self.tokens_at_stop = rid, self.current.id, "", None
+        self.reasoning = ""
         self._stream_parent = self.messages[-1].id if self.messages else None
         self.streamStarted.emit()
         self.busyChanged.emit(True)
@@ -293,6 +309,12 @@ class ChatModel(QObject):
         self.streamText.emit(self.stream)
         self.statsChanged.emit(stats)
 
+    def _on_thought(self, rid: int, text: str) -> None:
+        if rid != self._rid:
+            return
+        self.reasoning += text
+        self.streamReasoning.emit(self.reasoning)
+
     def _on_trimmed(self, rid: int, dropped: int, n_ctx: int) -> None:
         if rid != self._rid or self._stream_cid in self._told_trimmed:
             return
@@ -304,8 +326,8 @@ class ChatModel(QObject):
         )
 
     def _save_reply(self, stats: D.GenStats) -> D.Message | None:
-        if not self.stream or self.store.conversation(self._stream_cid) is None:  # nothing, or deleted meanwhile
-            return None
+        if not (self.stream or self.reasoning) or self.store.conversation(self._stream_cid) is None:
+            return None  # nothing, or deleted meanwhile
         meta = {
             "finish_reason": stats.finish_reason,
             "n_prompt": stats.n_prompt,
@@ -314,7 +336,9 @@ class ChatModel(QObject):
             "prompt_tok_s": round(stats.prompt_tok_s, 2),
             "decode_tok_s": round(stats.decode_tok_s, 2),
         }
-        msg = self.store.add_message(self._stream_cid, "assistant", self.stream, meta, parent_id=self._stream_parent)
+        msg = self.store.add_message(
+            self._stream_cid, "assistant", self.stream, meta, parent_id=self._stream_parent, reasoning=self.reasoning
+        )
         if self.current and self.current.id == self._stream_cid:
             self.messages.append(msg)
         return msg

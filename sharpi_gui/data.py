@@ -268,6 +268,7 @@ class Message:
     created: float  # seconds since the epoch
     meta: dict = field(default_factory=dict)  # speed figures, finish reason
     parent_id: int | None = None  # the message this one answers or follows (None: the first of a branch)
+    reasoning: str = ""  # a reply's reasoning, kept apart from its answer (engine.generate.reasoning)
 
 
 @dataclass(frozen=True)

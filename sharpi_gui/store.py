@@ -59,6 +59,8 @@ _MIGRATIONS = (
         "WHERE p.conversation_id = messages.conversation_id AND p.id < messages.id)",
     ),
     ("conversations", "leaf_id", "ALTER TABLE conversations ADD COLUMN leaf_id INTEGER", None),
+    # a reply's reasoning, kept apart from its answer ('' for every message written before)
+    ("messages", "reasoning", "ALTER TABLE messages ADD COLUMN reasoning TEXT NOT NULL DEFAULT ''", None),
 )
 
 
@@ -220,11 +222,11 @@ class ConversationStore:
     # -- messages -----------------------------------------------------------------------------------
     # A conversation is a tree: regenerating a reply or editing a question adds a sibling (same parent)
     # and the conversation shows one branch, root to ``leaf_id``. Nothing is ever overwritten.
-    _MSG_COLUMNS = "id, conversation_id, role, content, created, meta, parent_id"
+    _MSG_COLUMNS = "id, conversation_id, role, content, created, meta, parent_id, reasoning"
 
     @staticmethod
     def _message(r) -> Message:
-        return Message(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), r[6])
+        return Message(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), r[6], r[7])
 
     def _rows(self, sql: str, args: tuple) -> list[Message]:
         return [self._message(r) for r in self._db.execute(sql, args).fetchall()]
@@ -297,19 +299,26 @@ class ConversationStore:
         self._db.execute("UPDATE conversations SET leaf_id = ? WHERE id = ?", (mid, cid))
 
     def add_message(
-        self, cid: int, role: str, content: str, meta: dict | None = None, parent_id: int | None = ...
+        self,
+        cid: int,
+        role: str,
+        content: str,
+        meta: dict | None = None,
+        parent_id: int | None = ...,
+        reasoning: str = "",
     ) -> Message:
         """Append a message below ``parent_id`` (default: the leaf shown; None: a new first message) and
-        show its branch. One transaction: a crash keeps the message and the branch shown together."""
+        show its branch; ``reasoning``: a reply's reasoning, stored with it. One transaction: a crash keeps the
+        message, its reasoning and the branch shown together."""
         now = time.time()
         if parent_id is ...:
             parent_id = self.leaf(cid)
         self._db.execute("BEGIN IMMEDIATE")
         try:
             cur = self._db.execute(
-                "INSERT INTO messages (conversation_id, role, content, created, meta, parent_id) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (cid, role, content, now, json.dumps(meta or {}), parent_id),
+                "INSERT INTO messages (conversation_id, role, content, created, meta, parent_id, reasoning) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (cid, role, content, now, json.dumps(meta or {}), parent_id, reasoning),
             )
             self._db.execute(
                 "UPDATE conversations SET updated = ?, leaf_id = ? WHERE id = ?", (now, cur.lastrowid, cid)
@@ -318,7 +327,7 @@ class ConversationStore:
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
-        return Message(cur.lastrowid, cid, role, content, now, dict(meta or {}), parent_id)
+        return Message(cur.lastrowid, cid, role, content, now, dict(meta or {}), parent_id, reasoning)
 
     def delete_message(self, mid: int) -> None:
         """Delete a message and everything below it (the conversation then shows its newest message)."""

@@ -66,6 +66,8 @@ def test_an_empty_environment_gives_the_documented_defaults():
         ("SHARPI_DATA_DIR", "/tmp/chats", "data_dir", Path("/tmp/chats")),
         ("SHARPI_ROUTES_DIR", "/tmp/routes", "routes_dir", Path("/tmp/routes")),
         ("SHARPI_HIT_CURVE", "Synthetic", "hit_curve", "synthetic"),
+        ("SHARPI_REASONING", "Off", "reasoning", "off"),
+        ("SHARPI_REASONING", "harmony", "reasoning", "harmony"),
         ("SHARPI_ENGINE_NICE", "0", "engine_nice", 0),
     ],
 )
@@ -165,6 +167,12 @@ def test_kv_types_agree_with_the_planner():
     from engine.plan.sizing import KV_TYPES
 
     assert tuple(KV_TYPES) == config.KV_TYPES
+
+
+def test_reasoning_modes_agree_with_the_formats():
+    from engine.generate.reasoning import FORMATS
+
+    assert ("auto", "off", *FORMATS) == config.REASONING_MODES
 
 
 def test_process_settings_leave_a_user_value_alone():

@@ -55,10 +55,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _stream(session, events) -> object:
     last = None
     for ev in events:
-        sys.stdout.write(ev.text)
-        sys.stdout.flush()
+        _show(ev)
         last = ev
     return last
+
+
+def _show(ev) -> None:
+    """An event's text on stdout; its reasoning (engine.generate.reasoning) on stderr, dimmed on a terminal, so
+    stdout carries the answer alone."""
+    if ev.reasoning:
+        dim = sys.stderr.isatty()
+        sys.stderr.write(f"\x1b[2m{ev.reasoning}\x1b[0m" if dim else ev.reasoning)
+        sys.stderr.flush()
+    if ev.text:
+        sys.stdout.write(ev.text)
+        sys.stdout.flush()
 
 
 def _report(ev) -> None:
@@ -157,7 +168,7 @@ def run(a: argparse.Namespace) -> int:
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line})
-            parts = []
+            parts, thought = [], []
             try:
                 last = None
                 # Old turns leave the context (the system prompt and the latest stay) when it fills.
@@ -170,9 +181,9 @@ def run(a: argparse.Namespace) -> int:
                     )
                 with _ctrl_c_cancels(session, pressed):  # Ctrl+C stops the reply; the chat goes on
                     for ev in session.generate(messages=messages, params=params):
-                        sys.stdout.write(ev.text)
-                        sys.stdout.flush()
+                        _show(ev)
                         parts.append(ev.text)
+                        thought.append(ev.reasoning)
                         last = ev
             except UsageError as e:
                 print(f"\nsharpi: {e}", file=sys.stderr)
@@ -183,7 +194,10 @@ def run(a: argparse.Namespace) -> int:
                     raise
                 print(f"\nsharpi: {e}; run again with --chatml to chat with ChatML instead", file=sys.stderr)
                 return 1
-            messages.append({"role": "assistant", "content": "".join(parts)})
+            reply = {"role": "assistant", "content": "".join(parts)}
+            if any(thought):  # the template keeps or drops it (engine.generate.reasoning.template_messages)
+                reply["reasoning_content"] = "".join(thought)
+            messages.append(reply)
             _report(last)
     except KeyboardInterrupt:
         session.cancel()

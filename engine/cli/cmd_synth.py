@@ -71,7 +71,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="PATTERN=TYPE",
         help="type for tensors matching a glob, e.g. 'ffn_down*=Q6_K' (repeatable; later wins)",
     )
-    p.add_argument("--tokenizer", choices=["bpe", "spm"], help="vocabulary kind (default: spm for llama, else bpe)")
+    p.add_argument(
+        "--tokenizer",
+        choices=["bpe", "harmony", "spm"],
+        help="vocabulary kind (default: spm for llama and gemma3, harmony for gpt-oss, else bpe)",
+    )
     p.add_argument("--pre", choices=sorted(PRE_REGEXES), help="BPE pre-tokenizer (default qwen2)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
     p.add_argument(

@@ -15,7 +15,7 @@ FINISH_CANCELLED = "cancelled"  # cancel() was called
 
 @dataclass(frozen=True)
 class GenerationEvent:
-    text: str  # new text since the previous event (never half a UTF-8 character); may be ""
+    text: str  # new answer text since the previous event (never half a UTF-8 character); may be ""
     token_id: int | None  # the token this event is about (None on the final event)
     n_prompt: int  # prompt tokens processed (only those not already in the KV cache)
     n_generated: int  # tokens generated so far
@@ -29,6 +29,9 @@ class GenerationEvent:
     # the device expert cache's hit rate over the same tokens as decode_tok_s (None: no cache lookups);
     # both from the model profiler's decode window (engine.profiler.DecodeWindow), as the experts dock shows
     decode_hit_rate: float | None = None
+    # new reasoning text since the previous event (engine.generate.reasoning: the model's thinking, kept out of
+    # ``text``); "" for a model without a reasoning format or with the separation off (EngineOptions.reasoning)
+    reasoning: str = ""
 
     @property
     def done(self) -> bool:

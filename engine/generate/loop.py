@@ -27,6 +27,7 @@ from engine.generate.events import (
     DecodeClock,
     GenerationEvent,
 )
+from engine.generate.reasoning import ReasoningSplitter, start_state
 from engine.generate.sampling import Sampler, SamplingParams
 
 PREFILL_CHUNK = 512  # prompt tokens per forward pass (cancel is checked between chunks)
@@ -129,12 +130,16 @@ def generate(
     params: SamplingParams,
     cancel: threading.Event | None = None,
     constraint: TokenConstraint | None = None,
+    reasoning: str | None = None,
 ) -> Iterator[GenerationEvent]:
     """Stream a completion of ``prompt_ids``. ``cancel`` is checked between tokens and chunks.
 
     ``constraint`` (structured output): its :meth:`~TokenConstraint.mask` removes the tokens it forbids
     from each step's logits before sampling, and every sampled token is handed to its
-    :meth:`~TokenConstraint.accept`."""
+    :meth:`~TokenConstraint.accept`.
+
+    ``reasoning``: the model's reasoning format (:mod:`engine.generate.reasoning`; None: none): the events'
+    ``text`` is then the answer and their ``reasoning`` the rest (a constrained generation is all answer)."""
     cancel = cancel or threading.Event()
     n_ctx = cache.n_ctx
     if not prompt_ids:
@@ -149,13 +154,31 @@ def generate(
     keep = state.rewind(cache, cache.reusable_prefix(common, len(state.tokens)), common)
     todo = prompt_ids[keep:]
     try:
-        yield from _run(model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel, constraint, t0)
+        splitter = None
+        if reasoning and constraint is None:
+            splitter = ReasoningSplitter(reasoning, start_state(reasoning, tokenizer.decode(prompt_ids[-16:]))[0])
+        yield from _run(
+            model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel, constraint, t0, splitter
+        )
     finally:  # the end of the turn, however it ended: the recurrent states' checkpoint
         state.checkpoint(cache)
 
 
-def _run(model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel, constraint, t0):
-    """:func:`generate` from the first position the cache lacks (``keep``; ``todo`` the prompt from there)."""
+def _run(model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel, constraint, t0, splitter=None):
+    """:func:`generate` from the first position the cache lacks (``keep``; ``todo`` the prompt from there);
+    ``splitter`` parts the text into reasoning and answer."""
+
+    def split(text: str, last: bool = False) -> tuple[str, str, bool]:
+        """(answer, reasoning, the turn ended) of new ``text``; ``last``: the reply ends here."""
+        if splitter is None:
+            return text, "", False
+        s = splitter.feed(text)
+        answer, thought = s.answer, s.reasoning
+        if last or s.ended:
+            f = splitter.flush()
+            answer, thought = answer + f.answer, thought + f.reasoning
+        return answer, thought, s.ended
+
     n_ctx = cache.n_ctx
     logits = None
     pos = keep
@@ -194,13 +217,15 @@ def _run(model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel,
         history.append(tok)
         decode_tps = window.tok_s
         hit = window.hit_rate
+        ev = (n_ctx, len(todo), n_gen, ttft, prompt_tps, decode_tps)
         if tokenizer.is_eog(tok):
-            tail = stops.flush()
-            yield _event(tail, tok, state, n_ctx, len(todo), n_gen, ttft, prompt_tps, decode_tps, FINISH_EOS, hit=hit)
+            text, thought, _ = split(stops.flush(), last=True)
+            yield _event(text, tok, state, *ev, FINISH_EOS, hit=hit, reasoning=thought)
             return
-        text, stopped = stops.feed(detok.push(tok))
-        if stopped:
-            yield _event(text, tok, state, n_ctx, len(todo), n_gen, ttft, prompt_tps, decode_tps, FINISH_STOP, hit=hit)
+        raw, stopped = stops.feed(detok.push(tok))
+        text, thought, ended = split(raw, last=stopped)
+        if stopped or ended:
+            yield _event(text, tok, state, *ev, FINISH_STOP if stopped else FINISH_EOS, hit=hit, reasoning=thought)
             return
         finish, msg = None, ""
         if n_gen >= params.max_tokens:
@@ -210,15 +235,15 @@ def _run(model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel,
         elif cancel.is_set():
             finish = FINISH_CANCELLED
         if finish:
-            text += stops.feed(detok.flush())[0] + stops.flush()
-            yield _event(text, tok, state, n_ctx, len(todo), n_gen, ttft, prompt_tps, decode_tps, finish, msg, hit=hit)
+            more, more_thought, _ = split(stops.feed(detok.flush())[0] + stops.flush(), last=True)
+            yield _event(text + more, tok, state, *ev, finish, msg, hit=hit, reasoning=thought + more_thought)
             return
-        yield _event(text, tok, state, n_ctx, len(todo), n_gen, ttft, prompt_tps, decode_tps, hit=hit)
+        yield _event(text, tok, state, *ev, hit=hit, reasoning=thought)
         logits = model.forward([tok], len(state.tokens), cache, all_logits=False)
         state.tokens.append(tok)
 
 
-def _event(text, tok, state, n_ctx, n_prompt, n_gen, ttft, ptps, dtps, finish=None, msg="", hit=None):
+def _event(text, tok, state, n_ctx, n_prompt, n_gen, ttft, ptps, dtps, finish=None, msg="", hit=None, reasoning=""):
     return GenerationEvent(
         text=text,
         token_id=tok,
@@ -232,6 +257,7 @@ def _event(text, tok, state, n_ctx, n_prompt, n_gen, ttft, ptps, dtps, finish=No
         finish_reason=finish,
         message=msg,
         decode_hit_rate=hit,
+        reasoning=reasoning,
     )
 
 

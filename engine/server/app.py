@@ -206,7 +206,10 @@ def create_app(host: ModelHost, options: ServerOptions | None = None) -> FastAPI
             answer.started_at = time.perf_counter()
             if host.session is not session:  # the app loaded another model while this request waited
                 raise UsageError("the model was replaced while this request waited; send it again")
-            return session.generate(prompt_ids=plan.ids, params=plan.params, constraint=plan.constraint)
+            # a chat's reasoning goes to reasoning_content; a raw completion is the text whole
+            return session.generate(
+                prompt_ids=plan.ids, params=plan.params, constraint=plan.constraint, reasoning=kind == "chat"
+            )
 
         request.scope[RECORDED] = True  # the log entry is written here, when the request ends
         try:

@@ -141,6 +141,13 @@ def finish_reason(ev: GenerationEvent | None, calls: list[ParsedCall]) -> str:
     return "stop"
 
 
+@dataclass(frozen=True)
+class Thought:
+    """A piece of the reply's reasoning (``reasoning_content`` in a chat message and its stream deltas)."""
+
+    text: str
+
+
 @dataclass
 class Answer:
     """One generation's running state: text so far, tool calls, the last event, timing."""
@@ -152,6 +159,7 @@ class Answer:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     text: str = ""
+    reasoning: str = ""
     last: GenerationEvent | None = None
     queued_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
@@ -161,11 +169,13 @@ class Answer:
         self.parser = ToolCallParser() if self.parse_tools else None
         self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.id
 
-    def feed(self, ev: GenerationEvent) -> list[str | ParsedCall]:
-        """The event's new content pieces (text, or parsed calls when tools are in play)."""
+    def feed(self, ev: GenerationEvent) -> list[str | ParsedCall | Thought]:
+        """The event's new pieces: its reasoning, then its content (text, or parsed calls when tools are in play)."""
         self.last = ev
         self.ended_at = time.perf_counter()
-        pieces = self.parser.feed(ev.text) if self.parser else ([ev.text] if ev.text else [])
+        pieces: list = [Thought(ev.reasoning)] if ev.reasoning else []
+        self.reasoning += ev.reasoning
+        pieces += self.parser.feed(ev.text) if self.parser else ([ev.text] if ev.text else [])
         if ev.done and self.parser:
             pieces += self.parser.flush()
         for p in pieces:
@@ -217,6 +227,8 @@ class Answer:
         reason = finish_reason(self.last, self.calls)
         if self.kind == "chat":
             msg: dict = {"role": "assistant", "content": self.text if (self.text or not self.calls) else None}
+            if self.reasoning:
+                msg["reasoning_content"] = self.reasoning
             if self.calls:
                 msg["tool_calls"] = [c.to_openai() for c in self.calls]
             choice = {"index": 0, "message": msg, "finish_reason": reason, "logprobs": None}
@@ -247,10 +259,13 @@ class Answer:
             return None
         return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
 
-    def piece_chunk(self, piece: str | ParsedCall) -> dict:
+    def piece_chunk(self, piece: str | ParsedCall | Thought) -> dict:
         if self.kind != "chat":
-            return self._chunk([{"index": 0, "text": piece, "finish_reason": None, "logprobs": None}])
-        if isinstance(piece, ParsedCall):
+            text = piece.text if isinstance(piece, Thought) else piece
+            return self._chunk([{"index": 0, "text": text, "finish_reason": None, "logprobs": None}])
+        if isinstance(piece, Thought):
+            delta = {"reasoning_content": piece.text}
+        elif isinstance(piece, ParsedCall):
             delta = {"tool_calls": [piece.to_openai(index=self.calls.index(piece))]}
         else:
             delta = {"content": piece}

@@ -44,6 +44,7 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier reply's reasoning (llama.cpp's and DeepSeek's field)
 
     @model_validator(mode="after")
     def _content_needed(self) -> ChatMessage:
@@ -58,7 +59,7 @@ class ChatMessage(_Body):
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates take it (transformers' convention): role, content as a string,
-        tool calls with their arguments, a tool result's id and name."""
+        tool calls with their arguments, a tool result's id and name, a reply's reasoning."""
         role = "system" if self.role == "developer" else self.role
         out: dict[str, Any] = {"role": role, "content": self.text()}
         if self.tool_calls:
@@ -72,6 +73,8 @@ class ChatMessage(_Body):
             ]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.role == "assistant" and self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content  # the template keeps or drops it
         if self.name is not None:
             out["name"] = self.name
         return out

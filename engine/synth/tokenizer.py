@@ -32,6 +32,12 @@ from engine.gguf import keys
 GPT2 = "gpt2"
 SPM = "llama"
 BPE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# gpt-oss's o200k_harmony specials (the real file's order; BOS <|startoftext|>, EOS <|return|>, padding <|endoftext|>)
+HARMONY_SPECIALS = (
+    "<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
+    "<|message|>", "<|call|>",
+)  # fmt: skip
+HARMONY = "harmony"  # a build_vocab kind: byte-level BPE with HARMONY_SPECIALS and HARMONY_TEMPLATE
 SPM_SPECIALS = ("<unk>", "<s>", "</s>")
 SPACE = "\u2581"  # "▁", SentencePiece's word marker
 
@@ -54,6 +60,28 @@ CHATML_TEMPLATE = (
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# The harmony format as gpt-oss's template writes it, cut to plain chat (no tools): a system message, the
+# system prompt as the developer's instructions, user turns, and earlier replies in the final channel — their
+# reasoning (``thinking``) only for a last assistant message with no generation prompt (a training render), so
+# a new prompt never carries earlier turns' analysis; the generation prompt ``<|start|>assistant``.
+HARMONY_TEMPLATE = (
+    "{{- '<|start|>system<|message|>Reasoning: ' + (reasoning_effort or 'medium') + "
+    "'\\n\\n# Valid channels: analysis, commentary, final.<|end|>' }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}"
+    "{{- '<|start|>developer<|message|># Instructions\\n\\n' + message['content'] + '<|end|>' }}"
+    "{%- elif message['role'] == 'user' %}{{- '<|start|>user<|message|>' + message['content'] + '<|end|>' }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{%- set closing = loop.last and not add_generation_prompt %}"
+    "{%- if closing and 'thinking' in message %}"
+    "{{- '<|start|>assistant<|channel|>analysis<|message|>' + message['thinking'] + '<|end|>' }}"
+    "{%- endif %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message['content'] }}"
+    "{{- '<|return|>' if closing else '<|end|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
 )
 MISTRAL_TEMPLATE = (
     "{{- bos_token }}{%- for message in messages %}"
@@ -122,11 +150,13 @@ def build_vocab(model: str, size: int, pre: str | None = None) -> Vocab:
     """``"bpe"``/``"gpt2"`` -> :func:`bpe_vocab`; ``"spm"``/``"llama"`` -> :func:`spm_vocab`."""
     if model in ("bpe", GPT2):
         return bpe_vocab(size, pre or "qwen2")
+    if model == HARMONY:
+        return harmony_vocab(size, pre or "qwen2")
     if model in ("spm", SPM):
         if pre is not None:
             raise UsageError("a SentencePiece vocabulary has no pre-tokenizer setting")
         return spm_vocab(size)
-    raise UsageError(f"unknown tokenizer kind {model!r} (use 'bpe' or 'spm')")
+    raise UsageError(f"unknown tokenizer kind {model!r} (use 'bpe', 'harmony' or 'spm')")
 
 
 def corpus() -> list[str]:
@@ -156,18 +186,37 @@ def bpe_vocab(size: int, pre: str = "qwen2") -> Vocab:
     return train_bpe_vocab(corpus(), size, pre)
 
 
-def train_bpe_vocab(texts: Iterable[str], size: int, pre: str = "qwen2") -> Vocab:
+@functools.lru_cache(maxsize=16)
+def harmony_vocab(size: int, pre: str = "qwen2") -> Vocab:
+    """gpt-oss's layout: byte-level BPE of ``size`` tokens trained on :func:`corpus`, then the harmony specials
+    (:data:`HARMONY_SPECIALS`: BOS ``<|startoftext|>``, EOS ``<|return|>``, padding ``<|endoftext|>``) and the
+    harmony chat template (:data:`HARMONY_TEMPLATE`)."""
+    return train_bpe_vocab(
+        corpus(), size, pre, specials=HARMONY_SPECIALS, roles=(0, 2, 1), chat_template=HARMONY_TEMPLATE
+    )
+
+
+def train_bpe_vocab(
+    texts: Iterable[str],
+    size: int,
+    pre: str = "qwen2",
+    *,
+    specials: tuple[str, ...] = BPE_SPECIALS,
+    roles: tuple[int, int, int] = (0, 2, 0),
+    chat_template: str = CHATML_TEMPLATE,
+) -> Vocab:
     """Byte-level BPE vocabulary of exactly ``size`` tokens trained on ``texts``.
 
-    The texts are pre-split as llama.cpp's ``pre`` pre-tokenizer splits them. BOS and padding
-    are ``<|endoftext|>``, EOS is ``<|im_end|>``; no BOS is added (Qwen's convention); the chat
-    template is ChatML.
+    The texts are pre-split as llama.cpp's ``pre`` pre-tokenizer splits them. ``specials`` (control tokens)
+    follow the trained tokens; ``roles``: which of them are BOS, EOS and padding — by default BOS and padding
+    are ``<|endoftext|>``, EOS is ``<|im_end|>``; no BOS is added (Qwen's convention); the chat template is
+    ChatML.
     """
     if pre not in PRE_REGEXES:
         raise UsageError(f"unknown pre-tokenizer {pre!r} (supported: {', '.join(PRE_REGEXES)})")
-    n_train = size - len(BPE_SPECIALS)
+    n_train = size - len(specials)
     if n_train < 257:
-        raise UsageError(f"a byte-level BPE vocabulary needs at least {257 + len(BPE_SPECIALS)} tokens, got {size}")
+        raise UsageError(f"a byte-level BPE vocabulary needs at least {257 + len(specials)} tokens, got {size}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = _bpe_pre_tokenizer(pre)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -177,20 +226,21 @@ def train_bpe_vocab(texts: Iterable[str], size: int, pre: str = "qwen2") -> Voca
     tokens, merges = _trained(tok)
     types = [int(TokenType.NORMAL)] * len(tokens)
     first_special = len(tokens)
-    tokens += BPE_SPECIALS
-    types += [int(TokenType.CONTROL)] * len(BPE_SPECIALS)
+    tokens += specials
+    types += [int(TokenType.CONTROL)] * len(specials)
     _pad(tokens, types, size)
+    bos, eos, pad = (first_special + r for r in roles)
     return Vocab(
         model=GPT2,
         pre=pre,
         tokens=tuple(tokens),
         token_types=tuple(types),
         merges=tuple(merges),
-        bos_id=first_special,
-        eos_id=first_special + 2,
-        pad_id=first_special,
+        bos_id=bos,
+        eos_id=eos,
+        pad_id=pad,
         add_bos=False,
-        chat_template=CHATML_TEMPLATE,
+        chat_template=chat_template,
     )
 
 

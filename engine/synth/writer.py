@@ -88,7 +88,8 @@ def write_model(
     weight_type: type of every matrix (F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q2_K, Q3_K, Q4_K, Q5_K,
         Q6_K, MXFP4);
         ``type_overrides`` maps glob patterns to types (see :func:`plan_types`).
-    tokenizer: ``"bpe"`` (default; ``"spm"`` for ``llama``) and ``pre`` its pre-tokenizer
+    tokenizer: ``"bpe"`` (default; ``"spm"`` for ``llama`` and ``gemma3``, ``"harmony"`` — byte-level BPE with
+        gpt-oss's specials and chat format — for ``gpt-oss``) and ``pre`` its pre-tokenizer
         (``qwen2`` default, ``llama-bpe``, ``olmo``, ``default``); or a ready :class:`Vocab`
         (e.g. from :func:`~engine.synth.tokenizer.train_bpe_vocab` on a model's own corpus) whose
         length equals the ``vocab`` geometry.
@@ -104,7 +105,8 @@ def write_model(
             raise UsageError(f"the given vocabulary has {len(tokenizer)} tokens, the geometry says vocab={spec.vocab}")
         vocab = tokenizer
     else:
-        vocab = build_vocab(tokenizer or ("spm" if arch in ("llama", "gemma3") else "bpe"), spec.vocab, pre)
+        kind = {"llama": "spm", "gemma3": "spm", "gpt-oss": "harmony"}.get(arch, "bpe")
+        vocab = build_vocab(tokenizer or kind, spec.vocab, pre)
     if len(vocab) != spec.vocab:
         raise AssertionError(f"vocabulary has {len(vocab)} tokens for {spec.vocab} embedding rows")
     plans = plan_types(tensor_layout(spec), weight_type, type_overrides)

@@ -101,6 +101,7 @@ class EngineBridge(QObject):
     warning = Signal(str)  # a note for the status bar (e.g. a saved placement that no longer fits)
     loadFailed = Signal(object)  # Failure
     token = Signal(int, str, object)  # request id, text delta, GenStats
+    thought = Signal(int, str)  # request id, reasoning delta (before the same event's token)
     trimmed = Signal(int, int, int)  # request id, oldest messages left out to fit the context, its size
     finished = Signal(int, object)  # request id, final GenStats
     failed = Signal(int, object)  # request id, Failure
@@ -173,6 +174,7 @@ class EngineBridge(QObject):
         w.warning.connect(self.warning)
         w.loadFailed.connect(self._on_load_failed)
         w.token.connect(self.token)
+        w.thought.connect(self.thought)
         w.trimmed.connect(self.trimmed)
         w.finished.connect(self._on_finished)
         w.failed.connect(self._on_failed)

@@ -61,6 +61,7 @@ class _Worker(QObject):
     warning = Signal(str)  # something the user should know that is not an error
     loadFailed = Signal(object)  # Failure
     token = Signal(int, str, object)  # request id, text delta, GenStats
+    thought = Signal(int, str)  # request id, reasoning delta (emitted before the event's token)
     trimmed = Signal(int, int, int)  # request id, messages left out of the prompt, context size
     finished = Signal(int, object)  # request id, final GenStats
     failed = Signal(int, object)  # request id, Failure
@@ -237,6 +238,8 @@ class _Worker(QObject):
                 self.n_generated = ev.n_generated
                 if self.stop_waiting.is_set():  # a Stop that came while generate() started
                     cur.session.cancel()
+                if ev.reasoning:
+                    self.thought.emit(rid, ev.reasoning)
                 if ev.text or not ev.done:
                     self.token.emit(rid, ev.text, final)
         except Exception as e:

@@ -170,10 +170,11 @@ class ChatView(QWidget):
         model.conversationsChanged.connect(self._render_list)
         model.currentChanged.connect(self._render_current)
         model.messageAdded.connect(
-            lambda m: self.transcript.add_message(m.role, m.content, m.meta, m.id, model.branch(m.id))
+            lambda m: self.transcript.add_message(m.role, m.content, m.meta, m.id, model.branch(m.id), m.reasoning)
         )
         model.streamStarted.connect(self.transcript.begin_stream)
         model.streamText.connect(self._on_stream)
+        model.streamReasoning.connect(self._on_reasoning)
         model.streamEnded.connect(self._on_stream_end)
         model.notice.connect(lambda f: self.transcript.add_notice(f"**{f.title}.** {f.message}"))
         model.info.connect(self.transcript.add_info)
@@ -326,6 +327,8 @@ class ChatView(QWidget):
         self.transcript.set_messages(m.messages, {x.id: m.branch(x.id) for x in m.messages})
         if m.streaming_here:
             self.transcript.begin_stream()
+            if m.reasoning:
+                self.transcript.update_reasoning(m.reasoning)
             self.transcript.update_stream(m.stream)
         self.system_edit.blockSignals(True)
         self.system_edit.setPlainText(m.current.system_prompt if m.current else "")
@@ -346,6 +349,10 @@ class ChatView(QWidget):
     def _on_stream(self, text: str) -> None:
         if self.model.streaming_here:
             self.transcript.update_stream(text)
+
+    def _on_reasoning(self, text: str) -> None:
+        if self.model.streaming_here:
+            self.transcript.update_reasoning(text)
 
     def _on_stream_end(self, message) -> None:
         here = message is None or (self.model.current is not None and message.conversation_id == self.model.current.id)

@@ -49,9 +49,15 @@ class _MarkdownText(QTextBrowser):
         self._fit()
 
 
+THINKING = "Thinking…"  # the reasoning's toggle while it streams
+REASONING = "Reasoning"  # ... once the answer has started
+
+
 class MessageWidget(QFrame):
     """One message: its role, its markdown text, and (for replies) the speed figures; for a stored
-    message, Copy, Edit (questions) and the arrows between its alternatives (← 1/2 →)."""
+    message, Copy, Edit (questions) and the arrows between its alternatives (← 1/2 →). A reply's reasoning sits
+    above its answer behind a toggle: open while it streams ("Thinking…"), closed once the answer starts (unless
+    the user opened or closed it meanwhile) and for a stored reply."""
 
     def __init__(
         self,
@@ -61,6 +67,7 @@ class MessageWidget(QFrame):
         theme: Theme,
         parent: QWidget | None = None,
         mid: int | None = None,
+        reasoning: str = "",
     ):
         super().__init__(parent)
         self.role = role
@@ -96,17 +103,59 @@ class MessageWidget(QFrame):
         self.edit_button.setVisible(role == "user" and mid is not None)
         self.copy_button.setVisible(role in ("user", "assistant"))
         self.set_branch(None)
+        self.reasoning = ""
+        self.thinking = False  # the reasoning is streaming and no answer has come yet
+        self._user_toggled = False
+        self.reasoning_toggle = QToolButton(self)
+        self.reasoning_toggle.setObjectName("reasoning-toggle")
+        self.reasoning_toggle.setAutoRaise(True)
+        self.reasoning_toggle.setCheckable(True)
+        self.reasoning_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.reasoning_toggle.clicked.connect(self._toggled_by_user)
+        self.reasoning_view = _MarkdownText(self)
+        self.reasoning_view.setObjectName("reasoning")
         self.body = _MarkdownText(self)
         self.body.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.body.customContextMenuRequested.connect(self._context_menu)
         self.footer = QLabel()
         self.footer.setObjectName("meta")
         lay.addLayout(head)
+        lay.addWidget(self.reasoning_toggle, 0, Qt.AlignmentFlag.AlignLeft)
+        lay.addWidget(self.reasoning_view)
         lay.addWidget(self.body)
         lay.addWidget(self.footer)
+        self.set_reasoning(reasoning)
         self.set_text(text)
         self.set_meta(meta or {})
         self.restyle(theme)
+
+    def set_reasoning(self, text: str, streaming: bool = False) -> None:
+        """Show ``text`` as the reply's reasoning (hidden when empty); ``streaming``: it is still coming and no
+        answer has started, so it shows open under "Thinking…"."""
+        self.reasoning = text.strip()
+        self.thinking = streaming
+        has = bool(self.reasoning) or streaming
+        self.reasoning_toggle.setVisible(has)
+        if has:
+            self.reasoning_view.setPlainText(self.reasoning)  # the model's notes, as written
+            if not self._user_toggled:
+                self.reasoning_toggle.setChecked(streaming)
+        self._show_reasoning()
+
+    def _toggled_by_user(self) -> None:
+        self._user_toggled = True
+        self._show_reasoning()
+
+    def _show_reasoning(self) -> None:
+        open_ = (bool(self.reasoning) or self.thinking) and self.reasoning_toggle.isChecked()
+        arrow = "▾" if open_ else "▸"
+        self.reasoning_toggle.setText(f"{arrow} {THINKING if self.thinking else REASONING}")
+        self.reasoning_toggle.setToolTip("Hide the reasoning" if open_ else "Show the model's reasoning")
+        self.reasoning_view.setVisible(open_ and bool(self.reasoning))
+
+    @property
+    def reasoning_open(self) -> bool:
+        return self.reasoning_view.isVisibleTo(self)
 
     def set_text(self, text: str) -> None:
         self.text = text
@@ -159,6 +208,9 @@ class MessageWidget(QFrame):
             f"QLabel#role {{ color: {theme.muted}; font-weight: 600; }}"
             f"QLabel#meta {{ color: {theme.muted}; font-size: 11px; }}"
             f"QTextBrowser {{ background: transparent; color: {fg}; }}"
+            f"QTextBrowser#reasoning {{ color: {theme.muted}; border-left: 2px solid {theme.muted};"
+            " padding-left: 6px; }"
+            f"QToolButton#reasoning-toggle {{ color: {theme.muted}; font-style: italic; }}"
         )
         code_bg = theme.background
         self.body.document().setDefaultStyleSheet(
@@ -189,6 +241,7 @@ class TranscriptView(QScrollArea):
         self.bubbles: list[MessageWidget] = []
         self.streaming: MessageWidget | None = None
         self._pending: str | None = None
+        self._pending_reasoning: str | None = None
         self._render_timer = QTimer(self)
         self._render_timer.setSingleShot(True)
         self._render_timer.setInterval(STREAM_RENDER_MS)
@@ -211,14 +264,14 @@ class TranscriptView(QScrollArea):
         for b in self.bubbles:
             b.setParent(None)
             b.deleteLater()
-        self.bubbles, self.streaming, self._pending = [], None, None
+        self.bubbles, self.streaming, self._pending, self._pending_reasoning = [], None, None, None
         self._follow = True
         self.placeholder.setVisible(bool(self.placeholder.text()))
 
     def set_messages(self, messages: list[D.Message], branches: dict[int, D.Branch] | None = None) -> None:
         self.clear()
         for m in messages:
-            self.add_message(m.role, m.content, m.meta, m.id, (branches or {}).get(m.id))
+            self.add_message(m.role, m.content, m.meta, m.id, (branches or {}).get(m.id), m.reasoning)
 
     def add_message(
         self,
@@ -227,8 +280,9 @@ class TranscriptView(QScrollArea):
         meta: dict | None = None,
         mid: int | None = None,
         branch: D.Branch | None = None,
+        reasoning: str = "",
     ) -> MessageWidget:
-        w = MessageWidget(role, text, meta, self.theme, self._box, mid)
+        w = MessageWidget(role, text, meta, self.theme, self._box, mid, reasoning)
         self._connect(w, branch)
         self._lay.insertWidget(self._lay.count() - 1, w)
         self.bubbles.append(w)
@@ -266,13 +320,31 @@ class TranscriptView(QScrollArea):
         if self.streaming is None:
             return
         self._pending = text
+        self._schedule()
+
+    def update_reasoning(self, text: str) -> None:
+        """Show ``text`` (the whole reasoning so far) above the streaming reply, coalescing fast updates."""
+        if self.streaming is None:
+            return
+        self._pending_reasoning = text
+        self._schedule()
+
+    def _schedule(self) -> None:
         if not self._render_timer.isActive():
             self._render_stream()
             self._render_timer.start()
 
     def _render_stream(self) -> None:
-        if self.streaming is not None and self._pending is not None:
-            self.streaming.set_text(self._pending)
+        w = self.streaming
+        if w is None:
+            return
+        if self._pending_reasoning is not None:
+            w.set_reasoning(self._pending_reasoning, streaming=not (self._pending or w.text))
+            self._pending_reasoning = None
+        if self._pending is not None:
+            if self._pending and w.thinking:  # the answer starts: the reasoning folds away
+                w.set_reasoning(w.reasoning)
+            w.set_text(self._pending)
             self._pending = None
 
     def end_stream(self, message: D.Message | None, branch: D.Branch | None = None) -> None:
@@ -284,11 +356,12 @@ class TranscriptView(QScrollArea):
             self.streaming.setParent(None)
             self.streaming.deleteLater()
         else:
+            self.streaming.set_reasoning(message.reasoning)
             self.streaming.set_text(message.content)
             self.streaming.set_meta(message.meta)
             self.streaming.mid = message.id
             self._connect(self.streaming, branch)
-        self.streaming, self._pending = None, None
+        self.streaming, self._pending, self._pending_reasoning = None, None, None
 
     def restyle(self, theme: Theme) -> None:
         self.theme = theme

@@ -1,0 +1,171 @@
+"""The server's reasoning: ``reasoning_content`` beside ``content`` in chat completion messages and stream deltas
+(llama.cpp's server and DeepSeek's convention), a raw completion left whole, and an earlier reply's
+reasoning handed to the chat template, which keeps or drops it — on the synthetic gpt-oss (harmony) file with
+a scripted reply, through the official ``openai`` client."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from engine.api import LoadOptions, Session
+from engine.config import EngineOptions
+from engine.generate.reasoning import HARMONY, THINK
+from engine.server import ModelHost
+from engine.server.protocol import plan_chat
+from engine.server.schemas import ChatCompletionRequest
+from engine.synth.writer import write_model
+from tests.scripted import ScriptedModel
+from tests.test_server import openai_client, serving
+
+REPLY = "<|channel|>analysis<|message|>The user wants a sum.<|end|><|start|>assistant<|channel|>final<|message|>2+2=4"
+QUESTION = [{"role": "user", "content": "What is 2+2?"}]
+
+
+@pytest.fixture(scope="module")
+def harmony_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("harmony") / "gpt-oss.gguf"
+    write_model(path, "gpt-oss")
+    return path
+
+
+@pytest.fixture(scope="module")
+def session(harmony_path):
+    with Session.load(str(harmony_path), LoadOptions(n_ctx=512)) as s:
+        tok = s.tokenizer
+        real, s.model = (
+            s.model,
+            ScriptedModel([*tok.encode(REPLY, add_bos=False), tok.token_id("<|return|>")], tok.n_vocab),
+        )
+        try:
+            yield s
+        finally:
+            s.model = real
+
+
+@pytest.fixture
+def client(session):
+    session.model.restart()
+    host = ModelHost.from_session(session)
+    with serving(host) as server, openai_client(server) as c:
+        c.model_id = host.model_id
+        yield c
+
+
+def test_the_format_comes_from_the_model(session, harmony_path):
+    assert session.reasoning == HARMONY
+    off = LoadOptions(n_ctx=64, engine=EngineOptions(reasoning="off"))
+    with Session.load(str(harmony_path), off) as s:
+        assert s.reasoning is None
+    forced = LoadOptions(n_ctx=64, engine=EngineOptions(reasoning="think"))
+    with Session.load(str(harmony_path), forced) as s:
+        assert s.reasoning == THINK
+
+
+def test_chat_message_has_reasoning_content(client):
+    r = client.chat.completions.create(model=client.model_id, messages=QUESTION, temperature=0, max_tokens=64)
+    msg = r.choices[0].message
+    assert msg.content == "2+2=4"
+    assert msg.model_extra["reasoning_content"] == "The user wants a sum."
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_streamed_deltas_carry_reasoning_then_content(client):
+    parts = []
+    for chunk in client.chat.completions.create(
+        model=client.model_id, messages=QUESTION, temperature=0, max_tokens=64, stream=True
+    ):
+        for ch in chunk.choices:
+            extra = ch.delta.model_extra or {}
+            if extra.get("reasoning_content"):
+                parts.append(("reasoning", extra["reasoning_content"]))
+            if ch.delta.content:
+                parts.append(("content", ch.delta.content))
+    kinds = [k for k, _ in parts]
+    assert kinds == sorted(kinds, key=lambda k: k != "reasoning")  # every reasoning delta before the answer
+    assert len(parts) > 2  # streamed, not sent whole at the end
+    assert "".join(t for k, t in parts if k == "reasoning") == "The user wants a sum."
+    assert "".join(t for k, t in parts if k == "content") == "2+2=4"
+
+
+def test_a_raw_completion_is_left_whole(client, session):
+    r = client.completions.create(model=client.model_id, prompt="<|start|>assistant", max_tokens=64, temperature=0)
+    assert r.choices[0].text == REPLY
+
+
+def test_unterminated_reasoning_at_max_tokens(client, session):
+    n = len(session.tokenizer.encode("<|channel|>analysis<|message|>The user", add_bos=False))
+    r = client.chat.completions.create(model=client.model_id, messages=QUESTION, temperature=0, max_tokens=n)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "length"
+    assert msg.content == "" and msg.model_extra["reasoning_content"]
+    assert msg.model_extra["reasoning_content"] == "The user"
+
+
+def test_an_earlier_replys_reasoning_reaches_the_template_which_drops_it(session):
+    """gpt-oss's template renders an earlier turn's analysis only for a closing assistant message (a training
+    render): a new prompt never carries it, though the client sent it back as reasoning_content."""
+    history = [
+        *QUESTION,
+        {"role": "assistant", "content": "2+2=4", "reasoning_content": "SECRET-REASONING"},
+        {"role": "user", "content": "And 3+3?"},
+    ]
+    req = ChatCompletionRequest(model="m", messages=history)
+    prompt = session.detokenize(plan_chat(session, req).ids)
+    assert "SECRET-REASONING" not in prompt and "<|channel|>final<|message|>2+2=4<|end|>" in prompt
+    closing = session.render_chat(history[:2], add_generation_prompt=False)
+    assert closing.endswith(
+        "<|channel|>analysis<|message|>SECRET-REASONING<|end|><|start|>assistant<|channel|>final<|message|>2+2=4<|return|>"
+    )
+
+
+def test_reasoning_content_on_a_user_message_is_ignored(session):
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi", "reasoning_content": "x"}])
+    assert "reasoning_content" not in req.messages[0].for_template()
+
+
+def test_http_body_without_the_client(client, session):
+    """The wire format as llama.cpp's server writes it: message.reasoning_content is a string, absent when the
+    reply had none."""
+    base = client.base_url
+    body = {"model": client.model_id, "messages": QUESTION, "max_tokens": 64, "temperature": 0}
+    r = httpx.post(f"{base}chat/completions", json=body, timeout=60)
+    assert r.json()["choices"][0]["message"]["reasoning_content"] == "The user wants a sum."
+    session.model.restart(
+        session.tokenizer.encode("<|channel|>final<|message|>hi", add_bos=False)
+        + [session.tokenizer.token_id("<|return|>")]
+    )
+    try:
+        r = httpx.post(f"{base}chat/completions", json=body, timeout=60)
+        msg = r.json()["choices"][0]["message"]
+        assert msg["content"] == "hi" and "reasoning_content" not in msg
+    finally:
+        session.model.restart(
+            [*session.tokenizer.encode(REPLY, add_bos=False), session.tokenizer.token_id("<|return|>")]
+        )
+
+
+def test_the_remote_client_reads_reasoning_deltas(session):
+    """The app's remote chat (engine.remote) against this server: the reasoning arrives as the events'
+    reasoning, and an earlier reply's reasoning_content is not sent on (DeepSeek's API refuses it)."""
+    from engine.generate import SamplingParams
+    from engine.remote import RemoteSession
+
+    session.model.restart()
+    host = ModelHost.from_session(session)
+    with serving(host) as server, RemoteSession(server.url, timeout=60) as r:
+        evs = list(r.generate(messages=QUESTION, params=SamplingParams(temperature=0, max_tokens=64)))
+        assert "".join(e.reasoning for e in evs) == "The user wants a sum."
+        assert "".join(e.text for e in evs) == "2+2=4"
+        sent = []
+        real = r._client.stream
+
+        def spy(method, route, json=None, **kw):
+            sent.append(json)
+            return real(method, route, json=json, **kw)
+
+        r._client.stream = spy
+        session.model.restart()
+        history = [*QUESTION, {"role": "assistant", "content": "2+2=4", "reasoning_content": "r"}, *QUESTION]
+        list(r.generate(messages=history, params=SamplingParams(temperature=0, max_tokens=8)))
+        assert sent and all("reasoning_content" not in m for m in sent[0]["messages"])

@@ -50,10 +50,18 @@ class ModelArgs:
         """Width of one position's K (or V) for one layer: ``n_head_kv * head_dim``."""
         return self.n_head_kv * self.head_dim
 
+    # Sliding-window attention (Gemma 3, gpt-oss): positions a sliding layer sees (its own included), 0 for none;
+    # and llama.cpp's set_swa_pattern(n): in every n layers the last is global, the others slide.
+    sliding_window: int = 0
+    swa_pattern: int = 0
+
+    def is_sliding(self, i: int) -> bool:
+        return self.sliding_window > 0 and self.swa_pattern > 0 and i % self.swa_pattern < self.swa_pattern - 1
+
     def layer_window(self, i: int) -> int:
         """The positions layer i's attention sees (its own included) where it slides, else 0: what its K/V
-        cache keeps (``kv_layout.kv_rows``). Families with sliding-window layers say which (Gemma 3, gpt-oss)."""
-        return 0
+        cache keeps (``kv_layout.kv_rows``)."""
+        return self.sliding_window if self.is_sliding(i) else 0
 
     def kv_windows(self) -> dict[int, int]:
         """{layer: window} of the sliding-window layers."""

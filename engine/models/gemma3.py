@@ -37,14 +37,7 @@ ROPE_BASE_LOCAL = 10000.0  # the sliding layers' RoPE base (llama.cpp's rope_fre
 
 @dataclass(frozen=True)
 class Args(ModelArgs):
-    sliding_window: int = 0  # positions a sliding layer attends (its own included)
     attn_scale: float = 0.0  # the attention score scale
-
-    def is_sliding(self, i: int) -> bool:
-        return self.sliding_window > 0 and i % SWA_PATTERN < SWA_PATTERN - 1
-
-    def layer_window(self, i: int) -> int:
-        return self.sliding_window if self.is_sliding(i) else 0
 
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> Args:
@@ -54,7 +47,14 @@ class Args(ModelArgs):
         if window <= 0:
             raise MetadataError(f"{ARCH} sliding window {window} must be positive", gf.path)
         per_head = c["n_embd"] // c["n_head"] if c["n_layer"] == 62 else c["head_dim"]
-        return cls(**c, n_ff=n_ff, rope_neox=True, sliding_window=window, attn_scale=1.0 / math.sqrt(per_head))
+        return cls(
+            **c,
+            n_ff=n_ff,
+            rope_neox=True,
+            sliding_window=window,
+            swa_pattern=SWA_PATTERN,
+            attn_scale=1.0 / math.sqrt(per_head),
+        )
 
 
 def tensor_specs(a: Args) -> list[TensorSpec]:

@@ -39,14 +39,7 @@ SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE co
 
 @dataclass(frozen=True)
 class Args(ModelArgs):
-    sliding_window: int = 0  # positions a sliding layer attends (its own included)
     yarn: YaRN | None = None  # the YaRN scaling of every layer's RoPE, or None (no scaling)
-
-    def is_sliding(self, i: int) -> bool:
-        return self.sliding_window > 0 and i % SWA_PATTERN < SWA_PATTERN - 1
-
-    def layer_window(self, i: int) -> int:
-        return self.sliding_window if self.is_sliding(i) else 0
 
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> Args:
@@ -74,7 +67,7 @@ class Args(ModelArgs):
                 beta_fast=_float(gf, k(keys.ROPE_SCALING_YARN_BETA_FAST), 32.0),
                 beta_slow=_float(gf, k(keys.ROPE_SCALING_YARN_BETA_SLOW), 1.0),
             )
-        return cls(**c, **m, rope_neox=True, sliding_window=window, yarn=yarn)
+        return cls(**c, **m, rope_neox=True, sliding_window=window, swa_pattern=SWA_PATTERN, yarn=yarn)
 
 
 def tensor_specs(a: Args) -> list[TensorSpec]:

@@ -12,7 +12,7 @@ from engine.kernels.testing import random_weight
 from engine.quant import WEIGHT_TYPES, QType, dequantize, quantize
 
 ALL = list(WEIGHT_TYPES)
-K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K)
+K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS)  # rows of 256
 
 
 def smallest_n(q: QType) -> int:

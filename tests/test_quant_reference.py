@@ -21,10 +21,7 @@ from engine.quant.formats import WEIGHT_TYPES
 from engine.quant.quantize import pack_scale_min_k4
 from engine.quant.reference import block_fields, unpack_scale_min_k4
 
-IQ4_TYPES = [QType.IQ4_NL, QType.IQ4_XS]
-BLOCK_TYPES = [t for t in WEIGHT_TYPES if block_format(t).block_size > 1] + [
-    t for t in IQ4_TYPES if t not in WEIGHT_TYPES
-]
+BLOCK_TYPES = [t for t in WEIGHT_TYPES if block_format(t).block_size > 1]
 K_TYPES = [QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K]
 # Quantized by a simple scale fit for test data, not ggml's search (engine.quant.quantize): bytes differ
 NOT_GGML_QUANTIZER = (QType.Q2_K, QType.Q3_K, QType.IQ4_NL, QType.IQ4_XS)

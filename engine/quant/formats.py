@@ -118,6 +118,8 @@ WEIGHT_TYPES: tuple[QType, ...] = (
     QType.Q5_K,
     QType.Q6_K,
     QType.MXFP4,
+    QType.IQ4_NL,
+    QType.IQ4_XS,
 )
 
 # The table must agree with the gguf package's sizes: a cheap guard against typos.

@@ -42,8 +42,8 @@ def _gather_all(R: int) -> tuple[np.ndarray, np.ndarray]:
     return rows, xi
 
 
-_K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K)
-_LEGACY = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.MXFP4)  # Q8_0 activations
+_K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS)  # Q8_K activations
+_LEGACY = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.MXFP4, QType.IQ4_NL)  # Q8_0 activations
 
 
 def _activations(qtype: QType, X: np.ndarray, q8_act: bool, prepare) -> tuple[np.ndarray, ...]:

@@ -23,7 +23,19 @@ def _q8_kernels(monkeypatch):
     monkeypatch.setattr(bf16, "MODE", bf16.OFF)
 
 
-FUSED = [QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.MXFP4]
+FUSED = [
+    QType.Q8_0,
+    QType.Q4_0,
+    QType.Q5_0,
+    QType.Q2_K,
+    QType.Q3_K,
+    QType.Q4_K,
+    QType.Q5_K,
+    QType.Q6_K,
+    QType.MXFP4,
+    QType.IQ4_NL,
+    QType.IQ4_XS,
+]
 
 
 def _stacks(gate_type: QType, down_type: QType, seed: int = 0):

@@ -12,7 +12,7 @@ from engine.kernels.testing import random_weight
 from engine.quant import WEIGHT_TYPES, QType, dequantize, quantize
 
 ALL = list(WEIGHT_TYPES)
-K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K)
+K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS)  # rows of 256
 
 
 def smallest_n(q: QType) -> int:
@@ -143,4 +143,23 @@ def test_mxfp4_code_lookup_both_ways(monkeypatch, avx2):
     d = np.ones(1, np.float32)
     got = [dot(row, d, np.eye(32, dtype=np.float32)[i]) for i in range(32)]
     want = np.array(simd.MXFP4_VALUES, np.float32)
+    np.testing.assert_array_equal(got, np.concatenate([want, want[::-1]]))
+
+
+@pytest.mark.parametrize("avx2", [True, False])
+def test_iq4nl_code_lookup_both_ways(monkeypatch, avx2):
+    """``simd.load_iq4nl_codes``: one pshufb with AVX2, a select per level elsewhere — both give
+    kvalues_iq4nl of every nibble, low nibbles first (through the IQ4_NL exact-float row dot on one-hot
+    activations, compiled here after the patch)."""
+    from numba import njit
+
+    from engine.kernels import legacy, simd
+
+    monkeypatch.setattr(simd, "HAS_AVX2", avx2 and simd.HAS_AVX2)
+    dot = njit(legacy._dot_iq4_nl_f.py_func)
+    qs = np.arange(16, dtype=np.uint8) | (np.arange(16, dtype=np.uint8)[::-1] << 4)
+    row = np.concatenate([np.array([1.0], "<f2").view(np.uint8), qs]).astype(np.uint8)  # d = 1
+    d = np.ones(1, np.float32)
+    got = [dot(row, d, np.eye(32, dtype=np.float32)[i]) for i in range(32)]
+    want = np.array(simd.IQ4NL_VALUES, np.float32)
     np.testing.assert_array_equal(got, np.concatenate([want, want[::-1]]))

@@ -25,6 +25,9 @@ CASES = [
     (QType.Q3_K, QType.Q3_K, QType.Q6_K),  # a Q3_K_M-like mix
     (QType.Q2_K, QType.Q2_K, QType.Q2_K),
     (QType.Q2_K, QType.Q2_K, QType.Q3_K),  # a Q2_K file's mix
+    (QType.IQ4_NL, QType.IQ4_NL, QType.IQ4_NL),
+    (QType.IQ4_XS, QType.IQ4_XS, QType.IQ4_XS),
+    (QType.IQ4_XS, QType.IQ4_XS, QType.IQ4_NL),  # the two activation families in one layer
 ]
 
 

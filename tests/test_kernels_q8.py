@@ -15,7 +15,7 @@ from engine.kernels.testing import random_weight
 from engine.quant import WEIGHT_TYPES, QType, dequantize
 
 ALL = list(WEIGHT_TYPES)
-K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K)
+K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS)  # rows of 256
 
 
 def awkward_activations(rng: np.random.Generator, T: int, n: int) -> np.ndarray:
@@ -109,7 +109,7 @@ def check_close(y, Y_ref, W, Xq, rtol=2e-5):
 
 def rounded_activations(qtype: QType, X: np.ndarray) -> np.ndarray:
     """The activations as the q8 dot sees them, in float64 (for the error bound)."""
-    if qtype in (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.MXFP4):
+    if qtype in (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.MXFP4, QType.IQ4_NL):
         q, d = ref.quantize_q8_0_ref(X)
         return q.reshape(len(X), -1, 32) * d[..., None].astype(np.float64)
     if qtype in K_QUANTS:
@@ -144,7 +144,7 @@ def test_matvec_matmul_q8(qtype):
 def test_q8_reference_independent_of_unpack():
     """The integer-dot reference equals dequantized-weights × dequantized-activations."""
     rng = np.random.default_rng(14)
-    for qtype in (QType.Q4_0, QType.Q2_K, QType.Q3_K, QType.Q5_K, QType.Q6_K):
+    for qtype in (QType.Q4_0, QType.Q2_K, QType.Q3_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS):
         raw = random_weight(qtype, (5, 512), rng)
         X = rng.standard_normal((2, 512), dtype=np.float32)
         Xq = rounded_activations(qtype, X).reshape(2, 512)

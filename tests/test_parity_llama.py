@@ -76,7 +76,22 @@ def test_greedy_continuation_matches_llama_cpp(models, mid):
     assert ours == llama_greedy(path, prompt, 64)
 
 
-QUANT_CASES = ["Q8_0", "Q4_0", "Q5_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "F16", "BF16", "mix"]
+QUANT_CASES = [
+    "Q8_0",
+    "Q4_0",
+    "Q5_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "MXFP4",
+    "IQ4_NL",
+    "IQ4_XS",
+    "F16",
+    "BF16",
+    "mix",
+]
 
 
 def _stats(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float]:

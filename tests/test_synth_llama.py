@@ -39,6 +39,8 @@ MEAN_DIFF = {
     QType.MXFP4: 0.6,
     QType.Q2_K: 0.95,  # measured 0.48-0.52, the tied qwen3 0.76: 2 bits sit near the ~1.1 of unrelated logits
     QType.Q3_K: 0.8,  # measured 0.28-0.31, the tied qwen3 0.49 (test-data quantizer: a simple scale fit)
+    QType.IQ4_NL: 0.5,  # measured 0.15-0.16, the tied qwen3 0.25 (Q4_0 on these files: 0.16-0.17, 0.29)
+    QType.IQ4_XS: 0.5,  # measured 0.15-0.16, the tied qwen3 0.245
 }
 
 

@@ -272,7 +272,7 @@ class GGUFFile:
             if not is_supported_weight_type(t.qtype):
                 raise UnsupportedQuantTypeError(
                     f"tensor {t.name!r} uses {t.qtype.name}, which SharpI does not support "
-                    f"(supported: F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4)",
+                    f"(supported: F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS)",
                     self.path,
                 )
 

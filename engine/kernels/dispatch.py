@@ -31,6 +31,8 @@ KERNELS = {
     QType.Q4_0: (legacy.gemv_q4_0_f, legacy.gemv_q4_0_q8),
     QType.Q5_0: (legacy.gemv_q5_0_f, legacy.gemv_q5_0_q8),
     QType.MXFP4: (legacy.gemv_mxfp4_f, legacy.gemv_mxfp4_q8),
+    QType.IQ4_NL: (legacy.gemv_iq4_nl_f, legacy.gemv_iq4_nl_q8),
+    QType.IQ4_XS: (kquants_exact.gemv_iq4_xs_f, kquants.gemv_iq4_xs_q8),
     QType.Q2_K: (kquants_exact.gemv_q2_k_f, kquants.gemv_q2_k_q8),
     QType.Q3_K: (kquants_exact.gemv_q3_k_f, kquants.gemv_q3_k_q8),
     QType.Q4_K: (kquants_exact.gemv_q4_k_f, kquants.gemv_q4_k_q8),
@@ -38,7 +40,7 @@ KERNELS = {
     QType.Q6_K: (kquants_exact.gemv_q6_k_f, kquants.gemv_q6_k_q8),
 }
 _FLOAT = (QType.F32, QType.F16, QType.BF16)
-_LEGACY = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.MXFP4)  # Q8_0 activations
+_LEGACY = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.MXFP4, QType.IQ4_NL)  # Q8_0 activations
 _MINS = {QType.Q4_K: 32, QType.Q5_K: 32, QType.Q2_K: 16}  # exact kernels: sums of x over each sub-block
 
 

@@ -27,8 +27,15 @@ import numpy as np
 from numba import njit, prange
 
 from engine.kernels import bf16, scratch
-from engine.kernels.kquants import _dot4_q2_k_q8, _dot4_q3_k_q8, _dot4_q4_k_q8, _dot4_q5_k_q8, _dot4_q6_k_q8
-from engine.kernels.legacy import _dot4_mxfp4_q8, _dot4_q4_0_q8, _dot4_q5_0_q8, _dot4_q8_0_q8
+from engine.kernels.kquants import (
+    _dot4_iq4_xs_q8,
+    _dot4_q2_k_q8,
+    _dot4_q3_k_q8,
+    _dot4_q4_k_q8,
+    _dot4_q5_k_q8,
+    _dot4_q6_k_q8,
+)
+from engine.kernels.legacy import _dot4_iq4_nl_q8, _dot4_mxfp4_q8, _dot4_q4_0_q8, _dot4_q5_0_q8, _dot4_q8_0_q8
 from engine.kernels.moe_fused import FUSED_TYPES, _row_q8, quantize_for
 from engine.kernels.prepare import PreparedWeight
 
@@ -116,6 +123,10 @@ def _row4_q8(qt, w, s, qa, da, asum, bsums, k):
         return _dot4_q5_0_q8(w, s, qa, da, asum, k)
     if qt == 39:
         return _dot4_mxfp4_q8(w, s, qa, da, asum, k)
+    if qt == 20:
+        return _dot4_iq4_nl_q8(w, s, qa, da, asum, k)
+    if qt == 23:
+        return _dot4_iq4_xs_q8(w, s, qa, da, bsums, k)
     nan = np.float32(np.nan)
     return nan, nan, nan, nan
 
@@ -290,7 +301,7 @@ def grouped_moe_ffn(
     gate, up: stacks [E, F, D]; down: [E, D, F]; X float32 [T, D]; ids int [T, K];
     weights float32 [T, K]; skip bool [T, K] or None: pairs left out of the sum. Returns float32
     [T, D], bit-identical to ``moe.moe_ffn`` per token (over each token's kept pairs) for the fused
-    types (Q8_0, Q4_0, Q5_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4 with ``q8_act``) where no expert has enough tokens for
+    types (Q8_0, Q4_0, Q5_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS with ``q8_act``) where no expert has enough tokens for
     the bf16 units. Other types run each selected expert once over its tokens through
     ``dispatch.gemv_acts``, as do experts with biases or another activation (``glu``, an
     ``engine.kernels.moe.ExpertGLU``: gpt-oss).

@@ -467,6 +467,10 @@ def gemv_q8(qt, raw, s, qa, da, asum, bsums):
         legacy.gemv_q5_0_q8(raw, s, rows, xi, qa, da, asum, out)
     elif qt == 39:
         legacy.gemv_mxfp4_q8(raw, s, rows, xi, qa, da, asum, out)
+    elif qt == 20:
+        legacy.gemv_iq4_nl_q8(raw, s, rows, xi, qa, da, asum, out)
+    elif qt == 23:
+        kquants.gemv_iq4_xs_q8(raw, s, rows, xi, qa, da, bsums, out)
     else:
         out[:] = np.nan
     return out.reshape(R)
@@ -510,7 +514,7 @@ def qkv_q8(qt0, w0, s0, qt1, w1, s1, qt2, w2, s2, qa, da, asum, bsums):
 
 @njit(cache=True, nogil=True, inline="always")
 def _k_family(qt):
-    return qt == 10 or qt == 11 or qt == 12 or qt == 13 or qt == 14
+    return qt == 10 or qt == 11 or qt == 12 or qt == 13 or qt == 14 or qt == 23
 
 
 @njit(cache=True, nogil=True)

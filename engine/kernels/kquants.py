@@ -28,11 +28,17 @@ of qs[32h + l] and, as bit 2, bit 4h + j of hmask[l]; value q − 4 (the code 0.
 (``dequantize_row_q3_K``); q2_K = scales[16] (sub-block s: scale | min << 4) | qs[64] | d | dmin, the
 codes as q3_K's low 2 bits (qs at byte 16), sub-blocks of 16 (``dequantize_row_q2_K``).
 
+IQ4_XS (``dequantize_row_iq4_xs``, also with Q8_K activations) = d | scales_h u16 | scales_l[4] | qs[128]:
+group j of 32 elements reads qs[16j:16j+16] as iq4_nl (low nibbles first), levels kvalues_iq4nl, scale
+d·(ls_j − 32) with ls_j = nibble j % 2 of scales_l[j // 2] | bits 2j, 2j+1 of scales_h << 4; its q8 dot
+follows ``ggml_vec_dot_iq4_xs_q8_K``: signed × signed bytes, pmaddwd by ls_j − 32, one float scale per block.
+
 For prefill (T > 1 tokens per row) four tokens share one decode of the weight codes and scales.
 """
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit, prange
 
 from engine.kernels.simd import (
@@ -46,8 +52,10 @@ from engine.kernels.simd import (
     load_i8x16_as_i16,
     load_i8x32,
     load_i16x16,
+    load_iq4nl_codes,
     madd,
     madd_acc,
+    maddss,
     maddubs,
     prefetch_array,
     prefetch_distance,
@@ -563,5 +571,89 @@ def gemv_q2_k_q8(raw, s, rows, xi, qa, da, bsums, out):
                 r = rows[i]
                 k = xi[i]
                 out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q2_k_q8(
+                    raw[r], s[r], qa, da, bsums, k + t
+                )
+
+
+# --- IQ4_XS -----------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True, inline="always")
+def iq4xs_scale(w, o, j):
+    """The signed scale ls_j − 32 (−32..31) of group j of the iq4_xs block at byte o."""
+    lo = (np.int32(w[o + 4 + j // 2]) >> (4 * (j % 2))) & 15
+    hi = ((np.int32(w[o + 2]) | (np.int32(w[o + 3]) << 8)) >> (2 * j)) & 3
+    return (lo | (hi << 4)) - 32
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _iq4xs_block(w, o, qa, xo, iacc):
+    """iacc + Σ_j (ls_j − 32)·Σ kv·qa over the 8 groups of the block at byte o (activations from xo)."""
+    for j in range(8):
+        p = maddss(load_iq4nl_codes(w, o + 8 + 16 * j), load_i8x32(qa, xo + 32 * j))
+        iacc = madd_acc(iacc, p, splat16(iq4xs_scale(w, o, j)))
+    return iacc
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot_iq4_xs_q8(w, s, qa, da, bsums):
+    acc = zero_f32()
+    for b in range(s.shape[0]):
+        iacc = _iq4xs_block(w, b * 136, qa, 256 * b, zero_i32())
+        acc = fma_i32(iacc, s[b] * da[b], acc)
+    return hsum_f32(acc)
+
+
+@njit(cache=True, nogil=True)
+def _dot4_iq4_xs_q8(w, s, qa, da, bsums, k):
+    a0, a1, a2, a3 = qa[k], qa[k + 1], qa[k + 2], qa[k + 3]
+    f0 = zero_f32()
+    f1 = zero_f32()
+    f2 = zero_f32()
+    f3 = zero_f32()
+    for b in range(s.shape[0]):
+        o = b * 136
+        i0 = zero_i32()
+        i1 = zero_i32()
+        i2 = zero_i32()
+        i3 = zero_i32()
+        for j in range(8):
+            q = load_iq4nl_codes(w, o + 8 + 16 * j)
+            sc = splat16(iq4xs_scale(w, o, j))
+            xo = 256 * b + 32 * j
+            i0 = madd_acc(i0, maddss(q, load_i8x32(a0, xo)), sc)
+            i1 = madd_acc(i1, maddss(q, load_i8x32(a1, xo)), sc)
+            i2 = madd_acc(i2, maddss(q, load_i8x32(a2, xo)), sc)
+            i3 = madd_acc(i3, maddss(q, load_i8x32(a3, xo)), sc)
+        d = s[b]
+        f0 = fma_i32(i0, d * da[k, b], f0)
+        f1 = fma_i32(i1, d * da[k + 1, b], f1)
+        f2 = fma_i32(i2, d * da[k + 2, b], f2)
+        f3 = fma_i32(i3, d * da[k + 3, b], f3)
+    return hsum_f32(f0), hsum_f32(f1), hsum_f32(f2), hsum_f32(f3)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def gemv_iq4_xs_q8(raw, s, rows, xi, qa, da, bsums, out):
+    M, T = out.shape
+    T4 = T - T % 4
+    ahead = prefetch_distance(raw)
+    for c in prange((M + CHUNK - 1) // CHUNK):
+        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(s[rows[j]])
+            r = rows[i]
+            k = xi[i]
+            for t in range(T4, T):  # decode: the only pass, streaming the rows
+                out[i, t] = _dot_iq4_xs_q8(raw[r], s[r], qa[k + t], da[k + t], bsums[k + t])
+        # Prefill: four tokens against every row of the chunk, then the next four, so the
+        # tokens' activations and the chunk's rows both stay in L1.
+        for t in range(0, T4, 4):
+            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+                r = rows[i]
+                k = xi[i]
+                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_iq4_xs_q8(
                     raw[r], s[r], qa, da, bsums, k + t
                 )

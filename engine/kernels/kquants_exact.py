@@ -1,4 +1,4 @@
-"""Exact-float GEMV kernels for Q2_K, Q3_K, Q4_K, Q5_K and Q6_K: multiply by the exactly dequantized weights.
+"""Exact-float GEMV kernels for Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS: multiply by the exactly dequantized weights.
 
 Gather signature as in ``engine.kernels.kquants``; activations are X float32 [K, n] and, for
 Q4_K/Q5_K, Xs float32 [K, n/32] (sums of x over each 32-element sub-block) so that the mins cost
@@ -12,7 +12,16 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from engine.kernels.kquants import CHUNK, _q2k_codes, _q3k_codes, _q4k_codes, _q5k_codes, _q6k_codes, k2_scales
+from engine.kernels.kquants import (
+    CHUNK,
+    _q2k_codes,
+    _q3k_codes,
+    _q4k_codes,
+    _q5k_codes,
+    _q6k_codes,
+    iq4xs_scale,
+    k2_scales,
+)
 from engine.kernels.simd import (
     hsum_f32,
     i8_to_f32,
@@ -22,6 +31,7 @@ from engine.kernels.simd import (
     lane16,
     load_f32x8,
     load_i8x16_as_i16,
+    load_iq4nl_codes,
     prefetch_array,
     prefetch_distance,
     splat8,
@@ -238,3 +248,30 @@ def gemv_q6_k_f(raw, s, rows, xi, X, out):
             r = rows[i]
             for t in range(T):
                 out[i, t] = _dot_q6_k_f(raw[r], s[r], X[xi[i] + t])
+
+
+@njit(cache=True, nogil=True)
+def _dot_iq4_xs_f(w, s, x):
+    acc = zero_f32()
+    for b in range(s.shape[0]):
+        o = b * 136
+        d = s[b]
+        for j in range(8):  # dl = d·(ls − 32) in float32, as dequantize_row_iq4_xs
+            dl = d * np.float32(iq4xs_scale(w, o, j))
+            acc = vfma_s(_fdot32(load_iq4nl_codes(w, o + 8 + 16 * j), x, 256 * b + 32 * j), dl, acc)
+    return hsum_f32(acc)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def gemv_iq4_xs_f(raw, s, rows, xi, X, out):
+    M, T = out.shape
+    ahead = prefetch_distance(raw)
+    for c in prange((M + CHUNK - 1) // CHUNK):
+        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(s[rows[j]])
+            r = rows[i]
+            for t in range(T):
+                out[i, t] = _dot_iq4_xs_f(raw[r], s[r], X[xi[i] + t])

@@ -1,4 +1,4 @@
-"""GEMV kernels for the 32-element block types Q8_0, Q4_0, Q5_0 and MXFP4.
+"""GEMV kernels for the 32-element block types Q8_0, Q4_0, Q5_0, MXFP4 and IQ4_NL.
 
 Gather signature shared by all families (see ``engine.kernels.dispatch``)::
 
@@ -15,7 +15,9 @@ Block layouts (ggml-common.h): q8_0 = d fp16 | qs int8[32];
 q4_0 = d | qs[16] (low nibbles: elements 0..15, high: 16..31), value q − 8;
 q5_0 = d | qh u32 (bit j = fifth bit of element j) | qs[16], value q − 16;
 mxfp4 = e u8 | qs[16] (nibble order as q4_0), value MXFP4_VALUES[q] (the doubled e2m1 values), and
-``d`` the block's 2^(e−128) (``prepare_weight``); its q8 dot is ``ggml_vec_dot_mxfp4_q8_0``'s.
+``d`` the block's 2^(e−128) (``prepare_weight``); its q8 dot is ``ggml_vec_dot_mxfp4_q8_0``'s;
+iq4_nl = d | qs[16] (nibble order as q4_0), value IQ4NL_VALUES[q] (ggml's kvalues_iq4nl), its q8 dot
+``ggml_vec_dot_iq4_nl_q8_0``'s (the levels through one table lookup, signed × signed bytes).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from engine.kernels.simd import (
     i8_to_f32,
     load_f32x8,
     load_i8x32,
+    load_iq4nl_codes,
     load_mxfp4_codes,
     load_nibbles16,
     load_u32,
@@ -72,6 +75,12 @@ def _ucodes_q5_0(w, b):
 def _codes_mxfp4(w, b):
     """Signed codes −12..12 (the doubled e2m1 values)."""
     return load_mxfp4_codes(w, b * 17 + 1)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _codes_iq4_nl(w, b):
+    """Signed levels −127..113 (kvalues_iq4nl)."""
+    return load_iq4nl_codes(w, b * 18 + 2)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -125,6 +134,23 @@ def _dot_mxfp4_f(w, d, x):
     acc = zero_f32()
     for b in range(d.shape[0]):
         acc = vfma_s(_exact_block(_codes_mxfp4(w, b), x, 32 * b), d[b], acc)
+    return hsum_f32(acc)
+
+
+@njit(cache=True, nogil=True)
+def _dot_iq4_nl_f(w, d, x):
+    acc = zero_f32()
+    for b in range(d.shape[0]):
+        acc = vfma_s(_exact_block(_codes_iq4_nl(w, b), x, 32 * b), d[b], acc)
+    return hsum_f32(acc)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot_iq4_nl_q8(w, d, qa, da, asum):
+    acc = zero_f32()
+    for b in range(d.shape[0]):
+        iv = dot_sb_sb(zero_i32(), _codes_iq4_nl(w, b), load_i8x32(qa, 32 * b))
+        acc = fma_i32(iv, d[b] * da[b], acc)
     return hsum_f32(acc)
 
 
@@ -185,15 +211,20 @@ def _u_step(u, a, b, scale, acc):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _dot4_signed(w, d, qa, da, asum, k, mx):
-    """Q8_0 (mx False) or MXFP4 (mx True) against four activation rows."""
+def _dot4_signed(w, d, qa, da, asum, k, kind):
+    """Q8_0 (kind 0), MXFP4 (1) or IQ4_NL (2) against four activation rows."""
     a0, a1, a2, a3 = qa[k], qa[k + 1], qa[k + 2], qa[k + 3]
     f0 = zero_f32()
     f1 = zero_f32()
     f2 = zero_f32()
     f3 = zero_f32()
     for b in range(d.shape[0]):
-        q = _codes_mxfp4(w, b) if mx else _codes_q8_0(w, b)
+        if kind == 1:
+            q = _codes_mxfp4(w, b)
+        elif kind == 2:
+            q = _codes_iq4_nl(w, b)
+        else:
+            q = _codes_q8_0(w, b)
         db = d[b]
         f0 = _q8_step(q, a0, b, db * da[k, b], f0)
         f1 = _q8_step(q, a1, b, db * da[k + 1, b], f1)
@@ -204,12 +235,17 @@ def _dot4_signed(w, d, qa, da, asum, k, mx):
 
 @njit(cache=True, nogil=True)
 def _dot4_q8_0_q8(w, d, qa, da, asum, k):
-    return _dot4_signed(w, d, qa, da, asum, k, False)
+    return _dot4_signed(w, d, qa, da, asum, k, 0)
 
 
 @njit(cache=True, nogil=True)
 def _dot4_mxfp4_q8(w, d, qa, da, asum, k):
-    return _dot4_signed(w, d, qa, da, asum, k, True)
+    return _dot4_signed(w, d, qa, da, asum, k, 1)
+
+
+@njit(cache=True, nogil=True)
+def _dot4_iq4_nl_q8(w, d, qa, da, asum, k):
+    return _dot4_signed(w, d, qa, da, asum, k, 2)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -416,5 +452,46 @@ def gemv_mxfp4_q8(raw, d, rows, xi, qa, da, asum, out):
                 r = rows[i]
                 k = xi[i]
                 out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_mxfp4_q8(
+                    raw[r], d[r], qa, da, asum, k + t
+                )
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def gemv_iq4_nl_f(raw, d, rows, xi, X, out):
+    M, T = out.shape
+    ahead = prefetch_distance(raw)
+    for c in prange((M + CHUNK - 1) // CHUNK):
+        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(d[rows[j]])
+            r = rows[i]
+            for t in range(T):
+                out[i, t] = _dot_iq4_nl_f(raw[r], d[r], X[xi[i] + t])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def gemv_iq4_nl_q8(raw, d, rows, xi, qa, da, asum, out):
+    M, T = out.shape
+    T4 = T - T % 4
+    ahead = prefetch_distance(raw)
+    for c in prange((M + CHUNK - 1) // CHUNK):
+        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+            j = i + ahead  # stream the weights: request row rows[j] now
+            if j < M:
+                prefetch_array(raw[rows[j]])
+                prefetch_array(d[rows[j]])
+            r = rows[i]
+            k = xi[i]
+            for t in range(T4, T):  # decode: the only pass, streaming the rows
+                out[i, t] = _dot_iq4_nl_q8(raw[r], d[r], qa[k + t], da[k + t], asum[k + t])
+        # Prefill: four tokens against every row of the chunk, then the next four, so the
+        # tokens' activations and the chunk's rows both stay in L1.
+        for t in range(0, T4, 4):
+            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
+                r = rows[i]
+                k = xi[i]
+                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_iq4_nl_q8(
                     raw[r], d[r], qa, da, asum, k + t
                 )

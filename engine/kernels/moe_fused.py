@@ -18,13 +18,21 @@ import numpy as np
 from numba import njit, prange
 
 from engine.kernels.activations import quantize_q8_0, quantize_q8_K
-from engine.kernels.kquants import _dot2_q4_k_q8, _dot_q2_k_q8, _dot_q3_k_q8, _dot_q4_k_q8, _dot_q5_k_q8, _dot_q6_k_q8
-from engine.kernels.legacy import _dot_mxfp4_q8, _dot_q4_0_q8, _dot_q5_0_q8, _dot_q8_0_q8
+from engine.kernels.kquants import (
+    _dot2_q4_k_q8,
+    _dot_iq4_xs_q8,
+    _dot_q2_k_q8,
+    _dot_q3_k_q8,
+    _dot_q4_k_q8,
+    _dot_q5_k_q8,
+    _dot_q6_k_q8,
+)
+from engine.kernels.legacy import _dot_iq4_nl_q8, _dot_mxfp4_q8, _dot_q4_0_q8, _dot_q5_0_q8, _dot_q8_0_q8
 from engine.kernels.simd import prefetch, prefetch_array, prefetch_distance
 from engine.quant.formats import WEIGHT_TYPES, QType, block_format
 
 FUSED_TYPES = tuple(t for t in WEIGHT_TYPES if block_format(t).block_size > 1)  # every block type we load
-_K_IDS = (int(QType.Q2_K), int(QType.Q3_K), int(QType.Q4_K), int(QType.Q5_K), int(QType.Q6_K))
+_K_IDS = (int(QType.Q2_K), int(QType.Q3_K), int(QType.Q4_K), int(QType.Q5_K), int(QType.Q6_K), int(QType.IQ4_XS))
 CHUNK = 16
 
 
@@ -49,6 +57,10 @@ def _row_q8(qt, w, s, qa, da, asum, bsums):
         return _dot_q5_0_q8(w, s, qa, da, asum)
     if qt == 39:
         return _dot_mxfp4_q8(w, s, qa, da, asum)
+    if qt == 20:
+        return _dot_iq4_nl_q8(w, s, qa, da, asum)
+    if qt == 23:
+        return _dot_iq4_xs_q8(w, s, qa, da, bsums)
     return np.float32(np.nan)
 
 
@@ -67,7 +79,7 @@ def _next_pair(k, r, n):
 def quantize_for(qt, X):
     """X float32 [K, n] -> the four activation arrays for weights of ggml type ``qt``."""
     K = X.shape[0]
-    if qt == 10 or qt == 11 or qt == 12 or qt == 13 or qt == 14:
+    if qt == 10 or qt == 11 or qt == 12 or qt == 13 or qt == 14 or qt == 23:  # Q8_K activations
         qa, da, bsums = quantize_q8_K(X)
         return qa, da, np.empty((K, 0), np.int32), bsums
     qa, da, asum = quantize_q8_0(X)

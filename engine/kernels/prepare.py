@@ -14,6 +14,8 @@ Q6_K            d per 256-block (S = n/256)             4/210 = 1.9 %
 Q3_K            d per 256-block (S = n/256)             4/110 = 3.6 %
 Q2_K            (d, dmin) per 256-block (S = 2·n/256)   8/84 = 9.5 %
 MXFP4           2^(e-128) per 32-block (S = n/32)       4/17 = 24 %
+IQ4_NL          d per 32-block (S = n/32)               4/18 = 22 %
+IQ4_XS          d per 256-block (S = n/256)             4/136 = 2.9 %
 F32, F16, BF16  none (S = 0)                            0
 ==============  ======================================  ===========================
 """
@@ -37,6 +39,8 @@ _SCALE_OFFSETS: dict[QType, tuple[int, ...]] = {
     QType.Q6_K: (208,),
     QType.Q3_K: (108,),
     QType.Q2_K: (80, 82),  # d, dmin
+    QType.IQ4_NL: (0,),
+    QType.IQ4_XS: (0,),  # the 6-bit group scales stay packed: the kernels decode them
 }
 _FLOAT_DTYPES = {QType.F32: np.float32, QType.F16: np.uint16, QType.BF16: np.uint16}
 

@@ -11,10 +11,10 @@ Two variants of ``y = W·x``, for every weight type:
   weight                activations      ggml rule re-implemented here
   ====================  ===============  ==================================================
   Q8_0, Q4_0, Q5_0,     Q8_0             x86 ``quantize_row_q8_0`` (AVX path): d = amax/127
-  MXFP4
+  MXFP4, IQ4_NL
                                          stored as fp16; q = round-half-even(x · (127/amax))
   Q2_K, Q3_K, Q4_K,     Q8_K             ``quantize_row_q8_K_ref``: iscale = -127/max where max
-  Q5_K, Q6_K                             is the signed value of largest magnitude;
+  Q5_K, Q6_K, IQ4_XS                     is the signed value of largest magnitude;
                                          q = min(127, nearest_int(iscale·x)); d = 1/iscale (f32);
                                          bsums = sums of 16 consecutive q
   F16                   F16              round-to-nearest-even fp32 → fp16
@@ -32,12 +32,12 @@ from __future__ import annotations
 import numpy as np
 
 from engine.quant.formats import QType, block_format
-from engine.quant.reference import MXFP4_VALUES
+from engine.quant.reference import IQ4NL_VALUES, MXFP4_VALUES
 
 QK = 256  # super-block size of the K-quants
 
-LEGACY_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.MXFP4)
-K_TYPES = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K)
+LEGACY_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.MXFP4, QType.IQ4_NL)
+K_TYPES = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS)
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 
 
@@ -205,6 +205,21 @@ def unpack(qtype: QType, raw: np.ndarray) -> Unpacked:
         q = MXFP4_VALUES.astype(np.int64)[idx]
         d = np.ldexp(1.0, blk[..., 0].astype(np.int64) - 128)  # [R, nb] float64, exact
         return Unpacked(q.reshape(R, -1), d, zeros, ones, ones * 0, 32, 32)
+    if qtype == QType.IQ4_NL:  # d | qs[16]: codes index kvalues_iq4nl, low nibbles first
+        qs = blk[..., 2:18].astype(np.int64)
+        q = IQ4NL_VALUES.astype(np.int64)[np.concatenate([qs & 15, qs >> 4], axis=-1)]  # [R, nb, 32]
+        return Unpacked(q.reshape(R, -1), _f16(blk[..., 0:2]), zeros, ones, ones * 0, 32, 32)
+    if qtype == QType.IQ4_XS:  # d | scales_h u16 | scales_l[4] | qs[128]: 8 groups of 32, scale ls − 32
+        qs = blk[..., 8:136].astype(np.int64).reshape(R, nb, 8, 16)
+        q = IQ4NL_VALUES.astype(np.int64)[np.concatenate([qs & 15, qs >> 4], axis=-1)]  # [R, nb, 8, 32]
+        sl = blk[..., 4:8].astype(np.int64)  # [R, nb, 4]
+        lo = np.stack([sl & 15, sl >> 4], axis=-1).reshape(R, nb, 8)
+        sh = blk[..., 2].astype(np.int64) | (blk[..., 3].astype(np.int64) << 8)  # [R, nb]
+        hi = (sh[..., None] >> (2 * np.arange(8))) & 3
+        sc = (lo | (hi << 4)) - 32
+        return Unpacked(
+            q.reshape(R, -1), _f16(blk[..., 0:2]), zeros, sc.reshape(R, -1), np.zeros_like(sc).reshape(R, -1), QK, 32
+        )
     if qtype in (QType.Q4_K, QType.Q5_K):
         d, dmin = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
         sc, m = _k4_scales(blk[..., 4:16])  # [R, nb, 8]

@@ -16,6 +16,8 @@ _FP16_FIELDS = {
     QType.Q6_K: (208,),
     QType.Q3_K: (108,),
     QType.Q2_K: (80, 82),
+    QType.IQ4_NL: (0,),
+    QType.IQ4_XS: (0,),
     QType.MXFP4: (),  # its scale is the exponent byte: set below
 }
 

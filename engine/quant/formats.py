@@ -93,6 +93,12 @@ FORMATS: dict[QType, BlockFormat] = {
         # block_mxfp4: e8m0 shared exponent (scale 2^(e-128) of the doubled e2m1 codes), 32 nibbles
         # (low nibbles = elements 0..15, high = 16..31), each an index into the e2m1 values
         _fmt(QType.MXFP4, 32, ("e", "u1", 1), ("qs", "u1", 16)),
+        # block_iq4_nl: fp16 scale, 32 nibbles (low nibbles = elements 0..15, high = 16..31), each an index
+        # into the non-linear table kvalues_iq4nl (engine.quant.reference.IQ4NL_VALUES)
+        _fmt(QType.IQ4_NL, 32, ("d", "<f2", 1), ("qs", "u1", 16)),
+        # block_iq4_xs: fp16 d, 8 six-bit group scales (value − 32; low 4 bits in the nibbles of scales_l,
+        # top 2 bits at bits 2j of scales_h), 8 groups of 32 with iq4_nl's nibble order in qs[16j:16j+16]
+        _fmt(QType.IQ4_XS, 256, ("d", "<f2", 1), ("scales_h", "<u2", 1), ("scales_l", "u1", 4), ("qs", "u1", 128)),
         # block_q8_K: activations for K-quant dot products (f32 scale, 16 partial sums)
         _fmt(QType.Q8_K, 256, ("d", "<f4", 1), ("qs", "i1", 256), ("bsums", "<i2", 16)),
     )
@@ -112,6 +118,8 @@ WEIGHT_TYPES: tuple[QType, ...] = (
     QType.Q5_K,
     QType.Q6_K,
     QType.MXFP4,
+    QType.IQ4_NL,
+    QType.IQ4_XS,
 )
 
 # The table must agree with the gguf package's sizes: a cheap guard against typos.

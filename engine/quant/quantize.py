@@ -376,6 +376,71 @@ def _quant_mxfp4(x: np.ndarray) -> np.ndarray:
     return _pack(QType.MXFP4, nb, e=e, qs=q[:, 0] | (q[:, 1] << np.uint8(4)))
 
 
+def _nearest_iq4(v: np.ndarray) -> np.ndarray:
+    """Index (uint8) of the nearest kvalues_iq4nl level to each of ``v`` (float32), the lower on a tie."""
+    from engine.quant.reference import IQ4NL_VALUES
+
+    k = IQ4NL_VALUES.astype(_F32)
+    mid = (k[1:] + k[:-1]) / _F32(2)
+    return np.searchsorted(mid, v, side="right").astype(np.uint8)
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """Indices uint8 [..., 32] -> 16 bytes [..., 16]: elements 0..15 low nibbles, 16..31 high."""
+    return q[..., :16] | (q[..., 16:] << np.uint8(4))
+
+
+def _iq4_fit(x: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Groups x [G, 32] at per-group scales [G] -> (indices uint8 [G, 32], the least-squares scale [G] for
+    those indices: Σ x·k / Σ k², or the given scale where that is 0)."""
+    from engine.quant.reference import IQ4NL_VALUES
+
+    live = scale != 0
+    q = _nearest_iq4(x / np.where(live, scale, _F32(1))[:, None])
+    q[~live] = 8  # level 1 at scale 0: the value 0
+    k = IQ4NL_VALUES[q].astype(_F32)
+    kk = (k * k).sum(axis=1)
+    return q, np.where(live, (x * k).sum(axis=1) / kk, scale).astype(_F32)
+
+
+def _quant_iq4_nl(x: np.ndarray) -> np.ndarray:
+    """Test data, not ggml's search (``quantize_row_iq4_nl_ref`` tries 15 scales with importance
+    weights): the scale maps the value of largest magnitude to −127 (ggml's starting point), every
+    element takes the nearest level, then the scale is refit by least squares to those levels and the
+    levels chosen once more at the fp16 scale."""
+    nb = len(x)
+    d = _signed_absmax(x) / _F32(-127)
+    d[np.abs(d) < GROUP_MAX_EPS] = 0
+    _, d = _iq4_fit(x, d)
+    d16 = _to_f16(d)
+    q, _ = _iq4_fit(x, d16.astype(_F32))
+    return _pack(QType.IQ4_NL, nb, d=d16, qs=_pack_nibbles(q))
+
+
+def _quant_iq4_xs(x: np.ndarray) -> np.ndarray:
+    """Test data, not ggml's search: each group of 32 gets its IQ4_NL fit (as :func:`_quant_iq4_nl`), the
+    8 scales become 6-bit multiples of an fp16 d (the largest in magnitude → −32, as ggml:
+    ``d = −max/32``, ls = nearest_int(scale/d) in −32..31), and every element the nearest level at its
+    stored group scale d·ls."""
+    nb = len(x)
+    xg = x.reshape(nb * 8, 32)
+    s = _signed_absmax(xg) / _F32(-127)
+    s[np.abs(s) < GROUP_MAX_EPS] = 0
+    _, s = _iq4_fit(xg, s)
+    s = s.reshape(nb, 8)
+    max_scale = _signed_absmax(s)  # [nb]
+    zero = np.abs(max_scale) < GROUP_MAX_EPS
+    d = np.where(zero, np.float16(0), _to_f16(-max_scale / _F32(32)))
+    inv = _recip_or_zero(d.astype(_F32))
+    ls = np.clip(nearest_int(s * inv[:, None]), -32, 31)  # [nb, 8]
+    q, _ = _iq4_fit(xg, (d.astype(_F32)[:, None] * ls).reshape(-1))
+    L = (ls + 32).astype(np.uint8)
+    scales_l = (L[:, 0::2] & 0xF) | ((L[:, 1::2] & 0xF) << 4)
+    scales_h = ((L.astype(np.uint16) >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
+    qs = _pack_nibbles(q).reshape(nb, 128)
+    return _pack(QType.IQ4_XS, nb, d=d, scales_h=scales_h, scales_l=scales_l, qs=qs)
+
+
 QUANTIZE_BLOCKS: dict[QType, Callable[[np.ndarray], np.ndarray]] = {
     QType.Q8_0: _quant_q8_0,
     QType.Q4_0: _quant_q4_0,
@@ -386,6 +451,8 @@ QUANTIZE_BLOCKS: dict[QType, Callable[[np.ndarray], np.ndarray]] = {
     QType.Q5_K: _quant_q5_k,
     QType.Q6_K: _quant_q6_k,
     QType.MXFP4: _quant_mxfp4,
+    QType.IQ4_NL: _quant_iq4_nl,
+    QType.IQ4_XS: _quant_iq4_xs,
 }
 
 
@@ -410,7 +477,7 @@ def quantize(x: np.ndarray, qtype: QType | int) -> np.ndarray:
     """Encode float values in a weight type.
 
     x: float [..., n] (converted to float32 first). n must be a multiple of 32 for
-    Q8_0/Q4_0/Q5_0/MXFP4 and of 256 for the K-quants (ValueError otherwise).
+    Q8_0/Q4_0/Q5_0/MXFP4/IQ4_NL and of 256 for the K-quants and IQ4_XS (ValueError otherwise).
     Returns uint8 [..., row_bytes] for block types; float32 [..., n] for F32, float16 [..., n]
     for F16 and the bfloat16 bit patterns uint16 [..., n] for BF16.
     """

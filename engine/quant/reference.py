@@ -191,6 +191,41 @@ def _dequant_mxfp4(f: dict[str, np.ndarray]) -> np.ndarray:
         return d * MXFP4_VALUES[q].astype(_F32)
 
 
+# ggml kvalues_iq4nl: the 16 non-linear levels of IQ4_NL and IQ4_XS
+IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+
+
+def _dequant_iq4_nl(f: dict[str, np.ndarray]) -> np.ndarray:
+    # dequantize_row_iq4_nl: y[j] = d * kvalues[q & 15], low nibbles are elements 0..15
+    d = fp16_to_f32(f["d"])  # [nb, 1]
+    qs = f["qs"]
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # [nb, 32]
+    return d * IQ4NL_VALUES[q].astype(_F32)
+
+
+def unpack_scales_iq4_xs(scales_h: np.ndarray, scales_l: np.ndarray) -> np.ndarray:
+    """The 8 six-bit group scales of an IQ4_XS block, as stored (0..63; the value is this − 32).
+
+    scales_h uint16 [..., 1], scales_l uint8 [..., 4] -> uint8 [..., 8]: group j keeps its low 4 bits
+    in nibble j % 2 of scales_l[j // 2] and its top 2 bits in bits 2j, 2j + 1 of scales_h.
+    """
+    lo = np.stack([scales_l & 0xF, scales_l >> 4], axis=-1).reshape(*scales_l.shape[:-1], 8)
+    hi = (scales_h.astype(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [..., 8]
+    return lo | (hi.astype(np.uint8) << 4)
+
+
+def _dequant_iq4_xs(f: dict[str, np.ndarray]) -> np.ndarray:
+    # dequantize_row_iq4_xs: group j (32 elements) reads qs[16j:16j+16] as iq4_nl does;
+    # dl = d * (ls − 32) in float32, y = dl * kvalues[q]
+    nb = f["qs"].shape[0]
+    d = fp16_to_f32(f["d"])  # [nb, 1]
+    ls = unpack_scales_iq4_xs(f["scales_h"], f["scales_l"]).astype(np.int8) - np.int8(32)  # [nb, 8]
+    dl = (d * ls.astype(_F32))[:, :, None]  # [nb, 8, 1]
+    qs = f["qs"].reshape(nb, 8, 16)
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # [nb, 8, 32]
+    return (dl * IQ4NL_VALUES[q].astype(_F32)).reshape(nb, 256)
+
+
 DEQUANTIZE_BLOCKS: dict[QType, Callable[[dict[str, np.ndarray]], np.ndarray]] = {
     QType.Q8_0: _dequant_q8_0,
     QType.Q4_0: _dequant_q4_0,
@@ -201,6 +236,8 @@ DEQUANTIZE_BLOCKS: dict[QType, Callable[[dict[str, np.ndarray]], np.ndarray]] = 
     QType.Q5_K: _dequant_q5_k,
     QType.Q6_K: _dequant_q6_k,
     QType.MXFP4: _dequant_mxfp4,
+    QType.IQ4_NL: _dequant_iq4_nl,
+    QType.IQ4_XS: _dequant_iq4_xs,
 }
 
 

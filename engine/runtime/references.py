@@ -31,7 +31,7 @@ import torch
 
 from engine.models.layers import apply_rope_table, rms_norm_fused, route_softmax_topk, silu_mul
 from engine.quant.formats import QType, block_format
-from engine.quant.reference import MXFP4_VALUES
+from engine.quant.reference import IQ4NL_VALUES, MXFP4_VALUES
 
 QBLK = 32  # activation block of the q8 rule (triton_q8.QBLK)
 
@@ -146,6 +146,26 @@ def _q6_k(b):  # dequantize_row_q6_K: two halves of 128, four 32-wide groups eac
     return (d[..., None, None, None] * s * q).flatten(-3)
 
 
+def _iq4_levels(qs: torch.Tensor) -> torch.Tensor:
+    """[.., 16k] nibble bytes -> kvalues_iq4nl levels [.., k, 32] (per 16 bytes: low nibbles then high)."""
+    q = qs.to(torch.int32).reshape(*qs.shape[:-1], -1, 16)
+    values = torch.tensor(IQ4NL_VALUES, dtype=torch.float32, device=qs.device)
+    return values[torch.cat([q & 0xF, q >> 4], -1).long()]
+
+
+def _iq4_nl(b):  # dequantize_row_iq4_nl: d | qs[16]
+    return _f16(b[..., 0:2])[..., None] * _iq4_levels(b[..., 2:18])[..., 0, :]
+
+
+def _iq4_xs(b):  # dequantize_row_iq4_xs: d | scales_h u16 | scales_l[4] | qs[128]; dl = d·(ls − 32)
+    sl = b[..., 4:8].to(torch.int32)
+    lo = torch.stack([sl & 0xF, sl >> 4], -1).flatten(-2)  # [.., 8]
+    sh = b[..., 2].to(torch.int32) | (b[..., 3].to(torch.int32) << 8)
+    hi = (sh[..., None] >> (2 * torch.arange(8, device=b.device, dtype=torch.int32))) & 3
+    dl = _f16(b[..., 0:2])[..., None] * ((lo | (hi << 4)) - 32).float()  # [.., 8]
+    return (dl[..., None] * _iq4_levels(b[..., 8:136])).flatten(-2)
+
+
 _BLOCK_FNS = {
     QType.Q8_0: _q8_0,
     QType.Q4_0: _q4_0,
@@ -156,6 +176,8 @@ _BLOCK_FNS = {
     QType.Q5_K: _q5_k,
     QType.Q6_K: _q6_k,
     QType.MXFP4: _mxfp4,
+    QType.IQ4_NL: _iq4_nl,
+    QType.IQ4_XS: _iq4_xs,
 }
 
 

@@ -4,7 +4,8 @@ Type rules, as llama.cpp's quantizer applies them (``llama_tensor_get_type`` in
 ``src/llama-quant.cpp``): norms, biases, the router and other 1-D tensors stay F32; K-quants need
 rows that are a multiple of 256, so a tensor with shorter rows falls back to a 32-block type
 (Q4_K -> Q5_0, Q5_K -> Q5_0 *where llama.cpp uses Q5_1, which SharpI does not support*,
-Q6_K -> Q8_0, Q2_K and Q3_K -> Q4_0 *where llama.cpp uses IQ4_NL, also unsupported: the same 4.5 bits*); a 32-block type on rows not a multiple of 32 falls back to F16.
+Q6_K -> Q8_0, Q2_K and Q3_K -> Q4_0 *where llama.cpp uses IQ4_NL: the same 4.5 bits, kept from before
+SharpI read IQ4_NL*, IQ4_XS -> IQ4_NL); a 32-block type on rows not a multiple of 32 falls back to F16.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ K_FALLBACK: dict[QType, QType] = {
     QType.Q4_K: QType.Q5_0,
     QType.Q5_K: QType.Q5_0,
     QType.Q6_K: QType.Q8_0,
+    QType.IQ4_XS: QType.IQ4_NL,
 }
 
 

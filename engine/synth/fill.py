@@ -72,6 +72,14 @@ def _mxfp4(b: np.ndarray, s: float) -> None:  # element = 2^(e−128)·v, v unif
     b[:, 0] = int(np.clip(np.rint(np.log2(s / 5.85)) + 128, 0, 255))
 
 
+def _iq4_nl(b: np.ndarray, s: float) -> None:  # element = d·kvalues_iq4nl[q], q uniform 0..15 (rms 67.4)
+    b[:, 0:2] = _f16(s / 67.4)
+
+
+def _iq4_xs(b: np.ndarray, s: float) -> None:  # element = ±16·d·kvalues[q]: group scales 48, 16, 48, ... (±16)
+    b[:, 0:2], b[:, 2:4], b[:, 4:8] = _f16(s / (16 * 67.4)), np.array([0x77, 0x77], np.uint8), 0
+
+
 _FIELDS: dict[QType, Callable[[np.ndarray, float], None]] = {
     QType.Q4_K: _q4_k,
     QType.Q5_K: _q5_k,
@@ -82,6 +90,8 @@ _FIELDS: dict[QType, Callable[[np.ndarray, float], None]] = {
     QType.Q4_0: _q4_0,
     QType.Q5_0: _q5_0,
     QType.MXFP4: _mxfp4,
+    QType.IQ4_NL: _iq4_nl,
+    QType.IQ4_XS: _iq4_xs,
 }
 
 

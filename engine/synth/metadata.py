@@ -32,6 +32,8 @@ FILE_TYPES: dict[QType, LlamaFileType] = {
     QType.Q5_K: LlamaFileType.MOSTLY_Q5_K_M,
     QType.Q6_K: LlamaFileType.MOSTLY_Q6_K,
     QType.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE,
+    QType.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL,
+    QType.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
 }
 
 

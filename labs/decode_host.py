@@ -5,7 +5,8 @@ a cProfile of the decode alone (a one-token prompt) sorted by cumulative time.
 
     PYTHONPATH=. python3 labs/decode_host.py F [--prompt 512] [--gen 64] [--rounds 2]
 
-Results: docs/benchmarks-gpu.md, "The host's share of a decode token".
+Results: docs/benchmarks.md, "GPU: a decode token's host time, and the 12 GiB default, at 2bcc7ec" and "GPU:
+SharpI against llama.cpp (CUDA) at 6c42ace".
 """
 
 import argparse

@@ -5,7 +5,13 @@ the CPU experts of the cut layers alone (through the backend's ``host_part``, an
 directly) at several numba thread counts, and the bare costs of a stream wait; then cProfile of a few steps.
 What the step takes beyond "segments waited for + host experts" is Python between them.
 
-  PYTHONPATH=. python3 labs/split_timeline.py F [--vram 12] [--moe auto] [--steps 48]
+  PYTHONPATH=. python3 labs/split_timeline.py F [--vram 12] [--moe auto] [--steps 48] [--replay T.npz]
+      [--threads 16,15,14]
+
+``--replay`` routes every MoE layer by a trace (``sharpi bench cache --synthetic --save-trace T.npz``), as
+``sharpi bench --replay-routes`` does; the step's expert hits, misses and uploaded bytes are then counted from the
+profiler. ``--threads`` times whole steps at each numba thread count (a background upload thread may take a
+core from the experts' parallel loops).
 """
 
 import argparse
@@ -44,6 +50,8 @@ def main() -> None:
     ap.add_argument("--n-cpu-moe", type=int, default=0)
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--replay", default=None)
+    ap.add_argument("--threads", default="")
     args = ap.parse_args()
     try:
         lc = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -61,6 +69,11 @@ def main() -> None:
                    s.device_profile(int(args.vram * (1 << 30))))  # fmt: skip
         s.apply(p)
         print("placement:", p.moe_mode, "resident split", p.resident_split, "n_cpu_moe", p.n_cpu_moe, flush=True)
+        if args.replay:
+            from engine.routes.trace import load_trace
+
+            s.replay_routes(load_trace(args.replay))
+            print(f"routes replayed from {args.replay}", flush=True)
         V = s.args.n_vocab
         toks = rng.integers(0, V, args.prompt).tolist()
         s.reset()
@@ -77,6 +90,28 @@ def main() -> None:
             pos += 1
         whole = statistics.median(step_ms[4:])
         print(f"whole step: median {whole:.2f} ms ({1e3 / whole:.1f} tok/s), min {min(step_ms[4:]):.2f}", flush=True)
+        snap0 = s.stats()
+        n_cnt = 32
+        for _ in range(n_cnt):
+            s.model.forward([int(rng.integers(0, V))], pos, s.cache)
+            pos += 1
+        s.model.settle()
+        snap1 = s.stats()
+        hits, miss = (snap1.hits - snap0.hits).sum(), (snap1.misses - snap0.misses).sum()
+        up = float((snap1.uploaded_bytes - snap0.uploaded_bytes).sum())
+        if hits + miss:
+            print(f"a step's experts: {hits / n_cnt:.1f} hits, {miss / n_cnt:.1f} misses ({hits / (hits + miss):.1%} hits), "
+                  f"{up / n_cnt / 1e6:.1f} MB uploaded", flush=True)  # fmt: skip
+        for th in [int(t) for t in args.threads.split(",") if t]:
+            numba.set_num_threads(th)
+            ts = []
+            for _ in range(28):
+                t = time.perf_counter()
+                s.model.forward([int(rng.integers(0, V))], pos, s.cache)
+                ts.append((time.perf_counter() - t) * 1e3)
+                pos += 1
+            print(f"numba threads {th}: step median {statistics.median(ts[4:]):.2f} ms", flush=True)
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
         g = s.model.decode_graph
         if g is None:
             print("no decode graph on this placement")

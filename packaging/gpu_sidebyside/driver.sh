@@ -8,7 +8,9 @@
 #   bash packaging/gpu_sidebyside/driver.sh poll SECONDS   # wait for it (at most SECONDS), pack results into $OUT
 # LIST: main (the acceptance table of issue #24, ~15 min), quick (one pair of rows), or a file of rows
 # "S name args..." (SharpI: `sharpi bench -m F args...`), "R name args..." (SharpI fed random decode tokens, as
-# llama-bench's tg is), "L name args..." (llama-bench -m F -p 512 -n 64 -r 2 args...); leading VAR=value words of an S or R row are its environment.
+# llama-bench's tg is), "L name args..." (llama-bench -m F -p 512 -n 64 -r 2 args...), "X name command..." (any
+# command, e.g. a lab; the word {F} stands for the model file); leading VAR=value words of an S, R or X row are its
+# environment.
 # The job builds llama-bench (sm_90, ~4–5 min on 16 cores) while it writes the model file, then runs each row
 # under `timeout`, sampling nvidia-smi every 250 ms. Results: /tmp/sbs (summary.txt, table.md, logs).
 # TESTS="pytest args" (environment of `start`) also runs those CUDA tests while llama.cpp builds (tests.txt).
@@ -89,6 +91,8 @@ row() {  # KIND NAME ARGS...
        cmd=(env LD_LIBRARY_PATH=$LBLIB $B/bin/llama-bench -m $F -p 512 -n 64 -r 2 "$@"); to=300 ;;
     S) cmd=(env "${envs[@]}" python3 -m engine.cli.main bench -m $F --prompt 512 --gen 64 --repeat 2 --device cuda --json "$@") ;;
     R) cmd=(env "${envs[@]}" python3 $HERE/randtok_bench.py bench -m $F --prompt 512 --gen 64 --repeat 2 --device cuda --json "$@") ;;
+    X) local words=("$@"); cmd=(env "${envs[@]}" "${words[@]//\{F\}/$F}"); to=540 ;;
+    *) log "skip $n (unknown row kind $kind)"; return ;;
   esac
   log "start $n: ${cmd[*]}"; echo "=== $kind $n: ${cmd[*]}" >> $R/summary.txt
   vram_on $n; timeout $to "${cmd[@]}" > $R/$n.out 2> $R/$n.err; local rc=$?; vram_off $n

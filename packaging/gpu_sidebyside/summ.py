@@ -48,6 +48,8 @@ def main(folder: str) -> None:
     rows = {}
     for f in sorted(d.glob("*.out")):
         name = f.stem
+        if name.startswith("X_"):  # a command's own output (a lab), not a benchmark row
+            continue
         rows[name] = (llama if name.startswith("L_") else sharpi)(f)
     print("| run | prompt tok/s | decode tok/s | nvidia-smi peak MiB | placement |")
     print("|---|---|---|---|---|")

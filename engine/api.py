@@ -33,6 +33,7 @@ from engine.routes import RouteRecorder, RouteTrace
 from engine.routes.replay import RouteReplayer
 from engine.runtime.apply import Applied, apply_placement
 from engine.runtime.device import cuda_reserve
+from engine.runtime.threads import host_threads, use_host_threads
 from engine.tokenizer.chat import RenderCancelled
 
 log = logging.getLogger(__name__)
@@ -351,17 +352,32 @@ class Session:
         except RenderCancelled as e:
             return iter([GenerationEvent("", None, 0, 0, len(self.state.tokens), self.n_ctx, 0.0, 0.0, 0.0,
                                          FINISH_CANCELLED, str(e))])  # fmt: skip
-        return generate(
-            self.model,
-            self.tokenizer,
-            self.cache,
-            self.state,
-            ids,
-            params or SamplingParams(),
-            cancel,
-            constraint,
-            reasoning=self.reasoning if reasoning else None,
+        return _on_threads(
+            self.host_threads,
+            generate(
+                self.model,
+                self.tokenizer,
+                self.cache,
+                self.state,
+                ids,
+                params or SamplingParams(),
+                cancel,
+                constraint,
+                reasoning=self.reasoning if reasoning else None,
+            ),
         )
+
+    @property
+    def host_threads(self) -> int:
+        """The threads a generation's CPU kernels run with under the applied placement
+        (:func:`engine.runtime.threads.host_threads`: ``EngineOptions.host_threads``, else every core, less
+        ``cores // 8`` when the placement uses a CUDA device)."""
+        import numba
+
+        applied = self.applied
+        on_cuda = self.device.type == "cuda" and applied is not None and applied.placement.n_gpu_layers > 0
+        options = applied.options if applied is not None else self.engine_options
+        return host_threads(options, on_cuda, most=numba.config.NUMBA_NUM_THREADS)
 
     def fit_messages(self, messages: list[dict], max_tokens: int) -> tuple[list[dict], int]:
         """``messages`` with the oldest turns dropped until the rendered prompt leaves room for a reply
@@ -593,3 +609,10 @@ class Session:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _on_threads(n: int, events: Iterator[GenerationEvent]) -> Iterator[GenerationEvent]:
+    """``events``, run with the CPU kernels on ``n`` threads in whichever thread consumes them (numba's thread
+    count is the calling thread's)."""
+    use_host_threads(n)
+    yield from events

@@ -66,6 +66,7 @@ ENV = MappingProxyType(
         "kv_type": "SHARPI_KV_DTYPE",
         "weights": "SHARPI_WEIGHTS",
         "cpu_moe": "SHARPI_CPU_MOE",
+        "host_threads": "SHARPI_HOST_THREADS",
         "calibrate": "SHARPI_NO_CALIBRATE",
         "calibration_dir": "SHARPI_CALIBRATION_DIR",
         "demo_model": "SHARPI_DEMO_MODEL",
@@ -201,6 +202,11 @@ class EngineOptions:
     # SHARPI_CPU_MOE: 1 = routed experts on the CPU, 0 = in a GPU cache, unless --moe/--cpu-moe say
     # otherwise (an environment choice falls back quietly when impossible); None (unset) = auto.
     cpu_moe: bool | None = None
+    # SHARPI_HOST_THREADS (-t/--threads): the threads numba's parallel loops (CPU experts, host layers) run with
+    # during a generation (whole number ≥ 1); None (unset) = engine.runtime.threads.host_threads's rule: every
+    # core on the CPU, every core less cores // 8 on a CUDA placement (measured faster: the upload worker and
+    # the driver's threads keep their cores).
+    host_threads: int | None = None
 
     # -- calibration (engine.bench.calibrate) -----------------------------------------------------------
     # SHARPI_NO_CALIBRATE: 1 = never measure the device, never read the calibration cache (the
@@ -338,6 +344,12 @@ def _whole(var: str, raw: str) -> int:
     return n
 
 
+def _at_least_one(var: str, n: int, raw: str) -> int:
+    if n < 1:
+        raise _bad(var, raw, "a number ≥ 1")
+    return n
+
+
 def _cpu_moe(var: str, raw: str) -> bool:
     if raw not in ("0", "1"):
         raise UsageError(f"{var} must be 0 or 1, got {raw!r}")
@@ -366,6 +378,7 @@ _PARSE = {
     "kv_type": _choice(KV_TYPES, KV_ALIASES),
     "weights": _choice(WEIGHT_MODES),
     "cpu_moe": _cpu_moe,
+    "host_threads": lambda var, raw: _at_least_one(var, _whole(var, raw), raw),
     "calibrate": lambda var, raw: not _flag(var, raw),  # the variable says "no calibration"
     "calibration_dir": lambda var, raw: Path(raw).expanduser(),
     "demo_model": lambda var, raw: Path(raw).expanduser(),
@@ -407,6 +420,8 @@ def _check(o: EngineOptions) -> None:
         raise UsageError(f"EngineOptions.cache_prefetch={o.cache_prefetch!r}: expected a number ≥ 0")
     if not isinstance(o.prompt_stream_min, int) or o.prompt_stream_min < 0:
         raise UsageError(f"EngineOptions.prompt_stream_min={o.prompt_stream_min!r}: expected a number ≥ 0")
+    if o.host_threads is not None and (not isinstance(o.host_threads, int) or o.host_threads < 1):
+        raise UsageError(f"EngineOptions.host_threads={o.host_threads!r}: expected None or a number ≥ 1")
     if not isinstance(o.state_checkpoints, int) or o.state_checkpoints < 0:
         raise UsageError(f"EngineOptions.state_checkpoints={o.state_checkpoints!r}: expected a number ≥ 0")
     if o.launch_table is not None and not isinstance(o.launch_table, MappingProxyType):

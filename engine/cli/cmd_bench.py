@@ -201,6 +201,8 @@ def run_model(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     args.ctx_size = args.prompt + args.gen + 16
     with load_session(args) as s:
+        threads = s.host_threads  # -t, else the engine's rule for this placement (engine.runtime.threads)
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         recorder = start_route_recording(args, s)
         if args.compare_modes:
             cmp = compare_modes(s, args.prompt, args.gen, args.repeat, threads=threads)

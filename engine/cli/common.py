@@ -253,6 +253,8 @@ def load_session(a: argparse.Namespace, refuse_unrunnable: bool = False) -> Sess
         opts = replace(opts, engine=replace(opts.engine, weights=a.weights))
     if getattr(a, "cache_policy", None):
         opts = replace(opts, engine=replace(opts.engine, cache_policy=a.cache_policy))
+    if getattr(a, "threads", None):
+        opts = replace(opts, engine=replace(opts.engine, host_threads=a.threads))
     session = Session.load(a.model, opts, progress)
     if not getattr(a, "quiet", False):
         where = session.applied.describe() if session.applied else f"all layers on the CPU, KV {session.kv_type}"

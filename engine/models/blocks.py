@@ -51,9 +51,9 @@ class Attention:
         self.i, self.a, self.qk_norm, self.q_gate = i, a, qk_norm, q_gate
         self.window, self.scale = window, scale
         self.sinks = w.vector(p + "attn_sinks.weight") if sinks else None  # float32 [H]
-        self.wq, self.wk, self.wv = w.linears(
-            tuple(f"{p}attn_{m}.weight" for m in "qkv"), tuple(f"{p}attn_{m}.bias" if qkv_bias else None for m in "qkv")
-        )
+        self.wq = w.linear(p + "attn_q.weight", p + "attn_q.bias" if qkv_bias else None)
+        self.wk = w.linear(p + "attn_k.weight", p + "attn_k.bias" if qkv_bias else None)
+        self.wv = w.linear(p + "attn_v.weight", p + "attn_v.bias" if qkv_bias else None)
         self.wo = w.linear(p + "attn_output.weight", p + "attn_output.bias" if o_bias else None)
         self.q_norm = w.vector(p + "attn_q_norm.weight") if qk_norm else None
         self.k_norm = w.vector(p + "attn_k_norm.weight") if qk_norm else None
@@ -90,7 +90,8 @@ class DenseFFN:
     def __init__(self, w: Weights, i: int, suffix: str = "", act: str = "silu"):
         p = f"blk.{i}."
         self.act = act
-        self.gate, self.up = w.linears((f"{p}ffn_gate{suffix}.weight", f"{p}ffn_up{suffix}.weight"), (None, None))
+        self.gate = w.linear(f"{p}ffn_gate{suffix}.weight")
+        self.up = w.linear(f"{p}ffn_up{suffix}.weight")
         self.down = w.linear(f"{p}ffn_down{suffix}.weight")
         self.host = _on_host(self.gate, self.up, self.down)
 

@@ -234,20 +234,6 @@ class FusedTorchOps(TorchOps):
     def rms_norm(self, x, w, eps):
         return rms_norm_fused(x, w, eps)
 
-    def linears(self, ws, x, xq=None):
-        """A run of matrices stored side by side (``runtime.device.LinearRun``: a layer's q, k, v of one type)
-        in one launch, its output cut into theirs; the rest one by one."""
-        out, i = [], 0
-        while i < len(ws):
-            run = getattr(ws[i], "run", None)
-            if run is not None and tuple(ws[i : i + len(run.members)]) == run.members:
-                out += run.split(run.whole(x))
-                i += len(run.members)
-            else:
-                out.append(ws[i](x))
-                i += 1
-        return out
-
     def rope_store(self, attn, q, k, v, head_norms):
         a, T = attn.a, q.shape[0]
         H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim

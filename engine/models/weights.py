@@ -123,11 +123,6 @@ class Weights:
         b = vector(self.gf.tensor(bias)) if bias and self.has(bias) else None
         return Linear(self.resident(name), b, self.q8_act, name)
 
-    def linears(self, names: tuple[str, ...], biases: tuple[str | None, ...]) -> tuple:
-        """The matrices ``names`` with their ``biases``, as :meth:`linear` gives them one by one (a device's
-        weights store runs of one type side by side and multiply such a run in one launch)."""
-        return tuple(self.linear(n, b) for n, b in zip(names, biases, strict=True))
-
     def resident(self, name: str) -> PreparedWeight:
         """``prepared(name)`` with its bytes in anonymous memory (shares the decoded scales)."""
         w = self._resident.get(name)

@@ -9,7 +9,6 @@ placement's byte budget, so a test can pin what the runtime allocates to what th
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -134,12 +133,9 @@ class DeviceLinear:
         bias: torch.Tensor | None = None,
         q8_act: bool = False,
         options: EngineOptions | None = None,
-        raw: torch.Tensor | None = None,
     ):
-        """raw: W's bytes already on the device (rows of a :class:`LinearRun`'s buffer), else uploaded here."""
         self.qtype, self.rows, self.n = w.qtype, w.rows, w.n
-        self.raw = raw if raw is not None else arena.upload(kind, raw_bytes(w))  # uint8 [rows, row_bytes]
-        self.run: LinearRun | None = None  # the run of matrices stored with this one, if any
+        self.raw = arena.upload(kind, raw_bytes(w))  # uint8 [rows, row_bytes]
         self.bias = bias
         self.q8_act = q8_act  # the model rounds its activations like llama.cpp (kernel_select.trunk_act)
         self.options = options if options is not None else config.current()
@@ -173,20 +169,6 @@ class DeviceLinear:
         return y + self.bias if self.bias is not None else y
 
 
-class LinearRun:
-    """Matrices of one type and width stored side by side in one device buffer (a layer's q, k and v where their
-    types agree): ``whole`` multiplies them all in one launch, and :meth:`split` cuts its output into each
-    member's, the outputs the members give alone (each output element is one row's dot product either way)."""
-
-    def __init__(self, whole: DeviceLinear, members: tuple[DeviceLinear, ...]):
-        self.whole, self.members = whole, members
-        self.widths = [m.rows for m in members]
-
-    def split(self, y: torch.Tensor) -> list[torch.Tensor]:
-        """``whole``'s output [T, Σ rows] -> the members' [T, rows_i] (column views)."""
-        return list(torch.split(y, self.widths, dim=-1))
-
-
 class DeviceWeights:
     """The ``Weights`` interface for tensors that live on a device, allocated through an arena;
     its matrices choose their kernels by ``options`` (default ``config.current()``)."""
@@ -209,41 +191,6 @@ class DeviceWeights:
     def linear(self, name: str, bias: str | None = None) -> DeviceLinear:
         b = self.vector(bias) if bias and self.has(bias) else None
         return DeviceLinear(self.host.prepared(name), self.arena, self.kind, b, self.q8_act, self.options)
-
-    def linears(self, names: tuple[str, ...], biases: tuple[str | None, ...]) -> tuple[DeviceLinear, ...]:
-        """:meth:`linear` of each name, consecutive matrices of one type and width (and all with or all without
-        a bias) uploaded as one buffer and tied by a :class:`LinearRun` (``ops.linears`` multiplies such a run
-        in one launch). The bytes charged are the same."""
-        ws = [self.host.prepared(n) for n in names]
-        bs = [bool(b and self.has(b)) for b in biases]
-        out: list[DeviceLinear] = []
-        i = 0
-        while i < len(ws):
-            j = i + 1
-            while j < len(ws) and (ws[j].qtype, ws[j].n, bs[j]) == (ws[i].qtype, ws[i].n, bs[i]):
-                j += 1
-            if j - i == 1:
-                out.append(self.linear(names[i], biases[i]))
-                i = j
-                continue
-            raw = self.arena.upload(self.kind, np.concatenate([raw_bytes(w) for w in ws[i:j]]))
-            vecs = [self.vector(b) if has else None for b, has in zip(biases[i:j], bs[i:j])]
-            members, r0 = [], 0
-            for w, b in zip(ws[i:j], vecs):
-                members.append(
-                    DeviceLinear(w, self.arena, self.kind, b, self.q8_act, self.options, raw[r0 : r0 + w.rows])
-                )
-                r0 += w.rows
-            whole_w = replace(ws[i], shape=(r0, ws[i].n))  # (its raw is not read: the run's buffer serves)
-            bias = torch.cat(vecs) if bs[i] else None
-            run = LinearRun(
-                DeviceLinear(whole_w, self.arena, self.kind, bias, self.q8_act, self.options, raw), tuple(members)
-            )
-            for m in members:
-                m.run = run
-            out.extend(members)
-            i = j
-        return tuple(out)
 
     def prepared(self, name: str) -> PreparedWeight:
         return self.host.prepared(name)

@@ -19,7 +19,10 @@ def blocks(q, rows: int, n: int, dev, gen: np.random.Generator) -> torch.Tensor:
     f = block_format(q)
     raw = torch.from_numpy(gen.integers(0, 256, rows * f.row_bytes(n), dtype=np.uint8)).to(dev).view(-1, f.type_size)
     d = torch.from_numpy((gen.random(raw.shape[0]) + 0.5).astype(np.float16) / np.float16(30 * np.sqrt(n))).to(dev)
-    at = {"Q6_K": (208,)}.get(q.name, (0, 2) if q.name in ("Q4_K", "Q5_K") else (0,))
+    if q.name == "MXFP4":  # an e8m0 exponent near 2^-5 (2^(e-128)), not a random one
+        raw[:, 0] = torch.from_numpy(gen.integers(120, 124, raw.shape[0], dtype=np.uint8)).to(dev)
+        return raw.reshape(rows, -1)
+    at = {"Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}.get(q.name, (0, 2) if q.name in ("Q4_K", "Q5_K") else (0,))
     for o in at:
         raw[:, o : o + 2] = d.view(torch.uint8).view(-1, 2)
     return raw.reshape(rows, -1)

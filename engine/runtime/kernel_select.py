@@ -62,6 +62,11 @@ def _opts(options: EngineOptions | None) -> EngineOptions:
     return config.current() if options is None else options
 
 
+# The types the integer (q8-activation) kernels decode (triton_q8.q8_block); the others take the exact-float
+# kernels in q8 mode too.
+Q8_TYPES = (QType.Q4_0, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K)
+
+
 # -- kernel family ------------------------------------------------------------------------------------
 def available() -> bool:
     """Triton is installed."""
@@ -187,7 +192,7 @@ def matmul_kernel(qtype: QType, n: int, tokens: int, act: str) -> str:
     """The kernel ``triton_gemv.matmul`` launches for ``tokens`` (≤ :data:`TRITON_MAX_T`) rows of x on a
     ``qtype`` matrix of width ``n``: in q8 mode ``"gemv_q4k"`` (Q4_K, one token) or ``"gemv_q8"``; else
     ``"gemv"`` (exact float)."""
-    if act == "q8":
+    if act == "q8" and QType(qtype) in Q8_TYPES:
         return "gemv_q4k" if triton_q4k_gemv.applies(qtype, n, tokens) else "gemv_q8"
     return "gemv"
 
@@ -199,7 +204,7 @@ def moe_kernels(roles: dict, act: str) -> tuple[str, str]:
     of 32); else the exact-float kernels."""
     if act == "q8" and triton_q4k_moe.applies_gate_up(roles):
         return "moe_q4k_gate_up", "moe_q4k_down" if triton_q4k_moe.applies(roles) else "moe_down"
-    if act == "q8" and roles["gate"][2] % 32 == 0:
+    if act == "q8" and roles["gate"][2] % 32 == 0 and all(QType(r[1]) in Q8_TYPES for r in roles.values()):
         return "moe_q8_gate_up", "moe_q8_down"
     return "moe_gate_up", "moe_down"
 

@@ -9,10 +9,11 @@ split into ``NPART`` parts of ``PW`` consecutive elements (part ``i`` covers ele
 multiplies it with the matching activations ``x[b·QK + i·PW + l]``. Loads run along each row's
 bytes (contiguous 16- or 32-byte runs per block), so a warp's loads coalesce.
 
-The decoders follow ggml's ``dequantize_row_q4_0 / q8_0 / q4_K / q5_K / q6_K`` (the same rules as
-``engine.quant.reference`` and the torch reference ``engine.runtime.references``). Integers become
-floats with the exponent trick (``bits(2²³ + q) − 2²³``: an OR and a subtract, no int→float
-conversion instruction) — exact for the small codes here.
+The decoders follow ggml's ``dequantize_row_q4_0 / q5_0 / q8_0 / q2_K / q3_K / q4_K / q5_K / q6_K /
+mxfp4 / iq4_nl / iq4_xs`` (the same rules as ``engine.quant.reference`` and the torch reference
+``engine.runtime.references``). Integers become floats with the exponent trick (``bits(2²³ + q) − 2²³``: an
+OR and a subtract, no int→float conversion instruction) — exact for the small codes here. The 16-level
+tables of MXFP4 and IQ4 are looked up in four packed 32-bit words (:func:`_level`).
 """
 
 from __future__ import annotations
@@ -35,16 +36,44 @@ except ImportError:  # pragma: no cover
 from engine import config
 from engine.quant.formats import QType
 
-SUPPORTED = (QType.Q4_0, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K)
+SUPPORTED = (
+    QType.Q4_0,
+    QType.Q5_0,
+    QType.Q8_0,
+    QType.Q2_K,
+    QType.Q3_K,
+    QType.Q4_K,
+    QType.Q5_K,
+    QType.Q6_K,
+    QType.MXFP4,
+    QType.IQ4_NL,
+    QType.IQ4_XS,
+)
 # Per type: (type_size bytes, block elements QK, part width PW, parts NPART, ALIGN: the alignment
 # every block start has when the matrix starts 16-byte aligned, so loads can be that wide).
 GEOMETRY: dict[QType, tuple[int, int, int, int, int]] = {
     QType.Q4_0: (18, 32, 16, 2, 2),
+    QType.Q5_0: (22, 32, 16, 2, 2),
     QType.Q8_0: (34, 32, 32, 1, 2),
+    QType.Q2_K: (84, 256, 32, 8, 4),
+    QType.Q3_K: (110, 256, 32, 8, 2),
     QType.Q4_K: (144, 256, 32, 8, 16),
     QType.Q5_K: (176, 256, 32, 8, 16),
     QType.Q6_K: (210, 256, 32, 8, 2),
+    QType.MXFP4: (17, 32, 16, 2, 1),
+    QType.IQ4_NL: (18, 32, 16, 2, 2),
+    QType.IQ4_XS: (136, 256, 32, 8, 8),
 }
+
+
+def _pack_levels(levels: tuple[int, ...]) -> tuple[int, ...]:
+    """16 int8 levels -> four 32-bit words of four bytes each (level i: byte i % 4 of word i // 4)."""
+    b = [v & 0xFF for v in levels]
+    return tuple(sum(b[4 * w + k] << (8 * k) for k in range(4)) for w in range(4))
+
+
+_IQ4_WORDS = _pack_levels((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113))
+_MXFP4_WORDS = _pack_levels((0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12))
 
 
 def geometry(qtype: QType) -> dict:
@@ -77,6 +106,32 @@ if triton is not None:
     @triton.jit
     def _byte(p, mask):
         return tl.load(p, mask=mask, other=0).to(tl.int32)
+
+    IQ4_W0 = tl.constexpr(_IQ4_WORDS[0])
+    IQ4_W1 = tl.constexpr(_IQ4_WORDS[1])
+    IQ4_W2 = tl.constexpr(_IQ4_WORDS[2])
+    IQ4_W3 = tl.constexpr(_IQ4_WORDS[3])
+    MX_W0 = tl.constexpr(_MXFP4_WORDS[0])
+    MX_W1 = tl.constexpr(_MXFP4_WORDS[1])
+    MX_W2 = tl.constexpr(_MXFP4_WORDS[2])
+    MX_W3 = tl.constexpr(_MXFP4_WORDS[3])
+
+    @triton.jit
+    def _level(n, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr):
+        """int32 codes n in [0, 16) -> the int8 level n of the table packed in W0..W3, as float32."""
+        w = tl.where(n < 8, tl.where(n < 4, W0, W1), tl.where(n < 12, W2, W3)).to(tl.int64)
+        v = ((w >> ((n & 3) * 8).to(tl.int64)) & 0xFF).to(tl.int32)
+        return ((v ^ 0x80) - 0x80).to(tl.float32)
+
+    @triton.jit
+    def _q3k_scale(sc, S: tl.constexpr, mask):
+        """Q3_K's 6-bit scale S (0..15) from its 12 packed bytes at sc, minus 32, as float32."""
+        if S < 8:
+            low = _byte(sc + S, mask) & 0xF
+        else:
+            low = _byte(sc + (S - 8), mask) >> 4
+        top = (_byte(sc + (8 + S % 4), mask) >> (2 * (S // 4))) & 3
+        return ((low | (top << 4)) - 32).to(tl.float32)
 
     @triton.jit
     def _k4_scale_min(sb, S: tl.constexpr, mask):
@@ -127,6 +182,68 @@ if triton is not None:
             dmin = _f16(blk + 2, mask)
             sc, mn = _k4_scale_min(blk + 4, I, mask)
             w = (d * sc)[:, :, None] * _u2f(u) - (dmin * mn)[:, :, None]
+        elif QT == 6:  # Q5_0: d, qh (32 bits, little-endian), qs[16]; element e's fifth bit is bit e of qh
+            d = _f16(blk, mask)
+            u = tl.load(blk[:, :, None] + 6 + l[None, None, :], mask=m3, other=0).to(tl.int32)
+            if I == 0:
+                u = u & 0xF
+            else:
+                u = u >> 4
+            e = I * 16 + l  # element index in the block
+            qh = tl.load(blk[:, :, None] + 2 + (e // 8)[None, None, :], mask=m3, other=0).to(tl.int32)
+            u = u | (((qh >> (e % 8)[None, None, :]) & 1) << 4)
+            q = ((u | 0x4B000000).to(tl.float32, bitcast=True)) - 8388624.0  # code - 16
+            w = d[:, :, None] * q
+        elif QT == 10:  # Q2_K: scales[16] (scale | min << 4), qs[64], d, dmin; part I = half I//4, shift I%4
+            N: tl.constexpr = I // 4
+            J: tl.constexpr = I % 4
+            u = tl.load(blk[:, :, None] + (16 + 32 * N) + l[None, None, :], mask=m3, other=0).to(tl.int32)
+            u = (u >> (2 * J)) & 3
+            sa = _byte(blk + (8 * N + 2 * J), mask)
+            sb = _byte(blk + (8 * N + 2 * J + 1), mask)
+            lo16 = l[None, None, :] < 16
+            sc = tl.where(lo16, (sa & 0xF)[:, :, None], (sb & 0xF)[:, :, None]).to(tl.float32)
+            mn = tl.where(lo16, (sa >> 4)[:, :, None], (sb >> 4)[:, :, None]).to(tl.float32)
+            d = _f16(blk + 80, mask)[:, :, None]
+            dmin = _f16(blk + 82, mask)[:, :, None]
+            w = (d * sc) * _u2f(u) - dmin * mn
+        elif QT == 11:  # Q3_K: hmask[32], qs[64], scales[12], d; part I = half I//4, shift I%4, hmask bit I
+            N: tl.constexpr = I // 4
+            J: tl.constexpr = I % 4
+            u = tl.load(blk[:, :, None] + (32 + 32 * N) + l[None, None, :], mask=m3, other=0).to(tl.int32)
+            hm = tl.load(blk[:, :, None] + l[None, None, :], mask=m3, other=0).to(tl.int32)
+            q = ((u >> (2 * J)) & 3) - 4 * (1 - ((hm >> I) & 1))  # -4 .. 3
+            sa = _q3k_scale(blk + 96, 2 * I, mask)
+            sb = _q3k_scale(blk + 96, 2 * I + 1, mask)
+            d = _f16(blk + 108, mask)
+            sc = tl.where(l[None, None, :] < 16, (d * sa)[:, :, None], (d * sb)[:, :, None])
+            w = sc * q.to(tl.float32)
+        elif QT == 39:  # MXFP4: e8m0 exponent e, qs[16]: low nibbles are elements 0..15, high 16..31
+            e = _byte(blk, mask)
+            bits = tl.where(e < 2, 0x00200000 << tl.minimum(e, 1), (e - 1) << 23)
+            d = bits.to(tl.float32, bitcast=True)  # 2^(e-128), ggml's GGML_E8M0_TO_FP32_HALF
+            u = tl.load(blk[:, :, None] + 1 + l[None, None, :], mask=m3, other=0).to(tl.int32)
+            if I == 0:
+                u = u & 0xF
+            else:
+                u = u >> 4
+            w = d[:, :, None] * _level(u, MX_W0, MX_W1, MX_W2, MX_W3)
+        elif QT == 20:  # IQ4_NL: d, qs[16]: low nibbles are elements 0..15, high 16..31; kvalues_iq4nl levels
+            d = _f16(blk, mask)
+            u = tl.load(blk[:, :, None] + 2 + l[None, None, :], mask=m3, other=0).to(tl.int32)
+            if I == 0:
+                u = u & 0xF
+            else:
+                u = u >> 4
+            w = d[:, :, None] * _level(u, IQ4_W0, IQ4_W1, IQ4_W2, IQ4_W3)
+        elif QT == 23:  # IQ4_XS: d, scales_h (u16), scales_l[4], qs[128]; part I = group I of 32, dl = d·(ls − 32)
+            d = _f16(blk, mask)
+            ls = (_byte(blk + (4 + I // 2), mask) >> (4 * (I % 2))) & 0xF
+            ls = ls | (((_byte(blk + (2 + I // 4), mask) >> (2 * (I % 4))) & 3) << 4)
+            dl = d * (ls - 32).to(tl.float32)
+            u = tl.load(blk[:, :, None] + (8 + 16 * I) + (l % 16)[None, None, :], mask=m3, other=0).to(tl.int32)
+            u = tl.where(l[None, None, :] < 16, u & 0xF, u >> 4)
+            w = dl[:, :, None] * _level(u, IQ4_W0, IQ4_W1, IQ4_W2, IQ4_W3)
         else:  # Q6_K: ql[128], qh[64], int8 scales[16], d; half H = I//4, group G = I%4
             H: tl.constexpr = I // 4
             G: tl.constexpr = I % 4

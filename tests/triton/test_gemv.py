@@ -14,7 +14,7 @@ from engine.runtime import triton_gemv as tg
 from tests.triton import BIG
 from tests.triton_data import blocks
 
-TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q4_0", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS")
 # Awkward shapes: rows not a multiple of any tile, K = 256·odd; big: trunk-sized (CUDA only).
 SHAPES = ((37, 768), (5, 256)) if not BIG else ((4096, 2048), (517, 2304), (2048, 4096))
 # UNROLL 4: short K walks unrolled, longer ones a runtime loop (both kinds on the big shapes)

@@ -26,11 +26,14 @@ if not BIG:
         ((Q.Q4_K, Q.Q4_K, Q.Q6_K), 256, 512),
         ((Q.Q8_0, Q.Q4_0, Q.Q5_K), 256, 96),
         ((Q.Q4_0, Q.Q8_0, Q.Q8_0), 96, 64),
+        ((Q.Q2_K, Q.Q3_K, Q.IQ4_XS), 256, 256),
+        ((Q.MXFP4, Q.IQ4_NL, Q.Q5_0), 96, 64),
     ]
     E, K, TOKENS = 5, 2, (1, 3)
     ONE_MATRIX = ((Q.Q4_K, 40, 512), (Q.Q8_0, 33, 96))
 else:
     CASES = [((q, q, q), 768, 2048) for q in (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)]
+    CASES += [((Q.Q2_K, Q.Q3_K, Q.IQ4_XS), 768, 2048), ((Q.MXFP4, Q.IQ4_NL, Q.Q5_0), 768, 2048)]
     CASES.append(((Q.Q4_K, Q.Q4_K, Q.Q6_K), 768, 2048))
     E, K, TOKENS = 16, 8, (1, 4, 40)
     ONE_MATRIX = ((Q.Q4_K, 4096, 2048), (Q.Q6_K, 2048, 4096))
@@ -216,3 +219,38 @@ def test_resident_prompt_stays_on_the_device_and_records_its_routes(tmp_path, de
         assert np.abs(got - ref).max() <= 1e-4 * max(1.0, float(np.abs(ref).max()))
         assert st.calls.sum(1).tolist() == [len(tokens) * K] * L
         assert st.hits.sum() == len(tokens) * K * L and st.misses.sum() == 0
+
+
+@pytest.mark.parametrize(
+    ("experts", "down"), [("Q2_K", "Q3_K"), ("IQ4_XS", "Q5_0"), ("MXFP4", "IQ4_NL")], ids=["Q2_K", "IQ4_XS", "MXFP4"]
+)
+def test_expert_cache_of_the_newer_types_through_the_fused_kernels(tmp_path, experts, down):
+    """Q2_K, Q3_K, Q5_0, MXFP4, IQ4_NL and IQ4_XS experts (and trunk matrices of the expert type) in the cache and
+    resident on the device run the Triton kernels, not the torch references, and give the exact-float CPU
+    engine's logits through a prompt (the grouped kernels) and decode steps."""
+    from engine.api import LoadOptions, Session
+    from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
+    from engine.synth.writer import write_model
+    from tests.oracle import random_tokens
+
+    CTX = 48
+    path = write_model(tmp_path / "q.gguf", "qwen3moe", seed=5, layers=2, weight_type=experts,
+                       type_overrides={"*ffn_down_exps*": down}).path  # fmt: skip
+    tokens = random_tokens(9, 1024, seed=3)  # 9 > TRITON_MAX_T: prefill takes the grouped kernels
+    dec = tokens[:2]
+    with (
+        config.overriding(device_act="f32", prefill_precision="f32"),
+        Session.load(str(path), LoadOptions(n_ctx=CTX, device=DEVICE, q8_act=False)) as s,
+    ):
+        ref_dec, ref_pre = s.logits(dec, batch=False), s.logits(tokens)
+        L, E = s.args.n_layer, s.args.n_expert
+        need = device_bytes(s.spec, n_gpu_layers=L, ctx=CTX, kv_type="f32", reserve=0).total
+        for moe, slots in (("cache", L * E // 2), ("resident", L * E)):
+            prof = DeviceProfile(vram_bytes=need + slots * expert_slot_layout(s.spec).stride, reserve_bytes=0)
+            s.apply(s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe=moe), prof))
+            cached = s.applied.experts
+            assert cached is not None and all(cached._fused.values()), "the fused kernels must serve these layers"
+            for batch, ref, toks in ((False, ref_dec, dec), (True, ref_pre, tokens)):
+                got = s.logits(toks, batch=batch)
+                err = np.abs(got - ref).max() / np.abs(ref).max()
+                assert err <= TOL * 10, (moe, "prefill" if batch else "decode", err)

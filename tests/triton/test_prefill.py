@@ -30,12 +30,13 @@ from engine.quant import QType
 from engine.quant.formats import block_format
 from engine.runtime import references as refs
 from engine.runtime import triton_moe as tm
+from engine.runtime import triton_qblocks as qb
 from engine.runtime.references import dequantize
 from tests.triton import BIG, DEVICE, INTERPRET
 from tests.triton_data import blocks, expert_pool, routing_case
 
 Q = QType
-TYPES = (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # triton_qblocks.SUPPORTED: what the grouped kernel serves
+TYPES = tuple(qb.SUPPORTED)  # what the grouped kernel serves
 U = 2.0**-9
 TIGHT = 1e-4 if DEVICE == "cuda" else 1e-5
 # The whole MoE rounds twice in series (x, then h = SiLU(gate)·up, to bf16): a weight whose rounding the compiled

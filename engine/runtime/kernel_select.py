@@ -84,8 +84,10 @@ def _triton_serves(device: torch.device, o: EngineOptions) -> bool:
 
 def fused(device: torch.device, qtype: QType, options: EngineOptions | None = None) -> bool:
     """Whether the Triton GEMV / fused-MoE kernels serve ``qtype`` on ``device`` (else the torch
-    references: dequantize, then matmul)."""
-    return _triton_serves(device, _opts(options)) and QType(qtype) in qb.SUPPORTED
+    references: dequantize, then matmul): the types ``triton_qblocks`` decodes, on a compiled CUDA device those
+    of them checked there (``triton_qblocks.CUDA_CHECKED``)."""
+    o = _opts(options)
+    return _triton_serves(device, o) and QType(qtype) in (qb.CUDA_CHECKED if compiled(device, o) else qb.SUPPORTED)
 
 
 def step_kernels(device: torch.device, options: EngineOptions | None = None) -> bool:

@@ -361,7 +361,22 @@ class Session:
             cancel,
             constraint,
             reasoning=self.reasoning if reasoning else None,
+            mtp=self.mtp,
         )
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the model file has an MTP (NextN) head that speculative decoding can draft with."""
+        return getattr(self.args, "n_layer_nextn", 0) > 0 and hasattr(self.model, "mtp_head")
+
+    @property
+    def mtp(self) -> int:
+        """Tokens drafted per step by the MTP head (``EngineOptions.mtp``; auto: ``config.MTP_AUTO_DRAFTS`` where
+        the file has a head); 0: off."""
+        if not self.has_mtp:
+            return 0
+        k = self.engine_options.mtp
+        return config.MTP_AUTO_DRAFTS if k is None else k
 
     def fit_messages(self, messages: list[dict], max_tokens: int) -> tuple[list[dict], int]:
         """``messages`` with the oldest turns dropped until the rendered prompt leaves room for a reply

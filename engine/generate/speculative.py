@@ -146,14 +146,12 @@ def speculate(model, cache, spec: Speculator, tok: int, pos: int, k: int, sample
                 continue
             nxt = t
         else:
-            p, q = sampler.distribution(row, hist), qs[i]
-            if sampler.rng.random() * q[d] < p[d]:  # u < p(d) / q(d)
+            ok, t = accept_sampled(sampler.distribution(row, hist), qs[i], d, sampler.rng)
+            if ok:
                 accepted.append(d)
                 hist.append(d)
                 continue
-            r = np.maximum(p - q, 0.0)
-            s = r.sum()
-            nxt = int(sampler.rng.choice(len(r), p=r / s)) if s > 0 else int(sampler.rng.choice(len(p), p=p))
+            nxt = t
         break
     j = len(accepted)
     if nxt is None:  # every draft accepted: the trunk's token after them
@@ -165,3 +163,14 @@ def speculate(model, cache, spec: Speculator, tok: int, pos: int, k: int, sample
     stats.drafted += len(drafts)
     stats.accepted += j
     return accepted, nxt, logits[j : j + 1]
+
+
+def accept_sampled(p: np.ndarray, q: np.ndarray, d: int, rng: np.random.Generator) -> tuple[bool, int]:
+    """Standard speculative sampling of one position: the draft ``d`` drawn from ``q`` (float64 [V]) against
+    the trunk's distribution ``p`` -> (accepted, the token: ``d``, or a draw from max(p − q, 0) normalised).
+    The token so chosen is distributed as ``p`` exactly."""
+    if rng.random() * q[d] < p[d]:  # u < p(d) / q(d)
+        return True, d
+    r = np.maximum(p - q, 0.0)
+    s = r.sum()
+    return False, int(rng.choice(len(r), p=r / s)) if s > 0 else int(rng.choice(len(p), p=p))

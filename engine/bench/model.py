@@ -99,6 +99,7 @@ class _Ours:
         s.reset_stats()
         params = SamplingParams.greedy(max_tokens=gen or self.gen)
         *_, last = s.generate(prompt_ids=ids or self.ids, params=params)
+        self.last = last
         self.rss = rss_bytes()  # right after the last decode step: what decoding keeps resident
         return last.prompt_tok_s, last.decode_tok_s
 
@@ -125,6 +126,51 @@ class _LlamaCpp:
 
     def close(self) -> None:
         self.llm.close()
+
+
+def verify_cost(session, ids: list[int], k: int, reps: int = 7) -> dict:
+    """What one speculative step costs against a plain one, medians over ``reps`` (ms): ``step_ms`` a one-token
+    decode step, ``verify_ms`` one verify pass of k+1 positions (routed experts grouped by expert, every
+    position's recurrent state kept) with its roll-back, ``draft_ms`` one MTP head step; ``verify_vs_step`` their
+    ratio (k+1 would be no better than k+1 plain steps)."""
+    from engine.generate.speculative import Speculator
+
+    m, cache = session.model, session.cache
+    session.reset()
+    m.keep_hidden = True  # as while drafting: no CUDA-graph step, every hidden state kept
+    try:
+        m.forward(ids, 0, cache, all_logits=False)
+        pos, tok = len(ids), ids[-1]
+        step, verify, draft = [], [], []
+        for _ in range(reps):
+            cache.keep_steps = True
+            t0 = time.perf_counter()
+            m.forward([tok] * (k + 1), pos, cache, all_logits=True)
+            cache.rollback(pos)
+            verify.append(time.perf_counter() - t0)
+            cache.keep_steps = False
+        spec = Speculator(m.mtp_head(), k, cache.n_ctx)
+        spec.observe(0, m.last_hidden[:1])
+        h = m.last_hidden[:1]
+        for r in range(reps):
+            t0 = time.perf_counter()
+            spec.head.forward(h, [tok], r, spec.cache)
+            draft.append(time.perf_counter() - t0)
+        for r in range(reps):
+            t0 = time.perf_counter()
+            m.forward([tok], pos + r, cache, all_logits=False)
+            step.append(time.perf_counter() - t0)
+    finally:
+        m.keep_hidden = False
+        cache.keep_steps = False
+        session.reset()
+    out = {
+        "step_ms": statistics.median(step) * 1e3,
+        "verify_ms": statistics.median(verify) * 1e3,
+        "draft_ms": statistics.median(draft) * 1e3,
+    }
+    out["verify_vs_step"] = out["verify_ms"] / out["step_ms"]
+    return out
 
 
 def _wholly_on_cuda(session) -> bool:
@@ -267,6 +313,17 @@ def bench_session(
         "prefetch": prefetch_report(st),
     }
     report["rss_ratio"] = report["rss_bytes"] / report["file_bytes"] if report["rss_bytes"] else None
+    report["mtp"] = None
+    if session.mtp > 0:
+        last = ours.last
+        report["mtp"] = dict(
+            k=session.mtp,
+            passes=last.mtp_passes,
+            drafted=last.mtp_drafted,
+            accepted=last.mtp_accepted,
+            acceptance=last.mtp_acceptance or 0.0,
+            **verify_cost(session, ids, session.mtp),
+        )
     if vs_llama_cpp:
         report["llama_cpp"] = None
         if ref is not None:

@@ -260,3 +260,39 @@ def test_sampler_distribution_matches_its_draws():
     counts = np.bincount([s(logits) for _ in range(20000)], minlength=50) / 20000
     assert abs(p.sum() - 1) < 1e-12 and np.abs(counts - p).max() < 0.015
     assert (p[counts == 0] < 0.002).all()
+
+
+@pytest.mark.parametrize("n_gpu_layers", [-1, 2])
+def test_placements_with_mtp_equal_the_plain_reply(files, n_gpu_layers):
+    """On the simulated device (the whole trunk, or a split): the MTP head runs on the host beside the placed trunk,
+    and the greedy reply is the one without MTP."""
+    from engine.plan import DeviceProfile, PlanRequest
+
+    out = {}
+    for k in (0, 2):
+        opts = LoadOptions(n_ctx=N_CTX, device="cpu", engine=replace(EngineOptions(), mtp=k))
+        with Session.load(str(files["qwen35moe"]), opts) as s:
+            plan = s.plan(PlanRequest(ctx=N_CTX, n_gpu_layers=n_gpu_layers), DeviceProfile(vram_bytes=1 << 30))
+            s.apply(plan)
+            out[k], last = _reply(s, _prompt(10), 12)
+            assert (last.mtp_passes > 0) == (k > 0)
+    assert out[2] == out[0]
+
+
+def test_cli_synth_writes_the_head_and_run_reports_acceptance(tmp_path, capsys):
+    """``sharpi synth --nextn 1`` writes an MTP block (and the other glm4moe/gpt-oss geometry flags reach the writer);
+    ``sharpi run --mtp 2`` reports its drafts; ``--mtp -1`` is refused."""
+    from engine.cli.main import main
+
+    path = str(tmp_path / "cli.gguf")
+    assert main(["synth", "--arch", "qwen35moe", "--nextn", "1", "-o", path]) == 0
+    with open_gguf(path) as gf:
+        assert (
+            gf.get("qwen35moe.nextn_predict_layers") == 1 and "blk.4.nextn.eh_proj.weight" in gf.tensors
+        )  # after the 4 trunk layers
+    capsys.readouterr()
+    assert main(["run", "-m", path, "-p", "hello", "-n", "8", "--temp", "0", "--mtp", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "[mtp] " in err and "drafts accepted" in err
+    assert main(["run", "-m", path, "-p", "hello", "-n", "4", "--mtp", "-1"]) != 0
+    assert "mtp" in capsys.readouterr().err

@@ -109,6 +109,12 @@ _GEOMETRY_FIELDS = [
     "full_attn_interval",
     "rope_freqs",
     "sliding_window",
+    "dense_lead",
+    "nextn",
+    "expert_scale",
+    "qk_norm",
+    "yarn_factor",
+    "yarn_orig_ctx",
 ]
 
 

@@ -170,7 +170,43 @@ def verify_cost(session, ids: list[int], k: int, reps: int = 7) -> dict:
         "draft_ms": statistics.median(draft) * 1e3,
     }
     out["verify_vs_step"] = out["verify_ms"] / out["step_ms"]
+    out.update(_expert_cost(m, k, reps))
     return out
+
+
+def _expert_cost(m, k: int, reps: int) -> dict:
+    """The routed experts of one MoE layer on the host for k+1 positions grouped by expert against one token's
+    (ms, medians): the expert reads that dominate a large MoE's decode step. ``experts_verify``: independent
+    random routes a row (each row reads its own K experts: the most a verify pass can read);
+    ``experts_shared``: every row on the same K experts (each read once for all rows: the least). Real routes
+    of consecutive tokens overlap in between. {} where the first MoE layer's experts are not on the host."""
+    from engine import ops
+
+    layers = m.moe_layers()
+    backend = m.experts_of(layers[0]) if layers else None
+    if backend is None or not hasattr(backend, "host_stacks"):
+        return {}
+    st = backend.host_stacks(layers[0])
+    a = m.args
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((k + 1, a.n_embd)).astype(np.float32)
+    ids = np.stack([rng.choice(a.n_expert, a.n_expert_used, replace=False) for _ in range(k + 1)]).astype(np.int64)
+    w = np.full((k + 1, a.n_expert_used), 1.0 / a.n_expert_used, np.float32)
+    same = np.repeat(ids[:1], k + 1, axis=0)  # every position routed to the first one's experts
+    one, many, shared = [], [], []
+    for _ in range(reps):
+        for out, rows, r in ((one, 1, ids), (many, k + 1, ids), (shared, k + 1, same)):
+            t0 = time.perf_counter()
+            ops.moe_ffn(st.gate, st.up, st.down, X[:rows], r[:rows], w[:rows], q8_act=backend.q8_act, glu=st.glu)
+            out.append(time.perf_counter() - t0)
+    e1, ek, es = (statistics.median(x) * 1e3 for x in (one, many, shared))
+    return {
+        "experts_step_ms": e1,
+        "experts_verify_ms": ek,
+        "experts_verify_vs_step": ek / e1,
+        "experts_shared_ms": es,
+        "experts_shared_vs_step": es / e1,
+    }
 
 
 def _wholly_on_cuda(session) -> bool:

@@ -252,6 +252,13 @@ def run_model(args: argparse.Namespace) -> int:
             f"{mtp['verify_ms']:.1f} ms = {mtp['verify_vs_step']:.2f}x a decode step ({mtp['step_ms']:.1f} ms), "
             f"a draft step {mtp['draft_ms']:.1f} ms"
         )
+        if "experts_verify_ms" in mtp:
+            print(
+                f"mtp        routed experts of one layer for {mtp['k'] + 1} positions grouped by expert "
+                f"{mtp['experts_verify_ms']:.2f} ms = {mtp['experts_verify_vs_step']:.2f}x one token's "
+                f"({mtp['experts_step_ms']:.2f} ms) with independent routes, {mtp['experts_shared_vs_step']:.2f}x "
+                "with shared ones"
+            )
     if report["hit_rate"] is not None:
         print(f"cache      hit rate {report['hit_rate']:.1%}, uploads {report['upload_gb_s']:.2f} GB/s")
     pf = report.get("prefetch")

@@ -296,3 +296,28 @@ def test_cli_synth_writes_the_head_and_run_reports_acceptance(tmp_path, capsys):
     assert "[mtp] " in err and "drafts accepted" in err
     assert main(["run", "-m", path, "-p", "hello", "-n", "4", "--mtp", "-1"]) != 0
     assert "mtp" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cmd", ["run", "bench", "serve"])
+def test_mtp_flag_on_run_bench_and_serve(cmd):
+    from engine.cli.main import build_parser
+
+    extra = ["-p", "x"] if cmd == "run" else []
+    assert build_parser().parse_args([cmd, *extra, "--mtp", "3"]).mtp == 3
+    assert build_parser().parse_args([cmd, *extra]).mtp is None  # unset: SHARPI_MTP or auto
+
+
+def test_bench_reports_acceptance_and_the_verify_cost(files):
+    """bench_session with MTP: the reply's drafts and acceptance, and one verify pass, one decode step, one draft
+    step and the routed experts of K+1 positions timed."""
+    from engine.bench.model import bench_session
+
+    with _session(files["qwen35moe"], 2) as s:
+        r = bench_session(s, 8, 6, 1, threads=1, bandwidth=False)
+    m = r["mtp"]
+    assert m["k"] == 2 and 0 < m["passes"] <= m["drafted"] <= 2 * m["passes"]
+    assert 0 <= m["accepted"] <= m["drafted"] and m["acceptance"] == m["accepted"] / m["drafted"]
+    assert min(m["step_ms"], m["verify_ms"], m["draft_ms"], m["experts_step_ms"], m["experts_verify_ms"]) > 0
+    assert m["verify_vs_step"] == pytest.approx(m["verify_ms"] / m["step_ms"])
+    with _session(files["qwen35moe"], 0) as s:
+        assert bench_session(s, 8, 6, 1, threads=1, bandwidth=False)["mtp"] is None

@@ -364,8 +364,14 @@ class Session:
                 cancel,
                 constraint,
                 reasoning=self.reasoning if reasoning else None,
+                mtp=self.mtp,
             ),
         )
+
+    def _on_cuda(self) -> bool:
+        """Whether the applied placement puts layers on a CUDA device."""
+        applied = self.applied
+        return self.device.type == "cuda" and applied is not None and applied.placement.n_gpu_layers > 0
 
     @property
     def host_threads(self) -> int:
@@ -374,10 +380,25 @@ class Session:
         ``cores // 8`` when the placement uses a CUDA device)."""
         import numba
 
-        applied = self.applied
-        on_cuda = self.device.type == "cuda" and applied is not None and applied.placement.n_gpu_layers > 0
-        options = applied.options if applied is not None else self.engine_options
-        return host_threads(options, on_cuda, most=numba.config.NUMBA_NUM_THREADS)
+        options = self.applied.options if self.applied is not None else self.engine_options
+        return host_threads(options, self._on_cuda(), most=numba.config.NUMBA_NUM_THREADS)
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the model file has an MTP (NextN) head that speculative decoding can draft with."""
+        return getattr(self.args, "n_layer_nextn", 0) > 0 and hasattr(self.model, "mtp_head")
+
+    @property
+    def mtp(self) -> int:
+        """Tokens drafted per step by the MTP head (``EngineOptions.mtp``; auto: ``config.MTP_AUTO_DRAFTS`` where
+        the file has a head and the placement keeps every layer on the CPU — on a CUDA placement a step with
+        drafts runs without the decode graph, not yet measured against it, so auto leaves MTP off there); 0: off."""
+        if not self.has_mtp:
+            return 0
+        k = self.engine_options.mtp
+        if k is None:
+            return 0 if self._on_cuda() else config.MTP_AUTO_DRAFTS
+        return k
 
     def fit_messages(self, messages: list[dict], max_tokens: int) -> tuple[list[dict], int]:
         """``messages`` with the oldest turns dropped until the rendered prompt leaves room for a reply

@@ -63,6 +63,7 @@ ENV = MappingProxyType(
         "cache_policy": "SHARPI_CACHE_POLICY",
         "prompt_stream_min": "SHARPI_PROMPT_STREAM_MIN",
         "state_checkpoints": "SHARPI_STATE_CHECKPOINTS",
+        "mtp": "SHARPI_MTP",
         "kv_type": "SHARPI_KV_DTYPE",
         "weights": "SHARPI_WEIGHTS",
         "cpu_moe": "SHARPI_CPU_MOE",
@@ -88,6 +89,7 @@ CACHE_UPLOADS = ("background", "inline")
 CACHE_POLICIES = ("lru", "slru", "dlfu")
 HIT_CURVES = ("zipf", "synthetic")  # EngineOptions.hit_curve
 DEFAULT_CACHE_POLICY = "dlfu"
+MTP_AUTO_DRAFTS = 2  # EngineOptions.mtp None (auto): drafts per step where the file has an MTP head
 ACT_MODES = ("q8", "f32")
 WEIGHT_MODES = ("auto", "copy", "mmap")  # EngineOptions.weights
 PREFILL_PRECISIONS = ("bf16", "f32")
@@ -191,6 +193,12 @@ class EngineOptions:
     # Qwen3.6-35B-A3B): regenerate and edit-and-resend restart from one instead of from the first token
     # (engine.generate.loop.CacheState; whole number ≥ 0, 0: none).
     state_checkpoints: int = 4
+    # SHARPI_MTP (--mtp): tokens the MTP head drafts per step for speculative decoding, verified by one pass of
+    # the model (engine.generate.speculative; whole number ≥ 0; 0: off); None or "auto" (default): 2 where
+    # the file has an MTP head (Qwen3.5/3.6, Qwen3-Next) and the placement keeps every layer on the CPU, else off
+    # (on a CUDA placement a step with drafts runs without the decode graph: not yet measured against it). The
+    # output does not change (greedy) or keeps its distribution (sampled); only the speed does.
+    mtp: int | None = None
     # SHARPI_KV_DTYPE: the KV cache dtype when neither --kv-type nor LoadOptions.kv_type says:
     # f32 | bf16 | q8_0 (aliases fp32, float32, q8); None (unset) = engine.kv_layout.DEFAULT_KV_TYPE (bf16).
     kv_type: str | None = None
@@ -375,6 +383,7 @@ _PARSE = {
     "cache_policy": _choice(CACHE_POLICIES),
     "prompt_stream_min": _whole,
     "state_checkpoints": _whole,
+    "mtp": lambda var, raw: None if raw.strip().lower() == "auto" else _whole(var, raw),
     "kv_type": _choice(KV_TYPES, KV_ALIASES),
     "weights": _choice(WEIGHT_MODES),
     "cpu_moe": _cpu_moe,
@@ -424,6 +433,8 @@ def _check(o: EngineOptions) -> None:
         raise UsageError(f"EngineOptions.host_threads={o.host_threads!r}: expected None or a number ≥ 1")
     if not isinstance(o.state_checkpoints, int) or o.state_checkpoints < 0:
         raise UsageError(f"EngineOptions.state_checkpoints={o.state_checkpoints!r}: expected a number ≥ 0")
+    if o.mtp is not None and (not isinstance(o.mtp, int) or isinstance(o.mtp, bool) or o.mtp < 0):
+        raise UsageError(f"EngineOptions.mtp={o.mtp!r}: expected None (auto) or a number ≥ 0")
     if o.launch_table is not None and not isinstance(o.launch_table, MappingProxyType):
         object.__setattr__(o, "launch_table", _freeze_table("EngineOptions.launch_table", dict(o.launch_table)))
 

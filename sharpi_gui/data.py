@@ -95,6 +95,7 @@ class GenStats:
     finish_reason: str | None = None
     message: str = ""
     decode_hit_rate: float | None = None  # the expert cache's, over the same tokens (None: no cache)
+    mtp_acceptance: float | None = None  # MTP drafts the model accepted over those drafted (None: no drafts)
 
 
 @dataclass(frozen=True)

@@ -298,3 +298,17 @@ def test_a_failing_chat_template_offers_chatml(qtbot, tmp_path, model_path, monk
         w.chat.input.setPlainText("Hello again")
         qtbot.mouseClick(w.chat.send_button, Qt.MouseButton.LeftButton)
     assert done.args[1].n_generated >= 1
+
+
+def test_status_bar_shows_mtp_acceptance(qtbot, tmp_path):
+    """A reply decoded with MTP drafts: the status bar's decode figure carries the acceptance (engine events ->
+    GenStats -> the status bar); without drafts nothing is added."""
+    from engine.generate.events import GenerationEvent
+    from sharpi_gui.bridge.convert import gen_stats
+
+    w = make_window(qtbot, tmp_path)
+    ev = GenerationEvent("x", 5, 3, 9, 12, 64, 0.1, 50.0, 7.5, mtp_passes=4, mtp_drafted=8, mtp_accepted=3)
+    w._render_stats(gen_stats(ev))
+    assert w.status["decode"].text() == "decode 7.5 tok/s · MTP 38% accepted"
+    w._render_stats(gen_stats(GenerationEvent("x", 5, 3, 9, 12, 64, 0.1, 50.0, 7.5)))
+    assert w.status["decode"].text() == "decode 7.5 tok/s"

@@ -28,6 +28,9 @@ F32_MODELS = [
     ("qwen35moe-tied-mha", "qwen35moe", {"tied_output": True, "ssm_groups": 4, "full_attn_interval": 2}),
     ("qwen35-dense", "qwen35", {}),
     ("qwen3next", "qwen3next", {}),
+    # ... with an MTP (NextN) block after the trunk: loaded by both, run by neither in the trunk's pass
+    ("qwen35moe-mtp", "qwen35moe", {"nextn": 1}),
+    ("qwen3next-mtp", "qwen3next", {"nextn": 1}),
     # GLM-4.5: a dense layer, two MoE layers (sigmoid scores, selection bias, shared expert), a NextN block not run
     ("glm4moe", "glm4moe", {}),
     ("glm4moe-qknorm-scaled-tied", "glm4moe", {"qk_norm": True, "expert_scale": 2.5, "tied_output": True}),
@@ -143,6 +146,17 @@ def test_glm4moe_quantized_logits_statistically_equal(tmp_path, q, monkeypatch):
 
     monkeypatch.setattr(bf16, "MODE", bf16.OFF)
     path = write_model(tmp_path / f"glm4moe-{q}.gguf", "glm4moe", seed=11, weight_type=q, expert_scale=2.5).path
+    _assert_statistically_equal(path, q, decode=True)
+
+
+@pytest.mark.parametrize("q", ["Q8_0"])
+def test_qwen35moe_with_mtp_quantized_logits_statistically_equal(tmp_path, q, monkeypatch):
+    """A quantized qwen35moe file with an MTP block: llama.cpp loads it and both trunks agree within the
+    thresholds of test_quantized_logits_statistically_equal."""
+    from engine.kernels import bf16
+
+    monkeypatch.setattr(bf16, "MODE", bf16.OFF)
+    path = write_model(tmp_path / f"qwen35moe-mtp-{q}.gguf", "qwen35moe", seed=11, weight_type=q, nextn=1).path
     _assert_statistically_equal(path, q, decode=True)
 
 

@@ -99,6 +99,7 @@ class _Ours:
         s.reset_stats()
         params = SamplingParams.greedy(max_tokens=gen or self.gen)
         *_, last = s.generate(prompt_ids=ids or self.ids, params=params)
+        self.last = last
         self.rss = rss_bytes()  # right after the last decode step: what decoding keeps resident
         return last.prompt_tok_s, last.decode_tok_s
 
@@ -125,6 +126,87 @@ class _LlamaCpp:
 
     def close(self) -> None:
         self.llm.close()
+
+
+def verify_cost(session, ids: list[int], k: int, reps: int = 7) -> dict:
+    """What one speculative step costs against a plain one, medians over ``reps`` (ms): ``step_ms`` a one-token
+    decode step, ``verify_ms`` one verify pass of k+1 positions (routed experts grouped by expert, every
+    position's recurrent state kept) with its roll-back, ``draft_ms`` one MTP head step; ``verify_vs_step`` their
+    ratio (k+1 would be no better than k+1 plain steps)."""
+    from engine.generate.speculative import Speculator
+
+    m, cache = session.model, session.cache
+    session.reset()
+    m.keep_hidden = True  # as while drafting: no CUDA-graph step, every hidden state kept
+    try:
+        m.forward(ids, 0, cache, all_logits=False)
+        pos, tok = len(ids), ids[-1]
+        step, verify, draft = [], [], []
+        for _ in range(reps):
+            cache.keep_steps = True
+            t0 = time.perf_counter()
+            m.forward([tok] * (k + 1), pos, cache, all_logits=True)
+            cache.rollback(pos)
+            verify.append(time.perf_counter() - t0)
+            cache.keep_steps = False
+        spec = Speculator(m.mtp_head(), k, cache.n_ctx)
+        spec.observe(0, m.last_hidden[:1])
+        h = m.last_hidden[:1]
+        for r in range(reps):
+            t0 = time.perf_counter()
+            spec.head.forward(h, [tok], r, spec.cache)
+            draft.append(time.perf_counter() - t0)
+        for r in range(reps):
+            t0 = time.perf_counter()
+            m.forward([tok], pos + r, cache, all_logits=False)
+            step.append(time.perf_counter() - t0)
+    finally:
+        m.keep_hidden = False
+        cache.keep_steps = False
+        session.reset()
+    out = {
+        "step_ms": statistics.median(step) * 1e3,
+        "verify_ms": statistics.median(verify) * 1e3,
+        "draft_ms": statistics.median(draft) * 1e3,
+    }
+    out["verify_vs_step"] = out["verify_ms"] / out["step_ms"]
+    out.update(_expert_cost(m, k, reps))
+    return out
+
+
+def _expert_cost(m, k: int, reps: int) -> dict:
+    """The routed experts of one MoE layer on the host for k+1 positions grouped by expert against one token's
+    (ms, medians): the expert reads that dominate a large MoE's decode step. ``experts_verify``: independent
+    random routes a row (each row reads its own K experts: the most a verify pass can read);
+    ``experts_shared``: every row on the same K experts (each read once for all rows: the least). Real routes
+    of consecutive tokens overlap in between. {} where the first MoE layer's experts are not on the host."""
+    from engine import ops
+
+    layers = m.moe_layers()
+    backend = m.experts_of(layers[0]) if layers else None
+    if backend is None or not hasattr(backend, "host_stacks"):
+        return {}
+    st = backend.host_stacks(layers[0])
+    a = m.args
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((k + 1, a.n_embd)).astype(np.float32)
+    ids = np.stack([rng.choice(a.n_expert, a.n_expert_used, replace=False) for _ in range(k + 1)]).astype(np.int64)
+    w = np.full((k + 1, a.n_expert_used), 1.0 / a.n_expert_used, np.float32)
+    same = np.repeat(ids[:1], k + 1, axis=0)  # every position routed to the first one's experts
+    one, many, shared = [], [], []
+    for _ in range(reps):
+        for out, rows, r in ((one, 1, ids), (many, k + 1, ids), (shared, k + 1, same)):
+            t0 = time.perf_counter()
+            ops.moe_ffn(st.gate, st.up, st.down, X[:rows], r[:rows], w[:rows], q8_act=backend.q8_act, glu=st.glu)
+            out.append(time.perf_counter() - t0)
+    e1, ek, es = (statistics.median(x) * 1e3 for x in (one, many, shared))
+    return {
+        "experts_step_ms": e1,
+        "experts_verify_ms": ek,
+        "experts_verify_vs_step": ek / e1,
+        "experts_shared_ms": es,
+        "experts_shared_vs_step": es / e1,
+    }
 
 
 def _wholly_on_cuda(session) -> bool:
@@ -267,6 +349,17 @@ def bench_session(
         "prefetch": prefetch_report(st),
     }
     report["rss_ratio"] = report["rss_bytes"] / report["file_bytes"] if report["rss_bytes"] else None
+    report["mtp"] = None
+    if session.mtp > 0:
+        last = ours.last
+        report["mtp"] = dict(
+            k=session.mtp,
+            passes=last.mtp_passes,
+            drafted=last.mtp_drafted,
+            accepted=last.mtp_accepted,
+            acceptance=last.mtp_acceptance or 0.0,
+            **verify_cost(session, ids, session.mtp),
+        )
     if vs_llama_cpp:
         report["llama_cpp"] = None
         if ref is not None:

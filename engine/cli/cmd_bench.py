@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="sharpi bench -m FILE [...]: prompt and decode tok/s of a model; "
         "sharpi bench kernels: CPU GEMV throughput.",
     )
-    from engine.cli.common import add_placement_args, add_route_args
+    from engine.cli.common import add_mtp_arg, add_placement_args, add_route_args
 
     p.add_argument("-m", "--model", help="GGUF model to benchmark")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
@@ -39,6 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_placement_args(p)
     add_route_args(p)
+    add_mtp_arg(p)
     p.set_defaults(func=run_model)
     what = p.add_subparsers(dest="bench_what", metavar="WHAT")
     k = what.add_parser("kernels", help="GEMV GB/s per weight type on routed-expert and trunk workloads")
@@ -245,6 +246,21 @@ def run_model(args: argparse.Namespace) -> int:
             f"memory     {report['rss_bytes'] / 1e9:.2f} GB resident while decoding = {report['rss_ratio']:.2f}x the file "
             f"(mapped {report['rss_file_bytes'] / 1e9:.2f} GB, anonymous {report['rss_anon_bytes'] / 1e9:.2f} GB)"
         )
+    mtp = report.get("mtp")
+    if mtp:
+        print(
+            f"mtp        {mtp['k']} drafts a step: {mtp['accepted']}/{mtp['drafted']} accepted ({mtp['acceptance']:.0%}) "
+            f"over {mtp['passes']} verify passes; one verify pass of {mtp['k'] + 1} positions "
+            f"{mtp['verify_ms']:.1f} ms = {mtp['verify_vs_step']:.2f}x a decode step ({mtp['step_ms']:.1f} ms), "
+            f"a draft step {mtp['draft_ms']:.1f} ms"
+        )
+        if "experts_verify_ms" in mtp:
+            print(
+                f"mtp        routed experts of one layer for {mtp['k'] + 1} positions grouped by expert "
+                f"{mtp['experts_verify_ms']:.2f} ms = {mtp['experts_verify_vs_step']:.2f}x one token's "
+                f"({mtp['experts_step_ms']:.2f} ms) with independent routes, {mtp['experts_shared_vs_step']:.2f}x "
+                "with shared ones"
+            )
     if report["hit_rate"] is not None:
         print(f"cache      hit rate {report['hit_rate']:.1%}, uploads {report['upload_gb_s']:.2f} GB/s")
     pf = report.get("prefetch")

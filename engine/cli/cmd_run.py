@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 from engine.cli.common import (
     add_model_args,
+    add_mtp_arg,
     add_placement_args,
     add_route_args,
     add_sampling_args,
@@ -49,6 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_sampling_args(p)
     add_placement_args(p)
     add_route_args(p)
+    add_mtp_arg(p)
     p.set_defaults(func=run)
 
 
@@ -81,6 +83,13 @@ def _report(ev) -> None:
         f"decode {ev.n_generated} tok at {ev.decode_tok_s:.1f} tok/s, ttft {ev.ttft_s * 1000:.0f} ms",
         file=sys.stderr,
     )
+    if ev.mtp_passes:
+        print(
+            f"[mtp] {ev.mtp_accepted}/{ev.mtp_drafted} drafts accepted ({ev.mtp_acceptance or 0.0:.0%}), "
+            f"{(ev.mtp_accepted + ev.mtp_passes) / ev.mtp_passes:.2f} tokens a verify pass over {ev.mtp_passes} passes "
+            "(sharpi bench --mtp 0 / --mtp K gives the speedup)",
+            file=sys.stderr,
+        )
 
 
 def _open(a: argparse.Namespace):

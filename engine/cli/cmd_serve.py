@@ -8,7 +8,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.cli.common import add_model_args, add_placement_args, add_route_args, load_session, save_route_recording
+from engine.cli.common import (
+    add_model_args,
+    add_mtp_arg,
+    add_placement_args,
+    add_route_args,
+    load_session,
+    save_route_recording,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,6 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=int, default=8, help="requests that may wait for the model (more get 429)")
     add_placement_args(p)
     add_route_args(p, replay=False)
+    add_mtp_arg(p)
     p.set_defaults(func=run)
 
 

@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("--ctx", "ctx", "training context length"),
         ("--rope-dim", "rope_dim", "rotated dims per head (qwen35*, qwen3next, glm4moe; default a part of the head)"),
         ("--dense-lead", "dense_lead", "glm4moe: leading layers with a dense FFN"),
-        ("--nextn", "nextn", "glm4moe: NextN/MTP blocks after the layers"),
+        ("--nextn", "nextn", "glm4moe, qwen35moe, qwen35, qwen3next: NextN/MTP blocks after the layers"),
         ("--ssm-conv", "ssm_conv", "GDN conv taps (qwen35*, qwen3next)"),
         ("--ssm-state", "ssm_state", "GDN key/value head width"),
         ("--ssm-groups", "ssm_groups", "GDN key heads"),
@@ -109,6 +109,12 @@ _GEOMETRY_FIELDS = [
     "full_attn_interval",
     "rope_freqs",
     "sliding_window",
+    "dense_lead",
+    "nextn",
+    "expert_scale",
+    "qk_norm",
+    "yarn_factor",
+    "yarn_orig_ctx",
 ]
 
 

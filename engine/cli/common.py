@@ -57,6 +57,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_mtp_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--mtp",
+        type=int,
+        default=None,
+        metavar="K",
+        help="speculative decoding: the model's MTP head drafts K tokens a step, one pass verifies them "
+        "(default $SHARPI_MTP, else 2 where the file has an MTP head; 0 = off)",
+    )
+
+
 def add_placement_args(p: argparse.ArgumentParser) -> None:
     from engine.plan import MOE_CHOICES
 
@@ -255,6 +266,8 @@ def load_session(a: argparse.Namespace, refuse_unrunnable: bool = False) -> Sess
         opts = replace(opts, engine=replace(opts.engine, cache_policy=a.cache_policy))
     if getattr(a, "threads", None):
         opts = replace(opts, engine=replace(opts.engine, host_threads=a.threads))
+    if getattr(a, "mtp", None) is not None:
+        opts = replace(opts, engine=replace(opts.engine, mtp=a.mtp))  # checked: a UsageError below 0
     session = Session.load(a.model, opts, progress)
     if not getattr(a, "quiet", False):
         where = session.applied.describe() if session.applied else f"all layers on the CPU, KV {session.kv_type}"

@@ -32,10 +32,20 @@ class GenerationEvent:
     # new reasoning text since the previous event (engine.generate.reasoning: the model's thinking, kept out of
     # ``text``); "" for a model without a reasoning format or with the separation off (EngineOptions.reasoning)
     reasoning: str = ""
+    # MTP speculative decoding over the reply so far (engine.generate.speculative; all 0 without it): verify
+    # passes, tokens the MTP head drafted, drafts the trunk accepted
+    mtp_passes: int = 0
+    mtp_drafted: int = 0
+    mtp_accepted: int = 0
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def mtp_acceptance(self) -> float | None:
+        """Accepted drafts over drafted tokens (None: no drafts)."""
+        return self.mtp_accepted / self.mtp_drafted if self.mtp_drafted else None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from engine.generate.events import (
 )
 from engine.generate.reasoning import ReasoningSplitter, start_state
 from engine.generate.sampling import Sampler, SamplingParams
+from engine.generate.speculative import SpecStats, Speculator, speculate
 
 PREFILL_CHUNK = 512  # prompt tokens per forward pass (cancel is checked between chunks)
 
@@ -56,6 +57,9 @@ class CacheState:
     tokens: list[int] = field(default_factory=list)
     checkpoint_limit: int = 0
     checkpoints: dict[int, list] = field(default_factory=dict)
+    # the MTP head's cache and position beside this cache (engine.generate.speculative), made by the first
+    # reply run with MTP
+    speculator: Speculator | None = None
 
     def checkpoint(self, cache) -> None:
         """Keep a snapshot of ``cache``'s recurrent states where they stand, if it has any and they are at
@@ -131,6 +135,7 @@ def generate(
     cancel: threading.Event | None = None,
     constraint: TokenConstraint | None = None,
     reasoning: str | None = None,
+    mtp: int = 0,
 ) -> Iterator[GenerationEvent]:
     """Stream a completion of ``prompt_ids``. ``cancel`` is checked between tokens and chunks.
 
@@ -139,7 +144,11 @@ def generate(
     :meth:`~TokenConstraint.accept`.
 
     ``reasoning``: the model's reasoning format (:mod:`engine.generate.reasoning`; None: none): the events'
-    ``text`` is then the answer and their ``reasoning`` the rest (a constrained generation is all answer)."""
+    ``text`` is then the answer and their ``reasoning`` the rest (a constrained generation is all answer).
+
+    ``mtp``: draft this many tokens per step with the model's MTP head and verify them in one pass
+    (:mod:`engine.generate.speculative`; 0, a model without a head, or a ``constraint``: one token per pass).
+    The output is the same (greedy) or follows the same distribution (sampled)."""
     cancel = cancel or threading.Event()
     n_ctx = cache.n_ctx
     if not prompt_ids:
@@ -153,20 +162,36 @@ def generate(
     common = state.common_prefix(prompt_ids)
     keep = state.rewind(cache, cache.reusable_prefix(common, len(state.tokens)), common)
     todo = prompt_ids[keep:]
+    spec = None
+    head = model.mtp_head() if mtp > 0 and constraint is None and hasattr(model, "mtp_head") else None
+    if head is not None:
+        spec = state.speculator
+        if spec is None or spec.head is not head or spec.n_ctx != n_ctx:
+            spec = state.speculator = Speculator(head, mtp, n_ctx)
+        spec.k, spec.stats = mtp, SpecStats()
+        spec.sync(keep)
+        model.keep_hidden = True
     try:
         splitter = None
         if reasoning and constraint is None:
             splitter = ReasoningSplitter(reasoning, start_state(reasoning, tokenizer.decode(prompt_ids[-16:]))[0])
         yield from _run(
-            model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel, constraint, t0, splitter
+            model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel, constraint, t0, splitter, spec
         )
     finally:  # the end of the turn, however it ended: the recurrent states' checkpoint
+        if spec is not None:
+            model.keep_hidden = False
+            if cache.recurrent and cache.state_pos > len(state.tokens):
+                # a verify pass fed drafts the reply did not reach (it stopped or was cancelled before them)
+                cache.rollback(len(state.tokens))
         state.checkpoint(cache)
 
 
-def _run(model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel, constraint, t0, splitter=None):
+def _run(
+    model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel, constraint, t0, splitter=None, spec=None
+):
     """:func:`generate` from the first position the cache lacks (``keep``; ``todo`` the prompt from there);
-    ``splitter`` parts the text into reasoning and answer."""
+    ``splitter`` parts the text into reasoning and answer; ``spec`` the MTP drafter (None: none)."""
 
     def split(text: str, last: bool = False) -> tuple[str, str, bool]:
         """(answer, reasoning, the turn ended) of new ``text``; ``last``: the reply ends here."""
@@ -190,6 +215,8 @@ def _run(model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel,
             return
         chunk = todo[c : c + PREFILL_CHUNK]
         logits = model.forward(chunk, pos, cache, all_logits=False)
+        if spec is not None:
+            spec.observe(pos, model.last_hidden)
         state.tokens.extend(chunk)
         pos += len(chunk)
     t_prompt = time.perf_counter() - t0
@@ -202,9 +229,14 @@ def _run(model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel,
     n_gen, ttft, t_first = 0, 0.0, None
     # The decode speed and hit rate come from the model's profiler (one window, what the experts dock reads).
     meter = getattr(model, "profiler", None) or DecodeClock()
+    stats = spec.stats if spec is not None else None
+    queue: list[int] = []  # tokens a verify pass decided: its accepted drafts (in the cache), then the next one
     while True:
-        row = logits[-1].numpy()
-        tok = sampler(constraint.mask(row) if constraint is not None else row, history)
+        if queue:
+            tok = queue.pop(0)
+        else:
+            row = logits[-1].numpy()
+            tok = sampler(constraint.mask(row) if constraint is not None else row, history)
         if constraint is not None:
             constraint.accept(tok)
         now = time.perf_counter()
@@ -220,12 +252,14 @@ def _run(model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel,
         ev = (n_ctx, len(todo), n_gen, ttft, prompt_tps, decode_tps)
         if tokenizer.is_eog(tok):
             text, thought, _ = split(stops.flush(), last=True)
-            yield _event(text, tok, state, *ev, FINISH_EOS, hit=hit, reasoning=thought)
+            yield _event(text, tok, state, *ev, FINISH_EOS, hit=hit, reasoning=thought, spec=stats)
             return
         raw, stopped = stops.feed(detok.push(tok))
         text, thought, ended = split(raw, last=stopped)
         if stopped or ended:
-            yield _event(text, tok, state, *ev, FINISH_STOP if stopped else FINISH_EOS, hit=hit, reasoning=thought)
+            yield _event(
+                text, tok, state, *ev, FINISH_STOP if stopped else FINISH_EOS, hit=hit, reasoning=thought, spec=stats
+            )
             return
         finish, msg = None, ""
         if n_gen >= params.max_tokens:
@@ -236,14 +270,29 @@ def _run(model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel,
             finish = FINISH_CANCELLED
         if finish:
             more, more_thought, _ = split(stops.feed(detok.flush())[0] + stops.flush(), last=True)
-            yield _event(text + more, tok, state, *ev, finish, msg, hit=hit, reasoning=thought + more_thought)
+            yield _event(
+                text + more, tok, state, *ev, finish, msg, hit=hit, reasoning=thought + more_thought, spec=stats
+            )
             return
-        yield _event(text, tok, state, *ev, hit=hit, reasoning=thought)
-        logits = model.forward([tok], len(state.tokens), cache, all_logits=False)
+        yield _event(text, tok, state, *ev, hit=hit, reasoning=thought, spec=stats)
+        if queue:  # an accepted draft: the verify pass put it in the cache
+            state.tokens.append(tok)
+            continue
+        pos = len(state.tokens)
+        k = min(spec.k, n_ctx - pos - 2, params.max_tokens - n_gen - 1) if spec is not None else 0
+        if k > 0:
+            accepted, nxt, logits = speculate(model, cache, spec, tok, pos, k, sampler, history)
+            queue = [*accepted, nxt]
+        else:
+            logits = model.forward([tok], pos, cache, all_logits=False)
+            if spec is not None:
+                spec.observe(pos, model.last_hidden)
         state.tokens.append(tok)
 
 
-def _event(text, tok, state, n_ctx, n_prompt, n_gen, ttft, ptps, dtps, finish=None, msg="", hit=None, reasoning=""):
+def _event(
+    text, tok, state, n_ctx, n_prompt, n_gen, ttft, ptps, dtps, finish=None, msg="", hit=None, reasoning="", spec=None
+):
     return GenerationEvent(
         text=text,
         token_id=tok,
@@ -258,6 +307,9 @@ def _event(text, tok, state, n_ctx, n_prompt, n_gen, ttft, ptps, dtps, finish=No
         message=msg,
         decode_hit_rate=hit,
         reasoning=reasoning,
+        mtp_passes=spec.passes if spec is not None else 0,
+        mtp_drafted=spec.drafted if spec is not None else 0,
+        mtp_accepted=spec.accepted if spec is not None else 0,
     )
 
 

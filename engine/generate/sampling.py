@@ -287,6 +287,26 @@ class Sampler:
         probs /= probs.sum()
         return int(order[self.rng.choice(len(order), p=probs)])
 
+    def distribution(self, logits: np.ndarray, history: list[int] | None = None) -> np.ndarray:
+        """The probabilities float64 [V] :meth:`reference` draws from (penalties, top-k, top-p, min-p,
+        temperature; greedy: all on the argmax): what speculative sampling compares draft and trunk by."""
+        p = self.p
+        x = self.apply_penalties(np.asarray(logits, dtype=np.float64), history or [])
+        out = np.zeros(len(x), np.float64)
+        if p.temperature <= 0:
+            out[int(np.argmax(x))] = 1.0
+            return out
+        order = np.argsort(-x, kind="stable")
+        if p.top_k > 0:
+            order = order[: p.top_k]
+        order, z, probs = self._top_p(*self._softmax_head(x, order))
+        if p.min_p > 0.0:
+            keep = probs >= p.min_p * probs[0]
+            order, z = order[keep], z[keep]
+        q = np.exp((z - z.max()) / p.temperature)
+        out[order] = q / q.sum()
+        return out
+
     def reference(self, logits: np.ndarray, history: list[int] | None = None) -> int:
         """The chain as written, over a full stable sort of the vocabulary (the specification)."""
         p = self.p

@@ -57,6 +57,11 @@ class DecoderModel:
     embed_scale: float | None = None
     # YaRN RoPE scaling (``layers.YaRN``) of every layer's rotation, or None (gpt-oss sets it).
     yarn = None
+    # Whether a forward pass keeps every position's last hidden state after ``output_norm`` in ``last_hidden``
+    # (float32 [T, D] on the host): what the MTP head drafts from (engine.generate.speculative). While set, a
+    # one-token step runs eagerly (the CUDA-graph step does not hand its hidden state back).
+    keep_hidden: bool = False
+    last_hidden: torch.Tensor | None = None
     # Whether the one-token device step (``runtime.step_ops.DeviceStepOps``, CUDA-graph decode) computes this
     # architecture; where not, device layers decode on the eager torch ops as they run a prompt.
     graph_step: bool = True
@@ -187,7 +192,8 @@ class DecoderModel:
         tap = self.route_tap
         if tap is not None:
             tap.begin_pass(T)
-        if T == 1 and self.decode_graph is not None and (tap is None or not tap.layerwise):
+        self.last_hidden = None
+        if T == 1 and self.decode_graph is not None and (tap is None or not tap.layerwise) and not self.keep_hidden:
             if start + 1 > cache.n_ctx:
                 raise UsageError(f"context full: position {start + 1} exceeds the context of {cache.n_ctx}")
             logits = self.decode_graph.step(int(tokens[0]), start, cache)
@@ -216,9 +222,15 @@ class DecoderModel:
         for b in {id(b): b for b in self._backends.values()}.values():
             b.end_step()
         x = x.to(self.out_device)
-        if not all_logits:
-            x = x[-1:]
-        logits = self.output(rms_norm(x, self.out_norm, a.rms_eps)).to(HOST)
+        if self.keep_hidden:  # every position's normed hidden state, for the MTP head
+            hn = rms_norm(x, self.out_norm, a.rms_eps)
+            self.last_hidden = hn.to(HOST)
+            x = hn if all_logits else hn[-1:]
+            logits = self.output(x).to(HOST)
+        else:
+            if not all_logits:
+                x = x[-1:]
+            logits = self.output(rms_norm(x, self.out_norm, a.rms_eps)).to(HOST)
         self.profiler.end_step(T)
         if tap is not None:
             tap.end_pass(T)
@@ -287,7 +299,10 @@ class DecoderModel:
             f.moe.set_last_row(routes, j)
         for b in {id(b): b for b in self._backends.values()}.values():
             b.end_step()
-        logits = self.output(rms_norm(torch.from_numpy(x[None]), self.out_norm, a.rms_eps)).to(HOST)
+        hn = rms_norm(torch.from_numpy(x[None]), self.out_norm, a.rms_eps)
+        if self.keep_hidden:
+            self.last_hidden = hn
+        logits = self.output(hn).to(HOST)
         self.profiler.end_step(1)
         return logits
 

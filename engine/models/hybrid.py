@@ -75,6 +75,19 @@ class HybridModel(DecoderModel):
         types = {i: kv_type[i] for i in attn} if isinstance(kv_type, dict) else kv_type
         return KVCache(attn, n_ctx, a.kv_dim, types, charge=charge, recurrent=states)
 
+    _mtp = None
+
+    def mtp_head(self):
+        """The file's MTP (NextN) head (:class:`engine.models.mtp.MTPHead`, made on first use), or None where the
+        file has none."""
+        if self.args.n_layer_nextn <= 0:
+            return None
+        if self._mtp is None:
+            from engine.models.mtp import MTPHead
+
+            self._mtp = MTPHead(self)
+        return self._mtp
+
     def forward(self, tokens, start: int, cache: KVCache, all_logits: bool = True) -> torch.Tensor:
         if not cache.recurrent and any(self.args.recurrent):
             raise UsageError("this cache has no recurrent state for the linear-attention layers (use new_cache)")

@@ -85,5 +85,7 @@ def write_hparams(w: GGUFWriter, s: SynthSpec, *, name: str, file_type: QType) -
         w.add_uint32(k(keys.SSM_TIME_STEP_RANK), s.ssm_v_heads)
         w.add_uint32(k(keys.SSM_INNER_SIZE), s.ssm_v_heads * s.ssm_state)
         w.add_uint32(k(keys.FULL_ATTENTION_INTERVAL), s.full_attn_interval)
+        if s.nextn:
+            w.add_uint32(k(keys.NEXTN_PREDICT_LAYERS), s.nextn)
         if s.arch != "qwen3next":  # interleaved M-RoPE (text positions in every section)
             w.add_array(k(keys.ROPE_DIMENSION_SECTIONS), s.rope_sections)

@@ -122,7 +122,7 @@ class SynthSpec:
 
     def recurrent(self, i: int) -> bool:
         """Whether layer i is Gated DeltaNet (llama.cpp: (i + 1) % full_attention_interval != 0)."""
-        return self.is_hybrid and (i + 1) % self.full_attn_interval != 0
+        return self.is_hybrid and i < self.layers and (i + 1) % self.full_attn_interval != 0
 
     @property
     def rope_sections(self) -> list[int]:
@@ -219,9 +219,11 @@ def _validate(s: SynthSpec) -> None:
             "no shared expert in this family",
         ),
         (
-            s.arch == "glm4moe" or not (s.dense_lead or s.nextn or s.qk_norm or s.expert_scale != 1.0),
-            "dense_lead, nextn, qk_norm and expert_scale are glm4moe features",
+            s.arch == "glm4moe" or not (s.dense_lead or s.qk_norm or s.expert_scale != 1.0),
+            "dense_lead, qk_norm and expert_scale are glm4moe features",
         ),
+        (s.arch == "glm4moe" or s.is_hybrid or not s.nextn, "nextn (MTP blocks) is a glm4moe and hybrid feature"),
+        (s.nextn >= 0, "nextn must not be negative"),
         (0 <= s.rope_dim <= s.head_dim and s.rope_dim % 2 == 0, f"rope_dim {s.rope_dim} invalid for {s.head_dim}"),
         (not s.tied_output or s.arch not in ("qwen2moe", "olmoe"), f"llama.cpp requires output.weight for {s.arch}"),
     ]
@@ -407,7 +409,9 @@ def _gpt_oss_layer(s: SynthSpec, i: int, add) -> None:
 
 def _hybrid_layer(s: SynthSpec, i: int, add) -> None:
     """One layer of a Gated DeltaNet hybrid as llama.cpp's ``load_arch_tensors`` of qwen35moe / qwen35 /
-    qwen3next creates it (numpy order: ggml's {a, b} is (b, a))."""
+    qwen3next creates it (numpy order: ggml's {a, b} is (b, a)). Blocks past the trunk are the MTP (NextN)
+    blocks: a gated full-attention layer with the trunk's FFN kind, plus ``nextn.eh_proj`` [2D -> D], the
+    ``enorm``/``hnorm`` of its two inputs and the ``shared_head_norm`` before the (shared) output matrix."""
     T = MODEL_TENSOR
     D, dk, Hk, Hv = s.hidden, s.ssm_state, s.ssm_groups, s.ssm_v_heads
     V = Hv * dk  # value heads have state_size dims
@@ -449,12 +453,19 @@ def _hybrid_layer(s: SynthSpec, i: int, add) -> None:
         add(T.FFN_GATE, (s.ff, D), MATRIX)
         add(T.FFN_UP, (s.ff, D), MATRIX)
         add(T.FFN_DOWN, (D, s.ff), MATRIX)
+    if i >= s.layers:
+        add(T.NEXTN_EH_PROJ, (D, 2 * D), MATRIX)
+        add(T.NEXTN_ENORM, (D,), NORM)
+        add(T.NEXTN_HNORM, (D,), NORM)
+        add(T.NEXTN_SHARED_HEAD_NORM, (D,), NORM)
 
 
 def _check_names(arch: str, decls: list[TensorDecl]) -> None:
     """Guard: every name belongs to the architecture's tensor table in gguf-py."""
     arch_enum = next(a for a, n in MODEL_ARCH_NAMES.items() if n == arch)
     allowed = {TENSOR_NAMES[t] for t in MODEL_TENSORS[MODEL_ARCH(arch_enum)]}
+    if arch in HYBRIDS:  # llama.cpp loads their MTP blocks' NextN tensors; this gguf-py's table omits them
+        allowed |= {TENSOR_NAMES[t] for t in MODEL_TENSOR if t.name.startswith("NEXTN_")}
     for d in decls:
         base = d.name.rsplit(".", 1)[0] if d.name.endswith((".weight", ".bias")) else d.name
         if d.layer is not None:

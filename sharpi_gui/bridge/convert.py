@@ -90,6 +90,7 @@ def gen_stats(ev) -> D.GenStats:
         finish_reason=ev.finish_reason,
         message=ev.message,
         decode_hit_rate=ev.decode_hit_rate,
+        mtp_acceptance=ev.mtp_acceptance,
     )
 
 

@@ -299,8 +299,9 @@ class MainWindow(QMainWindow):
     def _render_stats(self, s: D.GenStats) -> None:
         st = self.status
         st["prompt"].setText(f"prompt {s.prompt_tok_s:.1f} tok/s" if s.n_prompt else "prompt — tok/s")
+        mtp = "" if s.mtp_acceptance is None else f" · MTP {s.mtp_acceptance:.0%} accepted"
         st["decode"].setText(
-            f"decode {decode_text(s.decode_tok_s, s.decode_hit_rate)}" if s.decode_tok_s else "decode — tok/s"
+            f"decode {decode_text(s.decode_tok_s, s.decode_hit_rate)}{mtp}" if s.decode_tok_s else "decode — tok/s"
         )
         st["ttft"].setText(f"TTFT {s.ttft_s * 1000:.0f} ms" if s.ttft_s else "TTFT —")
         n_ctx = s.n_ctx or (self.card.n_ctx if self.card else 0)

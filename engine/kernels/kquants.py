@@ -41,6 +41,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from engine.kernels.lookups import load_iq4nl_codes
 from engine.kernels.simd import (
     bcast16,
     bcast16_pair,
@@ -52,7 +53,6 @@ from engine.kernels.simd import (
     load_i8x16_as_i16,
     load_i8x32,
     load_i16x16,
-    load_iq4nl_codes,
     madd,
     madd_acc,
     maddss,

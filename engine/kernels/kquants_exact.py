@@ -22,6 +22,7 @@ from engine.kernels.kquants import (
     iq4xs_scale,
     k2_scales,
 )
+from engine.kernels.lookups import load_iq4nl_codes
 from engine.kernels.simd import (
     hsum_f32,
     i8_to_f32,
@@ -31,7 +32,6 @@ from engine.kernels.simd import (
     lane16,
     load_f32x8,
     load_i8x16_as_i16,
-    load_iq4nl_codes,
     prefetch_array,
     prefetch_distance,
     splat8,

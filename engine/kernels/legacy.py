@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from engine.kernels.lookups import load_iq4nl_codes, load_mxfp4_codes
 from engine.kernels.simd import (
     bits_to_bytes,
     dot_sb_sb,
@@ -34,8 +35,6 @@ from engine.kernels.simd import (
     i8_to_f32,
     load_f32x8,
     load_i8x32,
-    load_iq4nl_codes,
-    load_mxfp4_codes,
     load_nibbles16,
     load_u32,
     prefetch_array,

@@ -19,6 +19,22 @@ from engine.kernels.simd import I8x32, _call, _check_array, _const, _data_ptr, _
 from engine.quant.reference import IQ4NL_VALUES as _IQ4NL_TABLE
 from engine.quant.reference import MXFP4_VALUES as _MXFP4_TABLE
 
+
+def _nibbles(context, builder, sig, args):
+    """Codegen: the 16 bytes at element args[1] of the 1-D array args[0] -> 32 nibbles as bytes, low then high."""
+    v16 = ir.VectorType(ir.IntType(8), 16)
+    v = builder.load(_data_ptr(context, builder, sig.args[0], args[0], args[1], v16), align=1)
+    return _shuffle(builder, builder.and_(v, _const(v16, 15)), builder.lshr(v, _const(v16, 4)), range(32))
+
+
+def _pshufb(builder, values, idx):
+    """Codegen: I8x32 of values[idx] (16 signed bytes) in one pshufb, which looks up within each 16-byte
+    lane: the table in both."""
+    vt = _vt(I8x32)
+    table = ir.Constant(vt, [x & 0xFF for x in values * 2])
+    return _call(builder, "llvm.x86.avx2.pshuf.b", vt, [table, idx])
+
+
 # MXFP4 (e2m1) codes as signed bytes, doubled: ggml's kvalues_mxfp4 (engine.quant.reference's table).
 MXFP4_VALUES = tuple(int(v) for v in _MXFP4_TABLE)
 
@@ -31,13 +47,10 @@ def load_mxfp4_codes(typingctx, arr, off):
     _check_array(arr, (types.uint8, types.int8), "load_mxfp4_codes")
 
     def codegen(context, builder, sig, args):
-        v16 = ir.VectorType(ir.IntType(8), 16)
-        v = builder.load(_data_ptr(context, builder, sig.args[0], args[0], args[1], v16), align=1)
-        idx = _shuffle(builder, builder.and_(v, _const(v16, 15)), builder.lshr(v, _const(v16, 4)), range(32))
+        idx = _nibbles(context, builder, sig, args)
         vt = _vt(I8x32)
-        if simd.HAS_AVX2:  # pshufb looks up within each 16-byte lane: the table in both
-            table = ir.Constant(vt, [x & 0xFF for x in MXFP4_VALUES * 2])
-            return _call(builder, "llvm.x86.avx2.pshuf.b", vt, [table, idx])
+        if simd.HAS_AVX2:
+            return _pshufb(builder, MXFP4_VALUES, idx)
         m = builder.and_(idx, _const(vt, 7))
         e = builder.lshr(m, _const(vt, 1))
         sub = builder.icmp_unsigned("==", e, _const(vt, 0))
@@ -62,13 +75,10 @@ def load_iq4nl_codes(typingctx, arr, off):
     _check_array(arr, (types.uint8, types.int8), "load_iq4nl_codes")
 
     def codegen(context, builder, sig, args):
-        v16 = ir.VectorType(ir.IntType(8), 16)
-        v = builder.load(_data_ptr(context, builder, sig.args[0], args[0], args[1], v16), align=1)
-        idx = _shuffle(builder, builder.and_(v, _const(v16, 15)), builder.lshr(v, _const(v16, 4)), range(32))
+        idx = _nibbles(context, builder, sig, args)
         vt = _vt(I8x32)
-        if simd.HAS_AVX2:  # pshufb looks up within each 16-byte lane: the table in both
-            table = ir.Constant(vt, [x & 0xFF for x in IQ4NL_VALUES * 2])
-            return _call(builder, "llvm.x86.avx2.pshuf.b", vt, [table, idx])
+        if simd.HAS_AVX2:
+            return _pshufb(builder, IQ4NL_VALUES, idx)
         out = _const(vt, IQ4NL_VALUES[0] & 0xFF)
         for k in range(1, 16):
             out = builder.select(

@@ -29,7 +29,7 @@ from engine.kernels.simd import prefetch_array, prefetch_distance
 
 CHUNK = 16  # rows per parallel work item
 
-_NAMES: set[str] = set()
+_NAMES: dict[str, tuple] = {}  # module.name -> (template, bound names)
 
 
 def specialise(template, name: str, module: str, options: dict | None = None, **bound):
@@ -43,9 +43,9 @@ def specialise(template, name: str, module: str, options: dict | None = None, **
     if set(bound) != wanted:
         raise TypeError(f"specialise({template.__name__}): bind exactly {sorted(wanted)}, got {sorted(bound)}")
     key = f"{module}.{name}"
-    if key in _NAMES:
-        raise ValueError(f"specialise: {key} exists already (its cache file would be shared)")
-    _NAMES.add(key)
+    what = (template.__qualname__, tuple(sorted((k, getattr(v, "__name__", repr(v))) for k, v in bound.items())))
+    if _NAMES.setdefault(key, what) != what:  # the same again (a module reloaded) is fine
+        raise ValueError(f"specialise: {key} is {_NAMES[key]} already (the two would share a cache file)")
     fn = pytypes.FunctionType(code, {**template.__globals__, **bound}, name, template.__defaults__)
     fn.__qualname__ = name
     fn.__module__ = module

@@ -129,12 +129,12 @@ def test_gather_refuses_out_of_range_indices():
 
 @pytest.mark.parametrize("avx2", [True, False])
 def test_mxfp4_code_lookup_both_ways(monkeypatch, avx2):
-    """``simd.load_mxfp4_codes``: one pshufb with AVX2, the e2m1 decoding in plain vector IR elsewhere —
+    """``lookups.load_mxfp4_codes``: one pshufb with AVX2, the e2m1 decoding in plain vector IR elsewhere —
     both give the 16 values of every nibble, low nibbles first (read back through the exact-float row dot
     on one-hot activations, compiled here after the patch)."""
     from numba import njit
 
-    from engine.kernels import legacy, simd
+    from engine.kernels import legacy, lookups, simd
 
     monkeypatch.setattr(simd, "HAS_AVX2", avx2 and simd.HAS_AVX2)
     dot = njit(legacy._dot_mxfp4_f.py_func)  # its inlined helpers are lowered again: the patched path
@@ -142,18 +142,18 @@ def test_mxfp4_code_lookup_both_ways(monkeypatch, avx2):
     row = np.concatenate([[128], qs]).astype(np.uint8)  # e = 128: scale 1
     d = np.ones(1, np.float32)
     got = [dot(row, d, np.eye(32, dtype=np.float32)[i]) for i in range(32)]
-    want = np.array(simd.MXFP4_VALUES, np.float32)
+    want = np.array(lookups.MXFP4_VALUES, np.float32)
     np.testing.assert_array_equal(got, np.concatenate([want, want[::-1]]))
 
 
 @pytest.mark.parametrize("avx2", [True, False])
 def test_iq4nl_code_lookup_both_ways(monkeypatch, avx2):
-    """``simd.load_iq4nl_codes``: one pshufb with AVX2, a select per level elsewhere — both give
+    """``lookups.load_iq4nl_codes``: one pshufb with AVX2, a select per level elsewhere — both give
     kvalues_iq4nl of every nibble, low nibbles first (through the IQ4_NL exact-float row dot on one-hot
     activations, compiled here after the patch)."""
     from numba import njit
 
-    from engine.kernels import legacy, simd
+    from engine.kernels import legacy, lookups, simd
 
     monkeypatch.setattr(simd, "HAS_AVX2", avx2 and simd.HAS_AVX2)
     dot = njit(legacy._dot_iq4_nl_f.py_func)
@@ -161,5 +161,5 @@ def test_iq4nl_code_lookup_both_ways(monkeypatch, avx2):
     row = np.concatenate([np.array([1.0], "<f2").view(np.uint8), qs]).astype(np.uint8)  # d = 1
     d = np.ones(1, np.float32)
     got = [dot(row, d, np.eye(32, dtype=np.float32)[i]) for i in range(32)]
-    want = np.array(simd.IQ4NL_VALUES, np.float32)
+    want = np.array(lookups.IQ4NL_VALUES, np.float32)
     np.testing.assert_array_equal(got, np.concatenate([want, want[::-1]]))

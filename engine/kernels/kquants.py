@@ -39,8 +39,11 @@ For prefill (T > 1 tokens per row) four tokens share one decode of the weight co
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
+from engine.kernels import drivers
+from engine.kernels.drivers import specialise
+from engine.kernels.lookups import load_iq4nl_codes
 from engine.kernels.simd import (
     bcast16,
     bcast16_pair,
@@ -52,13 +55,10 @@ from engine.kernels.simd import (
     load_i8x16_as_i16,
     load_i8x32,
     load_i16x16,
-    load_iq4nl_codes,
     madd,
     madd_acc,
     maddss,
     maddubs,
-    prefetch_array,
-    prefetch_distance,
     splat8,
     splat16,
     vand,
@@ -69,9 +69,6 @@ from engine.kernels.simd import (
     zero_f32,
     zero_i32,
 )
-
-CHUNK = 16  # rows per parallel work item
-
 
 # --- codes: the unsigned integer values of 32 consecutive elements, as I8x32 ------------------
 
@@ -142,6 +139,9 @@ def _q3k_codes(w, o, h):
 
 # --- Q8-activation row dots -------------------------------------------------------------------
 
+# The templates' placeholders, bound per type by ``specialise`` (engine.kernels.drivers).
+_BLOCK = _CODES = _SCALES = _OFFSET = None
+
 
 @njit(cache=True, nogil=True, inline="always")
 def _q8_pair(lo, hi, qa, xo, sm, j, iacc):
@@ -150,17 +150,17 @@ def _q8_pair(lo, hi, qa, xo, sm, j, iacc):
     return madd_acc(iacc, maddubs(hi, load_i8x32(qa, xo + 32)), bcast16(sm, 2 * j + 1))
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _dot_q4_k_q8(w, s, qa, da, bsums):
+def _dot_k4_q8(w, s, qa, da, bsums):
+    """Q8 row dot of a type with q4_K's scales and mins (Q4_K, Q5_K): blocks of _BLOCK bytes, codes _CODES."""
     acc = zero_f32()
     for b in range(s.shape[0] // 2):
-        o = b * 144
+        o = b * _BLOCK
         sm = k4_scales(w, o + 4)  # [sc0..7, m0..7]
         iacc = madd(load_i16x16(bsums, 16 * b), dup_high16(sm))  # Σ m·bsum, for the mins
         acc = fma_i32(iacc, -s[2 * b + 1] * da[b], acc)
         iacc = zero_i32()
         for j in range(4):
-            lo, hi = _q4k_codes(w, o, j)
+            lo, hi = _CODES(w, o, j)
             iacc = _q8_pair(lo, hi, qa, 256 * b + 64 * j, sm, j, iacc)
         acc = fma_i32(iacc, s[2 * b] * da[b], acc)
     return hsum_f32(acc)
@@ -197,31 +197,16 @@ def _dot2_q4_k_q8(w0, s0, w1, s1, qa, da, bsums):
     return hsum_f32(acc0), hsum_f32(acc1)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _dot_q5_k_q8(w, s, qa, da, bsums):
-    acc = zero_f32()
-    for b in range(s.shape[0] // 2):
-        o = b * 176
-        sm = k4_scales(w, o + 4)
-        iacc = madd(load_i16x16(bsums, 16 * b), dup_high16(sm))
-        acc = fma_i32(iacc, -s[2 * b + 1] * da[b], acc)
-        iacc = zero_i32()
-        for j in range(4):
-            lo, hi = _q5k_codes(w, o, j)
-            iacc = _q8_pair(lo, hi, qa, 256 * b + 64 * j, sm, j, iacc)
-        acc = fma_i32(iacc, s[2 * b] * da[b], acc)
-    return hsum_f32(acc)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _dot_q6_k_q8(w, s, qa, da, bsums):
+def _dot_k16_q8(w, s, qa, da, bsums):
+    """Q8 row dot of a type with 16 signed sub-block scales and an offset (Q3_K, Q6_K): blocks of _BLOCK
+    bytes, scales _SCALES, the offset's correction _OFFSET, codes _CODES."""
     acc = zero_f32()
     for b in range(s.shape[0]):
-        o = b * 210
-        sc = load_i8x16_as_i16(w, o + 192)  # 16 signed sub-block scales
-        iacc = _q6_offset(bsums, b, sc)
+        o = b * _BLOCK
+        sc = _SCALES(w, o)
+        iacc = _OFFSET(bsums, b, sc)
         for h in range(2):
-            q1, q2, q3, q4 = _q6k_codes(w, o, h)
+            q1, q2, q3, q4 = _CODES(w, o, h)
             iacc = _q6_quarters(q1, q2, q3, q4, qa, 256 * b + 128 * h, sc, 8 * h, iacc)
         acc = fma_i32(iacc, s[b] * da[b], acc)
     return hsum_f32(acc)
@@ -242,33 +227,18 @@ def _dot_q2_k_q8(w, s, qa, da, bsums):
     return hsum_f32(acc)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _dot_q3_k_q8(w, s, qa, da, bsums):
-    acc = zero_f32()
-    for b in range(s.shape[0]):
-        o = b * 110
-        sc = k3_scales(w, o + 96)  # 16 signed sub-block scales
-        iacc = _q3_offset(bsums, b, sc)
-        for h in range(2):
-            q1, q2, q3, q4 = _q3k_codes(w, o, h)
-            iacc = _q6_quarters(q1, q2, q3, q4, qa, 256 * b + 128 * h, sc, 8 * h, iacc)
-        acc = fma_i32(iacc, s[b] * da[b], acc)
-    return hsum_f32(acc)
-
-
 # --- four tokens at once: the weight codes and scales are decoded once for all four ----------
 
 
-@njit(cache=True, nogil=True)
-def _dot4_q4_k_q8(w, s, qa, da, bsums, k):
-    """Activation rows k..k+3 against one weight row -> 4 float32 (prefill)."""
+def _dot4_k4_q8(w, s, qa, da, bsums, k):
+    """``_dot_k4_q8`` of activation rows k..k+3 against one weight row -> 4 float32 (prefill)."""
     a0, a1, a2, a3 = qa[k], qa[k + 1], qa[k + 2], qa[k + 3]
     f0 = zero_f32()
     f1 = zero_f32()
     f2 = zero_f32()
     f3 = zero_f32()
     for b in range(s.shape[0] // 2):
-        o = b * 144
+        o = b * _BLOCK
         sm = k4_scales(w, o + 4)
         md = dup_high16(sm)
         dmin = -s[2 * b + 1]
@@ -281,42 +251,7 @@ def _dot4_q4_k_q8(w, s, qa, da, bsums, k):
         i2 = zero_i32()
         i3 = zero_i32()
         for j in range(4):
-            lo, hi = _q4k_codes(w, o, j)
-            xo = 256 * b + 64 * j
-            i0 = _q8_pair(lo, hi, a0, xo, sm, j, i0)
-            i1 = _q8_pair(lo, hi, a1, xo, sm, j, i1)
-            i2 = _q8_pair(lo, hi, a2, xo, sm, j, i2)
-            i3 = _q8_pair(lo, hi, a3, xo, sm, j, i3)
-        d = s[2 * b]
-        f0 = fma_i32(i0, d * da[k, b], f0)
-        f1 = fma_i32(i1, d * da[k + 1, b], f1)
-        f2 = fma_i32(i2, d * da[k + 2, b], f2)
-        f3 = fma_i32(i3, d * da[k + 3, b], f3)
-    return hsum_f32(f0), hsum_f32(f1), hsum_f32(f2), hsum_f32(f3)
-
-
-@njit(cache=True, nogil=True)
-def _dot4_q5_k_q8(w, s, qa, da, bsums, k):
-    a0, a1, a2, a3 = qa[k], qa[k + 1], qa[k + 2], qa[k + 3]
-    f0 = zero_f32()
-    f1 = zero_f32()
-    f2 = zero_f32()
-    f3 = zero_f32()
-    for b in range(s.shape[0] // 2):
-        o = b * 176
-        sm = k4_scales(w, o + 4)
-        md = dup_high16(sm)
-        dmin = -s[2 * b + 1]
-        f0 = fma_i32(madd(load_i16x16(bsums[k], 16 * b), md), dmin * da[k, b], f0)
-        f1 = fma_i32(madd(load_i16x16(bsums[k + 1], 16 * b), md), dmin * da[k + 1, b], f1)
-        f2 = fma_i32(madd(load_i16x16(bsums[k + 2], 16 * b), md), dmin * da[k + 2, b], f2)
-        f3 = fma_i32(madd(load_i16x16(bsums[k + 3], 16 * b), md), dmin * da[k + 3, b], f3)
-        i0 = zero_i32()
-        i1 = zero_i32()
-        i2 = zero_i32()
-        i3 = zero_i32()
-        for j in range(4):
-            lo, hi = _q5k_codes(w, o, j)
+            lo, hi = _CODES(w, o, j)
             xo = 256 * b + 64 * j
             i0 = _q8_pair(lo, hi, a0, xo, sm, j, i0)
             i1 = _q8_pair(lo, hi, a1, xo, sm, j, i1)
@@ -384,22 +319,22 @@ def _dot4_q2_k_q8(w, s, qa, da, bsums, k):
     return hsum_f32(f0), hsum_f32(f1), hsum_f32(f2), hsum_f32(f3)
 
 
-@njit(cache=True, nogil=True)
-def _dot4_q3_k_q8(w, s, qa, da, bsums, k):
+def _dot4_k16_q8(w, s, qa, da, bsums, k):
+    """``_dot_k16_q8`` of activation rows k..k+3 against one weight row -> 4 float32 (prefill)."""
     a0, a1, a2, a3 = qa[k], qa[k + 1], qa[k + 2], qa[k + 3]
     f0 = zero_f32()
     f1 = zero_f32()
     f2 = zero_f32()
     f3 = zero_f32()
     for b in range(s.shape[0]):
-        o = b * 110
-        sc = k3_scales(w, o + 96)
-        i0 = _q3_offset(bsums[k], b, sc)
-        i1 = _q3_offset(bsums[k + 1], b, sc)
-        i2 = _q3_offset(bsums[k + 2], b, sc)
-        i3 = _q3_offset(bsums[k + 3], b, sc)
+        o = b * _BLOCK
+        sc = _SCALES(w, o)
+        i0 = _OFFSET(bsums[k], b, sc)
+        i1 = _OFFSET(bsums[k + 1], b, sc)
+        i2 = _OFFSET(bsums[k + 2], b, sc)
+        i3 = _OFFSET(bsums[k + 3], b, sc)
         for h in range(2):
-            q1, q2, q3, q4 = _q3k_codes(w, o, h)
+            q1, q2, q3, q4 = _CODES(w, o, h)
             xo = 256 * b + 128 * h
             i0 = _q6_quarters(q1, q2, q3, q4, a0, xo, sc, 8 * h, i0)
             i1 = _q6_quarters(q1, q2, q3, q4, a1, xo, sc, 8 * h, i1)
@@ -411,168 +346,6 @@ def _dot4_q3_k_q8(w, s, qa, da, bsums, k):
         f2 = fma_i32(i2, d * da[k + 2, b], f2)
         f3 = fma_i32(i3, d * da[k + 3, b], f3)
     return hsum_f32(f0), hsum_f32(f1), hsum_f32(f2), hsum_f32(f3)
-
-
-@njit(cache=True, nogil=True)
-def _dot4_q6_k_q8(w, s, qa, da, bsums, k):
-    a0, a1, a2, a3 = qa[k], qa[k + 1], qa[k + 2], qa[k + 3]
-    f0 = zero_f32()
-    f1 = zero_f32()
-    f2 = zero_f32()
-    f3 = zero_f32()
-    for b in range(s.shape[0]):
-        o = b * 210
-        sc = load_i8x16_as_i16(w, o + 192)
-        i0 = _q6_offset(bsums[k], b, sc)
-        i1 = _q6_offset(bsums[k + 1], b, sc)
-        i2 = _q6_offset(bsums[k + 2], b, sc)
-        i3 = _q6_offset(bsums[k + 3], b, sc)
-        for h in range(2):
-            q1, q2, q3, q4 = _q6k_codes(w, o, h)
-            xo = 256 * b + 128 * h
-            i0 = _q6_quarters(q1, q2, q3, q4, a0, xo, sc, 8 * h, i0)
-            i1 = _q6_quarters(q1, q2, q3, q4, a1, xo, sc, 8 * h, i1)
-            i2 = _q6_quarters(q1, q2, q3, q4, a2, xo, sc, 8 * h, i2)
-            i3 = _q6_quarters(q1, q2, q3, q4, a3, xo, sc, 8 * h, i3)
-        d = s[b]
-        f0 = fma_i32(i0, d * da[k, b], f0)
-        f1 = fma_i32(i1, d * da[k + 1, b], f1)
-        f2 = fma_i32(i2, d * da[k + 2, b], f2)
-        f3 = fma_i32(i3, d * da[k + 3, b], f3)
-    return hsum_f32(f0), hsum_f32(f1), hsum_f32(f2), hsum_f32(f3)
-
-
-# --- parallel gather drivers -----------------------------------------------------------------
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q4_k_q8(raw, s, rows, xi, qa, da, bsums, out):
-    M, T = out.shape
-    T4 = T - T % 4
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(s[rows[j]])
-            r = rows[i]
-            k = xi[i]
-            for t in range(T4, T):  # decode: the only pass, streaming the rows
-                out[i, t] = _dot_q4_k_q8(raw[r], s[r], qa[k + t], da[k + t], bsums[k + t])
-        # Prefill: four tokens against every row of the chunk, then the next four, so the
-        # tokens' activations and the chunk's rows both stay in L1.
-        for t in range(0, T4, 4):
-            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-                r = rows[i]
-                k = xi[i]
-                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q4_k_q8(
-                    raw[r], s[r], qa, da, bsums, k + t
-                )
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q5_k_q8(raw, s, rows, xi, qa, da, bsums, out):
-    M, T = out.shape
-    T4 = T - T % 4
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(s[rows[j]])
-            r = rows[i]
-            k = xi[i]
-            for t in range(T4, T):  # decode: the only pass, streaming the rows
-                out[i, t] = _dot_q5_k_q8(raw[r], s[r], qa[k + t], da[k + t], bsums[k + t])
-        # Prefill: four tokens against every row of the chunk, then the next four, so the
-        # tokens' activations and the chunk's rows both stay in L1.
-        for t in range(0, T4, 4):
-            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-                r = rows[i]
-                k = xi[i]
-                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q5_k_q8(
-                    raw[r], s[r], qa, da, bsums, k + t
-                )
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q6_k_q8(raw, s, rows, xi, qa, da, bsums, out):
-    M, T = out.shape
-    T4 = T - T % 4
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(s[rows[j]])
-            r = rows[i]
-            k = xi[i]
-            for t in range(T4, T):  # decode: the only pass, streaming the rows
-                out[i, t] = _dot_q6_k_q8(raw[r], s[r], qa[k + t], da[k + t], bsums[k + t])
-        # Prefill: four tokens against every row of the chunk, then the next four, so the
-        # tokens' activations and the chunk's rows both stay in L1.
-        for t in range(0, T4, 4):
-            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-                r = rows[i]
-                k = xi[i]
-                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q6_k_q8(
-                    raw[r], s[r], qa, da, bsums, k + t
-                )
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q3_k_q8(raw, s, rows, xi, qa, da, bsums, out):
-    M, T = out.shape
-    T4 = T - T % 4
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(s[rows[j]])
-            r = rows[i]
-            k = xi[i]
-            for t in range(T4, T):  # decode: the only pass, streaming the rows
-                out[i, t] = _dot_q3_k_q8(raw[r], s[r], qa[k + t], da[k + t], bsums[k + t])
-        # Prefill: four tokens against every row of the chunk, then the next four, so the
-        # tokens' activations and the chunk's rows both stay in L1.
-        for t in range(0, T4, 4):
-            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-                r = rows[i]
-                k = xi[i]
-                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q3_k_q8(
-                    raw[r], s[r], qa, da, bsums, k + t
-                )
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q2_k_q8(raw, s, rows, xi, qa, da, bsums, out):
-    M, T = out.shape
-    T4 = T - T % 4
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(s[rows[j]])
-            r = rows[i]
-            k = xi[i]
-            for t in range(T4, T):  # decode: the only pass, streaming the rows
-                out[i, t] = _dot_q2_k_q8(raw[r], s[r], qa[k + t], da[k + t], bsums[k + t])
-        # Prefill: four tokens against every row of the chunk, then the next four, so the
-        # tokens' activations and the chunk's rows both stay in L1.
-        for t in range(0, T4, 4):
-            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-                r = rows[i]
-                k = xi[i]
-                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q2_k_q8(
-                    raw[r], s[r], qa, da, bsums, k + t
-                )
 
 
 # --- IQ4_XS -----------------------------------------------------------------------------------
@@ -633,27 +406,47 @@ def _dot4_iq4_xs_q8(w, s, qa, da, bsums, k):
     return hsum_f32(f0), hsum_f32(f1), hsum_f32(f2), hsum_f32(f3)
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_iq4_xs_q8(raw, s, rows, xi, qa, da, bsums, out):
-    M, T = out.shape
-    T4 = T - T % 4
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(s[rows[j]])
-            r = rows[i]
-            k = xi[i]
-            for t in range(T4, T):  # decode: the only pass, streaming the rows
-                out[i, t] = _dot_iq4_xs_q8(raw[r], s[r], qa[k + t], da[k + t], bsums[k + t])
-        # Prefill: four tokens against every row of the chunk, then the next four, so the
-        # tokens' activations and the chunk's rows both stay in L1.
-        for t in range(0, T4, 4):
-            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-                r = rows[i]
-                k = xi[i]
-                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_iq4_xs_q8(
-                    raw[r], s[r], qa, da, bsums, k + t
-                )
+# --- the kernels of each type: row dots (the fused MoE and grouped kernels inline them too), four-token
+# dots and the parallel gather drivers (engine.kernels.drivers) -----------------------------------
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q6k_scales(w, o):
+    """The 16 signed sub-block scales of the q6_K block at byte o."""
+    return load_i8x16_as_i16(w, o + 192)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q3k_scales(w, o):
+    """The 16 signed sub-block scales of the q3_K block at byte o."""
+    return k3_scales(w, o + 96)
+
+
+_INLINE = {"inline": "always"}
+_PARALLEL = {"parallel": True}
+_Q4K = {"_BLOCK": 144, "_CODES": _q4k_codes}
+_Q5K = {"_BLOCK": 176, "_CODES": _q5k_codes}
+_Q6K = {"_BLOCK": 210, "_SCALES": _q6k_scales, "_OFFSET": _q6_offset, "_CODES": _q6k_codes}
+_Q3K = {"_BLOCK": 110, "_SCALES": _q3k_scales, "_OFFSET": _q3_offset, "_CODES": _q3k_codes}
+
+_dot_q4_k_q8 = specialise(_dot_k4_q8, "_dot_q4_k_q8", __name__, _INLINE, **_Q4K)
+_dot_q5_k_q8 = specialise(_dot_k4_q8, "_dot_q5_k_q8", __name__, _INLINE, **_Q5K)
+_dot_q6_k_q8 = specialise(_dot_k16_q8, "_dot_q6_k_q8", __name__, _INLINE, **_Q6K)
+_dot_q3_k_q8 = specialise(_dot_k16_q8, "_dot_q3_k_q8", __name__, _INLINE, **_Q3K)
+
+_dot4_q4_k_q8 = specialise(_dot4_k4_q8, "_dot4_q4_k_q8", __name__, **_Q4K)
+_dot4_q5_k_q8 = specialise(_dot4_k4_q8, "_dot4_q5_k_q8", __name__, **_Q5K)
+_dot4_q6_k_q8 = specialise(_dot4_k16_q8, "_dot4_q6_k_q8", __name__, **_Q6K)
+_dot4_q3_k_q8 = specialise(_dot4_k16_q8, "_dot4_q3_k_q8", __name__, **_Q3K)
+
+
+def _gemv(name, dot, dot4):
+    return specialise(drivers.gemv_q8, name, __name__, _PARALLEL, _DOT=dot, _DOT4=dot4)
+
+
+gemv_q4_k_q8 = _gemv("gemv_q4_k_q8", _dot_q4_k_q8, _dot4_q4_k_q8)
+gemv_q5_k_q8 = _gemv("gemv_q5_k_q8", _dot_q5_k_q8, _dot4_q5_k_q8)
+gemv_q6_k_q8 = _gemv("gemv_q6_k_q8", _dot_q6_k_q8, _dot4_q6_k_q8)
+gemv_q3_k_q8 = _gemv("gemv_q3_k_q8", _dot_q3_k_q8, _dot4_q3_k_q8)
+gemv_q2_k_q8 = _gemv("gemv_q2_k_q8", _dot_q2_k_q8, _dot4_q2_k_q8)
+gemv_iq4_xs_q8 = _gemv("gemv_iq4_xs_q8", _dot_iq4_xs_q8, _dot4_iq4_xs_q8)

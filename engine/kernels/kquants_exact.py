@@ -10,30 +10,29 @@ The integer codes are widened to float32 in registers; sub-block sums are lane-w
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
+from engine.kernels import drivers
+from engine.kernels.drivers import specialise
 from engine.kernels.kquants import (
-    CHUNK,
     _q2k_codes,
     _q3k_codes,
+    _q3k_scales,
     _q4k_codes,
     _q5k_codes,
     _q6k_codes,
+    _q6k_scales,
     iq4xs_scale,
     k2_scales,
 )
+from engine.kernels.lookups import load_iq4nl_codes
 from engine.kernels.simd import (
     hsum_f32,
     i8_to_f32,
     i16_to_f32,
-    k3_scales,
     k4_scales,
     lane16,
     load_f32x8,
-    load_i8x16_as_i16,
-    load_iq4nl_codes,
-    prefetch_array,
-    prefetch_distance,
     splat8,
     vadd,
     vfma,
@@ -62,37 +61,23 @@ def _fdot16x2(q, x, xo, sa, sb, acc):
 
 # Several accumulators: one FMA chain per block would bound the loop by FMA latency.
 
+# The templates' placeholders, bound per type by ``specialise`` (engine.kernels.drivers).
+_BLOCK = _CODES = _SCALES = _BIAS = None
 
-@njit(cache=True, nogil=True)
-def _dot_q4_k_f(w, s, x, xs):
+
+def _dot_k4_f(w, s, x, xs):
+    """Exact-float row dot of a type with q4_K's scales and mins (Q4_K, Q5_K): blocks of _BLOCK bytes,
+    codes _CODES."""
     acc_lo = zero_f32()
     acc_hi = zero_f32()
     acc_m = zero_f32()
     for b in range(s.shape[0] // 2):
-        o = b * 144
+        o = b * _BLOCK
         d = s[2 * b]
         sm = k4_scales(w, o + 4)
         acc_m = vfma_s(vfma(i16_to_f32(sm, 1), load_f32x8(xs, 8 * b), zero_f32()), -s[2 * b + 1], acc_m)
         for j in range(4):
-            lo, hi = _q4k_codes(w, o, j)
-            xo = 256 * b + 64 * j
-            acc_lo = vfma_s(_fdot32(lo, x, xo), d * np.float32(lane16(sm, 2 * j)), acc_lo)
-            acc_hi = vfma_s(_fdot32(hi, x, xo + 32), d * np.float32(lane16(sm, 2 * j + 1)), acc_hi)
-    return hsum_f32(vadd(vadd(acc_lo, acc_hi), acc_m))
-
-
-@njit(cache=True, nogil=True)
-def _dot_q5_k_f(w, s, x, xs):
-    acc_lo = zero_f32()
-    acc_hi = zero_f32()
-    acc_m = zero_f32()
-    for b in range(s.shape[0] // 2):
-        o = b * 176
-        d = s[2 * b]
-        sm = k4_scales(w, o + 4)
-        acc_m = vfma_s(vfma(i16_to_f32(sm, 1), load_f32x8(xs, 8 * b), zero_f32()), -s[2 * b + 1], acc_m)
-        for j in range(4):
-            lo, hi = _q5k_codes(w, o, j)
+            lo, hi = _CODES(w, o, j)
             xo = 256 * b + 64 * j
             acc_lo = vfma_s(_fdot32(lo, x, xo), d * np.float32(lane16(sm, 2 * j)), acc_lo)
             acc_hi = vfma_s(_fdot32(hi, x, xo + 32), d * np.float32(lane16(sm, 2 * j + 1)), acc_hi)
@@ -104,19 +89,20 @@ def _q6_quarter_f(q, x, xo, d, sc, g, acc):
     return _fdot16x2(q, x, xo, d * np.float32(lane16(sc, g)), d * np.float32(lane16(sc, g + 1)), acc)
 
 
-@njit(cache=True, nogil=True)
-def _dot_q6_k_f(w, s, x):
+def _dot_k16_f(w, s, x):
+    """Exact-float row dot of a type with 16 signed sub-block scales (Q3_K, Q6_K): blocks of _BLOCK bytes,
+    scales _SCALES, codes _CODES stored as the value + _BIAS."""
     a1 = zero_f32()
     a2 = zero_f32()
     a3 = zero_f32()
     a4 = zero_f32()
-    off = splat8(32)
+    off = splat8(_BIAS)
     for b in range(s.shape[0]):
-        o = b * 210
+        o = b * _BLOCK
         d = s[b]
-        sc = load_i8x16_as_i16(w, o + 192)
+        sc = _SCALES(w, o)
         for h in range(2):
-            q1, q2, q3, q4 = _q6k_codes(w, o, h)
+            q1, q2, q3, q4 = _CODES(w, o, h)
             xo = 256 * b + 128 * h
             g = 8 * h
             a1 = _q6_quarter_f(vsub(q1, off), x, xo, d, sc, g, a1)
@@ -150,106 +136,6 @@ def _dot_q2_k_f(w, s, x, xs):
     return hsum_f32(vadd(vadd(vadd(a1, a2), vadd(a3, a4)), acc_m))
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q2_k_f(raw, s, rows, xi, X, Xs, out):
-    M, T = out.shape
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(s[rows[j]])
-            r = rows[i]
-            for t in range(T):
-                k = xi[i] + t
-                out[i, t] = _dot_q2_k_f(raw[r], s[r], X[k], Xs[k])
-
-
-@njit(cache=True, nogil=True)
-def _dot_q3_k_f(w, s, x):
-    a1 = zero_f32()
-    a2 = zero_f32()
-    a3 = zero_f32()
-    a4 = zero_f32()
-    off = splat8(4)
-    for b in range(s.shape[0]):
-        o = b * 110
-        d = s[b]
-        sc = k3_scales(w, o + 96)
-        for h in range(2):
-            q1, q2, q3, q4 = _q3k_codes(w, o, h)
-            xo = 256 * b + 128 * h
-            g = 8 * h
-            a1 = _q6_quarter_f(vsub(q1, off), x, xo, d, sc, g, a1)
-            a2 = _q6_quarter_f(vsub(q2, off), x, xo + 32, d, sc, g + 2, a2)
-            a3 = _q6_quarter_f(vsub(q3, off), x, xo + 64, d, sc, g + 4, a3)
-            a4 = _q6_quarter_f(vsub(q4, off), x, xo + 96, d, sc, g + 6, a4)
-    return hsum_f32(vadd(vadd(a1, a2), vadd(a3, a4)))
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q3_k_f(raw, s, rows, xi, X, out):
-    M, T = out.shape
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(s[rows[j]])
-            r = rows[i]
-            for t in range(T):
-                out[i, t] = _dot_q3_k_f(raw[r], s[r], X[xi[i] + t])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q4_k_f(raw, s, rows, xi, X, Xs, out):
-    M, T = out.shape
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(s[rows[j]])
-            r = rows[i]
-            for t in range(T):
-                k = xi[i] + t
-                out[i, t] = _dot_q4_k_f(raw[r], s[r], X[k], Xs[k])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q5_k_f(raw, s, rows, xi, X, Xs, out):
-    M, T = out.shape
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(s[rows[j]])
-            r = rows[i]
-            for t in range(T):
-                k = xi[i] + t
-                out[i, t] = _dot_q5_k_f(raw[r], s[r], X[k], Xs[k])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q6_k_f(raw, s, rows, xi, X, out):
-    M, T = out.shape
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(s[rows[j]])
-            r = rows[i]
-            for t in range(T):
-                out[i, t] = _dot_q6_k_f(raw[r], s[r], X[xi[i] + t])
-
-
 @njit(cache=True, nogil=True)
 def _dot_iq4_xs_f(w, s, x):
     acc = zero_f32()
@@ -262,16 +148,21 @@ def _dot_iq4_xs_f(w, s, x):
     return hsum_f32(acc)
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_iq4_xs_f(raw, s, rows, xi, X, out):
-    M, T = out.shape
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(s[rows[j]])
-            r = rows[i]
-            for t in range(T):
-                out[i, t] = _dot_iq4_xs_f(raw[r], s[r], X[xi[i] + t])
+# --- the kernels of each type: row dots and the parallel gather drivers (engine.kernels.drivers) --
+
+_dot_q4_k_f = specialise(_dot_k4_f, "_dot_q4_k_f", __name__, _BLOCK=144, _CODES=_q4k_codes)
+_dot_q5_k_f = specialise(_dot_k4_f, "_dot_q5_k_f", __name__, _BLOCK=176, _CODES=_q5k_codes)
+_dot_q6_k_f = specialise(
+    _dot_k16_f, "_dot_q6_k_f", __name__, _BLOCK=210, _SCALES=_q6k_scales, _CODES=_q6k_codes, _BIAS=32
+)
+_dot_q3_k_f = specialise(
+    _dot_k16_f, "_dot_q3_k_f", __name__, _BLOCK=110, _SCALES=_q3k_scales, _CODES=_q3k_codes, _BIAS=4
+)
+
+_PARALLEL = {"parallel": True}
+gemv_q2_k_f = specialise(drivers.gemv_f_sums, "gemv_q2_k_f", __name__, _PARALLEL, _DOT=_dot_q2_k_f)
+gemv_q4_k_f = specialise(drivers.gemv_f_sums, "gemv_q4_k_f", __name__, _PARALLEL, _DOT=_dot_q4_k_f)
+gemv_q5_k_f = specialise(drivers.gemv_f_sums, "gemv_q5_k_f", __name__, _PARALLEL, _DOT=_dot_q5_k_f)
+gemv_q3_k_f = specialise(drivers.gemv_f, "gemv_q3_k_f", __name__, _PARALLEL, _DOT=_dot_q3_k_f)
+gemv_q6_k_f = specialise(drivers.gemv_f, "gemv_q6_k_f", __name__, _PARALLEL, _DOT=_dot_q6_k_f)
+gemv_iq4_xs_f = specialise(drivers.gemv_f, "gemv_iq4_xs_f", __name__, _PARALLEL, _DOT=_dot_iq4_xs_f)

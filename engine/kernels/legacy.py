@@ -23,8 +23,11 @@ iq4_nl = d | qs[16] (nibble order as q4_0), value IQ4NL_VALUES[q] (ggml's kvalue
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
+from engine.kernels import drivers
+from engine.kernels.drivers import specialise
+from engine.kernels.lookups import load_iq4nl_codes, load_mxfp4_codes
 from engine.kernels.simd import (
     bits_to_bytes,
     dot_sb_sb,
@@ -34,12 +37,8 @@ from engine.kernels.simd import (
     i8_to_f32,
     load_f32x8,
     load_i8x32,
-    load_iq4nl_codes,
-    load_mxfp4_codes,
     load_nibbles16,
     load_u32,
-    prefetch_array,
-    prefetch_distance,
     splat8,
     vfma,
     vfma_s,
@@ -49,8 +48,6 @@ from engine.kernels.simd import (
     zero_f32,
     zero_i32,
 )
-
-CHUNK = 16  # rows per parallel work item
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -93,7 +90,10 @@ def _codes_q5_0(w, b):
     return vsub(_ucodes_q5_0(w, b), splat8(16))
 
 
-# --- per-row dot products; CODES is the only difference between the types --------------------
+# --- per-row dot products: one template a shape, specialised on the type's codes ---------------
+
+# The templates' placeholders, bound per type by ``specialise`` (engine.kernels.drivers).
+_CODES = _UCODES = _OFFSET = None
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -105,94 +105,33 @@ def _exact_block(q, x, xo):
     return vfma(i8_to_f32(q, 3), load_f32x8(x, xo + 24), t)
 
 
-@njit(cache=True, nogil=True)
-def _dot_q8_0_f(w, d, x):
+def _dot_f(w, d, x):
+    """Exact-float row dot of a type with signed codes _CODES."""
     acc = zero_f32()
     for b in range(d.shape[0]):
-        acc = vfma_s(_exact_block(_codes_q8_0(w, b), x, 32 * b), d[b], acc)
+        acc = vfma_s(_exact_block(_CODES(w, b), x, 32 * b), d[b], acc)
     return hsum_f32(acc)
 
 
-@njit(cache=True, nogil=True)
-def _dot_q4_0_f(w, d, x):
+def _dot_signed_q8(w, d, qa, da, asum):
+    """Q8 row dot of a type with signed codes _CODES (signed × signed bytes)."""
     acc = zero_f32()
     for b in range(d.shape[0]):
-        acc = vfma_s(_exact_block(_codes_q4_0(w, b), x, 32 * b), d[b], acc)
-    return hsum_f32(acc)
-
-
-@njit(cache=True, nogil=True)
-def _dot_q5_0_f(w, d, x):
-    acc = zero_f32()
-    for b in range(d.shape[0]):
-        acc = vfma_s(_exact_block(_codes_q5_0(w, b), x, 32 * b), d[b], acc)
-    return hsum_f32(acc)
-
-
-@njit(cache=True, nogil=True)
-def _dot_mxfp4_f(w, d, x):
-    acc = zero_f32()
-    for b in range(d.shape[0]):
-        acc = vfma_s(_exact_block(_codes_mxfp4(w, b), x, 32 * b), d[b], acc)
-    return hsum_f32(acc)
-
-
-@njit(cache=True, nogil=True)
-def _dot_iq4_nl_f(w, d, x):
-    acc = zero_f32()
-    for b in range(d.shape[0]):
-        acc = vfma_s(_exact_block(_codes_iq4_nl(w, b), x, 32 * b), d[b], acc)
-    return hsum_f32(acc)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _dot_iq4_nl_q8(w, d, qa, da, asum):
-    acc = zero_f32()
-    for b in range(d.shape[0]):
-        iv = dot_sb_sb(zero_i32(), _codes_iq4_nl(w, b), load_i8x32(qa, 32 * b))
+        iv = dot_sb_sb(zero_i32(), _CODES(w, b), load_i8x32(qa, 32 * b))
         acc = fma_i32(iv, d[b] * da[b], acc)
     return hsum_f32(acc)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _dot_mxfp4_q8(w, d, qa, da, asum):
-    acc = zero_f32()
-    for b in range(d.shape[0]):
-        iv = dot_sb_sb(zero_i32(), _codes_mxfp4(w, b), load_i8x32(qa, 32 * b))
-        acc = fma_i32(iv, d[b] * da[b], acc)
-    return hsum_f32(acc)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _dot_q8_0_q8(w, d, qa, da, asum):
-    acc = zero_f32()
-    for b in range(d.shape[0]):
-        iv = dot_sb_sb(zero_i32(), _codes_q8_0(w, b), load_i8x32(qa, 32 * b))
-        acc = fma_i32(iv, d[b] * da[b], acc)
-    return hsum_f32(acc)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _dot_q4_0_q8(w, d, qa, da, asum):
-    # Σ (u − 8)·a = Σ u·a − 8·Σ a: unsigned codes go straight into pmaddubsw
+def _dot_unsigned_q8(w, d, qa, da, asum):
+    """Q8 row dot of a type with unsigned codes _UCODES = value + _OFFSET:
+    Σ (u − offset)·a = Σ u·a − offset·Σ a, the unsigned codes straight into pmaddubsw."""
     acc = zero_f32()
     corr = np.float32(0.0)
     for b in range(d.shape[0]):
         dd = d[b] * da[b]
-        acc = fma_i32(dot_ub_sb(zero_i32(), _ucodes_q4_0(w, b), load_i8x32(qa, 32 * b)), dd, acc)
+        acc = fma_i32(dot_ub_sb(zero_i32(), _UCODES(w, b), load_i8x32(qa, 32 * b)), dd, acc)
         corr += dd * np.float32(asum[b])
-    return hsum_f32(acc) - np.float32(8.0) * corr
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _dot_q5_0_q8(w, d, qa, da, asum):
-    acc = zero_f32()
-    corr = np.float32(0.0)
-    for b in range(d.shape[0]):
-        dd = d[b] * da[b]
-        acc = fma_i32(dot_ub_sb(zero_i32(), _ucodes_q5_0(w, b), load_i8x32(qa, 32 * b)), dd, acc)
-        corr += dd * np.float32(asum[b])
-    return hsum_f32(acc) - np.float32(16.0) * corr
+    return hsum_f32(acc) - np.float32(_OFFSET) * corr
 
 
 # --- four tokens at once (prefill): each weight block is decoded once for all four -----------
@@ -210,21 +149,15 @@ def _u_step(u, a, b, scale, acc):
     return fma_i32(dot_ub_sb(zero_i32(), u, load_i8x32(a, 32 * b)), scale, acc)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _dot4_signed(w, d, qa, da, asum, k, kind):
-    """Q8_0 (kind 0), MXFP4 (1) or IQ4_NL (2) against four activation rows."""
+def _dot4_signed(w, d, qa, da, asum, k):
+    """Signed codes _CODES (Q8_0, MXFP4, IQ4_NL) against activation rows k..k+3."""
     a0, a1, a2, a3 = qa[k], qa[k + 1], qa[k + 2], qa[k + 3]
     f0 = zero_f32()
     f1 = zero_f32()
     f2 = zero_f32()
     f3 = zero_f32()
     for b in range(d.shape[0]):
-        if kind == 1:
-            q = _codes_mxfp4(w, b)
-        elif kind == 2:
-            q = _codes_iq4_nl(w, b)
-        else:
-            q = _codes_q8_0(w, b)
+        q = _CODES(w, b)
         db = d[b]
         f0 = _q8_step(q, a0, b, db * da[k, b], f0)
         f1 = _q8_step(q, a1, b, db * da[k + 1, b], f1)
@@ -233,24 +166,8 @@ def _dot4_signed(w, d, qa, da, asum, k, kind):
     return hsum_f32(f0), hsum_f32(f1), hsum_f32(f2), hsum_f32(f3)
 
 
-@njit(cache=True, nogil=True)
-def _dot4_q8_0_q8(w, d, qa, da, asum, k):
-    return _dot4_signed(w, d, qa, da, asum, k, 0)
-
-
-@njit(cache=True, nogil=True)
-def _dot4_mxfp4_q8(w, d, qa, da, asum, k):
-    return _dot4_signed(w, d, qa, da, asum, k, 1)
-
-
-@njit(cache=True, nogil=True)
-def _dot4_iq4_nl_q8(w, d, qa, da, asum, k):
-    return _dot4_signed(w, d, qa, da, asum, k, 2)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _dot4_unsigned(w, d, qa, da, asum, k, q5, offset):
-    """Q4_0 (q5 False, offset 8) or Q5_0 (q5 True, offset 16) against four activation rows."""
+def _dot4_unsigned(w, d, qa, da, asum, k):
+    """Unsigned codes _UCODES = value + _OFFSET (Q4_0, Q5_0) against activation rows k..k+3."""
     a0, a1, a2, a3 = qa[k], qa[k + 1], qa[k + 2], qa[k + 3]
     f0 = zero_f32()
     f1 = zero_f32()
@@ -261,7 +178,7 @@ def _dot4_unsigned(w, d, qa, da, asum, k, q5, offset):
     c2 = np.float32(0.0)
     c3 = np.float32(0.0)
     for b in range(d.shape[0]):
-        u = _ucodes_q5_0(w, b) if q5 else _ucodes_q4_0(w, b)
+        u = _UCODES(w, b)
         db = d[b]
         s0 = db * da[k, b]
         s1 = db * da[k + 1, b]
@@ -275,223 +192,46 @@ def _dot4_unsigned(w, d, qa, da, asum, k, q5, offset):
         c1 += s1 * np.float32(asum[k + 1, b])
         c2 += s2 * np.float32(asum[k + 2, b])
         c3 += s3 * np.float32(asum[k + 3, b])
-    o = np.float32(offset)
+    o = np.float32(_OFFSET)
     return hsum_f32(f0) - o * c0, hsum_f32(f1) - o * c1, hsum_f32(f2) - o * c2, hsum_f32(f3) - o * c3
 
 
-@njit(cache=True, nogil=True)
-def _dot4_q4_0_q8(w, d, qa, da, asum, k):
-    return _dot4_unsigned(w, d, qa, da, asum, k, False, 8)
+# --- the kernels of each type: row dots (the fused MoE and grouped kernels inline them too) and
+# the parallel gather drivers (engine.kernels.drivers) -----------------------------------------
 
+_INLINE = {"inline": "always"}
+_PARALLEL = {"parallel": True}
 
-@njit(cache=True, nogil=True)
-def _dot4_q5_0_q8(w, d, qa, da, asum, k):
-    return _dot4_unsigned(w, d, qa, da, asum, k, True, 16)
+_dot_q8_0_f = specialise(_dot_f, "_dot_q8_0_f", __name__, _CODES=_codes_q8_0)
+_dot_q4_0_f = specialise(_dot_f, "_dot_q4_0_f", __name__, _CODES=_codes_q4_0)
+_dot_q5_0_f = specialise(_dot_f, "_dot_q5_0_f", __name__, _CODES=_codes_q5_0)
+_dot_mxfp4_f = specialise(_dot_f, "_dot_mxfp4_f", __name__, _CODES=_codes_mxfp4)
+_dot_iq4_nl_f = specialise(_dot_f, "_dot_iq4_nl_f", __name__, _CODES=_codes_iq4_nl)
 
+_dot_q8_0_q8 = specialise(_dot_signed_q8, "_dot_q8_0_q8", __name__, _INLINE, _CODES=_codes_q8_0)
+_dot_mxfp4_q8 = specialise(_dot_signed_q8, "_dot_mxfp4_q8", __name__, _INLINE, _CODES=_codes_mxfp4)
+_dot_iq4_nl_q8 = specialise(_dot_signed_q8, "_dot_iq4_nl_q8", __name__, _INLINE, _CODES=_codes_iq4_nl)
+_dot_q4_0_q8 = specialise(_dot_unsigned_q8, "_dot_q4_0_q8", __name__, _INLINE, _UCODES=_ucodes_q4_0, _OFFSET=8.0)
+_dot_q5_0_q8 = specialise(_dot_unsigned_q8, "_dot_q5_0_q8", __name__, _INLINE, _UCODES=_ucodes_q5_0, _OFFSET=16.0)
 
-# --- parallel gather drivers -----------------------------------------------------------------
+_dot4_q8_0_q8 = specialise(_dot4_signed, "_dot4_q8_0_q8", __name__, _CODES=_codes_q8_0)
+_dot4_mxfp4_q8 = specialise(_dot4_signed, "_dot4_mxfp4_q8", __name__, _CODES=_codes_mxfp4)
+_dot4_iq4_nl_q8 = specialise(_dot4_signed, "_dot4_iq4_nl_q8", __name__, _CODES=_codes_iq4_nl)
+_dot4_q4_0_q8 = specialise(_dot4_unsigned, "_dot4_q4_0_q8", __name__, _UCODES=_ucodes_q4_0, _OFFSET=8.0)
+_dot4_q5_0_q8 = specialise(_dot4_unsigned, "_dot4_q5_0_q8", __name__, _UCODES=_ucodes_q5_0, _OFFSET=16.0)
 
+gemv_q8_0_f = specialise(drivers.gemv_f, "gemv_q8_0_f", __name__, _PARALLEL, _DOT=_dot_q8_0_f)
+gemv_q4_0_f = specialise(drivers.gemv_f, "gemv_q4_0_f", __name__, _PARALLEL, _DOT=_dot_q4_0_f)
+gemv_q5_0_f = specialise(drivers.gemv_f, "gemv_q5_0_f", __name__, _PARALLEL, _DOT=_dot_q5_0_f)
+gemv_mxfp4_f = specialise(drivers.gemv_f, "gemv_mxfp4_f", __name__, _PARALLEL, _DOT=_dot_mxfp4_f)
+gemv_iq4_nl_f = specialise(drivers.gemv_f, "gemv_iq4_nl_f", __name__, _PARALLEL, _DOT=_dot_iq4_nl_f)
 
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q8_0_f(raw, d, rows, xi, X, out):
-    M, T = out.shape
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(d[rows[j]])
-            r = rows[i]
-            for t in range(T):
-                out[i, t] = _dot_q8_0_f(raw[r], d[r], X[xi[i] + t])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q4_0_f(raw, d, rows, xi, X, out):
-    M, T = out.shape
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(d[rows[j]])
-            r = rows[i]
-            for t in range(T):
-                out[i, t] = _dot_q4_0_f(raw[r], d[r], X[xi[i] + t])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q5_0_f(raw, d, rows, xi, X, out):
-    M, T = out.shape
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(d[rows[j]])
-            r = rows[i]
-            for t in range(T):
-                out[i, t] = _dot_q5_0_f(raw[r], d[r], X[xi[i] + t])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q8_0_q8(raw, d, rows, xi, qa, da, asum, out):
-    M, T = out.shape
-    T4 = T - T % 4
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(d[rows[j]])
-            r = rows[i]
-            k = xi[i]
-            for t in range(T4, T):  # decode: the only pass, streaming the rows
-                out[i, t] = _dot_q8_0_q8(raw[r], d[r], qa[k + t], da[k + t], asum[k + t])
-        # Prefill: four tokens against every row of the chunk, then the next four, so the
-        # tokens' activations and the chunk's rows both stay in L1.
-        for t in range(0, T4, 4):
-            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-                r = rows[i]
-                k = xi[i]
-                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q8_0_q8(
-                    raw[r], d[r], qa, da, asum, k + t
-                )
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q4_0_q8(raw, d, rows, xi, qa, da, asum, out):
-    M, T = out.shape
-    T4 = T - T % 4
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(d[rows[j]])
-            r = rows[i]
-            k = xi[i]
-            for t in range(T4, T):  # decode: the only pass, streaming the rows
-                out[i, t] = _dot_q4_0_q8(raw[r], d[r], qa[k + t], da[k + t], asum[k + t])
-        # Prefill: four tokens against every row of the chunk, then the next four, so the
-        # tokens' activations and the chunk's rows both stay in L1.
-        for t in range(0, T4, 4):
-            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-                r = rows[i]
-                k = xi[i]
-                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q4_0_q8(
-                    raw[r], d[r], qa, da, asum, k + t
-                )
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q5_0_q8(raw, d, rows, xi, qa, da, asum, out):
-    M, T = out.shape
-    T4 = T - T % 4
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(d[rows[j]])
-            r = rows[i]
-            k = xi[i]
-            for t in range(T4, T):  # decode: the only pass, streaming the rows
-                out[i, t] = _dot_q5_0_q8(raw[r], d[r], qa[k + t], da[k + t], asum[k + t])
-        # Prefill: four tokens against every row of the chunk, then the next four, so the
-        # tokens' activations and the chunk's rows both stay in L1.
-        for t in range(0, T4, 4):
-            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-                r = rows[i]
-                k = xi[i]
-                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_q5_0_q8(
-                    raw[r], d[r], qa, da, asum, k + t
-                )
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_mxfp4_f(raw, d, rows, xi, X, out):
-    M, T = out.shape
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(d[rows[j]])
-            r = rows[i]
-            for t in range(T):
-                out[i, t] = _dot_mxfp4_f(raw[r], d[r], X[xi[i] + t])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_mxfp4_q8(raw, d, rows, xi, qa, da, asum, out):
-    M, T = out.shape
-    T4 = T - T % 4
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(d[rows[j]])
-            r = rows[i]
-            k = xi[i]
-            for t in range(T4, T):  # decode: the only pass, streaming the rows
-                out[i, t] = _dot_mxfp4_q8(raw[r], d[r], qa[k + t], da[k + t], asum[k + t])
-        # Prefill: four tokens against every row of the chunk, then the next four, so the
-        # tokens' activations and the chunk's rows both stay in L1.
-        for t in range(0, T4, 4):
-            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-                r = rows[i]
-                k = xi[i]
-                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_mxfp4_q8(
-                    raw[r], d[r], qa, da, asum, k + t
-                )
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_iq4_nl_f(raw, d, rows, xi, X, out):
-    M, T = out.shape
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(d[rows[j]])
-            r = rows[i]
-            for t in range(T):
-                out[i, t] = _dot_iq4_nl_f(raw[r], d[r], X[xi[i] + t])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_iq4_nl_q8(raw, d, rows, xi, qa, da, asum, out):
-    M, T = out.shape
-    T4 = T - T % 4
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(d[rows[j]])
-            r = rows[i]
-            k = xi[i]
-            for t in range(T4, T):  # decode: the only pass, streaming the rows
-                out[i, t] = _dot_iq4_nl_q8(raw[r], d[r], qa[k + t], da[k + t], asum[k + t])
-        # Prefill: four tokens against every row of the chunk, then the next four, so the
-        # tokens' activations and the chunk's rows both stay in L1.
-        for t in range(0, T4, 4):
-            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-                r = rows[i]
-                k = xi[i]
-                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = _dot4_iq4_nl_q8(
-                    raw[r], d[r], qa, da, asum, k + t
-                )
+gemv_q8_0_q8 = specialise(drivers.gemv_q8, "gemv_q8_0_q8", __name__, _PARALLEL, _DOT=_dot_q8_0_q8, _DOT4=_dot4_q8_0_q8)
+gemv_q4_0_q8 = specialise(drivers.gemv_q8, "gemv_q4_0_q8", __name__, _PARALLEL, _DOT=_dot_q4_0_q8, _DOT4=_dot4_q4_0_q8)
+gemv_q5_0_q8 = specialise(drivers.gemv_q8, "gemv_q5_0_q8", __name__, _PARALLEL, _DOT=_dot_q5_0_q8, _DOT4=_dot4_q5_0_q8)
+gemv_mxfp4_q8 = specialise(
+    drivers.gemv_q8, "gemv_mxfp4_q8", __name__, _PARALLEL, _DOT=_dot_mxfp4_q8, _DOT4=_dot4_mxfp4_q8
+)
+gemv_iq4_nl_q8 = specialise(
+    drivers.gemv_q8, "gemv_iq4_nl_q8", __name__, _PARALLEL, _DOT=_dot_iq4_nl_q8, _DOT4=_dot4_iq4_nl_q8
+)

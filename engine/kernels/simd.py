@@ -12,6 +12,8 @@ says (ggml-cpu/arch/x86/quants.c) while the values stay in registers across loop
 * loads from 1-D numpy arrays at an element offset (unaligned, no bounds check: callers index
   within the row they were given), nibble/bit unpacking, broadcasts, float conversion.
 
+The per-format table lookups (MXFP4 and IQ4_NL/IQ4_XS codes to levels) are :mod:`engine.kernels.lookups`'.
+
 Every intrinsic is a pure function of its arguments; vectors are values, never arrays.
 """
 
@@ -26,8 +28,6 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, models, register_model
 
 from engine import config
-from engine.quant.reference import IQ4NL_VALUES as _IQ4NL_TABLE
-from engine.quant.reference import MXFP4_VALUES as _MXFP4_TABLE
 
 
 class Vec(types.Type):
@@ -252,66 +252,6 @@ def load_nibbles16(typingctx, arr, off):
         lo = builder.and_(v, _const(v16, 15))
         hi = builder.lshr(v, _const(v16, 4))
         return _shuffle(builder, lo, hi, range(32))
-
-    return I8x32(arr, off), codegen
-
-
-# MXFP4 (e2m1) codes as signed bytes, doubled: ggml's kvalues_mxfp4 (engine.quant.reference's table).
-MXFP4_VALUES = tuple(int(v) for v in _MXFP4_TABLE)
-
-
-@intrinsic
-def load_mxfp4_codes(typingctx, arr, off):
-    """16 bytes of MXFP4 nibbles at ``off`` -> I8x32 of their values (:data:`MXFP4_VALUES`), low nibbles
-    then high (elements 0..15, 16..31). One ``pshufb`` with AVX2; elsewhere the e2m1 decoding in
-    plain vector IR: magnitude m = code & 7 is m for m < 2, else (2 + (m & 1)) << ((m >> 1) − 1); bit 3 the sign."""
-    _check_array(arr, (types.uint8, types.int8), "load_mxfp4_codes")
-
-    def codegen(context, builder, sig, args):
-        v16 = ir.VectorType(ir.IntType(8), 16)
-        v = builder.load(_data_ptr(context, builder, sig.args[0], args[0], args[1], v16), align=1)
-        idx = _shuffle(builder, builder.and_(v, _const(v16, 15)), builder.lshr(v, _const(v16, 4)), range(32))
-        vt = _vt(I8x32)
-        if HAS_AVX2:  # pshufb looks up within each 16-byte lane: the table in both
-            table = ir.Constant(vt, [x & 0xFF for x in MXFP4_VALUES * 2])
-            return _call(builder, "llvm.x86.avx2.pshuf.b", vt, [table, idx])
-        m = builder.and_(idx, _const(vt, 7))
-        e = builder.lshr(m, _const(vt, 1))
-        sub = builder.icmp_unsigned("==", e, _const(vt, 0))
-        amt = builder.select(sub, _const(vt, 0), builder.sub(e, _const(vt, 1)))
-        big = builder.shl(builder.add(_const(vt, 2), builder.and_(m, _const(vt, 1))), amt)
-        mag = builder.select(sub, m, big)
-        neg = builder.icmp_unsigned("!=", builder.and_(idx, _const(vt, 8)), _const(vt, 0))
-        return builder.select(neg, builder.sub(_const(vt, 0), mag), mag)
-
-    return I8x32(arr, off), codegen
-
-
-# IQ4_NL/IQ4_XS levels as signed bytes: ggml's kvalues_iq4nl (engine.quant.reference's table).
-IQ4NL_VALUES = tuple(int(v) for v in _IQ4NL_TABLE)
-
-
-@intrinsic
-def load_iq4nl_codes(typingctx, arr, off):
-    """16 bytes of IQ4_NL nibbles at ``off`` -> I8x32 of their levels (:data:`IQ4NL_VALUES`), low nibbles
-    then high (elements 0..15, 16..31). One ``pshufb`` with AVX2 (as ggml's ``vec_dot_iq4_nl_q8_0``);
-    elsewhere a select per level in plain vector IR."""
-    _check_array(arr, (types.uint8, types.int8), "load_iq4nl_codes")
-
-    def codegen(context, builder, sig, args):
-        v16 = ir.VectorType(ir.IntType(8), 16)
-        v = builder.load(_data_ptr(context, builder, sig.args[0], args[0], args[1], v16), align=1)
-        idx = _shuffle(builder, builder.and_(v, _const(v16, 15)), builder.lshr(v, _const(v16, 4)), range(32))
-        vt = _vt(I8x32)
-        if HAS_AVX2:  # pshufb looks up within each 16-byte lane: the table in both
-            table = ir.Constant(vt, [x & 0xFF for x in IQ4NL_VALUES * 2])
-            return _call(builder, "llvm.x86.avx2.pshuf.b", vt, [table, idx])
-        out = _const(vt, IQ4NL_VALUES[0] & 0xFF)
-        for k in range(1, 16):
-            out = builder.select(
-                builder.icmp_unsigned("==", idx, _const(vt, k)), _const(vt, IQ4NL_VALUES[k] & 0xFF), out
-            )
-        return out
 
     return I8x32(arr, off), codegen
 

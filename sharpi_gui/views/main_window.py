@@ -36,9 +36,9 @@ APP_NAME = "SharpI"
 
 
 def window_title(model: str) -> str:
-    """The window's title: "SharpI — model", or the model's name alone when it names SharpI already (the demo
+    """The window's title: "SharpI — model", or the model's name alone when it begins with SharpI (the demo
     model is "SharpI demo …"): the title bar says SharpI once."""
-    return model if APP_NAME.lower() in model.lower() else f"{APP_NAME} — {model}"
+    return model if model.startswith(APP_NAME + " ") else f"{APP_NAME} — {model}"
 
 
 class MainWindow(QMainWindow):
@@ -265,7 +265,7 @@ class MainWindow(QMainWindow):
     def _on_remote(self, info: D.RemoteInfo) -> None:
         self.card, self.limits, self.remote = None, None, info
         self.progress.setVisible(False)
-        self.setWindowTitle(window_title(f"{info.model} @ {info.base_url}"))
+        self.setWindowTitle(f"{APP_NAME} — {info.model} @ {info.base_url}")  # a server's model id, often a path
         self.statusBar().showMessage(f"Connected to {info.base_url} ({info.model})", 5000)
         self.settings.remote_url = info.base_url
         self.actions_by_name["card"].setEnabled(False)

@@ -80,6 +80,16 @@ def no_display_reason(env=None) -> str:
     )
 
 
+def configure_application(app: QApplication) -> QApplication:
+    """The app's names and icon, as the desktop shell shows them."""
+    app.setOrganizationName(ORGANIZATION)
+    app.setApplicationName(APPLICATION)
+    app.setWindowIcon(QIcon(str(ICON)))
+    app.setDesktopFileName("sharpi")  # packaging/app/sharpi.desktop: the desktop shell's icon and name
+    # No application display name: Qt would append it to every window title ("SharpI — model — SharpI").
+    return app
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -87,12 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(reason, file=sys.stderr)
         return 1
-    app = QApplication.instance() or QApplication(sys.argv[:1])
-    app.setOrganizationName(ORGANIZATION)
-    app.setApplicationName(APPLICATION)
-    app.setWindowIcon(QIcon(str(ICON)))
-    app.setDesktopFileName("sharpi")  # packaging/app/sharpi.desktop: the desktop shell's icon and name
-    # No application display name: Qt would append it to every window title ("SharpI — model — SharpI").
+    app = configure_application(QApplication.instance() or QApplication(sys.argv[:1]))
     themes = ThemeManager(app, dark=args.dark)
     window = create_window(args.data_dir, None, themes)
     window.show()

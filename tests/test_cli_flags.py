@@ -83,3 +83,23 @@ def test_cache_policy_reaches_the_cache(model, capsys):
     with pytest.raises(SystemExit) as e:
         main([*argv, "--cache-policy", "belady"])  # offline only: no runtime policy
     assert e.value.code == 2
+
+
+def test_one_spelling_for_the_model_and_the_context_in_every_command():
+    """-m/--model wherever a command reads a model; -c/--ctx-size wherever it takes a context size (llama.cpp's)."""
+    import argparse
+
+    from engine.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("inspect", "run", "serve", "logits", "tokenize", "plan", "bench"):
+        opts = {o for a in sub.choices[name]._actions for o in a.option_strings}
+        assert {"-m", "--model"} <= opts, name
+    for name in ("run", "serve", "logits", "plan"):
+        p = sub.choices[name]
+        opts = {o for a in p._actions for o in a.option_strings}
+        assert {"-c", "--ctx-size"} <= opts, name
+        need = ["-p", "x"] if name == "run" else ["--tokens", "1", "--out", "x.npy"] if name == "logits" else []
+        by_c = p.parse_args(["-m", "x.gguf", *need, "-c", "512"])
+        by_long = p.parse_args(["-m", "x.gguf", *need, "--ctx-size", "512"])
+        assert vars(by_c) == vars(by_long) and 512 in vars(by_c).values(), name

@@ -78,3 +78,25 @@ def test_cli_chat_drops_old_turns_and_says_so_once(synth_model, monkeypatch, cap
     assert err.count("older turns are dropped") == 1
     assert err.count("] prompt ") == 15  # every question answered (one speed line each)
     assert "sharpi: the prompt has" not in err
+
+
+def test_twenty_turns_with_the_demo_model_never_dead_end(monkeypatch, capsys):
+    """The bundled demo model (trained for 256 tokens) through `sharpi run --chat` as a user runs it (no -m,
+    the default reply length): twenty questions, twenty answers, old turns dropped with one notice."""
+    import io
+
+    from engine.cli.main import main
+    from engine.demo import demo_model_path
+
+    try:
+        demo_model_path()
+    except FileNotFoundError:
+        pytest.skip("the demo model is not in this checkout")
+    topics = ("the with statement", "generators", "decorators", "list comprehensions", "__init__")
+    questions = "".join(f"What about {topics[i % len(topics)]}? ({i})\n" for i in range(20))
+    monkeypatch.setattr("sys.stdin", io.StringIO(questions))
+    assert main(["run", "--chat", "--temp", "0"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("] prompt ") == 20  # every question answered (one speed line each)
+    assert err.count("older turns are dropped") == 1
+    assert "but the context holds" not in err and "Traceback" not in err  # the dead end, as generate says it

@@ -218,11 +218,12 @@ def test_qt_singleton_refcounts_survive_many_signals(qtbot):
 
 
 def test_demo_model_card_is_shown(qtbot, tmp_path):
-    """The shipped demo model's MODEL_CARD.md appears in the app's model card."""
+    """The shipped demo model's MODEL_CARD.md appears in the app's model card; its name is the window's title."""
     from engine.demo import demo_model_path
 
     w = make_window(qtbot, tmp_path)
     card, _ = load(qtbot, w, demo_model_path())
+    assert "SharpI" in card.name and w.windowTitle() == card.name  # SharpI once in the title, not "SharpI — SharpI …"
     dlg = ModelCardDialog(card, w)
     dlg.show()
     qtbot.waitExposed(dlg)

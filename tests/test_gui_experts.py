@@ -162,6 +162,11 @@ def test_dock_and_status_bar_report_one_decode_window(qtbot, cached):
     per_token = frame.tok_s[np.isfinite(frame.tok_s)][-frame.decode_tokens :]
     assert len(per_token) == frame.decode_tokens
     assert frame.decode_tokens / float(np.sum(1.0 / per_token)) == pytest.approx(frame.decode_tok_s, rel=1e-9)
+    # The plots mark the window's figures: dashed lines at the status bar's tok/s and hit rate.
+    tok_line, hit_line = w.experts_dock.panel.window_lines
+    assert tok_line.isVisible() and tok_line.value() == frame.decode_tok_s
+    assert hit_line.isVisible() and hit_line.value() == frame.decode_hit_rate
+    assert f"{frame.decode_tok_s:.1f}" in tok_line.label.toPlainText()
     # The window's hit rate is the plotted per-pass rates' lookups over those same passes.
     snap = session_of(w).stats()
     assert snap.decode.hits + snap.decode.misses > 0

@@ -188,6 +188,45 @@ def test_sharpi_gui_without_a_display_says_so_and_exits(tmp_path):
     assert "libxcb-cursor0" not in r.stderr and "Traceback" not in r.stderr
 
 
+_TITLE_CHILD = """
+import subprocess, sys
+from PySide6.QtWidgets import QApplication, QWidget
+from sharpi_gui.app import configure_application
+from sharpi_gui.views.main_window import APP_NAME
+app = configure_application(QApplication([sys.argv[0]]))
+if sys.argv[1] == "display-name":
+    app.setApplicationDisplayName(APP_NAME)  # what the app must not do
+w = QWidget()
+w.setWindowTitle(APP_NAME + " \u2014 sharpi-demo")
+w.show()
+for _ in range(50):
+    app.processEvents()
+out = subprocess.run(["xprop", "-id", str(int(w.winId())), "_NET_WM_NAME"], capture_output=True, text=True)
+print(out.stdout)
+"""
+
+
+def _title_on_x(tmp_path, mode: str) -> str:
+    import shutil
+    import subprocess
+    import sys
+
+    if not (sys.platform.startswith("linux") and shutil.which("xvfb-run") and shutil.which("xprop")):
+        pytest.skip("needs xvfb-run and xprop (apt-get install xvfb xauth x11-utils)")
+    env = dict(os.environ, QT_QPA_PLATFORM="xcb", HOME=str(tmp_path))
+    cmd = ["xvfb-run", "-a", sys.executable, "-c", _TITLE_CHILD, mode]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "_NET_WM_NAME" in r.stdout, r.stderr
+    return r.stdout.split("=", 1)[1].strip().strip('"')
+
+
+def test_the_title_bar_names_the_app_once(tmp_path):
+    """The title the X server shows (not only QWidget.windowTitle): "SharpI — model", never "… — SharpI" again."""
+    assert _title_on_x(tmp_path, "app") == "SharpI — sharpi-demo"
+    # The check sees the repetition Qt makes when an application display name is set.
+    assert _title_on_x(tmp_path, "display-name") == "SharpI — sharpi-demo — SharpI"
+
+
 def test_export_a_conversation_and_copy_a_message(qtbot, tmp_path, monkeypatch, model_path):
     import json
 

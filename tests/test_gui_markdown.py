@@ -10,7 +10,10 @@ import pytest
 
 pytest.importorskip("pytestqt")
 
-from sharpi_gui.markdown import to_html  # noqa: E402
+from PySide6.QtCore import QUrl  # noqa: E402
+from PySide6.QtGui import QGuiApplication  # noqa: E402
+
+from sharpi_gui.markdown import code_blocks, to_html  # noqa: E402
 from sharpi_gui.theme import LIGHT  # noqa: E402
 from sharpi_gui.views.transcript import MessageWidget  # noqa: E402
 
@@ -39,6 +42,25 @@ def test_reply_bubble_shows_python_names_literally(qtbot):
     doc = w.body.document()
     bold = [b.text() for b in _fragments(doc) if b.charFormat().fontWeight() >= 700]
     assert "Bold" in bold and not any("import" in b for b in bold)
+
+
+def test_code_blocks_are_highlighted_and_each_has_a_copy_link(qtbot):
+    text = REPLY + "\n```bash\necho __x__ | grep x\n```\n\n```nosuchlanguage\na = 1\n```\n"
+    html = to_html(text)
+    assert code_blocks(text) == ["print(__name__)\n", "echo __x__ | grep x\n", "a = 1\n"]
+    for n in range(3):
+        assert f'href="copy-code:{n}">Copy code</a>' in html
+    assert '<span style="color: #008000">print</span>' in html  # Pygments' inline colours, Python's builtin
+    assert "language-bash" in html and "language-text" in html  # an unknown language is plain text
+    w = MessageWidget("assistant", text, {}, LIGHT)
+    qtbot.addWidget(w)
+    colours = {f.charFormat().foreground().color().name() for f in _fragments(w.body.document()) if "print" in f.text()}
+    assert "#008000" in colours  # the bubble shows the colours, not only the HTML
+    w.body.anchorClicked.emit(QUrl("copy-code:1"))
+    assert QGuiApplication.clipboard().text() == "echo __x__ | grep x\n"
+    w.body.anchorClicked.emit(QUrl("copy-code:0"))
+    assert QGuiApplication.clipboard().text() == "print(__name__)\n"
+    assert "Copy code" in w.body.toPlainText()
 
 
 def _fragments(doc):

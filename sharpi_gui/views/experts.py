@@ -145,6 +145,21 @@ class ExpertsPanel(QWidget):
             p.showGrid(x=True, y=True, alpha=0.2)
             self.series_plots.append(p)
             self.curves.append(p.plot(pen=pg.mkPen(theme.plot_pens[i], width=1.5)))
+        # The last reply's decode tok/s and hit rate (the status bar's figures) as dashed lines across their
+        # plots: single tokens run far faster than a reply's average when a few stall (another program on the
+        # cores), and the line shows where the average the status bar quotes sits among them.
+        self.window_lines = []
+        for i in (0, 1):
+            line = pg.InfiniteLine(
+                angle=0,
+                movable=False,
+                pen=pg.mkPen(theme.muted, width=1, style=Qt.PenStyle.DashLine),
+                label="last reply {value:.1f}" if i == 0 else "last reply {value:.0%}",
+                labelOpts={"position": 0.5, "color": theme.muted, "anchors": [(0.5, 0), (0.5, 0)]},  # below
+            )
+            line.setVisible(False)
+            self.series_plots[i].addItem(line, ignoreBounds=True)
+            self.window_lines.append(line)
         self.plot.getAxis("left").setWidth(34)
 
         lay = QVBoxLayout(self)
@@ -198,6 +213,11 @@ class ExpertsPanel(QWidget):
             if self._ranges[i] != (xr, top):
                 self._ranges[i] = (xr, top)
                 self.series_plots[i].setRange(xRange=(0, xr), yRange=(0, top), padding=0.02)
+        for line, value in zip(self.window_lines, (frame.decode_tok_s, frame.decode_hit_rate), strict=True):
+            shown = bool(frame.decode_tokens) and value is not None and value == value
+            line.setVisible(shown)
+            if shown:
+                line.setValue(value)
         note = f"{frame.tokens_total:,} tokens profiled · {frame.n_layer} layers × {frame.n_expert} experts"
         if frame.decode_tokens:  # the status bar's figures: the same window
             note += f" · last reply: decode {decode_text(frame.decode_tok_s, frame.decode_hit_rate)}"
@@ -259,6 +279,9 @@ class ExpertsPanel(QWidget):
         self.colorbar.setLabel("right", MODE_LABELS[self.model.mode])
         for i, c in enumerate(self.curves):
             c.setPen(pg.mkPen(theme.plot_pens[i], width=1.5))
+        for line in self.window_lines:
+            line.setPen(pg.mkPen(theme.muted, width=1, style=Qt.PenStyle.DashLine))
+            line.label.setColor(theme.muted)
 
     # -- export ---------------------------------------------------------------------------------------
     def export_to(self, prefix: str) -> tuple[str, str, str]:

@@ -35,6 +35,12 @@ from sharpi_gui.views.server import ServerDock
 APP_NAME = "SharpI"
 
 
+def window_title(model: str) -> str:
+    """The window's title: "SharpI — model", or the model's name alone when it begins with SharpI (the demo
+    model is "SharpI demo …"): the title bar says SharpI once."""
+    return model if model.startswith(APP_NAME + " ") else f"{APP_NAME} — {model}"
+
+
 class MainWindow(QMainWindow):
     def __init__(self, ctx, parent: QWidget | None = None):
         super().__init__(parent)
@@ -248,7 +254,7 @@ class MainWindow(QMainWindow):
         self.cancel_button.setVisible(False)
         self.settings.loading_model = ""
         self.chat.set_status_line("")
-        self.setWindowTitle(f"{APP_NAME} — {card.name}")
+        self.setWindowTitle(window_title(card.name))
         note, self._startup_note = self._startup_note, ""
         self.statusBar().showMessage(note or f"Loaded {Path(card.path).name}", 15000 if note else 5000)
         self.settings.add_recent_model(card.path)
@@ -259,7 +265,7 @@ class MainWindow(QMainWindow):
     def _on_remote(self, info: D.RemoteInfo) -> None:
         self.card, self.limits, self.remote = None, None, info
         self.progress.setVisible(False)
-        self.setWindowTitle(f"{APP_NAME} — {info.model} @ {info.base_url}")
+        self.setWindowTitle(f"{APP_NAME} — {info.model} @ {info.base_url}")  # a server's model id, often a path
         self.statusBar().showMessage(f"Connected to {info.base_url} ({info.model})", 5000)
         self.settings.remote_url = info.base_url
         self.actions_by_name["card"].setEnabled(False)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QGuiApplication, QTextOption
+from PySide6.QtCore import Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QDesktopServices, QGuiApplication, QTextOption
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (
 )
 
 from sharpi_gui import data as D
-from sharpi_gui.markdown import to_html
+from sharpi_gui.markdown import COPY_SCHEME, code_blocks, to_html
 from sharpi_gui.theme import LIGHT, Theme
 
 STREAM_RENDER_MS = 33
@@ -29,7 +29,7 @@ class _MarkdownText(QTextBrowser):
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
-        self.setOpenExternalLinks(True)
+        self.setOpenLinks(False)  # links open in the browser (anchorClicked); copy-code links copy a block
         self.setFrameShape(QFrame.Shape.NoFrame)
         self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
@@ -117,6 +117,7 @@ class MessageWidget(QFrame):
         self.body = _MarkdownText(self)
         self.body.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.body.customContextMenuRequested.connect(self._context_menu)
+        self.body.anchorClicked.connect(self._link)
         self.footer = QLabel()
         self.footer.setObjectName("meta")
         lay.addLayout(head)
@@ -178,6 +179,18 @@ class MessageWidget(QFrame):
         """The whole message to the clipboard, as written (Markdown for replies)."""
         QGuiApplication.clipboard().setText(self.text)
 
+    def copy_code(self, n: int) -> None:
+        """The reply's ``n``-th code block to the clipboard, as written."""
+        blocks = code_blocks(self.text)
+        if 0 <= n < len(blocks):
+            QGuiApplication.clipboard().setText(blocks[n])
+
+    def _link(self, url: QUrl) -> None:
+        if url.scheme() == COPY_SCHEME:
+            self.copy_code(int(url.path()) if url.path().isdigit() else -1)
+        else:
+            QDesktopServices.openUrl(url)
+
     def _context_menu(self, pos) -> None:
         menu = self.body.createStandardContextMenu()
         menu.addSeparator()
@@ -216,6 +229,7 @@ class MessageWidget(QFrame):
         self.body.document().setDefaultStyleSheet(
             f"pre {{ background: {code_bg}; }} code {{ background: {code_bg}; }}"
             f"th, td {{ padding: 2px 8px; }} th {{ text-align: left; }}"
+            "p.copy-code { font-size: small; margin-bottom: 0px; }"
         )
         self.set_text(self.text)  # the style sheet applies to what is set after it
 

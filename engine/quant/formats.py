@@ -143,6 +143,11 @@ WEIGHT_TYPES: tuple[QType, ...] = (
     QType.MXFP4,
     QType.IQ4_NL,
     QType.IQ4_XS,
+    QType.IQ2_XXS,
+    QType.IQ2_XS,
+    QType.IQ2_S,
+    QType.IQ3_XXS,
+    QType.IQ3_S,
 )
 
 # The table must agree with the gguf package's sizes: a cheap guard against typos.

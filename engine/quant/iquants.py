@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import quants as _gq
 
-from engine.quant.formats import QType
+from engine.quant.formats import QType, block_format
 
 _F32 = np.float32
 QK = 256
@@ -183,6 +183,23 @@ def _fit(t: np.ndarray, grid: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray
     return idx, g, err
 
 
+def _to_f16(v: np.ndarray) -> np.ndarray:
+    """float32 -> float16, round to nearest even (ggml ``GGML_FP32_TO_FP16``); inf on overflow."""
+    with np.errstate(over="ignore"):
+        return v.astype(np.float16)
+
+
+def _pack(qtype: QType, nb: int, **fields: np.ndarray) -> np.ndarray:
+    """uint8 [nb, type_size] blocks from named fields laid out as in the format table."""
+    fmt = block_format(qtype)
+    out = np.empty((nb, fmt.type_size), dtype=np.uint8)
+    for f in fmt.fields:
+        off = fmt.field_offset(f.name)
+        v = np.ascontiguousarray(np.asarray(fields[f.name]).astype(f.dtype, copy=False).reshape(nb, f.count))
+        out[:, off : off + f.nbytes] = v.view(np.uint8)
+    return out
+
+
 def quantize_blocks(qtype: QType, x: np.ndarray) -> np.ndarray:
     """Test data, not ggml's search: float32 [nb, 256] -> uint8 blocks [nb, type_size].
 
@@ -192,8 +209,6 @@ def quantize_blocks(qtype: QType, x: np.ndarray) -> np.ndarray:
     points; the block's fp16 d maps the largest group scale to s = 15; each group takes the nearest s and
     then the nearest grid point to every 8 (4) elements at its stored scale.
     """
-    from engine.quant.quantize import _pack, _to_f16
-
     qtype = QType(qtype)
     grid = GRIDS[qtype]
     sg = SCALE_GROUP[qtype]
@@ -225,8 +240,7 @@ def quantize_blocks(qtype: QType, x: np.ndarray) -> np.ndarray:
         best = np.where(better, sc, best)
         best_err = np.where(better, err, best_err)
     best = np.where(live, best, _F32(0)).reshape(nb, -1)  # [nb, groups]
-    with np.errstate(over="ignore"):
-        d = _to_f16(best.max(axis=1) / (_F32(31) * mult))  # [nb]
+    d = _to_f16(best.max(axis=1) / (_F32(31) * mult))  # [nb]
     dm = d.astype(_F32) * mult
     inv = np.divide(_F32(1), dm, out=np.zeros_like(dm), where=dm > 0)
     s = np.clip(np.rint((best * inv[:, None] - 1) / 2), 0, 15).astype(np.int64)  # [nb, groups]

@@ -42,7 +42,19 @@ def _gather_all(R: int) -> tuple[np.ndarray, np.ndarray]:
     return rows, xi
 
 
-_K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS)  # Q8_K activations
+_K_QUANTS = (  # Q8_K activations
+    QType.Q2_K,
+    QType.Q3_K,
+    QType.Q4_K,
+    QType.Q5_K,
+    QType.Q6_K,
+    QType.IQ4_XS,
+    QType.IQ2_XXS,
+    QType.IQ2_XS,
+    QType.IQ2_S,
+    QType.IQ3_XXS,
+    QType.IQ3_S,
+)
 _LEGACY = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.MXFP4, QType.IQ4_NL)  # Q8_0 activations
 
 

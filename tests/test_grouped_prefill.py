@@ -35,6 +35,11 @@ FUSED = [
     QType.MXFP4,
     QType.IQ4_NL,
     QType.IQ4_XS,
+    QType.IQ2_XXS,
+    QType.IQ2_XS,
+    QType.IQ2_S,
+    QType.IQ3_XXS,
+    QType.IQ3_S,
 ]
 
 

@@ -167,6 +167,8 @@ def test_host_path_with_a_bf16_cache_matches_torch_layers(tmp_path, arch):
         ("qwen3moe", "Q6_K", "MXFP4"),  # an MXFP4 o GEMV
         ("qwen3moe", "IQ4_XS", "IQ4_NL"),  # IQ4_XS rows in the q/k/v loop (Q8_K), an IQ4_NL o GEMV
         ("olmoe", "IQ4_NL", "IQ4_XS"),  # an IQ4_NL v apart (Q8_0 activations), an IQ4_XS o GEMV
+        ("qwen3moe", "IQ3_XXS", "IQ2_XXS"),  # IQ grid rows in the q/k/v loop (Q8_K), an IQ2_XXS o GEMV
+        ("olmoe", "IQ3_S", "IQ2_S"),  # likewise (olmoe: v in the loop too), an IQ2_S o GEMV
     ],
 )
 @pytest.mark.parametrize("kv_type", ["f32", "bf16"])

@@ -10,9 +10,10 @@ from engine.kernels.dispatch import gemv_rows, matmul, matvec
 from engine.kernels.prepare import prepare_weight
 from engine.kernels.testing import random_weight
 from engine.quant import WEIGHT_TYPES, QType, dequantize, quantize
+from engine.quant.iquants import IQ_TYPES
 
 ALL = list(WEIGHT_TYPES)
-K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS)  # rows of 256
+K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS, *IQ_TYPES)  # rows of 256
 
 
 def smallest_n(q: QType) -> int:

@@ -28,6 +28,12 @@ CASES = [
     (QType.IQ4_NL, QType.IQ4_NL, QType.IQ4_NL),
     (QType.IQ4_XS, QType.IQ4_XS, QType.IQ4_XS),
     (QType.IQ4_XS, QType.IQ4_XS, QType.IQ4_NL),  # the two activation families in one layer
+    (QType.IQ2_XXS, QType.IQ2_XXS, QType.IQ2_XXS),
+    (QType.IQ3_XXS, QType.IQ3_XXS, QType.IQ3_XXS),
+    (QType.IQ3_S, QType.IQ3_S, QType.IQ3_S),
+    (QType.IQ2_XS, QType.IQ2_XS, QType.IQ2_S),
+    (QType.IQ2_S, QType.IQ2_S, QType.IQ4_NL),  # a "UD" mix: the two activation families
+    (QType.IQ3_XXS, QType.IQ3_XXS, QType.Q4_K),
 ]
 
 

@@ -13,9 +13,10 @@ from engine.kernels.dispatch import matmul, matvec
 from engine.kernels.prepare import prepare_weight
 from engine.kernels.testing import random_weight
 from engine.quant import WEIGHT_TYPES, QType, dequantize
+from engine.quant.iquants import IQ_TYPES
 
 ALL = list(WEIGHT_TYPES)
-K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS)  # rows of 256
+K_QUANTS = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS, *IQ_TYPES)  # rows of 256
 
 
 def awkward_activations(rng: np.random.Generator, T: int, n: int) -> np.ndarray:
@@ -144,7 +145,7 @@ def test_matvec_matmul_q8(qtype):
 def test_q8_reference_independent_of_unpack():
     """The integer-dot reference equals dequantized-weights × dequantized-activations."""
     rng = np.random.default_rng(14)
-    for qtype in (QType.Q4_0, QType.Q2_K, QType.Q3_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS):
+    for qtype in (QType.Q4_0, QType.Q2_K, QType.Q3_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, *IQ_TYPES):
         raw = random_weight(qtype, (5, 512), rng)
         X = rng.standard_normal((2, 512), dtype=np.float32)
         Xq = rounded_activations(qtype, X).reshape(2, 512)

@@ -21,10 +21,12 @@ from engine.quant.formats import WEIGHT_TYPES
 from engine.quant.quantize import pack_scale_min_k4
 from engine.quant.reference import block_fields, unpack_scale_min_k4
 
+K_TYPES = [QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS]
+IQ_GRID_TYPES = [QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ3_XXS, QType.IQ3_S]
 BLOCK_TYPES = [t for t in WEIGHT_TYPES if block_format(t).block_size > 1]
-K_TYPES = [QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K]
+BLOCK_TYPES += [t for t in IQ_GRID_TYPES if t not in BLOCK_TYPES]
 # Quantized by a simple scale fit for test data, not ggml's search (engine.quant.quantize): bytes differ
-NOT_GGML_QUANTIZER = (QType.Q2_K, QType.Q3_K, QType.IQ4_NL, QType.IQ4_XS)
+NOT_GGML_QUANTIZER = (QType.Q2_K, QType.Q3_K, QType.IQ4_NL, QType.IQ4_XS, *IQ_GRID_TYPES)
 ALL_TYPES = [QType.F32, QType.F16, QType.BF16, *BLOCK_TYPES]
 
 
@@ -84,7 +86,9 @@ def test_dequantize_matches_gguf_bit_for_bit(qtype, lead):
 EDGE_F16 = [0.0, -0.0, 6e-8, -6e-8, 6.1e-5, 1.0, -1.0, 65504.0, -65504.0, np.inf, -np.inf, np.nan]
 
 
-@pytest.mark.parametrize("qtype", [QType.Q2_K, QType.Q3_K, QType.IQ4_NL, QType.IQ4_XS], ids=lambda q: q.name)
+@pytest.mark.parametrize(
+    "qtype", [QType.Q2_K, QType.Q3_K, QType.IQ4_NL, QType.IQ4_XS, *IQ_GRID_TYPES], ids=lambda q: q.name
+)
 def test_low_bit_k_quants_edge_scales_match_gguf(qtype):
     """Every fp16 field at an edge value (signed zeros, subnormals, ±65504, ±inf, NaN) with the packed
     scale bytes all-zero, all-ones or random: the values equal gguf.quants bit for bit (NaNs as NaNs)."""
@@ -97,8 +101,11 @@ def test_low_bit_k_quants_edge_scales_match_gguf(qtype):
         v = np.array(EDGE_F16, np.float16)[(np.arange(len(raw)) // n**i) % n]
         off = fmt.field_offset(f.name)
         raw[:, off : off + 2] = v.astype("<f2")[:, None].view(np.uint8)
-    for f in fmt.fields:  # IQ4_XS: scales_h and scales_l (all-zero: every ls − 32 = −32; all-ones: +31)
-        if f.name.startswith("scales"):
+    # IQ4_XS: scales_h and scales_l (all-zero: every ls − 32 = −32; all-ones: +31); the IQ grid types: all
+    # fields but d (IQ2_XXS, IQ3_XXS keep their scales in the top nibble of the sign words)
+    iq = qtype in IQ_GRID_TYPES
+    for f in fmt.fields:
+        if f.name.startswith("scales") or (iq and f.name != "d"):
             sc = fmt.field_offset(f.name)
             raw[: n * n, sc : sc + f.nbytes] = 0
             raw[n * n : 2 * n * n, sc : sc + f.nbytes] = 0xFF
@@ -188,6 +195,13 @@ ROUNDTRIP_BOUNDS = {
     QType.Q2_K: (0.26, 0.30),  # 28.3 %, the same caveat
     QType.IQ4_NL: (0.072, 0.082),  # 7.77 %, the same caveat (a least-squares refit of the absmax scale)
     QType.IQ4_XS: (0.072, 0.082),  # 7.81 %
+    # the grid types' test-data quantizer (engine.quant.iquants: the best of 8 scales a group, nearest grid
+    # points; ggml's search with an importance matrix does better)
+    QType.IQ2_XXS: (0.32, 0.36),  # 34.3 %
+    QType.IQ2_XS: (0.27, 0.31),  # 29.3 %
+    QType.IQ2_S: (0.23, 0.26),  # 24.7 %
+    QType.IQ3_XXS: (0.17, 0.19),  # 18.0 %
+    QType.IQ3_S: (0.12, 0.14),  # 13.1 %
 }
 
 
@@ -211,8 +225,11 @@ def test_awkward_rows_roundtrip(qtype):
     assert not np.any(y[1]), "an all-zero row must decode to zeros"
     # the outlier itself is kept to ~1e-3 (MXFP4: a power-of-two scale over the values 8 and 12 at the top
     # of the range, up to 20 % off; 3000 becomes 3072; IQ4_*: the least-squares refit of the block scale
-    # trades the outlier for the rest of its block, 3000 becomes 2984.5)
-    tol = {QType.MXFP4: 0.025, QType.IQ4_NL: 0.01, QType.IQ4_XS: 0.01}.get(qtype, 2e-3)
+    # trades the outlier for the rest of its block, 3000 becomes 2984.5; the IQ grid types have no zero level:
+    # the outlier shares a grid point with 7 (IQ3: 3) small values and the fit trades it for them, measured
+    # IQ2_XXS 1576, IQ2_XS 2083, IQ2_S 2085, IQ3_XXS 2678, IQ3_S 2631)
+    tol = {QType.MXFP4: 0.025, QType.IQ4_NL: 0.01, QType.IQ4_XS: 0.01, QType.IQ2_XXS: 0.5}.get(qtype, 2e-3)
+    tol = {QType.IQ2_XS: 0.35, QType.IQ2_S: 0.35, QType.IQ3_XXS: 0.15, QType.IQ3_S: 0.15}.get(qtype, tol)
     assert abs(y[3, 1024 // 3] - 3e3) <= tol * 3e3
     np.testing.assert_allclose(y[4], -0.75, rtol=2e-3)  # a constant row is (nearly) exact
     # Row 5 (|x| ~ 1e-6) is not bounded: its fp16 scales flush to zero or lose bits, as in ggml
@@ -263,7 +280,7 @@ def test_shapes_one_row_and_stacked_experts(qtype):
     np.testing.assert_array_equal(dequantize(one, qtype), dequantize(q, qtype)[0, 0])
 
 
-@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", K_TYPES + IQ_GRID_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("n", [32, 128, 288])
 def test_k_quants_need_rows_of_256(qtype, n):
     with pytest.raises(ValueError, match="multiple of 256"):
@@ -321,14 +338,16 @@ def test_matches_ggml_reference_quantizer(qtype):
     fmt = block_format(qtype)
     rng = np.random.default_rng(8)
     x = np.concatenate([awkward_rows(rng, 2048), rng.standard_normal((24, 2048)).astype(np.float32)])
-    want = np.zeros((len(x), fmt.row_bytes(2048)), np.uint8)
-    _ggml_fn(lib, f"quantize_row_{_ggml_name(qtype)}_ref")(x.ctypes.data, want.ctypes.data, x.size)
     ours = quantize(x, qtype)
-    if qtype in NOT_GGML_QUANTIZER:  # only the values: ggml's decoder reads our blocks as ours does
+    if (
+        qtype in NOT_GGML_QUANTIZER
+    ):  # (ggml's IQ2/IQ3 quantizers need ggml_quantize_init's tables: not called)  # only the values: ggml's decoder reads our blocks as ours does
         y = np.zeros(x.size, np.float32)
         _ggml_fn(lib, f"dequantize_row_{_ggml_name(qtype)}")(ours.ctypes.data, y.ctypes.data, y.size)
         np.testing.assert_array_equal(bits(dequantize(ours, qtype)).reshape(-1), bits(y))
     else:
+        want = np.zeros((len(x), fmt.row_bytes(2048)), np.uint8)
+        _ggml_fn(lib, f"quantize_row_{_ggml_name(qtype)}_ref")(x.ctypes.data, want.ctypes.data, x.size)
         same = (ours.reshape(-1, fmt.type_size) == want.reshape(-1, fmt.type_size)).all(axis=1)
         # Measured: every block identical. Allow a rare near-tie should a build contract to FMA.
         assert same.mean() >= (1.0 if fmt.block_size == 32 else 0.99), f"{(~same).sum()} blocks differ"

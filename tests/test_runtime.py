@@ -140,9 +140,12 @@ def test_every_placement_matches_the_cpu_engine(paths, name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("weight_type", ["MXFP4", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize(
+    "weight_type", ["MXFP4", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S"]
+)
 def test_every_placement_of_reference_only_types_matches_the_cpu_engine(tmp_path, device, weight_type):
-    """Weight types without a Triton kernel (gpt-oss's MXFP4, Q3_K, Q2_K, IQ4_NL, IQ4_XS; every matrix here): the device runs
+    """Weight types without a Triton kernel (gpt-oss's MXFP4, Q3_K, Q2_K, IQ4_NL, IQ4_XS, the IQ2/IQ3 grid types;
+    every matrix here): the device runs
     them through the torch reference dequantizer, the CPU through the numba kernels — exact-float
     activations on both, the same logits on every placement."""
     m = write_model(tmp_path / "m.gguf", "qwen3moe", seed=3, layers=3, weight_type=weight_type)

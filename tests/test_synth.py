@@ -108,6 +108,8 @@ def test_type_plan_fallbacks_and_overrides():
     # llama.cpp's IQ4_NL for Q2_K/Q3_K is not supported: Q4_0, the same 4.5 bits
     assert fit_row(QType.Q3_K, 128) == fit_row(QType.Q2_K, 128) == QType.Q4_0
     assert fit_row(QType.IQ4_XS, 128) == QType.IQ4_NL and fit_row(QType.IQ4_XS, 48) == QType.F16  # as llama.cpp
+    for q in (QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ3_XXS, QType.IQ3_S):  # as llama.cpp
+        assert fit_row(q, 128) == QType.IQ4_NL and fit_row(q, 512) == q
     with pytest.raises(UsageError):
         plan_types(decls, "Q4_1")
 
@@ -307,7 +309,8 @@ def test_fill_random_blocks_gives_well_scaled_weights(tmp_path):
     from engine.quant import dequantize
     from engine.synth.fill import fill_random_blocks
 
-    for q in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS"):
+    iq = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
+    for q in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS", *iq):
         path = write_model(tmp_path / f"{q}.gguf", "qwen3moe", seed=1, weight_type=q).path
         assert fill_random_blocks(path, seed=2) > 0
         with open_gguf(path) as gf:

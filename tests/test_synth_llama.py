@@ -41,6 +41,12 @@ MEAN_DIFF = {
     QType.Q3_K: 0.8,  # measured 0.28-0.31, the tied qwen3 0.49 (test-data quantizer: a simple scale fit)
     QType.IQ4_NL: 0.5,  # measured 0.15-0.16, the tied qwen3 0.25 (Q4_0 on these files: 0.16-0.17, 0.29)
     QType.IQ4_XS: 0.5,  # measured 0.15-0.16, the tied qwen3 0.245
+    # the IQ grid types' test-data quantizer (engine.quant.iquants; Q2_K on these files: 0.48-0.52, tied qwen3 0.76)
+    QType.IQ2_XXS: 1.0,  # measured 0.56-0.58, the tied qwen3 0.81 (2.06 bits)
+    QType.IQ2_XS: 0.95,  # measured 0.48-0.51, the tied qwen3 0.74
+    QType.IQ2_S: 0.85,  # measured 0.43-0.45, the tied qwen3 0.67
+    QType.IQ3_XXS: 0.7,  # measured 0.32-0.35, the tied qwen3 0.52
+    QType.IQ3_S: 0.55,  # measured 0.25-0.27, the tied qwen3 0.41
 }
 
 

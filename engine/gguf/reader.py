@@ -28,7 +28,7 @@ from engine.errors import (
     UnsupportedVersionError,
 )
 from engine.gguf import keys
-from engine.quant.formats import QType, is_supported_weight_type
+from engine.quant.formats import WEIGHT_TYPES, QType, is_supported_weight_type
 
 SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
@@ -272,7 +272,7 @@ class GGUFFile:
             if not is_supported_weight_type(t.qtype):
                 raise UnsupportedQuantTypeError(
                     f"tensor {t.name!r} uses {t.qtype.name}, which SharpI does not support "
-                    f"(supported: F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS)",
+                    f"(supported: {', '.join(q.name for q in WEIGHT_TYPES)})",
                     self.path,
                 )
 

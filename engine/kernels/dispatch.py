@@ -16,7 +16,7 @@ import functools
 
 import numpy as np
 
-from engine.kernels import floats, kquants, kquants_exact, legacy
+from engine.kernels import floats, iquants, kquants, kquants_exact, legacy
 from engine.kernels.activations import quantize_q8_0, quantize_q8_K
 from engine.kernels.prepare import PreparedWeight
 from engine.kernels.reference import round_to_bf16, round_to_f16
@@ -38,6 +38,7 @@ KERNELS = {
     QType.Q4_K: (kquants_exact.gemv_q4_k_f, kquants.gemv_q4_k_q8),
     QType.Q5_K: (kquants_exact.gemv_q5_k_f, kquants.gemv_q5_k_q8),
     QType.Q6_K: (kquants_exact.gemv_q6_k_f, kquants.gemv_q6_k_q8),
+    **iquants.KERNELS,  # IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (Q8_K activations)
 }
 _FLOAT = (QType.F32, QType.F16, QType.BF16)
 _LEGACY = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.MXFP4, QType.IQ4_NL)  # Q8_0 activations

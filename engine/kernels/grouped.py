@@ -27,6 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 from engine.kernels import bf16, scratch
+from engine.kernels.iquants import dot4_q8 as _dot4_iq_q8
 from engine.kernels.kquants import (
     _dot4_iq4_xs_q8,
     _dot4_q2_k_q8,
@@ -127,6 +128,8 @@ def _row4_q8(qt, w, s, qa, da, asum, bsums, k):
         return _dot4_iq4_nl_q8(w, s, qa, da, asum, k)
     if qt == 23:
         return _dot4_iq4_xs_q8(w, s, qa, da, bsums, k)
+    if qt == 16 or qt == 17 or qt == 18 or qt == 21 or qt == 22:  # the IQ2/IQ3 grid types
+        return _dot4_iq_q8(qt, w, s, qa, da, k)
     nan = np.float32(np.nan)
     return nan, nan, nan, nan
 
@@ -301,7 +304,7 @@ def grouped_moe_ffn(
     gate, up: stacks [E, F, D]; down: [E, D, F]; X float32 [T, D]; ids int [T, K];
     weights float32 [T, K]; skip bool [T, K] or None: pairs left out of the sum. Returns float32
     [T, D], bit-identical to ``moe.moe_ffn`` per token (over each token's kept pairs) for the fused
-    types (Q8_0, Q4_0, Q5_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS with ``q8_act``) where no expert has enough tokens for
+    types (Q8_0, Q4_0, Q5_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS and the IQ2/IQ3 grid types with ``q8_act``) where no expert has enough tokens for
     the bf16 units. Other types run each selected expert once over its tokens through
     ``dispatch.gemv_acts``, as do experts with biases or another activation (``glu``, an
     ``engine.kernels.moe.ExpertGLU``: gpt-oss).

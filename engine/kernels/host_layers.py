@@ -23,7 +23,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from engine.kernels import floats, kquants, legacy
+from engine.kernels import floats, iquants, kquants, legacy
 from engine.kernels.moe_fused import _row_q8, moe_down_q8, moe_gate_up_q8, quantize_for
 from engine.kernels.simd import (
     F32x8,
@@ -471,6 +471,8 @@ def gemv_q8(qt, raw, s, qa, da, asum, bsums):
         legacy.gemv_iq4_nl_q8(raw, s, rows, xi, qa, da, asum, out)
     elif qt == 23:
         kquants.gemv_iq4_xs_q8(raw, s, rows, xi, qa, da, bsums, out)
+    elif qt == 16 or qt == 17 or qt == 18 or qt == 21 or qt == 22:  # the IQ2/IQ3 grid types
+        iquants.gemv_q8(qt, raw, s, rows, xi, qa, da, bsums, out)
     else:
         out[:] = np.nan
     return out.reshape(R)
@@ -514,7 +516,7 @@ def qkv_q8(qt0, w0, s0, qt1, w1, s1, qt2, w2, s2, qa, da, asum, bsums):
 
 @njit(cache=True, nogil=True, inline="always")
 def _k_family(qt):
-    return qt == 10 or qt == 11 or qt == 12 or qt == 13 or qt == 14 or qt == 23
+    return qt == 10 or qt == 11 or qt == 12 or qt == 13 or qt == 14 or qt == 23 or (16 <= qt <= 18 or 21 <= qt <= 22)
 
 
 @njit(cache=True, nogil=True)

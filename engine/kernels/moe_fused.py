@@ -18,6 +18,7 @@ import numpy as np
 from numba import njit, prange
 
 from engine.kernels.activations import quantize_q8_0, quantize_q8_K
+from engine.kernels.iquants import IQ_IDS, dot_q8
 from engine.kernels.kquants import (
     _dot2_q4_k_q8,
     _dot_iq4_xs_q8,
@@ -32,7 +33,15 @@ from engine.kernels.simd import prefetch, prefetch_array, prefetch_distance
 from engine.quant.formats import WEIGHT_TYPES, QType, block_format
 
 FUSED_TYPES = tuple(t for t in WEIGHT_TYPES if block_format(t).block_size > 1)  # every block type we load
-_K_IDS = (int(QType.Q2_K), int(QType.Q3_K), int(QType.Q4_K), int(QType.Q5_K), int(QType.Q6_K), int(QType.IQ4_XS))
+_K_IDS = (
+    int(QType.Q2_K),
+    int(QType.Q3_K),
+    int(QType.Q4_K),
+    int(QType.Q5_K),
+    int(QType.Q6_K),
+    int(QType.IQ4_XS),
+    *IQ_IDS,
+)
 CHUNK = 16
 
 
@@ -61,6 +70,8 @@ def _row_q8(qt, w, s, qa, da, asum, bsums):
         return _dot_iq4_nl_q8(w, s, qa, da, asum)
     if qt == 23:
         return _dot_iq4_xs_q8(w, s, qa, da, bsums)
+    if qt == 16 or qt == 17 or qt == 18 or qt == 21 or qt == 22:  # the IQ2/IQ3 grid types
+        return dot_q8(qt, w, s, qa, da)
     return np.float32(np.nan)
 
 
@@ -79,7 +90,8 @@ def _next_pair(k, r, n):
 def quantize_for(qt, X):
     """X float32 [K, n] -> the four activation arrays for weights of ggml type ``qt``."""
     K = X.shape[0]
-    if qt == 10 or qt == 11 or qt == 12 or qt == 13 or qt == 14 or qt == 23:  # Q8_K activations
+    # Q8_K activations: the K-quants, IQ4_XS and the IQ2/IQ3 grid types
+    if qt == 10 or qt == 11 or qt == 12 or qt == 13 or qt == 14 or qt == 23 or (16 <= qt <= 18 or 21 <= qt <= 22):
         qa, da, bsums = quantize_q8_K(X)
         return qa, da, np.empty((K, 0), np.int32), bsums
     qa, da, asum = quantize_q8_0(X)

@@ -16,6 +16,9 @@ Q2_K            (d, dmin) per 256-block (S = 2·n/256)   8/84 = 9.5 %
 MXFP4           2^(e-128) per 32-block (S = n/32)       4/17 = 24 %
 IQ4_NL          d per 32-block (S = n/32)               4/18 = 22 %
 IQ4_XS          d per 256-block (S = n/256)             4/136 = 2.9 %
+IQ2_XXS, IQ2_XS d·mult per 256-block (S = n/256; mult     4/66 = 6.1 %, 4/74 = 5.4 %,
+IQ2_S, IQ3_XXS  engine.quant.iquants.SCALE_MULT, a      4/82 = 4.9 %, 4/98 = 4.1 %,
+IQ3_S           power of two: exact)                    4/110 = 3.6 %
 F32, F16, BF16  none (S = 0)                            0
 ==============  ======================================  ===========================
 """
@@ -28,6 +31,7 @@ import numpy as np
 
 from engine.errors import SharpIError
 from engine.quant.formats import QType, block_format, is_supported_weight_type
+from engine.quant.iquants import IQ_TYPES, SCALE_MULT
 
 # byte offset of the fp16 super-block scale(s) inside a block
 _SCALE_OFFSETS: dict[QType, tuple[int, ...]] = {
@@ -41,6 +45,7 @@ _SCALE_OFFSETS: dict[QType, tuple[int, ...]] = {
     QType.Q2_K: (80, 82),  # d, dmin
     QType.IQ4_NL: (0,),
     QType.IQ4_XS: (0,),  # the 6-bit group scales stay packed: the kernels decode them
+    **{t: (0,) for t in IQ_TYPES},  # likewise their 4-bit group scales
 }
 _FLOAT_DTYPES = {QType.F32: np.float32, QType.F16: np.uint16, QType.BF16: np.uint16}
 
@@ -128,4 +133,6 @@ def prepare_weight(qtype: QType | int, raw: np.ndarray, n: int | None = None) ->
         return PreparedWeight(qtype, shape, rows, np.ascontiguousarray(e8m0_half(blocks[:, :, 0])))
     parts = [blocks[:, :, o : o + 2].copy().view("<f2")[..., 0] for o in _SCALE_OFFSETS[qtype]]
     scales = np.stack(parts, axis=-1).astype(np.float32).reshape(R, -1)  # [R, nb·k] interleaved
+    if qtype in SCALE_MULT:  # the IQ grid types: d·mult (exact), so every block scale is one float
+        scales *= np.float32(SCALE_MULT[qtype])
     return PreparedWeight(qtype, shape, rows, np.ascontiguousarray(scales))

@@ -14,9 +14,9 @@ Two variants of ``y = W·x``, for every weight type:
   MXFP4, IQ4_NL
                                          stored as fp16; q = round-half-even(x · (127/amax))
   Q2_K, Q3_K, Q4_K,     Q8_K             ``quantize_row_q8_K_ref``: iscale = -127/max where max
-  Q5_K, Q6_K, IQ4_XS                     is the signed value of largest magnitude;
-                                         q = min(127, nearest_int(iscale·x)); d = 1/iscale (f32);
-                                         bsums = sums of 16 consecutive q
+  Q5_K, Q6_K, IQ4_XS,                    is the signed value of largest magnitude;
+  IQ2_XXS, IQ2_XS,                       q = min(127, nearest_int(iscale·x)); d = 1/iscale (f32);
+  IQ2_S, IQ3_XXS, IQ3_S                  bsums = sums of 16 consecutive q
   F16                   F16              round-to-nearest-even fp32 → fp16
   BF16                  BF16             ``GGML_FP32_TO_BF16``: round-to-nearest-even
   F32                   F32              none
@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.quant import iquants
 from engine.quant.formats import QType, block_format
 from engine.quant.reference import IQ4NL_VALUES, MXFP4_VALUES
 
 QK = 256  # super-block size of the K-quants
 
 LEGACY_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.MXFP4, QType.IQ4_NL)
-K_TYPES = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS)
+K_TYPES = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS, *iquants.IQ_TYPES)
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 
 
@@ -220,6 +221,12 @@ def unpack(qtype: QType, raw: np.ndarray) -> Unpacked:
         return Unpacked(
             q.reshape(R, -1), _f16(blk[..., 0:2]), zeros, sc.reshape(R, -1), np.zeros_like(sc).reshape(R, -1), QK, 32
         )
+    if qtype in iquants.IQ_TYPES:  # grid·sign codes, odd scales 2s + 1, d·mult (engine.quant.iquants)
+        c = iquants.decode(qtype, blk.reshape(R * nb, -1))
+        q = iquants.signed_values(qtype, c).reshape(R, -1)
+        d = _f16(blk[..., 0:2]) * iquants.SCALE_MULT[qtype]
+        sc = (2 * c.s + 1).reshape(R, -1)
+        return Unpacked(q, d, zeros, sc, np.zeros_like(sc), QK, iquants.SCALE_GROUP[qtype])
     if qtype in (QType.Q4_K, QType.Q5_K):
         d, dmin = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
         sc, m = _k4_scales(blk[..., 4:16])  # [R, nb, 8]

@@ -18,6 +18,11 @@ _FP16_FIELDS = {
     QType.Q2_K: (80, 82),
     QType.IQ4_NL: (0,),
     QType.IQ4_XS: (0,),
+    QType.IQ2_XXS: (0,),
+    QType.IQ2_XS: (0,),
+    QType.IQ2_S: (0,),
+    QType.IQ3_XXS: (0,),
+    QType.IQ3_S: (0,),
     QType.MXFP4: (),  # its scale is the exponent byte: set below
 }
 

@@ -99,6 +99,29 @@ FORMATS: dict[QType, BlockFormat] = {
         # block_iq4_xs: fp16 d, 8 six-bit group scales (value − 32; low 4 bits in the nibbles of scales_l,
         # top 2 bits at bits 2j of scales_h), 8 groups of 32 with iq4_nl's nibble order in qs[16j:16j+16]
         _fmt(QType.IQ4_XS, 256, ("d", "<f2", 1), ("scales_h", "<u2", 1), ("scales_l", "u1", 4), ("qs", "u1", 128)),
+        # The IQ2/IQ3 grid types (engine.quant.iquants documents the layouts): fp16 d, grid indices, signs,
+        # 4-bit scales of groups of 32 (IQ2_XS, IQ2_S: 16)
+        _fmt(QType.IQ2_XXS, 256, ("d", "<f2", 1), ("qs", "<u2", 32)),
+        _fmt(QType.IQ2_XS, 256, ("d", "<f2", 1), ("qs", "<u2", 32), ("scales", "u1", 8)),
+        _fmt(
+            QType.IQ2_S,
+            256,
+            ("d", "<f2", 1),
+            ("qs", "u1", 32),
+            ("signs", "u1", 32),
+            ("qh", "u1", 8),
+            ("scales", "u1", 8),
+        ),
+        _fmt(QType.IQ3_XXS, 256, ("d", "<f2", 1), ("qs", "u1", 64), ("sas", "<u4", 8)),
+        _fmt(
+            QType.IQ3_S,
+            256,
+            ("d", "<f2", 1),
+            ("qs", "u1", 64),
+            ("qh", "u1", 8),
+            ("signs", "u1", 32),
+            ("scales", "u1", 4),
+        ),
         # block_q8_K: activations for K-quant dot products (f32 scale, 16 partial sums)
         _fmt(QType.Q8_K, 256, ("d", "<f4", 1), ("qs", "i1", 256), ("bsums", "<i2", 16)),
     )
@@ -120,6 +143,11 @@ WEIGHT_TYPES: tuple[QType, ...] = (
     QType.MXFP4,
     QType.IQ4_NL,
     QType.IQ4_XS,
+    QType.IQ2_XXS,
+    QType.IQ2_XS,
+    QType.IQ2_S,
+    QType.IQ3_XXS,
+    QType.IQ3_S,
 )
 
 # The table must agree with the gguf package's sizes: a cheap guard against typos.

@@ -14,10 +14,12 @@ Output types: block formats give uint8 [..., row_bytes]; F32 gives float32 [...,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
 
+from engine.quant import iquants
 from engine.quant.formats import QType, block_format
 
 _F32 = np.float32
@@ -453,6 +455,7 @@ QUANTIZE_BLOCKS: dict[QType, Callable[[np.ndarray], np.ndarray]] = {
     QType.MXFP4: _quant_mxfp4,
     QType.IQ4_NL: _quant_iq4_nl,
     QType.IQ4_XS: _quant_iq4_xs,
+    **{t: functools.partial(iquants.quantize_blocks, t) for t in iquants.IQ_TYPES},
 }
 
 

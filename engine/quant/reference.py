@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from engine.quant import iquants
 from engine.quant.formats import QType, block_format
 
 _F32 = np.float32
@@ -244,7 +245,10 @@ DEQUANTIZE_BLOCKS: dict[QType, Callable[[dict[str, np.ndarray]], np.ndarray]] = 
 def dequantize_blocks(blocks: np.ndarray, qtype: QType | int) -> np.ndarray:
     """uint8 [nb, type_size] -> float32 [nb, block_size] for a block-quantized type."""
     qtype = QType(qtype)
-    return DEQUANTIZE_BLOCKS[qtype](block_fields(blocks, qtype))
+    fields = block_fields(blocks, qtype)  # checks the shape
+    if qtype in iquants.IQ_TYPES:  # the grid types decode from the bytes (engine.quant.iquants)
+        return iquants.dequantize_blocks(qtype, blocks)
+    return DEQUANTIZE_BLOCKS[qtype](fields)
 
 
 # ---------------------------------------------------------------- float types
@@ -298,7 +302,7 @@ def dequantize(raw: np.ndarray, qtype: QType | int) -> np.ndarray:
     qtype = QType(qtype)
     if qtype in (QType.F32, QType.F16, QType.BF16):
         return _dequant_float(raw, qtype)
-    if qtype not in DEQUANTIZE_BLOCKS:
+    if qtype not in DEQUANTIZE_BLOCKS and qtype not in iquants.IQ_TYPES:
         raise ValueError(f"dequantize: unsupported type {qtype.name}")
     fmt = block_format(qtype)
     a = np.asarray(raw)

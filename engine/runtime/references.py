@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from engine.models.layers import apply_rope_table, rms_norm_fused, route_softmax_topk, silu_mul
+from engine.quant import iquants
 from engine.quant.formats import QType, block_format
 from engine.quant.reference import IQ4NL_VALUES, MXFP4_VALUES
 
@@ -166,7 +167,52 @@ def _iq4_xs(b):  # dequantize_row_iq4_xs: d | scales_h u16 | scales_l[4] | qs[12
     return (dl[..., None] * _iq4_levels(b[..., 8:136])).flatten(-2)
 
 
+def _u32(b: torch.Tensor) -> torch.Tensor:
+    """[.., 4k] bytes -> [.., k] int64 little-endian words."""
+    w = b.to(torch.int64).reshape(*b.shape[:-1], -1, 4)
+    return w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)
+
+
+def _nib(b: torch.Tensor) -> torch.Tensor:
+    """[.., k] bytes -> [.., 2k] int64: low nibble then high of each byte."""
+    q = b.to(torch.int64)
+    return torch.stack([q & 0xF, q >> 4], -1).flatten(-2)
+
+
+def _iq_grid(b, qtype):  # dequantize_row_iq2_xxs .. iq3_s (layouts: engine.quant.iquants)
+    lead, dev = b.shape[:-1], b.device
+    ar = torch.arange(8, device=dev, dtype=torch.int64)
+    ks = torch.tensor(iquants.KSIGNS, dtype=torch.int64, device=dev)
+    if qtype == QType.IQ2_XXS:  # per 32: u32 of 4 grid indices, u32 of 4 seven-bit sign indices | s << 28
+        w = _u32(b[..., 2:66]).reshape(*lead, 8, 2)
+        idx, sb, s = (w[..., 0:1] >> (8 * ar[:4])) & 255, ks[(w[..., 1:2] >> (7 * ar[:4])) & 127], w[..., 1] >> 28
+    elif qtype == QType.IQ2_XS:  # u16 = 9-bit index | 7-bit sign index << 9; 4-bit scales per 16
+        q = b[..., 2:66].to(torch.int64).reshape(*lead, 32, 2)
+        q = q[..., 0] | (q[..., 1] << 8)
+        idx, sb, s = q & 511, ks[q >> 9], _nib(b[..., 66:74])
+    elif qtype == QType.IQ2_S:  # low index bytes, a sign byte per 8, 2 high index bits each in qh
+        hi = ((b[..., 66:74].to(torch.int64)[..., None] >> (2 * ar[:4])) & 3).flatten(-2)
+        idx, sb, s = b[..., 2:34].to(torch.int64) | (hi << 8), b[..., 34:66].to(torch.int64), _nib(b[..., 74:82])
+    elif qtype == QType.IQ3_XXS:  # an index per 4, then per 32 a u32 of 4 sign indices | s << 28
+        w = _u32(b[..., 66:98])
+        idx, sb, s = b[..., 2:66].to(torch.int64), ks[(w[..., None] >> (7 * ar[:4])) & 127], w >> 28
+    else:  # IQ3_S: low index bytes, bit j of qh[g] the ninth bit of index j, a sign byte per 8, nibble scales
+        hi = ((b[..., 66:74].to(torch.int64)[..., None] >> ar) & 1).flatten(-2)
+        idx, sb, s = b[..., 2:66].to(torch.int64) | (hi << 8), b[..., 74:106].to(torch.int64), _nib(b[..., 106:110])
+    d = _f16(b[..., 0:2])[..., None]
+    s = s.reshape(*lead, -1).float()
+    if qtype == QType.IQ3_S:
+        db = d * (1 + 2 * s)
+    else:
+        db = d * (0.5 + s) * (0.5 if qtype == QType.IQ3_XXS else 0.25)
+    grid = torch.tensor(iquants.GRIDS[qtype], dtype=torch.float32, device=dev)
+    g = grid[idx.reshape(*lead, -1)].reshape(*lead, db.shape[-1], -1)
+    neg = ((sb.reshape(*lead, 32, 1) >> ar) & 1).reshape(*lead, db.shape[-1], -1)
+    return (db[..., None] * g * (1 - 2 * neg).float()).flatten(-2)
+
+
 _BLOCK_FNS = {
+    **{t: (lambda b, t=t: _iq_grid(b, t)) for t in iquants.IQ_TYPES},
     QType.Q8_0: _q8_0,
     QType.Q4_0: _q4_0,
     QType.Q5_0: _q5_0,

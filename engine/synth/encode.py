@@ -5,7 +5,7 @@ Type rules, as llama.cpp's quantizer applies them (``llama_tensor_get_type`` in
 rows that are a multiple of 256, so a tensor with shorter rows falls back to a 32-block type
 (Q4_K -> Q5_0, Q5_K -> Q5_0 *where llama.cpp uses Q5_1, which SharpI does not support*,
 Q6_K -> Q8_0, Q2_K and Q3_K -> Q4_0 *where llama.cpp uses IQ4_NL: the same 4.5 bits, kept from before
-SharpI read IQ4_NL*, IQ4_XS -> IQ4_NL); a 32-block type on rows not a multiple of 32 falls back to F16.
+SharpI read IQ4_NL*, IQ4_XS and the IQ2/IQ3 grid types -> IQ4_NL); a 32-block type on rows not a multiple of 32 falls back to F16.
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ K_FALLBACK: dict[QType, QType] = {
     QType.Q5_K: QType.Q5_0,
     QType.Q6_K: QType.Q8_0,
     QType.IQ4_XS: QType.IQ4_NL,
+    QType.IQ2_XXS: QType.IQ4_NL,
+    QType.IQ2_XS: QType.IQ4_NL,
+    QType.IQ2_S: QType.IQ4_NL,
+    QType.IQ3_XXS: QType.IQ4_NL,
+    QType.IQ3_S: QType.IQ4_NL,
 }
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from engine.errors import UsageError
 from engine.gguf import open_gguf
+from engine.quant import iquants
 from engine.quant.formats import QType, block_format
 
 CHUNK = 64 << 20  # bytes generated and written at a time
@@ -80,7 +81,19 @@ def _iq4_xs(b: np.ndarray, s: float) -> None:  # element = ±16·d·kvalues[q]: 
     b[:, 0:2], b[:, 2:4], b[:, 4:8] = _f16(s / (16 * 67.4)), np.array([0x77, 0x77], np.uint8), 0
 
 
+def _iq_grid(t: QType) -> Callable[[np.ndarray, float], None]:
+    """The IQ2/IQ3 grid types: element = d·mult·(2s + 1)·grid·sign with random indices, signs and 4-bit
+    scales s (rms of 2s + 1 over 0..15: √341); only d is set."""
+    rms = float(np.sqrt(np.mean(iquants.GRIDS[t].astype(np.float64) ** 2)))
+
+    def fields(b: np.ndarray, s: float) -> None:
+        b[:, 0:2] = _f16(s / (iquants.SCALE_MULT[t] * np.sqrt(341.0) * rms))
+
+    return fields
+
+
 _FIELDS: dict[QType, Callable[[np.ndarray, float], None]] = {
+    **{t: _iq_grid(t) for t in iquants.IQ_TYPES},
     QType.Q4_K: _q4_k,
     QType.Q5_K: _q5_k,
     QType.Q6_K: _q6_k,

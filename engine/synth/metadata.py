@@ -34,6 +34,11 @@ FILE_TYPES: dict[QType, LlamaFileType] = {
     QType.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE,
     QType.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL,
     QType.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
+    QType.IQ2_XXS: LlamaFileType.MOSTLY_IQ2_XXS,
+    QType.IQ2_XS: LlamaFileType.MOSTLY_IQ2_XS,
+    QType.IQ2_S: LlamaFileType.MOSTLY_IQ2_S,
+    QType.IQ3_XXS: LlamaFileType.MOSTLY_IQ3_XXS,
+    QType.IQ3_S: LlamaFileType.MOSTLY_IQ3_S,
 }
 
 

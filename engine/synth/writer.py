@@ -86,7 +86,7 @@ def write_model(
         ``ctx``, ``rope_base``, ``rms_eps``, ``tied_output``, ``qkv_bias``, ``rope_freqs``);
         unspecified ones take tiny per-architecture defaults.
     weight_type: type of every matrix (F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q2_K, Q3_K, Q4_K, Q5_K,
-        Q6_K, MXFP4, IQ4_NL, IQ4_XS);
+        Q6_K, MXFP4, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S);
         ``type_overrides`` maps glob patterns to types (see :func:`plan_types`).
     tokenizer: ``"bpe"`` (default; ``"spm"`` for ``llama`` and ``gemma3``, ``"harmony"`` — byte-level BPE with
         gpt-oss's specials and chat format — for ``gpt-oss``) and ``pre`` its pre-tokenizer

@@ -129,6 +129,16 @@ if triton is not None:
         return ((v ^ 0x80) - 0x80).to(tl.float32)
 
     @triton.jit
+    def _nibble(blk, off: tl.constexpr, l, m3, HIGH: tl.constexpr):
+        """int32 [BR, NB, PW]: the low (HIGH 0) or high nibbles of the bytes at blk + off + l."""
+        u = tl.load(blk[:, :, None] + off + l[None, None, :], mask=m3, other=0).to(tl.int32)
+        if HIGH:
+            u = u >> 4
+        else:
+            u = u & 0xF
+        return u
+
+    @triton.jit
     def _q3k_scale(sc, S: tl.constexpr, mask):
         """Q3_K's 6-bit scale S (0..15) from its 12 packed bytes at sc, minus 32, as float32."""
         if S < 8:
@@ -163,11 +173,7 @@ if triton is not None:
             w = d[:, :, None] * q
         elif QT == 2:  # Q4_0: d, qs[16]: low nibbles are elements 0..15, high nibbles 16..31
             d = _f16(blk, mask)
-            u = tl.load(blk[:, :, None] + 2 + l[None, None, :], mask=m3, other=0).to(tl.int32)
-            if I == 0:
-                u = u & 0xF
-            else:
-                u = u >> 4
+            u = _nibble(blk, 2, l, m3, I)
             q = ((u | 0x4B000000).to(tl.float32, bitcast=True)) - 8388616.0  # nibble - 8
             w = d[:, :, None] * q
         elif QT == 12 or QT == 13:  # Q4_K / Q5_K: sub-block I = nibble I%2 of qs[32·(I//2) + l]
@@ -189,11 +195,7 @@ if triton is not None:
             w = (d * sc)[:, :, None] * _u2f(u) - (dmin * mn)[:, :, None]
         elif QT == 6:  # Q5_0: d, qh (32 bits, little-endian), qs[16]; element e's fifth bit is bit e of qh
             d = _f16(blk, mask)
-            u = tl.load(blk[:, :, None] + 6 + l[None, None, :], mask=m3, other=0).to(tl.int32)
-            if I == 0:
-                u = u & 0xF
-            else:
-                u = u >> 4
+            u = _nibble(blk, 6, l, m3, I)
             e = I * 16 + l  # element index in the block
             qh = tl.load(blk[:, :, None] + 2 + (e // 8)[None, None, :], mask=m3, other=0).to(tl.int32)
             u = u | (((qh >> (e % 8)[None, None, :]) & 1) << 4)
@@ -227,19 +229,11 @@ if triton is not None:
             e = _byte(blk, mask)
             bits = tl.where(e < 2, 0x00200000 << tl.minimum(e, 1), (e - 1) << 23)
             d = bits.to(tl.float32, bitcast=True)  # 2^(e-128), ggml's GGML_E8M0_TO_FP32_HALF
-            u = tl.load(blk[:, :, None] + 1 + l[None, None, :], mask=m3, other=0).to(tl.int32)
-            if I == 0:
-                u = u & 0xF
-            else:
-                u = u >> 4
+            u = _nibble(blk, 1, l, m3, I)
             w = d[:, :, None] * _level(u, MX_W0, MX_W1, MX_W2, MX_W3)
         elif QT == 20:  # IQ4_NL: d, qs[16]: low nibbles are elements 0..15, high 16..31; kvalues_iq4nl levels
             d = _f16(blk, mask)
-            u = tl.load(blk[:, :, None] + 2 + l[None, None, :], mask=m3, other=0).to(tl.int32)
-            if I == 0:
-                u = u & 0xF
-            else:
-                u = u >> 4
+            u = _nibble(blk, 2, l, m3, I)
             w = d[:, :, None] * _level(u, IQ4_W0, IQ4_W1, IQ4_W2, IQ4_W3)
         elif QT == 23:  # IQ4_XS: d, scales_h (u16), scales_l[4], qs[128]; part I = group I of 32, dl = d·(ls − 32)
             d = _f16(blk, mask)

@@ -130,7 +130,12 @@ def test_expert_cache_through_fused_kernels_on_cuda(tmp_path, monkeypatch, act, 
 def test_streamed_prompt_through_the_grouped_kernel_on_cuda(tmp_path):
     """Experts on the CPU (--moe cpu, and the first layer beside a resident pool): a 40-token prompt (≥ the
     default 32) copies its layers' experts to the staging slots and runs the grouped prefill kernel there,
-    through the side-stream copies; exact-float kernels against the exact-float CPU engine."""
+    through the side-stream copies; exact-float kernels (float32 prompt operands: SHARPI_PREFILL_PRECISION=f32)
+    against the exact-float CPU engine. CUDA's default bfloat16 operands are held to their references in
+    tests/triton/test_prefill.py."""
+    from dataclasses import replace
+
+    from engine import config
     from engine.api import LoadOptions, Session
     from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
     from engine.synth.writer import write_model
@@ -140,7 +145,8 @@ def test_streamed_prompt_through_the_grouped_kernel_on_cuda(tmp_path):
     path = write_model(tmp_path / "q.gguf", "qwen3moe", seed=4, layers=3, weight_type="Q4_K",
                        type_overrides={"*ffn_down*": "Q6_K"}).path  # fmt: skip
     tokens = random_tokens(40, 1024, seed=8)
-    with Session.load(str(path), LoadOptions(n_ctx=CTX, device="cuda", q8_act=False)) as s:
+    engine = replace(config.current(), prefill_precision="f32")
+    with Session.load(str(path), LoadOptions(n_ctx=CTX, device="cuda", q8_act=False, engine=engine)) as s:
         ref = s.logits(tokens)
         L, E = s.args.n_layer, s.args.n_expert
         need = device_bytes(s.spec, n_gpu_layers=L, ctx=CTX, kv_type="f32", reserve=0).total

@@ -26,6 +26,7 @@ from engine.gguf import open_gguf
 from engine.modelinfo import ModelInfo, describe
 from engine.models import check_model_file
 from engine.plan import DeviceProfile, ModelSpec, Placement, PlanRequest, default_ctx, plan, resolve_kv_type
+from engine.plan.ram import available_ram
 from engine.plan.sizing import HostLoad, host_load
 from engine.profiler import ProfilerSnapshot
 from engine.profiler import export as export_profile
@@ -73,28 +74,6 @@ class MemoryPlan:
     load: HostLoad  # what the load allocates in this mode
     available: int | None  # the RAM it was compared with (None: unknown, not checked)
     note: str = ""  # why the weights stay mapped, when the mode was auto
-
-
-def available_ram() -> int | None:
-    """Bytes of RAM this process can still take: MemAvailable, within a cgroup v2 limit; None if unknown."""
-    out = []
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    out.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            used = int(f.read().strip())
-        if limit != "max":
-            out.append(max(0, int(limit) - used))
-    except (OSError, ValueError):
-        pass
-    return min(out) if out else None
 
 
 def _gib(n: int) -> str:

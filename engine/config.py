@@ -61,6 +61,7 @@ ENV = MappingProxyType(
         "cache_upload": "SHARPI_CACHE_UPLOAD",
         "cache_prefetch": "SHARPI_CACHE_PREFETCH",
         "cache_policy": "SHARPI_CACHE_POLICY",
+        "cache_misses": "SHARPI_CACHE_MISSES",
         "prompt_stream_min": "SHARPI_PROMPT_STREAM_MIN",
         "state_checkpoints": "SHARPI_STATE_CHECKPOINTS",
         "mtp": "SHARPI_MTP",
@@ -87,6 +88,7 @@ CACHE_UPLOADS = ("background", "inline")
 # The expert cache's slot policies (engine.runtime.slot_policies.SLOT_POLICIES; tests/test_config.py holds them
 # equal) and the default, the policy `sharpi bench cache` calls default.
 CACHE_POLICIES = ("lru", "slru", "dlfu")
+CACHE_MISSES = ("cpu", "bus")  # EngineOptions.cache_misses
 HIT_CURVES = ("zipf", "synthetic")  # EngineOptions.hit_curve
 DEFAULT_CACHE_POLICY = "dlfu"
 MTP_AUTO_DRAFTS = 2  # EngineOptions.mtp None (auto): drafts per step where the file has an MTP head
@@ -183,6 +185,13 @@ class EngineOptions:
     # and leaves a miss on the CPU rather than thrash; the best of the three on routing traces, docs/benchmarks.md).
     # It changes where experts are computed, never the result.
     cache_policy: str = DEFAULT_CACHE_POLICY
+    # SHARPI_CACHE_MISSES: where a decode step computes the expert cache's misses (``cache`` mode, CUDA graphs):
+    # "cpu" (default) — the CPU kernels between graph segments (each layer with a host half cuts the step) — or
+    # "bus" — on the GPU, the fused kernels reading the missed expert's bytes from a page-locked host copy of
+    # every cached layer's experts over PCIe (zero-copy), so the step is one graph with no host round trip
+    # (``engine.runtime.expert_pool.HostMirror``; it costs host memory the size of those experts, refused where
+    # the machine's available memory cannot hold it). It changes where experts are computed, never the result.
+    cache_misses: str = "cpu"
     # SHARPI_PROMPT_STREAM_MIN: tokens from which a batch copies the host-placed experts of a device layer
     # (--moe cpu, the first n_cpu_moe layers) to the device and computes them there, as llama.cpp does
     # above 32 (engine.runtime.expert_stream; whole number ≥ 0; 0: never, and the planner reserves no
@@ -381,6 +390,7 @@ _PARSE = {
     "cache_upload": _choice(CACHE_UPLOADS),
     "cache_prefetch": _whole,
     "cache_policy": _choice(CACHE_POLICIES),
+    "cache_misses": _choice(CACHE_MISSES),
     "prompt_stream_min": _whole,
     "state_checkpoints": _whole,
     "mtp": lambda var, raw: None if raw.strip().lower() == "auto" else _whole(var, raw),
@@ -409,6 +419,7 @@ def _check(o: EngineOptions) -> None:
         "cuda_graph": CUDA_GRAPH_MODES,
         "weights": WEIGHT_MODES,
         "cache_policy": CACHE_POLICIES,
+        "cache_misses": CACHE_MISSES,
         "hit_curve": HIT_CURVES,
         "reasoning": REASONING_MODES,
     }

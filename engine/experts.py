@@ -54,6 +54,9 @@ class StepPlan:
     # int64 [E] on the device: each expert's slot byte offset, for a routing kernel that looks the chosen
     # experts' slots up as it routes (a pinned pool under the fused kernels), else None.
     slot_table: torch.Tensor | None = None
+    # device_part computes every expert, the misses from the host's copy over the bus (``host`` is False): the
+    # backend takes the step's routes afterwards (``routed``) to count and upload, as host_part would.
+    bus: bool = False
 
 
 class ExpertBackend(Protocol):

@@ -331,7 +331,7 @@ def print_summary(p: Placement, *, every_layer: bool = False, out=None) -> None:
     rec = "none (the trunk does not fit)" if p.recommended_ctx is None else str(p.recommended_ctx)
     w(f"context   recommended {rec} (largest with every layer on the device, KV {p.kv_type})")
     w(f"host      {format_size(p.host_bytes)} of RAM when warm (experts through the memory map)")
-    from engine.api import available_ram
+    from engine.plan.ram import available_ram
 
     avail = available_ram()
     if avail is not None and p.host_bytes > avail:

@@ -25,6 +25,12 @@ prefetched experts.
 In a one-token step (a decode CUDA graph) the device half computes the hits — every expert, where the
 pool is pinned — with the slots looked up on the device, and the host half the misses after the replay;
 the pool changes only between steps (``end_step``), so the table the graph reads stays true.
+
+**Misses over the bus** (``EngineOptions.cache_misses`` "bus"): every cached layer's experts are also copied
+into page-locked host memory at the pool's slot layout (``expert_pool.HostMirror``), and the device half
+computes a miss itself, the fused kernels reading its bytes from that copy over PCIe — so a decode step has no
+host half and runs as one graph. Its routes are taken after the step (:meth:`CachedExperts.routed`): counted,
+and the misses uploaded as the host half would have queued them.
 """
 
 from __future__ import annotations
@@ -37,11 +43,12 @@ import torch
 from engine import config, ops
 from engine.config import EngineOptions
 from engine.experts import ExpertBackend, ExpertStacks, StepPlan
+from engine.plan.ram import available_ram
 from engine.plan.sizing import SlotLayout
 from engine.profiler import ExpertProfiler
 from engine.runtime import triton_q4k_moe
 from engine.runtime.device import DeviceArena
-from engine.runtime.expert_pool import ExpertPool, host_copy
+from engine.runtime.expert_pool import ExpertPool, HostMirror, host_copy
 from engine.runtime.pool_compute import PoolCompute
 
 __all__ = ["PROMPT_UPLOAD_MIN", "CachedExperts", "host_copy", "prompt_upload_threshold"]
@@ -104,6 +111,10 @@ class CachedExperts(ExpertBackend):
         self._prefetched: set[tuple[int, int]] = set()  # brought in by a prediction, not used since
         self.prefetch_skipped = 0  # prefetches not made: demand uploads were in flight
         self._late_routes: list[tuple[int, torch.Tensor]] = []  # resident layers' routes still being copied out
+        # The misses computed on the device over the bus (EngineOptions.cache_misses "bus"): the experts' host copy.
+        self.mirror: HostMirror | None = None
+        if self.options.cache_misses == "bus" and layer_layouts is None and upload == "async":
+            self.mirror = HostMirror.build(self.pool, [i for i in sorted(layers) if self._fused[i]], available_ram())
 
     def set_predictors(self, predictors: dict[int, tuple[int, Callable]]) -> None:
         """For predictive prefetch: {cached layer: (next cached layer, routing)}, where ``routing(x)`` maps this
@@ -262,9 +273,15 @@ class CachedExperts(ExpertBackend):
             return StepPlan(
                 device=True, host=False, q8=self._q8(layer), slot_table=table if self._fused[layer] else None
             )
+        if self._bus(layer):  # every expert inside the step: hits from the pool, misses over the bus
+            return StepPlan(device=True, host=False, q8=self._q8(layer), bus=True)
         if self.upload_policy == "async":  # hits inside the step, misses after it, uploaded after the token
             return StepPlan(device=True, host=True, q8=self._q8(layer))
         return StepPlan(device=False, host=True)  # sync: a miss changes the pool at once, so all on the host side
+
+    def _bus(self, layer: int) -> bool:
+        """Whether a one-token step computes ``layer``'s misses on the device, from the host copy over the bus."""
+        return self.mirror is not None and self._fused[layer] and layer in self.mirror.layers
 
     def _q8(self, layer: int) -> bool:
         """Whether the device half of ``layer`` runs the lean Q4_K kernels on q8 activations now (inside a
@@ -275,7 +292,8 @@ class CachedExperts(ExpertBackend):
 
     def device_part(self, layer, x, ids, weights, xq=None, slot_off=None):
         """Pinned (resident): every expert, slots from the pinned table (or ``slot_off``, looked up by the
-        routing kernel); else the hits, slots from the device table (−1: a miss, contributes 0)."""
+        routing kernel); else the hits, slots from the device table (−1: a miss, contributes 0) — and, where the
+        misses go over the bus (:meth:`_bus`), the misses too, read from the host copy."""
         table = self.pool.pinned_offsets.get(layer)
         if table is not None:
             if self._fused[layer]:
@@ -285,7 +303,10 @@ class CachedExperts(ExpertBackend):
             return self.compute.weighted_slots(layer, self.pool.slots_dev[layer][ids[0]], x, weights, ids[0])
         slots = self.pool.slots_dev[layer].index_select(0, ids.reshape(-1)).reshape(ids.shape)  # [1, K], -1: absent
         if self._fused[layer]:
-            off = torch.where(slots >= 0, self.pool.slot_off_dev[slots.clamp(min=0)], -1)  # the kernels skip -1
+            miss = -1  # the kernels skip -1
+            if self._bus(layer):
+                miss = self.mirror.offsets_dev[layer].index_select(0, ids.reshape(-1)).reshape(ids.shape)
+            off = torch.where(slots >= 0, self.pool.slot_off_dev[slots.clamp(min=0)], miss)
             return self.compute.fused_pairs(layer, off, x, weights, xq)
         return self.compute.weighted_slots(layer, slots[0], x, weights, ids[0])
 
@@ -295,6 +316,19 @@ class CachedExperts(ExpertBackend):
         if self.upload_policy == "sync":  # the device half did nothing: upload the misses, run all here
             x = torch.from_numpy(X).to(self.device)
             return self._serve(layer, x, ids, torch.from_numpy(weights).to(self.device)).cpu().numpy()
+        in_pool = self._account(layer, ids)
+        if in_pool.all():
+            return None
+        ids = ids[0]
+        s, ks = self.stacks[layer], np.flatnonzero(~in_pool)
+        I = np.ascontiguousarray(ids[ks][None])
+        W = np.ascontiguousarray(weights[:, ks])
+        return ops.moe_ffn(s.gate, s.up, s.down, X, I, W, q8_act=self.q8_act, glu=s.glu)
+
+    def _account(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        """One token's routes ``ids`` [1, K] of ``layer`` against the pool: observed by the slot policy, the hits'
+        recency refreshed, hits and misses counted, the misses queued for upload after the token -> in the pool
+        bool [K]."""
         self.slots.observe(layer, ids)
         ids = ids[0]
         in_pool = self.pool.slots_h[layer, ids] >= 0  # one token's K experts are distinct
@@ -302,13 +336,14 @@ class CachedExperts(ExpertBackend):
             self.profiler.record_cache(layer, ids[in_pool], ids[~in_pool], {})
         for e in np.sort(ids[in_pool]):  # recency in :meth:`forward`'s order
             self.slots.hit((layer, int(e)))
-        if in_pool.all():
-            return None
         self.queue.extend((layer, int(e)) for e in np.sort(ids[~in_pool]))
-        s, ks = self.stacks[layer], np.flatnonzero(~in_pool)
-        I = np.ascontiguousarray(ids[ks][None])
-        W = np.ascontiguousarray(weights[:, ks])
-        return ops.moe_ffn(s.gate, s.up, s.down, X, I, W, q8_act=self.q8_act, glu=s.glu)
+        return in_pool
+
+    def routed(self, layers: np.ndarray, routes: np.ndarray) -> None:
+        """A decode step's routes [n, K] of ``layers`` whose experts all ran inside it (:meth:`_bus`), taken after the
+        step as :meth:`host_part` takes a cut layer's: the same accounting, nothing left to compute."""
+        for j, i in enumerate(layers):
+            self._account(int(i), routes[j : j + 1])
 
     def settle(self) -> None:
         self.pool.drain()

@@ -21,7 +21,10 @@ steps). Until then those experts are misses, computed on the CPU; nothing the de
 
 from __future__ import annotations
 
+import logging
+import mmap
 import os
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -32,6 +35,8 @@ from engine.plan.sizing import SlotLayout
 from engine.profiler import ExpertProfiler
 from engine.runtime.device import DeviceArena, raw_bytes
 from engine.runtime.slot_policies import DEFAULT_SLOT_POLICY, make_slots
+
+log = logging.getLogger(__name__)
 
 ROLES = ("gate", "up", "down")
 BACKGROUND_RING = 16  # pinned staging rows of the background uploads (each reused once its copy has landed)
@@ -338,3 +343,75 @@ class ExpertPool:
             self._copies_done = torch.cuda.Event()
             self._copies_done.record(self._copy_stream)
             self._staged = 0
+
+
+class HostMirror:
+    """Every expert of ``layers`` in host memory at the pool's slot layout (page-locked on CUDA), for the fused
+    kernels to read where the pool lacks an expert (a cache miss computed on the device, its bytes read over the
+    bus: zero-copy). :attr:`offsets_dev` int64 [layers, E] is each expert's byte offset from the pool's base (its
+    host address less the pool's), the kind of offset the kernels take for a slot; −1 for layers not mirrored.
+
+    :meth:`build` returns None (and says why) where the machine's available memory cannot hold the copy."""
+
+    MARGIN = 2 << 30  # host memory left free beside the copy
+
+    def __init__(self, pool: ExpertPool, layers: list[int]):
+        self.layers = sorted(layers)
+        stacks, lay = pool.stacks, pool.layout
+        n_exp = max(stacks[i].gate.n_experts for i in self.layers)
+        self.nbytes = len(self.layers) * n_exp * lay.stride
+        self._map = mmap.mmap(-1, self.nbytes)  # anonymous, page-aligned
+        self.buf = np.frombuffer(self._map, dtype=np.uint8).reshape(len(self.layers), n_exp, lay.stride)
+        jobs = []
+        for j, i in enumerate(self.layers):
+            for r in ROLES:
+                src = pool.expert_bytes[(i, r)]  # uint8 [E, role bytes] of the memory map
+                off = lay.role_offset[r]
+                jobs.append((self.buf[j, : src.shape[0], off : off + src.shape[1]], src))
+        with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="sharpi-mirror") as ex:
+            for f in [ex.submit(np.copyto, d, s) for d, s in jobs]:
+                f.result()
+        if pool.device.type == "cuda":
+            err = torch.cuda.cudart().cudaHostRegister(self.buf.ctypes.data, self.nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of the experts' host copy failed: {err}")
+        # Unregistered (after the device's work) before the map can go: when the mirror is collected, or at close.
+        self._release = weakref.finalize(self, _release_mirror, self._map, pool.device.type == "cuda")
+        base = self.buf.ctypes.data - pool.pool.data_ptr()
+        table = np.full((max(self.layers) + 1, n_exp), -1, dtype=np.int64)
+        for j, i in enumerate(self.layers):
+            table[i] = base + (j * n_exp + np.arange(n_exp, dtype=np.int64)) * lay.stride
+        self.offsets_dev = torch.from_numpy(table).to(pool.device)
+
+    @classmethod
+    def build(cls, pool: ExpertPool, layers: list[int], available: int | None) -> HostMirror | None:
+        """The mirror of ``layers`` (None where there are none, or ``available`` host bytes cannot hold it)."""
+        if not layers:
+            return None
+        n_exp = max(pool.stacks[i].gate.n_experts for i in layers)
+        need = len(layers) * n_exp * pool.layout.stride
+        if available is not None and need + cls.MARGIN > available:
+            log.warning(
+                "expert cache: misses stay on the CPU — their host copy needs %.1f GiB, %.1f GiB available",
+                need / 2**30, available / 2**30,
+            )  # fmt: skip
+            return None
+        return cls(pool, layers)
+
+    def close(self) -> None:
+        """Unregister and free the copy (the device must no longer read it)."""
+        self.buf = None
+        self._release()
+
+
+def _release_mirror(m: mmap.mmap, registered: bool) -> None:
+    if registered:
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(np.frombuffer(m, dtype=np.uint8).ctypes.data)
+        except RuntimeError:  # CUDA already shut down (interpreter exit): the process's memory goes with it
+            return
+    try:
+        m.close()
+    except BufferError:  # a view of it still lives: the map goes with the last one
+        pass

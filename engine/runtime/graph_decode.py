@@ -183,6 +183,15 @@ class GraphDecode:
         self._cut_moe = np.asarray(cut, np.int64)
         self._cut_routes = np.zeros((len(cut), K), np.int64)
         self._cut_backends = list({id(b): b for b in (model.experts_of(i) for i in cut)}.values())
+        # Layers inside the graph whose misses were read over the bus: their routes go to their backend after the
+        # step (counted, the misses queued for upload), not recorded as the resident pool's all-hits.
+        bus = np.array([model.experts_of(int(i)).step_plan(int(i)).bus for i in self.moe_layers], bool)
+        self._bus = bus if bus.any() else None
+        owners = {id(model.experts_of(int(i))): model.experts_of(int(i)) for i in self.moe_layers[bus]}
+        self._bus_backends = [  # (backend, the rows of the step's routes that are its layers')
+            (b, np.array([id(model.experts_of(int(i))) == k for i in self.moe_layers], bool) & bus)
+            for k, b in owners.items()
+        ]
         self._stream = None  # the stream a step runs on (looked up once a step: the lookup costs ~50 µs)
         self._fused = kernel_select.step_kernels(device, options)  # few, larger launches for the glue between matrices
         self._consts: dict = {}  # DeviceStepOps' values made once (outside any capture)
@@ -357,9 +366,16 @@ class GraphDecode:
         self.last_total = float(self._total_h[0])
         self.steps += 1
         self._stream = None
-        self._record(self._routes_h.numpy().copy(), self.moe_layers, hits=True)  # the resident pool: all hits
+        routes = self._routes_h.numpy().copy()
+        if self._bus is None:
+            self._record(routes, self.moe_layers, hits=True)  # the resident pool: all hits
+        else:
+            self._record(routes[~self._bus], self.moe_layers[~self._bus], hits=True)
+            self._record(routes[self._bus], self.moe_layers[self._bus], hits=False)
+            for b, rows in self._bus_backends:
+                b.routed(self.moe_layers[rows], routes[rows])
         self._record(self._cut_routes.copy(), self._cut_moe, hits=False)
-        for b in self._cut_backends:
+        for b in {id(b): b for b in (*self._cut_backends, *(b for b, _ in self._bus_backends))}.values():
             b.end_step()
         return logits
 

@@ -62,7 +62,7 @@ if triton is not None:
         qb.pdl_enter(PDL)  # SLOT comes from the routing kernel (the down kernel may read it once released)
         q = tl.program_id(1)
         slot = tl.load(SLOT + q)
-        if slot >= 0:
+        if slot != -1:
             rows = tl.program_id(0) * BR + tl.arange(0, BR)
             rmask = rows < F
             xrow = X + (q // K).to(tl.int64) * D
@@ -91,8 +91,8 @@ if triton is not None:
         q = t * K + k
         slot = tl.load(SLOT + q, mask=k < K, other=-1)
         wt = tl.load(WT + q, mask=k < K, other=0.0)
-        kb1 = tl.where(slot >= 0, nb, 0)
-        rowoff = tl.multiple_of(tl.maximum(slot, 0), 16) + do + rows.to(tl.int64) * row_bytes
+        kb1 = tl.where(slot != -1, nb, 0)
+        rowoff = tl.multiple_of(tl.where(slot != -1, slot, 0), 16) + do + rows.to(tl.int64) * row_bytes
         return qb.acc_rows(
             acc3, W, rowoff, rmask, 0, kb1, Hh + q.to(tl.int64) * F, wt, QT, TS, QK, PW, NPART, ALIGN, NB, STEPS
         )
@@ -199,7 +199,9 @@ def moe_decode(
     """Σ_k weights[t, k] · down(SiLU(gate·x_t) · up·x_t) over the experts whose slot is given.
 
     pool uint8 [n_slots·stride] (flat or [n_slots, stride]); slot_off int64 [T, K] byte offset of
-    each pair's slot (−1: skip the pair); x float32 [T, D]; weights float32 [T, K];
+    each pair's slot from the pool's base (−1: skip the pair; any other value is read, also one that points
+    outside the pool — at an expert's page-locked host copy, read over the bus: ``expert_pool.HostMirror``);
+    x float32 [T, D]; weights float32 [T, K];
     roles: {"gate"|"up"|"down": (byte offset in the slot, qtype, rows, n)} -> float32 [T, D].
     act: "q8" | "f32" | None (``kernel_select.act_mode``). The launches are ``kernel_select.moe_kernels``':
     in q8 mode, gate and up Q4_K, the lean kernels of triton_q4k_moe (down Q4_K: all lean; else h in float

@@ -182,7 +182,7 @@ if triton is not None:
         [2·NB, BR] tiles: a row's half-blocks on the fastest lanes (a row's sum stays in the warp), a
         thread holds the gate and the up half of its (half-block, row) and loads their activations once."""
         slot = tl.load(SLOT + q)
-        if slot >= 0:
+        if slot != -1:
             rows = r0 + tl.arange(0, BR)
             t = q // K
             e = tl.arange(0, 2 * NB)
@@ -224,7 +224,7 @@ if triton is not None:
         hv = lc % 2
         q = t * K + e // NL
         slot = tl.load(SLOT + q)
-        keep = (lane < 2 * NBF) & (slot >= 0)
+        keep = (lane < 2 * NBF) & (slot != -1)
         return b, hv, q, slot, keep, tl.load(WT + q)
 
     @triton.jit
@@ -246,7 +246,10 @@ if triton is not None:
         NL: tl.constexpr = triton.next_power_of_2(2 * NBF)
         b, hv, q, slot, keep, wk = _down_lanes(SLOT, WT, t, tl.arange(0, K * NL), K, NBF)
         zp = tl.zeros([K * NL, BR], dtype=tl.int32)
-        P = W32 + (tl.multiple_of((tl.maximum(slot, 0) + do) // 4 + b * BLOCK_WORDS, 4)[:, None] + (rows * RW)[None, :])
+        P = W32 + (
+            tl.multiple_of((tl.where(slot != -1, slot, 0) + do) // 4 + b * BLOCK_WORDS, 4)[:, None]
+            + (rows * RW)[None, :]
+        )
         hs = hv[:, None] + zp
         X = HQ + (zp + (q * (64 * NBF) + b * 64 + hv * 32)[:, None])
         XDp = HD + (zp + (q * (8 * NBF) + b * 8 + hv * 4)[:, None])
@@ -265,7 +268,7 @@ if triton is not None:
         r0 = tl.program_id(0) * BR
         slot = tl.load(SLOT + q)
         rows = r0 + tl.arange(0, BR)
-        if slot >= 0:
+        if slot != -1:
             t = q // K
             e = tl.arange(0, 2 * NB)[None, :]
             b = e // 2
@@ -296,7 +299,9 @@ if triton is not None:
         rows = r0 + tl.arange(0, BR)
         NL: tl.constexpr = triton.next_power_of_2(2 * NBF)
         b, hv, q, slot, keep, wk = _down_lanes(SLOT, WT, t, tl.arange(0, K * NL)[None, :], K, NBF)
-        P = W32 + (tl.multiple_of((tl.maximum(slot, 0) + do) // 4 + b * BLOCK_WORDS, [1, 4]) + rows[:, None] * RW)
+        P = W32 + (
+            tl.multiple_of((tl.where(slot != -1, slot, 0) + do) // 4 + b * BLOCK_WORDS, [1, 4]) + rows[:, None] * RW
+        )
         X = HQ + q * (64 * NBF) + b * 64 + hv * 32
         XDp = HD + q * (8 * NBF) + b * 8 + hv * 4
         XSp = HS + q * (16 * NBF) + b * 16 + hv * 8

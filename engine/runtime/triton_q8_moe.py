@@ -40,7 +40,7 @@ if triton is not None:
         qb.pdl_enter(PDL)  # SLOT comes from the routing kernel (the down kernel may read it once released)
         q = tl.program_id(1)
         slot = tl.load(SLOT + q)
-        if slot >= 0:
+        if slot != -1:
             rows = tl.program_id(0) * BR + tl.arange(0, BR)
             rmask = rows < F
             base = tl.multiple_of(slot, 16)
@@ -74,8 +74,8 @@ if triton is not None:
         q = t * K + k
         slot = tl.load(SLOT + q, mask=k < K, other=-1)
         wt = tl.load(WT + q, mask=k < K, other=0.0)
-        kb1 = tl.where(slot >= 0, nb, 0)
-        rowoff = tl.multiple_of(tl.maximum(slot, 0), 16) + do + rows.to(tl.int64) * row_bytes
+        kb1 = tl.where(slot != -1, nb, 0)
+        rowoff = tl.multiple_of(tl.where(slot != -1, slot, 0), 16) + do + rows.to(tl.int64) * row_bytes
         xr = q.to(tl.int64) + tl.zeros([1], dtype=tl.int64)
         return t8.walk(acc, accb, W, W32, rowoff, rmask, 0, kb1, HQ, HD, HS, xr, nh32, xr >= 0,
                        wt + tl.zeros([1], dtype=tl.float32), QT, TS, QK, NW, ALIGN, NB, STEPS, ASM)  # fmt: skip

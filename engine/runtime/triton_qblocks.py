@@ -287,7 +287,7 @@ if triton is not None:
         −1: none). SLOT must be final before this kernel's PDL wait (see pdl_enter)."""
         for j in tl.static_range(PER):
             slot = tl.load(SLOT + t * K + k0 + j, mask=k0 + j < K, other=-1)
-            prefetch_rows(W, tl.maximum(slot, 0) + roff, r0, tl.where(slot >= 0, R, 0), BR, row_bytes, NT)
+            prefetch_rows(W, tl.where(slot != -1, slot, 0) + roff, r0, tl.where(slot != -1, R, 0), BR, row_bytes, NT)
 
     @triton.jit
     def pdl_enter(PDL: tl.constexpr):

@@ -133,9 +133,6 @@ def test_streamed_prompt_through_the_grouped_kernel_on_cuda(tmp_path):
     through the side-stream copies; exact-float kernels (float32 prompt operands: SHARPI_PREFILL_PRECISION=f32)
     against the exact-float CPU engine. CUDA's default bfloat16 operands are held to their references in
     tests/triton/test_prefill.py."""
-    from dataclasses import replace
-
-    from engine import config
     from engine.api import LoadOptions, Session
     from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
     from engine.synth.writer import write_model
@@ -225,6 +222,94 @@ def test_resident_prompt_stays_on_the_device_and_records_its_routes(tmp_path, de
         assert np.abs(got - ref).max() <= 1e-4 * max(1.0, float(np.abs(ref).max()))
         assert st.calls.sum(1).tolist() == [len(tokens) * K] * L
         assert st.hits.sum() == len(tokens) * K * L and st.misses.sum() == 0
+
+
+def test_bus_misses_are_read_from_the_host_copy(tmp_path, device):
+    """``cache_misses="bus"`` (interpreter and CUDA): the cache's device half computes every pair — the pool's hits
+    and, from the experts' host copy (``HostMirror``, page-locked on CUDA), its misses — equal to the CPU backend,
+    with the pool empty, then holding some of the experts; the routes taken after the step queue the misses."""
+    from engine.api import LoadOptions, Session
+    from engine.experts import CpuExperts
+    from engine.plan import expert_slot_layout
+    from engine.runtime.device import DeviceArena
+    from engine.runtime.expert_cache import CachedExperts
+    from engine.synth.writer import write_model
+
+    path = write_model(tmp_path / "q.gguf", "qwen3moe", seed=4, layers=2, weight_type="Q4_K",
+                       type_overrides={"*ffn_down*": "Q6_K"}).path  # fmt: skip
+    with Session.load(str(path), LoadOptions(n_ctx=32, device=device, q8_act=False)) as s:
+        a = s.args
+        L, E, K, D = a.n_layer, a.n_expert, a.n_expert_used, a.n_embd
+        stacks = s.model.expert_stacks()
+        host = CpuExperts(stacks, q8_act=False)
+        opts = replace(config.current(), cache_misses="bus", device_act="f32", cache_upload="inline")
+        c = CachedExperts(stacks, set(range(L)), DeviceArena(device, None), expert_slot_layout(s.spec), 3,
+                          q8_act=False, options=opts)  # fmt: skip
+        assert c.mirror is not None and all(c.step_plan(i).bus and not c.step_plan(i).host for i in range(L))
+        rng = np.random.default_rng(3)
+        for layer in range(L):
+            ids = torch.from_numpy(rng.permutation(E)[:K][None].astype(np.int64))
+            if layer == 1:  # two of the token's experts in the pool: hits beside the misses
+                for e in ids[0, :2].tolist():
+                    assert c.pool.upload(layer, e, set())
+                c.pool.sync()
+                c.pool.refresh_table()
+            x = torch.from_numpy(rng.standard_normal((1, D)).astype(np.float32))
+            w = torch.from_numpy(rng.random((1, K)).astype(np.float32))
+            got = c.device_part(layer, x.to(device), ids.to(device), w.to(device)).cpu()
+            ref = host.forward(layer, x, ids, w)
+            err = ((got - ref).norm() / ref.norm()).item()
+            assert err < TOL * 10, (layer, err)
+            c.routed(np.array([layer]), ids.numpy())
+            assert len(c.queue) == (K if layer == 0 else 2 * K - 2)
+        c.mirror.close()
+
+
+@pytest.mark.cuda
+@CUDA_ONLY
+def test_cache_misses_read_over_the_bus_inside_the_step(tmp_path, monkeypatch):
+    """``cache_misses="bus"`` on CUDA: a decode step computes the expert cache's misses on the device, the fused
+    kernels reading them from the experts' page-locked host copy — every MoE layer inside one captured graph
+    segment, no host half (``host_part`` never runs) — and gives the CPU engine's logits; the misses are still
+    counted, and uploaded after their step. (A whole session is minutes in the interpreter: the test above holds
+    the device half there.)"""
+    device = DEVICE
+    from engine.api import LoadOptions, Session
+    from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
+    from engine.runtime.expert_cache import CachedExperts
+    from engine.synth.writer import write_model
+    from tests.oracle import random_tokens
+
+    def no_host_half(*a, **k):
+        raise AssertionError("a bus layer ran a host half")
+
+    CTX = 32
+    path = write_model(tmp_path / "q.gguf", "qwen3moe", seed=4, layers=2, weight_type="Q4_K",
+                       type_overrides={"*ffn_down*": "Q6_K"}).path  # fmt: skip
+    tokens = random_tokens(10, 1024, seed=8)
+    with (
+        config.overriding(device_act="f32", cache_misses="bus", cache_upload="inline"),
+        Session.load(str(path), LoadOptions(n_ctx=CTX, device=device, q8_act=False)) as s,
+    ):
+        ref = s.logits(tokens, batch=False)
+        L = s.args.n_layer
+        need = device_bytes(s.spec, n_gpu_layers=L, ctx=CTX, kv_type="f32", reserve=0).total
+        prof = DeviceProfile(vram_bytes=need + 3 * expert_slot_layout(s.spec).stride, reserve_bytes=0)
+        s.apply(s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe="cache"), prof))
+        cached = s.applied.experts
+        assert isinstance(cached, CachedExperts) and cached.mirror is not None
+        assert all(cached.step_plan(i).bus and not cached.step_plan(i).host for i in range(L))
+        monkeypatch.setattr(CachedExperts, "host_part", no_host_half)
+        s.reset_stats()
+        got = s.logits(tokens, batch=False)
+        g = s.model.decode_graph
+        assert g is not None and len(g.segments) == 1 and g.steps == len(tokens)
+        err = np.abs(got - ref).max() / np.abs(ref).max()
+        assert err <= TOL * 10, err
+        st = s.stats()
+        assert st.misses.sum() > 0 and st.hits.sum() > 0, (st.hits.sum(), st.misses.sum())
+        assert st.hits.sum() + st.misses.sum() == st.calls.sum()
+        assert cached.uploaded_bytes > 0
 
 
 @pytest.mark.cuda

@@ -202,7 +202,8 @@ def test_static_step_with_rounded_kv(paths, name, kv_type):
     a value on a rounding edge and it rounds the other way (one storage step; which values do depends
     on the processor's float32 kernels). Logits agree to float32 order while the stored caches are
     equal, and to 1e-4 of the logits' scale where a few values rounded apart (one bf16 step in two stored
-    values moved a qwen2moe file's logits, ~4 in size, by 1.4e-4)."""
+    values moved a qwen2moe file's logits, ~4 in size, by 1.4e-4). Float32 order is relative: 1e-5 of the logits' scale
+    (on an Intel AMX machine a qwen3moe file's q8_0 caches stayed equal and its logits, ~3 in size, moved by 2.9e-5)."""
     tokens = random_tokens(N_TOKENS, 1024, seed=2)
     with Session.load(str(paths[name]), LoadOptions(n_ctx=CTX, device="cpu")) as s:
         eager, static, g = _both(s, whole(s, kv_type), tokens)
@@ -220,7 +221,7 @@ def test_static_step_with_rounded_kv(paths, name, kv_type):
                 step = torch.maximum(a.abs(), b.abs()) * 2.0**-7
                 assert ((a - b).abs() <= step).all()
         scale = max(1.0, float(np.abs(eager[0]).max()))
-        assert np.abs(static[0] - eager[0]).max() <= (1e-5 if apart == 0 else 1e-4 * scale)
+        assert np.abs(static[0] - eager[0]).max() <= (1e-5 if apart == 0 else 1e-4) * scale
         _same_routes_and_counts(eager, static)
 
 

@@ -50,10 +50,10 @@ SUPPORTED = (
     QType.IQ4_XS,
 )
 # The types whose kernels have been compiled and held to the references on a CUDA GPU; on a compiled device
-# kernel_select.fused serves only these (the others keep the torch references there until a CUDA run of
-# tests/triton checks them). Q2_K, Q3_K, Q5_0, MXFP4, IQ4_NL and IQ4_XS: held to the references in Triton's
-# interpreter (2026-11-28), not yet compiled on a GPU.
-CUDA_CHECKED = (QType.Q4_0, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K)
+# kernel_select.fused serves only these (a type added to SUPPORTED keeps the torch references there until a CUDA
+# run of tests/triton checks it). Q2_K, Q3_K, Q5_0, MXFP4, IQ4_NL and IQ4_XS: their expert cache and resident
+# experts through the fused and grouped kernels equal to the CPU engine on an H200 (2026-11-28, 261c5c3).
+CUDA_CHECKED = SUPPORTED
 # Per type: (type_size bytes, block elements QK, part width PW, parts NPART, ALIGN: the alignment
 # every block start has when the matrix starts 16-byte aligned, so loads can be that wide).
 GEOMETRY: dict[QType, tuple[int, int, int, int, int]] = {

@@ -25,7 +25,16 @@ from engine.generate.reasoning import model_format, template_messages
 from engine.gguf import open_gguf
 from engine.modelinfo import ModelInfo, describe
 from engine.models import check_model_file
-from engine.plan import DeviceProfile, ModelSpec, Placement, PlanRequest, default_ctx, plan, resolve_kv_type
+from engine.plan import (
+    DeviceProfile,
+    ModelSpec,
+    Placement,
+    PlanRequest,
+    default_ctx,
+    expert_slot_layout,
+    plan,
+    resolve_kv_type,
+)
 from engine.plan.ram import available_ram
 from engine.plan.sizing import HostLoad, host_load
 from engine.profiler import ProfilerSnapshot
@@ -34,6 +43,7 @@ from engine.routes import RouteRecorder, RouteTrace
 from engine.routes.replay import RouteReplayer
 from engine.runtime.apply import Applied, apply_placement
 from engine.runtime.device import cuda_reserve
+from engine.runtime.expert_pool import misses_over_bus
 from engine.runtime.threads import host_threads, use_host_threads
 from engine.tokenizer.chat import RenderCancelled
 
@@ -514,6 +524,11 @@ class Session:
             request = replace(request, cuda_graphs=self.engine_options.cuda_graph != "off")
         if request.prompt_stream is None:
             request = replace(request, prompt_stream=self.engine_options.prompt_stream_min > 0)
+        if request.bus_misses is None:
+            moe = [lay for lay in self.spec.layers if lay.is_moe]
+            need = len(moe) * max((lay.n_expert for lay in moe), default=0) * expert_slot_layout(self.spec).stride
+            bus = misses_over_bus(self.engine_options.cache_misses, self.device.type, need, available_ram())
+            request = replace(request, bus_misses=bus)
         return plan(self.spec, profile or self.device_profile(), request)
 
     def apply(self, placement: Placement, engine: EngineOptions | None = None) -> None:

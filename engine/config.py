@@ -88,7 +88,7 @@ CACHE_UPLOADS = ("background", "inline")
 # The expert cache's slot policies (engine.runtime.slot_policies.SLOT_POLICIES; tests/test_config.py holds them
 # equal) and the default, the policy `sharpi bench cache` calls default.
 CACHE_POLICIES = ("lru", "slru", "dlfu")
-CACHE_MISSES = ("cpu", "bus")  # EngineOptions.cache_misses
+CACHE_MISSES = ("auto", "cpu", "bus")  # EngineOptions.cache_misses
 HIT_CURVES = ("zipf", "synthetic")  # EngineOptions.hit_curve
 DEFAULT_CACHE_POLICY = "dlfu"
 MTP_AUTO_DRAFTS = 2  # EngineOptions.mtp None (auto): drafts per step where the file has an MTP head
@@ -186,12 +186,14 @@ class EngineOptions:
     # It changes where experts are computed, never the result.
     cache_policy: str = DEFAULT_CACHE_POLICY
     # SHARPI_CACHE_MISSES: where a decode step computes the expert cache's misses (``cache`` mode, CUDA graphs):
-    # "cpu" (default) — the CPU kernels between graph segments (each layer with a host half cuts the step) — or
-    # "bus" — on the GPU, the fused kernels reading the missed expert's bytes from a page-locked host copy of
-    # every cached layer's experts over PCIe (zero-copy), so the step is one graph with no host round trip
-    # (``engine.runtime.expert_pool.HostMirror``; it costs host memory the size of those experts, refused where
-    # the machine's available memory cannot hold it). It changes where experts are computed, never the result.
-    cache_misses: str = "cpu"
+    # "bus" — on the GPU, the fused kernels reading the missed expert's bytes from a page-locked host copy of every
+    # cached layer's experts over PCIe (zero-copy), so the step is one graph with no host round trip
+    # (``engine.runtime.expert_pool.HostMirror``; it costs host memory the size of those experts) — or "cpu" — the
+    # CPU kernels between graph segments (each cached layer cuts the step). "auto" (default): bus on a CUDA device
+    # whose available host memory holds the copy, else cpu. Measured on an H200 at 12 GiB under a realistic routing
+    # trace: 86.8 tok/s over the bus against 66.6 with CPU misses (docs/benchmarks.md). It changes where experts are
+    # computed, never the result.
+    cache_misses: str = "auto"
     # SHARPI_PROMPT_STREAM_MIN: tokens from which a batch copies the host-placed experts of a device layer
     # (--moe cpu, the first n_cpu_moe layers) to the device and computes them there, as llama.cpp does
     # above 32 (engine.runtime.expert_stream; whole number ≥ 0; 0: never, and the planner reserves no

@@ -66,6 +66,8 @@ def test_an_empty_environment_gives_the_documented_defaults():
         ("SHARPI_DATA_DIR", "/tmp/chats", "data_dir", Path("/tmp/chats")),
         ("SHARPI_ROUTES_DIR", "/tmp/routes", "routes_dir", Path("/tmp/routes")),
         ("SHARPI_HIT_CURVE", "Synthetic", "hit_curve", "synthetic"),
+        ("SHARPI_CACHE_MISSES", "Bus", "cache_misses", "bus"),
+        ("SHARPI_CACHE_MISSES", "cpu", "cache_misses", "cpu"),
         ("SHARPI_REASONING", "Off", "reasoning", "off"),
         ("SHARPI_REASONING", "harmony", "reasoning", "harmony"),
         ("SHARPI_ENGINE_NICE", "0", "engine_nice", 0),

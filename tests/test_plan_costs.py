@@ -201,3 +201,39 @@ def test_graph_steps_only_where_the_runtime_captures_them():
     for graphs, counted in ((None, 4), (True, 4), (False, 0)):
         got = plan(spec, roomy, replace(req, cuda_graphs=graphs)).predictions["resident"]
         assert got.overhead_counts["graph_layer_us"] == counted, graphs
+
+
+def test_bus_misses_are_priced_as_bus_reads_inside_the_graph():
+    """``bus_misses`` (EngineOptions.cache_misses, PlanRequest.bus_misses): a cache miss's bytes are read by the
+    device over the bus at ``bus_read_gbps`` and uploaded after, with no CPU bytes, no crossing and no CPU-expert
+    round trip per layer — only inside a graph step (graphs off: the misses stay on the CPU)."""
+    spec = _spec(4)
+    prof = DeviceProfile(expert_skew=0.0)
+    kw = dict(mode="cache", n_gpu_layers=4, expert_slots=8, kv_type="f32", position=50)  # 8 of 32: h = 0.25
+    cpu, bus = predict(spec, prof, **kw), predict(spec, prof, bus_misses=True, **kw)
+    missed = cpu.bytes_by_link["h2d"]  # (1 - h) of the experts' bytes, uploaded in both
+    assert missed > 0 and bus.bytes_by_link["bus"] == pytest.approx(missed) and bus.bytes_by_link["h2d"] == missed
+    assert bus.bytes_by_link["cpu"] == cpu.bytes_by_link["cpu"] - missed  # the misses' CPU bytes are gone
+    assert bus.seconds_by_link["bus"] == pytest.approx(missed / (prof.bus_read_gbps * 1e9))
+    assert bus.overhead_counts["cpu_experts_layer_us"] == 0 and cpu.overhead_counts["cpu_experts_layer_us"] > 0
+    assert bus.overhead_counts["miss_us"] == cpu.overhead_counts["miss_us"]
+    assert bus.seconds_by_link["sync"] < cpu.seconds_by_link["sync"]
+    slow = predict(spec, replace(prof, bus_read_gbps=0.01), bus_misses=True, **kw)
+    assert slow.seconds > bus.seconds  # priced by the bus's rate
+    eager = predict(spec, prof, bus_misses=True, graphs=False, **kw)
+    assert eager.bytes_by_link["bus"] == 0 and eager.seconds == predict(spec, prof, graphs=False, **kw).seconds
+    assert DeviceProfile.from_dict(replace(prof, bus_read_gbps=26.0).to_dict()).bus_read_gbps == 26.0
+    with pytest.raises(PlanError):
+        DeviceProfile(bus_read_gbps=0)
+
+
+def test_misses_go_over_the_bus_where_the_host_holds_their_copy():
+    """``EngineOptions.cache_misses``: "bus" always; "cpu" never; "auto" on a CUDA device whose available host
+    memory holds the experts' copy and the margin beside it."""
+    from engine.runtime.expert_pool import HostMirror, misses_over_bus
+
+    need, m = 16 * GiB, HostMirror.MARGIN
+    assert misses_over_bus("bus", "cpu", need, 0) and not misses_over_bus("cpu", "cuda", need, None)
+    assert misses_over_bus("auto", "cuda", need, need + m) and misses_over_bus("auto", "cuda", need, None)
+    assert not misses_over_bus("auto", "cuda", need, need + m - 1)
+    assert not misses_over_bus("auto", "cpu", need, 1 << 50)  # the simulated device keeps CPU misses

@@ -451,6 +451,7 @@ def predicted_at(session, placement, mode: str, position: int, observed_hit_rate
         n_cpu_moe=p.n_cpu_moe,
         observed_hit_rate=observed_hit_rate if mode == "cache" else None,
         graphs=session.engine_options.cuda_graph != "off",  # as the session's steps run
+        bus_misses=getattr(getattr(session.applied, "experts", None), "mirror", None) is not None,  # as its misses run
     )
     return pred.tok_s
 

@@ -154,6 +154,7 @@ def predict(
     n_cpu_moe: int = 0,
     observed_hit_rate: float | None = None,
     graphs: bool = True,
+    bus_misses: bool = False,
 ) -> Prediction:
     """Cost of decoding one token at ``position`` for the placement described by the arguments.
 
@@ -163,6 +164,8 @@ def predict(
     the profiler's) for every cache layer instead of the Zipf model's. graphs: whether the runtime
     runs one-token steps as CUDA graphs where :func:`graph_step` holds (the default; off when
     ``EngineOptions.cuda_graph`` is "off" — the caller says so; the planner plans for a CUDA device).
+    bus_misses: in mode cache with graphs, the misses are computed on the device, read from the host over the bus
+    (``EngineOptions.cache_misses``): their bytes at ``bus_read_gbps``, no host half and no crossing per layer.
     """
     L = spec.n_layer
     n = max(0, min(n_gpu_layers, L))
@@ -189,6 +192,7 @@ def predict(
     b_trunk += spec.token_embd_bytes / max(1, spec.n_vocab)
     b_cpu = 0.0
     b_h2d = 0.0
+    b_bus = 0.0
     n_sync = 2.0 if n else 0.0
     counts = dict.fromkeys(OVERHEAD_FIELDS, 0.0)
     counts["token_us"] = 1.0
@@ -227,6 +231,12 @@ def predict(
         elif mode == RESIDENT:
             b_dev += read
             counts["cache_layer_us"] += 0 if graph else 1
+        elif bus_misses and graph:  # every expert inside the step; the misses read over the bus, then uploaded
+            h = h_by_e[lay.n_expert]
+            b_dev += h * read
+            b_bus += (1 - h) * read
+            b_h2d += (1 - h) * read
+            counts["miss_us"] += K * (1 - h)
         else:
             h = h_by_e[lay.n_expert]
             b_dev += h * read
@@ -241,6 +251,7 @@ def predict(
         "device": b_dev / (profile.device_gbps * 1e9),
         "cpu": b_cpu / (profile.cpu_expert_gbps * 1e9) + b_trunk / (profile.trunk_gbps * 1e9),
         "h2d": b_h2d / (profile.h2d_gbps * 1e9),
+        "bus": b_bus / (profile.bus_read_gbps * 1e9),
         "sync": n_sync * profile.sync_us * 1e-6,
         "fixed": sum(c * getattr(profile, f) for f, c in counts.items()) * 1e-6,
     }
@@ -248,7 +259,7 @@ def predict(
         mode=mode,
         seconds=sum(secs.values()),
         hit_rate=h_mean,
-        bytes_by_link={"device": b_dev, "cpu": b_cpu + b_trunk, "h2d": b_h2d, "cpu_trunk": b_trunk},
+        bytes_by_link={"device": b_dev, "cpu": b_cpu + b_trunk, "h2d": b_h2d, "bus": b_bus, "cpu_trunk": b_trunk},
         seconds_by_link=secs,
         overhead_counts=counts,
     )

@@ -65,6 +65,9 @@ class PlanRequest:
     from its options when None); None plans with graphs.
     prompt_stream: whether long prompts stream the host experts of device layers to the device
     (``EngineOptions.prompt_stream_min`` > 0; ``Session.plan`` fills it in when None); None plans with it.
+    bus_misses: whether the expert cache's decode misses are computed on the device over the bus
+    (``EngineOptions.cache_misses``, ``expert_pool.misses_over_bus``; ``Session.plan`` fills it in when None);
+    None plans them on the CPU.
     """
 
     ctx: int = 4096
@@ -76,6 +79,7 @@ class PlanRequest:
     position: int | None = None
     cuda_graphs: bool | None = None
     prompt_stream: bool | None = None
+    bus_misses: bool | None = None
 
 
 def resolve_moe(moe: str = AUTO, cpu_moe: bool = False, env_cpu_moe: bool | None = None) -> tuple[str, str]:
@@ -219,6 +223,7 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
             expert_slots=slots,
             n_cpu_moe=cpu_moe,
             graphs=request.cuda_graphs is not False,
+            bus_misses=bool(request.bus_misses),
         )
 
     if not spec.is_moe:

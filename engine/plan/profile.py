@@ -23,6 +23,10 @@ DEFAULT_VRAM = 12 * GiB  # the target card class
 DEFAULT_RESERVE = 512 * MiB  # CUDA context, cuBLAS workspace, allocator slack
 DEFAULT_CPU_EXPERT_GBPS = 20.0  # host reading quantized weights while computing (DDR4/DDR5 desktop)
 DEFAULT_H2D_GBPS = 22.0  # PCIe 4.0 x16, expert-sized copies
+# The fused kernels reading a missed expert from page-locked host memory over the bus (cache_misses "bus"): about
+# half the bus's copy rate — 24–28 GB/s against 55 for pinned copies on an H200 box's PCIe 5 link
+# (labs/zero_copy_misses.py, 2026-11-28); a PCIe 4 desktop gets about half of that.
+DEFAULT_BUS_READ_GBPS = 13.0
 DEFAULT_DEVICE_GBPS = 400.0  # GDDR6X mid-range card, effective
 DEFAULT_SYNC_US = 10.0  # one host↔device round trip (launch + synchronise + small copy)
 # Fixed costs, microseconds: `sharpi bench calibrate` on an H100 box (16 cores; two calibrations, rounded
@@ -44,7 +48,7 @@ DEFAULT_GRAPH_LAYER_US = 20.0
 # published hit-rate anchors fit; see costmodel.hit_rate.
 DEFAULT_SKEW = 0.8
 
-_GBPS_FIELDS = ("cpu_expert_gbps", "h2d_gbps", "device_gbps")
+_GBPS_FIELDS = ("cpu_expert_gbps", "h2d_gbps", "bus_read_gbps", "device_gbps")
 # Fixed-cost fields, in the order of docs/planner.md; the cost model counts one event of each per
 # token (Prediction.overhead_counts) and charges count × field µs.
 OVERHEAD_FIELDS: tuple[str, ...] = (
@@ -71,6 +75,8 @@ class DeviceProfile:
     cpu_trunk_gbps: host GB/s for the other bytes a host layer reads (attention and shared matrices, the
         output matrix, K/V rows); None: ``cpu_expert_gbps`` (what a profile without it has always meant).
     h2d_gbps: host→device copy GB/s (expert uploads on cache misses).
+    bus_read_gbps: GB/s at which the device's kernels read page-locked host memory (the expert cache's misses
+        computed on the device over the bus, ``EngineOptions.cache_misses``).
     device_gbps: device memory GB/s (trunk, KV and cached experts read per token).
     sync_us: cost of one host↔device crossing in microseconds.
     token_us: fixed cost of one decode step (embedding, sampling, logits copy, loop Python).
@@ -102,6 +108,7 @@ class DeviceProfile:
     cpu_expert_gbps: float = DEFAULT_CPU_EXPERT_GBPS
     cpu_trunk_gbps: float | None = None
     h2d_gbps: float = DEFAULT_H2D_GBPS
+    bus_read_gbps: float = DEFAULT_BUS_READ_GBPS
     device_gbps: float = DEFAULT_DEVICE_GBPS
     sync_us: float = DEFAULT_SYNC_US
     token_us: float = DEFAULT_TOKEN_US
@@ -195,6 +202,7 @@ _LABELS: dict[str, tuple[str, str]] = {
     "cpu_expert_gbps": ("CPU experts", "GB/s"),
     "cpu_trunk_gbps": ("CPU trunk", "GB/s"),
     "h2d_gbps": ("host→device", "GB/s"),
+    "bus_read_gbps": ("bus read", "GB/s"),
     "device_gbps": ("device", "GB/s"),
     "sync_us": ("sync", "µs"),
     "expert_skew": ("skew", ""),

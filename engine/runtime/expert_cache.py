@@ -113,8 +113,9 @@ class CachedExperts(ExpertBackend):
         self._late_routes: list[tuple[int, torch.Tensor]] = []  # resident layers' routes still being copied out
         # The misses computed on the device over the bus (EngineOptions.cache_misses "bus"): the experts' host copy.
         self.mirror: HostMirror | None = None
-        if self.options.cache_misses == "bus" and layer_layouts is None and upload == "async":
-            self.mirror = HostMirror.build(self.pool, [i for i in sorted(layers) if self._fused[i]], available_ram())
+        if self.options.cache_misses != "cpu" and layer_layouts is None and upload == "async":
+            fused = [i for i in sorted(layers) if self._fused[i]]
+            self.mirror = HostMirror.build(self.pool, fused, self.options.cache_misses, available_ram())
 
     def set_predictors(self, predictors: dict[int, tuple[int, Callable]]) -> None:
         """For predictive prefetch: {cached layer: (next cached layer, routing)}, where ``routing(x)`` maps this

@@ -345,6 +345,21 @@ class ExpertPool:
             self._staged = 0
 
 
+def mirror_bytes(stacks: dict[int, ExpertStacks], layers, stride: int) -> int:
+    """Host bytes of :class:`HostMirror` over ``layers`` of ``stacks`` at slot ``stride``."""
+    layers = list(layers)
+    return len(layers) * max((stacks[i].gate.n_experts for i in layers), default=0) * stride
+
+
+def misses_over_bus(mode: str, device_type: str, need: int, available: int | None) -> bool:
+    """Whether the expert cache computes a decode step's misses on the device over the bus
+    (``EngineOptions.cache_misses``): "bus"; "auto" on a CUDA device whose ``available`` host bytes hold the
+    copy's ``need`` with :attr:`HostMirror.MARGIN` beside it; never "cpu"."""
+    if mode == "bus":
+        return True
+    return mode == "auto" and device_type == "cuda" and (available is None or need + HostMirror.MARGIN <= available)
+
+
 class HostMirror:
     """Every expert of ``layers`` in host memory at the pool's slot layout (page-locked on CUDA), for the fused
     kernels to read where the pool lacks an expert (a cache miss computed on the device, its bytes read over the
@@ -353,7 +368,7 @@ class HostMirror:
 
     :meth:`build` returns None (and says why) where the machine's available memory cannot hold the copy."""
 
-    MARGIN = 2 << 30  # host memory left free beside the copy
+    MARGIN = 4 << 30  # host memory left free beside the copy
 
     def __init__(self, pool: ExpertPool, layers: list[int]):
         self.layers = sorted(layers)
@@ -384,13 +399,15 @@ class HostMirror:
         self.offsets_dev = torch.from_numpy(table).to(pool.device)
 
     @classmethod
-    def build(cls, pool: ExpertPool, layers: list[int], available: int | None) -> HostMirror | None:
-        """The mirror of ``layers`` (None where there are none, or ``available`` host bytes cannot hold it)."""
+    def build(cls, pool: ExpertPool, layers: list[int], mode: str, available: int | None) -> HostMirror | None:
+        """The mirror of ``layers`` where :func:`misses_over_bus` says so for ``mode`` (``cache_misses``) and the
+        ``available`` host bytes, else None (a "bus" asked for that does not fit is said in the log)."""
         if not layers:
             return None
-        n_exp = max(pool.stacks[i].gate.n_experts for i in layers)
-        need = len(layers) * n_exp * pool.layout.stride
-        if available is not None and need + cls.MARGIN > available:
+        need = mirror_bytes(pool.stacks, layers, pool.layout.stride)
+        if not misses_over_bus(mode, pool.device.type, need, None if mode == "bus" else available):
+            return None
+        if mode == "bus" and available is not None and need + cls.MARGIN > available:
             log.warning(
                 "expert cache: misses stay on the CPU — their host copy needs %.1f GiB, %.1f GiB available",
                 need / 2**30, available / 2**30,

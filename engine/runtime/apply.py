@@ -50,6 +50,9 @@ class Applied:
         st = self.stream
         stream = f", prompts of ≥ {st.min_tokens} tokens stream host experts to the device" if st else ""
         policy = f", cache policy {self.experts.slots.name}" if self.experts and p.moe_mode == "cache" else ""
+        mirror = self.experts.mirror if self.experts is not None else None
+        if mirror is not None:
+            policy += f" (its experts' host copy: {mirror.nbytes / 2**30:.1f} GiB of page-locked RAM)"
         return f"{where}, KV {p.kv_type}, experts {p.moe_mode} ({p.moe_reason}){policy}{stream}{step}"
 
 

@@ -217,6 +217,8 @@ class GraphDecode:
     def describe(self) -> str:
         n = len(self.segments)
         how = "CUDA graphs" if self.capture else "static, not captured"
+        if self._bus is not None:
+            how += ", expert-cache misses read from host memory over the bus inside them"
         if n == 1:
             return how
         where = {"cpu": "routed experts on the CPU between them",

@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
 from engine import config
-from engine.quant.formats import QType
+from engine.quant.formats import QType, block_format
 
 SUPPORTED = (
     QType.Q4_0,
@@ -54,20 +54,25 @@ SUPPORTED = (
 # run of tests/triton checks it). Q2_K, Q3_K, Q5_0, MXFP4, IQ4_NL and IQ4_XS: their expert cache and resident
 # experts through the fused and grouped kernels equal to the CPU engine on an H200 (2026-11-28, 261c5c3).
 CUDA_CHECKED = SUPPORTED
-# Per type: (type_size bytes, block elements QK, part width PW, parts NPART, ALIGN: the alignment
-# every block start has when the matrix starts 16-byte aligned, so loads can be that wide).
+# Per type, how the kernels walk a block: (part width PW, parts NPART, ALIGN: the alignment every block start has
+# when the matrix starts 16-byte aligned, so loads can be that wide). A block's bytes and elements are the format
+# table's (``engine.quant.formats.block_format``).
+_WALK: dict[QType, tuple[int, int, int]] = {
+    QType.Q4_0: (16, 2, 2),
+    QType.Q5_0: (16, 2, 2),
+    QType.Q8_0: (32, 1, 2),
+    QType.Q2_K: (32, 8, 4),
+    QType.Q3_K: (32, 8, 2),
+    QType.Q4_K: (32, 8, 16),
+    QType.Q5_K: (32, 8, 16),
+    QType.Q6_K: (32, 8, 2),
+    QType.MXFP4: (16, 2, 1),
+    QType.IQ4_NL: (16, 2, 2),
+    QType.IQ4_XS: (32, 8, 8),
+}
+# Per type: (type_size bytes, block elements QK, PW, NPART, ALIGN).
 GEOMETRY: dict[QType, tuple[int, int, int, int, int]] = {
-    QType.Q4_0: (18, 32, 16, 2, 2),
-    QType.Q5_0: (22, 32, 16, 2, 2),
-    QType.Q8_0: (34, 32, 32, 1, 2),
-    QType.Q2_K: (84, 256, 32, 8, 4),
-    QType.Q3_K: (110, 256, 32, 8, 2),
-    QType.Q4_K: (144, 256, 32, 8, 16),
-    QType.Q5_K: (176, 256, 32, 8, 16),
-    QType.Q6_K: (210, 256, 32, 8, 2),
-    QType.MXFP4: (17, 32, 16, 2, 1),
-    QType.IQ4_NL: (18, 32, 16, 2, 2),
-    QType.IQ4_XS: (136, 256, 32, 8, 8),
+    q: (block_format(q).type_size, block_format(q).block_size, *walk) for q, walk in _WALK.items()
 }
 
 

@@ -304,6 +304,7 @@ def test_cache_misses_read_over_the_bus_inside_the_step(tmp_path, monkeypatch):
         got = s.logits(tokens, batch=False)
         g = s.model.decode_graph
         assert g is not None and len(g.segments) == 1 and g.steps == len(tokens)
+        assert "over the bus" in g.describe() and "page-locked RAM" in s.applied.describe()
         err = np.abs(got - ref).max() / np.abs(ref).max()
         assert err <= TOL * 10, err
         st = s.stats()

@@ -45,6 +45,9 @@ class DecoderModel:
         # The one-token step as a CUDA graph (engine.runtime.graph_decode.GraphDecode), set by the
         # runtime for placements wholly on one device; dropped by every configure.
         self.decode_graph = None
+        # The expert cache's page-locked host copy of the experts (engine.runtime.expert_pool.HostMirror), kept by
+        # the runtime across placements so that a re-plan reuses it instead of copying again; None: none made.
+        self.host_mirror = None
         # Rows of token_embd decoded on a device, (ref, ids, device) -> float32 [T, D] equal to the host's (the
         # runtime's ``embedding_rows``, set when a placement is applied; used where the first layer is on CUDA)
         self.device_embed = None

@@ -103,8 +103,12 @@ def apply_placement(
             upload=upload,
             options=options,
             layer_layouts={i: layer_slot_layout(spec, i) for i in cache_layers} if p.moe_mode == "resident" else None,
+            mirror=model.host_mirror,
         )
         backends.update({i: cached for i in cache_layers})
+    elif model.host_mirror is not None:  # no cache now: the previous placement's host copy goes
+        model.host_mirror.close()
+    model.host_mirror = cached.mirror if cached is not None else None
     # Device layers whose experts stay on the host: long prompts copy them to the staging slots priced.
     stream, min_tokens = None, (options if options is not None else config.current()).prompt_stream_min
     host_layers = {i for i in range(min(G, L)) if spec.layers[i].is_moe and backends.get(i) is host_experts}

@@ -43,7 +43,6 @@ import torch
 from engine import config, ops
 from engine.config import EngineOptions
 from engine.experts import ExpertBackend, ExpertStacks, StepPlan
-from engine.plan.ram import available_ram
 from engine.plan.sizing import SlotLayout
 from engine.profiler import ExpertProfiler
 from engine.runtime import triton_q4k_moe
@@ -82,9 +81,11 @@ class CachedExperts(ExpertBackend):
         prompt_upload_min: int | None = None,
         options: EngineOptions | None = None,
         layer_layouts: dict[int, SlotLayout] | None = None,
+        mirror: HostMirror | None = None,
     ):
         """layer_layouts: resident experts packed at each layer's own stride (``ExpertPool``); then
-        ``n_slots`` covers every expert of ``layers`` and :meth:`preload` pins them."""
+        ``n_slots`` covers every expert of ``layers`` and :meth:`preload` pins them. mirror: the experts' host copy
+        an earlier placement of this model made (reused where it serves, else closed: ``HostMirror.build``)."""
         if upload not in ("async", "sync"):
             raise ValueError(upload)
         self.stacks, self.layers = stacks, set(layers)
@@ -113,9 +114,14 @@ class CachedExperts(ExpertBackend):
         self._late_routes: list[tuple[int, torch.Tensor]] = []  # resident layers' routes still being copied out
         # The misses computed on the device over the bus (EngineOptions.cache_misses "bus"): the experts' host copy.
         self.mirror: HostMirror | None = None
+        self._mirror_off: torch.Tensor | None = None  # int64 [layers, E]: each expert's offset in the copy
         if self.options.cache_misses != "cpu" and layer_layouts is None and upload == "async":
             fused = [i for i in sorted(layers) if self._fused[i]]
-            self.mirror = HostMirror.build(self.pool, fused, self.options.cache_misses, available_ram())
+            self.mirror = HostMirror.build(self.pool, fused, self.options.cache_misses, mirror)
+        elif mirror is not None:
+            mirror.close()
+        if self.mirror is not None:
+            self._mirror_off = self.mirror.offsets(self.pool)
 
     def set_predictors(self, predictors: dict[int, tuple[int, Callable]]) -> None:
         """For predictive prefetch: {cached layer: (next cached layer, routing)}, where ``routing(x)`` maps this
@@ -306,7 +312,7 @@ class CachedExperts(ExpertBackend):
         if self._fused[layer]:
             miss = -1  # the kernels skip -1
             if self._bus(layer):
-                miss = self.mirror.offsets_dev[layer].index_select(0, ids.reshape(-1)).reshape(ids.shape)
+                miss = self._mirror_off[layer].index_select(0, ids.reshape(-1)).reshape(ids.shape)
             off = torch.where(slots >= 0, self.pool.slot_off_dev[slots.clamp(min=0)], miss)
             return self.compute.fused_pairs(layer, off, x, weights, xq)
         return self.compute.weighted_slots(layer, slots[0], x, weights, ids[0])

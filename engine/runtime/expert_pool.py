@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from engine.experts import ExpertStacks
+from engine.plan.ram import available_ram
 from engine.plan.sizing import SlotLayout
 from engine.profiler import ExpertProfiler
 from engine.runtime.device import DeviceArena, raw_bytes
@@ -361,19 +362,22 @@ def misses_over_bus(mode: str, device_type: str, need: int, available: int | Non
 
 
 class HostMirror:
-    """Every expert of ``layers`` in host memory at the pool's slot layout (page-locked on CUDA), for the fused
-    kernels to read where the pool lacks an expert (a cache miss computed on the device, its bytes read over the
-    bus: zero-copy). :attr:`offsets_dev` int64 [layers, E] is each expert's byte offset from the pool's base (its
-    host address less the pool's), the kind of offset the kernels take for a slot; −1 for layers not mirrored.
+    """Every expert of ``layers`` in host memory at a slot layout (page-locked on CUDA), for the fused kernels to
+    read where the pool lacks an expert (a cache miss computed on the device, its bytes read over the bus:
+    zero-copy). :meth:`offsets` gives each expert's byte offset from a pool's base (its host address less the
+    pool's), the kind of offset the kernels take for a slot.
 
-    :meth:`build` returns None (and says why) where the machine's available memory cannot hold the copy."""
+    A re-placement of the same model reuses the copy (:meth:`build`'s ``reuse``): its bytes do not depend on the
+    pool. :meth:`build` returns None where :func:`misses_over_bus` says no (the machine's available memory cannot
+    hold the copy)."""
 
     MARGIN = 4 << 30  # host memory left free beside the copy
 
     def __init__(self, pool: ExpertPool, layers: list[int]):
-        self.layers = sorted(layers)
+        self.layers, self.layout = sorted(layers), pool.layout
+        self._sources = _sources(pool, self.layers)  # what was copied: the mapped bytes' addresses and shapes
         stacks, lay = pool.stacks, pool.layout
-        n_exp = max(stacks[i].gate.n_experts for i in self.layers)
+        self.n_exp = n_exp = max(stacks[i].gate.n_experts for i in self.layers)
         self.nbytes = len(self.layers) * n_exp * lay.stride
         self._map = mmap.mmap(-1, self.nbytes)  # anonymous, page-aligned
         self.buf = np.frombuffer(self._map, dtype=np.uint8).reshape(len(self.layers), n_exp, lay.stride)
@@ -386,25 +390,48 @@ class HostMirror:
         with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="sharpi-mirror") as ex:
             for f in [ex.submit(np.copyto, d, s) for d, s in jobs]:
                 f.result()
-        if pool.device.type == "cuda":
+        self.device_type = pool.device.type
+        if self.device_type == "cuda":
             err = torch.cuda.cudart().cudaHostRegister(self.buf.ctypes.data, self.nbytes, 0)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of the experts' host copy failed: {err}")
         # Unregistered (after the device's work) before the map can go: when the mirror is collected, or at close.
-        self._release = weakref.finalize(self, _release_mirror, self._map, pool.device.type == "cuda")
+        self._release = weakref.finalize(self, _release_mirror, self._map, self.device_type == "cuda")
+
+    def offsets(self, pool: ExpertPool) -> torch.Tensor:
+        """int64 [layers, E] on ``pool``'s device: expert e of layer i at ``offsets[i, e]`` bytes from the pool's
+        base; −1 for layers not mirrored."""
         base = self.buf.ctypes.data - pool.pool.data_ptr()
-        table = np.full((max(self.layers) + 1, n_exp), -1, dtype=np.int64)
+        table = np.full((max(self.layers) + 1, self.n_exp), -1, dtype=np.int64)
         for j, i in enumerate(self.layers):
-            table[i] = base + (j * n_exp + np.arange(n_exp, dtype=np.int64)) * lay.stride
-        self.offsets_dev = torch.from_numpy(table).to(pool.device)
+            table[i] = base + (j * self.n_exp + np.arange(self.n_exp, dtype=np.int64)) * self.layout.stride
+        return torch.from_numpy(table).to(pool.device)
+
+    def serves(self, pool: ExpertPool, layers: list[int]) -> bool:
+        """Whether this copy holds ``layers`` of ``pool``'s experts at its layout (and is still open)."""
+        return (
+            self.buf is not None
+            and _sources(pool, layers).items() <= self._sources.items()
+            and self.layout == pool.layout
+            and self.device_type == pool.device.type
+            and set(layers) <= set(self.layers)
+        )
 
     @classmethod
-    def build(cls, pool: ExpertPool, layers: list[int], mode: str, available: int | None) -> HostMirror | None:
+    def build(
+        cls, pool: ExpertPool, layers: list[int], mode: str, reuse: HostMirror | None = None
+    ) -> HostMirror | None:
         """The mirror of ``layers`` where :func:`misses_over_bus` says so for ``mode`` (``cache_misses``) and the
-        ``available`` host bytes, else None (a "bus" asked for that does not fit is said in the log)."""
+        host memory available, else None (a "bus" asked for that does not fit is said in the log). ``reuse``: the
+        copy an earlier placement of this model made — returned where it serves, else closed first (so that two
+        never hold the memory at once)."""
+        if reuse is not None and layers and reuse.serves(pool, layers) and mode != "cpu":
+            return reuse
+        if reuse is not None:
+            reuse.close()
         if not layers:
             return None
-        need = mirror_bytes(pool.stacks, layers, pool.layout.stride)
+        need, available = mirror_bytes(pool.stacks, layers, pool.layout.stride), available_ram()
         if not misses_over_bus(mode, pool.device.type, need, None if mode == "bus" else available):
             return None
         if mode == "bus" and available is not None and need + cls.MARGIN > available:
@@ -419,6 +446,13 @@ class HostMirror:
         """Unregister and free the copy (the device must no longer read it)."""
         self.buf = None
         self._release()
+
+
+def _sources(pool: ExpertPool, layers) -> dict:
+    """{(layer, role): (address, shape)} of the mapped expert bytes a mirror of ``layers`` copies."""
+    return {
+        (i, r): (pool.expert_bytes[(i, r)].ctypes.data, pool.expert_bytes[(i, r)].shape) for i in layers for r in ROLES
+    }
 
 
 def _release_mirror(m: mmap.mmap, registered: bool) -> None:

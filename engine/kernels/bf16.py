@@ -192,13 +192,16 @@ def fpmath_rounds() -> bool:
     It does where it runs the product on AMX (``brg_matmul:avx512_core_amx``). On AVX512-BF16
     without AMX (AMD Zen 4) it picks its plain float32 kernel (``brg_matmul:avx512_core``) and the
     mode changes nothing, so it is no faster than float32 and slower than the q8 kernels; the same
-    happens where ``ONEDNN_MAX_CPU_ISA`` masks AMX. A 2 x 2 product tells the two apart: 1 + 2^-10
-    is not a bf16 value, so rounded inputs give exactly 1 where float32 gives 1 + 2^-10.
+    happens where ``ONEDNN_MAX_CPU_ISA`` masks AMX. A 64 x 64 product tells the two apart: 1 + 2^-10
+    is not a bf16 value, so rounded inputs give exactly 1 where float32 gives 1 + 2^-10. (Products of
+    16 x 16 and smaller take a plain float32 path even on AMX, torch 2.13: the probe must be as large as
+    the prompt's products, which are far larger.)
     """
     import torch
 
-    a = torch.full((2, 2), 1.0 + 2.0**-10)
-    b = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    a = torch.full((64, 64), 1.0 + 2.0**-10)
+    b = torch.zeros((64, 64))
+    b[0, 0] = 1.0
     with bf16_products():
         y = float((a @ b)[0, 0])
     return y == 1.0

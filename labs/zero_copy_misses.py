@@ -22,12 +22,38 @@ import tempfile
 import numpy as np
 import torch
 
-from engine.bench.device_kernels import KE, _median_ms, _slot_pool
-from engine.quant.formats import QType
+from engine.bench.device_kernels import KE, random_matrix
+from engine.quant.formats import QType, block_format
 from engine.runtime import triton_moe, triton_q4k_moe, triton_q8
 from engine.runtime import triton_qblocks as qb
 
 LAYERS = 48
+F, D = 768, 2048  # an expert's width and the hidden size
+
+
+def median_ms(fn, reps: int) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return float(np.median(times))
+
+
+def slot_pool(qtype: QType, slots: int) -> tuple[torch.Tensor, int, dict]:
+    """A device pool uint8 [slots, stride] of random experts (gate, up, down at 256-aligned role offsets)."""
+    roles, off = {}, 0
+    for r, (rows, n) in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+        roles[r] = (off, qtype, rows, n)
+        off += -(-rows * block_format(qtype).row_bytes(n) // 256) * 256
+    pool = torch.empty((slots, off), dtype=torch.uint8, device="cuda")
+    for o, q, rows, n in roles.values():
+        nb = rows * block_format(q).row_bytes(n)
+        pool[:, o : o + nb] = random_matrix(q, rows, n, slots)
+    return pool, off, roles
 
 
 def graph_ms(calls) -> float:
@@ -43,17 +69,17 @@ def graph_ms(calls) -> float:
         for c in calls:
             c()
     g.replay()
-    return _median_ms(g.replay, 20)
+    return median_ms(g.replay, 20)
 
 
 def copy_bandwidth(pool, host, stride) -> None:
     """The bus's copy bandwidth (pinned host -> device), and one expert's copy as an upload makes it."""
     big = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
     dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    ms = _median_ms(lambda: dst.copy_(big, non_blocking=True), 10)
+    ms = median_ms(lambda: dst.copy_(big, non_blocking=True), 10)
     print(f"pinned host -> device copy: {(1 << 30) / ms / 1e6:.1f} GB/s", flush=True)
     one, d1 = host[0], torch.empty_like(pool[0])
-    ms = _median_ms(lambda: d1.copy_(one, non_blocking=True), 50)
+    ms = median_ms(lambda: d1.copy_(one, non_blocking=True), 50)
     print(f"one expert's copy: {ms * 1e3:.1f} us ({stride / ms / 1e6:.1f} GB/s)", flush=True)
 
 
@@ -61,7 +87,7 @@ def main() -> None:
     print(torch.cuda.get_device_name(0), flush=True)
     q = QType.Q4_K
     n_slots = LAYERS * KE
-    pool, stride, roles = _slot_pool(q, n_slots)  # device [n_slots, stride]
+    pool, stride, roles = slot_pool(q, n_slots)  # device [n_slots, stride]
     host = pool.cpu().pin_memory()
     delta = host.data_ptr() - pool.data_ptr()
     x = torch.randn(1, 2048, device="cuda")

@@ -22,38 +22,12 @@ import tempfile
 import numpy as np
 import torch
 
-from engine.bench.device_kernels import KE, random_matrix
-from engine.quant.formats import QType, block_format
+from engine.bench.device_kernels import KE, median_ms, slot_pool
+from engine.quant.formats import QType
 from engine.runtime import triton_moe, triton_q4k_moe, triton_q8
 from engine.runtime import triton_qblocks as qb
 
 LAYERS = 48
-F, D = 768, 2048  # an expert's width and the hidden size
-
-
-def median_ms(fn, reps: int) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return float(np.median(times))
-
-
-def slot_pool(qtype: QType, slots: int) -> tuple[torch.Tensor, int, dict]:
-    """A device pool uint8 [slots, stride] of random experts (gate, up, down at 256-aligned role offsets)."""
-    roles, off = {}, 0
-    for r, (rows, n) in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
-        roles[r] = (off, qtype, rows, n)
-        off += -(-rows * block_format(qtype).row_bytes(n) // 256) * 256
-    pool = torch.empty((slots, off), dtype=torch.uint8, device="cuda")
-    for o, q, rows, n in roles.values():
-        nb = rows * block_format(q).row_bytes(n)
-        pool[:, o : o + nb] = random_matrix(q, rows, n, slots)
-    return pool, off, roles
 
 
 def graph_ms(calls) -> float:

@@ -47,7 +47,7 @@ TRUNK = {"q": (4096, 2048), "o": (2048, 4096), "kv": (512, 2048)}
 QKV = ((4096, 2048), (512, 2048), (512, 2048))
 
 
-def _median_ms(fn, reps: int) -> float:
+def median_ms(fn, reps: int) -> float:
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
@@ -64,7 +64,7 @@ def measure_bandwidth(nbytes: int = 1 << 30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
-    return 2 * nbytes / (_median_ms(lambda: dst.copy_(src), 20) / 1e3) / GB
+    return 2 * nbytes / (median_ms(lambda: dst.copy_(src), 20) / 1e3) / GB
 
 
 def _fill_fields(blocks: torch.Tensor, qtype: QType, s: float) -> None:
@@ -93,7 +93,7 @@ def random_matrix(qtype: QType, rows: int, n: int, copies: int = 1) -> torch.Ten
     return raw.view(copies, -1)
 
 
-def _slot_pool(qtype: QType, slots: int) -> tuple[torch.Tensor, int, dict]:
+def slot_pool(qtype: QType, slots: int) -> tuple[torch.Tensor, int, dict]:
     roles, off = {}, 0
     for r, (rows, n) in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
         roles[r] = (off, qtype, rows, n)
@@ -119,14 +119,14 @@ def _graph_us(calls: list, reps: int = 20) -> tuple[float, float]:
         for c in calls:
             c()
     g.replay()
-    graph = _median_ms(g.replay, reps) * 1e3 / len(calls)
+    graph = median_ms(g.replay, reps) * 1e3 / len(calls)
 
     def eager():
         for c in calls:
             c()
 
     eager()
-    return graph, _median_ms(eager, max(3, reps // 4)) * 1e3 / len(calls)
+    return graph, median_ms(eager, max(3, reps // 4)) * 1e3 / len(calls)
 
 
 def _moe_bytes(qtype: QType) -> int:
@@ -135,7 +135,7 @@ def _moe_bytes(qtype: QType) -> int:
 
 def moe_workload(qtype: QType, reference: bool = True, act: str = "f32") -> dict:
     layers = max(48, math.ceil(GB / _moe_bytes(qtype)))
-    pool, stride, roles = _slot_pool(qtype, layers * KE)
+    pool, stride, roles = slot_pool(qtype, layers * KE)
     g = torch.Generator().manual_seed(0)
     offs = [(torch.randperm(KE, generator=g) + KE * i).view(1, KE).cuda() * stride for i in range(layers)]
     x = torch.randn(1, D, device="cuda")
@@ -147,7 +147,7 @@ def moe_workload(qtype: QType, reference: bool = True, act: str = "f32") -> dict
     graph_us, eager_us = _graph_us(calls)
     out = {"layers": layers, "bytes": _moe_bytes(qtype), "graph_us": graph_us, "eager_us": eager_us}
     if reference:
-        out["reference_us"] = _median_ms(lambda: _moe_reference(pool, offs[0], x, w, roles), 5) * 1e3
+        out["reference_us"] = median_ms(lambda: _moe_reference(pool, offs[0], x, w, roles), 5) * 1e3
     return out
 
 
@@ -194,7 +194,7 @@ def qkv_workload(qtype: QType, reference: bool = True, act: str = "f32") -> dict
     out = {"layers": copies, "bytes": nbytes, "graph_us": graph_us, "eager_us": eager_us}
     if reference:
         w = [dequantize(m[0].view(r, -1), qtype, n) for m, r in zip(mats, rows)]
-        out["reference_us"] = _median_ms(lambda: [x @ wi.T for wi in w], 5) * 1e3
+        out["reference_us"] = median_ms(lambda: [x @ wi.T for wi in w], 5) * 1e3
     return out
 
 
@@ -211,7 +211,7 @@ def trunk_workload(qtype: QType, kind: str, reference: bool = True, act: str = "
     graph_us, eager_us = _graph_us(calls)
     out = {"layers": copies, "bytes": nbytes, "graph_us": graph_us, "eager_us": eager_us}
     if reference:
-        out["reference_us"] = _median_ms(lambda: x @ dequantize(mats[0].view(rows, -1), qtype, n).T, 5) * 1e3
+        out["reference_us"] = median_ms(lambda: x @ dequantize(mats[0].view(rows, -1), qtype, n).T, 5) * 1e3
     return out
 
 

@@ -43,7 +43,7 @@ from engine.routes import RouteRecorder, RouteTrace
 from engine.routes.replay import RouteReplayer
 from engine.runtime.apply import Applied, apply_placement
 from engine.runtime.device import cuda_reserve
-from engine.runtime.expert_pool import misses_over_bus
+from engine.runtime.expert_pool import mirror_bytes, misses_over_bus
 from engine.runtime.threads import host_threads, use_host_threads
 from engine.tokenizer.chat import RenderCancelled
 
@@ -525,8 +525,8 @@ class Session:
         if request.prompt_stream is None:
             request = replace(request, prompt_stream=self.engine_options.prompt_stream_min > 0)
         if request.bus_misses is None:
-            moe = [lay for lay in self.spec.layers if lay.is_moe]
-            need = len(moe) * max((lay.n_expert for lay in moe), default=0) * expert_slot_layout(self.spec).stride
+            experts = [lay.n_expert for lay in self.spec.layers if lay.is_moe]
+            need = mirror_bytes(experts, expert_slot_layout(self.spec).stride)
             bus = misses_over_bus(self.engine_options.cache_misses, self.device.type, need, available_ram())
             request = replace(request, bus_misses=bus)
         return plan(self.spec, profile or self.device_profile(), request)

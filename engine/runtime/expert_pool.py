@@ -346,10 +346,9 @@ class ExpertPool:
             self._staged = 0
 
 
-def mirror_bytes(stacks: dict[int, ExpertStacks], layers, stride: int) -> int:
-    """Host bytes of :class:`HostMirror` over ``layers`` of ``stacks`` at slot ``stride``."""
-    layers = list(layers)
-    return len(layers) * max((stacks[i].gate.n_experts for i in layers), default=0) * stride
+def mirror_bytes(n_experts: list[int], stride: int) -> int:
+    """Host bytes of :class:`HostMirror` over layers of ``n_experts`` experts each, at slot ``stride``."""
+    return len(n_experts) * max(n_experts, default=0) * stride
 
 
 def misses_over_bus(mode: str, device_type: str, need: int, available: int | None) -> bool:
@@ -378,7 +377,7 @@ class HostMirror:
         self._sources = _sources(pool, self.layers)  # what was copied: the mapped bytes' addresses and shapes
         stacks, lay = pool.stacks, pool.layout
         self.n_exp = n_exp = max(stacks[i].gate.n_experts for i in self.layers)
-        self.nbytes = len(self.layers) * n_exp * lay.stride
+        self.nbytes = mirror_bytes([stacks[i].gate.n_experts for i in self.layers], lay.stride)
         self._map = mmap.mmap(-1, self.nbytes)  # anonymous, page-aligned
         self.buf = np.frombuffer(self._map, dtype=np.uint8).reshape(len(self.layers), n_exp, lay.stride)
         jobs = []
@@ -431,7 +430,8 @@ class HostMirror:
             reuse.close()
         if not layers:
             return None
-        need, available = mirror_bytes(pool.stacks, layers, pool.layout.stride), available_ram()
+        need = mirror_bytes([pool.stacks[i].gate.n_experts for i in layers], pool.layout.stride)
+        available = available_ram()
         if not misses_over_bus(mode, pool.device.type, need, None if mode == "bus" else available):
             return None
         if mode == "bus" and available is not None and need + cls.MARGIN > available:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine import ops
 from engine.gguf import open_gguf
 from engine.models import build_model
 from tests.oracle import random_tokens
@@ -17,6 +18,7 @@ pytest.importorskip("llama_cpp")
 # Six layers (five sliding, one global) and a window of 8 under a 24-token prompt: every quirk is exercised.
 GEMMA = dict(layers=6, hidden=256, vocab=512, sliding_window=8)
 N = 24
+SLACK = 1.25  # how much further from an exact reference than llama.cpp's a real prompt's logits may be
 
 
 def _ours(path, tokens, q8_act: bool):
@@ -112,19 +114,17 @@ def gemma(gemma_file):
 
 
 def test_real_file_logits_and_greedy_match_llama_cpp(gemma_file, gemma, open_llama):
-    """A 64-token real-text prompt. Gemma's residual stream runs to the thousands, so llama.cpp's logits move with
-    its own summation order: its one-batch prompt and the same prompt token by token differ by mean 0.175, max 1.65
-    (logit std 5.3). Ours are held to that gap: mean within 1.5x of it (measured 0.203, max 1.77), argmax agreeing
-    on ≥ 95% of positions. The greedy continuation is identical for at least 8 tokens, and where it parts from
-    llama.cpp's, llama.cpp's own choice was a near tie (top-2 margin < 0.5). Measured: 9 tokens identical."""
+    """A 64-token real-text prompt against an exact reference: the engine's numpy reference kernels in exact-float
+    mode (weights dequantized exactly, activations unrounded, float64 sums). Gemma's residual stream runs to the
+    thousands, so any float32 arithmetic moves the logits: llama.cpp's own one-batch prompt and the same prompt token
+    by token differ by mean 0.12-0.18 (logit std 5.3; 0.12 on Intel AMX, 0.175 on Zen 4). llama.cpp's distance from
+    exact is therefore the bar, not its logits: ours are no further from exact than SLACK x llama.cpp's (measured
+    0.177 against 0.181), and ours agree with exact's argmax as often as llama.cpp's does, within one position.
+    The greedy continuation is identical to llama.cpp's for at least 8 tokens, and where it parts, llama.cpp's own
+    choice was a near tie (top-2 margin < 0.5). Measured: 9 tokens identical."""
     llm = open_llama(gemma_file, n_ctx=256)
     prompt = llm.tokenize(PROSE.encode(), add_bos=True)[:64]
     assert len(prompt) == 64
-    one = []
-    for t in prompt:
-        llm.eval([t])
-        one.append(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32))
-    llm.reset()
     llm.eval(prompt)
     ref = np.array(llm.scores[:64], dtype=np.float32)
     want, margins = [], []
@@ -134,17 +134,25 @@ def test_real_file_logits_and_greedy_match_llama_cpp(gemma_file, gemma, open_lla
         margins.append(float(top2[1] - top2[0]))
         want.append(int(np.argmax(row)))
         llm.eval([want[-1]])
-    own_gap = float(np.abs(np.array(one) - ref).mean())
+    ops.use_reference(True)
+    try:
+        with open_gguf(gemma_file) as gf:
+            exact_model = build_model(gf, q8_act=False)
+            exact = exact_model.forward(prompt, 0, exact_model.new_cache(64)).numpy()
+    finally:
+        ops.use_reference(False)
     cache = gemma.new_cache(256)
     got = gemma.forward(prompt, 0, cache).numpy()
-    d = np.abs(got - ref)
-    assert d.mean() <= 1.5 * own_gap and (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.95, (d.mean(), own_gap)
-    ours, nxt = [], int(got[-1].argmax())
+    ours, theirs = float(np.abs(got - exact).mean()), float(np.abs(ref - exact).mean())
+    assert ours <= SLACK * theirs, (ours, theirs)
+    top = exact.argmax(-1)
+    assert (got.argmax(-1) == top).sum() >= (ref.argmax(-1) == top).sum() - 1, (got.argmax(-1), ref.argmax(-1), top)
+    ours_greedy, nxt = [], int(got[-1].argmax())
     for i in range(64):
-        ours.append(nxt)
+        ours_greedy.append(nxt)
         nxt = int(gemma.forward([nxt], 64 + i, cache)[-1].argmax())
-    k = next((i for i, (a, b) in enumerate(zip(ours, want)) if a != b), 64)
-    assert k >= 8 and (k == 64 or margins[k] < 0.5), (k, margins[k] if k < 64 else None, ours, want)
+    k = next((i for i, (a, b) in enumerate(zip(ours_greedy, want)) if a != b), 64)
+    assert k >= 8 and (k == 64 or margins[k] < 0.5), (k, margins[k] if k < 64 else None, ours_greedy, want)
 
 
 def test_real_file_tokenizer_ids_match_llama_cpp(gemma_file, open_llama):

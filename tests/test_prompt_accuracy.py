@@ -29,7 +29,12 @@ TYPES = ["Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "mix"]
 SLACK = 1.25  # how much further from exact than llama.cpp a prompt's logits may be
 
 
-SEEDS = (11, 12, 13)  # three models per type: one model's mean |Δ| swings with a few routing flips
+# Nine models per type, compared by the median of their mean |Δ|. One model's mean swings up to 2x with a routing
+# flip: a token whose router top-k is a near tie takes another expert under any rounding, and through attention that
+# moves every later token. Which model flips is luck, not arithmetic (llama.cpp's own means over nine seeds of Q5_0
+# run 0.0082-0.0126); the median over nine measures the arithmetic. Three models and a mean failed Q5_0 in FPMATH at
+# 1.38x where twelve gave 1.04x.
+SEEDS = tuple(range(11, 20))
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +69,11 @@ def _logits(path, tokens, *, q8_act: bool = True) -> np.ndarray:
 @pytest.mark.parametrize("mode", ["default", bf16.OFF, bf16.FPMATH, bf16.BF16])
 @pytest.mark.parametrize("q", TYPES)
 def test_prompt_logits_no_further_from_exact_than_llama_cpp(case, q, mode, monkeypatch):
-    """Mean |Δ| from the exact logits over the type's models: ours ≤ SLACK × llama.cpp's."""
+    """Median over the type's models of the mean |Δ| from the exact logits: ours ≤ SLACK × llama.cpp's."""
     monkeypatch.setattr(bf16, "MODE", bf16.detect_mode() if mode == "default" else mode)
     if mode != "default":
         monkeypatch.setattr(bf16, "MIN_TOKENS", 4)  # the routed experts' few tokens take it too
-    ours = np.mean([np.abs(_logits(path, tokens) - exact).mean() for path, tokens, exact, _ in case[q]])
-    llama = np.mean([np.abs(ll - exact).mean() for _, _, exact, ll in case[q]])
+    ours = np.median([np.abs(_logits(path, tokens) - exact).mean() for path, tokens, exact, _ in case[q]])
+    llama = np.median([np.abs(ll - exact).mean() for _, _, exact, ll in case[q]])
     assert llama > 0
     assert ours <= SLACK * llama, (q, bf16.MODE, ours, llama)

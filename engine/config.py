@@ -241,11 +241,11 @@ class EngineOptions:
     # hit-rate curve is taken from (engine.routes.history); None = the user data directory's "routes".
     routes_dir: Path | None = None
     # SHARPI_HIT_CURVE: how the planner prices the expert cache's hit rate when the user's routing history has no
-    # trace of the model's geometry (or is not to be used): "zipf" (the default: the Zipf popularity guess) or
-    # "synthetic" (the default policy's curve on the synthetic Qwen3-30B-A3B trace, engine.runtime.hit_curves).
-    # Zipf stays the default: with the synthetic curve `auto` picks the cache at 12 GiB on the 30B geometry, and
-    # on an H200 under that routing the cache decoded 35 tok/s against the resident split's 62 (docs/planner.md).
-    hit_curve: str = "zipf"
+    # trace of the model's geometry (or is not to be used): "synthetic" (the default: the default policy's curve on
+    # the synthetic Qwen3-30B-A3B trace, engine.runtime.hit_curves) or "zipf" (the Zipf popularity guess, well below
+    # what a real model's routing gives the cache: 84 % against the trace's measured 94.9 % at 12 GiB on the 30B
+    # geometry, which kept `auto` on the resident split at 69.8 tok/s where the cache decoded 86.8; docs/planner.md).
+    hit_curve: str = "synthetic"
 
     # -- generation -------------------------------------------------------------------------------------
     # SHARPI_REASONING: how a reply's reasoning is kept apart from its answer (engine.generate.reasoning):

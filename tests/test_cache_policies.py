@@ -238,13 +238,14 @@ def test_the_planner_prices_the_cache_with_the_routing_curve(synth_model, tmp_pa
     assert routed["profile"]["hit_curve_source"] == f"routing trace {path}"
     assert routed["predicted_hit_rate"] == pytest.approx(curve_hit_rate(cap, curve))
     assert zipf["profile"]["hit_curve"] == [] and zipf["predicted_hit_rate"] != routed["predicted_hit_rate"]
-    # no routing history here (the suite's own empty SHARPI_ROUTES_DIR): Zipf (SHARPI_HIT_CURVE's default), said so
-    assert default["profile"]["hit_curve_source"].startswith("the Zipf popularity guess")
-    assert default["profile"]["hit_curve"] == []
+    # no routing history here (the suite's own empty SHARPI_ROUTES_DIR): the synthetic curve (SHARPI_HIT_CURVE's
+    # default), said so
+    assert default["profile"]["hit_curve_source"] == "synthetic Qwen3-30B-A3B routing"
+    assert default["profile"]["hit_curve"] and default["predicted_hit_rate"] != zipf["predicted_hit_rate"]
     assert main(base[:-1]) == 0
-    assert "cache hit rates from the Zipf popularity guess" in capsys.readouterr().out
-    engine_env({"SHARPI_HIT_CURVE": "synthetic"})
+    assert "cache hit rates from synthetic Qwen3-30B-A3B routing" in capsys.readouterr().out
+    engine_env({"SHARPI_HIT_CURVE": "zipf"})
     assert main(base) == 0
-    synthetic = json.loads(capsys.readouterr().out)
-    assert synthetic["profile"]["hit_curve_source"] == "synthetic Qwen3-30B-A3B routing"
-    assert synthetic["profile"]["hit_curve"] and synthetic["predicted_hit_rate"] != zipf["predicted_hit_rate"]
+    z = json.loads(capsys.readouterr().out)
+    assert z["profile"]["hit_curve_source"].startswith("the Zipf popularity guess") and z["profile"]["hit_curve"] == []
+    assert z["predicted_hit_rate"] < default["predicted_hit_rate"]  # the Zipf guess (skew 0.8) is below the curve

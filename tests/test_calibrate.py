@@ -366,3 +366,30 @@ def test_bench_prints_the_hybrid_bound_and_survives_a_full_device(moe_path, caps
     assert r["bandwidth_of"] == "host" and r["decode_bound_tok_s"] == pytest.approx(
         r["read_bandwidth_gb_s"] * 1e9 / r["bytes_per_token"]
     )
+
+
+def test_cpu_probes_read_past_the_last_level_cache(monkeypatch):
+    """The CPU probes' working set is 4x the last-level cache (a 256 MiB set on a 300 MiB L3 measured the cache),
+    at least 256 MiB, at most a quarter of the available RAM; a size the tests set wins."""
+    from engine.plan import ram
+
+    MiB = 1 << 20
+    monkeypatch.setattr(cal, "CPU_WORKING_SET", None)
+    monkeypatch.setattr(ram, "available_ram", lambda: 64 << 30)
+    monkeypatch.setattr(cal, "last_level_cache_bytes", lambda: 300 * MiB)
+    assert cal.cpu_working_set() == 1200 * MiB
+    monkeypatch.setattr(ram, "available_ram", lambda: 2 << 30)
+    assert cal.cpu_working_set() == 512 * MiB
+    monkeypatch.setattr(cal, "last_level_cache_bytes", lambda: 8 * MiB)
+    assert cal.cpu_working_set() == 256 * MiB
+    monkeypatch.setattr(cal, "CPU_WORKING_SET", 16 * MiB)
+    assert cal.cpu_working_set() == 16 * MiB
+
+
+def test_last_level_cache_is_read_from_the_machine():
+    import os
+
+    if not os.path.isdir("/sys/devices/system/cpu/cpu0/cache"):
+        pytest.skip("no /sys cache description on this machine")
+    llc = cal.last_level_cache_bytes()
+    assert 256 << 10 <= llc <= 64 << 30

@@ -28,8 +28,7 @@ def demo():
 @pytest.fixture
 def cal_dir(tmp_path, monkeypatch):
     set_engine_env(monkeypatch, {"SHARPI_CALIBRATION_DIR": str(tmp_path / "cal"), "SHARPI_NO_CALIBRATE": None})
-    for mod in (cal, hc):  # quick: the rates' values are not what is tested
-        monkeypatch.setattr(mod, "CPU_WORKING_SET", 16 << 20)
+    monkeypatch.setattr(cal, "CPU_WORKING_SET", 16 << 20)  # quick: the rates' values are not what is tested
     monkeypatch.setattr(hc, "HOST_PROBE_LAYERS", (1, 3))
     return tmp_path / "cal"
 

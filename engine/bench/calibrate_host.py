@@ -25,7 +25,6 @@ import numpy as np
 
 from engine import config
 from engine.bench.calibrate import (
-    CPU_WORKING_SET,
     DEFAULT_SHAPE,
     PROBE_CTX,
     PROBE_GEOMETRY,
@@ -38,6 +37,7 @@ from engine.bench.calibrate import (
     _write,
     cache_path,
     calibration_disabled,
+    cpu_working_set,
     decode_seconds,
     fit_fixed_costs,
     machine_key,
@@ -103,7 +103,7 @@ def measure_cpu_trunk(shape: TrunkShape = TrunkShape(), working_set: int | None 
     rng = np.random.default_rng(2)
     q, n = QType[shape.qtype], shape.hidden
     nbytes = n * block_format(q).row_bytes(n)
-    count = int(min(128, max(2, (working_set or CPU_WORKING_SET) // nbytes)))
+    count = int(min(128, max(2, (working_set or cpu_working_set()) // nbytes)))
     mats = [prepare_weight(q, random_blocks(q, n, n, rng)) for _ in range(count)]
     x = rng.standard_normal((1, n), dtype=np.float32)
     ops.matmul(mats[0], x, q8_act=True)  # compile / first touch

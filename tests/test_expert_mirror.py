@@ -57,3 +57,30 @@ def test_bus_asked_where_the_copy_does_not_fit_stays_on_the_cpu(session, monkeyp
     monkeypatch.setattr(expert_pool, "available_ram", lambda: HostMirror.MARGIN)
     assert HostMirror.build(_pool(session), [0, 1], "bus") is None
     assert "misses stay on the CPU" in caplog.text
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_uploads_copy_from_the_host_copy_not_the_map(session, monkeypatch, background):
+    """With a host copy, an upload takes the slot's bytes from it as they stand (one copy, no staging from the
+    memory map), and the pool's slot then holds exactly the expert's bytes."""
+    pool = ExpertPool(session.model.expert_stacks(), {0, 1}, DeviceArena("cpu", None),
+                      expert_slot_layout(session.spec), 3, 4, background=background)  # fmt: skip
+    m = HostMirror.build(pool, [0, 1], "bus")
+    pool.mirror_rows = m.rows()
+    monkeypatch.setattr(pool, "_fill", lambda *a: pytest.fail("staged from the memory map"))
+    if background:
+        assert pool.upload_later([(1, 2), (0, 5)]) == 2
+        pool.drain()
+    else:
+        assert pool.upload(1, 2, set()) and pool.upload(0, 5, set())
+    pool.sync()
+    lay = pool.layout
+    for i, e in ((1, 2), (0, 5)):
+        got = pool.pool[pool.offset(i, e) : pool.offset(i, e) + lay.stride].numpy()
+        for r in ROLES:
+            src = pool.expert_bytes[(i, r)][e]
+            o = lay.role_offset[r]
+            assert np.array_equal(got[o : o + src.size], src), (i, e, r)
+    assert pool.uploaded_bytes == 2 * sum(pool.expert_bytes[(0, r)].shape[1] for r in ROLES)
+    pool.mirror_rows = None
+    m.close()

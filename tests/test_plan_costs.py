@@ -228,12 +228,14 @@ def test_bus_misses_are_priced_as_bus_reads_inside_the_graph():
 
 
 def test_misses_go_over_the_bus_where_the_host_holds_their_copy():
-    """``EngineOptions.cache_misses``: "bus" always; "cpu" never; "auto" on a CUDA device whose available host
-    memory holds the experts' copy and the margin beside it."""
+    """``EngineOptions.cache_misses``: "bus" on any device, "auto" on a CUDA device, either where the available host
+    memory holds the experts' copy and the margin beside it (the planner prices what the placement can make);
+    "cpu" never."""
     from engine.runtime.expert_pool import HostMirror, misses_over_bus
 
     need, m = 16 * GiB, HostMirror.MARGIN
-    assert misses_over_bus("bus", "cpu", need, 0) and not misses_over_bus("cpu", "cuda", need, None)
+    assert misses_over_bus("bus", "cpu", need, need + m) and not misses_over_bus("cpu", "cuda", need, None)
+    assert not misses_over_bus("bus", "cuda", need, 0)  # asked for, but no room: CPU misses, priced so
     assert misses_over_bus("auto", "cuda", need, need + m) and misses_over_bus("auto", "cuda", need, None)
     assert not misses_over_bus("auto", "cuda", need, need + m - 1)
     assert not misses_over_bus("auto", "cpu", need, 1 << 50)  # the simulated device keeps CPU misses

@@ -30,7 +30,8 @@ the pool changes only between steps (``end_step``), so the table the graph reads
 into page-locked host memory at the pool's slot layout (``expert_pool.HostMirror``), and the device half
 computes a miss itself, the fused kernels reading its bytes from that copy over PCIe — so a decode step has no
 host half and runs as one graph. Its routes are taken after the step (:meth:`CachedExperts.routed`): counted,
-and the misses uploaded as the host half would have queued them.
+and the misses uploaded as the host half would have queued them. Uploads then copy from that page-locked copy
+(``ExpertPool.mirror_rows``): one DMA an expert, no host copy out of the memory map into a staging ring.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class CachedExperts(ExpertBackend):
             mirror.close()
         if self.mirror is not None:
             self._mirror_off = self.mirror.offsets(self.pool)
+            self.pool.mirror_rows = self.mirror.rows()  # uploads copy from it: one DMA an expert, no staging
 
     def set_predictors(self, predictors: dict[int, tuple[int, Callable]]) -> None:
         """For predictive prefetch: {cached layer: (next cached layer, routing)}, where ``routing(x)`` maps this

@@ -126,6 +126,9 @@ class ExpertPool:
         self._ring_free: list[torch.cuda.Event | None] = [None] * BACKGROUND_RING
         self._ring_next = 0
         self.background_dropped = 0  # misses not uploaded because BACKGROUND_JOBS batches were in flight
+        # layer -> uint8 [E, stride]: its experts' page-locked host copy at the slot layout (HostMirror.rows), which
+        # uploads copy from as they stand (no staging through the memory map); None: uploads stage from the map.
+        self.mirror_rows: dict[int, np.ndarray] | None = None
 
     def upload(self, layer: int, e: int, working: set) -> bool:
         """Give expert e of ``layer`` a slot and copy its bytes in (never evicting ``working``'s experts or a
@@ -150,16 +153,34 @@ class ExpertPool:
         self._table_dirty = True
         if evicted is not None and self.profiler is not None:
             self.profiler.set_resident(evicted[0], [evicted[1]], False)
-        stage = self._stage_row()
-        n = self._fill(layer, e, base, None if stage is None else stage.numpy())
-        if stage is not None:
-            with torch.cuda.stream(self._copy_stream):
-                self.pool[base : base + lay.stride].copy_(stage[: lay.stride], non_blocking=True)
+        src = self._mirror_row(layer, e)
+        if src is not None:  # the page-locked copy already holds the slot's bytes
+            n = self._role_bytes(layer)
+            if self._copy_stream is None:  # the simulated device
+                self.pool[base : base + lay.stride].copy_(src)
+            else:
+                with torch.cuda.stream(self._copy_stream):
+                    self.pool[base : base + lay.stride].copy_(src, non_blocking=True)
+        else:
+            stage = self._stage_row()
+            n = self._fill(layer, e, base, None if stage is None else stage.numpy())
+            if stage is not None:
+                with torch.cuda.stream(self._copy_stream):
+                    self.pool[base : base + lay.stride].copy_(stage[: lay.stride], non_blocking=True)
         self.uploaded_bytes += n
         if self.profiler is not None:
             self.profiler.record_cache(layer, [], [], {e: n})
             self.profiler.set_resident(layer, [e], True)
         return True
+
+    def _mirror_row(self, layer: int, e: int) -> torch.Tensor | None:
+        """Expert ``e`` of ``layer`` in the host copy (:attr:`mirror_rows`), the slot's stride of bytes; None
+        without one."""
+        rows = None if self.mirror_rows is None else self.mirror_rows.get(layer)
+        return None if rows is None else torch.from_numpy(rows[e, : self.layout_of(layer).stride])
+
+    def _role_bytes(self, layer: int) -> int:
+        return sum(self.expert_bytes[(layer, r)].shape[1] for r in ROLES)
 
     def _fill(self, layer: int, e: int, base: int, row: np.ndarray | None) -> int:
         """Expert ``e`` of ``layer``'s role bytes from the memory map, into the pool at byte ``base`` (``row``
@@ -222,14 +243,25 @@ class ExpertPool:
         """Worker thread: copy ``batch``'s experts into their slots; returns the event of the last copy (CUDA)."""
         if self._bg_stream is None:  # the simulated device: straight into the pool
             for layer, e, slot in batch:
-                self._fill(layer, e, int(self.slot_off_h[slot]), None)
+                base, src = int(self.slot_off_h[slot]), self._mirror_row(layer, e)
+                if src is None:
+                    self._fill(layer, e, base, None)
+                else:
+                    self.pool[base : base + src.numel()].copy_(src)
             return None
-        if self._ring is None:
+        if self._ring is None and self.mirror_rows is None:
             self._ring = torch.empty((BACKGROUND_RING, self.layout.stride), dtype=torch.uint8, pin_memory=True)
-        ring = self._ring.numpy()
         with torch.cuda.stream(self._bg_stream):
             self._bg_stream.wait_event(after)
             for layer, e, slot in batch:
+                src = self._mirror_row(layer, e)
+                if src is not None:  # page-locked already: one DMA, no host copy, no ring row to wait for
+                    base = int(self.slot_off_h[slot])
+                    self.pool[base : base + src.numel()].copy_(src, non_blocking=True)
+                    continue
+                if self._ring is None:
+                    self._ring = torch.empty((BACKGROUND_RING, self.layout.stride), dtype=torch.uint8, pin_memory=True)
+                ring = self._ring.numpy()
                 k = self._ring_next
                 self._ring_next = (k + 1) % BACKGROUND_RING
                 if self._ring_free[k] is not None:
@@ -264,7 +296,7 @@ class ExpertPool:
                     continue  # evicted by a later batch before it landed
                 self.slots_h[layer, e] = slot
                 self._table_dirty = True
-                nbytes = sum(self.expert_bytes[(layer, r)].shape[1] for r in ROLES)
+                nbytes = self._role_bytes(layer)
                 self.uploaded_bytes += nbytes
                 if self.profiler is not None:
                     self.profiler.record_cache(layer, [], [], {e: nbytes})
@@ -353,11 +385,12 @@ def mirror_bytes(n_experts: list[int], stride: int) -> int:
 
 def misses_over_bus(mode: str, device_type: str, need: int, available: int | None) -> bool:
     """Whether the expert cache computes a decode step's misses on the device over the bus
-    (``EngineOptions.cache_misses``): "bus"; "auto" on a CUDA device whose ``available`` host bytes hold the
-    copy's ``need`` with :attr:`HostMirror.MARGIN` beside it; never "cpu"."""
-    if mode == "bus":
-        return True
-    return mode == "auto" and device_type == "cuda" and (available is None or need + HostMirror.MARGIN <= available)
+    (``EngineOptions.cache_misses``): "bus" (any device), or "auto" on a CUDA device — either only where the
+    ``available`` host bytes (None: unknown) hold the copy's ``need`` with :attr:`HostMirror.MARGIN` beside it;
+    never "cpu". The planner and :meth:`HostMirror.build` both ask this, so a plan never prices a copy that the
+    placement then cannot make."""
+    fits = available is None or need + HostMirror.MARGIN <= available
+    return fits and (mode == "bus" or (mode == "auto" and device_type == "cuda"))
 
 
 class HostMirror:
@@ -397,6 +430,10 @@ class HostMirror:
         # Unregistered (after the device's work) before the map can go: when the mirror is collected, or at close.
         self._release = weakref.finalize(self, _release_mirror, self._map, self.device_type == "cuda")
 
+    def rows(self) -> dict[int, np.ndarray]:
+        """layer -> uint8 [E, stride]: its experts at the slot layout (for :attr:`ExpertPool.mirror_rows`)."""
+        return {i: self.buf[j] for j, i in enumerate(self.layers)}
+
     def offsets(self, pool: ExpertPool) -> torch.Tensor:
         """int64 [layers, E] on ``pool``'s device: expert e of layer i at ``offsets[i, e]`` bytes from the pool's
         base; −1 for layers not mirrored."""
@@ -432,15 +469,14 @@ class HostMirror:
             return None
         need = mirror_bytes([pool.stacks[i].gate.n_experts for i in layers], pool.layout.stride)
         available = available_ram()
-        if not misses_over_bus(mode, pool.device.type, need, None if mode == "bus" else available):
-            return None
-        if mode == "bus" and available is not None and need + cls.MARGIN > available:
+        if misses_over_bus(mode, pool.device.type, need, available):
+            return cls(pool, layers)
+        if mode == "bus":
             log.warning(
                 "expert cache: misses stay on the CPU — their host copy needs %.1f GiB, %.1f GiB available",
                 need / 2**30, available / 2**30,
             )  # fmt: skip
-            return None
-        return cls(pool, layers)
+        return None
 
     def close(self) -> None:
         """Unregister and free the copy (the device must no longer read it)."""

@@ -27,17 +27,20 @@ from engine.tokenizer import load_tokenizer
 from tests.scripted import FlatCache, ScriptedModel
 
 
-def run(fmt: str, pieces, state: str | None = None) -> tuple[str, str, bool]:
-    """(reasoning, answer, ended) of ``pieces`` fed one by one, then flushed."""
+def run(fmt: str, pieces, state: str | None = None, calls: list | None = None) -> tuple[str, str, bool]:
+    """(reasoning, answer, ended) of ``pieces`` fed one by one, then flushed; the tool calls into ``calls``."""
     sp = ReasoningSplitter(fmt, state)
     r, a = [], []
     ended = False
+    got = [] if calls is None else calls
     for p in pieces:
         s = sp.feed(p)
         r.append(s.reasoning)
         a.append(s.answer)
+        got.extend(s.calls)
         ended = ended or s.ended
     f = sp.flush()
+    got.extend(f.calls)
     return "".join(r) + f.reasoning, "".join(a) + f.answer, ended or f.ended
 
 
@@ -90,9 +93,9 @@ def test_think_splits_in_any_chunking(text, state, want):
             "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>b<|return|>junk",
             ("a", "b", True),
         ),
-        (  # a tool call's message: <|call|> ends the turn
+        (  # a tool call's message is neither reasoning nor answer (test_harmony_tool_calls); <|call|> ends the turn
             "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>",
-            ("", "{}", True),
+            ("", "", True),
         ),
         ("<|channel|>analysis<|message|>unterminated", ("unterminated", "", False)),
         ("<|channel|>analysis<|message|>a<|end|><|start|>assistant", ("a", "", False)),
@@ -125,6 +128,43 @@ def test_think_splits_in_any_chunking(text, state, want):
 def test_harmony_splits_in_any_chunking(text, want):
     for pieces in chunkings(text):
         assert run(HARMONY, pieces) == want, pieces
+
+
+@pytest.mark.parametrize(
+    "text, want, calls",
+    [
+        (  # the recipient after the channel, reasoning first; <|call|> written as text ends the turn
+            "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|> {"city": "Paris"} <|call|>junk',
+            ("Need the weather.", "", True),
+            [("get_weather", '{"city": "Paris"}')],
+        ),
+        (  # the recipient before the channel; the call ends where the stream does (<|call|> as a token)
+            '<|start|>assistant to=functions.lookup<|channel|>commentary json<|message|>{"q": "a<|message|>b"}',
+            ("", "", False),
+            [("lookup", '{"q": "a<|message|>b"}')],
+        ),
+        (  # a preamble for the user, then a call ended by <|end|>, then an answer; another namespace kept whole
+            "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary "
+            "to=browser.search<|message|>{}<|end|><|start|>assistant<|channel|>final<|message|>Done",
+            ("", "Checking.Done", False),
+            [("browser.search", "{}")],
+        ),
+        (  # arguments that are not JSON are passed as written (the client decides)
+            "<|channel|>commentary to=functions.f<|message|>not json",
+            ("", "", False),
+            [("f", "not json")],
+        ),
+        # "to=" inside a body is text, not a recipient
+        ("<|channel|>final<|message|>send it to=functions.f", ("", "send it to=functions.f", False), []),
+    ],
+)
+def test_harmony_tool_calls(text, want, calls):
+    """A message addressed to a recipient is a tool call: (name, arguments) in Split.calls, in any chunking."""
+    for pieces in chunkings(text):
+        got: list = []
+        assert run(HARMONY, pieces, calls=got) == want, pieces
+        assert got == calls, pieces
 
 
 def test_start_states_from_the_prompt():
@@ -247,11 +287,15 @@ def test_harmony_through_the_loop_with_token_ids(harmony_tok):
     r, a, evs = stream(tok, [*script, ret], prompt, HARMONY)
     assert (r, a) == ("Simple sum.", "4")
     assert evs[-1].finish_reason == "eos" and evs[-1].token_id == ret
-    # <|call|> ends the turn too
+    # <|call|> ends the turn too, the call in the last event
     r, a, evs = stream(
-        tok, [*enc("<|channel|>commentary to=functions.f<|message|>{}"), tok.token_id("<|call|>")], prompt, HARMONY
+        tok,
+        [*enc('<|channel|>commentary to=functions.f<|message|>{"x": 1}'), tok.token_id("<|call|>")],
+        prompt,
+        HARMONY,
     )
-    assert (r, a, evs[-1].finish_reason) == ("", "{}", "eos")
+    assert (r, a, evs[-1].finish_reason) == ("", "", "eos")
+    assert [c for e in evs for c in e.calls] == [("f", '{"x": 1}')] and evs[-1].calls
     # unterminated analysis at max_tokens: what came is reasoning, the answer empty
     r, a, evs = stream(tok, enc("<|channel|>analysis<|message|>" + "thinking " * 30), prompt, HARMONY, max_tokens=12)
     assert evs[-1].finish_reason == "length" and a == "" and r.startswith("thinking")

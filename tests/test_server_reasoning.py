@@ -169,3 +169,78 @@ def test_the_remote_client_reads_reasoning_deltas(session):
         history = [*QUESTION, {"role": "assistant", "content": "2+2=4", "reasoning_content": "r"}, *QUESTION]
         list(r.generate(messages=history, params=SamplingParams(temperature=0, max_tokens=8)))
         assert sent and all("reasoning_content" not in m for m in sent[0]["messages"])
+
+
+CALL = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+WEATHER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture
+def calling(client, session):
+    """The scripted model answering with a harmony tool call ended by the <|call|> token."""
+    tok = session.tokenizer
+    session.model.restart([*tok.encode(CALL, add_bos=False), tok.token_id("<|call|>")])
+    try:
+        yield client
+    finally:
+        session.model.restart([*tok.encode(REPLY, add_bos=False), tok.token_id("<|return|>")])
+
+
+def test_a_harmony_tool_call_comes_back_as_tool_calls(calling, session):
+    """gpt-oss writes a call as a message to ``functions.NAME``: the client gets OpenAI ``tool_calls`` (the
+    arguments as written, the reasoning apart, no content), finish_reason "tool_calls"; the tools reach the
+    template, and the call and its result render back into the next prompt in harmony's form."""
+    r = calling.chat.completions.create(
+        model=calling.model_id, messages=WEATHER, tools=TOOLS, temperature=0, max_tokens=64
+    )
+    msg, choice = r.choices[0].message, r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not msg.content
+    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [("get_weather", '{"city": "Paris"}')]
+    assert msg.tool_calls[0].id.startswith("call_") and msg.model_extra["reasoning_content"] == "Need the weather."
+    req = ChatCompletionRequest(model="m", messages=WEATHER, tools=TOOLS)
+    assert "type get_weather = (_: " in session.detokenize(plan_chat(session, req).ids)
+    follow = [
+        *WEATHER,
+        {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in msg.tool_calls]},
+        {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "18 C, sunny"},
+    ]
+    prompt = session.detokenize(plan_chat(session, ChatCompletionRequest(model="m", messages=follow, tools=TOOLS)).ids)
+    assert prompt.endswith(
+        '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>18 C, sunny<|end|>"
+        "<|start|>assistant"
+    )
+
+
+def test_a_streamed_harmony_tool_call(calling):
+    calls, content, reasons = [], [], []
+    for chunk in calling.chat.completions.create(
+        model=calling.model_id, messages=WEATHER, tools=TOOLS, temperature=0, max_tokens=64, stream=True
+    ):
+        for ch in chunk.choices:
+            calls += ch.delta.tool_calls or []
+            content += [ch.delta.content] if ch.delta.content else []
+            reasons += [ch.finish_reason] if ch.finish_reason else []
+    assert [(c.index, c.function.name, c.function.arguments) for c in calls] == [
+        (0, "get_weather", '{"city": "Paris"}')
+    ]
+    assert content == [] and reasons == ["tool_calls"]
+
+
+def test_a_harmony_call_without_tools_offered_stays_visible(calling):
+    """No tools in the request: a call the model writes anyway is shown as content, not dropped."""
+    r = calling.chat.completions.create(model=calling.model_id, messages=WEATHER, temperature=0, max_tokens=64)
+    assert r.choices[0].message.content == '{"city": "Paris"}' and not r.choices[0].message.tool_calls

@@ -32,6 +32,10 @@ class GenerationEvent:
     # new reasoning text since the previous event (engine.generate.reasoning: the model's thinking, kept out of
     # ``text``); "" for a model without a reasoning format or with the separation off (EngineOptions.reasoning)
     reasoning: str = ""
+    # tool calls the model wrote in its reasoning format's own syntax since the previous event (harmony: a message to
+    # ``functions.NAME``), (name, arguments text as written); () for other models (their calls are text: the server's
+    # engine.server.tools parses it)
+    calls: tuple[tuple[str, str], ...] = ()
     # MTP speculative decoding over the reply so far (engine.generate.speculative; all 0 without it): verify
     # passes, tokens the MTP head drafted, drafts the trunk accepted
     mtp_passes: int = 0

@@ -193,16 +193,26 @@ def _run(
     """:func:`generate` from the first position the cache lacks (``keep``; ``todo`` the prompt from there);
     ``splitter`` parts the text into reasoning and answer; ``spec`` the MTP drafter (None: none)."""
 
+    calls: list[tuple[str, str]] = []  # tool calls the splitter found since the last event
+
     def split(text: str, last: bool = False) -> tuple[str, str, bool]:
-        """(answer, reasoning, the turn ended) of new ``text``; ``last``: the reply ends here."""
+        """(answer, reasoning, the turn ended) of new ``text`` (its tool calls into ``calls``); ``last``: the reply
+        ends here."""
         if splitter is None:
             return text, "", False
         s = splitter.feed(text)
         answer, thought = s.answer, s.reasoning
+        calls.extend(s.calls)
         if last or s.ended:
             f = splitter.flush()
             answer, thought = answer + f.answer, thought + f.reasoning
+            calls.extend(f.calls)
         return answer, thought, s.ended
+
+    def _event(*a, **kw):
+        ev = _make_event(*a, **kw, calls=tuple(calls))
+        calls.clear()
+        return ev
 
     n_ctx = cache.n_ctx
     logits = None
@@ -290,9 +300,10 @@ def _run(
         state.tokens.append(tok)
 
 
-def _event(
-    text, tok, state, n_ctx, n_prompt, n_gen, ttft, ptps, dtps, finish=None, msg="", hit=None, reasoning="", spec=None
-):
+def _make_event(
+    text, tok, state, n_ctx, n_prompt, n_gen, ttft, ptps, dtps, finish=None, msg="", hit=None, reasoning="", spec=None,
+    calls=(),
+):  # fmt: skip
     return GenerationEvent(
         text=text,
         token_id=tok,
@@ -307,6 +318,7 @@ def _event(
         message=msg,
         decode_hit_rate=hit,
         reasoning=reasoning,
+        calls=calls,
         mtp_passes=spec.passes if spec is not None else 0,
         mtp_drafted=spec.drafted if spec is not None else 0,
         mtp_accepted=spec.accepted if spec is not None else 0,

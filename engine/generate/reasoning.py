@@ -9,7 +9,10 @@ Two formats, as models write them:
 - ``harmony`` (gpt-oss): messages ``<|start|>assistant<|channel|>analysis<|message|> … <|end|>`` and
   ``<|start|>assistant<|channel|>final<|message|> … <|return|>``. The ``analysis`` channel is reasoning; every
   other channel (``final``, ``commentary``) is answer. ``<|return|>`` and ``<|call|>`` end the turn (they are
-  end-of-generation tokens of a harmony vocabulary; written as text they end it here).
+  end-of-generation tokens of a harmony vocabulary; written as text they end it here). A message whose header
+  names a recipient (``…<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{…}<|call|>``,
+  or ``to=`` before the channel) is a tool call: its body is neither reasoning nor answer but the call's
+  arguments, given as :attr:`Split.calls` (name without the ``functions.`` namespace, the body as written).
 
 Rules that keep hostile streams safe (:class:`ReasoningSplitter`): a marker may arrive split over any number of
 pieces (a suffix that could still become one is held back, as :class:`~engine.generate.loop.StopMatcher` holds
@@ -23,6 +26,7 @@ stays reasoning. Nothing but markers and that whitespace is ever left out.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,17 +43,19 @@ ANALYSIS = "analysis"
 MAX_HEADER = 256  # characters of a harmony header at most (``assistant<|channel|>commentary to=… <|constrain|>json``)
 
 # parts of a reply
-REASONING, ANSWER = "reasoning", "answer"
+REASONING, ANSWER, CALLS = "reasoning", "answer", "calls"
 
 
 @dataclass(frozen=True)
 class Split:
     """What one piece of text adds: ``reasoning`` and ``answer`` text; ``ended``: the turn is over (harmony's
-    ``<|return|>``/``<|call|>`` written as text; what follows it is dropped)."""
+    ``<|return|>``/``<|call|>`` written as text; what follows it is dropped); ``calls``: the tool calls whose
+    message ended here, (name, arguments text)."""
 
     reasoning: str = ""
     answer: str = ""
     ended: bool = False
+    calls: tuple[tuple[str, str], ...] = ()
 
 
 def detect_format(arch: str | None, template: str | None, has_token: Callable[[str], bool]) -> str | None:
@@ -94,6 +100,19 @@ def _channel(header: str) -> str:
     return rest[:cut]
 
 
+def _recipient(header: str) -> str | None:
+    """The tool a harmony header addresses (``to=functions.get_weather`` -> "get_weather"; another namespace's
+    recipient is kept whole), None when it names none."""
+    m = _TO.search(header)
+    if m is None:
+        return None
+    name = m.group(1)
+    return name[len("functions.") :] if name.startswith("functions.") and len(name) > len("functions.") else name
+
+
+_TO = re.compile(r"(?:^|[\s>])to=([^\s<]+)")
+
+
 def _markup(header: str) -> bool:
     """Whether held header text is harmony markup (``<|start|>assistant``, ``assistant<|channel|>…``, a part of
     one), not text a model wrote outside the format."""
@@ -134,22 +153,29 @@ class ReasoningSplitter:
         self.strip = self.state == "reasoning"  # drop whitespace at the start of the next part
         self.ended = False
         self.answer_started = False
+        self._call: tuple[str, list[str]] | None = None  # the tool call being written: (name, body pieces)
 
     # -- the stream ------------------------------------------------------------------------------------
     def feed(self, text: str) -> Split:
         if self.ended:
             return Split(ended=True)
         self.buf += text
-        out = {REASONING: [], ANSWER: []}
+        out = {REASONING: [], ANSWER: [], CALLS: []}
         if self.fmt == THINK:
             self._think(out)
         else:
             self._harmony(out)
-        return Split("".join(out[REASONING]), "".join(out[ANSWER]), self.ended)
+        return Split("".join(out[REASONING]), "".join(out[ANSWER]), self.ended, tuple(out[CALLS]))
 
     def flush(self) -> Split:
-        """The end of the reply: what is held back goes to the part it was in."""
+        """The end of the reply: what is held back goes to the part it was in (a tool call being written ends
+        with it: a harmony vocabulary's ``<|call|>`` is an end-of-generation token, never fed as text)."""
         held, self.buf = self.buf, ""
+        if self._call is not None:
+            out = {CALLS: []}
+            self._call[1].append(held)
+            self._end_call(out)
+            return Split(ended=self.ended, calls=tuple(out[CALLS]))
         if self.ended or not held:
             return Split(ended=self.ended)
         part = self._part()
@@ -203,14 +229,22 @@ class ReasoningSplitter:
                         continue
                     return
                 self.buf = self.buf[i + len(m) :]
+                to = _recipient(header)
+                if to is not None:  # a tool call: the body is its arguments
+                    self._call = (to, [])
                 self.state, self.strip = "body:" + _channel(header), True
                 continue
             part = self._part()
             i, m = _find(self.buf, (H_END, H_START, *H_TURN_ENDS))
-            self._emit(out, part, self.buf[:i])
+            if self._call is not None:
+                self._call[1].append(self.buf[:i])
+            else:
+                self._emit(out, part, self.buf[:i])
             if m is None:
                 self.buf = self.buf[i:]
                 return
+            if self._call is not None:
+                self._end_call(out)
             self.buf = self.buf[i:] if m == H_START else self.buf[i + len(m) :]
             if m in H_TURN_ENDS:
                 self.buf, self.ended = "", True
@@ -218,6 +252,11 @@ class ReasoningSplitter:
             self.state = "header"
 
     # -- helpers ----------------------------------------------------------------------------------------
+    def _end_call(self, out) -> None:
+        name, body = self._call
+        self._call, self.strip = None, False
+        out[CALLS].append((name, "".join(body).strip()))
+
     def _part(self) -> str | None:
         if self.state in ("start", "answer"):
             return ANSWER

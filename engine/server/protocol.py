@@ -17,7 +17,7 @@ from engine.errors import UsageError
 from engine.generate import GenerationEvent, SamplingParams
 from engine.generate.events import FINISH_CANCELLED, FINISH_CONTEXT, FINISH_LENGTH
 from engine.server.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
-from engine.server.tools import ParsedCall, ToolCallParser
+from engine.server.tools import ParsedCall, ToolCallParser, new_call
 
 
 class RequestError(Exception):
@@ -176,6 +176,12 @@ class Answer:
         pieces: list = [Thought(ev.reasoning)] if ev.reasoning else []
         self.reasoning += ev.reasoning
         pieces += self.parser.feed(ev.text) if self.parser else ([ev.text] if ev.text else [])
+        for name, arguments in ev.calls:  # a harmony model's calls (engine.generate.reasoning)
+            if self.parser:
+                self.parser.calls.append(call := new_call(name, arguments))
+                pieces.append(call)
+            elif arguments:  # no tools were offered: what the model wrote stays visible, as content
+                pieces.append(arguments)
         if ev.done and self.parser:
             pieces += self.parser.flush()
         for p in pieces:

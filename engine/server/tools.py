@@ -1,4 +1,6 @@
-"""Tool calls in generated text, parsed back into OpenAI ``tool_calls`` (Qwen3's / Hermes' format).
+"""Tool calls in generated text, parsed back into OpenAI ``tool_calls`` (Qwen3's / Hermes' format; gpt-oss's
+harmony calls are found by the reasoning splitter, engine.generate.reasoning, and arrive as
+``GenerationEvent.calls``).
 
 Qwen3's chat template asks the model to answer a call as::
 
@@ -45,7 +47,12 @@ def parse_call(body: str) -> ParsedCall | None:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     args_text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return ParsedCall(id=f"call_{uuid.uuid4().hex[:24]}", name=obj["name"], arguments=args_text)
+    return new_call(obj["name"], args_text)
+
+
+def new_call(name: str, arguments: str) -> ParsedCall:
+    """A call with a fresh id (``arguments``: JSON text as the model wrote it; a harmony model's come whole)."""
+    return ParsedCall(id=f"call_{uuid.uuid4().hex[:24]}", name=name, arguments=arguments)
 
 
 class ToolCallParser:

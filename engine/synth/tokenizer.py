@@ -61,13 +61,21 @@ CHATML_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-# The harmony format as gpt-oss's template writes it, cut to plain chat (no tools): a system message, the
-# system prompt as the developer's instructions, user turns, and earlier replies in the final channel — their
+# The harmony format as gpt-oss's template writes it, cut down: a system message, the system prompt as the
+# developer's instructions, the tools (as a ``functions`` namespace in a developer message; each tool's parameters
+# as JSON where the real template writes TypeScript), user turns, earlier replies in the final channel — their
 # reasoning (``thinking``) only for a last assistant message with no generation prompt (a training render), so
-# a new prompt never carries earlier turns' analysis; the generation prompt ``<|start|>assistant``.
+# a new prompt never carries earlier turns' analysis — their tool calls as messages to ``functions.NAME`` ended by
+# ``<|call|>``, a tool's result as a message from ``functions.NAME`` (the last call's name); the generation prompt
+# ``<|start|>assistant``.
 HARMONY_TEMPLATE = (
     "{{- '<|start|>system<|message|>Reasoning: ' + (reasoning_effort or 'medium') + "
     "'\\n\\n# Valid channels: analysis, commentary, final.<|end|>' }}"
+    "{%- if tools %}{{- '<|start|>developer<|message|># Tools\\n\\n## functions\\n\\nnamespace functions {\\n' }}"
+    "{%- for t in tools %}{%- set f = t['function'] if 'function' in t else t %}"
+    "{{- '\\n// ' + (f['description'] or '') + '\\ntype ' + f['name'] + ' = (_: ' + tojson(f['parameters'] or {}) + ') => any;\\n' }}"
+    "{%- endfor %}{{- '\\n} // namespace functions<|end|>' }}{%- endif %}"
+    "{%- set ns = namespace(last='') %}"
     "{%- for message in messages %}"
     "{%- if message['role'] == 'system' %}"
     "{{- '<|start|>developer<|message|># Instructions\\n\\n' + message['content'] + '<|end|>' }}"
@@ -77,8 +85,18 @@ HARMONY_TEMPLATE = (
     "{%- if closing and 'thinking' in message %}"
     "{{- '<|start|>assistant<|channel|>analysis<|message|>' + message['thinking'] + '<|end|>' }}"
     "{%- endif %}"
-    "{{- '<|start|>assistant<|channel|>final<|message|>' + message['content'] }}"
+    "{%- for tc in message['tool_calls'] or [] %}{%- set ns.last = tc['function']['name'] %}"
+    "{%- set a = tc['function']['arguments'] %}"
+    "{{- '<|start|>assistant to=functions.' + ns.last + '<|channel|>commentary json<|message|>' }}"
+    "{{- (a if a is string else tojson(a)) + '<|call|>' }}"
+    "{%- endfor %}"
+    "{%- if message['content'] or not message['tool_calls'] %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + (message['content'] or '') }}"
     "{{- '<|return|>' if closing else '<|end|>' }}"
+    "{%- endif %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|start|>functions.' + (message['name'] or ns.last) + ' to=assistant<|channel|>commentary<|message|>' }}"
+    "{{- message['content'] + '<|end|>' }}"
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"

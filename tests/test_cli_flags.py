@@ -103,3 +103,45 @@ def test_one_spelling_for_the_model_and_the_context_in_every_command():
         by_c = p.parse_args(["-m", "x.gguf", *need, "-c", "512"])
         by_long = p.parse_args(["-m", "x.gguf", *need, "--ctx-size", "512"])
         assert vars(by_c) == vars(by_long) and 512 in vars(by_c).values(), name
+
+
+def test_serve_takes_threads_for_every_generation(model, monkeypatch, capsys):
+    """``sharpi serve -t N``: the session's generations run on N threads (EngineOptions.host_threads, set in the
+    thread that serves each request); -t 0 is refused before anything loads."""
+    import threading
+    import time
+
+    import engine.server
+    from engine.generate import SamplingParams
+
+    seen = []
+
+    def fake_serve(host, bind, port, options, on_listening=None):
+        deadline = time.monotonic() + 120
+        while host.session is None and not host.error and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert host.session is not None, host.error
+
+        def request():  # a request's thread: numba's count is per thread
+            events = host.session.generate(prompt="x", params=SamplingParams(temperature=0, max_tokens=1))
+            for _ in events:
+                seen.append(numba.get_num_threads())
+
+        t = threading.Thread(target=request)
+        t.start()
+        t.join()
+
+    import numba
+    import torch
+
+    monkeypatch.setattr(engine.server, "serve", fake_serve)
+    before = numba.get_num_threads(), torch.get_num_threads()
+    try:
+        assert main(["serve", "-m", model, "--port", "0", "-t", "1"]) == 0
+    finally:
+        numba.set_num_threads(before[0])
+        torch.set_num_threads(before[1])
+    assert seen and set(seen) == {1}
+    capsys.readouterr()
+    assert main(["serve", "-m", model, "--port", "0", "-t", "0"]) == 2
+    assert "-t/--threads 0" in capsys.readouterr().err

@@ -1,4 +1,7 @@
-"""``sharpi serve [-m FILE] [--host H] [--port N] [--record-routes FILE]``: the OpenAI-compatible HTTP server.
+"""``sharpi serve [-m FILE] [--host H] [--port N] [-t N] [--record-routes FILE]``: the OpenAI-compatible HTTP server.
+
+``-t N``: the CPU threads every generation's kernels run with (``EngineOptions.host_threads``: set in the thread
+that runs each request, numba's count being per thread).
 
 ``--record-routes FILE`` records the routes of everything the server runs from the load on and writes the
 trace when the server stops (Ctrl-C, SIGTERM)."""
@@ -13,8 +16,10 @@ from engine.cli.common import (
     add_mtp_arg,
     add_placement_args,
     add_route_args,
+    add_threads_arg,
     load_session,
     save_route_recording,
+    set_threads,
 )
 
 
@@ -27,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-id", default=None, help="the model's name in the API (default: the file name's stem)")
     p.add_argument("--max-queue", type=int, default=8, help="requests that may wait for the model (more get 429)")
     add_placement_args(p)
+    add_threads_arg(p)
     add_route_args(p, replay=False)
     add_mtp_arg(p)
     p.set_defaults(func=run)
@@ -41,6 +47,7 @@ def run(a: argparse.Namespace) -> int:
         raise UsageError(f"--port must be 0..65535, got {a.port}")
     if a.max_queue < 0:
         raise UsageError(f"--max-queue must be ≥ 0, got {a.max_queue}")
+    set_threads(a.threads)  # checked here, before the model loads in the background
     if a.model is None:
         try:
             a.model = str(demo_model_path())

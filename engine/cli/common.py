@@ -205,7 +205,7 @@ def kv_type_from_args(a: argparse.Namespace) -> str | None:
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    """llama.cpp's -t, for the commands that generate on the calling thread (run, logits)."""
+    """llama.cpp's -t (run, logits, serve; the generation's thread takes it from ``EngineOptions.host_threads``)."""
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
 

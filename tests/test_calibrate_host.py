@@ -39,9 +39,10 @@ def test_fit_recovers_the_fixed_costs():
     secs = [p + (180.0 + 45.0 * n) * 1e-6 for p, n in zip(priced, layers)]
     token, layer, rel = hc.fit_host_costs(layers, secs, priced)
     assert token == pytest.approx(180.0, rel=1e-6) and layer == pytest.approx(45.0, rel=1e-6) and rel < 1e-9
-    # costs are never negative, even where the bytes priced more than the step took
-    token, layer, _ = hc.fit_host_costs([1, 2], [2e-4, 2.5e-4], [1e-4, 3e-4])
-    assert token >= 0 and layer >= 0
+    # costs are never negative, even where the bytes priced more than the step took; the error then says so
+    # (it is of whole steps: 3e-4 priced against 2.5e-4 taken is 20 % or more, not the 0 % of a clamped residual)
+    token, layer, rel = hc.fit_host_costs([1, 2], [2e-4, 2.5e-4], [1e-4, 3e-4])
+    assert token >= 0 and layer >= 0 and rel >= 0.2 / 2**0.5
 
 
 # Measured on the 2-core Zen 4 box with `sharpi bench calibrate --device host -m resources/models/...demo`

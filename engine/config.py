@@ -242,7 +242,7 @@ class EngineOptions:
     routes_dir: Path | None = None
     # SHARPI_HIT_CURVE: how the planner prices the expert cache's hit rate when the user's routing history has no
     # trace of the model's geometry (or is not to be used): "synthetic" (the default: the default policy's curve on
-    # the synthetic Qwen3-30B-A3B trace, engine.runtime.hit_curves) or "zipf" (the Zipf popularity guess, well below
+    # the synthetic Qwen3-30B-A3B trace, engine.runtime.hit_curves, for models of ≥ 64 experts a layer) or "zipf" (the Zipf popularity guess, well below
     # what a real model's routing gives the cache: 84 % against the trace's measured 94.9 % at 12 GiB on the 30B
     # geometry, which kept `auto` on the resident split at 69.8 tok/s where the cache decoded 86.8; docs/planner.md).
     hit_curve: str = "synthetic"

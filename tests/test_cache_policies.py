@@ -238,14 +238,19 @@ def test_the_planner_prices_the_cache_with_the_routing_curve(synth_model, tmp_pa
     assert routed["profile"]["hit_curve_source"] == f"routing trace {path}"
     assert routed["predicted_hit_rate"] == pytest.approx(curve_hit_rate(cap, curve))
     assert zipf["profile"]["hit_curve"] == [] and zipf["predicted_hit_rate"] != routed["predicted_hit_rate"]
-    # no routing history here (the suite's own empty SHARPI_ROUTES_DIR): the synthetic curve (SHARPI_HIT_CURVE's
-    # default), said so
-    assert default["profile"]["hit_curve_source"] == "synthetic Qwen3-30B-A3B routing"
-    assert default["profile"]["hit_curve"] and default["predicted_hit_rate"] != zipf["predicted_hit_rate"]
+    # no routing history here (the suite's own empty SHARPI_ROUTES_DIR) and 8 experts a layer: SHARPI_HIT_CURVE's
+    # default (the synthetic curve) is for fine-grained MoEs, so the Zipf guess, said so
+    assert default["profile"]["hit_curve_source"].startswith("the Zipf popularity guess (no routing history; fewer")
+    assert default["profile"]["hit_curve"] == [] and default["predicted_hit_rate"] != routed["predicted_hit_rate"]
     assert main(base[:-1]) == 0
-    assert "cache hit rates from synthetic Qwen3-30B-A3B routing" in capsys.readouterr().out
+    assert "cache hit rates from the Zipf popularity guess" in capsys.readouterr().out
+    fine = str(synth_model("qwen3moe", "Q8_0", vocab=512, experts=64, experts_used=8, layers=1).path)
+    assert main([*base[:2], fine, *base[3:]]) == 0
+    synthetic = json.loads(capsys.readouterr().out)
+    assert synthetic["profile"]["hit_curve_source"] == "synthetic Qwen3-30B-A3B routing"
+    assert synthetic["profile"]["hit_curve"]
     engine_env({"SHARPI_HIT_CURVE": "zipf"})
-    assert main(base) == 0
+    assert main([*base[:2], fine, *base[3:]]) == 0
     z = json.loads(capsys.readouterr().out)
-    assert z["profile"]["hit_curve_source"].startswith("the Zipf popularity guess") and z["profile"]["hit_curve"] == []
-    assert z["predicted_hit_rate"] < default["predicted_hit_rate"]  # the Zipf guess (skew 0.8) is below the curve
+    assert z["profile"]["hit_curve_source"].startswith("the Zipf popularity guess (no routing history of")
+    assert z["profile"]["hit_curve"] == [] and z["predicted_hit_rate"] < synthetic["predicted_hit_rate"]

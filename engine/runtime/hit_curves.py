@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 SOURCE_HISTORY, SOURCE_SYNTHETIC, SOURCE_ZIPF = "history", "synthetic", "zipf"
 SYNTHETIC_DETAIL = "synthetic Qwen3-30B-A3B routing"
 ZIPF_DETAIL = "the Zipf popularity guess (no routing history of this model)"
+# The synthetic trace is of a fine-grained MoE (128 experts, 8 a token); a model with fewer experts a layer (Mixtral's
+# 8, gpt-oss-20b's 32) routes more evenly over them, and its capacity fractions do not map onto that curve: those
+# keep the Zipf guess.
+SYNTHETIC_MIN_EXPERTS = 64
+FEW_EXPERTS_DETAIL = "the Zipf popularity guess (no routing history; fewer experts a layer than the synthetic trace's)"
 CURVE_CAPACITIES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 CURVE_LAYERS = 8  # layers of a trace replayed for a curve
 CURVE_VERSION = 1  # bump when the replay changes what a cached curve would hold
@@ -80,8 +85,9 @@ def planner_curve(
 ) -> CurveChoice:
     """The hit-rate curve for a model with ``n_expert`` experts a layer and ``k`` a token: from the history's
     traces of that geometry (their curves averaged, weighted by tokens) when ``use_history`` and there are
-    any, else ``fallback`` (default ``EngineOptions.hit_curve``): "synthetic" (the synthetic trace's curve) or
-    "zipf" (no points: the planner's Zipf model). A trace that cannot be read is skipped (and logged)."""
+    any, else ``fallback`` (default ``EngineOptions.hit_curve``): "synthetic" (the synthetic trace's curve, for a
+    model of at least SYNTHETIC_MIN_EXPERTS experts a layer; else the Zipf model) or "zipf" (no points: the
+    planner's Zipf model). A trace that cannot be read is skipped (and logged)."""
     policy = policy or DEFAULT_POLICY
     fallback = fallback or (options or config.current()).hit_curve
     if use_history:
@@ -100,9 +106,9 @@ def planner_curve(
             n = len(curves)
             detail = f"your routing history: {n} trace{'s' * (n != 1)}, {total:,} tokens"
             return CurveChoice(points, SOURCE_HISTORY, detail, n, total)
-    if fallback == SOURCE_SYNTHETIC:
+    if fallback == SOURCE_SYNTHETIC and n_expert >= SYNTHETIC_MIN_EXPERTS:
         return CurveChoice(_synthetic_curve(policy, options), SOURCE_SYNTHETIC, SYNTHETIC_DETAIL)
-    return CurveChoice((), SOURCE_ZIPF, ZIPF_DETAIL)
+    return CurveChoice((), SOURCE_ZIPF, ZIPF_DETAIL if fallback != SOURCE_SYNTHETIC else FEW_EXPERTS_DETAIL)
 
 
 def _policy_key(policy: str) -> dict:

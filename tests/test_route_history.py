@@ -49,11 +49,10 @@ def test_no_history_gives_the_fallback_and_the_synthetic_curve_is_cached(tmp_pat
 
 
 @pytest.mark.slow
-def test_the_recorded_synthetic_curve_is_what_the_replay_gives(tmp_path, cal):
+def test_the_recorded_synthetic_curve_is_what_the_replay_gives():
     """SYNTHETIC_CURVE is the default policy's replay of the synthetic trace (a policy or trace change must
     re-record it)."""
-    got = H._synthetic_curve(H.DEFAULT_POLICY, _opts(tmp_path, cal), recorded=False)
-    assert got == H.SYNTHETIC_CURVE
+    assert hit_curve(H.SYNTHETIC.generate(seed=0), policy=H.DEFAULT_POLICY) == H.SYNTHETIC_CURVE
 
 
 def test_the_history_of_this_geometry_gives_the_curve(tmp_path, cal):

@@ -153,14 +153,10 @@ class ExpertPool:
         self._table_dirty = True
         if evicted is not None and self.profiler is not None:
             self.profiler.set_resident(evicted[0], [evicted[1]], False)
-        src = self._mirror_row(layer, e)
-        if src is not None:  # the page-locked copy already holds the slot's bytes
+        with torch.cuda.stream(self._copy_stream):  # (None, the simulated device: no stream)
+            mirrored = self._from_mirror(layer, e, base)
+        if mirrored:
             n = self._role_bytes(layer)
-            if self._copy_stream is None:  # the simulated device
-                self.pool[base : base + lay.stride].copy_(src)
-            else:
-                with torch.cuda.stream(self._copy_stream):
-                    self.pool[base : base + lay.stride].copy_(src, non_blocking=True)
         else:
             stage = self._stage_row()
             n = self._fill(layer, e, base, None if stage is None else stage.numpy())
@@ -173,11 +169,15 @@ class ExpertPool:
             self.profiler.set_resident(layer, [e], True)
         return True
 
-    def _mirror_row(self, layer: int, e: int) -> torch.Tensor | None:
-        """Expert ``e`` of ``layer`` in the host copy (:attr:`mirror_rows`), the slot's stride of bytes; None
-        without one."""
+    def _from_mirror(self, layer: int, e: int, base: int) -> bool:
+        """Copy expert ``e`` of ``layer`` into the pool at byte ``base`` straight from the page-locked host copy
+        (:attr:`mirror_rows`: one DMA on the current stream, no staging); False where there is no copy of it."""
         rows = None if self.mirror_rows is None else self.mirror_rows.get(layer)
-        return None if rows is None else torch.from_numpy(rows[e, : self.layout_of(layer).stride])
+        if rows is None:
+            return False
+        stride = self.layout_of(layer).stride
+        self.pool[base : base + stride].copy_(torch.from_numpy(rows[e, :stride]), non_blocking=True)
+        return True
 
     def _role_bytes(self, layer: int) -> int:
         return sum(self.expert_bytes[(layer, r)].shape[1] for r in ROLES)
@@ -243,22 +243,15 @@ class ExpertPool:
         """Worker thread: copy ``batch``'s experts into their slots; returns the event of the last copy (CUDA)."""
         if self._bg_stream is None:  # the simulated device: straight into the pool
             for layer, e, slot in batch:
-                base, src = int(self.slot_off_h[slot]), self._mirror_row(layer, e)
-                if src is None:
+                base = int(self.slot_off_h[slot])
+                if not self._from_mirror(layer, e, base):
                     self._fill(layer, e, base, None)
-                else:
-                    self.pool[base : base + src.numel()].copy_(src)
             return None
-        if self._ring is None and self.mirror_rows is None:
-            self._ring = torch.empty((BACKGROUND_RING, self.layout.stride), dtype=torch.uint8, pin_memory=True)
         with torch.cuda.stream(self._bg_stream):
             self._bg_stream.wait_event(after)
             for layer, e, slot in batch:
-                src = self._mirror_row(layer, e)
-                if src is not None:  # page-locked already: one DMA, no host copy, no ring row to wait for
-                    base = int(self.slot_off_h[slot])
-                    self.pool[base : base + src.numel()].copy_(src, non_blocking=True)
-                    continue
+                if self._from_mirror(layer, e, int(self.slot_off_h[slot])):
+                    continue  # page-locked already: no host copy, no ring row to wait for
                 if self._ring is None:
                     self._ring = torch.empty((BACKGROUND_RING, self.layout.stride), dtype=torch.uint8, pin_memory=True)
                 ring = self._ring.numpy()

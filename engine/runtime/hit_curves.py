@@ -41,8 +41,8 @@ FEW_EXPERTS_DETAIL = "the Zipf popularity guess (no routing history; fewer exper
 CURVE_CAPACITIES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 CURVE_LAYERS = 8  # layers of a trace replayed for a curve
 CURVE_VERSION = 1  # bump when the replay changes what a cached curve would hold
-# The default policy's curve on the synthetic trace (seed 0, CURVE_LAYERS layers, CURVE_CAPACITIES) as
-# _synthetic_curve would replay it in ~7 s (tests/test_route_history.py replays it and compares).
+# The default policy's curve on the synthetic trace (SYNTHETIC, seed 0, CURVE_CAPACITIES), as a replay gives it in
+# ~7 s (tests/test_route_history.py replays it and compares).
 SYNTHETIC_CURVE = (
     (0.05, 0.3545), (0.1, 0.5782), (0.2, 0.7827), (0.3, 0.864), (0.4, 0.9106),
     (0.5, 0.9405), (0.6, 0.9605), (0.7, 0.9743), (0.8, 0.9838), (0.9, 0.9901),
@@ -117,17 +117,17 @@ def _policy_key(policy: str) -> dict:
     return {"policy": policy, "knobs": knobs, "version": CURVE_VERSION, "layers": CURVE_LAYERS}
 
 
-def _synthetic_curve(
-    policy: str, options: EngineOptions | None, *, recorded: bool = True
-) -> tuple[tuple[float, float], ...]:
-    if recorded and policy == DEFAULT_POLICY:
+SYNTHETIC = replace(QWEN3_30B_A3B, n_layers=CURVE_LAYERS)  # the generator of the trace a synthetic curve replays
+
+
+def _synthetic_curve(policy: str, options: EngineOptions | None) -> tuple[tuple[float, float], ...]:
+    if policy == DEFAULT_POLICY:
         return SYNTHETIC_CURVE
-    gen = replace(QWEN3_30B_A3B, n_layers=CURVE_LAYERS)
-    key = {**_policy_key(policy), "synthetic": asdict(gen), "seed": 0, "capacities": list(CURVE_CAPACITIES)}
+    key = {**_policy_key(policy), "synthetic": asdict(SYNTHETIC), "seed": 0, "capacities": list(CURVE_CAPACITIES)}
     cached = _load(key, options)
     if cached is not None:
         return cached
-    return _store(key, hit_curve(gen.generate(seed=0), policy=policy), options)
+    return _store(key, hit_curve(SYNTHETIC.generate(seed=0), policy=policy), options)
 
 
 def _trace_curve(path: Path, policy: str, options, n_expert: int, k: int):

@@ -17,7 +17,7 @@ from engine.errors import UsageError
 from engine.generate import GenerationEvent, SamplingParams
 from engine.generate.events import FINISH_CANCELLED, FINISH_CONTEXT, FINISH_LENGTH
 from engine.server.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
-from engine.server.tools import ParsedCall, ToolCallParser, new_call
+from engine.server.tools import ParsedCall, ToolCallParser
 
 
 class RequestError(Exception):
@@ -178,8 +178,7 @@ class Answer:
         pieces += self.parser.feed(ev.text) if self.parser else ([ev.text] if ev.text else [])
         for name, arguments in ev.calls:  # a harmony model's calls (engine.generate.reasoning)
             if self.parser:
-                self.parser.calls.append(call := new_call(name, arguments))
-                pieces.append(call)
+                pieces.append(self.parser.add(name, arguments))
             elif arguments:  # no tools were offered: what the model wrote stays visible, as content
                 pieces.append(arguments)
         if ev.done and self.parser:

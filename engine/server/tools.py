@@ -63,6 +63,12 @@ class ToolCallParser:
         self._inside = False
         self.calls: list[ParsedCall] = []
 
+    def add(self, name: str, arguments: str) -> ParsedCall:
+        """A call found outside the text (a harmony model's, from the reasoning splitter), kept with the parsed ones."""
+        call = new_call(name, arguments)
+        self.calls.append(call)
+        return call
+
     def feed(self, text: str) -> list[str | ParsedCall]:
         self._buf += text
         out: list[str | ParsedCall] = []

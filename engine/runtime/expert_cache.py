@@ -112,7 +112,8 @@ class CachedExperts(ExpertBackend):
         self._predicted: dict[int, np.ndarray] = {}  # layer -> this step's predicted experts, strongest first
         self._prefetched: set[tuple[int, int]] = set()  # brought in by a prediction, not used since
         self.prefetch_skipped = 0  # prefetches not made: demand uploads were in flight
-        self._late_routes: list[tuple[int, torch.Tensor]] = []  # resident layers' routes still being copied out
+        # Routes of this pass still being copied out: (layer, ids, over the bus?) of resident and bus passes.
+        self._late_routes: list[tuple[int, torch.Tensor, bool]] = []
         # The misses computed on the device over the bus (EngineOptions.cache_misses "bus"): the experts' host copy.
         self.mirror: HostMirror | None = None
         self._mirror_off: torch.Tensor | None = None  # int64 [layers, E]: each expert's offset in the copy
@@ -153,12 +154,27 @@ class CachedExperts(ExpertBackend):
             # Resident: every expert is on the device for good, so nothing here waits for the routes on the
             # host; they are copied out behind the layer and recorded once the pass ends (end_step).
             if self.profiler is not None:
-                self._late_routes.append((layer, ids.to("cpu", non_blocking=True)))
+                self._late_routes.append((layer, ids.to("cpu", non_blocking=True), False))
             return self.compute.fused_pairs(layer, table[ids], x, weights.to(x.device))
+        if self._bus(layer) and ids.device == x.device:
+            return self._bus_pass(layer, x, ids, weights)
         ids_h = ids.cpu().numpy()  # routing decides what runs where: an explicit host boundary
         if self.profiler is not None:
             self.profiler.record_route(layer, ids_h)
         return self._serve(layer, x, ids_h, weights)
+
+    def _bus_pass(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """A pass of many tokens where the misses go over the bus (:meth:`_bus`): every pair in one call of the
+        fused kernels, a hit read from its slot, a miss from the host copy. Nothing is uploaded inside the pass (a
+        prompt's layers would evict each other's experts, and each upload waits) and nothing waits for the routes:
+        they are copied out behind the layer and accounted once the pass ends (:meth:`_record_late_routes`), the
+        misses with at least :func:`prompt_upload_threshold` of the pass's tokens then queued for upload."""
+        self.pool.drain()  # uploads behind the decode land first: the table stays fixed for the pass
+        slots = self.pool.slots_dev[layer].index_select(0, ids.reshape(-1)).reshape(ids.shape)
+        miss = self._mirror_off[layer].index_select(0, ids.reshape(-1)).reshape(ids.shape)
+        off = torch.where(slots >= 0, self.pool.slot_off_dev[slots.clamp(min=0)], miss)
+        self._late_routes.append((layer, ids.to("cpu", non_blocking=True), True))
+        return self.compute.fused_pairs(layer, off, x, weights.to(x.device))
 
     def _serve(self, layer: int, x: torch.Tensor, ids_h: np.ndarray, weights: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` after the route is recorded: hits (and a prompt's well-used misses, uploaded now)
@@ -358,17 +374,35 @@ class CachedExperts(ExpertBackend):
         self.pool.drain()
 
     def _record_late_routes(self) -> None:
-        """The resident layers' routes of this pass to the profiler, as :meth:`forward` records a cache's:
-        every pair a hit (one wait for the last copy, at the pass's end)."""
+        """The routes of this pass's resident layers and bus passes (one wait for the last copy, at the pass's
+        end), recorded as :meth:`forward` records a cache's. Resident: every pair a hit, to the profiler. Bus
+        (:meth:`_bus_pass`; the table did not change during the pass): observed by the slot policy, the hits'
+        recency refreshed, hits and misses counted, and the misses with at least ``prompt_upload_min`` of the
+        pass's tokens queued for upload, the most used first."""
         late, self._late_routes = self._late_routes, []
-        if not late or self.profiler is None:
+        if not late or (self.profiler is None and not any(bus for _, _, bus in late)):
             return
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        for layer, ids in late:
+        for layer, ids, bus in late:
             ids_h = ids.numpy()
-            self.profiler.record_route(layer, ids_h)
-            self.profiler.record_cache(layer, ids_h.reshape(-1), ids_h[:0].reshape(-1), {})
+            flat = ids_h.reshape(-1)
+            if not bus:
+                if self.profiler is not None:
+                    self.profiler.record_route(layer, ids_h)
+                    self.profiler.record_cache(layer, flat, flat[:0], {})
+                continue
+            self.slots.observe(layer, ids_h)
+            in_pool = self.pool.slots_h[layer, flat] >= 0
+            if self.profiler is not None:
+                self.profiler.record_route(layer, ids_h)
+                self.profiler.record_cache(layer, flat[in_pool], flat[~in_pool], {})
+            for e in np.unique(flat[in_pool]):
+                self.slots.hit((layer, int(e)))
+            if self.prompt_upload_min > 0:
+                counts = np.bincount(flat[~in_pool], minlength=self.pool.slots_h.shape[1])
+                hot = np.flatnonzero(counts >= self.prompt_upload_min)
+                self.queue.extend((layer, int(e)) for e in hot[np.argsort(-counts[hot], kind="stable")])
 
     def end_step(self) -> None:
         """Upload this step's misses (bounded), oldest first; the rest are dropped. On CUDA they are copied

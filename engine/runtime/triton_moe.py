@@ -289,7 +289,7 @@ if triton is not None:
             new = (s != sp) | (j == 0)
             start = tl.associative_scan(tl.where(new, j, 0), 0, _max_i32)  # each entry's group start
             start = tl.maximum(start, gstart)
-            head = m & (s >= 0) & ((j - start) % BT == 0)
+            head = m & (s != -1) & ((j - start) % BT == 0)
             hi = head.to(tl.int32)
             idx = count + tl.cumsum(hi, 0) - 1
             tl.store(OUT + idx, j.to(tl.int64), mask=head & (idx < n_tiles))
@@ -322,7 +322,7 @@ def tile_starts_reference(seg: torch.Tensor, BT: int, n_tiles: int) -> torch.Ten
     new = torch.ones(J, dtype=torch.bool, device=seg.device)
     new[1:] = seg[1:] != seg[:-1]  # [J] an entry that starts its group
     first = torch.cummax(torch.where(new, pos, 0), 0).values  # [J] where each entry's group starts
-    head = ((pos - first) % BT == 0) & (seg >= 0)  # [J] the entries that start a tile
+    head = ((pos - first) % BT == 0) & (seg != -1)  # [J] the entries that start a tile
     idx = torch.where(head, torch.cumsum(head, 0) - 1, n_tiles)  # the rest land in a spare last entry
     out = torch.full((n_tiles + 1,), -1, dtype=torch.int64, device=seg.device)
     return out.scatter_(0, idx, pos)[:n_tiles]
@@ -350,7 +350,8 @@ def grouped_matmul(
     """Y float32 [J, rows] with Y[j] = W_j · X[tok[j]], W_j the matrix [rows, n] at byte seg[j] + woff of pool.
 
     pool uint8 (flat); seg int64 [J] each entry's matrix (byte offset, 16-aligned with woff), entries of
-    one matrix consecutive, −1: skip the entry (its row of Y is left unwritten); tok int64 [J] rows of X
+    one matrix consecutive, −1: skip the entry (its row of Y is left unwritten; any other value, negative too,
+    is read: a host copy's offset, ``moe_decode``); tok int64 [J] rows of X
     [T, n], float32 (float32 operands) or bfloat16 (:func:`operand`; tensor-core MMA); groups: a bound on
     the distinct matrices in seg (sizes the grid: no host sync). cfg: launch settings (default
     ``kernel_select.launch("grouped" | "grouped_bf16", ...)``); tiles: a dict shared by the calls over
@@ -417,17 +418,17 @@ def moe_prefill(
     tiles read once per BT of its tokens (three grouped launches — two where up's rows follow gate's in the
     slot with the same type — and a deterministic combine), on the
     operands ``kernel_select.prefill_precision`` picks. No host sync: the grid is bounded by the pairs
-    and ``n_experts`` (the most distinct slots the pairs can name: the layer's experts; default T·K,
-    or the pool's slots when it is [n_slots, stride])."""
+    and ``n_experts`` (the most distinct slots the pairs can name: the layer's experts, some of them perhaps
+    at host-copy offsets outside the pool; default T·K, or the pool's slots when it is [n_slots, stride])."""
     T, K = slot_off.shape
     J = T * K
     if J == 0:
         return torch.zeros_like(x, dtype=torch.float32)
     precision = ks.prefill_precision(x.device, options)
-    groups = min(J, n_experts or J, pool.shape[0] if pool.dim() == 2 else J)
+    groups = min(J, n_experts) if n_experts else min(J, pool.shape[0] if pool.dim() == 2 else J)
     pool = pool.reshape(-1)
     flat = slot_off.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # [J] pair indices sorted by slot; skipped pairs (−1) first
+    order = torch.argsort(flat, stable=True)  # [J] pair indices sorted by slot; skipped pairs (−1) together
     seg = flat[order]  # [J] each sorted pair's slot
     tok = order // K
     (go, gq, F, D), (uo, uq, _, _), (do, dq, _, _) = (roles[r] for r in ("gate", "up", "down"))
@@ -444,5 +445,5 @@ def moe_prefill(
     d = grouped_matmul(pool, seg, do, ident, h, dq, D, F, groups, options=options, tiles=tiles)  # [J, D]
     w = weights.reshape(-1)[order, None].to(torch.float32)
     out = torch.empty((J, D), dtype=torch.float32, device=x.device)
-    out[order] = torch.where(seg[:, None] >= 0, d * w, 0.0)  # skipped pairs' rows of d were never written
+    out[order] = torch.where(seg[:, None] != -1, d * w, 0.0)  # skipped pairs' rows of d were never written
     return out.view(T, K, D).sum(1)

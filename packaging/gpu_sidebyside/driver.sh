@@ -13,7 +13,8 @@
 # environment.
 # The job builds llama-bench (sm_90, ~4–5 min on 16 cores) while it writes the model file, then runs each row
 # under `timeout`, sampling nvidia-smi every 250 ms. Results: /tmp/sbs (summary.txt, table.md, logs).
-# TESTS="pytest args" (environment of `start`) also runs those CUDA tests while llama.cpp builds (tests.txt).
+# TESTS="pytest args" (environment of `start`) also runs those CUDA tests while llama.cpp builds (tests.txt;
+# TESTS_TIMEOUT seconds, default 480).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -74,7 +75,7 @@ build & BPID=$!
 synth; log "synth: $([ -e $R/synth.ok ] && ls -la $F || echo FAILED)"
 if [ -n "${TESTS:-}" ]; then  # on the GPU while llama.cpp builds on the CPUs; F serves the budget test
   log "CUDA tests: pytest $TESTS"
-  SHARPI_TEST_30B_GGUF=$F timeout 480 python3 -m pytest -q -p no:cacheprovider $TESTS > $R/tests.txt 2>&1
+  SHARPI_TEST_30B_GGUF=$F timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider $TESTS > $R/tests.txt 2>&1
   log "tests: $(tail -1 $R/tests.txt)"
 fi
 wait $BPID; log "build: $([ -e $R/build.ok ] && echo ok || { echo FAILED; grep -m5 -iE 'error' $R/build.log; })"

@@ -70,6 +70,27 @@ def test_moe_kernels_match_the_reference(case, T, device, launch_table):
         assert log.kernels() == {"moe_gate_up"}
 
 
+@pytest.mark.parametrize("T", [24])
+def test_the_kernels_read_offsets_below_the_pools_base(device, T):
+    """An offset is read wherever it points, below the base too (a host copy's: the cache's misses over the bus),
+    and only −1 is skipped: the kernels given the pool from its middle slot, with more distinct experts than
+    that view has slots, equal the reference over the whole pool."""
+    types, F, D = CASES[0]
+    rng = np.random.default_rng((3, T))
+    pool, stride, roles = expert_pool(types, F, D, E, device, rng)
+    slot_off, x, w = routing_case(T, K, E, D, stride, device, rng)
+    ref = refs.moe_decode_reference(pool, slot_off, x, w, roles)
+    half = E // 2
+    rel = torch.where(slot_off != -1, slot_off - half * stride, -1)
+    assert (rel < -1).any()
+    decode = lambda *a: tm.moe_decode(*a, act="f32")  # noqa: E731
+    with config.overriding(prefill_precision="f32"):
+        for fn in (decode, tm.moe_prefill) if T <= 8 else (tm.moe_prefill,):
+            kw = {"n_experts": E} if fn is tm.moe_prefill else {}
+            y = fn(pool[half:], rel, x, w, roles, **kw)
+            assert ((y - ref).norm() / ref.norm()).item() < TOL, fn
+
+
 @pytest.mark.parametrize(("q", "R", "n"), ONE_MATRIX, ids=[f"{q.name}-{R}x{n}" for q, R, n in ONE_MATRIX])
 def test_one_matrix_tiles_match_the_reference(q, R, n, device):
     """The tiled one-matrix path (a trunk matrix with more than TRITON_MAX_T tokens), float32 operands."""
@@ -265,6 +286,62 @@ def test_bus_misses_are_read_from_the_host_copy(tmp_path, device):
         c.mirror.close()
 
 
+@pytest.mark.parametrize("T", [24])
+def test_a_pass_of_many_tokens_reads_its_misses_over_the_bus(tmp_path, device, monkeypatch, T):
+    """``cache_misses="bus"``, a pass of T tokens (the grouped prefill kernel, with more distinct experts than the
+    pool has slots; a few tokens take the decode kernels, whose bus reads the test above holds): every pair in one device call, hits from the pool, misses from the
+    host copy (offsets outside the pool) — equal to the CPU backend; no upload and no CPU
+    expert inside the pass; once it ends, the routes are counted and only the misses with at least
+    ``prompt_upload_min`` of its tokens queued, the most used first."""
+    from engine.api import LoadOptions, Session
+    from engine.experts import CpuExperts
+    from engine.plan import expert_slot_layout
+    from engine.profiler import ExpertProfiler
+    from engine.runtime.device import DeviceArena
+    from engine.runtime.expert_cache import CachedExperts
+    from engine.synth.writer import write_model
+
+    def no_cpu(*a, **k):
+        raise AssertionError("a bus pass computed experts on the CPU or uploaded inside the pass")
+
+    path = write_model(tmp_path / "q.gguf", "qwen3moe", seed=4, layers=2, weight_type="Q4_K",
+                       type_overrides={"*ffn_down*": "Q6_K"}).path  # fmt: skip
+    with Session.load(str(path), LoadOptions(n_ctx=32, device=device, q8_act=False)) as s:
+        a = s.args
+        L, E, K, D = a.n_layer, a.n_expert, a.n_expert_used, a.n_embd
+        stacks = s.model.expert_stacks()
+        host = CpuExperts(stacks, q8_act=False)
+        opts = replace(config.current(), cache_misses="bus", device_act="f32", cache_upload="inline")
+        c = CachedExperts(stacks, set(range(L)), DeviceArena(device, None), expert_slot_layout(s.spec), 3,
+                          q8_act=False, options=opts, prompt_upload_min=3)  # fmt: skip
+        c.profiler = ExpertProfiler(L, E)
+        rng = np.random.default_rng(5)
+        layer = 1
+        for e in (0, 1):  # two experts in the pool: hits beside the misses
+            assert c.pool.upload(layer, e, set())
+        c.pool.sync()
+        c.pool.refresh_table()
+        ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int64)
+        x = torch.from_numpy(rng.standard_normal((T, D)).astype(np.float32))
+        w = torch.from_numpy(rng.random((T, K)).astype(np.float32))
+        monkeypatch.setattr(c, "_host_outputs", no_cpu)
+        monkeypatch.setattr(c.pool, "upload", no_cpu)
+        got = c.forward(layer, x.to(device), torch.from_numpy(ids).to(device), w.to(device)).cpu()
+        ref = host.forward(layer, x, torch.from_numpy(ids), w)
+        err = ((got - ref).norm() / ref.norm()).item()
+        assert err < TOL * 10, err
+        assert c.queue == [] and c.profiler.hits.sum() == 0  # accounted when the pass ends
+        monkeypatch.undo()
+        c._record_late_routes()
+        flat = ids.reshape(-1)
+        in_pool = np.isin(flat, [0, 1])
+        assert c.profiler.hits[layer].sum() == in_pool.sum() and c.profiler.misses[layer].sum() == (~in_pool).sum()
+        counts = np.bincount(flat[~in_pool], minlength=E)
+        want = sorted(np.flatnonzero(counts >= 3).tolist(), key=lambda e: -counts[e])
+        assert [e for _, e in c.queue] == want and all(i == layer for i, _ in c.queue)
+        c.mirror.close()
+
+
 @pytest.mark.cuda
 @CUDA_ONLY
 def test_cache_misses_read_over_the_bus_inside_the_step(tmp_path, monkeypatch):
@@ -292,6 +369,7 @@ def test_cache_misses_read_over_the_bus_inside_the_step(tmp_path, monkeypatch):
         Session.load(str(path), LoadOptions(n_ctx=CTX, device=device, q8_act=False)) as s,
     ):
         ref = s.logits(tokens, batch=False)
+        ref_prompt = s.logits(tokens, batch=True)
         L = s.args.n_layer
         need = device_bytes(s.spec, n_gpu_layers=L, ctx=CTX, kv_type="f32", reserve=0).total
         prof = DeviceProfile(vram_bytes=need + 3 * expert_slot_layout(s.spec).stride, reserve_bytes=0)
@@ -311,6 +389,11 @@ def test_cache_misses_read_over_the_bus_inside_the_step(tmp_path, monkeypatch):
         assert st.misses.sum() > 0 and st.hits.sum() > 0, (st.hits.sum(), st.misses.sum())
         assert st.hits.sum() + st.misses.sum() == st.calls.sum()
         assert cached.uploaded_bytes > 0
+        # A prompt: one device call a layer, its misses read over the bus too; no CPU experts.
+        monkeypatch.setattr(CachedExperts, "_host_outputs", no_host_half)
+        got = s.logits(tokens, batch=True)
+        err = np.abs(got - ref_prompt).max() / np.abs(ref_prompt).max()
+        assert err <= TOL * 10, err
 
 
 @pytest.mark.cuda

@@ -8,7 +8,8 @@ first and computes on the device. A prompt is different: an
 expert missed by at least :func:`prompt_upload_threshold` of its tokens is uploaded before the layer runs
 and computed on the device with the hits (copying 2–3 MB beats the CPU's work for that many tokens;
 llama.cpp likewise moves a large batch's experts to the GPU); its rarer misses run on the CPU, grouped by
-expert. ``resident`` is the same pool filled with every expert and pinned.
+expert (where the misses go over the bus, below, a prompt reads them there instead). ``resident`` is the same pool
+filled with every expert and pinned.
 
 **Predictive prefetch** (``EngineOptions.cache_prefetch`` = N > 0, decode steps): after a cached layer has
 served its experts (its hits on the device, its misses on the CPU), the next cached layer's router is applied
@@ -30,7 +31,10 @@ the pool changes only between steps (``end_step``), so the table the graph reads
 into page-locked host memory at the pool's slot layout (``expert_pool.HostMirror``), and the device half
 computes a miss itself, the fused kernels reading its bytes from that copy over PCIe — so a decode step has no
 host half and runs as one graph. Its routes are taken after the step (:meth:`CachedExperts.routed`): counted,
-and the misses uploaded as the host half would have queued them. Uploads then copy from that page-locked copy
+and the misses uploaded as the host half would have queued them. A prompt on such a layer is one call of the grouped
+kernels too (:meth:`CachedExperts._bus_pass`): its misses are read over the bus where they are, not uploaded into
+the pool nor computed on the CPU, so the pass neither waits on copies nor evicts the decode's experts; its
+well-used misses are queued for upload once it ends. Uploads then copy from that page-locked copy
 (``ExpertPool.mirror_rows``): one DMA an expert, no host copy out of the memory map into a staging ring.
 """
 

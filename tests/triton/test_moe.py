@@ -311,7 +311,8 @@ def test_a_pass_of_many_tokens_reads_its_misses_over_the_bus(tmp_path, device, m
         L, E, K, D = a.n_layer, a.n_expert, a.n_expert_used, a.n_embd
         stacks = s.model.expert_stacks()
         host = CpuExperts(stacks, q8_act=False)
-        opts = replace(config.current(), cache_misses="bus", device_act="f32", cache_upload="inline")
+        opts = replace(config.current(), cache_misses="bus", device_act="f32", cache_upload="inline",
+                       prefill_precision="f32")  # fmt: skip
         c = CachedExperts(stacks, set(range(L)), DeviceArena(device, None), expert_slot_layout(s.spec), 3,
                           q8_act=False, options=opts, prompt_upload_min=3)  # fmt: skip
         c.profiler = ExpertProfiler(L, E)
@@ -365,7 +366,7 @@ def test_cache_misses_read_over_the_bus_inside_the_step(tmp_path, monkeypatch):
                        type_overrides={"*ffn_down*": "Q6_K"}).path  # fmt: skip
     tokens = random_tokens(10, 1024, seed=8)
     with (
-        config.overriding(device_act="f32", cache_misses="bus", cache_upload="inline"),
+        config.overriding(device_act="f32", cache_misses="bus", cache_upload="inline", prefill_precision="f32"),
         Session.load(str(path), LoadOptions(n_ctx=CTX, device=device, q8_act=False)) as s,
     ):
         ref = s.logits(tokens, batch=False)

@@ -217,7 +217,7 @@ class Session:
             self.cache = self.model.new_cache(self.n_ctx, self.kv_type)
             if options.placement is not None:
                 req = replace(options.placement, ctx=self.n_ctx, kv_type=self.kv_type)
-                self.apply(self.plan(req, self.device_profile(options.vram_budget)))
+                self.apply(self.plan(req, self.device_profile(options.vram_budget)), progress=report)
         except (MemoryError, OSError) as e:
             self.gf.close()
             if isinstance(e, OSError) and e.errno != errno.ENOMEM:
@@ -531,17 +531,22 @@ class Session:
             request = replace(request, bus_misses=bus)
         return plan(self.spec, profile or self.device_profile(), request)
 
-    def apply(self, placement: Placement, engine: EngineOptions | None = None) -> None:
+    def apply(
+        self, placement: Placement, engine: EngineOptions | None = None, progress: Progress | None = None
+    ) -> None:
         """Re-place the loaded model (the file is not re-read) and start a fresh KV cache. ``engine``: the
         engine options this placement runs with (default: the session's, ``LoadOptions.engine``; e.g.
-        calibration applies a probe with CUDA graphs off); they stay with it until the next apply.
+        calibration applies a probe with CUDA graphs off); they stay with it until the next apply. ``progress``:
+        told of the slow part, the expert cache's page-locked host copy, layer by layer (it may raise to cancel).
 
         If the device runs out of memory, the previous placement is restored and the error says so.
         """
         previous = self.applied
         engine = engine if engine is not None else self.engine_options
         try:
-            self.applied = apply_placement(self.model, self.spec, placement, self.device, options=engine)
+            self.applied = apply_placement(
+                self.model, self.spec, placement, self.device, options=engine, progress=progress
+            )
         except DeviceMemoryError as e:
             self._restore(previous)
             raise DeviceMemoryError(f"{e}; the previous placement stays in force") from None

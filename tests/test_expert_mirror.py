@@ -10,7 +10,7 @@ import pytest
 from engine.api import LoadOptions, Session
 from engine.plan import expert_slot_layout
 from engine.runtime.device import DeviceArena
-from engine.runtime.expert_pool import ROLES, ExpertPool, HostMirror
+from engine.runtime.expert_pool import MIRROR_PROGRESS, ROLES, ExpertPool, HostMirror
 from engine.synth.writer import write_model
 
 
@@ -27,9 +27,10 @@ def _pool(s: Session) -> ExpertPool:
 
 
 def test_the_copy_holds_each_expert_at_the_slot_layout_and_its_offsets_point_there(session):
-    pool = _pool(session)
-    m = HostMirror.build(pool, [0, 1], "bus")
+    pool, told = _pool(session), []
+    m = HostMirror.build(pool, [0, 1], "bus", progress=lambda *a: told.append(a))
     assert m is not None and m.nbytes == 2 * session.args.n_expert * pool.layout.stride
+    assert told == [(1, 2, MIRROR_PROGRESS), (2, 2, MIRROR_PROGRESS)]  # a layer at a time
     off = m.offsets(pool).numpy()
     for j, i in enumerate((0, 1)):
         for e in range(session.args.n_expert):
@@ -45,7 +46,7 @@ def test_the_copy_holds_each_expert_at_the_slot_layout_and_its_offsets_point_the
 def test_a_re_placement_reuses_the_copy_and_cpu_misses_free_it(session):
     m = HostMirror.build(_pool(session), [0, 1], "bus")
     again = _pool(session)  # a new placement: a new pool and stacks over the same mapped file
-    assert HostMirror.build(again, [1], "bus", reuse=m) is m
+    assert HostMirror.build(again, [1], "bus", reuse=m, progress=lambda *a: pytest.fail("copied again")) is m
     assert HostMirror.build(again, [0, 1], "cpu", reuse=m) is None and m.buf is None  # closed: RAM back
     assert HostMirror.build(again, [0, 1], "auto") is None  # the simulated device keeps CPU misses
     assert HostMirror.build(again, [], "bus") is None

@@ -26,6 +26,7 @@ from engine.plan.spec import ModelSpec
 from engine.runtime import graph_decode
 from engine.runtime.device import DeviceArena, DeviceWeights, embedding_rows
 from engine.runtime.expert_cache import CachedExperts
+from engine.runtime.expert_pool import Progress
 from engine.runtime.expert_stream import StreamedExperts
 
 
@@ -63,10 +64,12 @@ def apply_placement(
     device: torch.device | str,
     upload: str = "async",
     options: EngineOptions | None = None,
+    progress: Progress | None = None,
 ) -> Applied:
     """Reconfigure ``model`` for ``placement`` on ``device`` and return a fresh KV cache. ``options``: the
     engine options the device pieces follow (kernel choice, CUDA graphs, prompt uploads; default
-    ``config.current()``).
+    ``config.current()``); ``progress``: told of the slow part, the experts' page-locked host copy, layer by
+    layer (``expert_pool.Progress``).
 
     Raises :class:`~engine.errors.DeviceMemoryError` when the device cannot hold it; the model is
     then left in an unspecified state and the caller re-applies the previous placement.
@@ -104,6 +107,7 @@ def apply_placement(
             options=options,
             layer_layouts={i: layer_slot_layout(spec, i) for i in cache_layers} if p.moe_mode == "resident" else None,
             mirror=model.host_mirror,
+            progress=progress,
         )
         backends.update({i: cached for i in cache_layers})
     elif model.host_mirror is not None:  # no cache now: the previous placement's host copy goes

@@ -52,7 +52,7 @@ from engine.plan.sizing import SlotLayout
 from engine.profiler import ExpertProfiler
 from engine.runtime import triton_q4k_moe
 from engine.runtime.device import DeviceArena
-from engine.runtime.expert_pool import ExpertPool, HostMirror, host_copy
+from engine.runtime.expert_pool import ExpertPool, HostMirror, Progress, host_copy
 from engine.runtime.pool_compute import PoolCompute
 
 __all__ = ["PROMPT_UPLOAD_MIN", "CachedExperts", "host_copy", "prompt_upload_threshold"]
@@ -87,10 +87,12 @@ class CachedExperts(ExpertBackend):
         options: EngineOptions | None = None,
         layer_layouts: dict[int, SlotLayout] | None = None,
         mirror: HostMirror | None = None,
+        progress: Progress | None = None,
     ):
         """layer_layouts: resident experts packed at each layer's own stride (``ExpertPool``); then
         ``n_slots`` covers every expert of ``layers`` and :meth:`preload` pins them. mirror: the experts' host copy
-        an earlier placement of this model made (reused where it serves, else closed: ``HostMirror.build``)."""
+        an earlier placement of this model made (reused where it serves, else closed: ``HostMirror.build``); progress:
+        told of each layer of a new host copy (``expert_pool.Progress``)."""
         if upload not in ("async", "sync"):
             raise ValueError(upload)
         self.stacks, self.layers = stacks, set(layers)
@@ -123,7 +125,7 @@ class CachedExperts(ExpertBackend):
         self._mirror_off: torch.Tensor | None = None  # int64 [layers, E]: each expert's offset in the copy
         if self.options.cache_misses != "cpu" and layer_layouts is None and upload == "async":
             fused = [i for i in sorted(layers) if self._fused[i]]
-            self.mirror = HostMirror.build(self.pool, fused, self.options.cache_misses, mirror)
+            self.mirror = HostMirror.build(self.pool, fused, self.options.cache_misses, mirror, progress)
         elif mirror is not None:
             mirror.close()
         if self.mirror is not None:

@@ -25,6 +25,7 @@ import logging
 import mmap
 import os
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -40,6 +41,8 @@ from engine.runtime.slot_policies import DEFAULT_SLOT_POLICY, make_slots
 log = logging.getLogger(__name__)
 
 ROLES = ("gate", "up", "down")
+Progress = Callable[[int, int, str], None]  # (done, total, what), as engine.api's
+MIRROR_PROGRESS = "copying experts to page-locked RAM"  # HostMirror's progress, a layer at a time
 BACKGROUND_RING = 16  # pinned staging rows of the background uploads (each reused once its copy has landed)
 BACKGROUND_JOBS = 2  # steps' batches in flight at most; a step's misses beyond that are not uploaded
 
@@ -398,7 +401,9 @@ class HostMirror:
 
     MARGIN = 4 << 30  # host memory left free beside the copy
 
-    def __init__(self, pool: ExpertPool, layers: list[int]):
+    def __init__(self, pool: ExpertPool, layers: list[int], progress: Progress | None = None):
+        """progress(k, n, what): called after each of the n layers is copied (the copy reads the whole file's
+        experts: seconds from the page cache, longer from a disk)."""
         self.layers, self.layout = sorted(layers), pool.layout
         self._sources = _sources(pool, self.layers)  # what was copied: the mapped bytes' addresses and shapes
         stacks, lay = pool.stacks, pool.layout
@@ -406,15 +411,21 @@ class HostMirror:
         self.nbytes = mirror_bytes([stacks[i].gate.n_experts for i in self.layers], lay.stride)
         self._map = mmap.mmap(-1, self.nbytes)  # anonymous, page-aligned
         self.buf = np.frombuffer(self._map, dtype=np.uint8).reshape(len(self.layers), n_exp, lay.stride)
-        jobs = []
-        for j, i in enumerate(self.layers):
-            for r in ROLES:
-                src = pool.expert_bytes[(i, r)]  # uint8 [E, role bytes] of the memory map
-                off = lay.role_offset[r]
-                jobs.append((self.buf[j, : src.shape[0], off : off + src.shape[1]], src))
+        n = len(self.layers)
         with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="sharpi-mirror") as ex:
-            for f in [ex.submit(np.copyto, d, s) for d, s in jobs]:
-                f.result()
+            for j, i in enumerate(self.layers):
+                jobs = []
+                for r in ROLES:
+                    src = pool.expert_bytes[(i, r)]  # uint8 [E, role bytes] of the memory map
+                    off = lay.role_offset[r]
+                    dst = self.buf[j, : src.shape[0], off : off + src.shape[1]]
+                    # an expert a job: several threads read the map (one reads page-cache bytes at a fraction
+                    # of the memory's bandwidth)
+                    jobs += [ex.submit(np.copyto, dst[e], src[e]) for e in range(src.shape[0])]
+                for f in jobs:
+                    f.result()
+                if progress is not None:
+                    progress(j + 1, n, MIRROR_PROGRESS)
         self.device_type = pool.device.type
         if self.device_type == "cuda":
             err = torch.cuda.cudart().cudaHostRegister(self.buf.ctypes.data, self.nbytes, 0)
@@ -448,12 +459,17 @@ class HostMirror:
 
     @classmethod
     def build(
-        cls, pool: ExpertPool, layers: list[int], mode: str, reuse: HostMirror | None = None
+        cls,
+        pool: ExpertPool,
+        layers: list[int],
+        mode: str,
+        reuse: HostMirror | None = None,
+        progress: Progress | None = None,
     ) -> HostMirror | None:
         """The mirror of ``layers`` where :func:`misses_over_bus` says so for ``mode`` (``cache_misses``) and the
         host memory available, else None (a "bus" asked for that does not fit is said in the log). ``reuse``: the
         copy an earlier placement of this model made — returned where it serves, else closed first (so that two
-        never hold the memory at once)."""
+        never hold the memory at once). ``progress``: told of each layer copied (a new copy only)."""
         if reuse is not None and layers and reuse.serves(pool, layers) and mode != "cpu":
             return reuse
         if reuse is not None:
@@ -463,7 +479,7 @@ class HostMirror:
         need = mirror_bytes([pool.stacks[i].gate.n_experts for i in layers], pool.layout.stride)
         available = available_ram()
         if misses_over_bus(mode, pool.device.type, need, available):
-            return cls(pool, layers)
+            return cls(pool, layers, progress)
         if mode == "bus":
             log.warning(
                 "expert cache: misses stay on the CPU — their host copy needs %.1f GiB, %.1f GiB available",

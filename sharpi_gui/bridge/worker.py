@@ -128,7 +128,7 @@ class _Worker(QObject):
                 self.progress.emit(3, 4, "measuring the device (once per machine)")
             profile = C.device_profile(session)
             ctx = session.n_ctx
-            requested = self._initial_placement(session, profile, placement, ctx)
+            requested = self._initial_placement(session, profile, placement, ctx, report)
             warm = self._warm_up(session, report)
             limits = C.limits(
                 session, spec, profile, requested, warm.decode_tok_s if warm else 0.0, self.offers_device(session)
@@ -188,9 +188,10 @@ class _Worker(QObject):
         return session.device.type == "cuda" or self.simulate_device
 
     def _initial_placement(
-        self, session: Session, profile: DeviceProfile, saved: D.PlanSettings | None, ctx: int
+        self, session: Session, profile: DeviceProfile, saved: D.PlanSettings | None, ctx: int, report=None
     ) -> D.PlanSettings | None:
-        """Place a freshly loaded session; returns the settings in force (None: the CPU)."""
+        """Place a freshly loaded session; returns the settings in force (None: the CPU). ``report``: the load's
+        progress (the expert cache's host copy is told layer by layer)."""
         cpu_only = D.PlanSettings(vram_bytes=0, ctx=ctx, kv_type=session.kv_type, n_gpu_layers=0)
         if not self.offers_device(session):
             saved = None  # a placement saved on a machine with a GPU: here there is none to use
@@ -203,7 +204,7 @@ class _Worker(QObject):
         else:
             return None
         try:
-            session.apply(session.plan(C.plan_request(wanted), profile.with_budget(wanted.vram_bytes)))
+            session.apply(session.plan(C.plan_request(wanted), profile.with_budget(wanted.vram_bytes)), progress=report)
             return None if wanted is cpu_only else wanted
         except SharpIError as e:
             self.warning.emit(f"The saved placement could not be applied ({e}); the model runs on the CPU.")

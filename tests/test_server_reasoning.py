@@ -244,3 +244,80 @@ def test_a_harmony_call_without_tools_offered_stays_visible(calling):
     """No tools in the request: a call the model writes anyway is shown as content, not dropped."""
     r = calling.chat.completions.create(model=calling.model_id, messages=WEATHER, temperature=0, max_tokens=64)
     assert r.choices[0].message.content == '{"city": "Paris"}' and not r.choices[0].message.tool_calls
+
+
+# -- a forced tool call on a harmony model ------------------------------------------------------------
+FORCED = 'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def _walk(session, grammar_text: str, text: str) -> bool:
+    """Whether the grammar takes ``text`` (its special tokens as tokens) whole, to a complete sentence."""
+    from engine.errors import UsageError
+    from engine.generate.grammar import GrammarConstraint
+
+    g = GrammarConstraint(session.tokenizer, grammar_text)
+    try:
+        for t in session.tokenizer.encode(text, add_bos=False):
+            g.accept(t)
+    except UsageError:
+        return False
+    return g.complete
+
+
+def test_the_harmony_call_grammar_takes_a_call_and_refuses_a_tool_call_block(session):
+    from engine.generate.grammar import harmony_call_grammar
+
+    g = harmony_call_grammar([*TOOLS, CLOCK])
+    assert _walk(session, g, "<|channel|>" + FORCED + "<|call|>")
+    assert _walk(session, g, "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}<|call|>")
+    assert not _walk(session, g, "<|channel|>" + FORCED.replace("city", "town") + "<|call|>")  # off the schema
+    assert not _walk(session, g, "<|channel|>" + FORCED + "<|return|>")  # a call ends with <|call|>
+    assert not _walk(session, g, "<|channel|>final<|message|>It is sunny.<|return|>")
+    assert not _walk(session, g, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    opened = harmony_call_grammar(TOOLS, open_message=True)  # a prompt whose generation prompt did not open one
+    assert _walk(session, opened, "<|start|>assistant<|channel|>" + FORCED + "<|call|>")
+    assert not _walk(session, opened, "<|channel|>" + FORCED + "<|call|>")
+
+
+@pytest.fixture
+def forced(client, session):
+    """The scripted model writing the harmony call a forced tool_choice asks of it, after the generation prompt."""
+    tok = session.tokenizer
+    session.model.restart([*tok.encode("<|channel|>" + FORCED, add_bos=False), tok.token_id("<|call|>")])
+    try:
+        yield client
+    finally:
+        session.model.restart([*tok.encode(REPLY, add_bos=False), tok.token_id("<|return|>")])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_tool_choice_on_a_harmony_model_is_a_harmony_call(forced, session, choice):
+    """tool_choice "required" or a named function constrains a harmony model to a call message to
+    ``functions.NAME`` (not Qwen's ``<tool_call>`` block, which its parser would not read): the client gets it
+    as ``tool_calls``, finish_reason "tool_calls", no content."""
+    r = forced.chat.completions.create(
+        model=forced.model_id, messages=WEATHER, tools=[*TOOLS, CLOCK], tool_choice=choice, temperature=0, max_tokens=64
+    )
+    msg, choice_ = r.choices[0].message, r.choices[0]
+    assert choice_.finish_reason == "tool_calls" and not msg.content
+    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [("get_weather", '{"city": "Paris"}')]
+    session.model.restart()  # the same reply, streamed
+    calls, content, reasons = [], [], []
+    for chunk in forced.chat.completions.create(
+        model=forced.model_id,
+        messages=WEATHER,
+        tools=TOOLS,
+        tool_choice=choice,
+        temperature=0,
+        max_tokens=64,
+        stream=True,
+    ):
+        for ch in chunk.choices:
+            calls += ch.delta.tool_calls or []
+            content += [ch.delta.content] if ch.delta.content else []
+            reasons += [ch.finish_reason] if ch.finish_reason else []
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+    assert content == [] and reasons == ["tool_calls"]
+    req = ChatCompletionRequest(model="m", messages=WEATHER, tools=[*TOOLS, CLOCK], tool_choice=choice)
+    assert plan_chat(session, req).parse_tools == HARMONY

@@ -82,6 +82,11 @@ def lark_grammar(text: str) -> str:
     return llguidance.LLMatcher.grammar_from_lark(text)
 
 
+def _json_rule(schema: dict[str, Any]) -> str:
+    """A Lark rule body: JSON text valid against ``schema``, compact (:data:`JSON_OPTIONS`)."""
+    return f'%json {{ "x-guidance": {json.dumps(JSON_OPTIONS)}, "allOf": [{json.dumps(schema)}] }}'
+
+
 def tool_call_grammar(tools: list[dict[str, Any]]) -> str:
     """Exactly one Qwen3/Hermes tool call to one of ``tools`` (OpenAI function declarations)::
 
@@ -100,11 +105,29 @@ def tool_call_grammar(tools: list[dict[str, Any]]) -> str:
             }
         )
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    body = json.dumps(schema)
-    opts = json.dumps(JSON_OPTIONS)
-    return lark_grammar(
-        f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {{ "x-guidance": {opts}, "allOf": [{body}] }}\n'
-    )
+    return lark_grammar(f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {_json_rule(schema)}\n')
+
+
+def harmony_call_grammar(tools: list[dict[str, Any]], open_message: bool = False) -> str:
+    """Exactly one harmony (gpt-oss) tool call to one of ``tools`` (OpenAI function declarations): the message
+    the reasoning splitter (:mod:`engine.generate.reasoning`) reads as a call to NAME with the body as its
+    arguments, ended by the ``<|call|>`` token (an end-of-generation token: generation ends with it)::
+
+    <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...per the function's parameters}<|call|>
+
+    It continues a prompt whose generation prompt opened the message (gpt-oss's ``<|start|>assistant``);
+    ``open_message``: begin with ``<|start|>assistant`` (a prompt that did not). The ``<|…|>`` markers are the
+    vocabulary's special tokens, never their text spelled out (a vocabulary without them: the grammar is not
+    usable, :class:`UsageError` when the constraint is built)."""
+    opener = '<|start|> "assistant" ' if open_message else ""
+    lines = [f"start: {opener}<|channel|> call <|call|>"]
+    lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
+    for i, t in enumerate(tools):
+        fn = t["function"]
+        head = json.dumps(f"commentary to=functions.{fn['name']} ")
+        lines.append(f'call_{i}: {head} <|constrain|> "json" <|message|> args_{i}')
+        lines.append(f"args_{i}: {_json_rule(fn.get('parameters') or {'type': 'object'})}")
+    return lark_grammar("\n".join(lines) + "\n")
 
 
 class GrammarConstraint:

@@ -176,11 +176,17 @@ class CachedExperts(ExpertBackend):
         they are copied out behind the layer and accounted once the pass ends (:meth:`_record_late_routes`), the
         misses with at least :func:`prompt_upload_threshold` of the pass's tokens then queued for upload."""
         self.pool.drain()  # uploads behind the decode land first: the table stays fixed for the pass
-        slots = self.pool.slots_dev[layer].index_select(0, ids.reshape(-1)).reshape(ids.shape)
-        miss = self._mirror_off[layer].index_select(0, ids.reshape(-1)).reshape(ids.shape)
-        off = torch.where(slots >= 0, self.pool.slot_off_dev[slots.clamp(min=0)], miss)
         self._late_routes.append((layer, ids.to("cpu", non_blocking=True), True))
-        return self.compute.fused_pairs(layer, off, x, weights.to(x.device))
+        return self.compute.fused_pairs(layer, self._pair_offsets(layer, ids), x, weights.to(x.device))
+
+    def _pair_offsets(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """int64 like ``ids`` (on the device, no host sync): each pair's byte offset from the pool's base — its slot
+        for a hit; for a miss its host copy's where the misses go over the bus (:meth:`_bus`), else −1 (skipped)."""
+        slots = self.pool.slots_dev[layer].index_select(0, ids.reshape(-1)).reshape(ids.shape)
+        miss = -1
+        if self._bus(layer):
+            miss = self._mirror_off[layer].index_select(0, ids.reshape(-1)).reshape(ids.shape)
+        return torch.where(slots >= 0, self.pool.slot_off_dev[slots.clamp(min=0)], miss)
 
     def _serve(self, layer: int, x: torch.Tensor, ids_h: np.ndarray, weights: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` after the route is recorded: hits (and a prompt's well-used misses, uploaded now)
@@ -332,13 +338,9 @@ class CachedExperts(ExpertBackend):
                     slot_off = table[ids]  # [1, K] byte offsets, looked up on the device
                 return self.compute.fused_pairs(layer, slot_off, x, weights, xq)
             return self.compute.weighted_slots(layer, self.pool.slots_dev[layer][ids[0]], x, weights, ids[0])
-        slots = self.pool.slots_dev[layer].index_select(0, ids.reshape(-1)).reshape(ids.shape)  # [1, K], -1: absent
         if self._fused[layer]:
-            miss = -1  # the kernels skip -1
-            if self._bus(layer):
-                miss = self._mirror_off[layer].index_select(0, ids.reshape(-1)).reshape(ids.shape)
-            off = torch.where(slots >= 0, self.pool.slot_off_dev[slots.clamp(min=0)], miss)
-            return self.compute.fused_pairs(layer, off, x, weights, xq)
+            return self.compute.fused_pairs(layer, self._pair_offsets(layer, ids), x, weights, xq)
+        slots = self.pool.slots_dev[layer].index_select(0, ids.reshape(-1)).reshape(ids.shape)  # [1, K], -1: absent
         return self.compute.weighted_slots(layer, slots[0], x, weights, ids[0])
 
     def host_part(self, layer, X, ids, weights):

@@ -5,6 +5,7 @@ the interpreter minutes."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import numpy as np
@@ -245,10 +246,10 @@ def test_resident_prompt_stays_on_the_device_and_records_its_routes(tmp_path, de
         assert st.hits.sum() == len(tokens) * K * L and st.misses.sum() == 0
 
 
-def test_bus_misses_are_read_from_the_host_copy(tmp_path, device):
-    """``cache_misses="bus"`` (interpreter and CUDA): the cache's device half computes every pair — the pool's hits
-    and, from the experts' host copy (``HostMirror``, page-locked on CUDA), its misses — equal to the CPU backend,
-    with the pool empty, then holding some of the experts; the routes taken after the step queue the misses."""
+@contextlib.contextmanager
+def _bus_cache(tmp_path, device: str, **kw):
+    """A two-layer Q4_K/Q6_K qwen3moe session on ``device`` -> (session, its CPU expert backend, a 3-slot expert
+    cache over every layer whose misses go over the bus, on exact-float decode and float32 prompt products)."""
     from engine.api import LoadOptions, Session
     from engine.experts import CpuExperts
     from engine.plan import expert_slot_layout
@@ -259,13 +260,21 @@ def test_bus_misses_are_read_from_the_host_copy(tmp_path, device):
     path = write_model(tmp_path / "q.gguf", "qwen3moe", seed=4, layers=2, weight_type="Q4_K",
                        type_overrides={"*ffn_down*": "Q6_K"}).path  # fmt: skip
     with Session.load(str(path), LoadOptions(n_ctx=32, device=device, q8_act=False)) as s:
+        stacks = s.model.expert_stacks()
+        opts = replace(config.current(), cache_misses="bus", device_act="f32", cache_upload="inline",
+                       prefill_precision="f32")  # fmt: skip
+        c = CachedExperts(stacks, set(range(s.args.n_layer)), DeviceArena(device, None), expert_slot_layout(s.spec),
+                          3, q8_act=False, options=opts, **kw)  # fmt: skip
+        yield s, CpuExperts(stacks, q8_act=False), c
+
+
+def test_bus_misses_are_read_from_the_host_copy(tmp_path, device):
+    """``cache_misses="bus"`` (interpreter and CUDA): the cache's device half computes every pair — the pool's hits
+    and, from the experts' host copy (``HostMirror``, page-locked on CUDA), its misses — equal to the CPU backend,
+    with the pool empty, then holding some of the experts; the routes taken after the step queue the misses."""
+    with _bus_cache(tmp_path, device) as (s, host, c):
         a = s.args
         L, E, K, D = a.n_layer, a.n_expert, a.n_expert_used, a.n_embd
-        stacks = s.model.expert_stacks()
-        host = CpuExperts(stacks, q8_act=False)
-        opts = replace(config.current(), cache_misses="bus", device_act="f32", cache_upload="inline")
-        c = CachedExperts(stacks, set(range(L)), DeviceArena(device, None), expert_slot_layout(s.spec), 3,
-                          q8_act=False, options=opts)  # fmt: skip
         assert c.mirror is not None and all(c.step_plan(i).bus and not c.step_plan(i).host for i in range(L))
         rng = np.random.default_rng(3)
         for layer in range(L):
@@ -289,32 +298,18 @@ def test_bus_misses_are_read_from_the_host_copy(tmp_path, device):
 @pytest.mark.parametrize("T", [24])
 def test_a_pass_of_many_tokens_reads_its_misses_over_the_bus(tmp_path, device, monkeypatch, T):
     """``cache_misses="bus"``, a pass of T tokens (the grouped prefill kernel, with more distinct experts than the
-    pool has slots; a few tokens take the decode kernels, whose bus reads the test above holds): every pair in one device call, hits from the pool, misses from the
-    host copy (offsets outside the pool) — equal to the CPU backend; no upload and no CPU
-    expert inside the pass; once it ends, the routes are counted and only the misses with at least
-    ``prompt_upload_min`` of its tokens queued, the most used first."""
-    from engine.api import LoadOptions, Session
-    from engine.experts import CpuExperts
-    from engine.plan import expert_slot_layout
+    pool has slots; a few tokens take the decode kernels, whose bus reads the test above holds): every pair in one
+    device call, hits from the pool, misses from the host copy (offsets outside the pool) — equal to the CPU
+    backend; no upload and no CPU expert inside the pass; once it ends, the routes are counted and only the misses
+    with at least ``prompt_upload_min`` of its tokens queued, the most used first."""
     from engine.profiler import ExpertProfiler
-    from engine.runtime.device import DeviceArena
-    from engine.runtime.expert_cache import CachedExperts
-    from engine.synth.writer import write_model
 
     def no_cpu(*a, **k):
         raise AssertionError("a bus pass computed experts on the CPU or uploaded inside the pass")
 
-    path = write_model(tmp_path / "q.gguf", "qwen3moe", seed=4, layers=2, weight_type="Q4_K",
-                       type_overrides={"*ffn_down*": "Q6_K"}).path  # fmt: skip
-    with Session.load(str(path), LoadOptions(n_ctx=32, device=device, q8_act=False)) as s:
+    with _bus_cache(tmp_path, device, prompt_upload_min=3) as (s, host, c):
         a = s.args
         L, E, K, D = a.n_layer, a.n_expert, a.n_expert_used, a.n_embd
-        stacks = s.model.expert_stacks()
-        host = CpuExperts(stacks, q8_act=False)
-        opts = replace(config.current(), cache_misses="bus", device_act="f32", cache_upload="inline",
-                       prefill_precision="f32")  # fmt: skip
-        c = CachedExperts(stacks, set(range(L)), DeviceArena(device, None), expert_slot_layout(s.spec), 3,
-                          q8_act=False, options=opts, prompt_upload_min=3)  # fmt: skip
         c.profiler = ExpertProfiler(L, E)
         rng = np.random.default_rng(5)
         layer = 1

@@ -131,11 +131,13 @@ def harmony_call_grammar(tools: list[dict[str, Any]], open_message: bool = False
 
 
 class GrammarConstraint:
-    """A grammar over one tokenizer's vocabulary, advanced token by token (one generation's worth)."""
+    """A grammar over one tokenizer's vocabulary, advanced token by token (one generation's worth). ``split``: the
+    grammar forces text in the model's reasoning format, which the decode loop splits (``TokenConstraint``)."""
 
-    def __init__(self, tokenizer, grammar: str):
+    def __init__(self, tokenizer, grammar: str, split: bool = False):
         import llguidance
 
+        self.split = split
         self.n_vocab = tokenizer.n_vocab
         self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar, log_level=0)
         if self.matcher.is_error():

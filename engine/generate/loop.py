@@ -35,7 +35,9 @@ PREFILL_CHUNK = 512  # prompt tokens per forward pass (cancel is checked between
 
 
 class TokenConstraint(Protocol):
-    """What may come next (a grammar): the decode loop's one hook for constrained sampling."""
+    """What may come next (a grammar): the decode loop's one hook for constrained sampling. A constraint with a
+    true ``split`` attribute forces text in the model's reasoning format (a harmony tool call), which the loop
+    splits as it would an unconstrained reply's; without one its text is all answer (JSON, a ``<tool_call>``)."""
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """float32 [V] logits -> the same with every forbidden token at -inf (a copy; the input is kept).
@@ -144,7 +146,8 @@ def generate(
     :meth:`~TokenConstraint.accept`.
 
     ``reasoning``: the model's reasoning format (:mod:`engine.generate.reasoning`; None: none): the events'
-    ``text`` is then the answer and their ``reasoning`` the rest (a constrained generation is all answer).
+    ``text`` is then the answer and their ``reasoning`` the rest (a constrained generation is all answer unless
+    the constraint says ``split``: :class:`TokenConstraint`).
 
     ``mtp``: draft this many tokens per step with the model's MTP head and verify them in one pass
     (:mod:`engine.generate.speculative`; 0, a model without a head, or a ``constraint``: one token per pass).
@@ -173,7 +176,7 @@ def generate(
         model.keep_hidden = True
     try:
         splitter = None
-        if reasoning and constraint is None:
+        if reasoning and (constraint is None or getattr(constraint, "split", False)):
             splitter = ReasoningSplitter(reasoning, start_state(reasoning, tokenizer.decode(prompt_ids[-16:]))[0])
         yield from _run(
             model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel, constraint, t0, splitter, spec

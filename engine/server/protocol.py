@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from engine.errors import UsageError
 from engine.generate import GenerationEvent, SamplingParams
 from engine.generate.events import FINISH_CANCELLED, FINISH_CONTEXT, FINISH_LENGTH
-from engine.generate.reasoning import H_START, HARMONY, ReasoningSplitter, Split
+from engine.generate.reasoning import H_START, HARMONY
 from engine.server.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from engine.server.tools import ParsedCall, ToolCallParser
 
@@ -35,15 +35,13 @@ class RequestError(Exception):
 
 @dataclass
 class Plan:
-    """``parse_tools``: False (no tools), True (``<tool_call>`` blocks in the text; a harmony model's calls come
-    as the events' ``calls``) or :data:`~engine.generate.reasoning.HARMONY`: the text is a harmony call message
-    forced by ``constraint``, which the decode loop leaves unsplit (a constrained generation is all answer), so
-    :class:`Answer` splits it."""
+    """``parse_tools``: tools are in play (``<tool_call>`` blocks in the text; a harmony model's calls come as the
+    events' ``calls``, a forced one too: its constraint is split by the decode loop)."""
 
     ids: list[int]
     params: SamplingParams
     constraint: object | None = None
-    parse_tools: bool | str = False
+    parse_tools: bool = False
 
 
 def _refuse_unsupported(req: _Sampling) -> None:
@@ -100,7 +98,7 @@ def plan_chat(session, req: ChatCompletionRequest) -> Plan:
         raise RequestError(400, str(e), param="messages") from None
     _check_context(ids, session.n_ctx)
     params = _params(req, req.max_completion_tokens or req.max_tokens, len(ids), session.n_ctx)
-    constraint, parse_tools = None, tools is not None
+    constraint = None
     try:
         if structured:
             schema = {"type": "object"} if fmt.type == "json_object" else fmt.json_schema.schema_
@@ -115,16 +113,16 @@ def plan_chat(session, req: ChatCompletionRequest) -> Plan:
                         f"tool_choice names {choice.function.name!r}, which is not among tools",
                         param="tool_choice",
                     )
-            if session.reasoning == HARMONY:  # gpt-oss: a message to functions.NAME
+            harmony = session.reasoning == HARMONY  # gpt-oss: a message to functions.NAME, split by the loop
+            if harmony:
                 opened = session.detokenize(ids[-16:]).endswith(H_START + "assistant")
                 text = grammar.harmony_call_grammar(chosen, open_message=not opened)
-                parse_tools = HARMONY
             else:
                 text = grammar.tool_call_grammar(chosen)
-            constraint = grammar.GrammarConstraint(session.tokenizer, text)
+            constraint = grammar.GrammarConstraint(session.tokenizer, text, split=harmony)
     except UsageError as e:
         raise RequestError(400, str(e), param="response_format" if structured else "tools") from None
-    return Plan(ids, params, constraint, parse_tools=parse_tools)
+    return Plan(ids, params, constraint, parse_tools=tools is not None)
 
 
 def plan_completion(session, req: CompletionRequest) -> Plan:
@@ -168,7 +166,7 @@ class Answer:
     kind: str  # "chat" | "completion"
     model: str
     n_prompt_tokens: int
-    parse_tools: bool | str = False  # Plan.parse_tools
+    parse_tools: bool = False
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     text: str = ""
@@ -180,24 +178,16 @@ class Answer:
 
     def __post_init__(self):
         self.parser = ToolCallParser() if self.parse_tools else None
-        # a forced harmony call's text, which the decode loop leaves unsplit (Plan.parse_tools)
-        self.splitter = ReasoningSplitter(HARMONY) if self.parse_tools == HARMONY else None
         self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.id
 
     def feed(self, ev: GenerationEvent) -> list[str | ParsedCall | Thought]:
         """The event's new pieces: its reasoning, then its content (text, or parsed calls when tools are in play)."""
         self.last = ev
         self.ended_at = time.perf_counter()
-        text, thought, calls = ev.text, ev.reasoning, ev.calls
-        if self.splitter is not None:
-            s = self.splitter.feed(text)
-            f = self.splitter.flush() if ev.done else Split()
-            text, thought = s.answer + f.answer, thought + s.reasoning + f.reasoning
-            calls = (*calls, *s.calls, *f.calls)
-        pieces: list = [Thought(thought)] if thought else []
-        self.reasoning += thought
-        pieces += self.parser.feed(text) if self.parser else ([text] if text else [])
-        for name, arguments in calls:  # a harmony model's calls (engine.generate.reasoning)
+        pieces: list = [Thought(ev.reasoning)] if ev.reasoning else []
+        self.reasoning += ev.reasoning
+        pieces += self.parser.feed(ev.text) if self.parser else ([ev.text] if ev.text else [])
+        for name, arguments in ev.calls:  # a harmony model's calls (engine.generate.reasoning)
             if self.parser:
                 pieces.append(self.parser.add(name, arguments))
             elif arguments:  # no tools were offered: what the model wrote stays visible, as content

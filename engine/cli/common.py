@@ -244,7 +244,9 @@ def load_session(a: argparse.Namespace, refuse_unrunnable: bool = False) -> Sess
     def progress(done: int, total: int, what: str) -> None:
         if tty:
             end = "\n" if done == total else ""
-            print(f"\rloading {a.model}: [{'#' * done}{'.' * (total - done)}] {what:<24}", end=end, file=sys.stderr)
+            # \x1b[K clears what a longer line (a step's own count, e.g. the host copy's layers) left behind
+            bar = f"[{'#' * done}{'.' * (total - done)}]"
+            print(f"\rloading {a.model}: {bar} {what:<24}\x1b[K", end=end, file=sys.stderr)
 
     a.kv_type = kv_type_from_args(a)
     set_threads(getattr(a, "threads", None))

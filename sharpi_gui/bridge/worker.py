@@ -13,7 +13,7 @@ from pathlib import Path
 from PySide6.QtCore import QObject, Signal, Slot
 
 from engine import config
-from engine.api import AUTO_CTX, LoadOptions, Session
+from engine.api import AUTO_CTX, LoadOptions, Progress, Session
 from engine.errors import SharpIError
 from engine.generate import SamplingParams
 from engine.plan import DeviceProfile
@@ -188,7 +188,12 @@ class _Worker(QObject):
         return session.device.type == "cuda" or self.simulate_device
 
     def _initial_placement(
-        self, session: Session, profile: DeviceProfile, saved: D.PlanSettings | None, ctx: int, report=None
+        self,
+        session: Session,
+        profile: DeviceProfile,
+        saved: D.PlanSettings | None,
+        ctx: int,
+        report: Progress | None = None,
     ) -> D.PlanSettings | None:
         """Place a freshly loaded session; returns the settings in force (None: the CPU). ``report``: the load's
         progress (the expert cache's host copy is told layer by layer)."""

@@ -72,7 +72,8 @@ class MainWindow(QMainWindow):
         # status bar
         sb = self.statusBar()
         self.progress = QProgressBar()
-        self.progress.setMaximumWidth(220)
+        # wide enough for the longest step on one line: "measuring the device (once per machine) (75%)"
+        self.progress.setMaximumWidth(340)
         self.progress.setVisible(False)
         self.status = {
             k: QLabel() for k in ("prompt", "decode", "ttft", "ctx", "placement")

@@ -1,0 +1,111 @@
+"""How the fused CPU routed-expert kernels scale with threads on a many-core box, and why a 16-core CUDA box's
+`--moe cpu` decode reads its experts at about half the box's read bandwidth.
+
+For Qwen3-30B-A3B's expert shape (8 experts of 768 x 2048, Q4_K gate/up, Q6_K down, stacks of 64 so the bytes
+come from DRAM) at each thread count: the read bandwidth (numba parallel sum), then gate/up and down alone, cold
+(experts cycled) and hot (the same experts every call), in GB/s a thread. With ``--ahead B1,B2`` each prefetch
+distance (bytes of rows requested ahead, ``engine.kernels.simd.PREFETCH_AHEAD``) runs in a child process with a
+fresh numba cache (the distance is a compile-time constant). ``--schedule`` also times the kernels with numba's
+parallel chunk size set (more, smaller work items a loop).
+
+  PYTHONPATH=. python3 labs/cpu_moe_scaling.py [--threads 1,2,4,8,16] [--ahead 4096,8192,16384] [--schedule]
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def med_us(fn, reps: int) -> float:
+    import numpy as np
+
+    for i in range(5):
+        fn(i)
+    t = []
+    for i in range(reps):
+        a = time.perf_counter()
+        fn(i)
+        t.append(time.perf_counter() - a)
+    return float(np.median(t)) * 1e6
+
+
+def child(threads: list[int], ahead: int | None, schedule: bool, reps: int) -> None:
+    import numba
+    import numpy as np
+
+    from engine.kernels import simd
+
+    if ahead is not None:
+        simd.PREFETCH_AHEAD = ahead  # before the first compile (fresh cache dir: see main)
+    from engine.bench.kernels import measure_bandwidth
+    from engine.kernels.moe_fused import moe_down_q8, moe_gate_up_q8, quantize_for
+    from engine.kernels.prepare import prepare_weight
+    from engine.kernels.testing import random_weight
+    from engine.quant.formats import QType
+
+    E, F, D, K = 64, 768, 2048, 8
+    rng = np.random.default_rng(0)
+    gate = prepare_weight(QType.Q4_K, random_weight(QType.Q4_K, (E, F, D), rng))
+    up = prepare_weight(QType.Q4_K, random_weight(QType.Q4_K, (E, F, D), rng))
+    down = prepare_weight(QType.Q6_K, random_weight(QType.Q6_K, (E, D, F), rng))
+    x = rng.standard_normal(D, dtype=np.float32)
+    w = np.full(K, 1 / K, np.float32)
+    order = rng.permutation(E)
+    cold = [np.ascontiguousarray(order[(np.arange(K) + K * i) % E], dtype=np.int64) for i in range(E)]
+    hot = cold[0]
+    gu_bytes = K * (gate.nbytes + up.nbytes) // E
+    d_bytes = K * down.nbytes // E
+    qx = quantize_for(int(QType.Q4_K), x[None])
+    _, *qh = moe_gate_up_q8(12, gate.raw, gate.scales, up.raw, up.scales, hot, *qx, F, 14)
+    print(f"prefetch ahead {simd.PREFETCH_AHEAD} B, threading layer {numba.threading_layer()}", flush=True)
+    print("threads | read GB/s (a thread) | gate/up cold us, GB/s a thread | hot | down cold | hot | chunk", flush=True)
+    chunks = [0, 1, 4] if schedule else [0]
+    for t in threads:
+        numba.set_num_threads(t)
+        bw = measure_bandwidth(nbytes=1 << 29, repeats=5)["best_gbs"]
+        for cs in chunks:
+            numba.set_parallel_chunksize(cs)
+
+            def gu(ids):
+                return lambda i: moe_gate_up_q8(12, gate.raw, gate.scales, up.raw, up.scales, ids(i), *qx, F, 14)
+
+            def dn(ids):
+                return lambda i: moe_down_q8(14, down.raw, down.scales, ids(i), w, *qh, D)
+
+            r = [
+                med_us(gu(lambda i: cold[i % E]), reps),
+                med_us(gu(lambda i: hot), reps),
+                med_us(dn(lambda i: cold[i % E]), reps),
+                med_us(dn(lambda i: hot), reps),
+            ]
+            nb = [gu_bytes, gu_bytes, d_bytes, d_bytes]
+            cells = " | ".join(f"{us:.0f} ({b / us / 1e3 / t:.2f})" for us, b in zip(r, nb))
+            print(f"{t} | {bw:.1f} ({bw / t:.2f}) | {cells} | {cs}", flush=True)
+        numba.set_parallel_chunksize(0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    n = os.cpu_count() or 1
+    ap.add_argument("--threads", default=",".join(str(t) for t in sorted({1, 2, 4, 8, n // 2, n - n // 8, n}) if t))
+    ap.add_argument("--ahead", default="")
+    ap.add_argument("--schedule", action="store_true")
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--child-ahead", type=int, default=None)
+    a = ap.parse_args()
+    threads = [int(t) for t in a.threads.split(",")]
+    if a.child_ahead is not None or not a.ahead:
+        child(threads, a.child_ahead, a.schedule, a.reps)
+        return
+    for ahead in [int(v) for v in a.ahead.split(",")]:
+        with tempfile.TemporaryDirectory() as d:
+            env = dict(os.environ, NUMBA_CACHE_DIR=d)
+            cmd = [sys.executable, __file__, "--threads", a.threads, "--reps", str(a.reps), "--child-ahead", str(ahead)]
+            subprocess.run(cmd + (["--schedule"] if a.schedule else []), env=env, check=False)
+
+
+if __name__ == "__main__":
+    main()

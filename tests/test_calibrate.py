@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from engine.api import LoadOptions, Session
 from engine.bench import calibrate as cal
@@ -41,7 +42,8 @@ def measured(cache_env):
 def test_calibration_measures_every_speed_field(measured):
     c = measured
     p = c.profile
-    assert set(p.measured) == {"cpu_expert_gbps", *cal.COMMON_FIELDS}
+    assert set(p.measured) == {"cpu_expert_gbps", *cal.COMMON_FIELDS}  # no bus read on the simulated device
+    assert p.bus_read_gbps == DeviceProfile().bus_read_gbps and "bus_read" not in c.details
     assert p.name == cal.SIMULATED and not c.cached
     assert p.cpu_expert_gbps > 0 and p.h2d_gbps > 0 and p.device_gbps > 0 and p.sync_us >= 0
     # Tiny probes still take real time per step: the fit must explain a host step with host costs.
@@ -75,6 +77,28 @@ def test_cache_file_is_reused_and_keyed(measured, cache_env, monkeypatch):
     path.write_text(json.dumps(dict(data, key=other)))
     assert cal.load_cached("cpu", TINY) is None
     path.write_text(json.dumps(data))
+
+
+def test_a_measured_bus_read_rate_is_read_back_as_measured(measured):
+    """A cache file holding ``bus_read_gbps`` (what a CUDA calibration adds) gives it to the profile, marked
+    measured; without it the default stands, unmarked."""
+    data = {"key": {"device": "GPU"}, "profile": {f: getattr(measured.profile, f) for f in cal.COMMON_FIELDS},
+            "cpu_expert_gbps": {TINY.key: 30.0}}  # fmt: skip
+    plain = cal._profile_from(data, TINY)
+    assert "bus_read_gbps" not in plain.measured and plain.bus_read_gbps == DeviceProfile().bus_read_gbps
+    data["profile"]["bus_read_gbps"] = 27.5
+    bus = cal._profile_from(data, TINY)
+    assert bus.bus_read_gbps == 27.5 and "bus_read_gbps" in bus.measured and bus.cpu_expert_gbps == 30.0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_bus_read_rate_is_measured_on_cuda():
+    """The fused decode kernels reading half their experts from page-locked host memory take longer than reading
+    them all from the device pool, and the rate that difference gives is a bus's (well under the device's)."""
+    r = cal.measure_bus_read("cuda", TINY, layers=8)
+    assert r["host_ms"] > r["device_ms"] > 0 and r["expert_bytes"] > 0
+    assert 1.0 < r["gbps"] < 200.0, r
 
 
 def test_new_expert_shape_measures_only_the_cpu_experts(measured, monkeypatch):

@@ -206,13 +206,16 @@ def test_graph_steps_only_where_the_runtime_captures_them():
 def test_bus_misses_are_priced_as_bus_reads_inside_the_graph():
     """``bus_misses`` (EngineOptions.cache_misses, PlanRequest.bus_misses): a cache miss's bytes are read by the
     device over the bus at ``bus_read_gbps`` and uploaded after, with no CPU bytes, no crossing and no CPU-expert
-    round trip per layer — only inside a graph step (graphs off: the misses stay on the CPU)."""
+    round trip per layer, their uploads behind the decode — only inside a graph step (graphs off: the misses stay on
+    the CPU)."""
     spec = _spec(4)
     prof = DeviceProfile(expert_skew=0.0)
     kw = dict(mode="cache", n_gpu_layers=4, expert_slots=8, kv_type="f32", position=50)  # 8 of 32: h = 0.25
     cpu, bus = predict(spec, prof, **kw), predict(spec, prof, bus_misses=True, **kw)
     missed = cpu.bytes_by_link["h2d"]  # (1 - h) of the experts' bytes, uploaded in both
     assert missed > 0 and bus.bytes_by_link["bus"] == pytest.approx(missed) and bus.bytes_by_link["h2d"] == missed
+    # the bus path's uploads are copied from the page-locked host copy behind the decode: no time in the step
+    assert bus.seconds_by_link["h2d"] == 0 and cpu.seconds_by_link["h2d"] > 0
     assert bus.bytes_by_link["cpu"] == cpu.bytes_by_link["cpu"] - missed  # the misses' CPU bytes are gone
     assert bus.seconds_by_link["bus"] == pytest.approx(missed / (prof.bus_read_gbps * 1e9))
     assert bus.overhead_counts["cpu_experts_layer_us"] == 0 and cpu.overhead_counts["cpu_experts_layer_us"] > 0

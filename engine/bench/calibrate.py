@@ -12,6 +12,8 @@ Measured (each marked in ``DeviceProfile.measured``):
 * ``device_gbps`` — ``DeviceLinear`` (the fused Triton GEMV on CUDA, the torch reference on the
   simulated device) on a small and a large matrix of the trunk's type: bytes over the time slope.
 * ``sync_us`` — a tiny device op followed by a copy of its result to the host.
+* ``bus_read_gbps`` (CUDA) — the fused decode kernels reading half of each call's experts from page-locked host
+  memory over the bus, as the expert cache's misses are read (:func:`measure_bus_read`).
 * the fixed costs (``OVERHEAD_FIELDS``) — decode steps of tiny synthetic models (a 2- and a
   6-layer qwen3moe, a 6-layer dense qwen3) placed host-only, on the device with CPU experts,
   resident, and with a 4-slot cache that misses (on CUDA the all-device probes run as CUDA graphs,
@@ -53,10 +55,11 @@ from engine.quant.formats import QType, block_format
 
 log = logging.getLogger(__name__)
 
-VERSION = 3  # bump when what is measured, or how, changes: old files are then ignored
+VERSION = 4  # bump when what is measured, or how, changes: old files are then ignored
 MiB = 1 << 20
 SIMULATED = "simulated device (CPU)"
 COMMON_FIELDS = ("h2d_gbps", "device_gbps", "sync_us", *OVERHEAD_FIELDS)
+OPTIONAL_FIELDS = ("bus_read_gbps",)  # measured where the device has it (CUDA), else the default stands
 
 Progress = Callable[[str], None]
 
@@ -203,8 +206,9 @@ def _profile_from(data: dict, shape: ExpertShape, partial: bool = False) -> Devi
     common = data.get("profile", {})
     if set(COMMON_FIELDS) - set(common) or (rate is None and not partial):
         return None
-    vals = {f: float(common[f]) for f in COMMON_FIELDS}
-    measured = COMMON_FIELDS if rate is None else ("cpu_expert_gbps", *COMMON_FIELDS)
+    fields = COMMON_FIELDS + tuple(f for f in OPTIONAL_FIELDS if f in common)
+    vals = {f: float(common[f]) for f in fields}
+    measured = fields if rate is None else ("cpu_expert_gbps", *fields)
     if rate is not None:
         vals["cpu_expert_gbps"] = float(rate)
     return DeviceProfile(measured=tuple(measured), name=data["key"]["device"], **vals)
@@ -357,6 +361,62 @@ def measure_h2d(device, nbytes: int = 3 * MiB, copies: int = 24) -> dict:
     run(8)
     sec = min(run(copies) for _ in range(3))
     return {"gbps": copies * nbytes / sec / 1e9, "bytes": nbytes}
+
+
+def measure_bus_read(device, shape: ExpertShape = DEFAULT_SHAPE, layers: int = 16) -> dict:
+    """GB/s at which the fused decode kernels read experts from page-locked host memory over the bus, as the
+    expert cache's misses are read (``expert_pool.HostMirror``): ``layers`` one-token calls of ``shape``'s
+    experts in one CUDA graph, half of each call's pairs pointing at a page-locked host copy, against the same
+    calls with every pair in the device pool; the host bytes over the time they add. Distinct experts a call,
+    so neither side is served from the GPU's L2. CUDA only (the bus has no meaning on the simulated device)."""
+    import torch
+
+    from engine.bench.device_kernels import median_ms, random_matrix
+    from engine.runtime import triton_moe, triton_q4k_moe, triton_q8
+    from engine.runtime import triton_qblocks as qb
+
+    device = torch.device(device)
+    D, F, K = shape.hidden, shape.ff, shape.used
+    roles, off = {}, 0
+    for r, t, (rows, n) in (("gate", shape.gate, (F, D)), ("up", shape.up, (F, D)), ("down", shape.down, (D, F))):
+        roles[r] = (off, QType[t], rows, n)
+        off += -(-rows * block_format(QType[t]).row_bytes(n) // 256) * 256
+    stride = off
+    pool = torch.empty((layers * K, stride), dtype=torch.uint8, device=device)
+    for o, q, rows, n in roles.values():
+        pool[:, o : o + rows * block_format(q).row_bytes(n)] = random_matrix(q, rows, n, layers * K)
+    host = pool.cpu().pin_memory()
+    delta = host.data_ptr() - pool.data_ptr()
+    x = torch.randn(1, D, device=device)
+    w = torch.rand(1, K, device=device)
+    xq = triton_q8.quantize_act(x) if triton_q4k_moe.applies_gate_up(roles) else None
+    k_host = max(1, K // 2)
+
+    def graph_ms(n_host: int) -> float:
+        offs = []
+        for i in range(layers):
+            o = (torch.arange(K, device=device) + K * i) * stride
+            o[:n_host] += delta
+            offs.append(o.view(1, K))
+        calls = [lambda o=o: triton_moe.moe_decode(pool, o, x, w, roles, xq=xq) for o in offs]
+        s = torch.cuda.Stream(device)
+        s.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(s), qb.graph_warmup():
+            for c in calls[:2]:
+                c()
+        torch.cuda.current_stream(device).wait_stream(s)
+        torch.cuda.synchronize(device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for c in calls:
+                c()
+        g.replay()
+        return median_ms(g.replay, 15)
+
+    dev_ms, host_ms = graph_ms(0), graph_ms(k_host)
+    nbytes = layers * k_host * stride
+    extra = host_ms - dev_ms if host_ms > dev_ms * 1.02 else host_ms  # no measurable difference: all of it
+    return {"gbps": nbytes / (extra * 1e-3) / 1e9, "device_ms": dev_ms, "host_ms": host_ms, "expert_bytes": stride}
 
 
 def measure_device_gemv(device, qtype: str = "Q4_K", n: int = 2048, options: EngineOptions | None = None) -> dict:
@@ -652,6 +712,11 @@ def calibrate(
                 "fit_rms_relative": fixed["fit_rms_relative"],
             }
         )
+    if device.type == "cuda" and "bus_read_gbps" not in common:
+        say("reads over the bus")
+        bus = measure_bus_read(device, shape)
+        common = {**common, "bus_read_gbps": bus["gbps"]}
+        details["bus_read"] = bus
     out = {"profile": common, "cpu_expert_gbps": rates, "details": details, "measured_at": time.time()}
     path = _write(key, out, options)
     prof = _profile_from({**out, "key": key}, shape)

@@ -165,7 +165,9 @@ def predict(
     runs one-token steps as CUDA graphs where :func:`graph_step` holds (the default; off when
     ``EngineOptions.cuda_graph`` is "off" — the caller says so; the planner plans for a CUDA device).
     bus_misses: in mode cache with graphs, the misses are computed on the device, read from the host over the bus
-    (``EngineOptions.cache_misses``): their bytes at ``bus_read_gbps``, no host half and no crossing per layer.
+    (``EngineOptions.cache_misses``): their bytes at ``bus_read_gbps``, no host half and no crossing per layer; the
+    uploads they queue are copied from the page-locked host copy behind the decode (``ExpertPool.upload_later``),
+    so their bytes are counted (``bytes_by_link["h2d"]``) but add no time to the step.
     """
     L = spec.n_layer
     n = max(0, min(n_gpu_layers, L))
@@ -193,6 +195,7 @@ def predict(
     b_cpu = 0.0
     b_h2d = 0.0
     b_bus = 0.0
+    b_h2d_behind = 0.0  # uploads copied behind the decode from the page-locked host copy: off the step's time
     n_sync = 2.0 if n else 0.0
     counts = dict.fromkeys(OVERHEAD_FIELDS, 0.0)
     counts["token_us"] = 1.0
@@ -235,7 +238,7 @@ def predict(
             h = h_by_e[lay.n_expert]
             b_dev += h * read
             b_bus += (1 - h) * read
-            b_h2d += (1 - h) * read
+            b_h2d_behind += (1 - h) * read
             counts["miss_us"] += K * (1 - h)
         else:
             h = h_by_e[lay.n_expert]
@@ -259,7 +262,13 @@ def predict(
         mode=mode,
         seconds=sum(secs.values()),
         hit_rate=h_mean,
-        bytes_by_link={"device": b_dev, "cpu": b_cpu + b_trunk, "h2d": b_h2d, "bus": b_bus, "cpu_trunk": b_trunk},
+        bytes_by_link={
+            "device": b_dev,
+            "cpu": b_cpu + b_trunk,
+            "h2d": b_h2d + b_h2d_behind,
+            "bus": b_bus,
+            "cpu_trunk": b_trunk,
+        },
         seconds_by_link=secs,
         overhead_counts=counts,
     )

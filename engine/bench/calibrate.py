@@ -371,9 +371,8 @@ def measure_bus_read(device, shape: ExpertShape = DEFAULT_SHAPE, layers: int = 1
     so neither side is served from the GPU's L2. CUDA only (the bus has no meaning on the simulated device)."""
     import torch
 
-    from engine.bench.device_kernels import median_ms, random_matrix
+    from engine.bench.device_kernels import random_matrix, time_in_graph
     from engine.runtime import triton_moe, triton_q4k_moe, triton_q8
-    from engine.runtime import triton_qblocks as qb
 
     device = torch.device(device)
     D, F, K = shape.hidden, shape.ff, shape.used
@@ -398,20 +397,10 @@ def measure_bus_read(device, shape: ExpertShape = DEFAULT_SHAPE, layers: int = 1
             o = (torch.arange(K, device=device) + K * i) * stride
             o[:n_host] += delta
             offs.append(o.view(1, K))
-        calls = [lambda o=o: triton_moe.moe_decode(pool, o, x, w, roles, xq=xq) for o in offs]
-        s = torch.cuda.Stream(device)
-        s.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(s), qb.graph_warmup():
-            for c in calls[:2]:
-                c()
-        torch.cuda.current_stream(device).wait_stream(s)
-        torch.cuda.synchronize(device)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for c in calls:
-                c()
-        g.replay()
-        return median_ms(g.replay, 15)
+        per_call_us, _ = time_in_graph(
+            [lambda o=o: triton_moe.moe_decode(pool, o, x, w, roles, xq=xq) for o in offs], 15
+        )
+        return per_call_us * layers / 1e3
 
     dev_ms, host_ms = graph_ms(0), graph_ms(k_host)
     nbytes = layers * k_host * stride

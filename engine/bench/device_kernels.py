@@ -105,7 +105,7 @@ def slot_pool(qtype: QType, slots: int) -> tuple[torch.Tensor, int, dict]:
     return pool, off, roles
 
 
-def _graph_us(calls: list, reps: int = 20) -> tuple[float, float]:
+def time_in_graph(calls: list, reps: int = 20) -> tuple[float, float]:
     """(µs per call in a CUDA graph of all calls, µs per call launched eagerly)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -144,7 +144,7 @@ def moe_workload(qtype: QType, reference: bool = True, act: str = "f32") -> dict
     # their call then starts at the gate/up kernel, as here.
     xq = triton_q8.quantize_act(x) if act == "q8" and triton_q4k_moe.applies_gate_up(roles) else None
     calls = [lambda o=o: triton_moe.moe_decode(pool, o, x, w, roles, act=act, xq=xq) for o in offs]
-    graph_us, eager_us = _graph_us(calls)
+    graph_us, eager_us = time_in_graph(calls)
     out = {"layers": layers, "bytes": _moe_bytes(qtype), "graph_us": graph_us, "eager_us": eager_us}
     if reference:
         out["reference_us"] = median_ms(lambda: _moe_reference(pool, offs[0], x, w, roles), 5) * 1e3
@@ -190,7 +190,7 @@ def qkv_workload(qtype: QType, reference: bool = True, act: str = "f32") -> dict
     ]
     for c in calls:
         c()  # each weight set's launch table (triton_q8_gemv._many_meta) is made once, outside the graph
-    graph_us, eager_us = _graph_us(calls)
+    graph_us, eager_us = time_in_graph(calls)
     out = {"layers": copies, "bytes": nbytes, "graph_us": graph_us, "eager_us": eager_us}
     if reference:
         w = [dequantize(m[0].view(r, -1), qtype, n) for m, r in zip(mats, rows)]
@@ -208,7 +208,7 @@ def trunk_workload(qtype: QType, kind: str, reference: bool = True, act: str = "
     x = torch.randn(1, n, device="cuda")
     xq = _norm_xq(x, qtype, kind, act)
     calls = [lambda m=m: triton_gemv.matmul(m, x, qtype, rows, n, act=act, xq=xq) for m in mats]
-    graph_us, eager_us = _graph_us(calls)
+    graph_us, eager_us = time_in_graph(calls)
     out = {"layers": copies, "bytes": nbytes, "graph_us": graph_us, "eager_us": eager_us}
     if reference:
         out["reference_us"] = median_ms(lambda: x @ dequantize(mats[0].view(rows, -1), qtype, n).T, 5) * 1e3
@@ -226,7 +226,7 @@ def copy_floor_us(nbytes: int) -> float:
     copies = max(48, math.ceil(GB / half))
     src = torch.empty((copies, half), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return _graph_us([lambda i=i: dst[i].copy_(src[i]) for i in range(copies)])[0]
+    return time_in_graph([lambda i=i: dst[i].copy_(src[i]) for i in range(copies)])[0]
 
 
 def launch_bytes(qtype: QType, wl: str) -> list[int]:
@@ -292,7 +292,7 @@ def run(types=triton_gemv.SUPPORTED, workloads=WORKLOADS, extra: bool = True) ->
             v["speedup"] = v["reference_us"] / v["eager_us"]
             v["copy_us"] = copy_floor_us(v["bytes"])
             v["copy_fraction"] = v["bytes"] / (v["copy_us"] / 1e6) / GB / bw
-            v["floor_us"] = read_floor.read_floor_us(launch_bytes(q, wl), _graph_us)
+            v["floor_us"] = read_floor.read_floor_us(launch_bytes(q, wl), time_in_graph)
             v["floor_fraction"] = v["bytes"] / (v["floor_us"] / 1e6) / GB / bw
             r[wl] = v
         rep["types"][q.name] = r

@@ -166,13 +166,44 @@ def test_apply_replaces_the_model_without_reloading(qtbot, loaded):
     assert snap.hits.sum() + snap.misses.sum() > 0 and snap.resident.any()
 
 
+def test_apply_shows_the_host_copy_progress_and_hides_it_after(qtbot, loaded, monkeypatch):
+    """A re-placement that builds the experts' page-locked host copy (seconds to minutes on a 30B file) shows its
+    progress in the status bar's bar and the chat's status line, as a load does, and clears both once applied."""
+    from engine.runtime.expert_pool import MIRROR_PROGRESS
+
+    w = loaded
+    panel = w.placement_dock.panel
+    sess = session_of(w)
+    real = sess.apply
+    seen = []
+
+    def apply(placement, **kw):
+        for k in (1, 2):
+            kw["progress"](k, 3, MIRROR_PROGRESS)
+        return real(placement, **kw)
+
+    monkeypatch.setattr(sess, "apply", apply)
+    w.bridge.applyProgress.connect(
+        lambda k, n, what: seen.append((k, n, w.progress.isVisible(), w.progress.format(), w.chat.status_line.text()))
+    )
+    panel.moe.setCurrentIndex(panel.moe.findData("cpu"))
+    qtbot.waitUntil(lambda: panel.apply_button.isEnabled(), timeout=GEN_TIMEOUT_MS)
+    with qtbot.waitSignal(w.bridge.applied, timeout=GEN_TIMEOUT_MS):
+        panel.apply_button.click()
+    assert [(k, n) for k, n, *_ in seen] == [(1, 3), (2, 3)]
+    for _, _, visible, fmt, line in seen:
+        assert visible and fmt == f"{MIRROR_PROGRESS} (%p%)" and MIRROR_PROGRESS in line
+    assert not w.progress.isVisible() and w.chat.status_line.text() == ""
+    assert sess.placement is not None and sess.placement.moe_mode == "cpu"
+
+
 def test_out_of_memory_on_apply_shows_a_dialog_and_keeps_the_placement(qtbot, loaded, monkeypatch):
     rec = patch_dialogs(monkeypatch)
     w = loaded
     panel, model = w.placement_dock.panel, w.ctx.placement
     sess = session_of(w)
 
-    def oom(placement):
+    def oom(placement, **kw):
         raise DeviceMemoryError(
             "CUDA out of memory (tried to allocate 2.00 GiB); the previous placement stays in force"
         )

@@ -107,6 +107,7 @@ class EngineBridge(QObject):
     failed = Signal(int, object)  # request id, Failure
     applied = Signal(object, object)  # ModelCard, PlacementLimits
     applyFailed = Signal(object)  # Failure
+    applyProgress = Signal(int, int, str)  # done, total, what: a re-placement's slow part (the experts' host copy)
     statsUpdated = Signal(object)  # StatsFrame
     libraryEntry = Signal(object)  # LibraryEntry, one per file found (from a background thread)
     libraryDone = Signal(int)  # files judged
@@ -180,6 +181,7 @@ class EngineBridge(QObject):
         w.failed.connect(self._on_failed)
         w.applied.connect(self._on_applied)
         w.applyFailed.connect(self._on_apply_failed)
+        w.applyProgress.connect(self.applyProgress)
         w.waiting.connect(self.waiting)
         w.connected.connect(self._on_connected)
         self._thread.start()

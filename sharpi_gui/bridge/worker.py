@@ -67,6 +67,7 @@ class _Worker(QObject):
     failed = Signal(int, object)  # request id, Failure
     applied = Signal(object)  # C.Loaded (with the new placement's limits)
     applyFailed = Signal(object)  # Failure
+    applyProgress = Signal(int, int, str)  # done, total, what: the slow part of a re-placement (the host copy)
     waiting = Signal(int)  # request id: the chat waits for an API request to finish (the local server)
     connected = Signal(object)  # C.Remote
 
@@ -268,7 +269,7 @@ class _Worker(QObject):
         try:
             placement = C.plan_for(cur, settings)
             with self.model_lock:  # not while an API request generates
-                cur.session.apply(placement)
+                cur.session.apply(placement, progress=lambda k, n, what: self.applyProgress.emit(k, n, what))
             card = C.card(cur.session, cur.spec)
             limits = C.limits(
                 cur.session,

@@ -188,6 +188,8 @@ class MainWindow(QMainWindow):
         b.loaded.connect(self._on_loaded)
         b.loadFailed.connect(self._on_load_failed)
         b.applied.connect(self._on_applied)
+        b.applyProgress.connect(self._on_apply_progress)
+        b.applyFailed.connect(lambda _f: self._apply_ended())
         b.remoteConnected.connect(self._on_remote)
         b.warning.connect(lambda text: self.statusBar().showMessage(text, 10000))
         b.waiting.connect(lambda _rid: self.statusBar().showMessage("The chat waits for an API request to finish…"))
@@ -275,7 +277,22 @@ class MainWindow(QMainWindow):
         self.chat.set_has_model(True)
         self._render_stats(D.GenStats())
 
+    def _on_apply_progress(self, done: int, total: int, what: str) -> None:
+        """A re-placement's slow part (the expert cache's page-locked host copy: seconds to minutes): the same bar
+        as a load's, and the step in the chat's status line."""
+        self.progress.setRange(0, max(total, 1))
+        self.progress.setValue(done)
+        self.progress.setFormat(f"{what} (%p%)")
+        self.progress.setVisible(True)
+        self.chat.set_status_line(f"Applying the placement: {what}…")
+
+    def _apply_ended(self) -> None:
+        if self.bridge.state != "loading":  # a load's own bar is not this one's to hide
+            self.progress.setVisible(False)
+            self.chat.set_status_line("")
+
     def _on_applied(self, card: D.ModelCard, limits: D.PlacementLimits) -> None:
+        self._apply_ended()
         self.card, self.limits = card, limits
         self.settings.placement = limits.applied  # the next load places the model the same way
         self.settings.set_ctx_for(card.path, limits.current.ctx)  # this model's, no other's

@@ -112,6 +112,9 @@ class ExpertsPanel(QWidget):
         self.plot = self.heatmap.addPlot(row=0, col=0)
         self.plot.setLabel("left", "layer")
         self.plot.setLabel("bottom", "expert")
+        for side in ("left", "bottom"):  # layers and experts are counts: no "(x0.001)" scale on an empty plot,
+            self.plot.getAxis(side).enableAutoSIPrefix(False)
+            self.plot.getAxis(side).setTicks([[]])  # and no numbers until a model's frame sets them
         self.plot.invertY(True)
         self.plot.setMouseEnabled(x=False, y=False)
         self.plot.hideButtons()

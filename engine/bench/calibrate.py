@@ -371,19 +371,13 @@ def measure_bus_read(device, shape: ExpertShape = DEFAULT_SHAPE, layers: int = 1
     so neither side is served from the GPU's L2. CUDA only (the bus has no meaning on the simulated device)."""
     import torch
 
-    from engine.bench.device_kernels import random_matrix, time_in_graph
+    from engine.bench.device_kernels import slot_pool, time_in_graph
     from engine.runtime import triton_moe, triton_q4k_moe, triton_q8
 
     device = torch.device(device)
     D, F, K = shape.hidden, shape.ff, shape.used
-    roles, off = {}, 0
-    for r, t, (rows, n) in (("gate", shape.gate, (F, D)), ("up", shape.up, (F, D)), ("down", shape.down, (D, F))):
-        roles[r] = (off, QType[t], rows, n)
-        off += -(-rows * block_format(QType[t]).row_bytes(n) // 256) * 256
-    stride = off
-    pool = torch.empty((layers * K, stride), dtype=torch.uint8, device=device)
-    for o, q, rows, n in roles.values():
-        pool[:, o : o + rows * block_format(q).row_bytes(n)] = random_matrix(q, rows, n, layers * K)
+    types = (QType[shape.gate], QType[shape.up], QType[shape.down])
+    pool, stride, roles = slot_pool(types, layers * K, ff=F, hidden=D)  # on the current CUDA device
     host = pool.cpu().pin_memory()
     delta = host.data_ptr() - pool.data_ptr()
     x = torch.randn(1, D, device=device)

@@ -93,11 +93,16 @@ def random_matrix(qtype: QType, rows: int, n: int, copies: int = 1) -> torch.Ten
     return raw.view(copies, -1)
 
 
-def slot_pool(qtype: QType, slots: int) -> tuple[torch.Tensor, int, dict]:
+def slot_pool(qtype, slots: int, ff: int = F, hidden: int = D) -> tuple[torch.Tensor, int, dict]:
+    """A device pool of ``slots`` random experts of width ``ff`` and hidden size ``hidden`` at the slot layout ->
+    (pool uint8 [slots, stride], stride, roles as ``triton_moe.moe_decode`` takes them). ``qtype``: one type for
+    every role, or a (gate, up, down) tuple."""
+    types = qtype if isinstance(qtype, tuple) else (qtype,) * 3
     roles, off = {}, 0
-    for r, (rows, n) in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
-        roles[r] = (off, qtype, rows, n)
-        off += -(-rows * block_format(qtype).row_bytes(n) // 256) * 256
+    for r, q, (rows, n) in zip(("gate", "up", "down"), types, ((ff, hidden), (ff, hidden), (hidden, ff))):
+        q = QType(q)
+        roles[r] = (off, q, rows, n)
+        off += -(-rows * block_format(q).row_bytes(n) // 256) * 256
     pool = torch.empty((slots, off), dtype=torch.uint8, device="cuda")
     for o, q, rows, n in roles.values():
         nb = rows * block_format(q).row_bytes(n)

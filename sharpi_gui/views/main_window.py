@@ -287,9 +287,8 @@ class MainWindow(QMainWindow):
         self.chat.set_status_line(f"Applying the placement: {what}…")
 
     def _apply_ended(self) -> None:
-        if self.bridge.state != "loading":  # a load's own bar is not this one's to hide
-            self.progress.setVisible(False)
-            self.chat.set_status_line("")
+        self.progress.setVisible(False)
+        self.chat.set_status_line("")
 
     def _on_applied(self, card: D.ModelCard, limits: D.PlacementLimits) -> None:
         self._apply_ended()

@@ -3,6 +3,7 @@ the process snapshot, and no other engine module reading or writing the environm
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -189,7 +190,12 @@ def test_process_settings_leave_a_user_value_alone():
         "print(os.environ['GOMP_SPINCOUNT'])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["77", config.GOMP_SPINCOUNT]
+    assert out.stdout.split() == ["77", config.gomp_spincount(len(os.sched_getaffinity(0)))]
+
+
+def test_spin_count_is_short_on_a_small_machine_and_libgomps_own_on_a_large_one():
+    assert config.gomp_spincount(2) == config.gomp_spincount(config.MANY_CPUS - 1) == "10000"
+    assert config.gomp_spincount(config.MANY_CPUS) == config.gomp_spincount(64) == "300000"
 
 
 def test_importing_the_engine_writes_no_environment():

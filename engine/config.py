@@ -104,19 +104,28 @@ REASONING_MODES = ("auto", "off", "think", "harmony")  # EngineOptions.reasoning
 # per token). 10,000 spins (~0.5 ms) still bridge the gaps between a step's loops (quiet machine:
 # 36.9 -> 37.7 ms per token) and leave contention at 101 ms. libgomp reads it when numba starts
 # its pool (the first parallel call), so apply_process_settings must run before that.
-# With MANY_CPUS or more the workers keep libgomp's own 300,000: there a core is rarely wanted by
-# another process, and a CUDA decode with routed experts on the CPU gives each layer's loops a gap of
-# a graph segment (~80 µs) — 10,000 spins let the workers sleep in it and wake for every layer
-# (measured, H200 box, 16 cores, `sharpi bench --moe cpu` of the 30B-geometry file, interleaved
-# A/B in one job: 32.2 -> 34.4 tok/s decode; docs/benchmarks.md).
+# On a machine with MANY_CPUS or more and an NVIDIA GPU the workers keep libgomp's own 300,000: a
+# CUDA decode with routed experts on the CPU gives each layer's loops a gap of a graph segment
+# (~80 µs), in which 10,000 spins let the workers sleep, to be woken for every layer (measured,
+# H200 box, 16 cores, `sharpi bench --moe cpu` of the 30B-geometry file, interleaved A/B in one
+# job: 32.2 -> 34.4 tok/s decode; docs/benchmarks.md, "`--moe cpu` by pieces"). A CUDA placement
+# leaves cores free (engine.runtime.threads), so the spinning workers do not take the driver's.
 GOMP_SPINCOUNT = "10000"
-GOMP_SPINCOUNT_MANY = "300000"
+GOMP_SPINCOUNT_GPU = "300000"
 MANY_CPUS = 8
 
 
-def gomp_spincount(cpus: int) -> str:
-    """The ``GOMP_SPINCOUNT`` the engine sets on a machine where it may use ``cpus`` CPUs."""
-    return GOMP_SPINCOUNT_MANY if cpus >= MANY_CPUS else GOMP_SPINCOUNT
+def gomp_spincount(cpus: int, nvidia_gpu: bool) -> str:
+    """The ``GOMP_SPINCOUNT`` the engine sets where it may use ``cpus`` CPUs, with or without an NVIDIA GPU."""
+    return GOMP_SPINCOUNT_GPU if nvidia_gpu and cpus >= MANY_CPUS else GOMP_SPINCOUNT
+
+
+def _nvidia_gpu() -> bool:
+    """Whether the machine shows an NVIDIA GPU (a device node; nothing is initialised)."""
+    try:
+        return any(n.startswith("nvidia") and n[6:].isdigit() for n in os.listdir("/dev"))
+    except OSError:
+        return False
 
 
 _TRUE = ("1", "on", "true", "yes")
@@ -508,8 +517,9 @@ def child_environ(changes: Mapping[str, str]) -> dict[str, str]:
 
 def apply_process_settings() -> None:
     """Process settings the engine wants before its first parallel call and its first CUDA allocation:
-    ``GOMP_SPINCOUNT`` (:func:`gomp_spincount` of the CPUs this process may use) and ``PYTORCH_CUDA_ALLOC_CONF`` (see
+    ``GOMP_SPINCOUNT`` (:func:`gomp_spincount` of the CPUs this process may use and the machine's GPU) and ``PYTORCH_CUDA_ALLOC_CONF`` (see
     :data:`CUDA_ALLOC_CONF`), unless the user set them. Called by the entry points; idempotent."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    os.environ.setdefault("GOMP_SPINCOUNT", gomp_spincount(cpus))
+    if "GOMP_SPINCOUNT" not in os.environ:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        os.environ["GOMP_SPINCOUNT"] = gomp_spincount(cpus, _nvidia_gpu())
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)

@@ -190,12 +190,13 @@ def test_process_settings_leave_a_user_value_alone():
         "print(os.environ['GOMP_SPINCOUNT'])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["77", config.gomp_spincount(len(os.sched_getaffinity(0)))]
+    assert out.stdout.split() == ["77", config.gomp_spincount(len(os.sched_getaffinity(0)), config._nvidia_gpu())]
 
 
-def test_spin_count_is_short_on_a_small_machine_and_libgomps_own_on_a_large_one():
-    assert config.gomp_spincount(2) == config.gomp_spincount(config.MANY_CPUS - 1) == "10000"
-    assert config.gomp_spincount(config.MANY_CPUS) == config.gomp_spincount(64) == "300000"
+def test_spin_count_is_libgomps_own_only_on_a_large_machine_with_a_gpu():
+    short = {config.gomp_spincount(c, g) for c, g in [(2, True), (config.MANY_CPUS - 1, True), (64, False), (2, False)]}
+    assert short == {"10000"}
+    assert config.gomp_spincount(config.MANY_CPUS, True) == config.gomp_spincount(64, True) == "300000"
 
 
 def test_importing_the_engine_writes_no_environment():

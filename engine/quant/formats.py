@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 QType = GGMLQuantizationType
@@ -174,3 +175,20 @@ def tensor_bytes(qtype: QType | int, shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= int(s)
     return n // f.block_size * f.type_size
+
+
+def pack_blocks(qtype: QType | int, nb: int, **fields: np.ndarray) -> np.ndarray:
+    """uint8 [nb, type_size] blocks of ``qtype`` from its named fields, laid out as in its format."""
+    fmt = block_format(qtype)
+    out = np.empty((nb, fmt.type_size), dtype=np.uint8)
+    for f in fmt.fields:
+        off = fmt.field_offset(f.name)
+        v = np.ascontiguousarray(np.asarray(fields[f.name]).astype(f.dtype, copy=False).reshape(nb, f.count))
+        out[:, off : off + f.nbytes] = v.view(np.uint8)
+    return out
+
+
+def to_f16(v: np.ndarray) -> np.ndarray:
+    """float32 -> float16, round to nearest even (ggml ``GGML_FP32_TO_FP16``); inf on overflow."""
+    with np.errstate(over="ignore"):
+        return v.astype(np.float16)

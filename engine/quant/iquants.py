@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import quants as _gq
 
-from engine.quant.formats import QType, block_format
+from engine.quant.formats import QType, pack_blocks, to_f16
 
 _F32 = np.float32
 QK = 256
@@ -183,23 +183,6 @@ def _fit(t: np.ndarray, grid: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray
     return idx, g, err
 
 
-def _to_f16(v: np.ndarray) -> np.ndarray:
-    """float32 -> float16, round to nearest even (ggml ``GGML_FP32_TO_FP16``); inf on overflow."""
-    with np.errstate(over="ignore"):
-        return v.astype(np.float16)
-
-
-def _pack(qtype: QType, nb: int, **fields: np.ndarray) -> np.ndarray:
-    """uint8 [nb, type_size] blocks from named fields laid out as in the format table."""
-    fmt = block_format(qtype)
-    out = np.empty((nb, fmt.type_size), dtype=np.uint8)
-    for f in fmt.fields:
-        off = fmt.field_offset(f.name)
-        v = np.ascontiguousarray(np.asarray(fields[f.name]).astype(f.dtype, copy=False).reshape(nb, f.count))
-        out[:, off : off + f.nbytes] = v.view(np.uint8)
-    return out
-
-
 def quantize_blocks(qtype: QType, x: np.ndarray) -> np.ndarray:
     """Test data, not ggml's search: float32 [nb, 256] -> uint8 blocks [nb, type_size].
 
@@ -240,7 +223,7 @@ def quantize_blocks(qtype: QType, x: np.ndarray) -> np.ndarray:
         best = np.where(better, sc, best)
         best_err = np.where(better, err, best_err)
     best = np.where(live, best, _F32(0)).reshape(nb, -1)  # [nb, groups]
-    d = _to_f16(best.max(axis=1) / (_F32(31) * mult))  # [nb]
+    d = to_f16(best.max(axis=1) / (_F32(31) * mult))  # [nb]
     dm = d.astype(_F32) * mult
     inv = np.divide(_F32(1), dm, out=np.zeros_like(dm), where=dm > 0)
     s = np.clip(np.rint((best * inv[:, None] - 1) / 2), 0, 15).astype(np.int64)  # [nb, groups]
@@ -253,19 +236,19 @@ def quantize_blocks(qtype: QType, x: np.ndarray) -> np.ndarray:
         q = np.zeros((nb, 8, 2), np.uint32)
         q[..., 0] = (idx.reshape(nb, 8, 4) << (8 * np.arange(4))).sum(axis=-1)
         q[..., 1] = (sign7.reshape(nb, 8, 4) << (7 * np.arange(4))).sum(axis=-1) | (s << 28)
-        return _pack(qtype, nb, d=d, qs=q.reshape(nb, 16).view(np.uint16))
+        return pack_blocks(qtype, nb, d=d, qs=q.reshape(nb, 16).view(np.uint16))
     if qtype == QType.IQ2_XS:
         qs = (idx | (sign7 << 9)).astype(np.uint16)
-        return _pack(qtype, nb, d=d, qs=qs, scales=(s[:, 0::2] | (s[:, 1::2] << 4)).astype(np.uint8))
+        return pack_blocks(qtype, nb, d=d, qs=qs, scales=(s[:, 0::2] | (s[:, 1::2] << 4)).astype(np.uint8))
     if qtype == QType.IQ2_S:
         qh = ((idx >> 8).reshape(nb, 8, 4) << (2 * np.arange(4))).sum(axis=-1).astype(np.uint8)
         sc = (s[:, 0::2] | (s[:, 1::2] << 4)).astype(np.uint8)
-        return _pack(qtype, nb, d=d, qs=(idx & 255).astype(np.uint8), signs=bits, qh=qh, scales=sc)
+        return pack_blocks(qtype, nb, d=d, qs=(idx & 255).astype(np.uint8), signs=bits, qh=qh, scales=sc)
     if qtype == QType.IQ3_XXS:
         sas = (sign7.reshape(nb, 8, 4) << (7 * np.arange(4))).sum(axis=-1) | (s << 28)
-        return _pack(qtype, nb, d=d, qs=idx.astype(np.uint8), sas=sas.astype(np.uint32))
+        return pack_blocks(qtype, nb, d=d, qs=idx.astype(np.uint8), sas=sas.astype(np.uint32))
     if qtype == QType.IQ3_S:
         qh = ((idx >> 8).reshape(nb, 8, 8) << np.arange(8)).sum(axis=-1).astype(np.uint8)
         sc = (s[:, 0::2] | (s[:, 1::2] << 4)).astype(np.uint8)
-        return _pack(qtype, nb, d=d, qs=(idx & 255).astype(np.uint8), qh=qh, signs=bits, scales=sc)
+        return pack_blocks(qtype, nb, d=d, qs=(idx & 255).astype(np.uint8), qh=qh, signs=bits, scales=sc)
     raise KeyError(qtype)

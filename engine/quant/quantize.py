@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from engine.quant import iquants
-from engine.quant.formats import QType, block_format
+from engine.quant.formats import QType, block_format, pack_blocks, to_f16
 
 _F32 = np.float32
 GROUP_MAX_EPS = _F32(1e-15)  # ggml: a group whose |max| is below this is all zero
@@ -50,23 +50,6 @@ def _recip_or_zero(d: np.ndarray) -> np.ndarray:
     return out
 
 
-def _to_f16(v: np.ndarray) -> np.ndarray:
-    """float32 -> float16 with round to nearest even (ggml ``GGML_FP32_TO_FP16``); inf on overflow."""
-    with np.errstate(over="ignore"):
-        return v.astype(np.float16)
-
-
-def _pack(qtype: QType, nb: int, **fields: np.ndarray) -> np.ndarray:
-    """Assemble uint8 [nb, type_size] blocks from named fields laid out as in the format table."""
-    fmt = block_format(qtype)
-    out = np.empty((nb, fmt.type_size), dtype=np.uint8)
-    for f in fmt.fields:
-        off = fmt.field_offset(f.name)
-        v = np.ascontiguousarray(np.asarray(fields[f.name]).astype(f.dtype, copy=False).reshape(nb, f.count))
-        out[:, off : off + f.nbytes] = v.view(np.uint8)
-    return out
-
-
 # ---------------------------------------------------------------- 32-element block types
 
 
@@ -74,7 +57,7 @@ def _quant_q8_0(x: np.ndarray) -> np.ndarray:
     # quantize_row_q8_0_ref: d = amax / 127, q = roundf(x / d)
     d = np.abs(x).max(axis=1) / _F32(127)  # [nb]
     q = round_half_away(x * _recip_or_zero(d)[:, None])  # [nb, 32]
-    return _pack(QType.Q8_0, len(x), d=_to_f16(d), qs=q.astype(np.int8))
+    return pack_blocks(QType.Q8_0, len(x), d=to_f16(d), qs=q.astype(np.int8))
 
 
 def _signed_absmax(x: np.ndarray) -> np.ndarray:
@@ -88,7 +71,7 @@ def _quant_q4_0(x: np.ndarray) -> np.ndarray:
     # maps to -8 exactly), q = min(15, trunc(x / d + 8.5)); element j < 16 in the low nibble
     d = _signed_absmax(x) / _F32(-8)
     q = np.minimum(np.trunc(x * _recip_or_zero(d)[:, None] + _F32(8.5)), 15).astype(np.uint8)
-    return _pack(QType.Q4_0, len(x), d=_to_f16(d), qs=q[:, :16] | (q[:, 16:] << 4))
+    return pack_blocks(QType.Q4_0, len(x), d=to_f16(d), qs=q[:, :16] | (q[:, 16:] << 4))
 
 
 def _quant_q5_0(x: np.ndarray) -> np.ndarray:
@@ -98,7 +81,7 @@ def _quant_q5_0(x: np.ndarray) -> np.ndarray:
     q = np.minimum(np.trunc(x * _recip_or_zero(d)[:, None] + _F32(16.5)), 31).astype(np.uint8)
     qs = (q[:, :16] & 0xF) | ((q[:, 16:] & 0xF) << 4)
     qh = ((q >> 4).astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
-    return _pack(QType.Q5_0, len(x), d=_to_f16(d), qh=qh.astype("<u4").view(np.uint8), qs=qs)
+    return pack_blocks(QType.Q5_0, len(x), d=to_f16(d), qh=qh.astype("<u4").view(np.uint8), qs=qs)
 
 
 # ---------------------------------------------------------------- K-quant searches
@@ -238,8 +221,8 @@ def _quant_qk_asym(x: np.ndarray, nmax: int, rmin: float, nstep: int) -> tuple[n
     # uint8_t ls = nearest_int(...); MIN(63, ls): a negative value would wrap, then clamp to 63
     ls = np.minimum(nearest_int(inv_scale[:, None] * scales).astype(np.int32) & 0xFF, 63)
     lm = np.minimum(nearest_int(inv_min[:, None] * mins).astype(np.int32) & 0xFF, 63)
-    d = _to_f16(max_scale / _F32(63))
-    dmin = _to_f16(max_min / _F32(63))
+    d = to_f16(max_scale / _F32(63))
+    dmin = to_f16(max_min / _F32(63))
 
     # Requantize each sub-block against its stored scale; a zero scale keeps the search's L.
     d_sub = (d.astype(_F32)[:, None] * ls.astype(_F32))[:, :, None]  # [nb, 8, 1]
@@ -256,7 +239,7 @@ def _quant_q4_k(x: np.ndarray) -> np.ndarray:
     nb = len(x)
     pairs = L.reshape(nb, 4, 2, 32)  # chunk c holds sub-blocks 2c (low nibble) and 2c+1 (high)
     qs = pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)
-    return _pack(QType.Q4_K, nb, d=d, dmin=dmin, scales=scales, qs=qs)
+    return pack_blocks(QType.Q4_K, nb, d=d, dmin=dmin, scales=scales, qs=qs)
 
 
 def _quant_q5_k(x: np.ndarray) -> np.ndarray:
@@ -267,7 +250,7 @@ def _quant_q5_k(x: np.ndarray) -> np.ndarray:
     qs = pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)
     # The 5th bit of element l of sub-block s goes to bit s of qh[l].
     qh = ((L >> 4) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8)
-    return _pack(QType.Q5_K, nb, d=d, dmin=dmin, scales=scales, qh=qh, qs=qs)
+    return pack_blocks(QType.Q5_K, nb, d=d, dmin=dmin, scales=scales, qh=qh, qs=qs)
 
 
 def _quant_q6_k(x: np.ndarray) -> np.ndarray:
@@ -280,7 +263,7 @@ def _quant_q6_k(x: np.ndarray) -> np.ndarray:
     max_scale = _signed_absmax(scales)  # [nb]
     zero = np.abs(max_scale) < GROUP_MAX_EPS  # such a block is stored as all-zero bytes
     iscale = _F32(-128) / np.where(zero, _F32(1), max_scale)
-    d = np.where(zero, np.float16(0), _to_f16(_F32(1) / iscale))
+    d = np.where(zero, np.float16(0), to_f16(_F32(1) / iscale))
     sc = np.minimum(nearest_int(iscale[:, None] * scales), 127).astype(np.int8)  # [nb, 16]
     sc[zero] = 0
 
@@ -296,7 +279,7 @@ def _quant_q6_k(x: np.ndarray) -> np.ndarray:
     low = Lh & 0xF
     ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=2)
     qh = ((Lh >> 4) << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(axis=2, dtype=np.uint8)
-    return _pack(QType.Q6_K, nb, ql=ql, qh=qh, scales=sc, d=d)
+    return pack_blocks(QType.Q6_K, nb, ql=ql, qh=qh, scales=sc, d=d)
 
 
 def _quant_q2_k(x: np.ndarray) -> np.ndarray:
@@ -316,7 +299,7 @@ def _quant_q2_k(x: np.ndarray) -> np.ndarray:
     a = shrink[err.argmin(axis=0), 0, 0]  # [nb, 16]
     mins, scales = -lo * a, (hi - lo) * a / _F32(3)
     max_scale, max_min = scales.max(axis=1), mins.max(axis=1)  # [nb]
-    d, dmin = _to_f16(max_scale / _F32(15)), _to_f16(max_min / _F32(15))
+    d, dmin = to_f16(max_scale / _F32(15)), to_f16(max_min / _F32(15))
     ls = np.clip(nearest_int(scales * _recip_or_zero(d.astype(_F32))[:, None]), 0, 15)
     lm = np.clip(nearest_int(mins * _recip_or_zero(dmin.astype(_F32))[:, None]), 0, 15)
     d_sub = (d.astype(_F32)[:, None] * ls)[:, :, None]  # [nb, 16, 1]
@@ -326,7 +309,7 @@ def _quant_q2_k(x: np.ndarray) -> np.ndarray:
     L = q.astype(np.uint8).reshape(nb, 2, 4, 32)  # [half h, j, l]: element 128h + 32j + l
     qs = (L << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(axis=2, dtype=np.uint8)
     sc = ls.astype(np.uint8) | (lm.astype(np.uint8) << 4)
-    return _pack(QType.Q2_K, nb, scales=sc, qs=qs.reshape(nb, 64), d=d, dmin=dmin)
+    return pack_blocks(QType.Q2_K, nb, scales=sc, qs=qs.reshape(nb, 64), d=d, dmin=dmin)
 
 
 def pack_scales_k3(ls: np.ndarray) -> np.ndarray:
@@ -350,7 +333,7 @@ def _quant_q3_k(x: np.ndarray) -> np.ndarray:
     max_scale = _signed_absmax(scales)  # [nb]
     zero = np.abs(max_scale) < GROUP_MAX_EPS
     iscale = _F32(-32) / np.where(zero, _F32(1), max_scale)
-    d = np.where(zero, np.float16(0), _to_f16(_F32(1) / iscale))
+    d = np.where(zero, np.float16(0), to_f16(_F32(1) / iscale))
     ls = np.clip(nearest_int(iscale[:, None] * scales), -32, 31)  # [nb, 16]
     ls[zero] = 0
     d_sub = (d.astype(_F32)[:, None] * ls)[:, :, None]  # [nb, 16, 1]
@@ -360,7 +343,7 @@ def _quant_q3_k(x: np.ndarray) -> np.ndarray:
     qs = ((L & 3) << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(axis=2, dtype=np.uint8)
     hbits = (L >> 2).reshape(nb, 8, 32) << np.arange(8, dtype=np.uint8)[None, :, None]  # bit 4h + j
     hmask = hbits.sum(axis=1, dtype=np.uint8)
-    return _pack(QType.Q3_K, nb, hmask=hmask, qs=qs.reshape(nb, 64), scales=pack_scales_k3(ls + 32), d=d)
+    return pack_blocks(QType.Q3_K, nb, hmask=hmask, qs=qs.reshape(nb, 64), scales=pack_scales_k3(ls + 32), d=d)
 
 
 def _quant_mxfp4(x: np.ndarray) -> np.ndarray:
@@ -375,7 +358,7 @@ def _quant_mxfp4(x: np.ndarray) -> np.ndarray:
     d = e8m0_half(e)
     errs = np.abs(d.reshape(nb, 1, 1) * MXFP4_VALUES.astype(_F32).reshape(1, 1, 16) - x.reshape(nb, 32, 1))
     q = np.argmin(errs, axis=-1).astype(np.uint8).reshape(nb, 2, 16)
-    return _pack(QType.MXFP4, nb, e=e, qs=q[:, 0] | (q[:, 1] << np.uint8(4)))
+    return pack_blocks(QType.MXFP4, nb, e=e, qs=q[:, 0] | (q[:, 1] << np.uint8(4)))
 
 
 def _nearest_iq4(v: np.ndarray) -> np.ndarray:
@@ -414,9 +397,9 @@ def _quant_iq4_nl(x: np.ndarray) -> np.ndarray:
     d = _signed_absmax(x) / _F32(-127)
     d[np.abs(d) < GROUP_MAX_EPS] = 0
     _, d = _iq4_fit(x, d)
-    d16 = _to_f16(d)
+    d16 = to_f16(d)
     q, _ = _iq4_fit(x, d16.astype(_F32))
-    return _pack(QType.IQ4_NL, nb, d=d16, qs=_pack_nibbles(q))
+    return pack_blocks(QType.IQ4_NL, nb, d=d16, qs=_pack_nibbles(q))
 
 
 def _quant_iq4_xs(x: np.ndarray) -> np.ndarray:
@@ -432,7 +415,7 @@ def _quant_iq4_xs(x: np.ndarray) -> np.ndarray:
     s = s.reshape(nb, 8)
     max_scale = _signed_absmax(s)  # [nb]
     zero = np.abs(max_scale) < GROUP_MAX_EPS
-    d = np.where(zero, np.float16(0), _to_f16(-max_scale / _F32(32)))
+    d = np.where(zero, np.float16(0), to_f16(-max_scale / _F32(32)))
     inv = _recip_or_zero(d.astype(_F32))
     ls = np.clip(nearest_int(s * inv[:, None]), -32, 31)  # [nb, 8]
     q, _ = _iq4_fit(xg, (d.astype(_F32)[:, None] * ls).reshape(-1))
@@ -440,7 +423,7 @@ def _quant_iq4_xs(x: np.ndarray) -> np.ndarray:
     scales_l = (L[:, 0::2] & 0xF) | ((L[:, 1::2] & 0xF) << 4)
     scales_h = ((L.astype(np.uint16) >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
     qs = _pack_nibbles(q).reshape(nb, 128)
-    return _pack(QType.IQ4_XS, nb, d=d, scales_h=scales_h, scales_l=scales_l, qs=qs)
+    return pack_blocks(QType.IQ4_XS, nb, d=d, scales_h=scales_h, scales_l=scales_l, qs=qs)
 
 
 QUANTIZE_BLOCKS: dict[QType, Callable[[np.ndarray], np.ndarray]] = {
@@ -491,7 +474,7 @@ def quantize(x: np.ndarray, qtype: QType | int) -> np.ndarray:
     if qtype == QType.F32:
         return x.copy()
     if qtype == QType.F16:
-        return _to_f16(x)
+        return to_f16(x)
     if qtype == QType.BF16:
         return f32_to_bf16(x)
     if qtype not in QUANTIZE_BLOCKS:

@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover
 
 from engine import config
 from engine.quant.formats import QType, block_format
+from engine.quant.reference import IQ4NL_VALUES, MXFP4_VALUES
 
 SUPPORTED = (
     QType.Q4_0,
@@ -82,8 +83,8 @@ def _pack_levels(levels: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sum(b[4 * w + k] << (8 * k) for k in range(4)) for w in range(4))
 
 
-_IQ4_WORDS = _pack_levels((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113))
-_MXFP4_WORDS = _pack_levels((0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12))
+_IQ4_WORDS = _pack_levels(tuple(int(v) for v in IQ4NL_VALUES))
+_MXFP4_WORDS = _pack_levels(tuple(int(v) for v in MXFP4_VALUES))
 
 
 def geometry(qtype: QType) -> dict:

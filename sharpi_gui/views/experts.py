@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QComboBox,
     QDockWidget,
@@ -152,13 +153,16 @@ class ExpertsPanel(QWidget):
         # plots: single tokens run far faster than a reply's average when a few stall (another program on the
         # cores), and the line shows where the average the status bar quotes sits among them.
         self.window_lines = []
+        label_fill = QColor(theme.background)
+        label_fill.setAlpha(210)
         for i in (0, 1):
             line = pg.InfiniteLine(
                 angle=0,
                 movable=False,
                 pen=pg.mkPen(theme.muted, width=1, style=Qt.PenStyle.DashLine),
                 label="last reply {value:.1f}" if i == 0 else "last reply {value:.0%}",
-                labelOpts={"position": 0.5, "color": theme.muted, "anchors": [(0.5, 0), (0.5, 0)]},  # below
+                # at the right end, above the line, on the plot's background: legible over the curve
+                labelOpts={"position": 0.98, "color": theme.muted, "anchors": [(1, 1), (1, 1)], "fill": label_fill},
             )
             line.setVisible(False)
             self.series_plots[i].addItem(line, ignoreBounds=True)

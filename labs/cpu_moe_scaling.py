@@ -2,8 +2,9 @@
 `--moe cpu` decode reads its experts at about half the box's read bandwidth.
 
 For Qwen3-30B-A3B's expert shape (8 experts of 768 x 2048, Q4_K gate/up, Q6_K down) at each thread count, with
-stacks of ``--experts`` experts (default: enough that the three stacks are ≥ 4× the last-level cache, so "cold"
-reads DRAM as a model's 48 layers do; 64 experts, 196 MB, fit a 300 MiB L3 and time that cache instead): the
+stacks of ``--experts`` experts (default: the calibration's CPU working set, ``engine.bench.calibrate.cpu_working_set``
+— 4× the last-level cache — so "cold" reads DRAM as a model's 48 layers do; 64 experts, 196 MB, fit a 300 MiB L3
+and time that cache instead): the
 read bandwidth (numba parallel sum), then gate/up and down alone, cold (experts cycled) and hot (the same experts
 every call), in GB/s a thread. With ``--ahead B1,B2`` each prefetch distance (bytes of rows requested ahead,
 ``engine.kernels.simd.PREFETCH_AHEAD``) runs in a child process with a fresh numba cache (the distance is a
@@ -35,22 +36,11 @@ def med_us(fn, reps: int) -> float:
     return float(np.median(t)) * 1e6
 
 
-EXPERT_BYTES = 2 * 768 * 2048 * 144 // 256 + 2048 * 768 * 210 // 256  # Q4_K gate and up, Q6_K down
+def expert_bytes() -> int:
+    """One Qwen3-30B-A3B expert: Q4_K gate and up [768, 2048], Q6_K down [2048, 768]."""
+    from engine.quant.formats import QType, tensor_bytes
 
-
-def l3_bytes() -> int:
-    """The last-level cache's size (sysfs, then sysconf; 0 unknown)."""
-    try:
-        caches = []
-        base = "/sys/devices/system/cpu/cpu0/cache"
-        for d in (d for d in os.listdir(base) if d.startswith("index")):
-            with open(f"{base}/{d}/level") as f, open(f"{base}/{d}/size") as g:
-                level, size = int(f.read()), g.read().strip()
-            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1)
-            caches.append((level, int(size.rstrip("KMG")) * mult))
-        return max(caches)[1] if caches else 0
-    except (OSError, ValueError):
-        return 0
+    return 2 * tensor_bytes(QType.Q4_K, (768, 2048)) + tensor_bytes(QType.Q6_K, (2048, 768))
 
 
 def child(threads: list[int], ahead: int | None, schedule: bool, reps: int, E: int) -> None:
@@ -64,6 +54,7 @@ def child(threads: list[int], ahead: int | None, schedule: bool, reps: int, E: i
     from engine.bench.kernels import measure_bandwidth
     from engine.kernels.moe_fused import moe_down_q8, moe_gate_up_q8, quantize_for
     from engine.kernels.prepare import prepare_weight
+    from engine.bench.calibrate import last_level_cache_bytes
     from engine.kernels.testing import random_weight
     from engine.quant.formats import QType
 
@@ -82,7 +73,8 @@ def child(threads: list[int], ahead: int | None, schedule: bool, reps: int, E: i
     qx = quantize_for(int(QType.Q4_K), x[None])
     _, *qh = moe_gate_up_q8(12, gate.raw, gate.scales, up.raw, up.scales, hot, *qx, F, 14)
     print(f"prefetch ahead {simd.PREFETCH_AHEAD} B, threading layer {numba.threading_layer()}, stacks of {E} experts "
-          f"({(gate.nbytes + up.nbytes + down.nbytes) / 1e6:.0f} MB; last-level cache {l3_bytes() / 1e6:.0f} MB)", flush=True)  # fmt: skip
+          f"({(gate.nbytes + up.nbytes + down.nbytes) / 1e6:.0f} MB; last-level cache {last_level_cache_bytes() / 1e6:.0f} MB)",
+          flush=True)  # fmt: skip
     print("threads | read GB/s (a thread) | gate/up cold us, GB/s a thread | hot | down cold | hot | chunk", flush=True)
     chunks = [0, 1, 4] if schedule else [0]
     for t in threads:
@@ -117,9 +109,11 @@ def main() -> None:
     ap.add_argument("--schedule", action="store_true")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--child-ahead", type=int, default=None)
-    ap.add_argument("--experts", type=int, default=0, help="experts a stack (default: stacks ≥ 4× the L3)")
+    ap.add_argument("--experts", type=int, default=0, help="experts a stack (default: the CPU working set's worth)")
     a = ap.parse_args()
-    E = a.experts or max(64, -(-4 * l3_bytes() // EXPERT_BYTES))
+    from engine.bench.calibrate import cpu_working_set
+
+    E = a.experts or max(64, -(-cpu_working_set() // expert_bytes()))
     threads = [int(t) for t in a.threads.split(",")]
     if a.child_ahead is not None or not a.ahead:
         child(threads, a.child_ahead, a.schedule, a.reps, E)

@@ -517,10 +517,9 @@ def child_environ(changes: Mapping[str, str]) -> dict[str, str]:
 
 def apply_process_settings() -> None:
     """Process settings the engine wants before its first parallel call and its first CUDA allocation:
-    ``GOMP_SPINCOUNT`` (:func:`gomp_spincount` of the CPUs this process may use and the machine's GPU)
+    ``GOMP_SPINCOUNT`` (:func:`gomp_spincount` of the machine's cores, as ``engine.runtime.threads`` counts them, and GPU)
     and ``PYTORCH_CUDA_ALLOC_CONF`` (see :data:`CUDA_ALLOC_CONF`), unless the user set them. Called by
     the entry points; idempotent."""
     if "GOMP_SPINCOUNT" not in os.environ:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        os.environ["GOMP_SPINCOUNT"] = gomp_spincount(cpus, _nvidia_gpu())
+        os.environ["GOMP_SPINCOUNT"] = gomp_spincount(os.cpu_count() or 1, _nvidia_gpu())
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)

@@ -190,13 +190,22 @@ def test_process_settings_leave_a_user_value_alone():
         "print(os.environ['GOMP_SPINCOUNT'])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["77", config.gomp_spincount(len(os.sched_getaffinity(0)), config._nvidia_gpu())]
+    assert out.stdout.split() == ["77", config.gomp_spincount(os.cpu_count() or 1, config._nvidia_gpu())]
 
 
 def test_spin_count_is_libgomps_own_only_on_a_large_machine_with_a_gpu():
     short = {config.gomp_spincount(c, g) for c, g in [(2, True), (config.MANY_CPUS - 1, True), (64, False), (2, False)]}
     assert short == {"10000"}
     assert config.gomp_spincount(config.MANY_CPUS, True) == config.gomp_spincount(64, True) == "300000"
+
+
+@pytest.mark.parametrize(
+    ("nodes", "gpu"),
+    [(["nvidia0", "nvidiactl", "nvidia-uvm"], True), (["nvidiactl", "nvidia-uvm", "null"], False), ([], False)],
+)
+def test_an_nvidia_gpu_is_a_numbered_device_node(monkeypatch, nodes, gpu):
+    monkeypatch.setattr(config.os, "listdir", lambda path: nodes if path == "/dev" else [])
+    assert config._nvidia_gpu() is gpu
 
 
 def test_importing_the_engine_writes_no_environment():

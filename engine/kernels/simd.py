@@ -739,14 +739,15 @@ def i16_to_f32(typingctx, v, half):
 
 @intrinsic
 def prefetch(typingctx, arr, off):
-    """Hint the cache line holding element ``off`` of a 1-D array into L2 (prefetcht1; never faults)."""
+    """Hint the cache line holding element ``off`` of a 1-D array into the cache level PREFETCH_LOCALITY names
+    (2: L2, prefetcht1; never faults)."""
     if not (isinstance(arr, types.Array) and arr.ndim == 1):
         raise TypingError(f"prefetch: expected a 1-D array, got {arr}")
 
     def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
         ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.PointerType(ir.IntType(8)))
-        zero, locality, one = (ir.Constant(_i32, v) for v in (0, 2, 1))
+        zero, locality, one = (ir.Constant(_i32, v) for v in (0, PREFETCH_LOCALITY, 1))
         _call(builder, "llvm.prefetch.p0", ir.VoidType(), [ptr, zero, locality, one])
         return context.get_dummy_value()
 
@@ -754,6 +755,7 @@ def prefetch(typingctx, arr, off):
 
 
 PREFETCH_AHEAD = 8192  # bytes of weight rows to request before they are needed
+PREFETCH_LOCALITY = 2  # LLVM's locality of a prefetch: 3 prefetcht0 (L1), 2 prefetcht1 (L2), 0 prefetchnta
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -11,6 +11,7 @@ figures on the same file, its runs alternating with ours in the same process, wi
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 
@@ -331,6 +332,7 @@ def bench_session(
         "file_bytes": session.info.file_size,
         "placement": session.applied.describe() if session.applied else "all layers on the CPU",
         "threads": threads,
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),  # engine.config.apply_process_settings' choice
         "prompt_tokens": prompt,
         "gen_tokens": gen,
         "repeat": repeat,

@@ -366,11 +366,12 @@ class Session:
     def host_threads(self) -> int:
         """The threads a generation's CPU kernels run with under the applied placement
         (:func:`engine.runtime.threads.host_threads`: ``EngineOptions.host_threads``, else every core, less
-        ``cores // 8`` when the placement uses a CUDA device)."""
+        ``cores // 8`` when the placement keeps experts on a CUDA device: the cache or a resident split)."""
         import numba
 
         options = self.applied.options if self.applied is not None else self.engine_options
-        return host_threads(options, self._on_cuda(), most=numba.config.NUMBA_NUM_THREADS)
+        device_experts = self._on_cuda() and self.applied.placement.moe_mode != "cpu"
+        return host_threads(options, device_experts, most=numba.config.NUMBA_NUM_THREADS)
 
     @property
     def has_mtp(self) -> bool:

@@ -14,15 +14,17 @@ from engine.generate.sampling import SamplingParams
 from engine.runtime.threads import host_threads
 
 
-def test_rule_leaves_cores_to_the_driver_on_cuda_only():
+def test_rule_leaves_cores_only_where_the_device_holds_experts():
+    """Two of 16 cores stay free beside a CUDA placement with experts on the device (cache, resident split);
+    ``--moe cpu`` and CPU-only placements use every core."""
     o = EngineOptions()
-    assert host_threads(o, on_cuda=True, cores=16) == 14
-    assert host_threads(o, on_cuda=True, cores=8) == 7
-    assert host_threads(o, on_cuda=True, cores=4) == 4
-    assert host_threads(o, on_cuda=False, cores=16) == 16
-    assert host_threads(o, on_cuda=True, cores=16, most=8) == 8
-    assert host_threads(EngineOptions(host_threads=3), on_cuda=True, cores=16) == 3
-    assert host_threads(EngineOptions(host_threads=32), on_cuda=False, cores=16, most=16) == 16
+    assert host_threads(o, device_experts=True, cores=16) == 14
+    assert host_threads(o, device_experts=True, cores=8) == 7
+    assert host_threads(o, device_experts=True, cores=4) == 4
+    assert host_threads(o, device_experts=False, cores=16) == 16
+    assert host_threads(o, device_experts=True, cores=16, most=8) == 8
+    assert host_threads(EngineOptions(host_threads=3), device_experts=True, cores=16) == 3
+    assert host_threads(EngineOptions(host_threads=32), device_experts=False, cores=16, most=16) == 16
 
 
 def test_option_is_checked_and_read_from_the_environment():

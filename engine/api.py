@@ -21,7 +21,7 @@ from engine.config import EngineOptions
 from engine.errors import DeviceMemoryError, HostMemoryError, UsageError
 from engine.generate import CacheState, GenerationEvent, SamplingParams, TokenConstraint, generate
 from engine.generate.events import FINISH_CANCELLED
-from engine.generate.reasoning import model_format, template_messages
+from engine.generate.reasoning import HARMONY, detect_format, model_format, template_messages
 from engine.gguf import open_gguf
 from engine.modelinfo import ModelInfo, describe
 from engine.models import check_model_file
@@ -200,12 +200,16 @@ class Session:
             report(2, 4, "loading tokenizer")
             self.tokenizer = load_tokenizer(self.gf)
             self.chat_template = ChatTemplate.from_gguf(self.gf, self.tokenizer)
+            template = self.chat_template.source if self.chat_template.from_file else None
+
+            def has_token(text: str) -> bool:
+                return self.tokenizer.token_id(text) is not None
+
+            # the format the model writes in (harmony's call messages, whatever EngineOptions.reasoning says)
+            self.chat_format: str | None = detect_format(self.info.architecture, template, has_token)
             # how replies' reasoning is kept apart from their answer (None: not at all)
             self.reasoning: str | None = model_format(
-                options.engine.reasoning,
-                self.info.architecture,
-                self.chat_template.source if self.chat_template.from_file else None,
-                lambda text: self.tokenizer.token_id(text) is not None,
+                options.engine.reasoning, self.info.architecture, template, has_token
             )
             report(3, 4, "placing the model")
             self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -315,11 +319,14 @@ class Session:
         tools: list[dict] | None = None,
         constraint: TokenConstraint | None = None,
         reasoning: bool = True,
+        calls: bool = False,
     ) -> Iterator[GenerationEvent]:
         """Stream a completion of ``prompt`` (raw text), ``messages`` (chat, with optional ``tools``) or
         ``prompt_ids``. ``constraint``: what the output must match (e.g. :mod:`engine.generate.grammar`).
         ``reasoning``: the events carry the model's reasoning apart from the answer (:attr:`reasoning`, the
-        format; False: the text whole, as for a raw completion).
+        format; False: the text whole, as for a raw completion). ``calls``: tools are in play: a harmony model's
+        (:attr:`chat_format`) tool calls come as the events' ``calls`` also where its reasoning is not kept
+        apart, the rest of the text then answer as written.
 
         ``cancel``: this generation's own stop event. A caller that queues the request to a worker creates
         it with the request, so a Stop that comes before the generation starts (or while the chat template
@@ -341,6 +348,8 @@ class Session:
         except RenderCancelled as e:
             return iter([GenerationEvent("", None, 0, 0, len(self.state.tokens), self.n_ctx, 0.0, 0.0, 0.0,
                                          FINISH_CANCELLED, str(e))])  # fmt: skip
+        fmt = self.reasoning if reasoning else None
+        only_calls = calls and self.chat_format == HARMONY and fmt != HARMONY
         return _on_threads(
             self.host_threads,
             generate(
@@ -352,8 +361,9 @@ class Session:
                 params or SamplingParams(),
                 cancel,
                 constraint,
-                reasoning=self.reasoning if reasoning else None,
+                reasoning=HARMONY if only_calls else fmt,
                 mtp=self.mtp,
+                only_calls=only_calls,
             ),
         )
 

@@ -27,9 +27,11 @@ from engine.tokenizer import load_tokenizer
 from tests.scripted import FlatCache, ScriptedModel
 
 
-def run(fmt: str, pieces, state: str | None = None, calls: list | None = None) -> tuple[str, str, bool]:
+def run(
+    fmt: str, pieces, state: str | None = None, calls: list | None = None, only_calls: bool = False
+) -> tuple[str, str, bool]:
     """(reasoning, answer, ended) of ``pieces`` fed one by one, then flushed; the tool calls into ``calls``."""
-    sp = ReasoningSplitter(fmt, state)
+    sp = ReasoningSplitter(fmt, state, only_calls=only_calls)
     r, a = [], []
     ended = False
     got = [] if calls is None else calls
@@ -165,6 +167,35 @@ def test_harmony_tool_calls(text, want, calls):
         got: list = []
         assert run(HARMONY, pieces, calls=got) == want, pieces
         assert got == calls, pieces
+
+
+@pytest.mark.parametrize(
+    "text, answer, calls",
+    [
+        (  # the analysis stays in the answer as written; the call message is taken out
+            "<|channel|>analysis<|message|> Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|> {"city": "Paris"} ',
+            "<|channel|>analysis<|message|> Need the weather.<|end|>",
+            [("get_weather", '{"city": "Paris"}')],
+        ),
+        (  # a call ended by <|end|>, then an answer; a partial header at the end stays too
+            "<|channel|>commentary to=functions.f<|message|>{}<|end|><|start|>assistant<|channel|>final<|message|>"
+            " Done <|end|><|start|>assist",
+            "<|start|>assistant<|channel|>final<|message|> Done <|end|><|start|>assist",
+            [("f", "{}")],
+        ),
+        ("no markup at all", "no markup at all", []),
+    ],
+)
+def test_harmony_only_calls_keeps_the_rest_as_written(text, answer, calls):
+    """``only_calls`` (a harmony model with its reasoning off, tools in play): the calls come out as calls, every
+    other character is answer, in any chunking."""
+    for pieces in chunkings(text):
+        got: list = []
+        assert run(HARMONY, pieces, calls=got, only_calls=True) == ("", answer, False), pieces
+        assert got == calls, pieces
+    with pytest.raises(ValueError):
+        ReasoningSplitter(THINK, only_calls=True)
 
 
 def test_start_states_from_the_prompt():

@@ -53,13 +53,13 @@ def client(session):
 
 
 def test_the_format_comes_from_the_model(session, harmony_path):
-    assert session.reasoning == HARMONY
+    assert session.reasoning == session.chat_format == HARMONY
     off = LoadOptions(n_ctx=64, engine=EngineOptions(reasoning="off"))
     with Session.load(str(harmony_path), off) as s:
-        assert s.reasoning is None
+        assert s.reasoning is None and s.chat_format == HARMONY  # the model still writes harmony
     forced = LoadOptions(n_ctx=64, engine=EngineOptions(reasoning="think"))
     with Session.load(str(harmony_path), forced) as s:
-        assert s.reasoning == THINK
+        assert s.reasoning == THINK and s.chat_format == HARMONY
 
 
 def test_chat_message_has_reasoning_content(client):
@@ -278,6 +278,43 @@ def test_the_harmony_call_grammar_takes_a_call_and_refuses_a_tool_call_block(ses
     opened = harmony_call_grammar(TOOLS, open_message=True)  # a prompt whose generation prompt did not open one
     assert _walk(session, opened, "<|start|>assistant<|channel|>" + FORCED + "<|call|>")
     assert not _walk(session, opened, "<|channel|>" + FORCED + "<|call|>")
+    assert _walk(session, opened, "<|start|>assistant" + CALL + "<|call|>")
+
+
+def test_the_harmony_call_grammar_lets_an_analysis_come_first(session):
+    """gpt-oss reasons before it calls: an analysis message may come before the call, its free text ended by the
+    <|end|> token (the mask allows each token of it, one by one) and holding no marker the splitter would read,
+    spelled out as text; after the analysis only the call."""
+    from engine.errors import UsageError
+    from engine.generate.grammar import GrammarConstraint, harmony_call_grammar
+
+    tok = session.tokenizer
+    g = harmony_call_grammar([*TOOLS, CLOCK])
+
+    def masked_walk(*parts) -> bool:  # (text, special): special tokens parsed, or the text spelled out
+        c = GrammarConstraint(tok, g, split=True)
+        try:
+            for text, special in parts:
+                for t in tok.encode(text, add_bos=False, parse_special=special):
+                    if not c.allowed()[t]:
+                        return False
+                    c.accept(t)
+        except UsageError:
+            return False
+        return c.complete
+
+    after = ("<|end|><|start|>assistant<|channel|>" + FORCED + "<|call|>", True)
+    assert masked_walk(
+        ("<|channel|>analysis<|message|>", True), ("Need the weather.\nIn Paris, 2<3 > 1.", False), after
+    )
+    assert masked_walk(("<|channel|>analysis<|message|>", True), after)  # an empty analysis
+    assert masked_walk((CALL + "<|call|>", True))
+    assert not masked_walk(("<|channel|>analysis<|message|>", True), ("a<|end|>b", False), after)  # a spelled marker
+    assert not masked_walk(("<|channel|>analysis<|message|>a<|end|>", True), ("x", False), after)  # text outside
+    assert not masked_walk(
+        ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>", True)
+    )
+    assert not masked_walk(("<|channel|>analysis<|message|>a<|return|>", True))
 
 
 @pytest.fixture
@@ -322,3 +359,68 @@ def test_a_forced_tool_choice_on_a_harmony_model_is_a_harmony_call(forced, sessi
     req = ChatCompletionRequest(model="m", messages=WEATHER, tools=[*TOOLS, CLOCK], tool_choice=choice)
     plan = plan_chat(session, req)  # the decode loop splits the forced call's text (GrammarConstraint.split)
     assert plan.parse_tools and plan.constraint.split
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_harmony_call_may_follow_an_analysis(calling, choice):
+    """The model's analysis before a forced call passes the grammar; the splitter gives it as reasoning_content
+    and the call as tool_calls."""
+    r = calling.chat.completions.create(
+        model=calling.model_id, messages=WEATHER, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=64
+    )
+    msg, choice_ = r.choices[0].message, r.choices[0]
+    assert choice_.finish_reason == "tool_calls" and not msg.content
+    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [("get_weather", '{"city": "Paris"}')]
+    assert msg.model_extra["reasoning_content"] == "Need the weather."
+
+
+@pytest.fixture(scope="module")
+def off_session(harmony_path):
+    """The harmony file loaded with SHARPI_REASONING=off, its scripted model writing an analysis then a call."""
+    with Session.load(str(harmony_path), LoadOptions(n_ctx=512, engine=EngineOptions(reasoning="off"))) as s:
+        tok = s.tokenizer
+        real, s.model = (
+            s.model,
+            ScriptedModel([*tok.encode(CALL, add_bos=False), tok.token_id("<|call|>")], tok.n_vocab),
+        )
+        try:
+            yield s
+        finally:
+            s.model = real
+
+
+@pytest.mark.parametrize("choice", [None, "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_with_reasoning_off_a_harmony_call_is_still_a_call(off_session, choice):
+    """The call format follows the model, not the reasoning switch: with reasoning off a gpt-oss model is still
+    held to (or, unforced, read for) a harmony call, which reaches the client as tool_calls; the analysis stays
+    in the content as the model wrote it, with no reasoning_content."""
+    extra = {} if choice is None else {"tool_choice": choice}
+    req = ChatCompletionRequest(model="m", messages=WEATHER, tools=TOOLS, **extra)
+    plan = plan_chat(off_session, req)
+    if choice is not None:  # harmony's call grammar, split by the decode loop
+        assert plan.constraint.split
+        for t in off_session.tokenizer.encode(CALL + "<|call|>", add_bos=False):
+            plan.constraint.accept(t)
+        assert plan.constraint.complete
+    host = ModelHost.from_session(off_session)
+    with serving(host) as server, openai_client(server) as c:
+        for stream in (False, True):
+            off_session.model.restart()
+            r = c.chat.completions.create(
+                model=host.model_id, messages=WEATHER, tools=TOOLS, temperature=0, max_tokens=64, stream=stream, **extra
+            )
+            if stream:
+                chunks = list(r)
+                calls = [tc for ch in chunks for x in ch.choices for tc in x.delta.tool_calls or []]
+                content = "".join(x.delta.content or "" for ch in chunks for x in ch.choices)
+                reasons = [x.finish_reason for ch in chunks for x in ch.choices if x.finish_reason]
+                thought = [
+                    ch for ch in chunks for x in ch.choices if (x.delta.model_extra or {}).get("reasoning_content")
+                ]
+            else:
+                msg = r.choices[0].message
+                calls, content, reasons = msg.tool_calls, msg.content, [r.choices[0].finish_reason]
+                thought = [msg.model_extra["reasoning_content"]] if "reasoning_content" in msg.model_extra else []
+            assert [(t.function.name, t.function.arguments) for t in calls] == [("get_weather", '{"city": "Paris"}')]
+            assert content == "<|channel|>analysis<|message|>Need the weather.<|end|>" and reasons == ["tool_calls"]
+            assert thought == []

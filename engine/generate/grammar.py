@@ -111,8 +111,11 @@ def tool_call_grammar(tools: list[dict[str, Any]]) -> str:
 def harmony_call_grammar(tools: list[dict[str, Any]], open_message: bool = False) -> str:
     """Exactly one harmony (gpt-oss) tool call to one of ``tools`` (OpenAI function declarations): the message
     the reasoning splitter (:mod:`engine.generate.reasoning`) reads as a call to NAME with the body as its
-    arguments, ended by the ``<|call|>`` token (an end-of-generation token: generation ends with it)::
+    arguments, ended by the ``<|call|>`` token (an end-of-generation token: generation ends with it), after an
+    optional analysis message (the reasoning gpt-oss is trained to write before a call; its text holds no ``<|``,
+    so no harmony marker the splitter would read, spelled out or as a token)::
 
+    [<|channel|>analysis<|message|>TEXT<|end|><|start|>assistant]
     <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...per the function's parameters}<|call|>
 
     It continues a prompt whose generation prompt opened the message (gpt-oss's ``<|start|>assistant``);
@@ -120,7 +123,9 @@ def harmony_call_grammar(tools: list[dict[str, Any]], open_message: bool = False
     vocabulary's special tokens, never their text spelled out (a vocabulary without them: the grammar is not
     usable, :class:`UsageError` when the constraint is built)."""
     opener = '<|start|> "assistant" ' if open_message else ""
-    lines = [f"start: {opener}<|channel|> call <|call|>"]
+    lines = [f"start: {opener}<|channel|> (analysis <|channel|>)? call <|call|>"]
+    lines.append('analysis: "analysis" <|message|> thought <|end|> <|start|> "assistant"')
+    lines.append(r"thought: /([^<]|<+[^<|])*<*/")
     lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
     for i, t in enumerate(tools):
         fn = t["function"]

@@ -138,6 +138,7 @@ def generate(
     constraint: TokenConstraint | None = None,
     reasoning: str | None = None,
     mtp: int = 0,
+    only_calls: bool = False,
 ) -> Iterator[GenerationEvent]:
     """Stream a completion of ``prompt_ids``. ``cancel`` is checked between tokens and chunks.
 
@@ -147,7 +148,8 @@ def generate(
 
     ``reasoning``: the model's reasoning format (:mod:`engine.generate.reasoning`; None: none): the events'
     ``text`` is then the answer and their ``reasoning`` the rest (a constrained generation is all answer unless
-    the constraint says ``split``: :class:`TokenConstraint`).
+    the constraint says ``split``: :class:`TokenConstraint`). ``only_calls``: the splitter takes out only the
+    tool calls (:class:`~engine.generate.reasoning.ReasoningSplitter`): the rest of the text is answer as written.
 
     ``mtp``: draft this many tokens per step with the model's MTP head and verify them in one pass
     (:mod:`engine.generate.speculative`; 0, a model without a head, or a ``constraint``: one token per pass).
@@ -177,7 +179,8 @@ def generate(
     try:
         splitter = None
         if reasoning and (constraint is None or getattr(constraint, "split", False)):
-            splitter = ReasoningSplitter(reasoning, start_state(reasoning, tokenizer.decode(prompt_ids[-16:]))[0])
+            where = start_state(reasoning, tokenizer.decode(prompt_ids[-16:]))[0]
+            splitter = ReasoningSplitter(reasoning, where, only_calls=only_calls)
         yield from _run(
             model, tokenizer, cache, state, prompt_ids, todo, keep, params, cancel, constraint, t0, splitter, spec
         )

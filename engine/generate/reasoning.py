@@ -22,6 +22,10 @@ never dropped); whitespace right after an opening or closing marker is dropped. 
 :data:`MAX_HEADER` characters or holding a line break is not a header: it is answer text. At the end of the
 stream (:meth:`~ReasoningSplitter.flush`) what is held goes to the part it was in; an unterminated reasoning
 stays reasoning. Nothing but markers and that whitespace is ever left out.
+
+``only_calls`` (harmony, a model whose reasoning is not to be kept apart but whose tool calls are read): the
+call messages (header and body) are taken out as :attr:`Split.calls`; every other text, markers and whitespace
+included, is answer as written.
 """
 
 from __future__ import annotations
@@ -142,12 +146,16 @@ def _find(buf: str, markers: tuple[str, ...]) -> tuple[int, str | None]:
 class ReasoningSplitter:
     """Splits a reply's text, fed piece by piece, into reasoning and answer (see the module docstring).
 
-    ``fmt``: :data:`THINK` or :data:`HARMONY`; ``state``: where the reply starts (:func:`start_state`)."""
+    ``fmt``: :data:`THINK` or :data:`HARMONY`; ``state``: where the reply starts (:func:`start_state`);
+    ``only_calls``: harmony's tool calls taken out, the rest answer as written."""
 
-    def __init__(self, fmt: str, state: str | None = None):
+    def __init__(self, fmt: str, state: str | None = None, only_calls: bool = False):
         if fmt not in FORMATS:
             raise ValueError(f"unknown reasoning format {fmt!r} (known: {', '.join(FORMATS)})")
+        if only_calls and fmt != HARMONY:
+            raise ValueError("only_calls reads harmony's tool calls: the format must be harmony")
         self.fmt = fmt
+        self.only_calls = only_calls
         self.state = state or ("start" if fmt == THINK else "header")
         self.buf = ""
         self.strip = self.state == "reasoning"  # drop whitespace at the start of the next part
@@ -180,7 +188,7 @@ class ReasoningSplitter:
             return Split(ended=self.ended)
         part = self._part()
         if self.state == "header":  # a partial header is markup; text that never became one is answer
-            part = None if _markup(held) else ANSWER
+            part = None if _markup(held) and not self.only_calls else ANSWER
         if part is None:
             return Split()
         if self.strip:
@@ -219,7 +227,7 @@ class ReasoningSplitter:
                 i, m = _find(self.buf, (H_MESSAGE, *H_TURN_ENDS))
                 header = self.buf[:i] if m is not None else self.buf
                 if m in H_TURN_ENDS:  # the turn ended without a message
-                    if not _markup(header):
+                    if not _markup(header) or self.only_calls:
                         self._emit(out, ANSWER, header)
                     self.buf, self.ended = "", True
                     return
@@ -232,7 +240,9 @@ class ReasoningSplitter:
                 to = _recipient(header)
                 if to is not None:  # a tool call: the body is its arguments
                     self._call = (to, [])
-                self.state, self.strip = "body:" + _channel(header), True
+                elif self.only_calls:
+                    self._emit(out, ANSWER, header + m)
+                self.state, self.strip = "body:" + _channel(header), not self.only_calls
                 continue
             part = self._part()
             i, m = _find(self.buf, (H_END, H_START, *H_TURN_ENDS))
@@ -245,6 +255,8 @@ class ReasoningSplitter:
                 return
             if self._call is not None:
                 self._end_call(out)
+            elif self.only_calls and m == H_END:
+                self._emit(out, ANSWER, m)
             self.buf = self.buf[i:] if m == H_START else self.buf[i + len(m) :]
             if m in H_TURN_ENDS:
                 self.buf, self.ended = "", True
@@ -263,7 +275,7 @@ class ReasoningSplitter:
         if self.state == "reasoning":
             return REASONING
         if self.state.startswith("body:"):
-            return REASONING if self.state == "body:" + ANALYSIS else ANSWER
+            return REASONING if self.state == "body:" + ANALYSIS and not self.only_calls else ANSWER
         return None  # a harmony header
 
     def _emit(self, out, part: str, text: str) -> None:

@@ -208,7 +208,11 @@ def create_app(host: ModelHost, options: ServerOptions | None = None) -> FastAPI
                 raise UsageError("the model was replaced while this request waited; send it again")
             # a chat's reasoning goes to reasoning_content; a raw completion is the text whole
             return session.generate(
-                prompt_ids=plan.ids, params=plan.params, constraint=plan.constraint, reasoning=kind == "chat"
+                prompt_ids=plan.ids,
+                params=plan.params,
+                constraint=plan.constraint,
+                reasoning=kind == "chat",
+                calls=plan.parse_tools,
             )
 
         request.scope[RECORDED] = True  # the log entry is written here, when the request ends

@@ -36,7 +36,8 @@ class RequestError(Exception):
 @dataclass
 class Plan:
     """``parse_tools``: tools are in play (``<tool_call>`` blocks in the text; a harmony model's calls come as the
-    events' ``calls``, a forced one too: its constraint is split by the decode loop)."""
+    events' ``calls``, a forced one too: its constraint is split by the decode loop; so too with its reasoning
+    off, ``Session.generate``'s ``calls``)."""
 
     ids: list[int]
     params: SamplingParams
@@ -113,7 +114,8 @@ def plan_chat(session, req: ChatCompletionRequest) -> Plan:
                         f"tool_choice names {choice.function.name!r}, which is not among tools",
                         param="tool_choice",
                     )
-            harmony = session.reasoning == HARMONY  # gpt-oss: a message to functions.NAME, split by the loop
+            # the model's own format (gpt-oss: a message to functions.NAME, split by the loop), whatever the reasoning
+            harmony = session.chat_format == HARMONY
             if harmony:
                 opened = session.detokenize(ids[-16:]).endswith(H_START + "assistant")
                 text = grammar.harmony_call_grammar(chosen, open_message=not opened)

@@ -515,6 +515,11 @@ def child_environ(changes: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def process_settings() -> dict[str, str | None]:
+    """The process settings :func:`apply_process_settings` manages, as they are now (a benchmark report's record)."""
+    return {name: os.environ.get(name) for name in ("GOMP_SPINCOUNT", "PYTORCH_CUDA_ALLOC_CONF")}
+
+
 def apply_process_settings() -> None:
     """Process settings the engine wants before its first parallel call and its first CUDA allocation:
     ``GOMP_SPINCOUNT`` (:func:`gomp_spincount` of the machine's cores, as ``engine.runtime.threads`` counts them, and GPU)

@@ -11,12 +11,12 @@ figures on the same file, its runs alternating with ours in the same process, wi
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 
 import numpy as np
 
+from engine import config
 from engine.generate import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -332,7 +332,7 @@ def bench_session(
         "file_bytes": session.info.file_size,
         "placement": session.applied.describe() if session.applied else "all layers on the CPU",
         "threads": threads,
-        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),  # engine.config.apply_process_settings' choice
+        "gomp_spincount": config.process_settings()["GOMP_SPINCOUNT"],  # apply_process_settings' choice
         "prompt_tokens": prompt,
         "gen_tokens": gen,
         "repeat": repeat,

@@ -471,16 +471,8 @@ def gemv_q8(qt, raw, s, qa, da, asum, bsums):
         legacy.gemv_iq4_nl_q8(raw, s, rows, xi, qa, da, asum, out)
     elif qt == 23:
         kquants.gemv_iq4_xs_q8(raw, s, rows, xi, qa, da, bsums, out)
-    elif qt == 16:  # the IQ2/IQ3 grid types
-        iquants.gemv_iq2_xxs_q8(raw, s, rows, xi, qa, da, bsums, out)
-    elif qt == 17:
-        iquants.gemv_iq2_xs_q8(raw, s, rows, xi, qa, da, bsums, out)
-    elif qt == 22:
-        iquants.gemv_iq2_s_q8(raw, s, rows, xi, qa, da, bsums, out)
-    elif qt == 18:
-        iquants.gemv_iq3_xxs_q8(raw, s, rows, xi, qa, da, bsums, out)
-    elif qt == 21:
-        iquants.gemv_iq3_s_q8(raw, s, rows, xi, qa, da, bsums, out)
+    elif qt == 16 or qt == 17 or qt == 18 or qt == 21 or qt == 22:  # the IQ2/IQ3 grid types
+        iquants.gemv_q8(qt, raw, s, rows, xi, qa, da, bsums, out)
     else:
         out[:] = np.nan
     return out.reshape(R)

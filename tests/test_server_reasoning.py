@@ -5,6 +5,8 @@ a scripted reply, through the official ``openai`` client."""
 
 from __future__ import annotations
 
+import contextlib
+
 import httpx
 import pytest
 
@@ -29,18 +31,27 @@ def harmony_path(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def session(harmony_path):
-    with Session.load(str(harmony_path), LoadOptions(n_ctx=512)) as s:
-        tok = s.tokenizer
-        real, s.model = (
-            s.model,
-            ScriptedModel([*tok.encode(REPLY, add_bos=False), tok.token_id("<|return|>")], tok.n_vocab),
-        )
+def _script(tok, text: str, end: str) -> list[int]:
+    """The token ids of a scripted reply: ``text``, then the special token ``end``."""
+    return [*tok.encode(text, add_bos=False), tok.token_id(end)]
+
+
+@contextlib.contextmanager
+def _scripted_session(path, text: str, end: str, engine: EngineOptions | None = None):
+    """The file loaded, its model replaced by a scripted one writing ``text`` then ``end``."""
+    opts = LoadOptions(n_ctx=512) if engine is None else LoadOptions(n_ctx=512, engine=engine)
+    with Session.load(str(path), opts) as s:
+        real, s.model = s.model, ScriptedModel(_script(s.tokenizer, text, end), s.tokenizer.n_vocab)
         try:
             yield s
         finally:
             s.model = real
+
+
+@pytest.fixture(scope="module")
+def session(harmony_path):
+    with _scripted_session(harmony_path, REPLY, "<|return|>") as s:
+        yield s
 
 
 @pytest.fixture
@@ -192,11 +203,11 @@ WEATHER = [{"role": "user", "content": "Weather in Paris?"}]
 def calling(client, session):
     """The scripted model answering with a harmony tool call ended by the <|call|> token."""
     tok = session.tokenizer
-    session.model.restart([*tok.encode(CALL, add_bos=False), tok.token_id("<|call|>")])
+    session.model.restart(_script(tok, CALL, "<|call|>"))
     try:
         yield client
     finally:
-        session.model.restart([*tok.encode(REPLY, add_bos=False), tok.token_id("<|return|>")])
+        session.model.restart(_script(tok, REPLY, "<|return|>"))
 
 
 def test_a_harmony_tool_call_comes_back_as_tool_calls(calling, session):
@@ -321,11 +332,11 @@ def test_the_harmony_call_grammar_lets_an_analysis_come_first(session):
 def forced(client, session):
     """The scripted model writing the harmony call a forced tool_choice asks of it, after the generation prompt."""
     tok = session.tokenizer
-    session.model.restart([*tok.encode("<|channel|>" + FORCED, add_bos=False), tok.token_id("<|call|>")])
+    session.model.restart(_script(tok, "<|channel|>" + FORCED, "<|call|>"))
     try:
         yield client
     finally:
-        session.model.restart([*tok.encode(REPLY, add_bos=False), tok.token_id("<|return|>")])
+        session.model.restart(_script(tok, REPLY, "<|return|>"))
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
@@ -377,16 +388,8 @@ def test_a_forced_harmony_call_may_follow_an_analysis(calling, choice):
 @pytest.fixture(scope="module")
 def off_session(harmony_path):
     """The harmony file loaded with SHARPI_REASONING=off, its scripted model writing an analysis then a call."""
-    with Session.load(str(harmony_path), LoadOptions(n_ctx=512, engine=EngineOptions(reasoning="off"))) as s:
-        tok = s.tokenizer
-        real, s.model = (
-            s.model,
-            ScriptedModel([*tok.encode(CALL, add_bos=False), tok.token_id("<|call|>")], tok.n_vocab),
-        )
-        try:
-            yield s
-        finally:
-            s.model = real
+    with _scripted_session(harmony_path, CALL, "<|call|>", EngineOptions(reasoning="off")) as s:
+        yield s
 
 
 @pytest.mark.parametrize("choice", [None, "required", {"type": "function", "function": {"name": "get_weather"}}])

@@ -200,17 +200,14 @@ class Session:
             report(2, 4, "loading tokenizer")
             self.tokenizer = load_tokenizer(self.gf)
             self.chat_template = ChatTemplate.from_gguf(self.gf, self.tokenizer)
-            template = self.chat_template.source if self.chat_template.from_file else None
-
-            def has_token(text: str) -> bool:
-                return self.tokenizer.token_id(text) is not None
-
             # the format the model writes in (harmony's call messages, whatever EngineOptions.reasoning says)
-            self.chat_format: str | None = detect_format(self.info.architecture, template, has_token)
-            # how replies' reasoning is kept apart from their answer (None: not at all)
-            self.reasoning: str | None = model_format(
-                options.engine.reasoning, self.info.architecture, template, has_token
+            self.chat_format: str | None = detect_format(
+                self.info.architecture,
+                self.chat_template.source if self.chat_template.from_file else None,
+                lambda text: self.tokenizer.token_id(text) is not None,
             )
+            # how replies' reasoning is kept apart from their answer (None: not at all)
+            self.reasoning: str | None = model_format(options.engine.reasoning, self.chat_format)
             report(3, 4, "placing the model")
             self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
             self._speeds: DeviceProfile | None = options.device_profile

@@ -251,9 +251,10 @@ def test_detect_format():
     assert detect_format("qwen3moe", None, {"<think>", "</think>"}.__contains__) == THINK
     assert detect_format("qwen2", "{{ content.split('</think>')[-1] }}", lambda t: False) == THINK
     assert detect_format("qwen2moe", "{{ messages }}", lambda t: False) is None
-    assert model_format("off", "gpt-oss", None, lambda t: False) is None
-    assert model_format("think", "llama", None, lambda t: False) == THINK
-    assert model_format("auto", "gpt-oss", None, lambda t: False) == HARMONY
+    assert model_format("off", HARMONY) is None
+    assert model_format("think", None) == THINK
+    assert model_format("auto", HARMONY) == HARMONY
+    assert model_format("auto", None) is None
 
 
 def test_template_messages_name_the_reasoning_as_the_template_does():

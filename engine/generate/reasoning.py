@@ -304,13 +304,13 @@ def template_messages(messages: list[dict], fmt: str | None) -> list[dict]:
     ]
 
 
-def model_format(option: str, arch: str | None, template: str | None, has_token: Callable[[str], bool]) -> str | None:
-    """The format a session uses: ``option`` (EngineOptions.reasoning) ``auto`` → :func:`detect_format`, ``off``
-    → None, a format's name → that format."""
+def model_format(option: str, detected: str | None) -> str | None:
+    """The format a session uses: ``option`` (EngineOptions.reasoning) ``auto`` → ``detected`` (the model's own,
+    :func:`detect_format`), ``off`` → None, a format's name → that format."""
     if option == "off":
         return None
     if option == "auto":
-        return detect_format(arch, template, has_token)
+        return detected
     if option not in FORMATS:
         raise ValueError(f"unknown reasoning mode {option!r}")
     return option

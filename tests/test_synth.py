@@ -253,6 +253,31 @@ REAL = {
         "blk.35.ffn_down_exps.bias": ((128, 2880), QType.F32),
         "blk.35.post_attention_norm.weight": ((2880,), QType.F32),
     },
+    # 30 Gated DeltaNet layers (fused q/k/v 2·16·128 + 32·128 wide, the z gate, conv taps, β and decay per value head),
+    # a gated full-attention layer every fourth (q and its gate 2·16·256 wide), the MTP block as blk.40
+    "qwen3.6-35b-a3b": {
+        "token_embd.weight": ((248320, 2048), QType.Q4_K),
+        "blk.0.attn_qkv.weight": ((8192, 2048), QType.Q4_K),
+        "blk.0.attn_gate.weight": ((4096, 2048), QType.Q4_K),
+        "blk.0.ssm_conv1d.weight": ((8192, 4), QType.F32),
+        "blk.0.ssm_a": ((32,), QType.F32),
+        "blk.0.ssm_out.weight": ((2048, 4096), QType.Q4_K),
+        "blk.3.attn_q.weight": ((8192, 2048), QType.Q4_K),
+        "blk.3.attn_k.weight": ((512, 2048), QType.Q4_K),
+        "blk.3.attn_q_norm.weight": ((256,), QType.F32),
+        "blk.39.ffn_gate_exps.weight": ((256, 512, 2048), QType.Q4_K),
+        "blk.39.ffn_down_exps.weight": ((256, 2048, 512), QType.Q6_K),
+        "blk.39.ffn_gate_inp_shexp.weight": ((2048,), QType.F32),
+        "blk.40.nextn.eh_proj.weight": ((2048, 4096), QType.Q4_K),
+        "output.weight": ((248320, 2048), QType.Q6_K),
+    },
+    "qwen3-next-80b-a3b": {
+        "blk.0.ssm_in.weight": ((12288, 2048), QType.Q4_K),
+        "blk.0.ssm_ba.weight": ((64, 2048), QType.Q4_K),
+        "blk.47.attn_q.weight": ((8192, 2048), QType.Q4_K),
+        "blk.47.ffn_up_exps.weight": ((512, 512, 2048), QType.Q4_K),
+        "output.weight": ((151936, 2048), QType.Q6_K),
+    },
     "mixtral-8x7b": {
         "token_embd.weight": ((32000, 4096), QType.Q4_K),
         "blk.3.attn_k.weight": ((1024, 4096), QType.Q8_0),
@@ -290,6 +315,15 @@ def test_gpt_oss_geometry_matches_published_size(synth_geometry, name, low, high
     63.4 GB), from their geometry: experts MXFP4, the rest Q8_0 here."""
     g = synth_geometry(name)
     assert low < g.file_size < high, g.file_size
+
+
+@pytest.mark.parametrize("name, low, high", [("qwen3.6-35b-a3b", 20.5e9, 22.5e9), ("qwen3-next-80b-a3b", 45.0e9, 49.0e9)])
+def test_hybrid_geometry_matches_published_size(synth_geometry, name, low, high):
+    """Q4_K_M files of the Gated-DeltaNet hybrids as published (Qwen3.6-35B-A3B about 20.6 GiB, Qwen3-Next-80B-A3B
+    about 45 GiB), every GDN layer recurrent and every fourth layer attention."""
+    g = synth_geometry(name)
+    assert low < g.file_size < high, g.file_size
+    assert [i for i in range(g.spec.layers) if not g.spec.recurrent(i)] == list(range(3, g.spec.layers, 4))
 
 
 def test_cli_writes_model_and_geometry(tmp_path, capsys):

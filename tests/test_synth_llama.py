@@ -118,7 +118,7 @@ def test_token_ids_equal_llama_cpp(synth_model, open_llama, arch, tok, vocab):
             assert llm.detokenize(llm.tokenize(text.encode(), add_bos=False)).decode() == text
 
 
-@pytest.mark.parametrize("name", ["olmoe-1b-7b", "mixtral-8x7b"])
+@pytest.mark.parametrize("name", ["olmoe-1b-7b", "mixtral-8x7b", "qwen3.6-35b-a3b"])
 def test_geometry_vocabulary_loads_in_llama_cpp(synth_geometry, open_llama, name):
     """Header and tokenizer of a geometry file are accepted (vocab only: no data pages touched)."""
     g = synth_geometry(name)

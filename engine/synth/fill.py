@@ -109,6 +109,8 @@ _FIELDS: dict[QType, Callable[[np.ndarray, float], None]] = {
 
 
 def _floats(name: str, shape: tuple[int, ...], rng: np.random.Generator, n: int) -> np.ndarray:
+    if name.endswith(".ssm_a"):  # Gated DeltaNet's −exp(A_log): a decay per head, always negative
+        return -np.exp(0.5 * rng.standard_normal(n, dtype=np.float32))
     if len(shape) == 1:  # norms ≈ 1, biases and gates ≈ 0
         return (1.0 if "norm" in name else 0.0) + 0.02 * rng.standard_normal(n, dtype=np.float32)
     std = 3.0 if "ffn_gate_inp" in name else 1.0  # routers spread their logits

@@ -122,6 +122,31 @@ GEOMETRIES: dict[str, RealModel] = {
         "llama-bpe",
         "mxfp4",
     ),
+    # Qwen's config.json (qwen3_5_moe_text): 40 layers, every fourth gated full attention (16 query / 2 KV heads of
+    # 256, a quarter of each head rotated, base 1e7), the other 30 Gated DeltaNet (16 key heads, 32 value heads, both
+    # 128 wide, conv 4); 256 experts of 512 (top 8) plus a 512-wide shared expert; one MTP block (block_count 41).
+    "qwen3.6-35b-a3b": RealModel(
+        "Qwen3.6-35B-A3B",
+        make_spec(
+            "qwen35moe", layers=40, nextn=1, hidden=2048, heads=16, kv_heads=2, head_dim=256, rope_dim=64,
+            experts=256, experts_used=8, expert_ff=512, shared_ff=512, vocab=248320, ctx=262144, rope_base=1e7,
+            rms_eps=1e-6, ssm_conv=4, ssm_state=128, ssm_groups=16, ssm_v_heads=32, full_attn_interval=4,
+        ),
+        "bpe",
+        "qwen35",
+    ),
+    # Qwen3-Next-80B-A3B: the same hybrid layout over 48 layers with 512 experts (top 10) and Qwen2's vocabulary; the
+    # GGUFs llama.cpp's converter writes carry no MTP block.
+    "qwen3-next-80b-a3b": RealModel(
+        "Qwen3-Next-80B-A3B",
+        make_spec(
+            "qwen3next", layers=48, hidden=2048, heads=16, kv_heads=2, head_dim=256, rope_dim=64, experts=512,
+            experts_used=10, expert_ff=512, shared_ff=512, vocab=151936, ctx=262144, rope_base=1e7, rms_eps=1e-6,
+            ssm_conv=4, ssm_state=128, ssm_groups=16, ssm_v_heads=32, full_attn_interval=4,
+        ),
+        "bpe",
+        "qwen2",
+    ),
 }  # fmt: skip
 
 

@@ -9,8 +9,10 @@
 # LIST: main (the acceptance table of issue #24, ~15 min), quick (one pair of rows), or a file of rows
 # "S name args..." (SharpI: `sharpi bench -m F args...`), "R name args..." (SharpI fed random decode tokens, as
 # llama-bench's tg is), "L name args..." (llama-bench -m F -p 512 -n 64 -r 2 args...), "X name command..." (any
-# command, e.g. a lab; the word {F} stands for the model file); leading VAR=value words of an S, R or X row are its
-# environment.
+# command, e.g. a lab; the word {F} stands for the model file), "G geometry" (replace F by a random-weight file of
+# another `sharpi synth --geometry`; the rows after it run on that file); leading VAR=value words of an S, R or X row
+# are its environment. GEOMETRY (environment of `start`, default qwen3-30b-a3b) names the first file's geometry.
+# While /tmp/sbs/hold exists the rows wait (a foreground command of the same call, e.g. CUDA tests, has the GPU).
 # The job builds llama-bench (sm_90, ~4–5 min on 16 cores) while it writes the model file, then runs each row
 # under `timeout`, sampling nvidia-smi every 250 ms. Results: /tmp/sbs (summary.txt, table.md, logs).
 # TESTS="pytest args" (environment of `start`) also runs those CUDA tests while llama.cpp builds (tests.txt;
@@ -25,7 +27,7 @@ case "${1:-}" in
 start)
   if [ -e $R/started ]; then echo "job already started: $(tail -3 $R/progress.txt 2>/dev/null)"; exit 0; fi
   mkdir -p $R && date +%s > $R/started
-  LIST=${2:-main} TESTS=${TESTS:-} setsid nohup bash "$0" job > $R/job.log 2>&1 < /dev/null &
+  LIST=${2:-main} TESTS=${TESTS:-} GEOMETRY=${GEOMETRY:-qwen3-30b-a3b} setsid nohup bash "$0" job > $R/job.log 2>&1 < /dev/null &
   echo "job started (pid $!, list ${2:-main})"; exit 0 ;;
 poll)
   OUTD=${OUT:-/tmp/out}; mkdir -p "$OUTD"; S=$(date +%s)
@@ -66,9 +68,9 @@ build() {
     -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_COMMIT=$LLAMA_COMMIT -DLLAMA_BUILD_NUMBER=0 \
     > $R/build.log 2>&1 && LD_LIBRARY_PATH=$LBLIB ninja -C $B -j"$(nproc)" llama-bench >> $R/build.log 2>&1 && touch $R/build.ok
 }
-synth() {
-  [ -e $F ] || python3 -m engine.cli.main synth --geometry qwen3-30b-a3b -o $F --fill-random > $R/synth.log 2>&1
-  [ -e $F ] && touch $R/synth.ok
+synth() {  # [GEOMETRY]: the model file F, random weights in a real model's geometry
+  [ -e $F ] || python3 -m engine.cli.main synth --geometry "${1:-$GEOMETRY}" -o $F --fill-random >> $R/synth.log 2>&1
+  [ -e $F ] && touch $R/synth.ok && echo "${1:-$GEOMETRY}" > $R/geometry.txt
 }
 log "build llama-bench + write F (parallel)"
 build & BPID=$!
@@ -84,6 +86,10 @@ vram_on() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lm
 vram_off() { kill $VP 2>/dev/null; wait $VP 2>/dev/null; echo "$1 peak MiB: $(grep -E '^ *[0-9]+ *$' $R/$1.vram | sort -n | tail -1)" >> $R/summary.txt; }
 row() {  # KIND NAME ARGS...
   local kind=$1 n=$2; shift 2
+  if [ "$kind" = G ]; then  # another model file: the old one goes (the box's disk holds one)
+    rm -f $F $R/synth.ok; log "synth $n"; synth "$n"
+    log "synth: $([ -e $R/synth.ok ] && ls -la $F || echo FAILED)"; echo "=== G $n" >> $R/summary.txt; return
+  fi
   [ -e $R/synth.ok ] || { log "skip $n (no model)"; return; }
   local cmd to=480 envs=()
   while [ $# -gt 0 ] && [[ $1 =~ ^[A-Z_][A-Z0-9_]*= ]]; do envs+=("$1"); shift; done  # "S name VAR=1 args": env
@@ -120,6 +126,8 @@ quick)
   LIST_ROWS=$'S S_auto12 --vram 12GiB\nL L_ncmoe19 -ngl 99 --n-cpu-moe 19 -t 16' ;;
 *) LIST_ROWS=$(cat "$LIST") ;;
 esac
+[ -e $R/hold ] && log "rows wait for $R/hold to go"
+while [ -e $R/hold ]; do sleep 2; done
 while read -r kind name rest; do
   [ -n "$kind" ] && [ "${kind:0:1}" != "#" ] && row "$kind" "$name" $rest
 done <<< "$LIST_ROWS"

@@ -317,7 +317,9 @@ def test_gpt_oss_geometry_matches_published_size(synth_geometry, name, low, high
     assert low < g.file_size < high, g.file_size
 
 
-@pytest.mark.parametrize("name, low, high", [("qwen3.6-35b-a3b", 20.5e9, 22.5e9), ("qwen3-next-80b-a3b", 45.0e9, 49.0e9)])
+@pytest.mark.parametrize(
+    "name, low, high", [("qwen3.6-35b-a3b", 20.5e9, 22.5e9), ("qwen3-next-80b-a3b", 45.0e9, 49.0e9)]
+)
 def test_hybrid_geometry_matches_published_size(synth_geometry, name, low, high):
     """Q4_K_M files of the Gated-DeltaNet hybrids as published (Qwen3.6-35B-A3B about 20.6 GiB, Qwen3-Next-80B-A3B
     about 45 GiB), every GDN layer recurrent and every fourth layer attention."""

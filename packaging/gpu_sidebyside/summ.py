@@ -22,6 +22,16 @@ def peaks(folder: Path) -> dict[str, int]:
     return out
 
 
+def kinds(folder: Path) -> dict[str, str]:
+    """Each row's kind (S, R, L, X) from the driver's "=== KIND NAME: command" lines."""
+    out = {}
+    for line in (folder / "summary.txt").read_text().splitlines() if (folder / "summary.txt").exists() else []:
+        m = re.match(r"=== (\S+) ([^:\s]+)", line)
+        if m:
+            out[m.group(2)] = m.group(1)
+    return out
+
+
 def sharpi(path: Path) -> dict | None:
     try:
         r = json.loads(path.read_text())
@@ -44,13 +54,14 @@ def llama(path: Path) -> dict | None:
 
 def main(folder: str) -> None:
     d = Path(folder)
-    pk = peaks(d)
+    pk, kind = peaks(d), kinds(d)
     rows = {}
     for f in sorted(d.glob("*.out")):
         name = f.stem
-        if name.startswith("X_"):  # a command's own output (a lab), not a benchmark row
+        k = kind.get(name, name[0])
+        if k == "X":  # a command's own output (a lab), not a benchmark row
             continue
-        rows[name] = (llama if name.startswith("L_") else sharpi)(f)
+        rows[name] = (llama if k == "L" else sharpi)(f)
     print("| run | prompt tok/s | decode tok/s | nvidia-smi peak MiB | placement |")
     print("|---|---|---|---|---|")
     for name, r in rows.items():

@@ -11,6 +11,13 @@ seconds; each step's batch is drawn from its own generator seeded by (seed, step
 run continues exactly). The corpus is ``pydoc_data.topics`` of Python 3.11 (pinned: other
 releases ship other text). Work files go to ``--work`` (default ``packaging/build/demo``); the
 shipped model to ``resources/models/``. Data and helpers: ``packaging/demo/``.
+
+``--arch qwen35moe`` trains the second demo instead: a Gated-DeltaNet hybrid with an MTP head
+(``packaging/demo/demo_torch_gdn.py``) on the same corpus and vocabulary, one conversation per row, work
+files in ``packaging/build/demo-gdn``, shipped as ``resources/models/sharpi-demo-gdn-q8_0.gguf``
+(``resources/models/MODEL_CARD_GDN.md``). Its extra command:
+
+    python packaging/train_demo.py mtp --arch qwen35moe   # MTP acceptance and decode tok/s, --mtp 0 vs 2
 """
 
 from __future__ import annotations
@@ -34,9 +41,12 @@ sys.path.insert(1, str(ROOT))
 import demo_corpus as corpus  # noqa: E402
 import torch  # noqa: E402
 from demo_torch import DemoConfig, DemoModel  # noqa: E402
+from demo_torch_gdn import GdnConfig, GdnDemoModel  # noqa: E402
 
 SHIPPED = ROOT / "resources" / "models" / "sharpi-demo-q8_0.gguf"
 MODEL_NAME = "SharpI demo (pydoc, qwen3moe 6x8 experts)"
+SHIPPED_GDN = ROOT / "resources" / "models" / "sharpi-demo-gdn-q8_0.gguf"
+MODEL_NAME_GDN = "SharpI demo (pydoc, qwen35moe Gated DeltaNet 4x8 experts, MTP)"
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,28 @@ class TrainConfig:
     aux_coef: float = 0.01  # load-balancing loss weight
     clip: float = 1.0
     checkpoint_every: int = 100
+
+
+@dataclass(frozen=True)
+class GdnTrainConfig:
+    """``--arch qwen35moe``: one conversation per row (no packing: the recurrent state would need a reset at
+    every segment), rows padded to the step's longest sample rounded up to 64 tokens (at most ``seq``)."""
+
+    seed: int = 1234
+    steps: int = 1000  # ~2 s a step on one thread of a busy 2-core machine
+    seq: int = 256  # longest row; longer conversations are drawn again
+    chat_rows: int = 16  # conversations per step
+    raw_rows: int = 4  # rows of raw documentation text per step (as long as the step's chat rows)
+    raw_weight: float = 0.5
+    multi_turn: float = 0.35  # share of conversations of 2-3 turns
+    lr: float = 3e-3
+    min_lr_frac: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.1
+    aux_coef: float = 0.01
+    mtp_weight: float = 0.4  # weight of the MTP head's loss (predicting the token after next)
+    clip: float = 1.0
+    checkpoint_every: int = 50
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -176,6 +208,57 @@ class Batches:
         }
 
 
+class GdnBatches(Batches):
+    """Step ``s``'s batch for ``--arch qwen35moe``, from ``default_rng([seed, s])``: ``chat_rows`` rows of one
+    conversation each (1-3 turns, loss on answer tokens), then ``raw_rows`` windows of the documentation
+    (loss weight ``raw_weight``), all ``L`` tokens long: the longest conversation rounded up to 64, at most
+    ``seq``. Padding is at the end of a row (``live`` False, weight 0)."""
+
+    def __call__(self, step: int) -> dict[str, torch.Tensor]:
+        t = self.t
+        rng = np.random.default_rng([t.seed, step])
+        samples = []
+        while len(samples) < t.chat_rows:
+            turns = 1 if rng.random() >= t.multi_turn else int(rng.integers(2, 4))
+            parts, learn = [], []
+            for k in range(turns):
+                a = int(rng.integers(len(self.answers)))
+                p = self.prompts[int(rng.choice(self.by_answer[a]))]
+                if k:  # the template's "\n" after the previous <|im_end|>
+                    p = np.concatenate([[self.newline], p])
+                parts += [p, self.answers[a]]
+                learn += [False, True]
+            if sum(len(x) for x in parts) <= t.seq + 1:
+                samples.append((parts, learn))
+        longest = max(sum(len(x) for x in parts) for parts, _ in samples) - 1
+        L = min(t.seq, -(-longest // 64) * 64)
+        R = t.chat_rows + t.raw_rows
+        tokens = np.full((R, L + 1), self.pad, np.int64)
+        weight = np.zeros((R, L), np.float32)
+        live = np.zeros((R, L), bool)
+        for r, (parts, learn) in enumerate(samples):
+            sample = np.concatenate(parts)
+            n = len(sample)
+            tokens[r, :n] = sample
+            live[r, : n - 1] = True
+            o = 0
+            for part, on in zip(parts, learn):
+                if on:
+                    weight[r, o - 1 : o + len(part) - 1] = 1.0
+                o += len(part)
+        for r in range(t.chat_rows, R):
+            o = int(rng.integers(len(self.raw) - L - 1))
+            tokens[r] = self.raw[o : o + L + 1]
+            weight[r] = t.raw_weight
+            live[r] = True
+        return {
+            "tokens": torch.from_numpy(tokens[:, :-1]),
+            "labels": torch.from_numpy(tokens[:, 1:]),
+            "weight": torch.from_numpy(weight),
+            "live": torch.from_numpy(live),
+        }
+
+
 # -- training --------------------------------------------------------------------------------
 def lr_at(step: int, t: TrainConfig) -> float:
     """Linear warm-up, then cosine decay to ``min_lr_frac`` of the peak at the last step."""
@@ -245,8 +328,70 @@ def train(work: Path, cfg: DemoConfig, t: TrainConfig, device: str, log_every: i
     return model
 
 
-def load_trained(work: Path, cfg: DemoConfig) -> DemoModel:
+def train_gdn(work: Path, cfg: GdnConfig, t: GdnTrainConfig, device: str, log_every: int = 10) -> GdnDemoModel:
+    """``--arch qwen35moe``: run (or resume) training to ``t.steps``; checkpoints to ``work/ckpt.pt``. Loss:
+    next-token cross-entropy + ``mtp_weight`` × the MTP head's (token after next, same weights shifted by
+    one) + ``aux_coef`` × balance."""
+    torch.manual_seed(t.seed)
+    vocab = load_vocab(work)
+    newline = vocab.hf_tokenizer().encode("\n", add_special_tokens=False).ids
+    assert len(newline) == 1
+    batches = GdnBatches(work, t, vocab.pad_id, newline[0])
+    model = GdnDemoModel(cfg, seed=t.seed).to(device)
+    opt = make_optimizer(model, t)
+    ckpt = work / "ckpt.pt"
+    step = 0
+    if ckpt.exists():
+        state = torch.load(ckpt, map_location=device)
+        if state["train"] != asdict(t) or state["model_config"] != asdict(cfg):
+            raise SystemExit(f"{ckpt} was written with other settings; remove it to start over")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+        print(f"resumed at step {step}", flush=True)
+    t0, tokens_done = time.perf_counter(), 0
+    while step < t.steps:
+        b = {k: v.to(device) for k, v in batches(step).items()}
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, t)
+        logits, mtp, aux = model(b["tokens"], b["live"])
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), reduction="none")
+        w = b["weight"].flatten()
+        # MTP row p predicts tokens[p+2] = labels[p+1], weighted as the trunk's prediction of it.
+        ce2 = torch.nn.functional.cross_entropy(mtp.flatten(0, 1), b["labels"][:, 1:].flatten(), reduction="none")
+        w2 = b["weight"][:, 1:].flatten()
+        loss = (ce * w).sum() / w.sum() + t.mtp_weight * (ce2 * w2).sum() / w2.sum() + t.aux_coef * aux
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip)
+        opt.step()
+        step += 1
+        tokens_done += int(b["live"].sum())
+        if step % log_every == 0 or step == t.steps:
+            with torch.no_grad():
+                chat, chat2 = w == 1.0, w2 == 1.0
+                raw = (w > 0) & ~chat
+                lc, lr_, lm = ce[chat].mean().item(), ce[raw].mean().item(), ce2[chat2].mean().item()
+            el = time.perf_counter() - t0
+            print(
+                f"step {step}/{t.steps} lr {lr_at(step - 1, t):.2e} chat {lc:.3f} raw {lr_:.3f} mtp {lm:.3f} "
+                f"aux {aux.item():.3f} L {b['tokens'].shape[1]} {tokens_done / el:.0f} tok/s {el:.0f}s",
+                flush=True,
+            )
+        if step % t.checkpoint_every == 0 or step == t.steps:
+            state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step}
+            state |= {"train": asdict(t), "model_config": asdict(cfg)}
+            torch.save(state, work / "ckpt.tmp")
+            os.replace(work / "ckpt.tmp", ckpt)
+    return model
+
+
+def load_trained(work: Path, cfg: DemoConfig | GdnConfig) -> DemoModel | GdnDemoModel:
     state = torch.load(work / "ckpt.pt", map_location="cpu")
+    if isinstance(cfg, GdnConfig):
+        model = GdnDemoModel(GdnConfig(**state["model_config"]))
+        model.load_state_dict(state["model"])
+        return model.eval()
     model = DemoModel(DemoConfig(**state["model_config"]))
     model.load_state_dict(state["model"])
     return model.eval()
@@ -259,19 +404,22 @@ def export(work: Path, cfg: DemoConfig, out: Path) -> None:
 
     model, vocab = load_trained(work, cfg), load_vocab(work)
     w = model.gguf_weights()
+    arch, name = ("qwen35moe", MODEL_NAME_GDN) if isinstance(cfg, GdnConfig) else ("qwen3moe", MODEL_NAME)
     for path, wt in ((work / "demo-f32.gguf", "F32"), (out, "Q8_0")):
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_model(path, "qwen3moe", weights=w, tokenizer=vocab, weight_type=wt, name=MODEL_NAME, **cfg.geometry())
+        write_model(path, arch, weights=w, tokenizer=vocab, weight_type=wt, name=name, **cfg.geometry())
         print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)")
         if wt == "F32":
             check_f32(model, path)
 
 
-def check_f32(model: DemoModel, path: Path) -> None:
-    """Before quantizing: the engine's logits on the F32 file must be the torch model's."""
+def check_f32(model: DemoModel | GdnDemoModel, path: Path) -> None:
+    """Before quantizing: the engine's logits on the F32 file must be the torch model's (the GDN demo's
+    with a float32 KV cache: the default bf16 cache rounds its gated attention's K/V)."""
     from engine.api import LoadOptions, Session
 
-    with Session.load(str(path), LoadOptions(n_ctx=256)) as s:
+    opts = LoadOptions(n_ctx=256, kv_type="f32") if isinstance(model, GdnDemoModel) else LoadOptions(n_ctx=256)
+    with Session.load(str(path), opts) as s:
         ids = s.tokenize(s.render_chat([{"role": "user", "content": "Explain the for statement."}]))
         ids += s.tokenize('The "for" statement is used to iterate over the elements of a sequence.')
         ours = s.logits(ids)
@@ -329,27 +477,95 @@ def evaluate(work: Path, cfg: DemoConfig, n_tokens: int = 64) -> int:
     return good
 
 
+def measure_mtp(path: Path, k: int, threads: int = 1, n_tokens: int = 64, repeat: int = 3) -> dict[int, dict]:
+    """MTP self-speculative decoding on the exported file in the engine: the acceptance questions of
+    ``tests/test_demo_model.py`` answered greedily (``n_tokens`` at most, each from a fresh conversation),
+    ``repeat`` times, with ``--mtp 0`` and ``--mtp k``. Per setting: decode tok/s (all replies' tokens over
+    their decode seconds, the median of the repeats), drafts accepted / drafted, tokens per verify pass, with
+    ``threads`` host threads. The replies must be the same tokens both ways."""
+    import importlib.util
+    from dataclasses import replace
+
+    from engine.api import LoadOptions, Session
+    from engine.config import EngineOptions
+    from engine.generate import SamplingParams
+
+    spec = importlib.util.spec_from_file_location("demo_acceptance", ROOT / "tests" / "test_demo_model.py")
+    acc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(acc)
+    results, replies = {}, {}
+    for m in (0, k):
+        opts = LoadOptions(n_ctx=512, engine=replace(EngineOptions(), mtp=m, host_threads=threads))
+        with Session.load(str(path), opts) as s:
+            rates, got = [], []
+            drafted = accepted = passes = 0
+            for r in range(repeat + 1):  # the first round warms up (compiles, first touches): not counted
+                n = secs = 0.0
+                got = []
+                for q, _ in acc.QUESTIONS:
+                    s.reset()
+                    msgs = [{"role": "user", "content": q}]
+                    evs = list(s.generate(messages=msgs, params=SamplingParams.greedy(n_tokens)))
+                    got.append([e.token_id for e in evs if e.token_id is not None])
+                    last = evs[-1]
+                    n += last.n_generated
+                    secs += last.n_generated / last.decode_tok_s if last.decode_tok_s else 0.0
+                    if r:
+                        drafted, accepted = drafted + last.mtp_drafted, accepted + last.mtp_accepted
+                        passes += last.mtp_passes
+                if r:
+                    rates.append(n / secs)
+            replies[m] = got
+            results[m] = {
+                "decode_tok_s": float(np.median(rates)),
+                "tokens": int(n),
+                "drafted": drafted,
+                "accepted": accepted,
+                "acceptance": accepted / drafted if drafted else None,
+                "tokens_per_pass": (accepted + passes) / passes if passes else None,
+            }
+        print(f"--mtp {m}: {results[m]}", flush=True)
+    if replies[0] != replies[k]:
+        raise SystemExit("greedy replies differ with MTP on and off")
+    print(f"decode speedup --mtp {k} vs --mtp 0: {results[k]['decode_tok_s'] / results[0]['decode_tok_s']:.2f}x")
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["prepare", "train", "export", "eval", "all"])
-    p.add_argument("--work", type=Path, default=HERE / "build" / "demo")
-    p.add_argument("--out", type=Path, default=SHIPPED)
+    p.add_argument("what", choices=["prepare", "train", "export", "eval", "all", "mtp"])
+    p.add_argument("--mtp", type=int, default=2, help="mtp: draft tokens a step to measure against --mtp 0")
+    p.add_argument(
+        "--arch",
+        choices=["qwen3moe", "qwen35moe"],
+        default="qwen3moe",
+        help="qwen3moe: the shipped demo; qwen35moe: the Gated DeltaNet demo with an MTP head",
+    )
+    p.add_argument("--work", type=Path, help="default packaging/build/demo (qwen35moe: packaging/build/demo-gdn)")
+    p.add_argument("--out", type=Path, help=f"default {SHIPPED.name} (qwen35moe: {SHIPPED_GDN.name})")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: fastest on a shared 2-core machine)")
     p.add_argument("--device", default="cpu")
-    for f in TrainConfig.__dataclass_fields__.values():
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+    fields = TrainConfig.__dataclass_fields__ | GdnTrainConfig.__dataclass_fields__
+    for f in fields.values():  # defaults: the chosen architecture's training config
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    t = TrainConfig(**{k: getattr(a, k) for k in TrainConfig.__dataclass_fields__})
-    cfg = DemoConfig()
+    gdn = a.arch == "qwen35moe"
+    T = GdnTrainConfig if gdn else TrainConfig
+    t = T(**{k: getattr(a, k) for k in T.__dataclass_fields__ if getattr(a, k) is not None})
+    cfg = GdnConfig() if gdn else DemoConfig()
+    a.work = a.work or HERE / "build" / ("demo-gdn" if gdn else "demo")
+    a.out = a.out or (SHIPPED_GDN if gdn else SHIPPED)
     if a.what in ("prepare", "all"):
         prepare(a.work, cfg)
     if a.what in ("train", "all"):
-        train(a.work, cfg, t, a.device)
+        (train_gdn if gdn else train)(a.work, cfg, t, a.device)
     if a.what in ("export", "all"):
         export(a.work, cfg, a.out)
     if a.what in ("eval", "all"):
         evaluate(a.work, cfg)
+    if a.what == "mtp":
+        measure_mtp(a.out, a.mtp, a.threads)
     return 0
 
 

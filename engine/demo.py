@@ -17,6 +17,9 @@ from engine import config
 from engine.config import EngineOptions
 
 DEMO_FILE = "sharpi-demo-q8_0.gguf"
+# Every file shipped beside it: its model card, and the second demo — a Gated-DeltaNet qwen35moe with an MTP head
+# (packaging/train_demo.py --arch qwen35moe), listed by the app's model library from the same folder.
+SHIPPED_FILES = (DEMO_FILE, "MODEL_CARD.md", "sharpi-demo-gdn-q8_0.gguf", "MODEL_CARD_GDN.md")
 DATA_DIR = Path("share") / "sharpi" / "models"  # under an install prefix
 REPO_DIR = Path("resources") / "models"  # under the repository root
 ENV = config.ENV["demo_model"]

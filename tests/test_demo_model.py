@@ -148,8 +148,9 @@ def test_wheel_installs_the_model_where_demo_model_path_looks():
 
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
     data_files = cfg["tool"]["setuptools"]["data-files"]
-    shipped = [str(demo.REPO_DIR / demo.DEMO_FILE), str(demo.REPO_DIR / "MODEL_CARD.md")]
+    shipped = [str(demo.REPO_DIR / name) for name in demo.SHIPPED_FILES]
     assert sorted(data_files[str(demo.DATA_DIR)]) == sorted(shipped)
+    assert demo.DEMO_FILE in demo.SHIPPED_FILES and all((ROOT / p).is_file() for p in shipped)
 
 
 # -- the training model is the engine's model --------------------------------------------------

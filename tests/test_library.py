@@ -113,3 +113,18 @@ def test_library_dialog_judges_and_opens(qtbot, tmp_path, monkeypatch, shelf, sy
     with qtbot.waitSignal(w.bridge.loaded, timeout=GEN_TIMEOUT_MS) as loaded:
         dlg.open_button.click()
     assert loaded.args[0].path == str(shelf / "model.gguf")
+
+
+def test_library_lists_the_bundled_demo_models(qtbot, tmp_path):
+    """The library's folders end with the bundled models' folder, so every demo model shipped beside the default
+    one (the Gated-DeltaNet demo with its MTP head too) is listed and can be opened."""
+    pytest.importorskip("pytestqt")
+    from sharpi_gui.testing import make_window
+
+    w = make_window(qtbot, tmp_path)
+    demo = w.bridge.demo_model_path()
+    assert demo is not None
+    folders = w.bridge.library_folders()
+    assert folders[-1] == str(Path(demo).parent) and folders.count(folders[-1]) == 1
+    found = {p.name for p in find_files([Path(folders[-1])])}
+    assert {"sharpi-demo-q8_0.gguf", "sharpi-demo-gdn-q8_0.gguf"} <= found

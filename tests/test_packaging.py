@@ -25,7 +25,7 @@ def test_desktop_entry_runs_the_installed_app():
 
 def test_spec_bundles_the_demo_model_and_the_desktop_entry():
     spec = (APP / "sharpi.spec").read_text(encoding="utf-8")
-    assert '"sharpi-demo-q8_0.gguf"' in spec and '"sharpi.desktop"' in spec
+    assert '"sharpi-demo-q8_0.gguf"' in spec and '"sharpi.desktop"' in spec and '"sharpi-demo-gdn-q8_0.gguf"' in spec
     assert (ROOT / "resources" / "models" / "sharpi-demo-q8_0.gguf").is_file()
     script = (ROOT / "packaging" / "build_app.sh").read_text(encoding="utf-8")
     assert "--ask" in script and "xvfb-run" in script and "packaging/app/sharpi.spec" in script

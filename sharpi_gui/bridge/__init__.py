@@ -459,8 +459,13 @@ class EngineBridge(QObject):
         return str(j), str(c)
 
     def library_folders(self) -> list[str]:
-        """The folders models are usually downloaded to that exist here (engine.library)."""
-        return [str(p) for p in default_folders(os.environ)]
+        """The folders models are usually downloaded to that exist here (engine.library), then the folder of
+        the bundled demo models (so the library lists each of them)."""
+        folders = [str(p) for p in default_folders(os.environ)]
+        demo = self.demo_model_path()
+        if demo and str(Path(demo).parent) not in folders:
+            folders.append(str(Path(demo).parent))
+        return folders
 
     def scan_library(self, folders: list[str]) -> None:
         """Judge every GGUF file under ``folders`` from its header (engine.library: can it run here, how

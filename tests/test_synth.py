@@ -354,3 +354,16 @@ def test_fill_random_blocks_gives_well_scaled_weights(tmp_path):
             x = dequantize(t.data[0], t.qtype)
             assert abs(float(x.mean())) < 0.2 / np.sqrt(t.shape[-1]), q
             assert 0.8 < float(x.std()) * np.sqrt(t.shape[-1]) < 1.2, (q, float(x.std()))
+
+
+def test_fill_random_blocks_keeps_gated_deltanet_decays_negative(tmp_path):
+    """A random fill of a hybrid writes ssm_a = −exp(A_log) < 0 (a decay), as the writer does: a positive value
+    would grow the recurrent state at every token of a speed run."""
+    from engine.gguf import open_gguf
+    from engine.synth.fill import fill_random_blocks
+
+    path = write_model(tmp_path / "h.gguf", "qwen35moe", seed=1, weight_type="Q8_0").path
+    assert fill_random_blocks(path, seed=2) > 0
+    with open_gguf(path) as gf:
+        a = [np.array(gf.tensor(n).data) for n in gf.tensors if n.endswith(".ssm_a")]  # copies: the map closes
+    assert a and all((x < 0).all() for x in a)

@@ -22,6 +22,7 @@ from engine.errors import DeviceMemoryError, HostMemoryError, UsageError
 from engine.generate import CacheState, GenerationEvent, SamplingParams, TokenConstraint, generate
 from engine.generate.events import FINISH_CANCELLED
 from engine.generate.reasoning import HARMONY, detect_format, model_format, template_messages
+from engine.generate.speculative import DraftJudge
 from engine.gguf import open_gguf
 from engine.modelinfo import ModelInfo, describe
 from engine.models import check_model_file
@@ -228,6 +229,7 @@ class Session:
             self.gf.close()
             raise
         self.state = self._new_state()
+        self._draft_judge: DraftJudge | None = None  # draft_judge's, until a placement is applied again
         self._cancel = threading.Event()
         self._active_cancel: threading.Event | None = None  # the running generation's stop event
         report(4, 4, "ready")
@@ -361,8 +363,19 @@ class Session:
                 reasoning=HARMONY if only_calls else fmt,
                 mtp=self.mtp,
                 only_calls=only_calls,
+                mtp_judge=self.draft_judge,
             ),
         )
+
+    @property
+    def draft_judge(self) -> DraftJudge | None:
+        """Where MTP was chosen automatically (``EngineOptions.mtp`` None, a head, a CPU placement): the judge of
+        whether drafting pays on this machine, kept for the session's life (None where MTP is off or asked for)."""
+        if self.engine_options.mtp is not None or self.mtp <= 0:
+            return None
+        if self._draft_judge is None:
+            self._draft_judge = DraftJudge()
+        return self._draft_judge
 
     def _on_cuda(self) -> bool:
         """Whether the applied placement puts layers on a CUDA device."""
@@ -388,8 +401,10 @@ class Session:
     @property
     def mtp(self) -> int:
         """Tokens drafted per step by the MTP head (``EngineOptions.mtp``; auto: ``config.MTP_AUTO_DRAFTS`` where
-        the file has a head and the placement keeps every layer on the CPU — on a CUDA placement a step with
-        drafts runs without the decode graph, not yet measured against it, so auto leaves MTP off there); 0: off."""
+        the file has a head and the placement keeps every layer on the CPU, and each conversation turns drafting off
+        where its own step times show it does not pay (``engine.generate.speculative.DraftJudge``) — on a CUDA
+        placement a step with drafts runs without the decode graphs, 8× slower on the Qwen3.6-35B-A3B geometry
+        (docs/benchmarks.md), so auto leaves MTP off there); 0: off."""
         if not self.has_mtp:
             return 0
         k = self.engine_options.mtp
@@ -562,6 +577,7 @@ class Session:
         self.n_ctx = placement.ctx
         self.kv_type = placement.kv_type
         self.state = self._new_state()
+        self._draft_judge = None  # another placement, other step times
 
     def _restore(self, previous: Applied | None) -> None:
         self.applied = None

@@ -321,3 +321,51 @@ def test_bench_reports_acceptance_and_the_verify_cost(files):
     assert m["verify_vs_step"] == pytest.approx(m["verify_ms"] / m["step_ms"])
     with _session(files["qwen35moe"], 0) as s:
         assert bench_session(s, 8, 6, 1, threads=1, bandwidth=False)["mtp"] is None
+
+
+def test_draft_judge_keeps_drafting_that_pays_and_stops_drafting_that_does_not():
+    """Scripted step times: a probe every ``probe_every`` speculative steps; the decision once enough of both are
+    in; a judge that turned drafting off stays off and asks for plain steps only."""
+    from engine.generate.speculative import DraftJudge
+
+    def run(pass_s: float, tokens: int, plain_s: float) -> DraftJudge:
+        j = DraftJudge(probe_every=4, min_passes=8, min_probes=2)
+        plain_at = []
+        for step in range(40):
+            if j.wants_plain():
+                plain_at.append(step)
+                j.record_plain(plain_s)
+            else:
+                j.record_pass(pass_s, tokens)
+        j.plain_at = plain_at
+        return j
+
+    fast = run(pass_s=6e-3, tokens=3, plain_s=4e-3)  # 2 ms a token against 4: keep drafting
+    assert not fast.off and fast.plain_at == [4, 9, 14, 19, 24, 29, 34, 39] and fast.speedup == pytest.approx(2.0)
+    slow = run(pass_s=6e-3, tokens=1, plain_s=4e-3)  # every draft rejected: 6 ms a token against 4
+    assert slow.off and slow.plain_at[:2] == [4, 9] and slow.plain_at[2:] == list(range(10, 40))
+    assert slow.spec_passes == 8 and slow.speedup == pytest.approx(4 / 6)
+
+
+def test_automatic_mtp_probes_plain_steps_and_keeps_the_output(files):
+    """MTP chosen automatically (``EngineOptions.mtp`` None, the CPU): the reply is the plain one token for token
+    and the session's judge timed plain steps between the drafting ones; once it turned drafting off, the
+    session's next conversation runs without verify passes."""
+    ids = _prompt(3)
+    with _session(files["qwen35moe"], 0) as s:
+        plain, _ = _reply(s, ids, 48)
+    s = Session.load(str(files["qwen35moe"]), LoadOptions(n_ctx=N_CTX, engine=replace(EngineOptions(), mtp=None)))
+    with s:
+        assert s.mtp > 0
+        toks, last = _reply(s, ids, 48)
+        assert toks == plain and last.mtp_passes > 0
+        judge = s.draft_judge
+        assert judge is not None and s.state.speculator.judge is judge
+        assert judge.plain_steps >= 1 and judge.spec_passes == last.mtp_passes
+        judge.off = True  # as after slow drafting: the session's other conversations draft no more
+        before = judge.spec_passes
+        s.reset()
+        more, last2 = _reply(s, ids, 8)
+        assert more == plain[:8] and last2.mtp_passes == 0 and judge.spec_passes == before and s.draft_judge is judge
+    with _session(files["qwen35moe"], 2) as s:
+        assert s.draft_judge is None  # MTP asked for: every step drafts

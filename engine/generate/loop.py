@@ -29,7 +29,7 @@ from engine.generate.events import (
 )
 from engine.generate.reasoning import ReasoningSplitter, start_state
 from engine.generate.sampling import Sampler, SamplingParams
-from engine.generate.speculative import SpecStats, Speculator, speculate
+from engine.generate.speculative import DraftJudge, SpecStats, Speculator, speculate
 
 PREFILL_CHUNK = 512  # prompt tokens per forward pass (cancel is checked between chunks)
 
@@ -139,6 +139,7 @@ def generate(
     reasoning: str | None = None,
     mtp: int = 0,
     only_calls: bool = False,
+    mtp_judge: DraftJudge | None = None,
 ) -> Iterator[GenerationEvent]:
     """Stream a completion of ``prompt_ids``. ``cancel`` is checked between tokens and chunks.
 
@@ -153,7 +154,9 @@ def generate(
 
     ``mtp``: draft this many tokens per step with the model's MTP head and verify them in one pass
     (:mod:`engine.generate.speculative`; 0, a model without a head, or a ``constraint``: one token per pass).
-    The output is the same (greedy) or follows the same distribution (sampled)."""
+    The output is the same (greedy) or follows the same distribution (sampled). ``mtp_judge``: MTP was chosen
+    automatically, not asked for: this :class:`~engine.generate.speculative.DraftJudge` (the session's, kept across
+    replies and conversations) times the steps and turns drafting off where it does not make tokens faster."""
     cancel = cancel or threading.Event()
     n_ctx = cache.n_ctx
     if not prompt_ids:
@@ -173,6 +176,7 @@ def generate(
         spec = state.speculator
         if spec is None or spec.head is not head or spec.n_ctx != n_ctx:
             spec = state.speculator = Speculator(head, mtp, n_ctx)
+        spec.judge = mtp_judge
         spec.k, spec.stats = mtp, SpecStats()
         spec.sync(keep)
         model.keep_hidden = True
@@ -295,14 +299,23 @@ def _run(
             state.tokens.append(tok)
             continue
         pos = len(state.tokens)
+        judge = spec.judge if spec is not None else None
         k = min(spec.k, n_ctx - pos - 2, params.max_tokens - n_gen - 1) if spec is not None else 0
+        probe = k > 0 and judge is not None and judge.wants_plain()  # drafting is off, or a timed plain step's turn
+        if probe:
+            k = 0
+        step_t0 = time.perf_counter()
         if k > 0:
             accepted, nxt, logits = speculate(model, cache, spec, tok, pos, k, sampler, history)
             queue = [*accepted, nxt]
+            if judge is not None:
+                judge.record_pass(time.perf_counter() - step_t0, len(queue))
         else:
             logits = model.forward([tok], pos, cache, all_logits=False)
             if spec is not None:
                 spec.observe(pos, model.last_hidden)
+            if probe:
+                judge.record_plain(time.perf_counter() - step_t0)
         state.tokens.append(tok)
 
 

@@ -19,7 +19,9 @@ One step, the sampled token ``tok`` at position n not yet in the cache:
    tokens, where a snapshot before the verify would have to recompute them); K/V rows past it are written over
    by position.
 
-:class:`SpecStats` counts verify passes, drafted and accepted tokens (the events carry them).
+:class:`SpecStats` counts verify passes, drafted and accepted tokens (the events carry them). Where MTP was not
+asked for but chosen automatically, a :class:`DraftJudge` times the drafting steps against plain steps and turns
+drafting off for the conversation when it does not make tokens faster.
 """
 
 from __future__ import annotations
@@ -52,12 +54,62 @@ class SpecStats:
         return (self.accepted + self.passes) / self.passes if self.passes else 0.0
 
 
+@dataclass
+class DraftJudge:
+    """Whether drafting pays, from a conversation's own step times: every ``probe_every`` speculative steps one
+    plain one-token step is timed instead; once ``min_passes`` speculative steps and ``min_probes`` plain ones are
+    in, drafting stops for good (:attr:`off`) if its time a token is not below the plain step's (``margin``: the
+    share it must win by). Pays on memory-bound models, where a verify pass of k+1 positions costs little more
+    than one step; not on a model so small that the loop's own work is a step's size (the GDN demo on 2 cores)."""
+
+    probe_every: int = 16
+    min_passes: int = 32
+    min_probes: int = 2
+    margin: float = 0.0
+    spec_s: float = 0.0
+    spec_tokens: int = 0
+    spec_passes: int = 0
+    plain_s: float = 0.0
+    plain_steps: int = 0
+    since_probe: int = 0
+    off: bool = False
+
+    def wants_plain(self) -> bool:
+        """Whether the next step should be a plain one: drafting is off, or it is a probe's turn."""
+        return self.off or self.since_probe >= self.probe_every
+
+    def record_pass(self, seconds: float, tokens: int) -> None:
+        """A speculative step took ``seconds`` for ``tokens`` tokens (its accepted drafts and the next)."""
+        self.spec_s += seconds
+        self.spec_tokens += tokens
+        self.spec_passes += 1
+        self.since_probe += 1
+
+    def record_plain(self, seconds: float) -> None:
+        """A plain one-token step took ``seconds``; decides once enough of both are in."""
+        if self.off:
+            return
+        self.plain_s += seconds
+        self.plain_steps += 1
+        self.since_probe = 0
+        if self.spec_passes >= self.min_passes and self.plain_steps >= self.min_probes:
+            self.off = self.spec_s / self.spec_tokens >= (1.0 - self.margin) * self.plain_s / self.plain_steps
+
+    @property
+    def speedup(self) -> float | None:
+        """Plain step time over drafting's time a token (None until both were measured)."""
+        if not (self.spec_tokens and self.plain_steps) or self.spec_s <= 0:
+            return None
+        return (self.plain_s / self.plain_steps) / (self.spec_s / self.spec_tokens)
+
+
 class Speculator:
     """The MTP head's side of a session: its K/V cache (``head.new_cache``), the positions it has processed
     (rows 0 … :attr:`pos`−1) and the trunk's hidden states it has not consumed yet (positions :attr:`pos` …)."""
 
-    def __init__(self, head, k: int, n_ctx: int):
+    def __init__(self, head, k: int, n_ctx: int, judge: DraftJudge | None = None):
         self.head, self.k, self.n_ctx = head, k, n_ctx
+        self.judge = judge  # None: draft every step (MTP asked for); else drafting stops where it does not pay
         self.cache = head.new_cache(n_ctx)
         self.pos = 0
         self.pending: torch.Tensor | None = None  # [n, D] for positions pos … pos+n−1

@@ -275,6 +275,29 @@ def make_optimizer(model: DemoModel, t: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=t.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
+def resume(work: Path, model, opt: torch.optim.Optimizer, t, cfg, device: str) -> int:
+    """Load ``work/ckpt.pt`` into ``model`` and ``opt`` where it exists (written with the same settings, else
+    SystemExit); returns the step to continue from (0: a fresh start)."""
+    ckpt = work / "ckpt.pt"
+    if not ckpt.exists():
+        return 0
+    state = torch.load(ckpt, map_location=device)
+    if state["train"] != asdict(t) or state["model_config"] != asdict(cfg):
+        raise SystemExit(f"{ckpt} was written with other settings; remove it to start over")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    print(f"resumed at step {state['step']}", flush=True)
+    return state["step"]
+
+
+def save_checkpoint(work: Path, model, opt: torch.optim.Optimizer, step: int, t, cfg) -> None:
+    """``work/ckpt.pt`` for :func:`resume`, replaced atomically."""
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step}
+    state |= {"train": asdict(t), "model_config": asdict(cfg)}
+    torch.save(state, work / "ckpt.tmp")
+    os.replace(work / "ckpt.tmp", work / "ckpt.pt")
+
+
 def train(work: Path, cfg: DemoConfig, t: TrainConfig, device: str, log_every: int = 10) -> DemoModel:
     """Run (or resume) training to ``t.steps``; checkpoints to ``work/ckpt.pt``."""
     torch.manual_seed(t.seed)
@@ -284,16 +307,7 @@ def train(work: Path, cfg: DemoConfig, t: TrainConfig, device: str, log_every: i
     batches = Batches(work, t, vocab.pad_id, newline[0])
     model = DemoModel(cfg, seed=t.seed).to(device)
     opt = make_optimizer(model, t)
-    ckpt = work / "ckpt.pt"
-    step = 0
-    if ckpt.exists():
-        state = torch.load(ckpt, map_location=device)
-        if state["train"] != asdict(t) or state["model_config"] != asdict(cfg):
-            raise SystemExit(f"{ckpt} was written with other settings; remove it to start over")
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        step = state["step"]
-        print(f"resumed at step {step}", flush=True)
+    step = resume(work, model, opt, t, cfg, device)
     t0, tokens_done = time.perf_counter(), 0
     while step < t.steps:
         b = {k: v.to(device) for k, v in batches(step).items()}
@@ -321,10 +335,7 @@ def train(work: Path, cfg: DemoConfig, t: TrainConfig, device: str, log_every: i
                 flush=True,
             )
         if step % t.checkpoint_every == 0 or step == t.steps:
-            state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step}
-            state |= {"train": asdict(t), "model_config": asdict(cfg)}
-            torch.save(state, work / "ckpt.tmp")
-            os.replace(work / "ckpt.tmp", ckpt)
+            save_checkpoint(work, model, opt, step, t, cfg)
     return model
 
 
@@ -339,16 +350,7 @@ def train_gdn(work: Path, cfg: GdnConfig, t: GdnTrainConfig, device: str, log_ev
     batches = GdnBatches(work, t, vocab.pad_id, newline[0])
     model = GdnDemoModel(cfg, seed=t.seed).to(device)
     opt = make_optimizer(model, t)
-    ckpt = work / "ckpt.pt"
-    step = 0
-    if ckpt.exists():
-        state = torch.load(ckpt, map_location=device)
-        if state["train"] != asdict(t) or state["model_config"] != asdict(cfg):
-            raise SystemExit(f"{ckpt} was written with other settings; remove it to start over")
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        step = state["step"]
-        print(f"resumed at step {step}", flush=True)
+    step = resume(work, model, opt, t, cfg, device)
     t0, tokens_done = time.perf_counter(), 0
     while step < t.steps:
         b = {k: v.to(device) for k, v in batches(step).items()}
@@ -379,10 +381,7 @@ def train_gdn(work: Path, cfg: GdnConfig, t: GdnTrainConfig, device: str, log_ev
                 flush=True,
             )
         if step % t.checkpoint_every == 0 or step == t.steps:
-            state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step}
-            state |= {"train": asdict(t), "model_config": asdict(cfg)}
-            torch.save(state, work / "ckpt.tmp")
-            os.replace(work / "ckpt.tmp", ckpt)
+            save_checkpoint(work, model, opt, step, t, cfg)
     return model
 
 

@@ -37,10 +37,17 @@ def cal_dir(tmp_path, engine_env):
     return tmp_path / "cal"
 
 
-def _library(qtbot, w, folder) -> D.LibraryEntry:
-    with qtbot.waitSignal(w.bridge.libraryEntry, timeout=60_000) as got:
-        w.bridge.scan_library([folder])
-    return got.args[0]
+def _library(qtbot, w, path: str) -> D.LibraryEntry:
+    """The library's entry for the model file ``path``, from a scan of its folder (which holds other models too)."""
+    got: list[D.LibraryEntry] = []
+    w.bridge.libraryEntry.connect(got.append)
+    try:
+        with qtbot.waitSignal(w.bridge.libraryDone, timeout=60_000):
+            w.bridge.scan_library([str(Path(path).parent)])
+    finally:
+        w.bridge.libraryEntry.disconnect(got.append)
+    (entry,) = [e for e in got if e.path == str(path)]
+    return entry
 
 
 def _shot(qtbot, w, name: str) -> None:
@@ -53,7 +60,7 @@ def _shot(qtbot, w, name: str) -> None:
 def test_first_launch_calibrates_in_the_background_and_a_restart_does_not(qtbot, tmp_path, cal_dir, demo):
     w = make_window(qtbot, tmp_path / "one", simulate_device=False, calibrate_cpu=True)
     # Before: the library's prediction for the demo is labelled uncalibrated.
-    assert not _library(qtbot, w, str(Path(demo).parent)).calibrated
+    assert not _library(qtbot, w, demo).calibrated
     with qtbot.waitSignal(w.bridge.calibrationProgress, timeout=GEN_TIMEOUT_MS):
         load(qtbot, w, demo)  # the calibration starts once the model is warmed up
     assert w.bridge.calibration_state == "running"
@@ -78,7 +85,7 @@ def test_first_launch_calibrates_in_the_background_and_a_restart_does_not(qtbot,
     qtbot.waitUntil(lambda: w.ctx.placement.preview.speeds_source == "measured", timeout=10_000)
     qtbot.waitUntil(lambda: "from speeds measured on this machine" in summary.text(), timeout=10_000)
     assert "uncalibrated" not in summary.text()
-    assert _library(qtbot, w, str(Path(demo).parent)).calibrated
+    assert _library(qtbot, w, demo).calibrated
     _shot(qtbot, w, "calibration-done.png")
     assert list(cal_dir.glob("*.json"))
     w.close()

@@ -367,3 +367,13 @@ def test_fill_random_blocks_keeps_gated_deltanet_decays_negative(tmp_path):
     with open_gguf(path) as gf:
         a = [np.array(gf.tensor(n).data) for n in gf.tensors if n.endswith(".ssm_a")]  # copies: the map closes
     assert a and all((x < 0).all() for x in a)
+
+
+def test_vocabulary_writer_splits_text_as_the_tokenizer_reads_it():
+    """The synthetic vocabularies' pre-tokenizer regexes are the engine tokenizer's (two copies: synth may not import
+    the tokenizer package, tests/test_import_boundaries.py)."""
+    from engine.synth.tokenizer import PRE_REGEXES
+    from engine.tokenizer.pretokenizers import LLAMA3_REGEX, QWEN2_REGEX, QWEN35_REGEX
+
+    assert PRE_REGEXES["qwen2"] == (QWEN2_REGEX,) and PRE_REGEXES["qwen35"] == (QWEN35_REGEX,)
+    assert PRE_REGEXES["llama-bpe"] == (LLAMA3_REGEX,)

@@ -28,7 +28,6 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from engine.errors import UsageError
 from engine.gguf import keys
-from engine.tokenizer.pretokenizers import QWEN35_REGEX
 
 GPT2 = "gpt2"
 SPM = "llama"
@@ -51,7 +50,10 @@ PRE_REGEXES: dict[str, tuple[str, ...]] = {
         _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     ),
     "olmo": (_GPT2_REGEX,),
-    "qwen35": (QWEN35_REGEX,),
+    "qwen35": (  # qwen2's with combining marks (\p{M}) inside letter runs
+        _CONTRACTIONS
+        + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
     "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_REGEX, r"\p{N}+", "[0-9][0-9][0-9]"),
 }
 # llama.cpp looks whole words up in the vocabulary before merging for these (``ignore_merges``).

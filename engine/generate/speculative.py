@@ -56,16 +56,15 @@ class SpecStats:
 
 @dataclass
 class DraftJudge:
-    """Whether drafting pays, from a conversation's own step times: every ``probe_every`` speculative steps one
-    plain one-token step is timed instead; once ``min_passes`` speculative steps and ``min_probes`` plain ones are
-    in, drafting stops for good (:attr:`off`) if its time a token is not below the plain step's (``margin``: the
-    share it must win by). Pays on memory-bound models, where a verify pass of k+1 positions costs little more
-    than one step; not on a model so small that the loop's own work is a step's size (the GDN demo on 2 cores)."""
+    """Whether drafting pays, from a session's own step times: every ``probe_every`` speculative steps one plain
+    one-token step is timed instead; once ``min_passes`` speculative steps and ``min_probes`` plain ones are in,
+    drafting stops for good (:attr:`off`) if its time a token is not below the plain step's. Pays on memory-bound
+    models, where a verify pass of k+1 positions costs little more than one step; not on a model so small that the
+    loop's own work is a step's size (the GDN demo on 2 cores)."""
 
     probe_every: int = 16
     min_passes: int = 32
     min_probes: int = 2
-    margin: float = 0.0
     spec_s: float = 0.0
     spec_tokens: int = 0
     spec_passes: int = 0
@@ -93,7 +92,7 @@ class DraftJudge:
         self.plain_steps += 1
         self.since_probe = 0
         if self.spec_passes >= self.min_passes and self.plain_steps >= self.min_probes:
-            self.off = self.spec_s / self.spec_tokens >= (1.0 - self.margin) * self.plain_s / self.plain_steps
+            self.off = self.spec_s / self.spec_tokens >= self.plain_s / self.plain_steps
 
     @property
     def speedup(self) -> float | None:
@@ -107,9 +106,9 @@ class Speculator:
     """The MTP head's side of a session: its K/V cache (``head.new_cache``), the positions it has processed
     (rows 0 … :attr:`pos`−1) and the trunk's hidden states it has not consumed yet (positions :attr:`pos` …)."""
 
-    def __init__(self, head, k: int, n_ctx: int, judge: DraftJudge | None = None):
+    def __init__(self, head, k: int, n_ctx: int):
         self.head, self.k, self.n_ctx = head, k, n_ctx
-        self.judge = judge  # None: draft every step (MTP asked for); else drafting stops where it does not pay
+        self.judge: DraftJudge | None = None  # the session's (generate sets it); None: draft every step
         self.cache = head.new_cache(n_ctx)
         self.pos = 0
         self.pending: torch.Tensor | None = None  # [n, D] for positions pos … pos+n−1

@@ -472,7 +472,7 @@ def gemv_q8(qt, raw, s, qa, da, asum, bsums):
     elif qt == 23:
         kquants.gemv_iq4_xs_q8(raw, s, rows, xi, qa, da, bsums, out)
     elif qt == 16 or qt == 17 or qt == 18 or qt == 21 or qt == 22:  # the IQ2/IQ3 grid types
-        iquants.gemv_q8(qt, raw, s, rows, xi, qa, da, bsums, out)
+        iquants.gemv_q8(raw, s, rows, xi, qa, da, bsums, out)
     else:
         out[:] = np.nan
     return out.reshape(R)

@@ -1,7 +1,8 @@
 """GEMV kernels for the IQ2/IQ3 grid types: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S.
 
-One block decoder for the five types (``_group``, picked by ggml type id) and one driver per variant
-(``gemv_f``: exact float; ``gemv_q8``: Q8_K activations), written once for all of them. Layouts and the
+One block decoder for the five types (``_group``, picked by ggml type id) and one row dot per variant
+(``dot_f``: exact float; ``dot_q8``/``dot4_q8``: Q8_K activations), written once for all of them with the
+type id ``qt`` as first argument (the fused MoE and grouped kernels call them so). Layouts and the
 element value ``d·mult·(2s + 1)·grid·sign`` are in ``engine.quant.iquants``; ``prepare_weight`` stores
 ``d·mult`` per block (exact: mult is a power of two), so every type's block scale is one float here.
 
@@ -13,22 +14,21 @@ ggml's integer sum Σ_g (2s+1)·Σ grid·sign·q8 per block, times d·mult·d8 i
 multiplies the same signed bytes, as floats, by x and each 16's Σ by d·mult·(2s + 1) (the dequantizer's
 float32 scale, exactly).
 
-Gather signature as the other families (``engine.kernels.dispatch``), with the type id first::
-
-    gemv_f(qt, raw, s, rows, xi, X, out);  gemv_q8(qt, raw, s, rows, xi, qa, da, bsums, out)
-
-``KERNELS`` holds the per-type entry points of the dispatch table's signature.
+The parallel gather drivers are ``engine.kernels.drivers``' templates, specialised once for all five types
+(``gemv_f(raw, s, rows, xi, X, out)``, ``gemv_q8(raw, s, rows, xi, qa, da, bsums, out)``: the gather signature
+of the other families, ``engine.kernels.dispatch``): each row's type follows from its bytes per block
+(``type_of_row``), so one compiled driver serves every IQ type. ``KERNELS`` maps each type to that pair.
 """
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.extending import intrinsic
 
+from engine.kernels import drivers
+from engine.kernels.drivers import specialise
 from engine.kernels.simd import (
     I8x32,
     I16x16,
@@ -40,8 +40,6 @@ from engine.kernels.simd import (
     load_u32,
     madd_acc,
     maddss,
-    prefetch_array,
-    prefetch_distance,
     vfma,
     vfma_s,
     zero_f32,
@@ -50,7 +48,6 @@ from engine.kernels.simd import (
 from engine.quant.formats import QType, block_format
 from engine.quant.iquants import IQ_TYPES, KSIGNS, grid_words, sign_masks
 
-CHUNK = 16  # rows per parallel work item
 IQ_IDS = tuple(int(t) for t in IQ_TYPES)  # 16 IQ2_XXS, 17 IQ2_XS, 22 IQ2_S, 18 IQ3_XXS, 21 IQ3_S
 
 # Tables as module globals: numba freezes them into the compiled code.
@@ -232,21 +229,6 @@ def dot_f(qt, w, s, x):
     return hsum_f32(acc)
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_f(qt, raw, s, rows, xi, X, out):
-    M, T = out.shape
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(s[rows[j]])
-            r = rows[i]
-            for t in range(T):
-                out[i, t] = dot_f(qt, raw[r], s[r], X[xi[i] + t])
-
-
 # --- Q8_K activations -------------------------------------------------------------------------
 
 
@@ -297,30 +279,44 @@ def dot4_q8(qt, w, s, qa, da, k):
     return hsum_f32(f0), hsum_f32(f1), hsum_f32(f2), hsum_f32(f3)
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def gemv_q8(qt, raw, s, rows, xi, qa, da, bsums, out):
-    M, T = out.shape
-    T4 = T - T % 4
-    ahead = prefetch_distance(raw)
-    for c in prange((M + CHUNK - 1) // CHUNK):
-        for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-            j = i + ahead  # stream the weights: request row rows[j] now
-            if j < M:
-                prefetch_array(raw[rows[j]])
-                prefetch_array(s[rows[j]])
-            r = rows[i]
-            k = xi[i]
-            for t in range(T4, T):  # decode: the only pass, streaming the rows
-                out[i, t] = dot_q8(qt, raw[r], s[r], qa[k + t], da[k + t])
-        # Prefill: four tokens against every row of the chunk, then the next four, so the
-        # tokens' activations and the chunk's rows both stay in L1.
-        for t in range(0, T4, 4):
-            for i in range(c * CHUNK, min(M, (c + 1) * CHUNK)):
-                r = rows[i]
-                k = xi[i]
-                out[i, t], out[i, t + 1], out[i, t + 2], out[i, t + 3] = dot4_q8(qt, raw[r], s[r], qa, da, k + t)
+# --- the parallel gather drivers (engine.kernels.drivers), one for the five types ----------------------
 
 
-# The dispatch table's entry points: (exact-float, q8) of each type, the type id bound.
-KERNELS = {t: (functools.partial(gemv_f, int(t)), functools.partial(gemv_q8, int(t))) for t in IQ_TYPES}
+@njit(cache=True, nogil=True, inline="always")
+def type_of_row(w, s):
+    """The IQ type id of a row ``w`` from its bytes per 256-element block (``s`` holds one scale a block): 66,
+    74, 82, 98 and 110 bytes name one type each, so one driver serves the five without a type argument."""
+    b = w.shape[0] // s.shape[0]
+    if b == 66:
+        return 16
+    if b == 74:
+        return 17
+    if b == 82:
+        return 22
+    if b == 98:
+        return 18
+    return 21
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot_f_row(w, s, x):
+    return dot_f(type_of_row(w, s), w, s, x)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot_q8_row(w, s, qa, da, bsums):
+    return dot_q8(type_of_row(w, s), w, s, qa, da)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot4_q8_row(w, s, qa, da, bsums, k):
+    return dot4_q8(type_of_row(w, s), w, s, qa, da, k)
+
+
+_PARALLEL = {"parallel": True}
+gemv_f = specialise(drivers.gemv_f, "gemv_f", __name__, _PARALLEL, _DOT=_dot_f_row)
+gemv_q8 = specialise(drivers.gemv_q8, "gemv_q8", __name__, _PARALLEL, _DOT=_dot_q8_row, _DOT4=_dot4_q8_row)
+
+# The dispatch table's entry points: (exact-float, q8) of each type; one pair serves all five.
+KERNELS = {t: (gemv_f, gemv_q8) for t in IQ_TYPES}
 assert all(block_bytes.py_func(int(t)) == block_format(t).type_size for t in IQ_TYPES)

@@ -91,7 +91,8 @@ def fused(device: torch.device, qtype: QType, options: EngineOptions | None = No
 
 
 def step_kernels(device: torch.device, options: EngineOptions | None = None) -> bool:
-    """Whether the fused one-token step kernels (norms, rope + KV write, routing, attention) serve ``device``."""
+    """Whether the fused one-token step kernels (norms, rope + KV write, routing, attention, the Gated DeltaNet
+    core and its gated norm) serve ``device``."""
     return _triton_serves(device, _opts(options))
 
 

@@ -18,7 +18,8 @@ without one).
   :func:`moe_prefill_bf16_reference` (``moe_prefill``). On float32 operands those kernels are held to
   the exact references (``dequantize``, :func:`moe_decode_reference`).
 - The one-token step kernels (``step_kernels``): :func:`add_rms_norm_reference`,
-  :func:`qk_rope_kv_reference`, :func:`route_reference`.
+  :func:`qk_rope_kv_reference`, :func:`route_reference`, :func:`delta_net_step_reference`,
+  :func:`gated_norm_reference`.
 
 Each ``*_reference`` has the signature of the kernel wrapper it specifies. This module imports no
 Triton code (only torch, ``engine.quant`` and ``engine.models.layers``), so every kernel module may
@@ -29,7 +30,18 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.layers import apply_rope_table, rms_norm_fused, route_softmax_topk, silu_mul
+from engine.models.layers import (
+    apply_rope_table,
+    causal_conv1d,
+    delta_gates,
+    expand_heads,
+    gated_delta_rule,
+    gated_rms_norm,
+    l2_norm,
+    rms_norm_fused,
+    route_softmax_topk,
+    silu_mul,
+)
 from engine.quant import iquants
 from engine.quant.formats import QType, block_format
 from engine.quant.reference import IQ4NL_VALUES, MXFP4_VALUES
@@ -381,3 +393,28 @@ def route_reference(
     ids, w = route_softmax_topk(logits, k, renormalise)
     ids_out.copy_(ids)
     return w, table[ids]
+
+
+def delta_net_step_reference(
+    qkv, b, a, conv_state, ssm, conv_w, dt_bias, A, n_k_heads, head_k, n_v_heads, head_v, grouping, eps
+):
+    """``step_kernels.delta_net_step`` in torch: the reference layer's own one-token ops (``TorchOps.delta_net``
+    at T = 1), the states advanced in place."""
+    c, conv = causal_conv1d(qkv, conv_w, conv_state)
+    c = torch.nn.functional.silu(c)
+    kd = n_k_heads * head_k
+    q = l2_norm(c[:, :kd].reshape(1, n_k_heads, head_k), eps)
+    k = l2_norm(c[:, kd : 2 * kd].reshape(1, n_k_heads, head_k), eps)
+    v = c[:, 2 * kd :].reshape(1, n_v_heads, head_v)
+    q, k = expand_heads(q, n_v_heads, grouping), expand_heads(k, n_v_heads, grouping)
+    beta, g = delta_gates(b, a, dt_bias, A)
+    o, S = gated_delta_rule(q, k, v, g, beta, ssm)
+    conv_state.copy_(conv)
+    ssm.copy_(S)
+    return o.reshape(1, -1)
+
+
+def gated_norm_reference(o, z, w, n_v_heads: int, head_v: int, eps: float):
+    """``step_kernels.gated_norm`` in torch (``layers.gated_rms_norm``)."""
+    shape = (o.shape[0], n_v_heads, head_v)
+    return gated_rms_norm(o.reshape(shape), z.reshape(shape), w, eps).reshape(o.shape[0], -1)

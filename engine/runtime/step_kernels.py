@@ -11,6 +11,9 @@ of GPU time, and a 48-layer step has thousands of them.
 - :func:`route`: router logits → softmax → top-k → renormalised weights, the ids written into the
   graph's route record, and each chosen expert's slot byte offset from the resident pool's table:
   one launch instead of six (softmax, topk's two, sum, divide, index).
+- :func:`delta_net_step`: one token of the Gated DeltaNet core — the causal conv with its rolling
+  state, silu, the L2-normed q and k, the gates and the delta rule on the state — in two launches
+  instead of about forty; :func:`gated_norm`: rms_norm(o)·w ⊙ silu(z) per value head in one.
 
 Whether they serve a device is ``kernel_select.step_kernels``'s choice.
 
@@ -129,6 +132,76 @@ if triton is not None:
             blk = tl.arange(0, NBLK)
             t8.store_q8(XQ, XD, XS, tl.program_id(0), blk, blk < D // 32, words, dq, sq, D // 32)
 
+    @triton.jit
+    def _gdn_conv_kernel(X, STATE, W, OUT, C, K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr,
+                         PDL: tl.constexpr):  # fmt: skip
+        """Channels c of this block: the window [STATE[0..K-2, c], X[c]] times W[c, :] summed in window
+        order, silu'd into OUT[c]; STATE[r, c] <- window[r + 1] (each channel read, then written, by
+        this program alone)."""
+        qb.pdl_enter(PDL)
+        c = tl.program_id(0) * BC + tl.arange(0, BC)
+        cm = c < C
+        j = tl.arange(0, KP)
+        x = tl.load(X + c, mask=cm, other=0.0)
+        w = tl.load(W + c[:, None] * K + j[None, :], mask=cm[:, None] & (j[None, :] < K), other=0.0)  # [BC, KP]
+        y = tl.zeros([BC], dtype=tl.float32)
+        for r in tl.static_range(K):  # window row r: the state's row r, the token's input last
+            if r < K - 1:
+                xr = tl.load(STATE + r * C + c, mask=cm, other=0.0)
+            else:
+                xr = x
+            if r > 0:
+                tl.store(STATE + (r - 1) * C + c, xr, mask=cm)
+            wr = tl.sum(tl.where(j[None, :] == r, w, 0.0), 1)
+            y = y + xr * wr
+        tl.store(OUT + c, y / (1.0 + tl.exp(-y)), mask=cm)
+
+    @triton.jit
+    def _gdn_rule_kernel(CV, B, A, DT, AL, S, O, HK, eps, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                         BV: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        """Program (j, t): value head j, its state rows t·BV … of S [Hv, DV, DK]. q, k (key head j mod HK
+        when TILE, else j // (Hv/HK)) L2-normed from the conv output CV = [q | k | v]; β = sigmoid(B[j]),
+        g = softplus(A[j] + DT[j])·AL[j]; rows: S ← S·e^g; S ← S + β(v − S k) kᵀ; O = S q / sqrt(DK)."""
+        qb.pdl_enter(PDL)
+        j = tl.program_id(0)
+        hv = tl.num_programs(0)
+        if TILE:
+            kh = j % HK
+        else:
+            kh = j // (hv // HK)
+        d = tl.arange(0, BK)
+        dm = d < DK
+        e = tl.program_id(1) * BV + tl.arange(0, BV)
+        em = e < DV
+        q = tl.load(CV + kh * DK + d, mask=dm, other=0.0)
+        k = tl.load(CV + HK * DK + kh * DK + d, mask=dm, other=0.0)
+        v = tl.load(CV + 2 * HK * DK + j * DV + e, mask=em, other=0.0)
+        q = q / tl.maximum(tl.sqrt(tl.sum(q * q, 0)), eps) * (1.0 / tl.sqrt(DK * 1.0))
+        k = k / tl.maximum(tl.sqrt(tl.sum(k * k, 0)), eps)
+        beta = 1.0 / (1.0 + tl.exp(-tl.load(B + j)))
+        x = tl.load(A + j) + tl.load(DT + j)
+        g = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))) * tl.load(AL + j)  # torch's softplus
+        ptr = S + j * DV * DK + e[:, None] * DK + d[None, :]
+        sm = em[:, None] & dm[None, :]
+        st = tl.load(ptr, mask=sm, other=0.0) * tl.exp(g)  # [BV, BK]
+        dlt = (v - tl.sum(st * k[None, :], 1)) * beta
+        st = st + dlt[:, None] * k[None, :]
+        tl.store(ptr, st, mask=sm)
+        tl.store(O + j * DV + e, tl.sum(st * q[None, :], 1), mask=em)
+
+    @triton.jit
+    def _gated_norm_kernel(O, Z, W, Y, eps, DV: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+        """Value head j: Y = O · rsqrt(mean(O²) + eps) · W ⊙ silu(Z) over its DV values."""
+        qb.pdl_enter(PDL)
+        j = tl.program_id(0)
+        e = tl.arange(0, BV)
+        em = e < DV
+        o = tl.load(O + j * DV + e, mask=em, other=0.0)
+        z = tl.load(Z + j * DV + e, mask=em, other=0.0)
+        r = 1.0 / tl.sqrt_rn(tl.sum(o * o, 0) / DV + eps)
+        y = o * r * tl.load(W + e, mask=em, other=0.0) * (z / (1.0 + tl.exp(-z)))
+        tl.store(Y + j * DV + e, y, mask=em)
+
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: float, q8: bool = False):
     """The residual add and the next norm in one launch: x, y float32 [1, D] (y None: no add) ->
@@ -186,3 +259,40 @@ def route(
         **qb.launch_kw(pdl),
     )  # fmt: skip
     return w, off
+
+
+def delta_net_step(qkv, b, a, conv_state, ssm, conv_w, dt_bias, A, n_k_heads, head_k, n_v_heads, head_v, grouping, eps):
+    """One token of the Gated DeltaNet core (``TorchOps.delta_net`` at T = 1) in two launches: qkv float32
+    [1, C] (C = 2·Hk·dk + Hv·dv, rows q | k | v), b, a [1, Hv] -> o [1, Hv·dv]; the conv window
+    conv_state [K−1, C] and the delta-rule state ssm [Hv, dv, dk] advanced in place (a decode graph holds
+    their addresses). conv_w [C, K], dt_bias, A [Hv]; grouping ``"tile"`` or ``"interleave"``
+    (``layers.expand_heads``)."""
+    C, K = conv_w.shape
+    Hv, dv, dk = ssm.shape
+    if (Hv, dv, dk) != (n_v_heads, head_v, head_k) or 2 * n_k_heads * head_k + n_v_heads * head_v != C:
+        raise ValueError(f"delta_net_step: state {tuple(ssm.shape)} / conv {tuple(conv_w.shape)} do not fit the heads")
+    pdl = qb.pdl(qkv.device)
+    cv = torch.empty((C,), dtype=torch.float32, device=qkv.device)
+    BC = 256
+    _gdn_conv_kernel[(triton.cdiv(C, BC),)](
+        qkv.contiguous(), conv_state, conv_w.contiguous(), cv, C, K=K, KP=triton.next_power_of_2(K), BC=BC,
+        num_warps=4, PDL=pdl, **qb.launch_kw(pdl),
+    )  # fmt: skip
+    o = torch.empty((1, Hv * dv), dtype=torch.float32, device=qkv.device)
+    BV = min(32, triton.next_power_of_2(dv))
+    _gdn_rule_kernel[(Hv, triton.cdiv(dv, BV))](
+        cv, b.contiguous(), a.contiguous(), dt_bias, A, ssm, o, n_k_heads, eps, DK=dk, DV=dv,
+        BK=triton.next_power_of_2(dk), BV=BV, TILE=grouping == "tile", num_warps=4, PDL=pdl, **qb.launch_kw(pdl),
+    )  # fmt: skip
+    return o
+
+
+def gated_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, n_v_heads: int, head_v: int, eps: float):
+    """``layers.gated_rms_norm`` for one token in one launch: o, z float32 [1, Hv·dv], w [dv] -> [1, Hv·dv]."""
+    y = torch.empty((1, n_v_heads * head_v), dtype=torch.float32, device=o.device)
+    pdl = qb.pdl(o.device)
+    _gated_norm_kernel[(n_v_heads,)](
+        o.contiguous(), z.contiguous(), w, y, eps, DV=head_v, BV=triton.next_power_of_2(head_v), num_warps=4,
+        PDL=pdl, **qb.launch_kw(pdl),
+    )  # fmt: skip
+    return y

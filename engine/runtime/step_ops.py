@@ -127,11 +127,35 @@ class DeviceStepOps:
     def silu_mul(self, g, u):
         return silu_mul(g, u)
 
-    # The gated attention's output gate and the Gated DeltaNet core are the reference's own methods: one token
-    # of them is torch ops with no host sync (the recurrence, the state written in place), so they capture.
+    # The gated attention's output gate is the reference's own method (torch ops, no host sync: it captures).
     sigmoid_mul = TorchOps.sigmoid_mul
-    delta_net = TorchOps.delta_net
-    gated_norm = TorchOps.gated_norm
+
+    def delta_net(self, dn, qkv, b, a):
+        if not self.fused or qkv.shape[0] != 1:  # the reference's torch ops: no host sync, so they capture too
+            return TorchOps.delta_net(self, dn, qkv, b, a)
+        st = self.cache.recurrent[dn.i]
+        st.steps = None  # one token keeps no roll-back points (TorchOps.delta_net: only T > 1 does)
+        w = self._gdn_consts(dn, qkv.device)
+        return step_kernels.delta_net_step(
+            qkv, b, a, st.conv, st.ssm, w[0], w[1], w[2], dn.n_k_heads, dn.head_k, dn.n_v_heads, dn.head_v,
+            dn.grouping, dn.eps,
+        )  # fmt: skip
+
+    def gated_norm(self, dn, o, z):
+        if not self.fused or o.shape[0] != 1:
+            return TorchOps.gated_norm(self, dn, o, z)
+        return step_kernels.gated_norm(o, z, self._gdn_consts(dn, o.device)[3], dn.n_v_heads, dn.head_v, dn.eps)
+
+    def _gdn_consts(self, dn, device):
+        """The layer's conv kernels [C, K], dt_bias, A [Hv] and norm [dv] on the device, contiguous float32,
+        made once per graph decoder (a capture then records no copies)."""
+        key = ("gdn", dn.i)
+        w = self.consts.get(key)
+        if w is None:
+            w = self.consts[key] = tuple(
+                t.to(device=device, dtype=torch.float32).contiguous() for t in (dn.conv_w, dn.dt_bias, dn.A, dn.norm)
+            )
+        return w
 
     def sigmoid_gate(self, s, x, w):
         return s * torch.sigmoid(x @ w)[:, None]

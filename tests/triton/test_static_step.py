@@ -10,7 +10,8 @@ import pytest
 
 from engine import config
 from engine.api import LoadOptions, Session
-from engine.models.blocks import Attention, MoE
+from engine.models.blocks import Attention, GatedDeltaNet, MoE
+from engine.runtime import step_kernels
 from engine.runtime import triton_q8 as t8
 from engine.runtime.device import DeviceLinear
 from tests.oracle import random_tokens
@@ -25,11 +26,15 @@ GEOMETRY = {name: (arch, geo) for name, arch, geo in ARCHS}
 
 @pytest.mark.parametrize("kv", ["f32", "bf16"])
 @pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "qwen2moe", "mixtral", "qwen35moe", "qwen3next"])
-def test_static_step_with_the_fused_step_kernels(name, kv, synth_model):
+def test_static_step_with_the_fused_step_kernels(name, kv, synth_model, monkeypatch):
     """The whole static step with the fused kernels (qk_rope_kv among them) equals the eager path: per-head
     norms (qwen3moe), projection norms (olmoe), q/k/v bias (qwen2moe), pair rotation (mixtral), gated attention
-    with partial RoPE beside Gated DeltaNet layers (qwen35moe, qwen3next)."""
+    with partial RoPE beside Gated DeltaNet layers (qwen35moe, qwen3next: their one-token core and gated norm
+    in step_kernels.delta_net_step and gated_norm)."""
     arch, geo = GEOMETRY[name]
+    calls = {"delta_net_step": 0, "gated_norm": 0}
+    for fn in calls:
+        monkeypatch.setattr(step_kernels, fn, _counted(getattr(step_kernels, fn), calls, fn))
     path = synth_model(arch, seed=3, layers=2, **geo).path
     tokens = random_tokens(20, 1024, seed=1)
     with Session.load(str(path), LoadOptions(n_ctx=CTX, device="cpu")) as s:
@@ -44,6 +49,16 @@ def test_static_step_with_the_fused_step_kernels(name, kv, synth_model):
         # bf16: a k differing in its last float32 bit may round to the other bf16 neighbour
         tol = 1e-5 if kv == "f32" else 1e-3 * np.abs(ref).max()
         assert np.abs(got - ref).max() <= tol, (name, kv, np.abs(got - ref).max())
+    gdn = sum(1 for layer in s.model.layers if isinstance(layer.attn, GatedDeltaNet))
+    assert calls == {"delta_net_step": gdn * len(tokens), "gated_norm": gdn * len(tokens)}, (calls, gdn)
+
+
+def _counted(fn, calls: dict, name: str):
+    def wrapped(*a, **k):
+        calls[name] += 1
+        return fn(*a, **k)
+
+    return wrapped
 
 
 def test_q8_inputs_come_from_the_norm_kernels(synth_model, monkeypatch, launch_table):

@@ -133,3 +133,40 @@ def test_fused_add_norm_kernel_matches_torch(D, residual, device):
         assert torch.equal(t8.unpack_words(q8[0]), q) and torch.equal(q8[1], d) and torch.equal(q8[2], s), D
         spec, (q, d, s) = refs.add_rms_norm_reference(x, yy, w, 1e-6, q8=True)[2], refs.quantize_act_reference(hb)
         assert torch.equal(t8.unpack_words(spec[0]), q) and torch.equal(spec[1], d) and torch.equal(spec[2], s), D
+
+
+# (Hk, dk, Hv, dv, conv K, grouping): one key head for two value heads tiled and interleaved, heads not a
+# power of two wide, a conv of 3, equal head counts; compiled, Qwen3.6-35B-A3B's and Qwen3-Next-80B's layers
+GDN_CASES = [
+    (2, 16, 4, 16, 4, "tile"),
+    (2, 16, 4, 32, 4, "interleave"),
+    (3, 24, 3, 40, 3, "tile"),
+    (1, 32, 2, 16, 4, "interleave"),
+] + ([(16, 128, 32, 128, 4, "tile"), (16, 128, 32, 128, 4, "interleave")] if BIG else [])
+
+
+@pytest.mark.parametrize("case", GDN_CASES, ids=["-".join(map(str, c)) for c in GDN_CASES])
+def test_fused_delta_net_step_matches_torch(case, device):
+    """step_kernels.delta_net_step and gated_norm against the reference layer's one-token torch ops, four tokens
+    in a row from a random state: the outputs and both states (the conv window, the delta-rule state) after
+    each token."""
+    Hk, dk, Hv, dv, K, grouping = case
+    rng = np.random.default_rng((Hk, dk, Hv, dv, K))
+    C = 2 * Hk * dk + Hv * dv
+    conv_w, dt_bias = _randn(rng, device, C, K) * 0.5, _randn(rng, device, Hv)
+    A = -torch.exp(_randn(rng, device, Hv))  # ssm_a = −exp(A_log): a decay
+    norm = 1 + 0.1 * _randn(rng, device, dv)
+    states = [(_randn(rng, device, K - 1, C), _randn(rng, device, Hv, dv, dk) * 0.1) for _ in range(2)]
+    states[1] = (states[0][0].clone(), states[0][1].clone())
+    for t in range(4):
+        qkv, z = _randn(rng, device, 1, C), _randn(rng, device, 1, Hv * dv)
+        b, a = _randn(rng, device, 1, Hv), _randn(rng, device, 1, Hv) * (8 if t == 3 else 1)  # softplus' linear side
+        args = (conv_w, dt_bias, A, Hk, dk, Hv, dv, grouping, 1e-6)
+        o_k = sk.delta_net_step(qkv, b, a, *states[0], *args)
+        o_r = refs.delta_net_step_reference(qkv, b, a, *states[1], *args)
+        torch.testing.assert_close(o_k, o_r, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(states[0][0], states[1][0], rtol=0, atol=0)  # the window: copies, bit for bit
+        torch.testing.assert_close(states[0][1], states[1][1], rtol=1e-4, atol=1e-5)
+        y_k = sk.gated_norm(o_k, z, norm, Hv, dv, 1e-6)
+        y_r = refs.gated_norm_reference(o_r, z, norm, Hv, dv, 1e-6)
+        torch.testing.assert_close(y_k, y_r, rtol=1e-4, atol=1e-5)

@@ -15,7 +15,7 @@ from engine.config import EngineOptions
 from engine.experts import ExpertStacks
 from engine.models.layers import expert_glu
 from engine.runtime import kernel_select as ks
-from engine.runtime import triton_moe
+from engine.runtime import triton_gemv, triton_moe
 from engine.runtime.device import TRITON_MAX_T, fused_kernels
 from engine.runtime.expert_pool import ROLES, ExpertPool
 from engine.runtime.references import dequantize
@@ -33,9 +33,15 @@ class PoolCompute:
         self.options = options if options is not None else config.current()
         self.device = pool.device
         # Layers whose three roles the fused Triton kernels read in place (plain SwiGLU experts only: biased,
-        # clamped experts, gpt-oss's, take the torch references).
+        # clamped experts, gpt-oss's, take the GEMV below, or the torch references).
         self.fused = {
             i: s.glu is None and all(fused_kernels(self.device, getattr(s, r).qtype, self.options) for r in ROLES)
+            for i, s in stacks.items()
+        }
+        # Layers of biased, clamped experts (gpt-oss) whose three types the Triton GEMV serves: a few pairs run as a
+        # GEMV a role over the slots' bytes in place, the biases and activation in torch between them.
+        self.gemv_glu = {
+            i: s.glu is not None and all(fused_kernels(self.device, getattr(s, r).qtype, self.options) for r in ROLES)
             for i, s in stacks.items()
         }
         self._glu: dict[int, tuple] = {}  # layer -> its ExpertGLU's biases on the device
@@ -77,10 +83,26 @@ class PoolCompute:
         """down(SiLU(gate·x) · up·x) of each pair's slot, unweighted (with the layer's biases and activation where
         it has them: ``ExpertStacks.glu``): slots, experts int64 [P] (on the device: each pair's slot and expert),
         xp [P, D] each pair's token -> [P, D]."""
+        if self.gemv_glu[layer]:
+            return self.gemv_pairs(layer, self.pool.slot_off_dev.index_select(0, slots), xp, experts)
         g, u, d = self.slot_matrices(layer, slots)  # [P, F, D], [P, F, D], [P, D, F]
         xc = xp[:, :, None]  # [P, D, 1]
         h = self._hidden(layer, experts, torch.bmm(g, xc)[:, :, 0], torch.bmm(u, xc)[:, :, 0])
         return self._out(layer, experts, torch.bmm(d, h[:, :, None])[:, :, 0])
+
+    def gemv_pairs(self, layer: int, off: torch.Tensor, xp: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """:meth:`pair_outputs` by the Triton GEMV on each pair's slot bytes in place (``gemv_glu[layer]``): off int64
+        [P] the pairs' slot byte offsets, xp float32 [P, D] -> [P, D]. Three GEMV launches, no matrix expanded."""
+        r = self.roles(layer)
+        pool = self.pool.pool
+
+        def role(name: str, x: torch.Tensor) -> torch.Tensor:
+            o, qt, rows, n = r[name]
+            return triton_gemv.gemv(pool, off + o, x.contiguous(), qt, rows, n, options=self.options)
+
+        xp = xp.float()
+        h = self._hidden(layer, experts, role("gate", xp), role("up", xp))
+        return self._out(layer, experts, role("down", h))
 
     def expert_rows(self, layer: int, slot: int, x: torch.Tensor, expert: int) -> torch.Tensor:
         """Expert ``expert``, in ``slot``, over the rows x [n, D] -> [n, D] (a prompt: each expert once)."""

@@ -16,7 +16,7 @@
 # The job builds llama-bench (sm_90, ~4–5 min on 16 cores) while it writes the model file, then runs each row
 # under `timeout`, sampling nvidia-smi every 250 ms. Results: /tmp/sbs (summary.txt, table.md, logs).
 # TESTS="pytest args" (environment of `start`) also runs those CUDA tests while llama.cpp builds (tests.txt;
-# TESTS_TIMEOUT seconds, default 480).
+# TESTS_TIMEOUT seconds, default 480). NOBUILD=1 (environment of `start`): no llama.cpp build, SharpI rows only.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -27,7 +27,7 @@ case "${1:-}" in
 start)
   if [ -e $R/started ]; then echo "job already started: $(tail -3 $R/progress.txt 2>/dev/null)"; exit 0; fi
   mkdir -p $R && date +%s > $R/started
-  LIST=${2:-main} TESTS=${TESTS:-} GEOMETRY=${GEOMETRY:-qwen3-30b-a3b} setsid nohup bash "$0" job > $R/job.log 2>&1 < /dev/null &
+  LIST=${2:-main} TESTS=${TESTS:-} NOBUILD=${NOBUILD:-} GEOMETRY=${GEOMETRY:-qwen3-30b-a3b} setsid nohup bash "$0" job > $R/job.log 2>&1 < /dev/null &
   echo "job started (pid $!, list ${2:-main})"; exit 0 ;;
 poll)
   OUTD=${OUT:-/tmp/out}; mkdir -p "$OUTD"; S=$(date +%s)
@@ -72,15 +72,19 @@ synth() {  # [GEOMETRY]: the model file F, random weights in a real model's geom
   [ -e $F ] || python3 -m engine.cli.main synth --geometry "${1:-$GEOMETRY}" -o $F --fill-random >> $R/synth.log 2>&1
   [ -e $F ] && touch $R/synth.ok && echo "${1:-$GEOMETRY}" > $R/geometry.txt
 }
-log "build llama-bench + write F (parallel)"
-build & BPID=$!
+if [ -n "${NOBUILD:-}" ]; then  # SharpI rows only (L rows are skipped): no build competing for the cores
+  log "write F (NOBUILD: no llama-bench)"; BPID=
+else
+  log "build llama-bench + write F (parallel)"
+  build & BPID=$!
+fi
 synth; log "synth: $([ -e $R/synth.ok ] && ls -la $F || echo FAILED)"
 if [ -n "${TESTS:-}" ]; then  # on the GPU while llama.cpp builds on the CPUs; F serves the budget test
   log "CUDA tests: pytest $TESTS"
   SHARPI_TEST_30B_GGUF=$F timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider $TESTS > $R/tests.txt 2>&1
   log "tests: $(tail -1 $R/tests.txt)"
 fi
-wait $BPID; log "build: $([ -e $R/build.ok ] && echo ok || { echo FAILED; grep -m5 -iE 'error' $R/build.log; })"
+[ -z "$BPID" ] || { wait $BPID; log "build: $([ -e $R/build.ok ] && echo ok || { echo FAILED; grep -m5 -iE 'error' $R/build.log; })"; }
 
 vram_on() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 > $R/$1.vram 2>&1 & VP=$!; }
 vram_off() { kill $VP 2>/dev/null; wait $VP 2>/dev/null; echo "$1 peak MiB: $(grep -E '^ *[0-9]+ *$' $R/$1.vram | sort -n | tail -1)" >> $R/summary.txt; }

@@ -430,3 +430,44 @@ def test_expert_cache_of_the_newer_types_through_the_fused_kernels(tmp_path, exp
                 got = s.logits(toks, batch=batch)
                 err = np.abs(got - ref).max() / np.abs(ref).max()
                 assert err <= TOL * 10, (moe, "prefill" if batch else "decode", err)
+
+
+def test_biased_clamped_experts_run_the_gemv_on_the_slots(tmp_path, monkeypatch):
+    """gpt-oss's experts (biases, the clamped SwiGLU) in the cache and resident on the device: a token's pairs run
+    as one Triton GEMV a role over the slots' MXFP4 bytes in place (``PoolCompute.gemv_pairs``), not the
+    dequantized matrices, and give the CPU engine's decode logits."""
+    from engine.api import LoadOptions, Session
+    from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
+    from engine.runtime.pool_compute import PoolCompute
+    from engine.synth.writer import write_model
+    from tests.oracle import random_tokens
+
+    CTX = 32
+    path = write_model(tmp_path / "o.gguf", "gpt-oss", seed=5, layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32,
+                       experts=4, experts_used=2, expert_ff=64, sliding_window=8,
+                       type_overrides={"*_exps.weight": "MXFP4"}).path  # fmt: skip
+    calls = [0]
+    gemv_pairs = PoolCompute.gemv_pairs
+
+    def counted(self, *a):
+        calls[0] += 1
+        return gemv_pairs(self, *a)
+
+    monkeypatch.setattr(PoolCompute, "gemv_pairs", counted)
+    tokens = random_tokens(4, 1024, seed=3)
+    with (
+        config.overriding(device_act="f32", prefill_precision="f32"),
+        Session.load(str(path), LoadOptions(n_ctx=CTX, device=DEVICE, q8_act=False)) as s,
+    ):
+        ref = s.logits(tokens, batch=False)
+        L, E = s.args.n_layer, s.args.n_expert
+        need = device_bytes(s.spec, n_gpu_layers=L, ctx=CTX, kv_type="f32", reserve=0).total
+        for moe, slots in (("cache", L * E // 2), ("resident", L * E)):
+            prof = DeviceProfile(vram_bytes=need + slots * expert_slot_layout(s.spec).stride, reserve_bytes=0)
+            s.apply(s.plan(PlanRequest(ctx=CTX, kv_type="f32", n_gpu_layers=L, moe=moe), prof))
+            assert all(s.applied.experts.compute.gemv_glu.values()), moe
+            before = calls[0]
+            got = s.logits(tokens, batch=False)
+            assert calls[0] > before, moe
+            err = np.abs(got - ref).max() / np.abs(ref).max()
+            assert err <= TOL * 10, (moe, err)

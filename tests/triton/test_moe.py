@@ -408,7 +408,7 @@ def test_expert_cache_of_the_newer_types_through_the_fused_kernels(tmp_path, exp
     from engine.synth.writer import write_model
     from tests.oracle import random_tokens
 
-    assert set(qb.CUDA_CHECKED) >= {QType(experts), QType(down)}  # this test's CUDA run is what admitted them
+    assert set(qb.CUDA_CHECKED) >= {QType[experts], QType[down]}  # this test's CUDA run is what admitted them
     CTX = 48
     path = write_model(tmp_path / "q.gguf", "qwen3moe", seed=5, layers=2, weight_type=experts,
                        type_overrides={"*ffn_down_exps*": down}).path  # fmt: skip

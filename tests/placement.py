@@ -16,6 +16,7 @@ ARCHS = [
     ("qwen3", "qwen3", {}),
     ("qwen35moe", "qwen35moe", {"full_attn_interval": 2}),  # [GDN, attention]: the state updated in place
     ("qwen3next", "qwen3next", {"full_attn_interval": 2}),
+    ("gpt-oss", "gpt-oss", {"sliding_window": 8}),  # windows, sinks, YaRN, biased experts with the clamped SwiGLU
 ]
 CTX = 64
 

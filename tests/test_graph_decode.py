@@ -85,6 +85,22 @@ def test_static_step_matches_the_eager_path(paths, name):
             assert (st["hits"] == st["calls"]).all() and st["misses"].sum() == 0
 
 
+def test_a_sliding_windows_ring_in_the_static_step(tmp_path):
+    """gpt-oss's sliding-window layers keep a ring of their window and a slack (``KVCache.rings``): the static step
+    writes K/V at row pos mod rows and masks the ring's rows by the positions they hold, so past the ring's first
+    wrap it still gives the eager path's (and the CPU engine's) logits, sinks and all."""
+    path = write_model(tmp_path / "o.gguf", "gpt-oss", seed=4, layers=2, sliding_window=6).path
+    n_ctx = 300
+    tokens = random_tokens(280, 1024, seed=6)  # the ring holds 6 + 256 rows: positions 262.. wrap it
+    with Session.load(str(path), LoadOptions(n_ctx=n_ctx, device="cpu")) as s:
+        ref = s.logits(tokens, batch=False)
+        eager, static, g = _both(s, whole(s, ctx=n_ctx), tokens)
+        assert s.cache.rings and all(rows < n_ctx for _, rows in s.cache.rings.values())
+        assert g.steps == len(tokens)
+        assert np.abs(eager[0] - ref).max() <= 1e-5
+        assert np.abs(static[0] - eager[0]).max() <= 1e-5, np.abs(static[0] - eager[0]).max()
+
+
 @pytest.mark.parametrize(("arch", "embd"), [("qwen3moe", "Q4_K"), ("qwen3", "Q6_K"), ("llama", "F16")])
 def test_static_step_decodes_a_quantized_token_embd(tmp_path, arch, embd):
     """The step embeds its token on the device from the stored row (any type token_embd has): the eager
@@ -125,7 +141,7 @@ def _off_graph(s: Session, moe: str, n_cpu_moe: int = 0):
 
 
 @pytest.mark.parametrize(("moe", "n_cpu_moe"), [("cpu", 0), ("cache", 0), ("resident", 1)])
-@pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "qwen2moe", "mixtral", "qwen35moe"])
+@pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "qwen2moe", "mixtral", "qwen35moe", "gpt-oss"])
 def test_step_with_experts_off_the_graph_matches_the_eager_path(paths, name, moe, n_cpu_moe):
     """Routed experts outside the graph (on the CPU, or in the expert cache with misses on the CPU)
     cut the static step into segments at those MoE layers: the trunk runs in the segments, the

@@ -91,9 +91,9 @@ def tensor_specs(a: Args) -> list[TensorSpec]:
 
 class Model(DecoderModel):
     args: Args
-    # Its sinks, window, YaRN and expert biases have no fused one-token device step (DeviceStepOps) yet: device
-    # layers run the eager torch ops (FusedTorchOps), prompt and decode.
-    graph_step = False
+    # The one-token device step (DeviceStepOps) computes its layers: sinks and windows (a ring's rows masked by
+    # position) in torch's attention ops, YaRN in the step's rope tables, the experts' biases and clamped SwiGLU
+    # around a GEMV a role (PoolCompute.gemv_pairs) or on the host between the graph's segments.
 
     def __init__(self, w, args: Args, experts=None):
         self.yarn = args.yarn

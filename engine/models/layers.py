@@ -233,21 +233,33 @@ def apply_rope_table(x: torch.Tensor, C: torch.Tensor, S: torch.Tensor, perm: to
     return x * C[:, None, :] + x.index_select(-1, perm) * S[:, None, :]
 
 
-def attention_static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def attention_static(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """:func:`attention` for one query over a static length (CUDA graphs): positions masked by
-    ``bias`` float32 [L] (0 where a position is attended, -inf past the query's position).
+    ``bias`` float32 [L] (0 where a position is attended, -inf where not: past the query, outside its window).
 
-    q [1, H, hd]; k, v [L, Hkv, hd] for positions 0..L-1 (rows past the query may hold anything
-    finite). Returns [1, H*hd]. The masked positions add exact zeros to the softmax and to
-    probs·V, so this equals :func:`attention` over the attended positions up to the order of
-    float32 sums. Scale and mask ride on the score GEMM (baddbmm): four kernels in all.
+    q [1, H, hd]; k, v [L, Hkv, hd] (rows masked may hold anything finite, in any order: a sliding window's
+    ring). Returns [1, H*hd]. The masked positions add exact zeros to the softmax and to probs·V, so this
+    equals :func:`attention` over the attended positions up to the order of float32 sums. Scale (None:
+    1/sqrt(hd)) and mask ride on the score GEMM (baddbmm): four kernels in all; ``sinks`` float32 [H]: each
+    head's sink logit joins the softmax as a column and takes no value (:func:`attention`'s).
     """
     T, H, hd = q.shape
     L, Hkv = k.shape[0], k.shape[1]
     g = H // Hkv
     qh = q.reshape(Hkv, g, hd)  # T = 1
-    scores = torch.baddbmm(bias.expand(Hkv, g, L), qh, k.permute(1, 2, 0), alpha=1.0 / float(hd) ** 0.5)
-    probs = torch.softmax(scores, dim=-1)  # [Hkv, g, L]
+    alpha = 1.0 / float(hd) ** 0.5 if scale is None else scale
+    scores = torch.baddbmm(bias.expand(Hkv, g, L), qh, k.permute(1, 2, 0), alpha=alpha)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)  # [Hkv, g, L]
+    else:
+        probs = torch.softmax(torch.cat([scores, sinks.reshape(Hkv, g, 1)], dim=-1), dim=-1)[..., :L]
     return torch.bmm(probs, v.permute(1, 0, 2)).reshape(T, H * hd)  # [Hkv, g, hd] -> [1, H*hd]
 
 

@@ -69,6 +69,7 @@ class DeviceStepOps:
         self.cache, self.routes, self.consts = cache, routes, consts
         self.fused, self._attend = fused, attend
         self.cut: Cut | None = None  # set by a MoE layer whose backend's host half runs after this step
+        self._masks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (window, rows) -> (row, bias)
 
     @cached_property
     def bias(self) -> torch.Tensor:
@@ -77,6 +78,28 @@ class DeviceStepOps:
         return torch.zeros(self.length, dtype=torch.float32, device=self.pos.device).masked_fill(
             self.kpos[: self.length] > self.pos, -inf
         )
+
+    def _window(self, attn) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A sliding-window layer's (K/V row of the token int64 [1], attention bias float32 [rows], rows): in a
+        ring (``KVCache.rings``: its window and a slack) row pos mod rows, where ring row r holds position
+        pos − ((pos − r) mod rows), attended when that is ≥ 0 and within the window; else rows = length, row pos,
+        positions p attended where pos − window < p ≤ pos. Made once a step per (window, rows)."""
+        window, rows = self.cache.rings.get(attn.i, (attn.window, 0))
+        key = (window, rows)
+        if key not in self._masks:
+            if rows:
+                r = self.kpos[:rows]
+                p = self.pos - torch.remainder(self.pos - r, rows)
+                seen = (p >= 0) & (self.pos - p < window)
+                row = torch.remainder(self.pos, rows)
+            else:
+                p = self.kpos[: self.length]
+                seen = (p <= self.pos) & (self.pos - p < window)
+                row = self.pos
+            bias = torch.zeros(seen.shape, dtype=torch.float32, device=self.pos.device).masked_fill(~seen, -inf)
+            self._masks[key] = (row, bias)
+        row, bias = self._masks[key]
+        return row, bias, bias.shape[0]
 
     def add_norm(self, x, y, w, eps, q8=False):
         if not self.fused:
@@ -96,10 +119,11 @@ class DeviceStepOps:
         a, i = attn.a, attn.i
         H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
         sk, sv = self.cache.k[i], self.cache.v[i]
+        row = self._window(attn)[0] if attn.window else self.pos  # the K/V row: a ring's wraps
         if self.fused and sk.kv_type in ("f32", "bf16"):  # one launch
             qn, kn = head_norms if head_norms is not None else (None, None)
             return step_kernels.qk_rope_kv(
-                q, k, v, qn, kn, a.rms_eps, self.cos, self.sin, self.perm, self.pos, sk.q, sv.q, H, Hkv, hd
+                q, k, v, qn, kn, a.rms_eps, self.cos, self.sin, self.perm, row, sk.q, sv.q, H, Hkv, hd
             )
         qk = torch.cat([q, k], dim=1).reshape(1, H + Hkv, hd)
         if head_norms is not None:  # per head, q's and k's weights side by side
@@ -108,14 +132,22 @@ class DeviceStepOps:
                 w = self.consts["qk_norm", i] = torch.cat([head_norms[0].expand(H, hd), head_norms[1].expand(Hkv, hd)])
             qk = rms_norm_fused(qk, None, a.rms_eps) * w
         qk = apply_rope_table(qk, self.cos, self.sin, self.perm)
-        sk.write_at(self.pos, qk[:, H:].reshape(1, -1))
-        sv.write_at(self.pos, v)
+        sk.write_at(row, qk[:, H:].reshape(1, -1))
+        sv.write_at(row, v)
         return qk[:, :H]
 
     def attend(self, attn, q, q8=False):
         a, i = attn.a, attn.i
         H, Hkv, hd = a.n_head, a.n_head_kv, a.head_dim
         sk, sv = self.cache.k[i], self.cache.v[i]
+        if attn.window or attn.sinks is not None or attn.scale is not None:  # torch's ops (gpt-oss' layers)
+            L, bias = self.length, self.bias
+            if attn.window:
+                _, bias, L = self._window(attn)
+            shape = (L, Hkv, hd)
+            K, V = sk.read(L).reshape(shape), sv.read(L).reshape(shape)
+            sinks = None if attn.sinks is None else self._const(("sinks", i), attn.sinks)
+            return attention_static(q, K, V, bias, attn.scale, sinks), None
         if self._attend is not None:  # one or two launches
             if q8:  # o's x̂ from the attention launch
                 return self._attend(q, sk.q, sv.q, self.pos, self.length, H, Hkv, hd, q8=True)
@@ -145,6 +177,13 @@ class DeviceStepOps:
         if not self.fused or o.shape[0] != 1:
             return TorchOps.gated_norm(self, dn, o, z)
         return step_kernels.gated_norm(o, z, self._gdn_consts(dn, o.device)[3], dn.n_v_heads, dn.head_v, dn.eps)
+
+    def _const(self, key, t: torch.Tensor) -> torch.Tensor:
+        """t as contiguous float32 on the step's device, made once per graph decoder (outside a capture)."""
+        c = self.consts.get(key)
+        if c is None:
+            c = self.consts[key] = t.to(device=self.pos.device, dtype=torch.float32).contiguous()
+        return c
 
     def _gdn_consts(self, dn, device):
         """The layer's conv kernels [C, K], dt_bias, A [Hv] and norm [dv] on the device, contiguous float32,

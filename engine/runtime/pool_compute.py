@@ -105,7 +105,20 @@ class PoolCompute:
         return self._out(layer, experts, role("down", h))
 
     def expert_rows(self, layer: int, slot: int, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """Expert ``expert``, in ``slot``, over the rows x [n, D] -> [n, D] (a prompt: each expert once)."""
+        """Expert ``expert``, in ``slot``, over the rows x [n, D] -> [n, D] (a prompt: each expert once). Layers of
+        biased, clamped experts whose types Triton serves (``gemv_glu``) multiply the slot's bytes in place, tile
+        by tile (``triton_moe.one_matrix``), instead of dequantizing its three matrices."""
+        if self.gemv_glu[layer]:
+            base, r = int(self.pool.slot_off_h[slot]), self.roles(layer)
+            pool = self.pool.pool.reshape(-1)
+
+            def role(name: str, X: torch.Tensor) -> torch.Tensor:
+                o, qt, rows, n = r[name]
+                nb = self.pool.expert_bytes[(layer, name)].shape[1]
+                raw = pool[base + o : base + o + nb].view(rows, -1)
+                return triton_moe.one_matrix(raw, X.float().contiguous(), qt, rows, n, options=self.options)
+
+            return self._out(layer, expert, role("down", self._hidden(layer, expert, role("gate", x), role("up", x))))
         g, u, d = self.slot_matrices(layer, torch.tensor([slot], device=self.device))
         return self._out(layer, expert, self._hidden(layer, expert, x @ g[0].T, x @ u[0].T) @ d[0].T)
 

@@ -434,15 +434,15 @@ def test_expert_cache_of_the_newer_types_through_the_fused_kernels(tmp_path, exp
 
 def test_biased_clamped_experts_run_the_gemv_on_the_slots(tmp_path, monkeypatch):
     """gpt-oss's experts (biases, the clamped SwiGLU) in the cache and resident on the device: a token's pairs run
-    as one Triton GEMV a role over the slots' MXFP4 bytes in place (``PoolCompute.gemv_pairs``), not the
-    dequantized matrices, and give the CPU engine's decode logits."""
+    as one Triton GEMV a role over the slots' MXFP4 bytes in place (``PoolCompute.gemv_pairs``), a prompt's experts
+    as tiled products on them (``expert_rows``), not the dequantized matrices, and give the CPU engine's logits."""
     from engine.api import LoadOptions, Session
     from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
     from engine.runtime.pool_compute import PoolCompute
     from engine.synth.writer import write_model
     from tests.oracle import random_tokens
 
-    CTX = 32
+    CTX = 48
     path = write_model(tmp_path / "o.gguf", "gpt-oss", seed=5, layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32,
                        experts=4, experts_used=2, expert_ff=64, sliding_window=8,
                        type_overrides={"*_exps.weight": "MXFP4"}).path  # fmt: skip
@@ -453,13 +453,22 @@ def test_biased_clamped_experts_run_the_gemv_on_the_slots(tmp_path, monkeypatch)
         calls[0] += 1
         return gemv_pairs(self, *a)
 
+    tiles = [0]
+    one_matrix = tm.one_matrix
+
+    def counted_tiles(*a, **k):
+        tiles[0] += 1
+        return one_matrix(*a, **k)
+
     monkeypatch.setattr(PoolCompute, "gemv_pairs", counted)
+    monkeypatch.setattr(tm, "one_matrix", counted_tiles)
     tokens = random_tokens(4, 1024, seed=3)
+    prompt = random_tokens(40, 1024, seed=4)  # 80 pairs: each expert once over its rows (expert_rows)
     with (
         config.overriding(device_act="f32", prefill_precision="f32"),
         Session.load(str(path), LoadOptions(n_ctx=CTX, device=DEVICE, q8_act=False)) as s,
     ):
-        ref = s.logits(tokens, batch=False)
+        ref, ref_prompt = s.logits(tokens, batch=False), s.logits(prompt)
         L, E = s.args.n_layer, s.args.n_expert
         need = device_bytes(s.spec, n_gpu_layers=L, ctx=CTX, kv_type="f32", reserve=0).total
         for moe, slots in (("cache", L * E // 2), ("resident", L * E)):
@@ -471,3 +480,9 @@ def test_biased_clamped_experts_run_the_gemv_on_the_slots(tmp_path, monkeypatch)
             assert calls[0] > before, moe
             err = np.abs(got - ref).max() / np.abs(ref).max()
             assert err <= TOL * 10, (moe, err)
+            if moe == "resident":  # a prompt's experts, each once, all on the device
+                before = tiles[0]
+                got = s.logits(prompt)
+                assert tiles[0] > before, moe
+                err = np.abs(got - ref_prompt).max() / np.abs(ref_prompt).max()
+                assert err <= TOL * 10, (moe, "prompt", err)

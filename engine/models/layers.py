@@ -159,11 +159,7 @@ def _attention_rows(
     scores = torch.matmul(qh, kh) * (1.0 / float(hd) ** 0.5 if scale is None else scale)  # [Hkv, g, T, P]
     if T > 1 or start + T < k_start + P or (window and window < P):
         scores = scores.masked_fill(_unseen(start, T, P, window, q.device, k_start), float("-inf"))
-    if sinks is None:
-        probs = torch.softmax(scores, dim=-1)
-    else:  # the sink's column joins the softmax, then is dropped: it only takes probability away
-        sink = sinks.to(scores.dtype).reshape(Hkv, g, 1, 1).expand(Hkv, g, T, 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :P]
+    probs = softmax_sinks(scores, sinks)
     out = torch.matmul(probs, vh)  # [Hkv, g, T, hd]
     return out.permute(2, 0, 1, 3).reshape(T, H * hd)
 
@@ -256,11 +252,19 @@ def attention_static(
     qh = q.reshape(Hkv, g, hd)  # T = 1
     alpha = 1.0 / float(hd) ** 0.5 if scale is None else scale
     scores = torch.baddbmm(bias.expand(Hkv, g, L), qh, k.permute(1, 2, 0), alpha=alpha)
-    if sinks is None:
-        probs = torch.softmax(scores, dim=-1)  # [Hkv, g, L]
-    else:
-        probs = torch.softmax(torch.cat([scores, sinks.reshape(Hkv, g, 1)], dim=-1), dim=-1)[..., :L]
+    probs = softmax_sinks(scores, sinks)  # [Hkv, g, L]
     return torch.bmm(probs, v.permute(1, 0, 2)).reshape(T, H * hd)  # [Hkv, g, hd] -> [1, H*hd]
+
+
+def softmax_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax of scores [Hkv, g, ..., P] over the last dimension; with ``sinks`` float32 [H = Hkv·g] each head's
+    sink logit joins its softmax as a column, then is dropped: it only takes probability away
+    (ggml_soft_max_add_sinks)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    Hkv, g, P = scores.shape[0], scores.shape[1], scores.shape[-1]
+    sink = sinks.to(scores.dtype).reshape(Hkv, g, *[1] * (scores.dim() - 2)).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :P]
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -32,18 +32,15 @@ class PoolCompute:
         self.pool, self.stacks, self.q8_act = pool, stacks, q8_act
         self.options = options if options is not None else config.current()
         self.device = pool.device
-        # Layers whose three roles the fused Triton kernels read in place (plain SwiGLU experts only: biased,
-        # clamped experts, gpt-oss's, take the GEMV below, or the torch references).
-        self.fused = {
-            i: s.glu is None and all(fused_kernels(self.device, getattr(s, r).qtype, self.options) for r in ROLES)
+        # Layers whose three roles' types the Triton kernels serve; of those, plain SwiGLU experts take the fused
+        # kernels (``fused``), biased, clamped ones (gpt-oss's) a GEMV a role with the biases and activation in torch
+        # between them (``gemv_glu``); the rest the torch references.
+        served = {
+            i: all(fused_kernels(self.device, getattr(s, r).qtype, self.options) for r in ROLES)
             for i, s in stacks.items()
         }
-        # Layers of biased, clamped experts (gpt-oss) whose three types the Triton GEMV serves: a few pairs run as a
-        # GEMV a role over the slots' bytes in place, the biases and activation in torch between them.
-        self.gemv_glu = {
-            i: s.glu is not None and all(fused_kernels(self.device, getattr(s, r).qtype, self.options) for r in ROLES)
-            for i, s in stacks.items()
-        }
+        self.fused = {i: ok and stacks[i].glu is None for i, ok in served.items()}
+        self.gemv_glu = {i: ok and stacks[i].glu is not None for i, ok in served.items()}
         self._glu: dict[int, tuple] = {}  # layer -> its ExpertGLU's biases on the device
 
     def roles(self, layer: int) -> dict:
@@ -100,9 +97,7 @@ class PoolCompute:
             o, qt, rows, n = r[name]
             return triton_gemv.gemv(pool, off + o, x.contiguous(), qt, rows, n, options=self.options)
 
-        xp = xp.float()
-        h = self._hidden(layer, experts, role("gate", xp), role("up", xp))
-        return self._out(layer, experts, role("down", h))
+        return self._ffn(layer, experts, role, xp.float())
 
     def expert_rows(self, layer: int, slot: int, x: torch.Tensor, expert: int) -> torch.Tensor:
         """Expert ``expert``, in ``slot``, over the rows x [n, D] -> [n, D] (a prompt: each expert once). Layers of
@@ -118,9 +113,14 @@ class PoolCompute:
                 raw = pool[base + o : base + o + nb].view(rows, -1)
                 return triton_moe.one_matrix(raw, X.float().contiguous(), qt, rows, n, options=self.options)
 
-            return self._out(layer, expert, role("down", self._hidden(layer, expert, role("gate", x), role("up", x))))
-        g, u, d = self.slot_matrices(layer, torch.tensor([slot], device=self.device))
-        return self._out(layer, expert, self._hidden(layer, expert, x @ g[0].T, x @ u[0].T) @ d[0].T)
+            return self._ffn(layer, expert, role, x)
+        m = dict(zip(ROLES, self.slot_matrices(layer, torch.tensor([slot], device=self.device))))
+        return self._ffn(layer, expert, lambda name, X: X @ m[name][0].T, x)
+
+    def _ffn(self, layer: int, experts, role, x: torch.Tensor) -> torch.Tensor:
+        """down(act(gate·x + bg, up·x + bu)) + bd, each product ``role(name, X)`` ("gate", "up", "down"), the
+        layer's biases and activation between them (:meth:`_hidden`, :meth:`_out`)."""
+        return self._out(layer, experts, role("down", self._hidden(layer, experts, role("gate", x), role("up", x))))
 
     def _biases(self, layer: int) -> tuple:
         """The layer's expert biases (gate, up, down; None where absent) on the device, made once."""

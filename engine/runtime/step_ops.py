@@ -167,7 +167,7 @@ class DeviceStepOps:
             return TorchOps.delta_net(self, dn, qkv, b, a)
         st = self.cache.recurrent[dn.i]
         st.steps = None  # one token keeps no roll-back points (TorchOps.delta_net: only T > 1 does)
-        w = self._gdn_consts(dn, qkv.device)
+        w = self._gdn_consts(dn)
         return step_kernels.delta_net_step(
             qkv, b, a, st.conv, st.ssm, w[0], w[1], w[2], dn.n_k_heads, dn.head_k, dn.n_v_heads, dn.head_v,
             dn.grouping, dn.eps,
@@ -176,7 +176,7 @@ class DeviceStepOps:
     def gated_norm(self, dn, o, z):
         if not self.fused or o.shape[0] != 1:
             return TorchOps.gated_norm(self, dn, o, z)
-        return step_kernels.gated_norm(o, z, self._gdn_consts(dn, o.device)[3], dn.n_v_heads, dn.head_v, dn.eps)
+        return step_kernels.gated_norm(o, z, self._gdn_consts(dn)[3], dn.n_v_heads, dn.head_v, dn.eps)
 
     def _const(self, key, t: torch.Tensor) -> torch.Tensor:
         """t as contiguous float32 on the step's device, made once per graph decoder (outside a capture)."""
@@ -185,16 +185,9 @@ class DeviceStepOps:
             c = self.consts[key] = t.to(device=self.pos.device, dtype=torch.float32).contiguous()
         return c
 
-    def _gdn_consts(self, dn, device):
-        """The layer's conv kernels [C, K], dt_bias, A [Hv] and norm [dv] on the device, contiguous float32,
-        made once per graph decoder (a capture then records no copies)."""
-        key = ("gdn", dn.i)
-        w = self.consts.get(key)
-        if w is None:
-            w = self.consts[key] = tuple(
-                t.to(device=device, dtype=torch.float32).contiguous() for t in (dn.conv_w, dn.dt_bias, dn.A, dn.norm)
-            )
-        return w
+    def _gdn_consts(self, dn) -> tuple[torch.Tensor, ...]:
+        """The layer's conv kernels [C, K], dt_bias, A [Hv] and norm [dv] as step constants (:meth:`_const`)."""
+        return tuple(self._const(("gdn", dn.i, n), getattr(dn, n)) for n in ("conv_w", "dt_bias", "A", "norm"))
 
     def sigmoid_gate(self, s, x, w):
         return s * torch.sigmoid(x @ w)[:, None]

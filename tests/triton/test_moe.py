@@ -113,7 +113,6 @@ def test_expert_cache_through_fused_kernels_on_cuda(tmp_path, monkeypatch, act, 
     round activations to 8 bits (~1 % relative per product), the prompt kernels x, weights and h to
     bfloat16 (the default on CUDA; 2⁻⁹ relative per operand), so a looser bound."""
     from engine.api import LoadOptions, Session
-    from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
     from engine.runtime import kernel_select as ks
     from engine.synth.writer import write_model
     from tests.oracle import random_tokens
@@ -132,11 +131,7 @@ def test_expert_cache_through_fused_kernels_on_cuda(tmp_path, monkeypatch, act, 
         Session.load(str(path), LoadOptions(n_ctx=CTX, device="cuda", q8_act=False)) as s,
     ):
         ref_dec, ref_pre = s.logits(dec, batch=False), s.logits(tokens)
-        L, E = s.args.n_layer, s.args.n_expert
-        need = device_bytes(s.spec, n_gpu_layers=L, ctx=CTX, kv_type="f32", reserve=0).total
-        for moe, slots in (("cache", L * E // 2), ("resident", L * E)):
-            prof = DeviceProfile(vram_bytes=need + slots * expert_slot_layout(s.spec).stride, reserve_bytes=0)
-            s.apply(s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe=moe), prof))
+        for moe in _half_cache_then_resident(s, CTX):
             assert s.applied.options.device_act == act and s.applied.options.prefill_precision == prefill
             cached = s.applied.experts
             assert cached is not None and all(cached._fused.values()), "the fused kernels must serve these layers"
@@ -393,6 +388,19 @@ def test_cache_misses_read_over_the_bus_inside_the_step(tmp_path, monkeypatch):
 
 
 @pytest.mark.cuda
+def _half_cache_then_resident(s, ctx: int):
+    """Apply to session ``s`` every layer on the device with half its experts in the cache, then all resident
+    (budgets that afford exactly those slots, KV f32), yielding the mode after each apply."""
+    from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
+
+    L, E = s.args.n_layer, s.args.n_expert
+    need = device_bytes(s.spec, n_gpu_layers=L, ctx=ctx, kv_type="f32", reserve=0).total
+    for moe, slots in (("cache", L * E // 2), ("resident", L * E)):
+        prof = DeviceProfile(vram_bytes=need + slots * expert_slot_layout(s.spec).stride, reserve_bytes=0)
+        s.apply(s.plan(PlanRequest(ctx=ctx, kv_type="f32", n_gpu_layers=L, moe=moe), prof))
+        yield moe
+
+
 @CUDA_ONLY
 @pytest.mark.parametrize(
     ("experts", "down"), [("Q2_K", "Q3_K"), ("IQ4_XS", "Q5_0"), ("MXFP4", "IQ4_NL")], ids=["Q2_K", "IQ4_XS", "MXFP4"]
@@ -403,7 +411,6 @@ def test_expert_cache_of_the_newer_types_through_the_fused_kernels(tmp_path, exp
     engine's logits through a prompt (the grouped kernels) and decode steps. CUDA only, as the test above: a
     whole session is minutes in the interpreter, where test_moe_kernels_match_the_reference holds each kernel."""
     from engine.api import LoadOptions, Session
-    from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
     from engine.runtime import triton_qblocks as qb
     from engine.synth.writer import write_model
     from tests.oracle import random_tokens
@@ -419,11 +426,7 @@ def test_expert_cache_of_the_newer_types_through_the_fused_kernels(tmp_path, exp
         Session.load(str(path), LoadOptions(n_ctx=CTX, device=DEVICE, q8_act=False)) as s,
     ):
         ref_dec, ref_pre = s.logits(dec, batch=False), s.logits(tokens)
-        L, E = s.args.n_layer, s.args.n_expert
-        need = device_bytes(s.spec, n_gpu_layers=L, ctx=CTX, kv_type="f32", reserve=0).total
-        for moe, slots in (("cache", L * E // 2), ("resident", L * E)):
-            prof = DeviceProfile(vram_bytes=need + slots * expert_slot_layout(s.spec).stride, reserve_bytes=0)
-            s.apply(s.plan(PlanRequest(ctx=CTX, n_gpu_layers=L, moe=moe), prof))
+        for moe in _half_cache_then_resident(s, CTX):
             cached = s.applied.experts
             assert cached is not None and all(cached._fused.values()), "the fused kernels must serve these layers"
             for batch, ref, toks in ((False, ref_dec, dec), (True, ref_pre, tokens)):
@@ -437,7 +440,6 @@ def test_biased_clamped_experts_run_the_gemv_on_the_slots(tmp_path, monkeypatch)
     as one Triton GEMV a role over the slots' MXFP4 bytes in place (``PoolCompute.gemv_pairs``), a prompt's experts
     as tiled products on them (``expert_rows``), not the dequantized matrices, and give the CPU engine's logits."""
     from engine.api import LoadOptions, Session
-    from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
     from engine.runtime.pool_compute import PoolCompute
     from engine.synth.writer import write_model
     from tests.oracle import random_tokens
@@ -469,11 +471,7 @@ def test_biased_clamped_experts_run_the_gemv_on_the_slots(tmp_path, monkeypatch)
         Session.load(str(path), LoadOptions(n_ctx=CTX, device=DEVICE, q8_act=False)) as s,
     ):
         ref, ref_prompt = s.logits(tokens, batch=False), s.logits(prompt)
-        L, E = s.args.n_layer, s.args.n_expert
-        need = device_bytes(s.spec, n_gpu_layers=L, ctx=CTX, kv_type="f32", reserve=0).total
-        for moe, slots in (("cache", L * E // 2), ("resident", L * E)):
-            prof = DeviceProfile(vram_bytes=need + slots * expert_slot_layout(s.spec).stride, reserve_bytes=0)
-            s.apply(s.plan(PlanRequest(ctx=CTX, kv_type="f32", n_gpu_layers=L, moe=moe), prof))
+        for moe in _half_cache_then_resident(s, CTX):
             assert all(s.applied.experts.compute.gemv_glu.values()), moe
             before = calls[0]
             got = s.logits(tokens, batch=False)

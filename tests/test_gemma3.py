@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from engine import ops
 from engine.gguf import open_gguf
-from engine.models import build_model
+from engine.models import build_model, layers
 from tests.oracle import random_tokens
 from tests.test_runtime import DEVICES
 
@@ -37,13 +38,72 @@ def _llama(open_llama, path, tokens):
     return np.array(llm.scores[: len(tokens)], dtype=np.float32)
 
 
-def test_f32_one_layer_equals_llama_cpp(synth_model, open_llama):
-    """One sliding layer: ≤ 1e-4 through prefill and decode (measured 4.9e-5)."""
+class _GeluTable:
+    """Wraps ``layers.gelu_tanh_ggml`` while a test runs: records every input row in order, and can put one output
+    on the table's neighbouring step (``flip=(row, column, value)``)."""
+
+    def __init__(self, monkeypatch, flip=None):
+        self.rows: list[torch.Tensor] = []
+        table = layers.gelu_tanh_ggml
+
+        def gelu(x):
+            y = table(x).clone()
+            for row, out in zip(x.reshape(-1, x.shape[-1]), y.view(-1, x.shape[-1])):
+                if flip is not None and flip[0] == len(self.rows):
+                    out[flip[1]] = flip[2]
+                self.rows.append(row.clone())
+            return y
+
+        monkeypatch.setattr(layers, "gelu_tanh_ggml", gelu)
+
+
+def _within_or_one_table_step(run, ref, tol: float):
+    """``run(flip) -> (logits [T, V], GELU input rows)``. Every row within ``tol`` of llama.cpp's, or brought
+    within it by moving one GELU output to the table's other step where the input lies within 2e-6 (relative)
+    of that step: ggml's GELU is a float16 table, a step function, and float32 summation order (SIMD width)
+    decides on which side such an input falls."""
+    got, rows = run(None)
+    far = np.nonzero(np.abs(got - ref).max(-1) > tol)[0]
+    assert len(far) <= 2, (len(far), np.abs(got - ref).max())
+    for r in far:
+        x = rows[r]
+        table = layers.gelu_tanh_ggml
+        y = table(x)
+        moved = [
+            (j, float(alt[j]))
+            for alt in (table(x * (1 - 2e-6)), table(x * (1 + 2e-6)))
+            for j in torch.nonzero(alt != y).flatten().tolist()
+        ]
+        assert moved, f"row {r}: {np.abs(got[r] - ref[r]).max():.3g} and no GELU input near a table step"
+        best = min(np.abs(run((r, j, v))[0][r] - ref[r]).max() for j, v in moved)
+        assert best <= tol, (r, np.abs(got[r] - ref[r]).max(), best)
+
+
+def test_f32_one_layer_equals_llama_cpp(synth_model, open_llama, monkeypatch):
+    """One sliding layer: ≤ 1e-4 through prefill and decode (measured 4.9e-5 against an AVX-512 build). Against
+    an AVX2 build one row was 1.44e-4 from a single GELU input 1e-6 from a float16 table step; on the other step
+    it is 2.3e-5, so a row may pass that way (:func:`_within_or_one_table_step`)."""
     m = synth_model("gemma3", "F32", **dict(GEMMA, layers=1))
     toks = random_tokens(N, 512)
     ref = _llama(open_llama, m.path, toks)
-    pre, dec = _ours(m.path, toks, q8_act=False)
-    assert np.abs(pre - ref).max() <= 1e-4 and np.abs(dec - ref).max() <= 1e-4
+
+    def run(decode: bool):
+        def go(flip):
+            with monkeypatch.context() as mp:
+                rec = _GeluTable(mp, flip)
+                with open_gguf(m.path) as gf:
+                    model = build_model(gf, q8_act=False)
+                    cache = model.new_cache(64)
+                    if decode:
+                        out = np.concatenate([model.forward([t], i, cache).numpy() for i, t in enumerate(toks)])
+                    else:
+                        out = model.forward(toks, 0, cache).numpy()
+            return out, rec.rows
+
+        return go
+
+    for decode in (False, True):
+        _within_or_one_table_step(run(decode), ref, 1e-4)
 
 
 def test_f32_six_layers_equal_llama_cpp(synth_model, open_llama):

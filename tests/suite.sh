@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it (the README's test command). Four steps, each must pass:
 #   1. lint: ruff check and ruff format --check (ruff is pinned in the test extra);
-#   2. the tests (pytest's testpaths; the Triton kernel tests skip here without CUDA);
+#   2. the tests (pytest's testpaths; the Triton kernel tests skip here without CUDA), with the 60 slowest listed;
 #   3. the Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET is read when Triton is
 #      imported, so they need an interpreter of their own);
 #   4. the tests whose code path depends on the processor (marker cpu_paths) again with its
@@ -17,7 +17,7 @@ ruff check .
 ruff format --check .
 
 echo "== tests"
-python -m pytest -q
+python -m pytest -q --durations=60
 
 echo "== Triton kernels in the interpreter"
 rc=0

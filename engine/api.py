@@ -10,6 +10,7 @@ import errno
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -42,9 +43,11 @@ from engine.profiler import ProfilerSnapshot
 from engine.profiler import export as export_profile
 from engine.routes import RouteRecorder, RouteTrace
 from engine.routes.replay import RouteReplayer
+from engine.routes.sample import RoutingSample
 from engine.runtime.apply import Applied, apply_placement
 from engine.runtime.device import cuda_reserve
 from engine.runtime.expert_pool import mirror_bytes, misses_over_bus
+from engine.runtime.replan import Replan, eligible, replan
 from engine.runtime.threads import host_threads, use_host_threads
 from engine.tokenizer.chat import RenderCancelled
 
@@ -215,6 +218,10 @@ class Session:
             self._use_history = options.routing_history
             self._curve = None  # engine.routes.history.CurveChoice, once planned with
             self._cuda_reserve: int | None = None
+            self._sample: RoutingSample | None = None  # this session's prompt routing, for the re-plan of `auto`
+            self._replanned = False
+            self._unsampled = False  # inside unsampled(): no sampling, no re-plan
+            self.replans: list[Replan] = []  # the re-plans of an `auto` placement on the session's routing
             self.applied: Applied | None = None
             self.cache = self.model.new_cache(self.n_ctx, self.kv_type)
             if options.placement is not None:
@@ -347,6 +354,7 @@ class Session:
         except RenderCancelled as e:
             return iter([GenerationEvent("", None, 0, 0, len(self.state.tokens), self.n_ctx, 0.0, 0.0, 0.0,
                                          FINISH_CANCELLED, str(e))])  # fmt: skip
+        self._between_turns()
         fmt = self.reasoning if reasoning else None
         only_calls = calls and self.chat_format == HARMONY and fmt != HARMONY
         return _on_threads(
@@ -366,6 +374,69 @@ class Session:
                 mtp_judge=self.draft_judge,
             ),
         )
+
+    def _between_turns(self) -> None:
+        """Before a generation: the re-plan of an ``auto`` placement on this session's own routing
+        (``engine.runtime.replan``) once its prompts have routed ``EngineOptions.replan_tokens`` tokens — applied
+        when the choice changes, so this generation recomputes its whole prompt under the new placement — else the
+        routing sample armed for this generation's prompt. Nothing happens where the placement is not an ``auto``
+        choice the cache's hit rate could change, or where the hit rates already come from this model's routing
+        (the user's history, a profile's own curve, an earlier re-plan)."""
+        from engine.runtime.hit_curves import SOURCE_HISTORY
+
+        target = self.engine_options.replan_tokens
+        if self._replanned or self._unsampled or target <= 0 or not self.spec.is_moe:
+            return
+        p = self.placement
+        own = (self._speeds is not None and bool(self._speeds.hit_curve)) or self.hit_curve().source == SOURCE_HISTORY
+        if own or not eligible(p, self.spec):
+            if self._sample is not None:
+                self._sample.disarm()
+            return
+        if self._sample is None:
+            self._sample = RoutingSample(self.args.n_expert, self.args.n_expert_used, model=self.info.name)
+        if self._sample.n_tokens < target:
+            self._sample.arm(self.model)
+            return
+        self.replan_now()
+
+    @contextmanager
+    def unsampled(self) -> Iterator[None]:
+        """Generations inside are neither sampled for the re-plan nor re-planned before (``engine.warmup``: its
+        prompts are made up, not the user's routing)."""
+        paused, self._unsampled = self._unsampled, True
+        try:
+            yield
+        finally:
+            self._unsampled = paused
+            if self._sample is not None:
+                self._sample.disarm()
+
+    def replan_now(self) -> Replan | None:
+        """Plan the placement in force again with the hit-rate curve of this session's routing sampled so far, and
+        apply it if the choice changed (a fresh KV cache: the next generation recomputes its prompt). Returns what
+        was found (also appended to :attr:`replans`), or None where there is no sample or nothing to re-plan."""
+        sample, self._sample = self._sample, None
+        p = self.placement
+        if sample is None:
+            return None
+        sample.disarm()
+        if sample.n_tokens == 0 or not eligible(p, self.spec):
+            return None
+        self._replanned = True
+        from engine.runtime.hit_curves import session_curve
+
+        curve = session_curve(sample.trace(), self.engine_options.cache_policy)
+        self._curve = curve  # later plans (the app's sliders) price the cache with it too
+        new, found = replan(self.spec, p, curve)
+        if found.changed:
+            try:
+                self.apply(new)
+            except DeviceMemoryError as e:
+                found = replace(found, changed=False, note=f"{found.note}; not applied: {e}")
+        log.info("%s", found.note)
+        self.replans.append(found)
+        return found
 
     @property
     def draft_judge(self) -> DraftJudge | None:

@@ -76,6 +76,7 @@ ENV = MappingProxyType(
         "data_dir": "SHARPI_DATA_DIR",
         "routes_dir": "SHARPI_ROUTES_DIR",
         "hit_curve": "SHARPI_HIT_CURVE",
+        "replan_tokens": "SHARPI_REPLAN_TOKENS",
         "engine_nice": "SHARPI_ENGINE_NICE",
     }
 )
@@ -268,6 +269,11 @@ class EngineOptions:
     # what a real model's routing gives the cache: 84 % against the trace's measured 94.9 % at 12 GiB on the 30B
     # geometry, which kept `auto` on the resident split at 69.8 tok/s where the cache decoded 86.8; docs/planner.md).
     hit_curve: str = "synthetic"
+    # SHARPI_REPLAN_TOKENS: an `auto` placement that priced the expert cache with a curve not of this model's
+    # routing (the synthetic one, or the Zipf guess) is planned again once the session's prompts have routed this many
+    # tokens, with the hit-rate curve of the cache policy replayed on those routes, and re-applied between turns when
+    # the choice changes (engine.api.Session; docs/planner.md, *Re-planning on the model's own routing*); 0: never.
+    replan_tokens: int = 256
 
     # -- generation -------------------------------------------------------------------------------------
     # SHARPI_REASONING: how a reply's reasoning is kept apart from its answer (engine.generate.reasoning):
@@ -429,6 +435,7 @@ _PARSE = {
     "data_dir": lambda var, raw: Path(raw).expanduser(),
     "routes_dir": lambda var, raw: Path(raw).expanduser(),
     "hit_curve": _choice(HIT_CURVES),
+    "replan_tokens": _whole,
     "engine_nice": _whole,
 }
 _DEFAULTS = {f.name: f.default for f in fields(EngineOptions)}
@@ -466,6 +473,8 @@ def _check(o: EngineOptions) -> None:
         raise UsageError(f"EngineOptions.prompt_stream_min={o.prompt_stream_min!r}: expected a number ≥ 0")
     if o.host_threads is not None and (not isinstance(o.host_threads, int) or o.host_threads < 1):
         raise UsageError(f"EngineOptions.host_threads={o.host_threads!r}: expected None or a number ≥ 1")
+    if isinstance(o.replan_tokens, bool) or not isinstance(o.replan_tokens, int) or o.replan_tokens < 0:
+        raise UsageError(f"EngineOptions.replan_tokens={o.replan_tokens!r}: expected a number ≥ 0")
     if not isinstance(o.state_checkpoints, int) or o.state_checkpoints < 0:
         raise UsageError(f"EngineOptions.state_checkpoints={o.state_checkpoints!r}: expected a number ≥ 0")
     if o.mtp is not None and (not isinstance(o.mtp, int) or isinstance(o.mtp, bool) or o.mtp < 0):

@@ -194,7 +194,7 @@ def warm_up(session, progress: Progress | None = None) -> WarmUp:
     # The chat's sampler (top-k, top-p, min-p, penalties: numba kernels of its own) and the greedy one.
     sampled = SamplingParams(max_tokens=WARMUP_DECODE_TOKENS, seed=0)
     greedy = SamplingParams.greedy(max_tokens=WARMUP_DECODE_TOKENS)
-    with preparing(session, progress) as counter:
+    with preparing(session, progress) as counter, session.unsampled():  # made-up prompts: not the user's routing
         events = list(session.generate(prompt_ids=first, params=sampled))
         made = session.state.tokens[len(first) :]  # the decoded tokens the cache holds
         events += list(session.generate(prompt_ids=first + made + follow, params=greedy))

@@ -67,6 +67,8 @@ def test_an_empty_environment_gives_the_documented_defaults():
         ("SHARPI_DATA_DIR", "/tmp/chats", "data_dir", Path("/tmp/chats")),
         ("SHARPI_ROUTES_DIR", "/tmp/routes", "routes_dir", Path("/tmp/routes")),
         ("SHARPI_HIT_CURVE", "Synthetic", "hit_curve", "synthetic"),
+        ("SHARPI_REPLAN_TOKENS", "0", "replan_tokens", 0),
+        ("SHARPI_REPLAN_TOKENS", "512", "replan_tokens", 512),
         ("SHARPI_CACHE_MISSES", "Bus", "cache_misses", "bus"),
         ("SHARPI_CACHE_MISSES", "cpu", "cache_misses", "cpu"),
         ("SHARPI_REASONING", "Off", "reasoning", "off"),

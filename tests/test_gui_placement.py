@@ -16,10 +16,11 @@ pytest.importorskip("pytestqt")
 from PySide6.QtCore import Qt  # noqa: E402
 
 from engine.errors import DeviceMemoryError  # noqa: E402
-from engine.plan import PlanRequest  # noqa: E402
+from engine.plan import DeviceProfile, PlanRequest  # noqa: E402
 from sharpi_gui import data as D  # noqa: E402
 from sharpi_gui.testing import GEN_TIMEOUT_MS, load, make_window, patch_dialogs, session_of  # noqa: E402
 from sharpi_gui.views.layout_view import bar_spans  # noqa: E402
+from tests.test_replan import BUDGET, CTX, GEOM, PROFILE  # noqa: E402
 
 MiB = 1 << 20
 
@@ -230,3 +231,36 @@ def test_speeds_note_says_where_the_figures_come_from():
     assert speeds_note(pv) == "from speeds measured on this machine (GPU X)"
     assert "partly default" in speeds_note(replace(pv, speeds_source="partly measured"))
     assert "not measured" in speeds_note(replace(pv, speeds_source="defaults", speeds_device=""))
+
+
+def test_the_app_shows_an_auto_replan(qtbot, tmp_path, synth_model):
+    """In the app: an `auto` placement applied from the dock, two replies; before the second, the session re-plans
+    on the first's prompt, and the window says so in its status bar and shows the new placement in force."""
+    w = make_window(qtbot, tmp_path)
+    load(qtbot, w, synth_model("qwen3moe", "Q8_0", **dict(GEOM, vocab=1024)).path)
+    worker, sess = w.bridge._worker, session_of(w)
+    # This test's speeds (those of the engine tests above) and a sample of one short chat prompt.
+    worker.current = replace(worker.current, profile=replace(worker.current.profile, **_speeds(PROFILE)))
+    sess.engine_options = replace(sess.engine_options, replan_tokens=8)
+    with qtbot.waitSignal(w.bridge.applied, timeout=GEN_TIMEOUT_MS):
+        w.bridge.apply(D.PlanSettings(vram_bytes=BUDGET, ctx=CTX, kv_type=sess.kv_type))
+    assert sess.placement.moe_mode == "cache" and "experts: cache" in w.status["placement"].text()
+    w.settings.sampling = {"max_tokens": 4, "seed": 3}
+    with qtbot.waitSignal(w.bridge.finished, timeout=GEN_TIMEOUT_MS):
+        w.ctx.chat.send("Name three rivers")
+    assert sess.replans == []
+    notes = []
+    w.bridge.warning.connect(notes.append)
+    with qtbot.waitSignal(w.bridge.finished, timeout=GEN_TIMEOUT_MS):
+        w.ctx.chat.send("And three mountains")
+    assert len(sess.replans) == 1 and sess.replans[0].changed
+    mode = sess.placement.moe_mode
+    assert mode != "cache" and notes == [sess.replans[0].note]
+    qtbot.waitUntil(lambda: f"experts: {mode}" in w.status["placement"].text(), timeout=GEN_TIMEOUT_MS)
+    assert w.statusBar().currentMessage().startswith("Re-planned on this session's routing")
+    if os.environ.get("SHARPI_SCREENSHOTS"):
+        w.grab().save(os.path.join(os.environ["SHARPI_SCREENSHOTS"], "replan-status.png"))
+
+
+def _speeds(p: DeviceProfile) -> dict:
+    return {"reserve_bytes": p.reserve_bytes, "miss_us": p.miss_us, "cpu_expert_gbps": p.cpu_expert_gbps}

@@ -331,6 +331,8 @@ def bench_session(
         "model": session.info.path,
         "file_bytes": session.info.file_size,
         "placement": session.applied.describe() if session.applied else "all layers on the CPU",
+        # `auto` planned again on the warm-up's routing (engine.runtime.replan): the timed runs ran its choice
+        "replans": [r.note for r in getattr(session, "replans", ())],
         "threads": threads,
         "gomp_spincount": config.process_settings()["GOMP_SPINCOUNT"],  # apply_process_settings' choice
         "prompt_tokens": prompt,

@@ -222,6 +222,8 @@ def run_model(args: argparse.Namespace) -> int:
         return 0
     print(f"model      {report['model']} ({report['file_bytes'] / 1e9:.2f} GB)")
     print(f"placement  {report['placement']}, {threads} threads")
+    for note in report.get("replans", ()):
+        print(f"re-plan    {note}")
     print(f"prompt     {report['prompt_tok_s']:.1f} tok/s ({args.prompt} tokens, median of {args.repeat})")
     print(
         f"decode     {report['decode_tok_s']:.2f} tok/s ({args.gen} tokens): "

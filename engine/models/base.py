@@ -122,16 +122,18 @@ class DecoderModel:
         if dev is not None and rope_weights is not None:
             self._freq_factors[dev] = rope_weights.optional_vector("rope_freqs.weight")
 
-    def set_route_tap(self, tap) -> None:
+    def set_route_tap(self, tap, keep_graphs: bool = False) -> None:
         """Hand every MoE layer's routing (ids and weights, each forward pass) to ``tap``, or stop (None). A tap
         (:class:`engine.routes.RouteRecorder`, :class:`engine.routes.replay.RouteReplayer`) has ``begin_pass(T)``,
         ``route(layer, route) -> route`` (the routing the layer then uses: its own, or a trace's) and
         ``end_pass(T)``. While one is set no layer runs its fused host step (whose routing stays inside the
         kernel), and a ``layerwise`` tap (the recorder) runs each token layer by layer, without the decode
-        graph; the others keep the graph, whose step routes through the tap."""
+        graph; the others keep the graph, whose step routes through the tap. ``keep_graphs``: the decode graphs
+        captured so far stay (for a tap that routes a one-token pass as the tap it replaces does:
+        ``engine.routes.sample.RoutingSample``)."""
         self.route_tap = tap
         graph = self.decode_graph
-        if graph is not None and getattr(graph, "graphs", None):
+        if not keep_graphs and graph is not None and getattr(graph, "graphs", None):
             graph.graphs.clear()  # captured with the previous routing: captured again on the next step
         for layer in getattr(self, "layers", []):
             if getattr(layer, "moe", None) is not None:

@@ -67,6 +67,7 @@ class Placement:
     resident_split: int | None = None  # the split the resident prediction places (None: no device layer's experts fit)
     asked_n_cpu_moe: int = 0  # the request's n_cpu_moe (a resident split may keep more layers' experts on the CPU)
     stream_slots: int = 0  # prompt-streaming staging slots (device.stream bytes); 0: long prompts stay on the CPU
+    request: Any = None  # the engine.plan.PlanRequest it answers (a re-plan asks it again with other speeds)
 
     @property
     def gpu_layers(self) -> tuple[int, int]:

@@ -281,6 +281,7 @@ def plan(spec: ModelSpec, profile: DeviceProfile, request: PlanRequest) -> Place
         resident_split=split,
         asked_n_cpu_moe=asked_cpu_moe,
         stream_slots=n_stream,
+        request=request,
     )
 
 

@@ -240,7 +240,15 @@ class _Worker(QObject):
             if dropped:
                 self.trimmed.emit(rid, dropped, cur.session.n_ctx)
             final = D.GenStats()
-            for ev in cur.session.generate(messages=messages, params=params, cancel=cancel):
+            replans = len(cur.session.replans)
+            events = cur.session.generate(messages=messages, params=params, cancel=cancel)
+            if len(cur.session.replans) > replans:  # `auto` planned again on the conversation's routing
+                try:
+                    self._republish(cur)
+                except Exception as e:  # the reply goes on; the placement view catches up on the next change
+                    self._log(e)
+                self.warning.emit(cur.session.replans[-1].note)
+            for ev in events:
                 final = C.gen_stats(ev)
                 self.n_generated = ev.n_generated
                 if self.stop_waiting.is_set():  # a Stop that came while generate() started
@@ -306,18 +314,25 @@ class _Worker(QObject):
         try:
             with self.model_lock:
                 change(cur.session)
-            curve = cur.session.hit_curve()
-            profile = replace(cur.profile, hit_curve=curve.points, hit_curve_source=curve.detail)
-            applied = cur.limits.applied
-            limits = C.limits(
-                cur.session, cur.spec, profile, applied, cur.limits.measured_tok_s, self.offers_device(cur.session)
-            )
-            loaded = replace(cur, profile=profile, card=C.card(cur.session, cur.spec), limits=limits)
+            self._republish(cur)
         except Exception as e:
             self._log(e)
             self.applyFailed.emit(C.failure(e, title))
-            return
-        self.current = loaded
+
+    def _republish(self, cur: C.Loaded) -> None:
+        """Publish the loaded session as an apply does after the session changed itself: the placement in force,
+        the profile's hit-rate curve, the limits."""
+        curve = cur.session.hit_curve()
+        profile = replace(cur.profile, hit_curve=curve.points, hit_curve_source=curve.detail)
+        limits = C.limits(
+            cur.session,
+            cur.spec,
+            profile,
+            cur.limits.applied,
+            cur.limits.measured_tok_s,
+            self.offers_device(cur.session),
+        )
+        self.current = loaded = replace(cur, profile=profile, card=C.card(cur.session, cur.spec), limits=limits)
         self.applied.emit(loaded)
 
     @Slot()

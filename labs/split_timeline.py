@@ -219,6 +219,7 @@ def main() -> None:
         gen = [e for e in s.generate(prompt_ids=toks, params=SamplingParams.greedy(max_tokens=64))][-1]
         print(f"generate (greedy, as sharpi bench): prompt {gen.prompt_tok_s:.1f} tok/s, decode {gen.decode_tok_s:.2f} tok/s",
               flush=True)  # fmt: skip
+        pos = len(s.state.tokens)  # the cache now ends there (a recurrent layer's state takes positions in order)
         full = numba.get_num_threads()
         for th in sorted({full, max(1, full * 3 // 4), max(1, full // 2)}, reverse=True) if host_stacks else ():
             numba.set_num_threads(th)

@@ -7,6 +7,7 @@ one worker thread at a time; :meth:`Session.cancel` may be called from any threa
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -44,7 +45,7 @@ from engine.profiler import export as export_profile
 from engine.routes import RouteRecorder, RouteTrace
 from engine.routes.replay import RouteReplayer
 from engine.routes.sample import RoutingSample
-from engine.runtime.apply import Applied, apply_placement
+from engine.runtime.apply import Applied, apply_placement, release_device
 from engine.runtime.device import cuda_reserve
 from engine.runtime.expert_pool import mirror_bytes, misses_over_bus
 from engine.runtime.replan import Replan, eligible, replan
@@ -635,8 +636,10 @@ class Session:
 
         If the device runs out of memory, the previous placement is restored and the error says so.
         """
-        previous = self.applied
+        previous = (self.applied.placement, self.applied.options) if self.applied is not None else None
         engine = engine if engine is not None else self.engine_options
+        if previous is not None:
+            self._release()
         try:
             self.applied = apply_placement(
                 self.model, self.spec, placement, self.device, options=engine, progress=progress
@@ -650,12 +653,24 @@ class Session:
         self.state = self._new_state()
         self._draft_judge = None  # another placement, other step times
 
-    def _restore(self, previous: Applied | None) -> None:
-        self.applied = None
+    def _release(self) -> None:
+        """Let go of the placement in force — device weights, expert slots, KV cache, graphs — before another is
+        built, so the device never holds two: a re-plan or an apply on a nearly full card would otherwise run out
+        of memory halfway (and nvidia-smi would count both). The experts' page-locked host copy stays for the next
+        placement to reuse."""
+        self.applied = self.cache = None
+        self.state = self._new_state()
+        release_device(self.model)
+        self.cache = self.model.new_cache(1, self.kv_type)  # a host cache of one token until the next is made
+        gc.collect()  # layers and backends refer to each other: their cycles hold device tensors until collected
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _restore(self, previous: tuple | None) -> None:
+        self._release()  # also what the failed placement had built
         if previous is not None:
-            self.applied = apply_placement(
-                self.model, self.spec, previous.placement, self.device, options=previous.options
-            )
+            placement, options = previous
+            self.applied = apply_placement(self.model, self.spec, placement, self.device, options=options)
             self.cache = self.applied.cache
         else:
             cpu_only = plan(

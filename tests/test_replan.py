@@ -183,3 +183,28 @@ def test_the_cli_chat_says_when_auto_replans(synth_model, monkeypatch, caplog, e
     )
     notes = [r.getMessage() for r in caplog.records if r.name == "engine.api" and r.levelno == logging.INFO]
     assert len([n for n in notes if n.startswith("Re-planned on this session's routing (")]) == 1, notes
+
+
+def test_an_apply_lets_go_of_the_placement_in_force_before_it_builds_the_next(path, monkeypatch):
+    """The device never holds two placements: when the next one's arena is made, the expert slots, arena and KV cache
+    of the one in force are already gone (on a nearly full card a re-plan would otherwise run out halfway)."""
+    import weakref
+
+    import engine.runtime.apply as ap
+
+    ids = _prompt(40, 5)
+    with _auto(path, moe="cpu") as fresh:
+        want = fresh.logits(ids)
+    with _auto(path, moe="cache") as s:
+        held = [weakref.ref(x) for x in (s.applied.experts, s.applied.arena, s.cache)]
+        seen = []
+
+        class Arena(ap.DeviceArena):
+            def __init__(self, *a, **k):
+                seen.append([r() is None for r in held])
+                super().__init__(*a, **k)
+
+        monkeypatch.setattr(ap, "DeviceArena", Arena)
+        s.apply(s.plan(replace(s.placement.request, moe="cpu"), s.placement.profile))
+        assert seen == [[True, True, True]] and s.placement.moe_mode == "cpu"
+        assert np.abs(s.logits(ids) - want).max() <= 1e-5  # as the same placement made at load

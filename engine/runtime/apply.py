@@ -79,12 +79,10 @@ def apply_placement(
     L, G = a.n_layer, p.n_gpu_layers
     w = model.w
     model.decode_graph = None  # free the old graphs (and their hold on the old KV cache) first
-    host_experts = CpuExperts(model.expert_stacks(), q8_act=w.q8_act) if a.is_moe else None
     if G == 0:
-        model.configure([w] * L, [HOST] * L, {i: host_experts for i in range(L)} if host_experts else {}, w)
-        cache = model.new_cache(p.ctx, p.kv_type)
-        model.profiler.clear_resident()
-        return Applied(p, device, None, cache, None, options=options)
+        release_device(model)
+        return Applied(p, device, None, model.new_cache(p.ctx, p.kv_type), None, options=options)
+    host_experts = CpuExperts(model.expert_stacks(), q8_act=w.q8_act) if a.is_moe else None
 
     arena = DeviceArena(device, p.budget_bytes)
     arena.charge("reserve", p.device.reserve)  # driver/context slack and activations: priced, not
@@ -145,6 +143,17 @@ def apply_placement(
     model.decode_graph = g = graph_decode.for_placement(model, p, device, options)
     graph = "" if g is None else g.describe()
     return Applied(p, device, arena, cache, cached, graph, options, stream)
+
+
+def release_device(model: DecoderModel) -> None:
+    """Every layer of ``model`` back on the host path (host weights, routed experts over the memory map) and its
+    decode graphs dropped: the model then holds nothing of a device placement but the experts' page-locked host
+    copy (``model.host_mirror``), which the next cache or resident placement reuses."""
+    model.decode_graph = None
+    L, w = model.args.n_layer, model.w
+    host = CpuExperts(model.expert_stacks(), q8_act=w.q8_act) if model.args.is_moe else None
+    model.configure([w] * L, [HOST] * L, {i: host for i in range(L)} if host else {}, w)
+    model.profiler.clear_resident()
 
 
 def _pre_gate(model: DecoderModel, n: int):

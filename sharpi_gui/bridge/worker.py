@@ -240,9 +240,9 @@ class _Worker(QObject):
             if dropped:
                 self.trimmed.emit(rid, dropped, cur.session.n_ctx)
             final = D.GenStats()
-            replans = len(cur.session.replans)
+            replans = len(getattr(cur.session, "replans", ()))  # a remote endpoint's session has none
             events = cur.session.generate(messages=messages, params=params, cancel=cancel)
-            if len(cur.session.replans) > replans:  # `auto` planned again on the conversation's routing
+            if len(getattr(cur.session, "replans", ())) > replans:  # `auto` planned again on the conversation's routing
                 try:
                     self._republish(cur)
                 except Exception as e:  # the reply goes on; the placement view catches up on the next change

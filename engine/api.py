@@ -427,7 +427,7 @@ class Session:
         self._replanned = True
         from engine.runtime.hit_curves import session_curve
 
-        curve = session_curve(sample.trace(), self.engine_options.cache_policy)
+        curve = session_curve(sample.trace(), self.engine_options.cache_policy, p.expert_capacity)
         self._curve = curve  # later plans (the app's sliders) price the cache with it too
         new, found = replan(self.spec, p, curve)
         if found.changed:

@@ -97,6 +97,7 @@ def test_auto_leaves_the_cache_for_what_its_own_routing_prices_fastest(path):
         assert r.note.startswith("Re-planned on this session's routing (300 prompt tokens, cache hit rate ")
         curve = s.hit_curve()
         assert curve.source == SOURCE_SESSION and curve.tokens == 300
+        assert round(first.expert_capacity, 4) in dict(curve.points)  # replayed at the placement's own capacity
         assert s.plan(first.request).profile.hit_curve == curve.points  # later plans price the cache with it
         _reply(s, _prompt(300, 3))
         assert len(s.replans) == 1 and s.model.route_tap is None  # once a session

@@ -111,10 +111,20 @@ def planner_curve(
     return CurveChoice((), SOURCE_ZIPF, ZIPF_DETAIL if fallback != SOURCE_SYNTHETIC else FEW_EXPERTS_DETAIL)
 
 
-def session_curve(trace: RouteTrace, policy: str | None = None) -> CurveChoice:
-    """The curve of ``policy`` (default: the default policy) replayed on a session's own routes (the first
-    CURVE_LAYERS MoE layers of ``trace``: 512 tokens replay in about 3 s on 2 busy cores)."""
-    points = hit_curve(trace, policy=policy or DEFAULT_POLICY)
+SESSION_CAPACITIES = (0.1, 0.3, 0.5, 0.7, 0.9)  # a session's curve: these and the placement's own capacity
+SESSION_LAYERS = 4
+
+
+def session_curve(trace: RouteTrace, policy: str | None = None, capacity: float | None = None) -> CurveChoice:
+    """The curve of ``policy`` (default: the default policy) replayed on a session's own routes: at
+    SESSION_CAPACITIES and at ``capacity`` (the placement's, where the re-plan reads it exactly), on the first
+    SESSION_LAYERS MoE layers of ``trace``. It is replayed while the user waits for a reply, so it is coarser than a
+    history curve: 512 tokens of the Qwen3.6 geometry's shape (256 experts, 8 a token) took 2.3 s on 2 busy cores,
+    against 7.4 s at the 10 capacities and 8 layers of a history curve."""
+    caps = set(SESSION_CAPACITIES)
+    if capacity is not None and 0.0 < capacity < 1.0:
+        caps.add(round(float(capacity), 4))
+    points = hit_curve(trace, tuple(sorted(caps)), SESSION_LAYERS, policy or DEFAULT_POLICY)
     n = trace.n_tokens
     return CurveChoice(points, SOURCE_SESSION, f"this session's routing: {n:,} prompt tokens", 0, n)
 

@@ -1,8 +1,8 @@
 """Mutated GGUFs of the synth writer's architectures (tests/fuzz_gguf.py): every case, in a child
 interpreter under a time limit and an address-space cap, ends in a project error or a correct run —
 no traceback, no hang, no crash. The everyday tier runs 1,000 cases spread over every mutation kind and base
-file; the slow tier 10,000 (``python -m tests.fuzz_gguf run N SEED`` runs any number and prints each failure's
-reproducer)."""
+file; the slow tier the first 4,000 of the 10,000 recorded in docs/robustness.md (``python -m tests.fuzz_gguf run
+10000 2`` runs all of them; ``run N SEED`` any number, printing each failure's reproducer)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import pytest
 from tests import fuzz_gguf as F
 
 FAST_CASES = 1000  # every kind on every base file, ~0.1 s a case on 2 cores
-SLOW_CASES = 10000
+# The first 4,000 of the recorded 10,000-case sample (sample(n, 2) is a prefix of sample(10000, 2)): the 10,000 took
+# 12 of CI's 90 minutes on an AVX2-only 2-core machine, where the whole suite came within 5 minutes of the limit.
+SLOW_CASES = 4000
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def test_cases_that_once_failed(bases):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)  # ~0.1 s a case per core: 10,000 cases take 8-17 minutes on 2 cores
-def test_ten_thousand_mutated_files(bases):
+@pytest.mark.timeout(3600)  # ~0.1 s a case per core: 4,000 cases take 3-7 minutes on 2 cores
+def test_four_thousand_mutated_files(bases):
     results = F.run_cases(F.sample(SLOW_CASES, seed=2), bases)
     _check(results)

@@ -21,9 +21,9 @@ python -m pytest -q --durations=60
 
 echo "== Triton kernels in the interpreter"
 rc=0
-TRITON_INTERPRET=1 python -m pytest -q tests/triton || rc=$?
+TRITON_INTERPRET=1 python -m pytest -q --durations=15 tests/triton || rc=$?
 # 5: nothing ran — no Triton installed here (the skip reason above says so); anything else fails the suite
 [ "$rc" = 0 ] || [ "$rc" = 5 ] || exit "$rc"
 
 echo "== processor-dependent tests with the features masked"
-SHARPI_NO_VNNI=1 SHARPI_BF16=0 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python -m pytest -q -m cpu_paths
+SHARPI_NO_VNNI=1 SHARPI_BF16=0 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python -m pytest -q --durations=15 -m cpu_paths

@@ -6,7 +6,7 @@
 #      imported, so they need an interpreter of their own);
 #   4. the tests whose code path depends on the processor (marker cpu_paths) again with its
 #      features masked — no VNNI, no bf16 prompt path, oneDNN capped below AMX — so both paths
-#      run on whichever processor this is.
+#      run on whichever processor this is (skipped on one with none of those features: pytest ran those paths).
 # Everyday loop instead: QT_QPA_PLATFORM=offscreen python -m pytest -m "not slow"
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,4 +26,10 @@ TRITON_INTERPRET=1 python -m pytest -q --durations=15 tests/triton || rc=$?
 [ "$rc" = 0 ] || [ "$rc" = 5 ] || exit "$rc"
 
 echo "== processor-dependent tests with the features masked"
-SHARPI_NO_VNNI=1 SHARPI_BF16=0 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python -m pytest -q --durations=15 -m cpu_paths
+# A processor with none of VNNI, bf16 or AMX already ran exactly these paths above (8 minutes saved on AVX2 machines).
+flags=$(grep -m1 '^flags' /proc/cpuinfo || true)
+if grep -qwE 'avx_vnni|avx512_vnni|avx512_bf16|amx_bf16|amx_tile|amx_int8' <<< "$flags"; then
+    SHARPI_NO_VNNI=1 SHARPI_BF16=0 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python -m pytest -q --durations=15 -m cpu_paths
+else
+    echo "skipped: this processor has no VNNI, bf16 or AMX, so pytest above ran the masked paths"
+fi

@@ -385,14 +385,14 @@ class Session:
         (the user's history, a profile's own curve, an earlier re-plan)."""
         from engine.runtime.hit_curves import SOURCE_HISTORY
 
+        if self._sample is not None:
+            self._sample.disarm()  # still armed only where a generation ended before its prompt ran
         target = self.engine_options.replan_tokens
         if self._replanned or self._unsampled or target <= 0 or not self.spec.is_moe:
             return
         p = self.placement
         own = (self._speeds is not None and bool(self._speeds.hit_curve)) or self.hit_curve().source == SOURCE_HISTORY
         if own or not eligible(p, self.spec):
-            if self._sample is not None:
-                self._sample.disarm()
             return
         if self._sample is None:
             self._sample = RoutingSample(self.args.n_expert, self.args.n_expert_used, model=self.info.name)
@@ -410,8 +410,6 @@ class Session:
             yield
         finally:
             self._unsampled = paused
-            if self._sample is not None:
-                self._sample.disarm()
 
     def replan_now(self) -> Replan | None:
         """Plan the placement in force again with the hit-rate curve of this session's routing sampled so far, and
@@ -421,7 +419,7 @@ class Session:
         p = self.placement
         if sample is None:
             return None
-        sample.disarm()
+        sample.disarm()  # called directly, between a generation's arming and its prompt
         if sample.n_tokens == 0 or not eligible(p, self.spec):
             return None
         self._replanned = True

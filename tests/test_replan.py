@@ -109,7 +109,7 @@ def test_auto_leaves_the_cache_for_what_its_own_routing_prices_fastest(path):
     "why",
     ["moe asked", "replan off", "the profile's own curve"],
 )
-def test_no_sample_and_no_replan(path, why):
+def test_no_sample_and_no_replan(path, why, monkeypatch):
     """Turns past ``replan_tokens`` that do not re-plan: the mode was asked for, re-planning is off, or the hit rates
     are already measured ones (a profile's own curve; the user's routing history is the same case)."""
     if why == "moe asked":
@@ -119,13 +119,14 @@ def test_no_sample_and_no_replan(path, why):
     else:
         profile = replace(PROFILE, hit_curve=SYNTHETIC_CURVE, hit_curve_source="measured elsewhere")
         s = _auto(path, profile=profile, replan_tokens=64)
+    armed = []
+    monkeypatch.setattr(RoutingSample, "arm", lambda self, model: armed.append(model))
     with s:
         before = s.placement
         assert before.moe_mode == "cache"
         for seed in (1, 2):
             _reply(s, _prompt(100, seed), 2)
-            assert s.model.route_tap is None
-        assert s.replans == [] and s.placement is before
+        assert armed == [] and s.replans == [] and s.placement is before
 
 
 def test_a_replan_that_keeps_the_choice_keeps_the_placement(path):
@@ -209,3 +210,15 @@ def test_an_apply_lets_go_of_the_placement_in_force_before_it_builds_the_next(pa
         s.apply(s.plan(replace(s.placement.request, moe="cpu"), s.placement.profile))
         assert seen == [[True, True, True]] and s.placement.moe_mode == "cpu"
         assert np.abs(s.logits(ids) - want).max() <= 1e-5  # as the same placement made at load
+
+
+def test_a_generation_never_run_leaves_no_armed_sample(path):
+    """A generation whose events were never consumed armed the sample and never ran its prompt; the made-up prompt of
+    a later unsampled() generation (the warm-up's) must not land in it."""
+    with _auto(path) as s:
+        s.generate(prompt_ids=_prompt(50, 7), params=SamplingParams.greedy(max_tokens=2))  # dropped unread
+        with s.unsampled():
+            _reply(s, _prompt(120, 8), 2)
+        _reply(s, _prompt(300, 1), 2)
+        _reply(s, _prompt(20, 2), 2)
+        assert len(s.replans) == 1 and s.replans[0].tokens == 300

@@ -26,7 +26,6 @@ class Replan:
     """What a re-plan found (plain data: the app and the CLI show ``note``)."""
 
     tokens: int  # prompt tokens of the session's routing the curve was replayed on
-    curve_before: str  # where the first plan's hit rates came from
     hit_rate_before: float | None  # the cache's predicted hit rate at the placement's capacity, first plan
     hit_rate: float | None  # the same on the session's own routing
     before: str  # the choice in force, in words ("cache", "resident, experts of layers 0-18 on the CPU")
@@ -91,7 +90,6 @@ def replan(spec: ModelSpec, placement: Placement, curve: CurveChoice) -> tuple[P
         note += f"; predicted {new_pred.tok_s:.0f}" + (f" against {old_pred.tok_s:.0f}" if changed else "") + " tok/s"
     return new, Replan(
         tokens=curve.tokens,
-        curve_before=p.profile.hit_curve_source,
         hit_rate_before=first.hit_rate if first is not None else None,
         hit_rate=again.hit_rate if again is not None else None,
         before=before,

@@ -240,9 +240,10 @@ class _Worker(QObject):
             if dropped:
                 self.trimmed.emit(rid, dropped, cur.session.n_ctx)
             final = D.GenStats()
-            replans = len(getattr(cur.session, "replans", ()))  # a remote endpoint's session has none
+            local = isinstance(cur, C.Loaded)  # a remote endpoint's session is placed by its server
+            replans = len(cur.session.replans) if local else 0
             events = cur.session.generate(messages=messages, params=params, cancel=cancel)
-            if len(getattr(cur.session, "replans", ())) > replans:  # `auto` planned again on the conversation's routing
+            if local and len(cur.session.replans) > replans:  # `auto` planned again on the conversation's routing
                 try:
                     self._republish(cur)
                 except Exception as e:  # the reply goes on; the placement view catches up on the next change

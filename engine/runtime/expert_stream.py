@@ -62,13 +62,16 @@ def copy_many(jobs: list[tuple[np.ndarray, np.ndarray]]) -> None:
 
 class StagingPool:
     """The staging slots on the device, as :class:`~engine.runtime.pool_compute.PoolCompute` reads a pool:
-    ``pool`` uint8 [n_slots, stride], ``layout``, ``expert_bytes`` {(layer, role): uint8 [E, bytes] views
-    of the memory map}, ``device``."""
+    ``pool`` uint8 [n_slots, stride], ``layout``, ``slot_off_h`` / ``slot_off_dev`` (each slot's byte offset,
+    int64 [n_slots] on the host / the device), ``expert_bytes`` {(layer, role): uint8 [E, bytes] views of the
+    memory map}, ``device``."""
 
     def __init__(self, stacks: dict[int, ExpertStacks], arena: DeviceArena, layout: SlotLayout, n_slots: int):
         self.device = arena.device
         self.layout = layout
         self.pool = arena.empty("stream", (n_slots, layout.stride), torch.uint8)
+        self.slot_off_h = np.arange(n_slots, dtype=np.int64) * layout.stride
+        self.slot_off_dev = torch.from_numpy(self.slot_off_h).to(self.device)
         self.expert_bytes = {
             (i, r): raw_bytes(getattr(s, r)).reshape(s.gate.n_experts, -1) for i, s in stacks.items() for r in ROLES
         }

@@ -438,8 +438,10 @@ def test_expert_cache_of_the_newer_types_through_the_fused_kernels(tmp_path, exp
 def test_biased_clamped_experts_run_the_gemv_on_the_slots(tmp_path, monkeypatch):
     """gpt-oss's experts (biases, the clamped SwiGLU) in the cache and resident on the device: a token's pairs run
     as one Triton GEMV a role over the slots' MXFP4 bytes in place (``PoolCompute.gemv_pairs``), a prompt's experts
-    as tiled products on them (``expert_rows``), not the dequantized matrices, and give the CPU engine's logits."""
+    as tiled products on them (``expert_rows``), not the dequantized matrices, and give the CPU engine's logits;
+    with the experts on the CPU, a prompt's experts streamed to the staging slots run the same tiled products."""
     from engine.api import LoadOptions, Session
+    from engine.plan import DeviceProfile, PlanRequest, device_bytes, expert_slot_layout
     from engine.runtime.pool_compute import PoolCompute
     from engine.synth.writer import write_model
     from tests.oracle import random_tokens
@@ -484,3 +486,16 @@ def test_biased_clamped_experts_run_the_gemv_on_the_slots(tmp_path, monkeypatch)
                 assert tiles[0] > before, moe
                 err = np.abs(got - ref_prompt).max() / np.abs(ref_prompt).max()
                 assert err <= TOL * 10, (moe, "prompt", err)
+        # Experts on the CPU: the prompt's experts are copied to the staging slots (a layer's a half) and
+        # multiplied there tile by tile, as resident ones are.
+        L, E = s.args.n_layer, s.args.n_expert
+        need = device_bytes(s.spec, n_gpu_layers=L, ctx=CTX, kv_type="f32", reserve=0).total
+        prof = DeviceProfile(vram_bytes=need + 2 * E * expert_slot_layout(s.spec).stride, reserve_bytes=0)
+        s.apply(s.plan(PlanRequest(ctx=CTX, kv_type="f32", n_gpu_layers=L, moe="cpu"), prof))
+        st = s.applied.stream
+        assert st is not None and all(st.compute.gemv_glu.values())
+        before = tiles[0]
+        got = s.logits(prompt)
+        assert tiles[0] > before and st.streamed_layers == L
+        err = np.abs(got - ref_prompt).max() / np.abs(ref_prompt).max()
+        assert err <= TOL * 10, ("cpu", "prompt", err)

@@ -368,7 +368,13 @@ def test_bench_prints_the_hybrid_bound_and_survives_a_full_device(moe_path, caps
         "_split_bytes",
         lambda s, hit: real(NS(placement=s.placement, device=torch.device("cuda"), spec=s.spec), hit),
     )
-    monkeypatch.setattr(dk, "measure_bandwidth", lambda nbytes=1 << 30: 3000.0)
+    asked = []
+
+    def probe(nbytes=1 << 30):
+        asked.append(nbytes)
+        return 3000.0
+
+    monkeypatch.setattr(dk, "measure_bandwidth", probe)
     args = ["bench", "-m", str(moe_path), "--device", "cpu", "--vram", "1GiB", "--moe", "cache", "--prompt", "4",
             "--gen", "4", "--repeat", "1"]  # fmt: skip
     assert main([*args, "--json"]) == 0
@@ -380,6 +386,14 @@ def test_bench_prints_the_hybrid_bound_and_survives_a_full_device(moe_path, caps
     assert r["decode_bw_fraction"] == pytest.approx(r["decode_tok_s"] / bound)
     assert main(args) == 0
     assert "MB from host memory" in capsys.readouterr().out
+    # Wholly on the device, uncalibrated: the device's bound, from a probe small enough for the budget's
+    # allowances (a 1 GiB pair once put 1.8 GiB on nvidia-smi's peak after the timed runs).
+    monkeypatch.setattr(model, "_wholly_on_cuda", lambda s: True)
+    assert main([*args, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["bandwidth_of"] == "device" and r["read_bandwidth_gb_s"] == 3000.0
+    assert asked and max(asked) <= 1 << 26
+    monkeypatch.setattr(model, "_wholly_on_cuda", lambda s: False)
 
     def full(nbytes=1 << 30):
         raise torch.OutOfMemoryError("CUDA out of memory")

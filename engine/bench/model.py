@@ -380,10 +380,10 @@ def bench_session(
     if bandwidth:
         on_device = _wholly_on_cuda(session)
         split = None if on_device else _split_bytes(session, report["hit_rate"])
-        if on_device or split:
-            from engine.bench.device_kernels import measure_bandwidth as device_bandwidth
+        dev_bw = _device_read_gbps(session) if on_device or split else None
+        on_device = on_device and dev_bw is not None
         if on_device:  # every weight byte of a step is read from device memory
-            bw = device_bandwidth()
+            bw = dev_bw
         else:
             from engine.bench.kernels import measure_bandwidth
 
@@ -392,28 +392,33 @@ def bench_session(
         report["read_bandwidth_gb_s"] = bw
         report["decode_bound_tok_s"] = bw * 1e9 / bpt  # every weight byte of a token read once at bw
         report["decode_bw_fraction"] = report["decode_gb_s"] / bw
-        dev_bw = None
-        if split:  # the trunk (and the cache's hits) on a CUDA device, the rest from host memory
-            prof = session.placement.profile
-            if "device_gbps" in prof.measured:  # calibrated: no probe buffers on top of the placement's budget
-                dev_bw = prof.device_gbps
-            else:
-                import torch
-
-                try:  # 2 × 64 MiB, given back at once: the budget's allowances hold them
-                    dev_bw = device_bandwidth(1 << 26)
-                    torch.cuda.empty_cache()
-                except RuntimeError:  # out of device memory: keep the host-only bound
-                    log.warning(
-                        "no room on the device to measure its bandwidth; the bound counts every byte at the host's"
-                    )
-        if dev_bw:
+        if dev_bw and split:
             report.update(bandwidth_of="host+device", device_bandwidth_gb_s=dev_bw, bytes_by_memory=split)
             report["decode_bound_tok_s"] = hybrid_bound_tok_s(split, bw, dev_bw)
             report["decode_bw_fraction"] = decode / report["decode_bound_tok_s"]
         if report.get("llama_cpp"):
             report["llama_cpp"]["decode_bw_fraction"] = report["llama_cpp"]["decode_gb_s"] / bw
     return report
+
+
+def _device_read_gbps(session) -> float | None:
+    """The CUDA device's read bandwidth: the calibrated figure where the placement's profile measured it (no
+    probe buffer on top of the placement's budget, so nvidia-smi's peak is the run's own), else a 2 × 64 MiB
+    copy given back at once (the budget's allowances hold it); None when even that does not fit."""
+    import torch
+
+    from engine.bench.device_kernels import measure_bandwidth as device_bandwidth
+
+    prof = session.placement.profile
+    if "device_gbps" in prof.measured:
+        return prof.device_gbps
+    try:
+        bw = device_bandwidth(1 << 26)
+    except RuntimeError:  # out of device memory
+        log.warning("no room on the device to measure its bandwidth; the bound counts every byte at the host's")
+        return None
+    torch.cuda.empty_cache()
+    return bw
 
 
 def bench_llama_cpp(path: str, prompt: int, gen: int, repeat: int, threads: int, seed: int = 0) -> dict | None:

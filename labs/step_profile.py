@@ -11,6 +11,7 @@ Results (H100 box, 2026-11-22, 04e3977 and f43ccfb): docs/benchmarks-gpu.md, "Th
 import collections
 import contextlib
 import sys
+import time
 
 import torch
 
@@ -39,6 +40,11 @@ def main(path: str, q8_act: bool) -> None:
         for _ in range(5):
             g.replay(bucket)
         torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(REPS):
+            g.replay(bucket)
+        torch.cuda.synchronize()
+        print(f"graph replay wall time {(time.perf_counter() - t0) / REPS * 1e6:.0f} us a step", flush=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(REPS):
                 g.replay(bucket)

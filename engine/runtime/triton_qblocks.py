@@ -12,9 +12,8 @@ bytes (contiguous 16- or 32-byte runs per block), so a warp's loads coalesce.
 The decoders follow ggml's ``dequantize_row_q4_0 / q5_0 / q8_0 / q2_K / q3_K / q4_K / q5_K / q6_K /
 mxfp4 / iq4_nl / iq4_xs`` (the same rules as ``engine.quant.reference`` and the torch reference
 ``engine.runtime.references``). Integers become floats with the exponent trick (``bits(2²³ + q) − 2²³``: an
-OR and a subtract, no int→float conversion instruction) — exact for the small codes here. IQ4's 16-level
-table is looked up in four packed 32-bit words (:func:`_level`); MXFP4's E2M1 levels are computed from the code's
-bits (:func:`_e2m1`), and each byte of an MXFP4 block is loaded once for both its nibbles (one part of 32).
+OR and a subtract, no int→float conversion instruction) — exact for the small codes here. The 16-level
+tables of MXFP4 and IQ4 are looked up in four packed 32-bit words (:func:`_level`).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ except ImportError:  # pragma: no cover
 
 from engine import config
 from engine.quant.formats import QType, block_format
-from engine.quant.reference import IQ4NL_VALUES
+from engine.quant.reference import IQ4NL_VALUES, MXFP4_VALUES
 
 SUPPORTED = (
     QType.Q4_0,
@@ -68,7 +67,7 @@ _WALK: dict[QType, tuple[int, int, int]] = {
     QType.Q4_K: (32, 8, 16),
     QType.Q5_K: (32, 8, 16),
     QType.Q6_K: (32, 8, 2),
-    QType.MXFP4: (32, 1, 1),
+    QType.MXFP4: (16, 2, 1),
     QType.IQ4_NL: (16, 2, 2),
     QType.IQ4_XS: (32, 8, 8),
 }
@@ -85,6 +84,7 @@ def _pack_levels(levels: tuple[int, ...]) -> tuple[int, ...]:
 
 
 _IQ4_WORDS = _pack_levels(tuple(int(v) for v in IQ4NL_VALUES))
+_MXFP4_WORDS = _pack_levels(tuple(int(v) for v in MXFP4_VALUES))
 
 
 def geometry(qtype: QType) -> dict:
@@ -122,6 +122,10 @@ if triton is not None:
     IQ4_W1 = tl.constexpr(_IQ4_WORDS[1])
     IQ4_W2 = tl.constexpr(_IQ4_WORDS[2])
     IQ4_W3 = tl.constexpr(_IQ4_WORDS[3])
+    MX_W0 = tl.constexpr(_MXFP4_WORDS[0])
+    MX_W1 = tl.constexpr(_MXFP4_WORDS[1])
+    MX_W2 = tl.constexpr(_MXFP4_WORDS[2])
+    MX_W3 = tl.constexpr(_MXFP4_WORDS[3])
 
     @triton.jit
     def _level(n, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr):
@@ -129,15 +133,6 @@ if triton is not None:
         w = tl.where(n < 8, tl.where(n < 4, W0, W1), tl.where(n < 12, W2, W3)).to(tl.int64)
         v = ((w >> ((n & 3) * 8).to(tl.int64)) & 0xFF).to(tl.int32)
         return ((v ^ 0x80) - 0x80).to(tl.float32)
-
-    @triton.jit
-    def _e2m1(n):
-        """int32 MXFP4 codes n in [0, 16) -> ggml's kvalues_mxfp4 (0, 1, 2, 3, 4, 6, 8, 12, then their negatives)
-        as float32, in int32 ops: m = n & 7 is m for m < 2, else (2 + (m & 1)) << ((m >> 1) − 1)."""
-        m = n & 7
-        v = tl.where(m < 2, m, (2 + (m & 1)) << tl.maximum((m >> 1) - 1, 0))
-        v = _u2f(v)
-        return tl.where(n > 7, -v, v)
 
     @triton.jit
     def _nibble(blk, off: tl.constexpr, l, m3, HIGH: tl.constexpr):
@@ -236,13 +231,12 @@ if triton is not None:
             d = _f16(blk + 108, mask)
             sc = tl.where(l[None, None, :] < 16, (d * sa)[:, :, None], (d * sb)[:, :, None])
             w = sc * q.to(tl.float32)
-        elif QT == 39:  # MXFP4: e8m0 exponent e, qs[16]: low nibbles are elements 0..15, high 16..31 (one part)
+        elif QT == 39:  # MXFP4: e8m0 exponent e, qs[16]: low nibbles are elements 0..15, high 16..31
             e = _byte(blk, mask)
             bits = tl.where(e < 2, 0x00200000 << tl.minimum(e, 1), (e - 1) << 23)
             d = bits.to(tl.float32, bitcast=True)  # 2^(e-128), ggml's GGML_E8M0_TO_FP32_HALF
-            u = tl.load(blk[:, :, None] + 1 + (l % 16)[None, None, :], mask=m3, other=0).to(tl.int32)
-            u = tl.where(l[None, None, :] < 16, u & 0xF, u >> 4)
-            w = d[:, :, None] * _e2m1(u)
+            u = _nibble(blk, 1, l, m3, I)
+            w = d[:, :, None] * _level(u, MX_W0, MX_W1, MX_W2, MX_W3)
         elif QT == 20:  # IQ4_NL: d, qs[16]: low nibbles are elements 0..15, high 16..31; kvalues_iq4nl levels
             d = _f16(blk, mask)
             u = _nibble(blk, 2, l, m3, I)

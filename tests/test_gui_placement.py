@@ -250,14 +250,18 @@ def test_the_app_shows_an_auto_replan(qtbot, tmp_path, synth_model):
         w.ctx.chat.send("Name three rivers")
     assert sess.replans == []
     notes = []
-    w.bridge.warning.connect(notes.append)
+    w.bridge.replanned.connect(lambda headline, note: notes.append(note))
     with qtbot.waitSignal(w.bridge.finished, timeout=GEN_TIMEOUT_MS):
         w.ctx.chat.send("And three mountains")
     assert len(sess.replans) == 1 and sess.replans[0].changed
     mode = sess.placement.moe_mode
     assert mode != "cache" and notes == [sess.replans[0].note]
     qtbot.waitUntil(lambda: f"experts: {mode}" in w.status["placement"].text(), timeout=GEN_TIMEOUT_MS)
-    assert w.statusBar().currentMessage().startswith("Re-planned on this session's routing")
+    headline = w.statusBar().currentMessage()
+    assert headline == sess.replans[0].headline and headline.startswith("Re-planned on this chat's routing: ")
+    assert w.status["placement"].toolTip() == sess.replans[0].note  # the hit rates and predictions in full
+    fields = sum(lab.width() for lab in w.status.values() if lab.isVisible())  # the permanent fields on the right
+    assert w.statusBar().fontMetrics().horizontalAdvance(headline) < w.statusBar().width() - fields
     if os.environ.get("SHARPI_SCREENSHOTS"):
         w.grab().save(os.path.join(os.environ["SHARPI_SCREENSHOTS"], "replan-status.png"))
 

@@ -95,6 +95,12 @@ def test_auto_leaves_the_cache_for_what_its_own_routing_prices_fastest(path):
         assert r.hit_rate_before > 0.85 and r.hit_rate < 0.6, (r.hit_rate_before, r.hit_rate)
         assert r.predicted_after > r.predicted_before
         assert r.note.startswith("Re-planned on this session's routing (300 prompt tokens, cache hit rate ")
+        from engine.runtime.replan import in_words
+
+        assert (
+            r.headline
+            == f"Re-planned on this chat's routing: {in_words(s.placement)} (the cache would hit {r.hit_rate:.0%})"
+        )
         curve = s.hit_curve()
         assert curve.source == SOURCE_SESSION and curve.tokens == 300
         assert round(first.expert_capacity, 4) in dict(curve.points)  # replayed at the placement's own capacity

@@ -33,7 +33,8 @@ class Replan:
     predicted_before: float | None  # tok/s of the choice in force, predicted on the session's curve
     predicted_after: float | None  # tok/s of the re-plan's choice, the same way
     changed: bool  # the choice differs: the session applies it
-    note: str  # one line for people (the app's status bar)
+    note: str  # one line for people: the CLI's log, the app's tooltip
+    headline: str  # the same, short enough for the app's status bar
 
 
 def eligible(placement: Placement | None, spec: ModelSpec) -> bool:
@@ -62,6 +63,15 @@ def choice(p: Placement) -> str:
     return what
 
 
+def in_words(p: Placement) -> str:
+    """The expert choice of ``p`` for the app's status bar ("experts on the CPU", "the GPU expert cache", …)."""
+    if p.moe_mode == CACHE:
+        return "the GPU expert cache"
+    if p.n_cpu_moe:
+        return f"experts resident on the GPU from layer {p.n_cpu_moe}, on the CPU before it"
+    return {"cpu": "experts on the CPU", "resident": "all experts resident on the GPU"}.get(p.moe_mode, p.moe_mode)
+
+
 def _key(p: Placement) -> tuple:
     return p.moe_mode, p.n_cpu_moe, p.n_gpu_layers
 
@@ -88,6 +98,9 @@ def replan(spec: ModelSpec, placement: Placement, curve: CurveChoice) -> tuple[P
         note = f"Checked the plan on {said}: {before} stays"
     if old_pred is not None and new_pred is not None:
         note += f"; predicted {new_pred.tok_s:.0f}" + (f" against {old_pred.tok_s:.0f}" if changed else "") + " tok/s"
+    headline = f"Re-planned on this chat's routing: {in_words(new)}" if changed else f"Plan kept: {in_words(p)}"
+    if again is not None and again.hit_rate is not None:
+        headline += f" (the cache would hit {again.hit_rate:.0%})"
     return new, Replan(
         tokens=curve.tokens,
         hit_rate_before=first.hit_rate if first is not None else None,
@@ -98,4 +111,5 @@ def replan(spec: ModelSpec, placement: Placement, curve: CurveChoice) -> tuple[P
         predicted_after=new_pred.tok_s if new_pred is not None else None,
         changed=changed,
         note=note,
+        headline=headline,
     )

@@ -99,6 +99,7 @@ class EngineBridge(QObject):
     loadProgress = Signal(int, int, str)  # done, total, what
     loaded = Signal(object, object)  # ModelCard, PlacementLimits
     warning = Signal(str)  # a note for the status bar (e.g. a saved placement that no longer fits)
+    replanned = Signal(str, str)  # the placement re-planned itself: (a status-bar headline, the full note)
     loadFailed = Signal(object)  # Failure
     token = Signal(int, str, object)  # request id, text delta, GenStats
     thought = Signal(int, str)  # request id, reasoning delta (before the same event's token)
@@ -173,6 +174,7 @@ class EngineBridge(QObject):
         w.progress.connect(self.loadProgress)
         w.loaded.connect(self._on_loaded)
         w.warning.connect(self.warning)
+        w.replanned.connect(self.replanned)
         w.loadFailed.connect(self._on_load_failed)
         w.token.connect(self.token)
         w.thought.connect(self.thought)

@@ -59,6 +59,7 @@ class _Worker(QObject):
     progress = Signal(int, int, str)
     loaded = Signal(object)  # C.Loaded
     warning = Signal(str)  # something the user should know that is not an error
+    replanned = Signal(str, str)  # `auto` re-planned on the conversation's routing: (headline, the full note)
     loadFailed = Signal(object)  # Failure
     token = Signal(int, str, object)  # request id, text delta, GenStats
     thought = Signal(int, str)  # request id, reasoning delta (emitted before the event's token)
@@ -248,7 +249,7 @@ class _Worker(QObject):
                     self._republish(cur)
                 except Exception as e:  # the reply goes on; the placement view catches up on the next change
                     self._log(e)
-                self.warning.emit(cur.session.replans[-1].note)
+                self.replanned.emit(cur.session.replans[-1].headline, cur.session.replans[-1].note)
             for ev in events:
                 final = C.gen_stats(ev)
                 self.n_generated = ev.n_generated

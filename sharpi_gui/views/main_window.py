@@ -192,6 +192,7 @@ class MainWindow(QMainWindow):
         b.applyFailed.connect(lambda _f: self._apply_ended())
         b.remoteConnected.connect(self._on_remote)
         b.warning.connect(lambda text: self.statusBar().showMessage(text, 10000))
+        b.replanned.connect(self._on_replanned)
         b.waiting.connect(lambda _rid: self.statusBar().showMessage("The chat waits for an API request to finish…"))
         b.busyChanged.connect(self._on_busy)
         b.calibrationProgress.connect(self._on_calibration_progress)
@@ -222,6 +223,12 @@ class MainWindow(QMainWindow):
         }.get(how, "")
         if text:
             self.statusBar().showMessage(text, 10000)
+
+    def _on_replanned(self, headline: str, note: str) -> None:
+        """`auto` moved the experts on the conversation's own routing: the headline in the status bar for a while,
+        the whole note (hit rates, predicted tok/s) in the placement label's tooltip until the next placement."""
+        self.statusBar().showMessage(headline, 15000)
+        self.status["placement"].setToolTip(note)
 
     def _on_chat_notice(self, failure: D.Failure) -> None:
         """The model's chat template failed: offer ChatML in its place, never silently."""
@@ -293,6 +300,7 @@ class MainWindow(QMainWindow):
     def _on_applied(self, card: D.ModelCard, limits: D.PlacementLimits) -> None:
         self._apply_ended()
         self.card, self.limits = card, limits
+        self.status["placement"].setToolTip("")  # a re-plan's note (set after this) belongs to its placement only
         self.settings.placement = limits.applied  # the next load places the model the same way
         self.settings.set_ctx_for(card.path, limits.current.ctx)  # this model's, no other's
         self.settings.kv_type = limits.current.kv_type

@@ -406,6 +406,23 @@ def test_bench_prints_the_hybrid_bound_and_survives_a_full_device(moe_path, caps
     )
 
 
+def test_bench_takes_a_calibrated_device_bandwidth_without_a_probe(monkeypatch):
+    """A placement whose profile measured the device's bandwidth gives the bench its bound with no probe buffer
+    on the device (nvidia-smi's peak stays the run's own)."""
+    from types import SimpleNamespace as NS
+
+    import engine.bench.device_kernels as dk
+    from engine.bench import model
+    from engine.plan import DeviceProfile
+
+    def no_probe(nbytes=1 << 30):
+        raise AssertionError("a probe buffer on the device")
+
+    monkeypatch.setattr(dk, "measure_bandwidth", no_probe)
+    prof = DeviceProfile(device_gbps=3566.0, measured=("device_gbps",))
+    assert model._device_read_gbps(NS(placement=NS(profile=prof))) == 3566.0
+
+
 def test_cpu_probes_read_past_the_last_level_cache(monkeypatch):
     """The CPU probes' working set is 4x the last-level cache (a 256 MiB set on a 300 MiB L3 measured the cache),
     at least 256 MiB, at most a quarter of the available RAM; a size the tests set wins."""

@@ -28,7 +28,7 @@ class Replan:
     tokens: int  # prompt tokens of the session's routing the curve was replayed on
     hit_rate_before: float | None  # the cache's predicted hit rate at the placement's capacity, first plan
     hit_rate: float | None  # the same on the session's own routing
-    before: str  # the choice in force, in words ("cache", "resident, experts of layers 0-18 on the CPU")
+    before: str  # the choice in force, in words (:func:`choice`: "the GPU expert cache", "experts on the CPU", …)
     after: str  # the re-plan's choice
     predicted_before: float | None  # tok/s of the choice in force, predicted on the session's curve
     predicted_after: float | None  # tok/s of the re-plan's choice, the same way
@@ -54,22 +54,17 @@ def eligible(placement: Placement | None, spec: ModelSpec) -> bool:
 
 
 def choice(p: Placement) -> str:
-    """The expert choice of ``p`` in words."""
-    what = p.moe_mode
-    if p.n_cpu_moe:
-        what += f", experts of layers 0-{p.n_cpu_moe - 1} on the CPU"
+    """The expert choice of ``p`` in words ("experts on the CPU", "the GPU expert cache", …), for the note and the
+    app's status bar."""
+    if p.moe_mode == CACHE:
+        what = "the GPU expert cache"
+    elif p.n_cpu_moe:
+        what = f"experts resident on the GPU from layer {p.n_cpu_moe}, on the CPU before it"
+    else:
+        what = {"cpu": "experts on the CPU", "resident": "experts resident on the GPU"}.get(p.moe_mode, p.moe_mode)
     if p.n_gpu_layers < p.n_layer:
         what += f", {p.n_gpu_layers}/{p.n_layer} layers on the device"
     return what
-
-
-def in_words(p: Placement) -> str:
-    """The expert choice of ``p`` for the app's status bar ("experts on the CPU", "the GPU expert cache", …)."""
-    if p.moe_mode == CACHE:
-        return "the GPU expert cache"
-    if p.n_cpu_moe:
-        return f"experts resident on the GPU from layer {p.n_cpu_moe}, on the CPU before it"
-    return {"cpu": "experts on the CPU", "resident": "all experts resident on the GPU"}.get(p.moe_mode, p.moe_mode)
 
 
 def _key(p: Placement) -> tuple:
@@ -98,7 +93,7 @@ def replan(spec: ModelSpec, placement: Placement, curve: CurveChoice) -> tuple[P
         note = f"Checked the plan on {said}: {before} stays"
     if old_pred is not None and new_pred is not None:
         note += f"; predicted {new_pred.tok_s:.0f}" + (f" against {old_pred.tok_s:.0f}" if changed else "") + " tok/s"
-    headline = f"Re-planned on this chat's routing: {in_words(new)}" if changed else f"Plan kept: {in_words(p)}"
+    headline = f"Re-planned on this chat's routing: {after}" if changed else f"Plan kept: {before}"
     if again is not None and again.hit_rate is not None:
         headline += f" (the cache would hit {again.hit_rate:.0%})"
     return new, Replan(

@@ -1,7 +1,8 @@
 """Where the exact-float Triton GEMV's time goes in a decode step, by weight type and shape: a file loaded on
 CUDA with every expert resident, CUDA graphs off, each ``triton_gemv._run`` launch timed with CUDA events
-(a launch's device time plus its launch gap) and grouped by (qtype, rows, n, offsets, tokens), with the bytes
-each reads and the GB/s that makes; then the same shapes' q8-activation kernels on the same bytes.
+(a launch's device time plus its launch gap) and grouped by (qtype, rows, n, offsets, tokens, launch settings),
+with the bytes each reads and the GB/s that makes. Eager launches: the figures include the host's gaps, so they rank
+the groups; the graph step's own kernel times are labs/step_profile.py's.
 
   PYTHONPATH=. python3 labs/gemv_by_type.py F [--steps 8]
 
